@@ -1,0 +1,126 @@
+"""Model shape: one frozen dataclass, and the named presets built on it.
+
+The field names follow Megatron-core's `TransformerConfig` where one exists, so a user can read
+a preset next to their trainer's arguments. The config describes the *whole* model; how it is
+split over ranks lives in `megatron_rollout.model.sharding`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer whose layers are dense (SwiGLU) or MoE."""
+
+    vocab_size: int
+    """Rows of the embedding and of the output layer."""
+    hidden_size: int
+    """Width of the residual stream."""
+    num_layers: int
+    """Number of transformer layers."""
+    num_attention_heads: int
+    """Query heads."""
+    num_query_groups: int
+    """Key/value heads (grouped-query attention); divides `num_attention_heads`."""
+    kv_channels: int
+    """Head dimension."""
+    ffn_hidden_size: int = 0
+    """Intermediate size of the dense SwiGLU MLP (dense layers only)."""
+    num_moe_experts: int = 0
+    """Routed experts per MoE layer; 0 makes every layer dense."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+    moe_ffn_hidden_size: int = 0
+    """Intermediate size of one routed expert."""
+    moe_shared_expert_intermediate_size: int = 0
+    """Intermediate size of the shared expert; 0 means no shared expert."""
+    moe_layer_freq: tuple[int, ...] = ()
+    """Per layer, 1 for MoE and 0 for dense (Megatron's list form). Empty: every layer is MoE
+    when `num_moe_experts` > 0, dense otherwise."""
+    moe_renormalize_topk: bool = True
+    """Divide the top-k softmax weights by their sum (Qwen3-MoE `norm_topk_prob`, Mixtral)."""
+    layernorm_epsilon: float = 1e-6
+    """RMSNorm epsilon."""
+    rotary_base: float = 10000.0
+    """RoPE theta."""
+    qk_layernorm: bool = False
+    """RMSNorm over each query and key head before RoPE (Qwen3)."""
+    tie_word_embeddings: bool = False
+    """Output layer shares the embedding matrix (no `output_layer.weight`)."""
+    max_position_embeddings: int = 4096
+    """Longest context the engine accepts."""
+    dtype: str = "float32"
+    """Parameter and activation dtype: float32, bfloat16 or float16."""
+
+    def __post_init__(self) -> None:
+        positive = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
+                    "num_query_groups", "kv_channels", "max_position_embeddings")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_query_groups ({self.num_query_groups})")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; expected one of {sorted(_DTYPES)}")
+        if self.moe_layer_freq and len(self.moe_layer_freq) != self.num_layers:
+            raise ValueError(f"moe_layer_freq has {len(self.moe_layer_freq)} entries for "
+                             f"{self.num_layers} layers")
+        if any(v not in (0, 1) for v in self.moe_layer_freq):
+            raise ValueError(f"moe_layer_freq entries must be 0 or 1, got {self.moe_layer_freq}")
+        if any(self.is_moe_layer(i) for i in range(self.num_layers)):
+            if not 0 < self.moe_router_topk <= self.num_moe_experts:
+                raise ValueError(f"moe_router_topk must be in [1, {self.num_moe_experts}], "
+                                 f"got {self.moe_router_topk}")
+            if self.moe_ffn_hidden_size <= 0:
+                raise ValueError("moe_ffn_hidden_size must be positive for MoE layers")
+        if any(not self.is_moe_layer(i) for i in range(self.num_layers)) and self.ffn_hidden_size <= 0:
+            raise ValueError("ffn_hidden_size must be positive when some layer is dense")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        if self.num_moe_experts == 0:
+            return False
+        return bool(self.moe_layer_freq[layer]) if self.moe_layer_freq else True
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # The embedded default: a byte-level vocabulary (256 bytes + BOS/EOS/PAD), 8 experts, top-2,
+    # one dense layer first as in DeepSeek-style models. Milliseconds per step on CPU.
+    "tiny-moe": ModelConfig(
+        vocab_size=260, hidden_size=64, num_layers=3, num_attention_heads=4, num_query_groups=2,
+        kv_channels=16, ffn_hidden_size=128, num_moe_experts=8, moe_router_topk=2,
+        moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32, moe_layer_freq=(0, 1, 1),
+        qk_layernorm=True, max_position_embeddings=2048, rotary_base=10000.0),
+    # Qwen3-30B-A3B shapes (random init; GPU benchmarks).
+    "qwen3-30b-a3b": ModelConfig(
+        vocab_size=151936, hidden_size=2048, num_layers=48, num_attention_heads=32,
+        num_query_groups=4, kv_channels=128, num_moe_experts=128, moe_router_topk=8,
+        moe_ffn_hidden_size=768, qk_layernorm=True, layernorm_epsilon=1e-6,
+        rotary_base=1_000_000.0, max_position_embeddings=40960, dtype="bfloat16"),
+}
+PRESETS["qwen3-30b-a3b-12l"] = PRESETS["qwen3-30b-a3b"].replace(num_layers=12)
+
+
+def preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; known presets: {sorted(PRESETS)}") from None

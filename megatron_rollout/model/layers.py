@@ -1,0 +1,235 @@
+"""Transformer building blocks with Megatron-core's module names.
+
+Every module here is named so that `state_dict()` keys equal Megatron `GPTModel`'s under the
+local (non-Transformer-Engine) layer spec. Layers hold their *local* shard: attention heads and
+the dense MLP are split over ATP, routed experts over EP; the embedding, the output layer, the
+router and the shared expert are replicated (small next to the experts, and it keeps sampling and
+routing free of collectives).
+
+Forward methods that may cross ranks are generators: they `yield` a `BoundaryPoint` right
+before each collective, so a caller can run P's forward segment by segment (DESIGN.md §6).
+Driving a generator to its end (`run_to_end`) is the plain forward.
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Generator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_rollout.comm.facade import Comm, Shard
+from megatron_rollout.model.attention import AttentionBackend
+from megatron_rollout.model.config import ModelConfig
+from megatron_rollout.types import Axis, Phase
+
+
+class Site(enum.Enum):
+    """Where in a layer a boundary sits."""
+
+    ATTN_REDUCE = "attn_reduce"  # before attention's ATP all-reduce
+    MLP_REDUCE = "mlp_reduce"  # before a dense MLP's ATP all-reduce
+    MOE_EXCHANGE = "moe_exchange"  # before MoE's token exchange (count notify / full-group gather)
+    MOE_DATA = "moe_data"  # split-phase dispatch: counts exchanged, data not yet submitted
+
+
+@dataclass(frozen=True)
+class BoundaryPoint:
+    layer: int
+    site: Site
+
+
+Forward = Generator[BoundaryPoint, None, torch.Tensor]
+
+
+def run_to_end(gen: Forward) -> torch.Tensor:
+    """Drive a forward generator through all its boundaries; return its result."""
+    while True:
+        try:
+            next(gen)
+        except StopIteration as stop:
+            return stop.value
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Linear(nn.Module):
+    """`y = x @ weight.T`, no bias. An FP8 weight (see `fp8.py`) carries its scale alongside."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
+        self.fp8 = None  # an fp8.FP8Weight once quantised
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            return self.fp8.matmul(x)
+        return F.linear(x, self.weight)
+
+
+def rope_tables(positions: torch.Tensor, dim: int, base: float, dtype: torch.dtype):
+    """cos, sin: [N, dim] for rotate-half RoPE, computed in fp32."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [N, heads, dim]; cos, sin: [N, dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class SelfAttention(nn.Module):
+    """Grouped-query attention, heads split over ATP (column-parallel QKV, row-parallel proj).
+
+    `linear_qkv` uses Megatron's per-query-group layout: for each local group, its query heads,
+    then its key head, then its value head. A contiguous row block is therefore one ATP shard."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard, device=None) -> None:
+        super().__init__()
+        if cfg.num_query_groups % shard.atp_size:
+            raise ValueError(f"num_query_groups ({cfg.num_query_groups}) must divide by ATP "
+                             f"({shard.atp_size})")
+        self.layer, self.cfg = layer, cfg
+        self.groups = cfg.num_query_groups // shard.atp_size
+        self.per_group = cfg.heads_per_group
+        d, dt = cfg.kv_channels, cfg.torch_dtype
+        self.linear_qkv = Linear(cfg.hidden_size, self.groups * (self.per_group + 2) * d, dt, device)
+        self.linear_proj = Linear(self.groups * self.per_group * d, cfg.hidden_size, dt, device)
+        if cfg.qk_layernorm:
+            self.q_layernorm = RMSNorm(d, cfg.layernorm_epsilon, dt, device)
+            self.k_layernorm = RMSNorm(d, cfg.layernorm_epsilon, dt, device)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend,
+                comm: Comm, phase: Phase) -> Forward:
+        n, d = x.shape[0], self.cfg.kv_channels
+        qkv = self.linear_qkv(x).view(n, self.groups, self.per_group + 2, d)
+        q = qkv[:, :, : self.per_group].reshape(n, self.groups * self.per_group, d)  # [N, hq, d]
+        k, v = qkv[:, :, -2], qkv[:, :, -1]  # [N, hkv, d]
+        if self.cfg.qk_layernorm:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = self.linear_proj(attn.attend(self.layer, q, k, v.contiguous()).reshape(n, -1))
+        if comm.size(Axis.ATP) > 1:
+            yield BoundaryPoint(self.layer, Site.ATTN_REDUCE)
+            out = comm.all_reduce(out, Axis.ATP, phase)
+        return out
+
+
+def swiglu(fc1: "Linear", fc2: "Linear", x: torch.Tensor) -> torch.Tensor:
+    gate, up = fc1(x).chunk(2, dim=-1)
+    return fc2(F.silu(gate) * up)
+
+
+class MLP(nn.Module):
+    """SwiGLU with gate and up fused in `linear_fc1` (gate rows first), split `parts` ways."""
+
+    def __init__(self, hidden: int, ffn: int, dtype: torch.dtype, parts: int = 1, device=None) -> None:
+        super().__init__()
+        if ffn % parts:
+            raise ValueError(f"FFN size {ffn} must divide by ATP ({parts})")
+        self.linear_fc1 = Linear(hidden, 2 * ffn // parts, dtype, device)
+        self.linear_fc2 = Linear(ffn // parts, hidden, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return swiglu(self.linear_fc1, self.linear_fc2, x)
+
+
+class DenseMLP(MLP):
+    """A dense layer's MLP, split over ATP with an all-reduce (Megatron's TP MLP)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard, device=None) -> None:
+        super().__init__(cfg.hidden_size, cfg.ffn_hidden_size, cfg.torch_dtype, shard.atp_size, device)
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor, comm: Comm, phase: Phase) -> Forward:  # type: ignore[override]
+        out = swiglu(self.linear_fc1, self.linear_fc2, x)
+        if comm.size(Axis.ATP) > 1:
+            yield BoundaryPoint(self.layer, Site.MLP_REDUCE)
+            out = comm.all_reduce(out, Axis.ATP, phase)
+        return out
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig, device=None) -> None:
+        super().__init__()
+        self.topk, self.renormalize = cfg.moe_router_topk, cfg.moe_renormalize_topk
+        self.weight = nn.Parameter(torch.empty(cfg.num_moe_experts, cfg.hidden_size,
+                                               dtype=cfg.torch_dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Softmax over all experts in fp32, then top-k. Returns weights [N, k] (x's dtype) and
+        expert ids [N, k]."""
+        probs = F.linear(x.float(), self.weight.float()).softmax(dim=-1)
+        weights, ids = probs.topk(self.topk, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+
+class Experts(nn.Module):
+    """This rank's routed experts, `local_experts.K` = global expert `first + K`."""
+
+    def __init__(self, cfg: ModelConfig, shard: Shard, device=None) -> None:
+        super().__init__()
+        if cfg.num_moe_experts % shard.ep_size:
+            raise ValueError(f"num_moe_experts ({cfg.num_moe_experts}) must divide by EP ({shard.ep_size})")
+        self.num_local = cfg.num_moe_experts // shard.ep_size
+        self.first = shard.ep_rank * self.num_local
+        self.local_experts = nn.ModuleList(
+            MLP(cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.torch_dtype, device=device)
+            for _ in range(self.num_local))
+
+    def grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x: [n, H] sorted by local expert, `counts[K]` rows for expert K. Returns [n, H]."""
+        if sum(counts) == 0:
+            return x.new_zeros(x.shape)
+        return torch.cat([self.local_experts[k](part) for k, part in enumerate(x.split(counts)) if counts[k]])
+
+
+class MoELayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard, device=None) -> None:
+        super().__init__()
+        self.layer = layer
+        self.router = Router(cfg, device)
+        self.experts = Experts(cfg, shard, device)
+        if cfg.moe_shared_expert_intermediate_size:
+            self.shared_experts = MLP(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size,
+                                      cfg.torch_dtype, device=device)
+
+    def forward(self, x: torch.Tensor, comm: Comm, phase: Phase) -> Forward:
+        weights, ids = self.router(x)
+        yield BoundaryPoint(self.layer, Site.MOE_EXCHANGE)
+        out = yield from comm.exchange(phase).run(x, ids, weights, self.experts, self.layer)
+        if hasattr(self, "shared_experts"):
+            out = out + self.shared_experts(x)
+        return out
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard, device=None) -> None:
+        super().__init__()
+        dt, eps = cfg.torch_dtype, cfg.layernorm_epsilon
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dt, device)
+        self.self_attention = SelfAttention(cfg, layer, shard, device)
+        self.pre_mlp_layernorm = RMSNorm(cfg.hidden_size, eps, dt, device)
+        self.mlp = MoELayer(cfg, layer, shard, device) if cfg.is_moe_layer(layer) else DenseMLP(cfg, layer, shard, device)
+
+    def forward(self, h: torch.Tensor, rope, attn: AttentionBackend, comm: Comm, phase: Phase) -> Forward:
+        h = h + (yield from self.self_attention(self.input_layernorm(h), rope, attn, comm, phase))
+        return h + (yield from self.mlp(self.pre_mlp_layernorm(h), comm, phase))

@@ -1,0 +1,91 @@
+"""Full (unsharded) parameter names and shapes, and how each maps onto one rank's shard.
+
+Full names are Megatron's with *global* expert numbers (`local_experts.E` for expert E), as in a
+single-rank Megatron checkpoint; a rank with EP > 1 holds experts `first..first+num_local-1` and
+names them `local_experts.0..` locally, as Megatron does. Attention and dense MLPs split over
+ATP; routed experts over EP; everything else is replicated.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from megatron_rollout.comm.facade import Shard
+from megatron_rollout.model.config import ModelConfig
+
+_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+
+
+def full_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the unsharded model, in module order."""
+    h, d = cfg.hidden_size, cfg.kv_channels
+    shapes: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (cfg.vocab_size, h)}
+    for i in range(cfg.num_layers):
+        p = f"decoder.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "self_attention.linear_qkv.weight"] = (cfg.num_query_groups * (cfg.heads_per_group + 2) * d, h)
+        shapes[p + "self_attention.linear_proj.weight"] = (h, cfg.num_attention_heads * d)
+        if cfg.qk_layernorm:
+            shapes[p + "self_attention.q_layernorm.weight"] = (d,)
+            shapes[p + "self_attention.k_layernorm.weight"] = (d,)
+        shapes[p + "pre_mlp_layernorm.weight"] = (h,)
+        if cfg.is_moe_layer(i):
+            shapes[p + "mlp.router.weight"] = (cfg.num_moe_experts, h)
+            for e in range(cfg.num_moe_experts):
+                shapes[p + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (2 * cfg.moe_ffn_hidden_size, h)
+                shapes[p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (h, cfg.moe_ffn_hidden_size)
+            if cfg.moe_shared_expert_intermediate_size:
+                f = cfg.moe_shared_expert_intermediate_size
+                shapes[p + "mlp.shared_experts.linear_fc1.weight"] = (2 * f, h)
+                shapes[p + "mlp.shared_experts.linear_fc2.weight"] = (h, f)
+        else:
+            shapes[p + "mlp.linear_fc1.weight"] = (2 * cfg.ffn_hidden_size, h)
+            shapes[p + "mlp.linear_fc2.weight"] = (h, cfg.ffn_hidden_size)
+    shapes["decoder.final_layernorm.weight"] = (h,)
+    if not cfg.tie_word_embeddings:
+        shapes["output_layer.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+def local_name(full_name: str, cfg: ModelConfig, shard: Shard) -> str | None:
+    """This rank's name for a full parameter, or None when another rank holds it."""
+    m = _EXPERT.match(full_name)
+    if not m:
+        return full_name
+    per_rank = cfg.num_moe_experts // shard.ep_size
+    expert = int(m.group(2))
+    if expert // per_rank != shard.ep_rank:
+        return None
+    return f"{m.group(1)}{expert % per_rank}{m.group(3)}"
+
+
+def _chunk(t: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
+    return t.chunk(parts, dim=dim)[rank]
+
+
+def shard_tensor(full_name: str, full: torch.Tensor, cfg: ModelConfig, shard: Shard) -> torch.Tensor:
+    """The slice of a full tensor that this rank holds (call only where `local_name` is not None)."""
+    r, p = shard.atp_rank, shard.atp_size
+    if p == 1:
+        return full
+    if full_name.endswith("self_attention.linear_qkv.weight"):
+        return _chunk(full, 0, r, p)  # per-group layout: a contiguous block of groups
+    if full_name.endswith("self_attention.linear_proj.weight"):
+        return _chunk(full, 1, r, p)
+    if full_name.endswith("mlp.linear_fc1.weight") and ".experts." not in full_name and "shared_experts" not in full_name:
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([_chunk(gate, 0, r, p), _chunk(up, 0, r, p)])
+    if full_name.endswith("mlp.linear_fc2.weight") and ".experts." not in full_name and "shared_experts" not in full_name:
+        return _chunk(full, 1, r, p)
+    return full
+
+
+def local_shapes(cfg: ModelConfig, shard: Shard) -> dict[str, tuple[int, ...]]:
+    """Names and shapes this rank holds (what its `state_dict()` must contain)."""
+    out = {}
+    for name, shape in full_shapes(cfg).items():
+        local = local_name(name, cfg, shard)
+        if local is not None:
+            out[local] = tuple(shard_tensor(name, torch.empty(shape, device="meta"), cfg, shard).shape)
+    return out

@@ -1,0 +1,113 @@
+"""The native inference/training model: Megatron `GPTModel`'s parameters, plain PyTorch forward.
+
+Two forward paths share the parameters:
+- `forward(input_ids)`: a right-padded batch `[B, T]` with autograd, for training and for the
+  log-probabilities of given tokens;
+- `step(tokens, positions, attn, phase)`: the incremental forward over the new tokens of several
+  sequences, reading and writing the KV behind an `AttentionBackend`; a generator that yields at
+  every safe boundary, which is what segmented prefill resumes between.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_rollout.comm.facade import Comm, LocalComm
+from megatron_rollout.model.attention import AttentionBackend, CausalBatch
+from megatron_rollout.model.config import ModelConfig
+from megatron_rollout.model.layers import Forward, Linear, RMSNorm, TransformerLayer, rope_tables, run_to_end
+from megatron_rollout.types import Phase
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: ModelConfig, device=None) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.torch_dtype, device=device)
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: Comm, device=None) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(TransformerLayer(cfg, i, comm.shard, device) for i in range(cfg.num_layers))
+        self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.layernorm_epsilon, cfg.torch_dtype, device)
+
+
+class MoETransformer(nn.Module):
+    """Decoder-only transformer; this rank's shard of it when `comm` spans several ranks."""
+
+    def __init__(self, cfg: ModelConfig, comm: Comm | None = None, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.comm = comm or LocalComm()
+        self.embedding = Embedding(cfg, device)
+        self.decoder = Decoder(cfg, self.comm, device)
+        if not cfg.tie_word_embeddings:
+            self.output_layer = Linear(cfg.hidden_size, cfg.vocab_size, cfg.torch_dtype, device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embedding.word_embeddings.weight.device
+
+    def init_weights(self, seed: int, std: float = 0.02) -> "MoETransformer":
+        """Deterministic random init; every rank draws the full tensors and keeps its slice, so
+        a sharded model equals the unsharded one built with the same seed."""
+        from megatron_rollout.model.sharding import full_shapes, shard_tensor
+
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, shape in full_shapes(self.cfg).items():
+                if name.endswith("layernorm.weight"):
+                    full = torch.ones(shape)
+                else:
+                    full = torch.randn(shape, generator=gen) * std
+                param = self.get_parameter_or_none(name, self.comm)
+                if param is not None:
+                    param.copy_(shard_tensor(name, full, self.cfg, self.comm.shard))
+        return self
+
+    def get_parameter_or_none(self, full_name: str, comm: Comm) -> torch.Tensor | None:
+        from megatron_rollout.model.sharding import local_name
+
+        name = local_name(full_name, self.cfg, comm.shard)
+        return None if name is None else self.get_parameter(name)
+
+    def output_weight(self) -> torch.Tensor:
+        if self.cfg.tie_word_embeddings:
+            return self.embedding.word_embeddings.weight
+        return self.output_layer.weight
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.decoder.final_layernorm(h)
+        if self.cfg.tie_word_embeddings:
+            return torch.nn.functional.linear(h, self.embedding.word_embeddings.weight)
+        return self.output_layer(h)
+
+    def check_tokens(self, tokens: torch.Tensor) -> None:
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.vocab_size):
+            bad = tokens[(tokens < 0) | (tokens >= self.cfg.vocab_size)][0].item()
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size})")
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, phase: Phase,
+             logits_index: torch.Tensor | None = None) -> Forward:
+        """Incremental forward. tokens, positions: [N]. Returns logits [N or len(logits_index), V]."""
+        cfg = self.cfg
+        h = self.embedding.word_embeddings(tokens)  # [N, H]
+        rope = rope_tables(positions, cfg.kv_channels, cfg.rotary_base, h.dtype)
+        for layer in self.decoder.layers:
+            h = yield from layer(h, rope, attn, self.comm, phase)
+        if logits_index is not None:
+            h = h[logits_index]
+        return self.logits(h)
+
+    def forward(self, input_ids: torch.Tensor, phase: Phase = Phase.P) -> torch.Tensor:
+        """Full-sequence forward of a right-padded batch. input_ids: [B, T] -> logits [B, T, V]."""
+        self.check_tokens(input_ids)
+        b, t = input_ids.shape
+        positions = torch.arange(t, device=input_ids.device).repeat(b)
+        logits = run_to_end(self.step(input_ids.reshape(-1), positions, CausalBatch(b, t), phase))
+        return logits.view(b, t, -1)
+
+    def token_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """log p(input_ids[:, t+1] | input_ids[:, :t+1]) in fp32: [B, T-1]."""
+        logp = self.forward(input_ids).float().log_softmax(-1)
+        return logp[:, :-1].gather(-1, input_ids[:, 1:, None]).squeeze(-1)
