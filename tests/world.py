@@ -1,0 +1,75 @@
+"""Run a function on N CPU processes joined in one gloo world; collect what each returns.
+
+`run_world(fn, n, *args)` spawns n processes, initialises torch.distributed (gloo) in each, calls
+`fn(rank, *args)` and returns the per-rank results (anything picklable) in rank order. An
+exception on any rank is re-raised here with that rank's traceback; a rank that neither returns
+nor fails within `timeout` fails the test instead of hanging it.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, n: int, port: int, fn: Callable, args: tuple, queue, pg_timeout: float) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n),
+                      LOCAL_RANK=str(rank))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=n, timeout=timedelta(seconds=pg_timeout))
+        queue.put((rank, "ok", fn(rank, *args)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent with its traceback
+        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        try:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+        except Exception:  # noqa: BLE001
+            pass
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(fn: Callable, n: int, *args: Any, timeout: float = 120.0, pg_timeout: float = 60.0,
+              allow_errors: bool = False) -> list[Any]:
+    """Results of `fn(rank, *args)` per rank. With `allow_errors`, a failing rank's entry is the
+    error text (a str starting with the exception type) instead of raising."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, n, port, fn, args, queue, pg_timeout), daemon=True)
+             for r in range(n)]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[str, Any]] = {}
+    try:
+        for _ in range(n):
+            rank, status, value = queue.get(timeout=timeout)
+            results[rank] = (status, value)
+    except Exception as exc:  # queue.Empty
+        missing = sorted(set(range(n)) - set(results))
+        raise TimeoutError(f"ranks {missing} returned nothing within {timeout}s (hang?)") from exc
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    errors = {r: v for r, (s, v) in results.items() if s == "error"}
+    if errors and not allow_errors:
+        raise AssertionError("\n".join(f"rank {r} failed:\n{v}" for r, v in sorted(errors.items())))
+    return [results[r][1] for r in range(n)]
