@@ -1,0 +1,86 @@
+"""Records that cross the engine's boundary: what a caller asks for and what comes back."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Schedule(enum.Enum):
+    """How prefill (P) and decode (D) share a step (DESIGN.md §9)."""
+
+    OFF = "off"  # a whole prefill batch runs before decode resumes
+    CHUNKED = "chunked"  # prefill chunks ride in decode steps under a token budget
+    MUX = "mux"  # segmented prefill with a decode iteration between segments (turnstile)
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # a stop token was sampled (it is included in the output)
+    LENGTH = "length"  # max_new_tokens reached, or the context is full
+    ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # the request was refused (see `error`); other requests are unaffected
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    """0 is greedy."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 keeps all."""
+    top_p: float = 1.0
+    """Keep the smallest set whose probability reaches top_p."""
+    max_new_tokens: int = 64
+    """Upper bound on generated tokens."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Sampling one of these finishes the request (the token is kept)."""
+    ignore_stop: bool = False
+    """Generate exactly max_new_tokens (trace replay forces output lengths this way)."""
+    seed: int | None = None
+    """Per-request seed: the same seed and weights give the same tokens."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    token_ids: list[int]
+    """Generated tokens (prompt excluded)."""
+    logprobs: list[float]
+    """fp32 log-probability of each token under the distribution it was sampled from (raw
+    logits at temperature 0 or 1; temperature/top-k/top-p applied otherwise)."""
+    finish_reason: FinishReason
+    weight_versions: list[int]
+    """Weight version each token was sampled under."""
+    error: str | None = None
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the last token (-1 when nothing was generated)."""
+        return self.weight_versions[-1] if self.weight_versions else -1
+
+
+@dataclass(frozen=True)
+class RequestTimes:
+    """Wall-clock marks (time.perf_counter) of one request."""
+
+    arrival: float
+    first_token: float | None
+    finish: float
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A finished request, as `engine.step()` returns it."""
+
+    request_id: int
+    result: GenerationResult
+    times: RequestTimes
+    prompt_tokens: int
+    """Tokens this request prefilled (for a session turn: the new tokens only)."""
