@@ -1,0 +1,61 @@
+"""Engine-internal mutable state of sequences and requests (the public records are in api.py).
+
+A `Seq` is one token context with its KV: a multi-turn session, or the private context of a
+one-shot request. A `Request` is one generation on a sequence. A request's `lifetime` grows each
+time it is preempted or cancelled, and results computed under an older lifetime are discarded.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_rollout.engine.api import FinishReason, GenerationResult, RequestOutput, RequestTimes, SamplingParams
+from megatron_rollout.engine.scheduler import Stage
+
+
+@dataclass
+class Seq:
+    sid: int
+    tokens: list[int] = field(default_factory=list)
+    computed: int = 0
+    """Positions with K/V in the cache."""
+    hashes: list[int] = field(default_factory=list)
+    """Prefix hash of each full block of `tokens`."""
+    request: "Request | None" = None
+    """The generation running on this sequence, if any."""
+    session: bool = False
+    last_used: float = 0.0
+
+    def block_hashes(self, block_size: int) -> list[int]:
+        full = len(self.tokens) // block_size
+        while len(self.hashes) < full:
+            i = len(self.hashes)
+            prev = self.hashes[-1] if self.hashes else 0
+            self.hashes.append(hash((prev, tuple(self.tokens[i * block_size:(i + 1) * block_size]))))
+        return self.hashes[:full]
+
+
+@dataclass
+class Request:
+    rid: int
+    seq: Seq
+    params: SamplingParams
+    order: int
+    prompt_tokens: int
+    stage: Stage = Stage.WAITING
+    lifetime: int = 0
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    ready_at: float | None = None
+    """When its pending token was sampled (decode wait is measured from here)."""
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> RequestOutput:
+        result = GenerationResult(list(self.output), list(self.logprobs), reason, list(self.versions), error)
+        times = RequestTimes(self.arrival, self.first_token, time.perf_counter())
+        return RequestOutput(self.rid, result, times, self.prompt_tokens)

@@ -1,0 +1,44 @@
+"""The model runner: turns a batch of sequence spans into a forward over paged KV.
+
+It holds tensors and never decides anything: the engine tells it which spans to run, in which
+phase, and which rows to return logits for. `forward` returns the model's generator, so the
+caller chooses whether to run it to the end (decode, `off`, `chunked`) or segment by segment
+(`mux` prefill).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rollout.kv.paged import PagedBatch, PagedKVCache, SeqSpan
+from megatron_rollout.model.layers import Forward
+from megatron_rollout.model.transformer import MoETransformer
+from megatron_rollout.types import Phase
+
+
+@dataclass(frozen=True)
+class SpanInput:
+    span: SeqSpan
+    token_ids: list[int]
+    """The `span.new` tokens to run."""
+    sample: bool
+    """Return logits for the span's last token."""
+
+
+class ModelRunner:
+    def __init__(self, model: MoETransformer, cache: PagedKVCache) -> None:
+        self.model, self.cache = model, cache
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def forward(self, inputs: list[SpanInput], phase: Phase) -> Forward:
+        """Logits [rows sampled, V] for the spans with `sample`, in input order."""
+        batch = PagedBatch(self.cache, [i.span for i in inputs])
+        tokens = torch.tensor([t for i in inputs for t in i.token_ids], dtype=torch.long)
+        ends = torch.tensor([i.span.new for i in inputs], dtype=torch.long).cumsum(0) - 1
+        rows = ends[[k for k, i in enumerate(inputs) if i.sample]]
+        dev = self.device
+        return self.model.step(tokens.to(dev), batch.positions, batch, phase, logits_index=rows.to(dev))

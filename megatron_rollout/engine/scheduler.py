@@ -1,0 +1,173 @@
+"""Step planning: a pure function from the engine's state (Python numbers) to a plan.
+
+Every rank can run `plan_step` on the same gathered state and get the same plan, so plans agree
+without a leader (DESIGN.md §7). The rules:
+1. Decode first: every decode row that fits gets its next position, oldest first; when KV runs
+   short the youngest decode rows are preempted (their blocks freed, recomputed later), never
+   dropped. A request mid-prefill in a `mux` epoch is never preempted: its blocks are reserved.
+2. Then prefill, into what is left: `chunked` packs prefill chunks into the decode step's token
+   budget; `off` and `mux` admit whole prompts as one prefill batch (an *epoch*); `off` runs it
+   alone before decode resumes, `mux` interleaves it with decode iterations (the engine's job).
+3. Requests whose prompt shares its first block with a prompt being prefilled wait, so they can
+   reuse its blocks from the prefix cache instead of computing them again (GRPO groups).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from megatron_rollout.engine.api import Schedule
+
+
+class Stage(enum.Enum):
+    WAITING = "waiting"  # nothing computed for the current lifetime, or preempted
+    PREFILL = "prefill"  # admitted: its prefill is running or partly done (blocks reserved)
+    DECODE = "decode"  # one sampled token pending: its next forward is a decode row
+
+
+@dataclass(frozen=True)
+class SeqView:
+    rid: int
+    stage: Stage
+    tokens: int
+    """Positions the sequence must have K/V for before its next sample (context length)."""
+    computed: int
+    """Positions whose K/V are already cached."""
+    blocks: int
+    """Blocks held."""
+    freeable: int
+    """Blocks that preempting it would return to the pool (not shared with others)."""
+    order: int
+    """Arrival order (smaller is older)."""
+    prefix_key: int | None = None
+    """Hash of the first full block, for prefix sharing; None if shorter than a block."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    schedule: Schedule = Schedule.CHUNKED
+    """How prefill and decode share steps."""
+    block_size: int = 16
+    """Positions per KV block."""
+    max_batch_tokens: int = 512
+    """`chunked`: tokens per step (decode rows + prefill chunk); `off`/`mux`: tokens per prefill
+    epoch (a single longer prompt is still admitted alone)."""
+    max_decode_rows: int = 256
+    """Decode rows per iteration."""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.max_batch_tokens <= 0 or self.max_decode_rows <= 0:
+            raise ValueError(f"SchedulerConfig values must be positive: {self}")
+
+
+@dataclass(frozen=True)
+class SchedulerState:
+    seqs: tuple[SeqView, ...]
+    free_blocks: int
+    epoch_in_flight: bool = False
+    """`mux`: an admitted prefill epoch is still running; no new one may start."""
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    rid: int
+    tokens: int
+    """Positions to compute, starting at the sequence's `computed`."""
+    completes: bool
+    """The chunk reaches the end of the context: its last row is sampled."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    decode: tuple[int, ...] = ()
+    prefill: tuple[PrefillChunk, ...] = ()
+    preempt: tuple[int, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not (self.decode or self.prefill)
+
+
+def _blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+def plan_step(state: SchedulerState, cfg: SchedulerConfig) -> StepPlan:
+    bs = cfg.block_size
+    free = state.free_blocks
+    by_age = sorted(state.seqs, key=lambda s: s.order)
+    decoding = [s for s in by_age if s.stage is Stage.DECODE]
+
+    rows: list[SeqView] = []
+    preempt: list[int] = []
+    queue = list(decoding)
+    while queue and len(rows) < cfg.max_decode_rows:
+        seq = queue.pop(0)
+        need = _blocks(seq.tokens, bs) - seq.blocks
+        while need > free and queue:  # make room by preempting the youngest
+            victim = queue.pop()
+            preempt.append(victim.rid)
+            free += victim.freeable
+        if need <= free:
+            rows.append(seq)
+            free -= need
+        else:
+            preempt.append(seq.rid)
+            free += seq.freeable
+
+    if cfg.schedule is Schedule.OFF:
+        prefill = _admit_whole(by_age, free, cfg, reserve=0)
+        if prefill:  # a whole prefill runs before decode resumes
+            return StepPlan(decode=(), prefill=prefill, preempt=tuple(preempt))
+        return StepPlan(decode=tuple(s.rid for s in rows), preempt=tuple(preempt))
+    if cfg.schedule is Schedule.MUX:
+        # Decode rows keep growing while the epoch runs: keep one block per row in hand.
+        prefill = () if state.epoch_in_flight else _admit_whole(by_age, free, cfg, reserve=len(rows))
+        return StepPlan(decode=tuple(s.rid for s in rows), prefill=prefill, preempt=tuple(preempt))
+    prefill = _admit_chunks(by_age, free, cfg, budget=cfg.max_batch_tokens - len(rows), reserve=len(rows))
+    return StepPlan(decode=tuple(s.rid for s in rows), prefill=prefill, preempt=tuple(preempt))
+
+
+def _candidates(by_age: list[SeqView]) -> list[SeqView]:
+    """Prefills already under way first (they hold blocks), then waiting requests by age."""
+    return [s for s in by_age if s.stage is Stage.PREFILL] + [s for s in by_age if s.stage is Stage.WAITING]
+
+
+def _admit_whole(by_age: list[SeqView], free: int, cfg: SchedulerConfig, reserve: int) -> tuple[PrefillChunk, ...]:
+    admitted: list[PrefillChunk] = []
+    keys: set[int] = set()
+    budget = cfg.max_batch_tokens
+    for seq in _candidates(by_age):
+        if seq.prefix_key is not None and seq.prefix_key in keys and seq.computed == 0:
+            continue  # reuse the blocks the admitted twin is computing, next epoch
+        n = seq.tokens - seq.computed
+        need = _blocks(seq.tokens, cfg.block_size) - seq.blocks
+        if admitted and n > budget or need > free - reserve:
+            break
+        admitted.append(PrefillChunk(seq.rid, n, completes=True))
+        budget -= n
+        free -= need
+        if seq.prefix_key is not None:
+            keys.add(seq.prefix_key)
+    return tuple(admitted)
+
+
+def _admit_chunks(by_age: list[SeqView], free: int, cfg: SchedulerConfig, budget: int,
+                  reserve: int) -> tuple[PrefillChunk, ...]:
+    admitted: list[PrefillChunk] = []
+    keys = {s.prefix_key for s in by_age if s.stage is Stage.PREFILL and s.prefix_key is not None}
+    for seq in _candidates(by_age):
+        if budget <= 0:
+            break
+        if seq.stage is Stage.WAITING and seq.prefix_key in keys and seq.computed == 0:
+            continue
+        n = min(seq.tokens - seq.computed, budget)
+        need = _blocks(seq.computed + n, cfg.block_size) - seq.blocks
+        if need > free - reserve:
+            break
+        admitted.append(PrefillChunk(seq.rid, n, completes=seq.computed + n == seq.tokens))
+        budget -= n
+        free -= need
+        if seq.prefix_key is not None:
+            keys.add(seq.prefix_key)
+    return tuple(admitted)

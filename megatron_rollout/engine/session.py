@@ -1,0 +1,65 @@
+"""Multi-turn sessions: a trajectory that keeps its tokens and KV blocks between turns.
+
+Appending tool output and generating again prefills only the new tokens (and the last sampled
+token, whose K/V is computed with them). A session whose KV was evicted under pressure recomputes
+it transparently on its next turn.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from megatron_rollout.engine.api import GenerationResult, SamplingParams
+
+if TYPE_CHECKING:
+    from megatron_rollout.engine.engine import RolloutEngine
+    from megatron_rollout.engine.request import Seq
+
+
+class SessionClosed(ValueError):
+    pass
+
+
+class Session:
+    def __init__(self, engine: "RolloutEngine", seq: "Seq") -> None:
+        self._engine, self._seq, self.closed = engine, seq, False
+
+    @property
+    def sid(self) -> int:
+        return self._seq.sid
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self._seq.tokens)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise SessionClosed(f"session {self._seq.sid} is closed")
+
+    def append(self, token_ids: list[int]) -> None:
+        from megatron_rollout.engine.engine import RequestError
+
+        self._check_open()
+        if self._seq.request is not None:
+            raise RequestError(f"session {self._seq.sid} is generating (request {self._seq.request.rid}); "
+                               f"append after it finishes")
+        self._engine._validate_tokens(token_ids, allow_empty=True)
+        self._seq.tokens.extend(token_ids)
+
+    def submit(self, params: SamplingParams | None = None) -> int:
+        """Start generating after everything appended so far; returns the request id."""
+        self._check_open()
+        return self._engine._submit(self._seq, params or SamplingParams())
+
+    def generate(self, params: SamplingParams | None = None) -> GenerationResult:
+        rid = self.submit(params)
+        return self._engine.run_until([rid])[rid].result
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        engine, seq = self._engine, self._seq
+        if seq.request is not None:
+            engine.abort(seq.request.rid)
+        engine._evict(seq)
+        engine.seqs.pop(seq.sid, None)

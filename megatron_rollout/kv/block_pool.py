@@ -1,0 +1,132 @@
+"""Paged-KV bookkeeping: which block belongs to whom. Python numbers only, no tensors.
+
+A block holds `block_size` token positions of K and V for every layer (the tensors live in
+`kv.paged.PagedKVCache`). Blocks are reference counted: the samples of one GRPO group share
+their prompt's full blocks through the prefix cache, and a multi-turn session keeps its blocks
+between turns. A freed block keeps its prefix hash until it is handed out again, so a later
+request with the same prefix can still revive it.
+
+Owners are integers (sequence ids). `check_integrity()` proves that every reference count equals
+the number of owners' tables naming the block, that no block is both free and owned, and that no
+owner names a block twice; every engine test calls it at teardown.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class KVExhausted(RuntimeError):
+    """Not enough free blocks; the scheduler should have planned around it."""
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.refcount = [0] * num_blocks
+        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))  # insertion order = LRU
+        self.tables: dict[int, list[int]] = {}  # owner -> blocks, in position order
+        self.block_hash: dict[int, int] = {}  # block -> prefix hash of its (full) contents
+        self.hash_block: dict[int, int] = {}  # prefix hash -> block
+        self.reserved: set[int] = set()  # owners whose newest blocks are held for an admitted prefill
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def table(self, owner: int) -> list[int]:
+        return self.tables.get(owner, [])
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    # -- ownership -------------------------------------------------------------------------
+    def grow(self, owner: int, tokens: int) -> list[int]:
+        """Make `owner`'s table cover `tokens` positions; returns the blocks added."""
+        table = self.tables.setdefault(owner, [])
+        need = self.blocks_for(tokens) - len(table)
+        if need <= 0:
+            return []
+        if need > len(self._free):
+            raise KVExhausted(f"owner {owner} needs {need} blocks, {len(self._free)} free")
+        added = []
+        for _ in range(need):
+            block = next(iter(self._free))
+            del self._free[block]
+            self._forget_hash(block)
+            self.refcount[block] = 1
+            added.append(block)
+        table.extend(added)
+        return added
+
+    def reserve(self, owner: int, tokens: int) -> list[int]:
+        """Grow `owner` for an admitted prefill; the blocks stay reserved until `promote`."""
+        added = self.grow(owner, tokens)
+        self.reserved.add(owner)
+        return added
+
+    def promote(self, owner: int) -> None:
+        """The prefill finished: its blocks now belong to a decoding sequence."""
+        self.reserved.discard(owner)
+
+    def share(self, owner: int, blocks: Sequence[int]) -> None:
+        """Append already-computed blocks (a cached prefix) to a fresh owner's table."""
+        table = self.tables.setdefault(owner, [])
+        if table:
+            raise ValueError(f"owner {owner} already holds {len(table)} blocks; share only into an empty table")
+        for block in blocks:
+            if self.refcount[block] == 0:
+                del self._free[block]
+            self.refcount[block] += 1
+            table.append(block)
+
+    def release(self, owner: int) -> None:
+        """Drop every block of `owner` (end of a sequence, preemption, cancellation)."""
+        self.reserved.discard(owner)
+        for block in self.tables.pop(owner, []):
+            self.refcount[block] -= 1
+            if self.refcount[block] == 0:
+                self._free[block] = None
+
+    # -- prefix cache ----------------------------------------------------------------------
+    def lookup(self, hashes: Sequence[int]) -> list[int]:
+        """Blocks holding the longest cached run of these full-block prefix hashes."""
+        found = []
+        for h in hashes:
+            block = self.hash_block.get(h)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def register(self, block: int, prefix_hash: int) -> None:
+        """Mark a full, computed block as reusable by requests with the same prefix."""
+        if prefix_hash in self.hash_block or block in self.block_hash:
+            return
+        self.block_hash[block], self.hash_block[prefix_hash] = prefix_hash, block
+
+    def _forget_hash(self, block: int) -> None:
+        h = self.block_hash.pop(block, None)
+        if h is not None:
+            del self.hash_block[h]
+
+    # -- checks ----------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        counts = [0] * self.num_blocks
+        for owner, table in self.tables.items():
+            if len(set(table)) != len(table):
+                raise AssertionError(f"owner {owner} names a block twice: {table}")
+            for block in table:
+                counts[block] += 1
+        for block in range(self.num_blocks):
+            if counts[block] != self.refcount[block]:
+                raise AssertionError(f"block {block}: refcount {self.refcount[block]} but {counts[block]} owners")
+            if (block in self._free) != (counts[block] == 0):
+                raise AssertionError(f"block {block}: free={block in self._free} with {counts[block]} owners")
+        if not self.reserved <= set(self.tables):
+            raise AssertionError(f"reservations without blocks: {sorted(self.reserved - set(self.tables))}")
+        for h, block in self.hash_block.items():
+            if self.block_hash.get(block) != h:
+                raise AssertionError(f"prefix hash {h} -> block {block} is not mirrored")

@@ -1,0 +1,72 @@
+"""Paged K/V tensors and the attention backend that reads and writes them.
+
+`PagedKVCache` owns one flat slot array per layer, `[num_blocks * block_size, kv_heads, head_dim]`
+(the local KV heads of this rank's ATP shard); a block table maps a sequence's positions to slots.
+`PagedBatch` is built per forward from the sequences it runs (their tables, how many positions are
+already cached, how many are new) and is what the model's attention calls. This portable version
+gathers each sequence's K/V and runs torch attention; fused paged kernels plug in behind the same
+`AttentionBackend` interface.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rollout.model.attention import AttentionBackend, causal_attention
+from megatron_rollout.model.config import ModelConfig
+
+
+class PagedKVCache:
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, kv_heads: int,
+                 device: torch.device | str | None = None) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (cfg.num_layers, num_blocks * block_size, kv_heads, cfg.kv_channels)
+        self.k = torch.zeros(shape, dtype=cfg.torch_dtype, device=device)  # [layers, slots, hkv, d]
+        self.v = torch.zeros(shape, dtype=cfg.torch_dtype, device=device)
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, kv_heads: int) -> int:
+        itemsize = torch.empty((), dtype=cfg.torch_dtype).element_size()
+        return 2 * cfg.num_layers * block_size * kv_heads * cfg.kv_channels * itemsize
+
+
+@dataclass(frozen=True)
+class SeqSpan:
+    """One sequence in a forward: its block table, cached positions, and new positions."""
+
+    table: tuple[int, ...]
+    past: int
+    new: int
+
+
+class PagedBatch(AttentionBackend):
+    def __init__(self, cache: PagedKVCache, spans: list[SeqSpan]) -> None:
+        self.cache, self.spans = cache, spans
+        bs, dev = cache.block_size, cache.k.device
+        slots, self.history = [], []
+        for span in spans:
+            table = torch.tensor(span.table, dtype=torch.long)
+            pos = torch.arange(span.past + span.new)
+            seq_slots = table[pos // bs] * bs + pos % bs  # every position's slot, [past+new]
+            slots.append(seq_slots[span.past:])
+            self.history.append(seq_slots.to(dev))
+        self.slot_mapping = torch.cat(slots).to(dev) if slots else torch.zeros(0, dtype=torch.long, device=dev)
+        self.positions = torch.cat([torch.arange(s.past, s.past + s.new) for s in spans]).to(dev) if spans \
+            else torch.zeros(0, dtype=torch.long, device=dev)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.numel())
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        kc[self.slot_mapping] = k
+        vc[self.slot_mapping] = v
+        out = torch.empty_like(q)
+        start = 0
+        for span, hist in zip(self.spans, self.history):
+            sl = slice(start, start + span.new)
+            out[sl] = causal_attention(q[sl], kc[hist], vc[hist], span.past)
+            start += span.new
+        return out
