@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rollout.engine.api import FinishReason, GenerationResult, RequestOutput, SamplingParams, Schedule
+from megatron_rollout.engine.coordinator import GlobalView, LocalCoordinator, RankSharedCoordinator
 from megatron_rollout.engine.request import Request, Seq
 from megatron_rollout.engine.runner import ModelRunner, SpanInput
 from megatron_rollout.engine.sampler import sample
@@ -86,7 +87,8 @@ class EngineStats:
 
 
 class RolloutEngine:
-    def __init__(self, model: MoETransformer, config: EngineConfig | None = None, timeline=None, rank: int = 0) -> None:
+    def __init__(self, model: MoETransformer, config: EngineConfig | None = None, timeline=None, rank: int = 0,
+                 coordinator: LocalCoordinator | RankSharedCoordinator | None = None) -> None:
         self.model, self.config = model, config or EngineConfig()
         cfg = model.cfg
         self.max_model_len = self.config.max_model_len or cfg.max_position_embeddings
@@ -97,6 +99,10 @@ class RolloutEngine:
         self.weights = WeightStore(model)
         self.stats = EngineStats()
         self.timeline, self.rank = timeline, rank
+        self.coordinator = coordinator or LocalCoordinator()
+        self.done = False
+        """Distributed drivers set this when they will submit nothing more (see `GlobalView.all_done`)."""
+        self.last_view: GlobalView | None = None
         self.seqs: dict[int, Seq] = {}
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
@@ -221,7 +227,8 @@ class RolloutEngine:
 
     # -- one step --------------------------------------------------------------------------
     def _step(self) -> list[RequestOutput]:
-        if not self.requests:
+        distributed = not isinstance(self.coordinator, LocalCoordinator)
+        if not self.requests and not distributed:
             return []
         self.weights.check_ready()
         if self.runner.cache is None:
@@ -229,13 +236,14 @@ class RolloutEngine:
         self.stats.steps += 1
         if self.config.prefix_caching:
             self._attach_prefixes()
-        plan = plan_step(self._state(), self.config.scheduler)
+        plan, view = self.coordinator.plan(self._state(), self.config.scheduler, self.stats.steps, self.done)
+        self.last_view = view
         self._preempt(plan.preempt)
         if self._mux is not None:
-            return self._mux.round(plan)
-        if plan.empty:
-            return self._unblock()
-        return self._run_plain(plan)
+            return self._mux.round(plan, view)
+        if view.phase is None:
+            return self._unblock() if self.requests else []
+        return self._run_plain(plan, view.phase)
 
     def _state(self) -> SchedulerState:
         views = []
@@ -270,7 +278,7 @@ class RolloutEngine:
         self.pool.release(seq.sid)
         seq.computed = 0
 
-    def _unblock(self) -> list[RequestOutput]:
+    def _unblock(self) -> list[RequestOutput]:  # local only: changes no collective
         """Nothing fits: evict idle sessions' KV, or refuse the oldest request if even an empty
         pool cannot hold it."""
         idle = sorted((s for s in self.seqs.values() if s.request is None and self.pool.table(s.sid)),
@@ -281,16 +289,16 @@ class RolloutEngine:
         oldest = min(self.requests.values(), key=lambda r: r.order)
         return [self._finish(oldest, FinishReason.ERROR, f"request {oldest.rid} does not fit in the KV pool")]
 
-    def _run_plain(self, plan: StepPlan) -> list[RequestOutput]:
+    def _run_plain(self, plan: StepPlan, phase: Phase) -> list[RequestOutput]:
+        """One forward in `phase` over the plan's rows (none: a matched no-work forward)."""
         inputs, owners = self._inputs(plan.decode, plan.prefill)
-        phase = Phase.D if not plan.prefill else Phase.P
         t0 = time.perf_counter()
         self._note_decode_wait(plan.decode, t0)
         with torch.no_grad():
             logits = run_to_end(self.runner.forward(inputs, phase))
         t1 = time.perf_counter()
         if self.timeline is not None:
-            self.timeline.record(self.rank, phase.value, "prefill" if plan.prefill else "decode", t0, t1,
+            self.timeline.record(self.rank, phase.value, "prefill" if phase is Phase.P else "decode", t0, t1,
                                  rows=len(plan.decode), prefill=len(plan.prefill))
         return self._complete(owners, logits)
 

@@ -19,8 +19,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_rollout.engine.api import RequestOutput
+from megatron_rollout.engine.coordinator import GlobalView
 from megatron_rollout.engine.scheduler import StepPlan
 from megatron_rollout.model.layers import Forward
+from megatron_rollout.multiplex.controller import BoundaryController
+from megatron_rollout.multiplex.rendezvous import LocalRendezvous, RendezvousBase
 from megatron_rollout.multiplex.policy import FixedSpan, LoadSelected, SegmentLoad, SegmentPolicy
 from megatron_rollout.types import Phase
 
@@ -47,10 +50,11 @@ class Epoch:
 
 
 class MuxDriver:
-    def __init__(self, engine: "RolloutEngine", turnstile=None) -> None:
+    def __init__(self, engine: "RolloutEngine", rendezvous: RendezvousBase | None = None) -> None:
         self.engine = engine
         self.policy: SegmentPolicy = make_policy(engine.config.mux_span)
-        self.turnstile = turnstile
+        self.rendezvous = rendezvous or LocalRendezvous()
+        self.controller = BoundaryController()
         self.epoch: Epoch | None = None
         self._numbers = itertools.count(1)
         self._zombie_ids = itertools.count(-1, -1)
@@ -60,33 +64,39 @@ class MuxDriver:
     def busy(self) -> bool:
         return self.epoch is not None
 
-    def round(self, plan: StepPlan) -> list[RequestOutput]:
+    def round(self, plan: StepPlan, view: GlobalView) -> list[RequestOutput]:
+        """One turnstile round: D iteration, then P up to the policy's span."""
         e = self.engine
-        if plan.prefill and self.epoch is None:
+        if view.any_prefill and self.epoch is None:  # every rank starts the epoch, maybe with no rows
             inputs, owners = e._inputs((), plan.prefill)
-            tokens = sum(c.tokens for c in plan.prefill)
-            self.epoch = Epoch(next(self._numbers), e.runner.forward(inputs, Phase.P), owners, tokens)
-        if plan.empty and self.epoch is None:
-            return e._unblock()
+            self.epoch = Epoch(next(self._numbers), e.runner.forward(inputs, Phase.P), owners, view.prefill_tokens)
+            self.controller.begin_epoch(self.epoch.number)
+        if not view.any_decode and self.epoch is None:
+            return e._unblock() if e.requests else []
         self.rounds += 1
-        outs = e._run_plain(StepPlan(decode=plan.decode)) if plan.decode else []
+        outs = e._run_plain(StepPlan(decode=plan.decode), Phase.D) if view.any_decode else []
         if self.epoch is not None:
-            load = SegmentLoad(len(plan.decode), None, self.epoch.prefill_tokens)
-            outs += self._segment(self.policy.span(load))
+            # The step's state gather was the pre-D rendezvous; D is enqueued; now the post-D one.
+            self.rendezvous.meet(self.epoch.number, self.epoch.boundaries, "post-D")
+            self.controller.mark_post_d_complete()
+            self.controller.advance(self.policy.span(SegmentLoad(view.max_decode_rows, None, self.epoch.prefill_tokens)))
+            outs += self._segment()
         return outs
 
-    def _segment(self, span: int) -> list[RequestOutput]:
-        """Run P up to `span` more boundaries (or to its end)."""
+    def _segment(self) -> list[RequestOutput]:
+        """Run P through the segments the controller permits (or to its end)."""
         epoch, e = self.epoch, self.engine
         t0 = time.perf_counter()
         start = epoch.boundaries
         with torch.no_grad():
             try:
-                while epoch.boundaries - start < span:
+                while self.controller.may_run_next_segment():
                     next(epoch.forward)
+                    self.controller.publish(epoch.number, epoch.boundaries + 1)
                     epoch.boundaries += 1
             except StopIteration as stop:
                 epoch.logits = stop.value
+                self.controller.end_epoch()
         if e.timeline is not None:
             e.timeline.record(e.rank, Phase.P.value, f"epoch {epoch.number} segment", t0, time.perf_counter(),
                               boundaries=f"{start + 1}..{epoch.boundaries}")

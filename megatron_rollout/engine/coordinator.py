@@ -1,0 +1,80 @@
+"""Rank-shared planning: every rank plans every replica from the same gathered state.
+
+Each step, every rank contributes its scheduler state over the CPU group; every rank then runs
+the pure `plan_step` on each ADP replica's state and derives the same *global* decisions: which
+phase the step's forwards run in, whether a `mux` epoch starts, the spans' inputs. Collectives
+line up because every rank runs the same sequence of forwards in the same phases; a replica with
+nothing to do runs a matched no-work forward (zero tokens through every collective).
+
+The ATP ranks of one replica serve the same requests; their states must agree exactly, which is
+how every ATP rank confirms that it owns a request before it is promoted (DESIGN.md §7).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_rollout.engine.api import Schedule
+from megatron_rollout.engine.scheduler import SchedulerConfig, SchedulerState, StepPlan, plan_step
+from megatron_rollout.types import Axis, Phase
+
+
+@dataclass(frozen=True)
+class GlobalView:
+    """What every rank agrees on for one step."""
+
+    phase: Phase | None
+    """Phase of a plain (`off`/`chunked`) step's single forward; None when nothing runs anywhere."""
+    any_decode: bool
+    any_prefill: bool
+    max_decode_rows: int
+    """Largest decode batch of any replica (the rows that wait on P)."""
+    prefill_tokens: int
+    """Prefill tokens admitted this step over all replicas."""
+    all_done: bool = False
+    """Every rank has said it will submit nothing more (distributed drivers stop stepping)."""
+
+
+def _view(plans: list[StepPlan], all_done: bool = False) -> GlobalView:
+    any_prefill = any(p.prefill for p in plans)
+    any_decode = any(p.decode for p in plans)
+    phase = Phase.P if any_prefill else Phase.D if any_decode else None
+    return GlobalView(phase, any_decode, any_prefill, max((len(p.decode) for p in plans), default=0),
+                      sum(c.tokens for p in plans for c in p.prefill), all_done)
+
+
+def _align(plan: StepPlan, view: GlobalView, schedule: Schedule) -> StepPlan:
+    """`off`: while any replica prefills, no replica decodes (its P forward may be empty)."""
+    if schedule is Schedule.OFF and view.any_prefill:
+        return StepPlan(decode=(), prefill=plan.prefill, preempt=plan.preempt)
+    return plan
+
+
+class LocalCoordinator:
+    """One replica: the plan is the local plan."""
+
+    def plan(self, state: SchedulerState, cfg: SchedulerConfig, step: int, done: bool = False
+             ) -> tuple[StepPlan, GlobalView]:
+        plan = plan_step(state, cfg)
+        return plan, _view([plan], done)
+
+
+class RankSharedCoordinator:
+    """All ranks gather their states over the CPU group and plan every replica identically."""
+
+    def __init__(self, comm) -> None:
+        self.comm = comm
+        self.replica = comm.rank(Axis.ADP)
+        self.atp_rank = comm.rank(Axis.ATP)
+
+    def plan(self, state: SchedulerState, cfg: SchedulerConfig, step: int, done: bool = False
+             ) -> tuple[StepPlan, GlobalView]:
+        entries = self.comm.all_gather_object((self.replica, self.atp_rank, state, done), context=f"step {step}")
+        replicas: dict[int, SchedulerState] = {}
+        for replica, atp_rank, st, _ in entries:
+            first = replicas.setdefault(replica, st)
+            if st != first:
+                raise RuntimeError(f"step {step}: ATP rank {atp_rank} of replica {replica} disagrees with its "
+                                   f"peers on the requests it owns; submit identical requests on every ATP rank")
+        plans = {r: plan_step(st, cfg) for r, st in sorted(replicas.items())}
+        view = _view(list(plans.values()), all(e[3] for e in entries))
+        return _align(plans[self.replica], view, cfg.schedule), view
