@@ -1,0 +1,180 @@
+"""Drive an engine through a trace in real wall time and measure it (DESIGN.md §9).
+
+Every conversation becomes one engine session. Turn 0 is released at replay start + its wait;
+turn k > 0 is released `wait_ms` after turn k-1 finished (the engine's own `times.finish` mark,
+so the gap between a finish and the next arrival is the trace's tool time plus at most one
+engine step). A released turn appends `input_tokens` random ids to its session and submits a
+greedy request forced to `output_tokens` tokens (`ignore_stop`). The generated tokens stay in the
+session, so the next turn is a continuation prefill of only its new tokens.
+
+Input ids come from a generator seeded by (seed, conversation index, turn), not from one stream
+shared by all turns: submission order depends on timing, and the same trace must get the same
+tokens under every schedule for their figures to be comparable.
+
+A turn that fails (the engine refuses it at submission with `RequestError`, e.g. a context longer
+than the model's, or finishes it with an error) ends its conversation: the turn counts as failed,
+its later turns as skipped, nothing is lost silently. The loop steps the engine while it has work
+and otherwise sleeps until the next release (no busy spin). The tqdm bar is here rather than in the CLI because
+only this loop knows when a request is done; `progress=False` silences it. Left out: the engine
+itself, tool execution (waits are sleeps) and multi-rank driving (the distributed runtime's job).
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from megatron_rollout.engine.api import FinishReason, RequestOutput, SamplingParams, Schedule
+from megatron_rollout.engine.engine import RequestError
+from megatron_rollout.trace.metrics import ReplayReport, build_report
+from megatron_rollout.trace.schema import ConversationId, TraceRequest, group_conversations
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Conversation:
+    """Replay state of one conversation (mutable, private to the loop)."""
+
+    index: int
+    key: ConversationId
+    turns: list[TraceRequest]
+    next_turn: int = 0
+    session: Any = None
+
+
+def _input_ids(seed: int, conv: _Conversation, turn: TraceRequest, vocab_size: int) -> list[int]:
+    rng = np.random.default_rng([seed, conv.index, turn.turn])
+    return rng.integers(0, vocab_size, size=turn.input_tokens).tolist()
+
+
+def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, progress: bool = True,
+           vocab_size: int | None = None,
+           schedule: Schedule | str | None = None) -> tuple[ReplayReport, list[RequestOutput]]:
+    """Replay `requests` on `engine`; return the report and every finished request (finish order).
+
+    Args:
+        engine: has `open_session()`, `step() -> list[RequestOutput]`, `has_work()` and
+            `stats.mean_decode_wait_ms`; a session has `append(ids)`, `submit(params) -> id`
+            and `close()`.
+        requests: the trace; each conversation's turns numbered 0..n-1 in order.
+        seed: seeds the random input token ids.
+        progress: show a tqdm bar (requests done) on stderr.
+        vocab_size: input ids are drawn from [0, vocab_size); required.
+        schedule: the engine's schedule, copied into the report.
+    """
+    if vocab_size is None or isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
+        raise ValueError(f"vocab_size must be the model's vocabulary size (a positive int), got "
+                         f"{vocab_size!r}; input ids are drawn from [0, vocab_size)")
+    conversations = [_Conversation(i, key, turns)
+                     for i, (key, turns) in enumerate(group_conversations(requests).items())]
+    total = sum(len(c.turns) for c in conversations)
+    outputs: list[RequestOutput] = []
+    conversation_of: dict[int, ConversationId] = {}
+    owner: dict[int, _Conversation] = {}  # in-flight request id -> its conversation
+    skipped = 0
+    refused: list[ConversationId] = []
+
+    start = time.perf_counter()
+    # (release time, conversation index): the index breaks ties deterministically.
+    releases = [(start + c.turns[0].wait_ms / 1e3, c.index) for c in conversations]
+    heapq.heapify(releases)
+    bar = tqdm(total=total, desc="replay", unit="req", file=sys.stderr, disable=not progress,
+               dynamic_ncols=True)
+    try:
+        while releases or owner:
+            now = time.perf_counter()
+            while releases and releases[0][0] <= now:
+                _, index = heapq.heappop(releases)
+                conv = conversations[index]
+                if not _submit(engine, conv, seed, vocab_size, owner, conversation_of):
+                    refused.append(conv.key)
+                    skipped_now = _end_after_failure(conv)
+                    skipped += skipped_now
+                    bar.update(1 + skipped_now)
+            if owner or engine.has_work():
+                for out in engine.step():
+                    conv = owner.pop(out.request_id, None)
+                    if conv is None:
+                        logger.warning("engine finished request %d, which this replay did not submit",
+                                       out.request_id)
+                        continue
+                    outputs.append(out)
+                    bar.update(1)
+                    skipped_now = _finish_turn(conv, out, releases)
+                    skipped += skipped_now
+                    bar.update(skipped_now)
+                if owner and not engine.has_work():
+                    raise RuntimeError(f"engine has no work but request(s) {sorted(owner)[:10]} never "
+                                       f"finished; the engine lost them")
+            elif releases:
+                time.sleep(max(0.0, releases[0][0] - time.perf_counter()))
+    finally:
+        bar.close()
+        for conv in conversations:
+            _close(conv)
+
+    report = build_report(outputs, conversation_of, start=start,
+                          mean_decode_wait_ms=engine.stats.mean_decode_wait_ms,
+                          schedule=schedule, skipped=skipped, refused=refused)
+    if report.requests + report.failed + report.skipped != total:
+        raise RuntimeError(f"replay accounted for {report.requests + report.failed + report.skipped} "
+                           f"of {total} requests")
+    return report, outputs
+
+
+def _submit(engine: Any, conv: _Conversation, seed: int, vocab_size: int,
+            owner: dict[int, _Conversation], conversation_of: dict[int, ConversationId]) -> bool:
+    """Append the next turn's input and submit it; False when the engine refuses it."""
+    turn = conv.turns[conv.next_turn]
+    if conv.session is None:
+        conv.session = engine.open_session()
+    conv.session.append(_input_ids(seed, conv, turn, vocab_size))
+    params = SamplingParams(temperature=0.0, max_new_tokens=turn.output_tokens, ignore_stop=True)
+    try:
+        request_id = conv.session.submit(params)
+    except RequestError as exc:
+        logger.warning("conversation %r turn %d refused: %s", conv.key, turn.turn, exc)
+        conv.next_turn += 1
+        return False
+    owner[request_id] = conv
+    conversation_of[request_id] = conv.key
+    return True
+
+
+def _finish_turn(conv: _Conversation, out: RequestOutput, releases: list[tuple[float, int]]) -> int:
+    """Record a finished turn; release the next one or end the conversation. Returns the number
+    of turns skipped because this one failed."""
+    conv.next_turn += 1
+    if out.result.finish_reason is FinishReason.ERROR:
+        logger.warning("conversation %r turn %d (request %d) failed: %s", conv.key, conv.next_turn - 1,
+                       out.request_id, out.result.error)
+        return _end_after_failure(conv)
+    if conv.next_turn < len(conv.turns):
+        wait_s = conv.turns[conv.next_turn].wait_ms / 1e3
+        heapq.heappush(releases, (out.times.finish + wait_s, conv.index))
+    else:
+        _close(conv)
+    return 0
+
+
+def _end_after_failure(conv: _Conversation) -> int:
+    """End a conversation whose last submitted turn failed; returns how many turns it skips."""
+    remaining = len(conv.turns) - conv.next_turn
+    if remaining:
+        logger.warning("conversation %r ends: %d later turn(s) skipped", conv.key, remaining)
+    _close(conv)
+    return remaining
+
+
+def _close(conv: _Conversation) -> None:
+    """Close the session as soon as its conversation ends, freeing its KV for the others."""
+    if conv.session is not None:
+        session, conv.session = conv.session, None
+        session.close()

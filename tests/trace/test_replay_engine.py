@@ -1,0 +1,59 @@
+"""Replay against the real engine (tiny-moe on CPU): every schedule serves the whole trace, a turn
+the engine refuses is counted, and the engine's spans reach a Chrome trace."""
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from megatron_rollout.engine import EngineConfig, RolloutEngine
+from megatron_rollout.model.checkpoint import load_model
+from megatron_rollout.trace.make import make_trace
+from megatron_rollout.trace.replay import replay
+from megatron_rollout.trace.schema import TraceRequest
+from megatron_rollout.trace.timeline import Timeline
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return load_model("tiny-moe", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return make_trace(conversations=3, seed=0, scale=0.01)
+
+
+@pytest.mark.parametrize("schedule", ["off", "chunked", "mux"])
+def test_every_schedule_serves_the_trace_with_forced_lengths(model, trace, schedule, tmp_path):
+    timeline = Timeline()
+    engine = RolloutEngine(model, EngineConfig(schedule=schedule, num_blocks=256), timeline=timeline)
+    report, outputs = replay(engine, trace, seed=0, progress=False, vocab_size=model.cfg.vocab_size,
+                             schedule=schedule)
+    assert (report.requests, report.failed, report.skipped) == (len(trace), 0, 0)
+    assert Counter(len(o.result.token_ids) for o in outputs) == Counter(r.output_tokens for r in trace)
+    assert report.output_tokens == sum(r.output_tokens for r in trace)
+    # A later turn prefills its new tokens plus the last sampled token, whose K/V is not cached yet.
+    new_tokens = sum(r.input_tokens for r in trace)
+    assert new_tokens <= report.input_tokens <= new_tokens + sum(r.turn > 0 for r in trace)
+    assert report.schedule == schedule and report.makespan_s > 0 and report.tokens_per_s > 0
+    assert not engine.has_work() and engine.seqs == {}  # every session closed
+
+    timeline.write_chrome_trace(tmp_path / "timeline.json")
+    spans = [e for e in json.loads((tmp_path / "timeline.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == len(timeline) > 0
+    assert {e["cat"] for e in spans} == {"P", "D"}
+
+
+def test_refused_turn_ends_its_conversation(model):
+    trace = [TraceRequest("long", 0, 30, 2, 0.0), TraceRequest("short", 0, 5, 2, 0.0),
+             TraceRequest("long", 1, 40, 2, 1.0),  # 72 tokens of context > max_model_len 64: refused
+             TraceRequest("short", 1, 5, 2, 1.0), TraceRequest("long", 2, 1, 1, 1.0)]
+    engine = RolloutEngine(model, EngineConfig(schedule="chunked", num_blocks=64, max_model_len=64))
+    report, outputs = replay(engine, trace, progress=False, vocab_size=model.cfg.vocab_size)
+    assert (report.requests, report.failed, report.skipped) == (3, 1, 1)
+    assert len(outputs) == 3 and engine.seqs == {}
+    short = [o for o in outputs if o.prompt_tokens < 30]  # "long" turn 0 prefilled 30 tokens
+    assert len(short) == 2  # the trajectory figure covers only the uncut conversation
+    assert report.p99_trajectory_s == pytest.approx(max(o.times.finish for o in short) - min(o.times.arrival for o in short))

@@ -1,0 +1,125 @@
+import json
+import logging
+
+import pytest
+
+from megatron_rollout.trace.schema import (TraceError, TraceRequest, group_conversations, load_trace,
+                                           load_trace_lenient, write_trace)
+
+GOOD = [
+    {"conversation": "a", "turn": 0, "input_tokens": 100, "output_tokens": 5, "wait_ms": 0},
+    {"conversation": 7, "turn": 0, "input_tokens": 50, "output_tokens": 3, "wait_ms": 12.5},
+    {"conversation": "a", "turn": 1, "input_tokens": 30, "output_tokens": 2, "wait_ms": 400.0},
+]
+
+
+def _write_lines(path, lines):
+    path.write_text("".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines))
+    return path
+
+
+def test_load_reads_every_field_in_file_order(tmp_path):
+    path = _write_lines(tmp_path / "t.jsonl", GOOD[:2] + [""] + GOOD[2:])  # a blank line is allowed
+    reqs = load_trace(path)
+    assert reqs == [TraceRequest("a", 0, 100, 5, 0.0), TraceRequest(7, 0, 50, 3, 12.5),
+                    TraceRequest("a", 1, 30, 2, 400.0)]
+    assert isinstance(reqs[0].wait_ms, float)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("{not json", "malformed JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    ({"conversation": "b", "turn": 0, "input_tokens": 1, "output_tokens": 1}, "missing field(s) 'wait_ms'"),
+    ({"conversation": "b", "turn": 0, "input_tokens": 1, "output_tokens": 1, "wait_ms": 0, "wait": 3},
+     "unexpected field(s) 'wait'"),
+    ({"conversation": "b", "turn": 0, "input_tokens": 0, "output_tokens": 1, "wait_ms": 0},
+     "'input_tokens' must be a positive integer, got 0"),
+    ({"conversation": "b", "turn": 0, "input_tokens": 5.0, "output_tokens": 1, "wait_ms": 0},
+     "'input_tokens' must be a positive integer, got 5.0 (float)"),
+    ({"conversation": "b", "turn": 0, "input_tokens": 4, "output_tokens": -2, "wait_ms": 0},
+     "'output_tokens' must be a positive integer, got -2"),
+    ({"conversation": "b", "turn": 0, "input_tokens": 4, "output_tokens": 2, "wait_ms": -1},
+     "'wait_ms' must be a finite number >= 0, got -1"),
+    ({"conversation": "b", "turn": 0, "input_tokens": 4, "output_tokens": 2, "wait_ms": "5"},
+     "'wait_ms' must be a finite number >= 0, got '5' (str)"),
+    ('{"conversation": "b", "turn": 0, "input_tokens": 4, "output_tokens": 2, "wait_ms": NaN}',
+     "'wait_ms' must be a finite number"),
+    ({"conversation": True, "turn": 0, "input_tokens": 4, "output_tokens": 2, "wait_ms": 0},
+     "'conversation' must be a string or an integer, got True (bool)"),
+    ({"conversation": "b", "turn": "0", "input_tokens": 4, "output_tokens": 2, "wait_ms": 0},
+     "'turn' must be an integer >= 0, got '0' (str)"),
+    ({"conversation": "b", "turn": 1, "input_tokens": 4, "output_tokens": 2, "wait_ms": 0},
+     "conversation 'b': turn 1 where turn 0 was expected"),
+    ({"conversation": "a", "turn": 1, "input_tokens": 4, "output_tokens": 2, "wait_ms": 0},
+     "conversation 'a': turn 1 where turn 2 was expected (duplicate"),
+    ({"conversation": "a", "turn": 3, "input_tokens": 4, "output_tokens": 2, "wait_ms": 0},
+     "conversation 'a': turn 3 where turn 2 was expected (out-of-order or missing"),
+])
+def test_strict_load_names_file_line_and_problem(tmp_path, bad, message):
+    path = _write_lines(tmp_path / "bad.jsonl", GOOD + [bad])
+    with pytest.raises(TraceError) as info:
+        load_trace(path)
+    err = info.value
+    assert (err.path, err.line) == (str(path), 4)
+    assert message in err.message, err.message
+    assert str(err).startswith(f"{path}:4: ")
+
+
+def test_one_based_turns_are_rejected_at_the_first_line(tmp_path):
+    path = _write_lines(tmp_path / "t.jsonl", [
+        {"conversation": 1, "turn": 1, "input_tokens": 4, "output_tokens": 2, "wait_ms": 0}])
+    with pytest.raises(TraceError, match=r"t.jsonl:1: conversation 1: turn 1 where turn 0 was expected"):
+        load_trace(path)
+
+
+def test_empty_trace_is_an_error(tmp_path):
+    path = _write_lines(tmp_path / "t.jsonl", ["", "  "])
+    with pytest.raises(TraceError, match="no requests"):
+        load_trace(path)
+    assert load_trace_lenient(path).requests == []
+
+
+def test_lenient_skips_bad_lines_and_the_rest_of_their_conversation(tmp_path, caplog):
+    lines = [
+        GOOD[0],                                                                       # 1 a/0 kept
+        {"conversation": "b", "turn": 0, "input_tokens": 9, "output_tokens": 1, "wait_ms": 0},  # 2 kept
+        {"conversation": "a", "turn": 1, "input_tokens": -3, "output_tokens": 1, "wait_ms": 0},  # 3 bad
+        "oops",                                                                        # 4 bad JSON
+        {"conversation": "b", "turn": 1, "input_tokens": 9, "output_tokens": 1, "wait_ms": 5},  # 5 kept
+        {"conversation": "a", "turn": 2, "input_tokens": 9, "output_tokens": 1, "wait_ms": 5},  # 6 cut
+    ]
+    path = _write_lines(tmp_path / "t.jsonl", lines)
+    with caplog.at_level(logging.WARNING, logger="megatron_rollout.trace.schema"):
+        load = load_trace_lenient(path)
+    assert [(r.conversation, r.turn) for r in load.requests] == [("a", 0), ("b", 0), ("b", 1)]
+    assert [e.line for e in load.errors] == [3, 4, 6]
+    assert "'input_tokens' must be a positive integer" in load.errors[0].message
+    assert "malformed JSON" in load.errors[1].message
+    assert "conversation 'a' skipped from here on: line 3 was invalid" in load.errors[2].message
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 3
+    with pytest.raises(TraceError) as info:  # strict stops at the first of them
+        load_trace(path)
+    assert info.value.line == 3
+
+
+def test_write_then_load_round_trips(tmp_path):
+    reqs = [TraceRequest("x", 0, 10, 2, 0.0), TraceRequest(3, 0, 7, 1, 1.25), TraceRequest("x", 1, 4, 9, 800.125)]
+    write_trace(tmp_path / "t.jsonl", reqs)
+    assert load_trace(tmp_path / "t.jsonl") == reqs
+    assert len((tmp_path / "t.jsonl").read_text().splitlines()) == 3
+
+
+def test_group_conversations_keeps_order_and_checks_turns():
+    reqs = [TraceRequest("x", 0, 1, 1, 0.0), TraceRequest("y", 0, 1, 1, 0.0), TraceRequest("x", 1, 1, 1, 0.0)]
+    groups = group_conversations(reqs)
+    assert list(groups) == ["x", "y"]
+    assert [r.turn for r in groups["x"]] == [0, 1]
+    with pytest.raises(ValueError, match="request 1: conversation 'x': turn 2 where turn 1 was expected"):
+        group_conversations([reqs[0], TraceRequest("x", 2, 1, 1, 0.0)])
+
+
+def test_trace_request_validates_when_built_in_code():
+    with pytest.raises(ValueError, match="'output_tokens' must be a positive integer"):
+        TraceRequest("x", 0, 1, 0, 0.0)
+    with pytest.raises(ValueError, match="'conversation' must not be the empty string"):
+        TraceRequest("", 0, 1, 1, 0.0)
