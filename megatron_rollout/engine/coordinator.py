@@ -6,11 +6,15 @@ phase the step's forwards run in, whether a `mux` epoch starts, the spans' input
 line up because every rank runs the same sequence of forwards in the same phases; a replica with
 nothing to do runs a matched no-work forward (zero tokens through every collective).
 
-The ATP ranks of one replica serve the same requests; their states must agree exactly, which is
-how every ATP rank confirms that it owns a request before it is promoted (DESIGN.md §7).
+The ATP ranks of one replica serve the same requests. Only the replica's *leader* (ATP rank 0)
+takes submissions from a driver; it ships them as ops in the same gather and its ATP peers replay
+them before planning, so their engines are exact mirrors. Each peer then checks that its state
+equals the leader's, which is how every ATP rank confirms that it owns a request before it is
+promoted (DESIGN.md §7).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_rollout.engine.api import Schedule
@@ -52,9 +56,11 @@ def _align(plan: StepPlan, view: GlobalView, schedule: Schedule) -> StepPlan:
 class LocalCoordinator:
     """One replica: the plan is the local plan."""
 
-    def plan(self, state: SchedulerState, cfg: SchedulerConfig, step: int, done: bool = False
-             ) -> tuple[StepPlan, GlobalView]:
-        plan = plan_step(state, cfg)
+    leader = True
+
+    def plan(self, state_fn: Callable[[], SchedulerState], cfg: SchedulerConfig, step: int, ops: list,
+             apply_ops: Callable[[list], None], done: bool = False) -> tuple[StepPlan, GlobalView]:
+        plan = plan_step(state_fn(), cfg)
         return plan, _view([plan], done)
 
 
@@ -65,16 +71,20 @@ class RankSharedCoordinator:
         self.comm = comm
         self.replica = comm.rank(Axis.ADP)
         self.atp_rank = comm.rank(Axis.ATP)
+        self.leader = self.atp_rank == 0
 
-    def plan(self, state: SchedulerState, cfg: SchedulerConfig, step: int, done: bool = False
-             ) -> tuple[StepPlan, GlobalView]:
-        entries = self.comm.all_gather_object((self.replica, self.atp_rank, state, done), context=f"step {step}")
-        replicas: dict[int, SchedulerState] = {}
-        for replica, atp_rank, st, _ in entries:
-            first = replicas.setdefault(replica, st)
-            if st != first:
-                raise RuntimeError(f"step {step}: ATP rank {atp_rank} of replica {replica} disagrees with its "
-                                   f"peers on the requests it owns; submit identical requests on every ATP rank")
-        plans = {r: plan_step(st, cfg) for r, st in sorted(replicas.items())}
+    def plan(self, state_fn: Callable[[], SchedulerState], cfg: SchedulerConfig, step: int, ops: list,
+             apply_ops: Callable[[list], None], done: bool = False) -> tuple[StepPlan, GlobalView]:
+        mine = (self.replica, ops, state_fn(), done) if self.leader else (self.replica, [], None, done)
+        entries = self.comm.all_gather_object(mine, context=f"step {step}")
+        leaders = {replica: (ops_, state) for replica, ops_, state, _ in entries if state is not None}
+        if not self.leader:
+            leader_ops, leader_state = leaders[self.replica]
+            apply_ops(leader_ops)
+            own = state_fn()
+            if own != leader_state:
+                raise RuntimeError(f"step {step}: ATP rank {self.atp_rank} of replica {self.replica} does not own "
+                                   f"the requests its leader plans ({own} != {leader_state})")
+        plans = {r: plan_step(st, cfg) for r, (_, st) in sorted(leaders.items())}
         view = _view(list(plans.values()), all(e[3] for e in entries))
         return _align(plans[self.replica], view, cfg.schedule), view

@@ -103,6 +103,8 @@ class RolloutEngine:
         self.done = False
         """Distributed drivers set this when they will submit nothing more (see `GlobalView.all_done`)."""
         self.last_view: GlobalView | None = None
+        self._ops: list[tuple] = []  # submissions a distributed leader ships to its ATP peers
+        self._mirrors: dict[int, "Session"] = {}  # a peer's sessions, opened by replayed ops
         self.seqs: dict[int, Seq] = {}
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
@@ -124,9 +126,11 @@ class RolloutEngine:
 
         seq = Seq(next(self._ids), session=True, last_used=time.perf_counter())
         self.seqs[seq.sid] = seq
+        self._record("open")
         return Session(self, seq)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> int:
+        self._record("add", list(prompt_ids), params)
         seq = Seq(next(self._ids))
         self._validate_tokens(prompt_ids, allow_empty=False)
         seq.tokens = list(prompt_ids)
@@ -153,6 +157,7 @@ class RolloutEngine:
         return [r if isinstance(r, GenerationResult) else done[r].result for r in rids]
 
     def abort(self, rid: int) -> None:
+        self._record("abort", rid)
         req = self.requests.get(rid)
         if req is None:
             return
@@ -197,6 +202,32 @@ class RolloutEngine:
             outs, self._undelivered = self._undelivered + outs, []
         return outs
 
+    # -- mirroring (distributed) -----------------------------------------------------------
+    def _record(self, *op) -> None:
+        if not isinstance(self.coordinator, LocalCoordinator) and self.coordinator.leader:
+            self._ops.append(op)
+
+    def _apply_ops(self, ops: list[tuple]) -> None:
+        """Replay the replica leader's submissions on an ATP peer, in order (same ids result)."""
+        for kind, *args in ops:
+            try:
+                self._apply_op(kind, args)
+            except RequestError:
+                pass  # the leader's call was refused the same way, and its caller told
+
+    def _apply_op(self, kind: str, args: list) -> None:
+        if kind == "open":
+            session = self.open_session()
+            self._mirrors[session.sid] = session
+        elif kind == "add":
+            self.add_request(*args)
+        elif kind == "abort":
+            self.abort(*args)
+        else:  # append / submit / close on a session
+            sid, *rest = args
+            session = self._mirrors[sid] if kind != "close" else self._mirrors.pop(sid)
+            getattr(session, kind)(*rest)
+
     # -- submission ------------------------------------------------------------------------
     def _validate_tokens(self, ids: list[int], allow_empty: bool) -> None:
         if not ids and not allow_empty:
@@ -234,9 +265,9 @@ class RolloutEngine:
         if self.runner.cache is None:
             raise RuntimeError("KV memory was released: call engine.reclaim_kv() before generating")
         self.stats.steps += 1
-        if self.config.prefix_caching:
-            self._attach_prefixes()
-        plan, view = self.coordinator.plan(self._state(), self.config.scheduler, self.stats.steps, self.done)
+        ops, self._ops = self._ops, []
+        plan, view = self.coordinator.plan(self._planning_state, self.config.scheduler, self.stats.steps, ops,
+                                           self._apply_ops, self.done)
         self.last_view = view
         self._preempt(plan.preempt)
         if self._mux is not None:
@@ -244,6 +275,11 @@ class RolloutEngine:
         if view.phase is None:
             return self._unblock() if self.requests else []
         return self._run_plain(plan, view.phase)
+
+    def _planning_state(self) -> SchedulerState:
+        if self.config.prefix_caching:
+            self._attach_prefixes()
+        return self._state()
 
     def _state(self) -> SchedulerState:
         views = []

@@ -43,12 +43,16 @@ class Session:
             raise RequestError(f"session {self._seq.sid} is generating (request {self._seq.request.rid}); "
                                f"append after it finishes")
         self._engine._validate_tokens(token_ids, allow_empty=True)
+        self._engine._record("append", self.sid, list(token_ids))
         self._seq.tokens.extend(token_ids)
 
     def submit(self, params: SamplingParams | None = None) -> int:
         """Start generating after everything appended so far; returns the request id."""
         self._check_open()
-        return self._engine._submit(self._seq, params or SamplingParams())
+        params = params or SamplingParams()
+        rid = self._engine._submit(self._seq, params)
+        self._engine._record("submit", self.sid, params)
+        return rid
 
     def generate(self, params: SamplingParams | None = None) -> GenerationResult:
         rid = self.submit(params)
@@ -59,6 +63,7 @@ class Session:
             return
         self.closed = True
         engine, seq = self._engine, self._seq
+        engine._record("close", seq.sid)
         if seq.request is not None:
             engine.abort(seq.request.rid)
         engine._evict(seq)
