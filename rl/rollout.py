@@ -1,0 +1,193 @@
+"""Run many environment episodes concurrently against one engine; return trajectories.
+
+Why asyncio: an agentic episode alternates generation with tool calls that take wall time. One
+coroutine per episode (reset -> append -> submit -> await -> env.step -> append -> ...) and one
+pump that calls `engine.step()` while there is work let the engine keep decoding the other
+episodes while some wait on tools, which is the workload the engine's P/D multiplexing targets.
+The pump is the only caller of `engine.step()`; it resolves one future per request from the
+`RequestOutput`s each step returns and yields to the event loop between steps, so tool coroutines
+progress, and sleeps briefly when the engine is idle (every live episode is in a tool call).
+
+Left out: retries of failed tool calls, per-episode deadlines, streaming partial outputs, and
+rollouts spread over threads (the engine is driven from one thread, as in the trainer's process).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_rollout.engine.api import FinishReason, RequestOutput, SamplingParams
+from rl.envs.base import Env
+from rl.trajectory import NOT_GENERATED, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    sampling: SamplingParams
+    """Sampling of every turn (its `seed` is replaced per request when the episode has one)."""
+    max_turns: int = 1
+    """Generation turns per episode; an episode not done by then is marked truncated."""
+    idle_sleep_s: float = 0.0005
+    """How long the pump sleeps when the engine has no work (every episode is in a tool call)."""
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+        if self.idle_sleep_s < 0:
+            raise ValueError(f"idle_sleep_s must be >= 0, got {self.idle_sleep_s}")
+
+
+@dataclass(frozen=True)
+class Episode:
+    env: Env
+    """A fresh environment instance (one per episode)."""
+    seed: int
+    """Passed to `env.reset`; episodes of one GRPO group share it."""
+    group_id: int
+    sample_seed: int | None = None
+    """Base of the per-request sampling seeds (turn t uses sample_seed * 1000 + t); None leaves
+    sampling to the engine's own generator."""
+
+
+@dataclass(frozen=True)
+class RolloutStats:
+    makespan_s: float
+    """Wall time from the first reset to the last episode's end."""
+    generated_tokens: int
+    prefill_tokens: int
+    """Tokens the engine prefilled (prompts and observations; continuation turns count new tokens only)."""
+    tokens_per_s: float
+    """Generated tokens per second of makespan."""
+    engine_steps: int
+    num_trajectories: int
+    num_turns: int
+    truncated: int
+
+
+@dataclass(frozen=True)
+class RolloutResult:
+    trajectories: list[Trajectory]
+    """In the order of the episodes given."""
+    stats: RolloutStats
+
+
+class _Pump:
+    """Steps the engine while episodes wait; one future per request id."""
+
+    def __init__(self, engine: Any, idle_sleep_s: float) -> None:
+        self.engine, self.idle_sleep_s = engine, idle_sleep_s
+        self.futures: dict[int, asyncio.Future[RequestOutput]] = {}
+        self.steps = 0
+        self.prefill_tokens = 0
+        self.stopping = False
+
+    def wait(self, request_id: int) -> asyncio.Future[RequestOutput]:
+        fut = self.futures.get(request_id)
+        if fut is None:
+            fut = self.futures[request_id] = asyncio.get_running_loop().create_future()
+        return fut
+
+    async def run(self) -> None:
+        try:
+            while not self.stopping:
+                if self.engine.has_work():
+                    for out in self.engine.step():
+                        self.prefill_tokens += out.prompt_tokens
+                        fut = self.wait(out.request_id)
+                        if not fut.done():
+                            fut.set_result(out)
+                    self.steps += 1
+                    await asyncio.sleep(0)
+                else:
+                    await asyncio.sleep(self.idle_sleep_s)
+        except BaseException as exc:
+            for fut in self.futures.values():
+                if not fut.done():
+                    fut.set_exception(RuntimeError(f"engine step failed: {exc!r}"))
+            raise
+
+
+async def _run_episode(engine: Any, pump: _Pump, ep: Episode, cfg: RolloutConfig) -> Trajectory:
+    obs = await ep.env.reset(ep.seed)
+    n = len(obs.token_ids)
+    tokens, mask, logprobs, versions = list(obs.token_ids), [0] * n, [0.0] * n, [NOT_GENERATED] * n
+    reward, turns, done, failed = 0.0, 0, False, False
+    session = engine.open_session()
+    pending: int | None = None
+    try:
+        session.append(list(obs.token_ids))
+        while not done and turns < cfg.max_turns:
+            params = cfg.sampling
+            if ep.sample_seed is not None:
+                params = dataclasses.replace(params, seed=ep.sample_seed * 1000 + turns)
+            pending = session.submit(params)
+            out = await pump.wait(pending)
+            pump.futures.pop(pending, None)
+            pending = None
+            res = out.result
+            if len(res.logprobs) != len(res.token_ids) or len(res.weight_versions) != len(res.token_ids):
+                raise RuntimeError(f"request {out.request_id}: {len(res.token_ids)} tokens but "
+                                   f"{len(res.logprobs)} logprobs and {len(res.weight_versions)} versions")
+            turns += 1
+            tokens += res.token_ids
+            mask += [1] * len(res.token_ids)
+            logprobs += res.logprobs
+            versions += res.weight_versions
+            if res.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+                log.warning("episode seed=%d group=%d ends at turn %d: request %s (%s)", ep.seed, ep.group_id,
+                            turns, res.finish_reason.value, res.error)
+                failed = True
+                break
+            step = await ep.env.step(res.token_ids)
+            reward += step.reward
+            done = step.done
+            if not done and turns < cfg.max_turns and step.observation_ids:
+                session.append(list(step.observation_ids))
+                tokens += step.observation_ids
+                mask += [0] * len(step.observation_ids)
+                logprobs += [0.0] * len(step.observation_ids)
+                versions += [NOT_GENERATED] * len(step.observation_ids)
+        if not failed and list(session.token_ids) != tokens:
+            raise RuntimeError(f"session context ({len(session.token_ids)} tokens) disagrees with the trajectory "
+                               f"({len(tokens)} tokens) for episode seed={ep.seed} group={ep.group_id}")
+    finally:
+        if pending is not None:
+            engine.abort(pending)
+        session.close()
+    return Trajectory(tuple(tokens), tuple(mask), tuple(logprobs), tuple(versions), reward, ep.group_id,
+                      num_turns=turns, truncated=not done)
+
+
+async def rollout_async(engine: Any, episodes: Sequence[Episode], cfg: RolloutConfig) -> RolloutResult:
+    """Run every episode to its end; the engine must be idle (no foreign requests) on entry."""
+    pump = _Pump(engine, cfg.idle_sleep_s)
+    start = time.perf_counter()
+    pump_task = asyncio.create_task(pump.run())
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(_run_episode(engine, pump, ep, cfg)) for ep in episodes]
+    except BaseExceptionGroup as eg:
+        raise eg.exceptions[0] from eg
+    finally:
+        pump.stopping = True
+        await pump_task
+    makespan = time.perf_counter() - start
+    trajectories = [t.result() for t in tasks]
+    generated = sum(t.num_generated for t in trajectories)
+    stats = RolloutStats(makespan_s=makespan, generated_tokens=generated, prefill_tokens=pump.prefill_tokens,
+                         tokens_per_s=generated / makespan if makespan > 0 else 0.0, engine_steps=pump.steps,
+                         num_trajectories=len(trajectories), num_turns=sum(t.num_turns for t in trajectories),
+                         truncated=sum(t.truncated for t in trajectories))
+    return RolloutResult(trajectories, stats)
+
+
+def rollout(engine: Any, episodes: Sequence[Episode], cfg: RolloutConfig) -> RolloutResult:
+    """Synchronous wrapper: runs `rollout_async` in a fresh event loop."""
+    return asyncio.run(rollout_async(engine, episodes, cfg))
