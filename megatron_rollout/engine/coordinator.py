@@ -34,16 +34,21 @@ class GlobalView:
     """Largest decode batch of any replica (the rows that wait on P)."""
     prefill_tokens: int
     """Prefill tokens admitted this step over all replicas."""
+    requests: int = 0
+    """Requests in flight on all replicas."""
+    epoch_in_flight: bool = False
+    """A `mux` prefill epoch is running (on every rank alike)."""
     all_done: bool = False
     """Every rank has said it will submit nothing more (distributed drivers stop stepping)."""
 
 
-def _view(plans: list[StepPlan], all_done: bool = False) -> GlobalView:
+def _view(plans: list[StepPlan], states: list[SchedulerState], all_done: bool = False) -> GlobalView:
     any_prefill = any(p.prefill for p in plans)
     any_decode = any(p.decode for p in plans)
     phase = Phase.P if any_prefill else Phase.D if any_decode else None
     return GlobalView(phase, any_decode, any_prefill, max((len(p.decode) for p in plans), default=0),
-                      sum(c.tokens for p in plans for c in p.prefill), all_done)
+                      sum(c.tokens for p in plans for c in p.prefill), sum(len(s.seqs) for s in states),
+                      any(s.epoch_in_flight for s in states), all_done)
 
 
 def _align(plan: StepPlan, view: GlobalView, schedule: Schedule) -> StepPlan:
@@ -60,8 +65,9 @@ class LocalCoordinator:
 
     def plan(self, state_fn: Callable[[], SchedulerState], cfg: SchedulerConfig, step: int, ops: list,
              apply_ops: Callable[[list], None], done: bool = False) -> tuple[StepPlan, GlobalView]:
-        plan = plan_step(state_fn(), cfg)
-        return plan, _view([plan], done)
+        state = state_fn()
+        plan = plan_step(state, cfg)
+        return plan, _view([plan], [state], done)
 
 
 class RankSharedCoordinator:
@@ -86,5 +92,5 @@ class RankSharedCoordinator:
                 raise RuntimeError(f"step {step}: ATP rank {self.atp_rank} of replica {self.replica} does not own "
                                    f"the requests its leader plans ({own} != {leader_state})")
         plans = {r: plan_step(st, cfg) for r, (_, st) in sorted(leaders.items())}
-        view = _view(list(plans.values()), all(e[3] for e in entries))
+        view = _view(list(plans.values()), [st for _, st in leaders.values()], all(e[3] for e in entries))
         return _align(plans[self.replica], view, cfg.schedule), view

@@ -124,7 +124,7 @@ class SelfAttention(nn.Module):
         if self.cfg.qk_layernorm:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = self.linear_proj(attn.attend(self.layer, q, k, v.contiguous()).reshape(n, -1))
+        out = self.linear_proj(attn.attend(self.layer, q, k, v.contiguous()).reshape(n, self.groups * self.per_group * d))
         if comm.size(Axis.ATP) > 1:
             yield BoundaryPoint(self.layer, Site.ATTN_REDUCE)
             out = comm.all_reduce(out, Axis.ATP, phase)

@@ -56,7 +56,8 @@ def _input_ids(seed: int, conv: _Conversation, turn: TraceRequest, vocab_size: i
 
 def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, progress: bool = True,
            vocab_size: int | None = None,
-           schedule: Schedule | str | None = None) -> tuple[ReplayReport, list[RequestOutput]]:
+           schedule: Schedule | str | None = None,
+           details: dict | None = None) -> tuple[ReplayReport, list[RequestOutput]]:
     """Replay `requests` on `engine`; return the report and every finished request (finish order).
 
     Args:
@@ -68,6 +69,8 @@ def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, prog
         progress: show a tqdm bar (requests done) on stderr.
         vocab_size: input ids are drawn from [0, vocab_size); required.
         schedule: the engine's schedule, copied into the report.
+        details: if given, receives "conversation_of" (request id -> conversation), "start" and
+            "skipped", so that replicas' replays can be merged into one report.
     """
     if vocab_size is None or isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
         raise ValueError(f"vocab_size must be the model's vocabulary size (a positive int), got "
@@ -120,6 +123,8 @@ def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, prog
         for conv in conversations:
             _close(conv)
 
+    if details is not None:
+        details.update(conversation_of=conversation_of, start=start, skipped=skipped, refused=refused)
     report = build_report(outputs, conversation_of, start=start,
                           mean_decode_wait_ms=engine.stats.mean_decode_wait_ms,
                           schedule=schedule, skipped=skipped, refused=refused)

@@ -1,0 +1,167 @@
+"""A rollout over several processes: start-up, lockstep drivers, and gathering results.
+
+Every rank steps its engine the same number of times: each step's state gather (the rank-shared
+plan) is a collective, so a rank may only stop when the gathered view says every rank is done and
+no request or epoch is left anywhere. Submissions go to each replica's leader (ATP rank 0); its
+ATP peers mirror them through the step gather (see `engine.coordinator`). Prompts and trace
+conversations are spread over the ADP replicas round-robin.
+
+Left out: pipeline parallelism, and clocks across nodes (replay times are aligned through each
+rank's wall-clock offset, which assumes synchronised host clocks between nodes).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron_rollout.engine import EngineConfig, GenerationResult, RequestError, RolloutEngine, SamplingParams
+from megatron_rollout.engine.api import FinishReason
+from megatron_rollout.engine.coordinator import RankSharedCoordinator
+from megatron_rollout.model.transformer import MoETransformer
+from megatron_rollout.types import Axis
+
+log = logging.getLogger(__name__)
+
+
+def _finished(engine: RolloutEngine) -> bool:
+    view = engine.last_view
+    return view is not None and view.all_done and view.requests == 0 and not view.epoch_in_flight
+
+
+class _Lockstep:
+    """The engine as a replay driver sees it, on a rank that must keep stepping for its peers."""
+
+    def __init__(self, engine: RolloutEngine) -> None:
+        self.engine, self.stats = engine, engine.stats
+
+    def open_session(self):
+        return self.engine.open_session()
+
+    def has_work(self) -> bool:
+        return True  # other replicas may need this rank's collectives
+
+    def step(self):
+        outs = self.engine.step()
+        view = self.engine.last_view
+        if view is not None and view.phase is None and not view.epoch_in_flight:
+            time.sleep(0.001)  # nobody has work: every rank idles the same way
+        return outs
+
+
+class Runtime:
+    def __init__(self, comm, device: torch.device, timeout_s: float) -> None:
+        self.comm, self.device, self.timeout_s = comm, device, timeout_s
+        self.rank = dist.get_rank()
+        self.replica, self.replicas = comm.rank(Axis.ADP), comm.size(Axis.ADP)
+        self.leader = comm.rank(Axis.ATP) == 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def start(cls, atp: int, adp: int, device: str = "cpu", timeout_s: float = 120.0) -> "Runtime":
+        """Join (or reuse) the process group torchrun set up, and build the rollout's groups."""
+        from megatron_rollout.comm.dist import CommConfig, DistComm
+        from megatron_rollout.comm.groups import ParallelLayout
+
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(dev)
+        if not dist.is_initialized():
+            if "WORLD_SIZE" not in os.environ:
+                raise ValueError(f"--atp {atp} --adp {adp} needs {atp * adp} processes: launch with "
+                                 f"torchrun --nproc_per_node {atp * adp}")
+            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+        comm = DistComm(ParallelLayout(atp, adp, atp * adp), CommConfig(timeout_s=timeout_s), device=dev)
+        return cls(comm, dev, timeout_s)
+
+    def engine(self, model: MoETransformer, config: EngineConfig, timeline=None) -> RolloutEngine:
+        from megatron_rollout.multiplex.rendezvous import Rendezvous
+
+        rendezvous = Rendezvous(self.comm.cpu_group, self.timeout_s, self.rank)
+        return RolloutEngine(model, config, timeline=timeline, rank=self.rank,
+                             coordinator=RankSharedCoordinator(self.comm), rendezvous=rendezvous)
+
+    def drain(self, engine: RolloutEngine) -> list:
+        """Declare this rank done and step until every rank is; returns what finished meanwhile."""
+        engine.done = True
+        outs = []
+        while not _finished(engine):
+            outs += _Lockstep(engine).step()
+        return outs
+
+    def generate(self, engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams
+                 ) -> list[GenerationResult] | None:
+        """Results in prompt order at rank 0 (None elsewhere)."""
+        mine: dict[int, int | GenerationResult] = {}
+        for i in range(self.replica, len(prompts), self.replicas):
+            if not self.leader:
+                continue
+            try:
+                mine[i] = engine.add_request(prompts[i], params)
+            except RequestError as exc:
+                mine[i] = GenerationResult([], [], FinishReason.ERROR, [], str(exc))
+        by_rid = {out.request_id: out.result for out in self.drain(engine)}
+        local = {i: r if isinstance(r, GenerationResult) else by_rid[r] for i, r in mine.items()}
+        gathered = self.comm.all_gather_object(local, context="generate results")
+        if not self.is_main:
+            return None
+        merged = {i: r for part in gathered for i, r in part.items()}
+        return [merged[i] for i in range(len(prompts))]
+
+    def replay(self, engine: RolloutEngine, requests, *, seed: int, progress: bool, vocab_size: int,
+               schedule: str) -> dict | None:
+        """Each replica leader replays its share of the conversations; the report covers all."""
+        from megatron_rollout.trace.metrics import build_report
+        from megatron_rollout.trace.replay import replay
+        from megatron_rollout.trace.schema import group_conversations
+
+        convs = list(group_conversations(requests).items())
+        share = [t for k, (_, turns) in enumerate(convs) if k % self.replicas == self.replica for t in turns]
+        details: dict = {}
+        outputs = []
+        if self.leader and share:
+            _, outputs = replay(_Lockstep(engine), share, seed=seed, progress=progress and self.is_main,
+                                vocab_size=vocab_size, schedule=schedule, details=details)
+        self.drain(engine)
+        offset = time.time() - time.perf_counter()
+        mine = (outputs, details, offset, engine.stats.decode_wait_s, engine.stats.decode_waits) if self.leader \
+            else None
+        gathered = self.comm.all_gather_object(mine, context="replay results")
+        if not self.is_main:
+            return None
+        parts = [g for g in gathered if g is not None and g[1]]
+        base = parts[0][2] if parts else offset
+        all_outs, conversation_of, starts, skipped, refused = [], {}, [], 0, []
+        for outs, det, off, _, _ in parts:
+            shift = off - base  # express every rank's perf_counter times on rank 0's clock
+            for out in outs:
+                new_id = len(all_outs)
+                times = dataclasses.replace(out.times, arrival=out.times.arrival + shift,
+                                            first_token=None if out.times.first_token is None
+                                            else out.times.first_token + shift, finish=out.times.finish + shift)
+                all_outs.append(dataclasses.replace(out, request_id=new_id, times=times))
+                conversation_of[new_id] = det["conversation_of"][out.request_id]
+            starts.append(det["start"] + shift)
+            skipped += det["skipped"]
+            refused += list(det["refused"])
+        waits = [g for g in gathered if g is not None]
+        wait_ms = 1e3 * sum(g[3] for g in waits) / max(1, sum(g[4] for g in waits))
+        report = build_report(all_outs, conversation_of, start=min(starts, default=time.perf_counter()),
+                              mean_decode_wait_ms=wait_ms, schedule=schedule, skipped=skipped, refused=refused)
+        return report.to_dict()
+
+    def gather_timeline(self, timeline):
+        """Every rank's timeline merged at rank 0 (None elsewhere)."""
+        from megatron_rollout.trace.timeline import merge
+
+        gathered = self.comm.all_gather_object(timeline, context="timeline")
+        return merge(gathered) if self.is_main else None
