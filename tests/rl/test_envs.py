@@ -5,7 +5,7 @@ import pytest
 
 from megatron_rollout.tokenizer import ByteTokenizer
 from rl.envs import GuessDigitEnv, Rubric, SingleTurnEnv, digit_fraction, target_byte_fraction
-from rl.envs.single_turn import TASKS, Prompt
+from rl.envs.single_turn import TASKS
 
 TOK = ByteTokenizer()
 

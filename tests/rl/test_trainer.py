@@ -100,23 +100,8 @@ def test_hot_swap_equals_fresh_engine_and_refuses_stale(policy, tok):
     assert [g.token_ids for g in engine.generate(prompts, greedy)] == [n.token_ids for n in new]
 
 
-def _grads_world(rank):
-    import torch
-
-    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
-    a.grad = torch.full((2,), float(rank + 1))
-    if rank == 1:
-        b.grad = torch.tensor([2.0, 4.0, 6.0])
-    all_reduce_grads([a, b])
-    return a.grad.tolist(), b.grad.tolist()
-
-
-def test_all_reduce_grads_averages_and_fills_missing():
-    res = run_world(_grads_world, 2, timeout=60)
-    assert res == [([1.5, 1.5], [1.0, 2.0, 3.0])] * 2
-
-
-def _train_world(rank):
+def _world(rank):
+    """Both data-parallel checks in one spawned world (process start-up dominates their cost)."""
     import torch
 
     from megatron_rollout.model.config import preset
@@ -124,20 +109,28 @@ def _train_world(rank):
     from megatron_rollout.tokenizer import ByteTokenizer
 
     torch.set_num_threads(1)
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    a.grad = torch.full((2,), float(rank + 1))
+    if rank == 1:
+        b.grad = torch.tensor([2.0, 4.0, 6.0])
+    all_reduce_grads([a, b])
+
     model = MoETransformer(preset("tiny-moe")).init_weights(0)
     batch = _batch(model, ByteTokenizer(), seed=rank)  # different data per rank
     trainer = NativeTrainer(model, torch.optim.Adam(model.parameters(), lr=1e-2), LossConfig(),
                             TrainerConfig(num_minibatches=2))
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5]) * (rank + 1)
     trainer.train_step(batch if rank == 0 else batch.select([0, 1]), adv if rank == 0 else adv[:2])
-    return [float(p.detach().double().sum()) for p in model.parameters()]
+    return (a.grad.tolist(), b.grad.tolist()), [float(p.detach().double().sum()) for p in model.parameters()]
 
 
-def test_data_parallel_ranks_stay_identical():
-    r0, r1 = run_world(_train_world, 2, timeout=120)
-    assert r0 == r1
+def test_data_parallel_grads_averaged_and_ranks_stay_identical():
+    (g0, w0), (g1, w1) = run_world(_world, 2, timeout=180)
+    # mean of 1 and 2; a gradient missing on rank 0 counts as zeros
+    assert g0 == g1 == ([1.5, 1.5], [1.0, 2.0, 3.0])
+    assert w0 == w1  # different local data, identical weights after the averaged step
     from megatron_rollout.model.config import preset
     from megatron_rollout.model.transformer import MoETransformer
 
     fresh = MoETransformer(preset("tiny-moe")).init_weights(0)
-    assert r0 != [float(p.detach().double().sum()) for p in fresh.parameters()]  # the step moved the weights
+    assert w0 != [float(p.detach().double().sum()) for p in fresh.parameters()]  # the step moved the weights

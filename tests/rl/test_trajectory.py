@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from rl.trajectory import NOT_GENERATED, Trajectory, collate
 

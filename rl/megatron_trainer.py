@@ -1,0 +1,120 @@
+"""Training a Megatron-core `GPTModel` in the colocated loop, and the model built to match ours.
+
+The native inference model uses Megatron's parameter names and shapes (DESIGN.md §4), so a
+`GPTModel` built from the same `ModelConfig` with the local (non-Transformer-Engine) layer spec
+has exactly the names of `sharding.full_shapes`: `MegatronTrainer.named_weights()` feeds
+`engine.update_weights` with no renaming. The constructor checks that 1:1 mapping and fails with
+the differing names.
+
+A GPTModel builds on CPU (the PLATFORM-NOTES recipe: CPU init, no bias, no sequence
+parallelism, the allgather token dispatcher, no grouped GEMM) but its forward needs CUDA, so the
+training step runs on GPU only. Left out: tensor/expert-parallel trainers (their named weights
+would need a gather to full tensors and expert renumbering), pipeline parallelism, Megatron's
+DDP wrapper and distributed optimizer, and the MoE auxiliary losses (disabled in the config).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_rollout.model.config import ModelConfig
+from megatron_rollout.model.sharding import full_shapes
+from rl.trainer import PolicyTrainer
+
+
+def transformer_config(cfg: ModelConfig, **overrides: Any):
+    """Megatron `TransformerConfig` of the same architecture as the native model."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    moe = cfg.num_moe_experts > 0
+    kwargs: dict[str, Any] = dict(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups, kv_channels=cfg.kv_channels,
+        ffn_hidden_size=cfg.ffn_hidden_size or cfg.moe_ffn_hidden_size, normalization="RMSNorm",
+        layernorm_epsilon=cfg.layernorm_epsilon, qk_layernorm=cfg.qk_layernorm, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False, params_dtype=cfg.torch_dtype,
+        bf16=cfg.dtype == "bfloat16", fp16=cfg.dtype == "float16", use_cpu_initialization=True,
+        sequence_parallel=False, hidden_dropout=0.0, attention_dropout=0.0)
+    if moe:
+        kwargs.update(
+            num_moe_experts=cfg.num_moe_experts, moe_router_topk=cfg.moe_router_topk,
+            moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
+            moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size or None,
+            moe_layer_freq=list(cfg.moe_layer_freq) if cfg.moe_layer_freq else 1,
+            # top-k of the full softmax, renormalised == softmax over the top-k logits (Megatron default)
+            moe_router_pre_softmax=not cfg.moe_renormalize_topk, moe_token_dispatcher_type="allgather",
+            moe_grouped_gemm=False, moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none")
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt_model(cfg: ModelConfig, **overrides: Any) -> nn.Module:
+    """A Megatron `GPTModel` matching `cfg` (call after `parallel_state.initialize_model_parallel`)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    tcfg = transformer_config(cfg, **overrides)
+    spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization="RMSNorm")
+    return GPTModel(tcfg, spec, vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_position_embeddings,
+                    position_embedding_type="rope", rotary_base=int(cfg.rotary_base), rotary_percent=1.0,
+                    share_embeddings_and_output_weights=cfg.tie_word_embeddings)
+
+
+def check_names(model: nn.Module, cfg: ModelConfig) -> None:
+    """Raise unless the model's parameters are exactly `full_shapes(cfg)` (names and shapes)."""
+    own = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    want = full_shapes(cfg)
+    if own != want:
+        extra, missing = sorted(set(own) - set(want)), sorted(set(want) - set(own))
+        shape = sorted(n for n in set(own) & set(want) if own[n] != want[n])
+        raise ValueError(f"Megatron model does not map 1:1 onto the native names: extra {extra[:3]}, "
+                         f"missing {missing[:3]}, shape mismatch {[(n, own[n], want[n]) for n in shape[:3]]}")
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy full-named tensors (e.g. a native model's `named_parameters()`) into `model`."""
+    params = dict(model.named_parameters())
+    for name, t in (named.items() if isinstance(named, Mapping) else named):
+        if name not in params:
+            raise KeyError(f"{name!r} is not a parameter of the target model")
+        params[name].copy_(t)
+
+
+class MegatronTrainer(PolicyTrainer):
+    """`PolicyTrainer` over a Megatron `GPTModel` (TP = EP = PP = 1 in the trainer) and a torch
+    optimizer over its parameters. `model_cfg` is the native config the engine runs. A GPTModel
+    holds process groups and cannot be deep-copied, so the KL reference (when `kl_coef` > 0 and
+    no `ref_model` is given) is a fresh `build_gpt_model(model_cfg)` loaded with the policy's weights."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_cfg, model_cfg: ModelConfig,
+                 **kwargs: Any) -> None:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            sizes = (ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
+                     ps.get_pipeline_model_parallel_world_size())
+            if sizes != (1, 1, 1):
+                raise NotImplementedError(f"MegatronTrainer supports TP = EP = PP = 1, got (TP, EP, PP) = {sizes}")
+        check_names(model, model_cfg)
+        self.model_cfg = model_cfg
+        if "process_group" not in kwargs and ps.model_parallel_is_initialized():
+            kwargs["process_group"] = ps.get_data_parallel_group()
+        if loss_cfg.kl_coef > 0 and kwargs.get("ref_model") is None:
+            ref = build_gpt_model(model_cfg).to(next(model.parameters()).device)
+            load_weights(ref, model.named_parameters())
+            kwargs["ref_model"] = ref
+        super().__init__(model, optimizer, loss_cfg, **kwargs)
+
+    def logits(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        b, t = input_ids.shape
+        positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        return model(input_ids, positions, None)  # causal mask built by the attention; [B, T, V]
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, p in self.model.named_parameters():
+            yield name, p.detach()
