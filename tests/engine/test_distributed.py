@@ -1,0 +1,83 @@
+"""Distributed engine on gloo CPU processes: tokens equal one process's, under every schedule.
+
+One spawned world per layout (spawning costs seconds); each world checks several schedules and
+an uneven load where one ADP replica gets every request.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
+from megatron_rollout.model.config import preset
+from megatron_rollout.model.transformer import MoETransformer
+from tests.world import run_world
+
+# tiny-moe with 4 query groups, so ATP 4 can split attention.
+CFG = preset("tiny-moe").replace(num_attention_heads=8, num_query_groups=4, kv_channels=8)
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [9] * 7, [200, 100]]
+PARAMS = SamplingParams(temperature=0.0, max_new_tokens=5)
+SCHEDULES = ("off", "chunked", "mux")
+
+
+def _reference() -> list[list[int]]:
+    model = MoETransformer(CFG).init_weights(seed=3)
+    return [r.token_ids for r in RolloutEngine(model, EngineConfig(block_size=4)).generate(PROMPTS, PARAMS)]
+
+
+def _world(rank: int, atp: int, adp: int) -> dict:
+    from megatron_rollout.distributed import Runtime
+
+    runtime = Runtime.start(atp, adp, "cpu", timeout_s=60)
+    model = MoETransformer(CFG, comm=runtime.comm).init_weights(seed=3)
+    out = {}
+    for schedule in SCHEDULES:
+        engine = runtime.engine(model, EngineConfig(schedule=schedule, block_size=4, max_batch_tokens=8))
+        results = runtime.generate(engine, PROMPTS, PARAMS)
+        engine.check_integrity()
+        if results is not None:
+            out[schedule] = [r.token_ids for r in results]
+    # Uneven load: replica 0 gets every request, the other replicas none (they run no-work forwards).
+    engine = runtime.engine(model, EngineConfig(schedule="mux", block_size=4))
+    if runtime.replica == 0 and runtime.leader:
+        rids = [engine.add_request(p, PARAMS) for p in PROMPTS]
+    done = {o.request_id: o.result.token_ids for o in runtime.drain(engine)}
+    if runtime.replica == 0 and runtime.leader:
+        out["uneven"] = [done[r] for r in rids]
+    return out
+
+
+@pytest.mark.parametrize("atp,adp", [(2, 2), (1, 4), (4, 1)])
+def test_layouts_match_single_process(atp: int, adp: int) -> None:
+    want = _reference()
+    got = run_world(_world, atp * adp, atp, adp, timeout=240)
+    for schedule in SCHEDULES:
+        assert got[0][schedule] == want, schedule
+    assert got[0]["uneven"] == want
+
+
+def _dies(rank: int) -> str:
+    from megatron_rollout.distributed import Runtime
+
+    runtime = Runtime.start(1, 2, "cpu", timeout_s=5)
+    model = MoETransformer(CFG, comm=runtime.comm).init_weights(seed=3)
+    engine = runtime.engine(model, EngineConfig(schedule="chunked", block_size=4))
+    if rank == 1:
+        return "never arrived"  # leaves before the first step's rendezvous
+    t0 = time.monotonic()
+    try:
+        runtime.generate(engine, PROMPTS, PARAMS)
+    except Exception as exc:  # noqa: BLE001 - the error text is the assertion
+        return f"{time.monotonic() - t0:.1f}s {type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_missing_rank_is_named_within_timeout() -> None:
+    results = run_world(_dies, 2, timeout=90, allow_errors=True)
+    text = results[0]
+    assert results[1] == "never arrived"
+    assert "no error" not in text
+    assert "rank(s) [1]" in text and "step 1" in text, text
+    assert float(text.split("s ", 1)[0]) < 30, text
