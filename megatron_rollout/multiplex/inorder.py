@@ -1,0 +1,202 @@
+"""The ordering model of DESIGN.md §8: an *in-order device* per rank, on CPU.
+
+A GPU stream (or several streams starved of SMs) executes what the host enqueued strictly in
+enqueue order, and a collective blocks its stream until every member rank reaches it. That is the
+whole hazard: two ranks that enqueue intersecting P and D collectives in opposite orders wait for
+each other forever. `InOrderDevice` reproduces it with one worker thread per rank that runs
+enqueued operations (compute "kernels" and gloo collectives, synchronously) one after another;
+`InOrderComm` is the comm facade over it: each collective is enqueued, not run, and the caller
+gets a `DeviceValue` future back, exactly like launching a kernel. The host never waits unless it
+asks for a value.
+
+`InOrderDevice.watch` is the watchdog: it reports a `Stall` when the operation at the head of the
+queue has not finished within a deadline (a deadlock, if every rank reports one). After the
+first failed operation the device is *poisoned*, like a CUDA context after a fault: later
+operations fail without running, so a timed-out collective cannot pair with a later one.
+
+Deliberately left out: multiple streams, SM capacity, real kernels. The model is the single-
+stream limit, which is the case the turnstile must make safe.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_rollout.multiplex.routing import CollectiveSite, Route, Router
+from megatron_rollout.types import Axis, Phase
+
+logger = logging.getLogger(__name__)
+
+
+class DeviceError(RuntimeError):
+    """An operation on the in-order device failed or was skipped after an earlier failure."""
+
+
+class DeviceValue:
+    """The future output of one device operation."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self._done = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"device value {self.label!r} not ready after {timeout}s")
+        if self._error is not None:
+            raise DeviceError(f"{self.label}: {self._error}") from self._error
+        return self._value
+
+
+@dataclass(frozen=True)
+class Stall:
+    """The head of a rank's device queue did not finish in time."""
+
+    rank: int
+    op: str  # label of the operation running
+    running_s: float
+    queued: int  # operations waiting behind it
+    executed: int  # operations that completed before it
+
+
+class InOrderDevice:
+    """One worker thread executing submitted operations strictly in submission order."""
+
+    def __init__(self, rank: int, name: str = "device") -> None:
+        self.rank, self.name = rank, name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._pending = 0
+        self._current: tuple[str, float] | None = None
+        self.log: list[str] = []  # labels of operations that completed, in execution order
+        self.first_error: str | None = None
+        self._worker = threading.Thread(target=self._loop, name=f"{name}-rank{rank}", daemon=True)
+        self._worker.start()
+
+    def submit(self, label: str, fn: Callable[..., Any], *inputs: DeviceValue) -> DeviceValue:
+        """Enqueue `fn(*input values)`; returns at once."""
+        out = DeviceValue(label)
+        with self._cond:
+            self._pending += 1
+        self._queue.put((label, fn, inputs, out))
+        return out
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            label, fn, inputs, out = item
+            with self._cond:
+                self._current = (label, time.monotonic())
+            try:
+                if self.first_error is not None:
+                    raise DeviceError(f"not run: device poisoned by {self.first_error}")
+                # In-order execution: every input was produced by an earlier operation.
+                out._value = fn(*(v.result(0) for v in inputs))
+                self.log.append(label)
+            except BaseException as exc:  # noqa: BLE001 - stored in the future, like a CUDA error
+                out._error = exc
+                if self.first_error is None:
+                    self.first_error = f"{label}: {type(exc).__name__}: {exc}"
+                    logger.warning("rank %d device op %s failed: %s", self.rank, label, exc)
+            with self._cond:
+                self._current = None
+                self._pending -= 1
+                out._done.set()
+                self._cond.notify_all()
+
+    def watch(self, stall_after_s: float, deadline_s: float | None = None) -> Stall | None:
+        """Wait until the queue drains (None) or its head has run for `stall_after_s` (a Stall).
+        `deadline_s` bounds the total wait (a Stall of the head at that point)."""
+        start = time.monotonic()
+        with self._cond:
+            while self._pending:
+                now = time.monotonic()
+                if self._current is not None and now - self._current[1] >= stall_after_s:
+                    return Stall(self.rank, self._current[0], now - self._current[1], self._pending - 1, len(self.log))
+                if deadline_s is not None and now - start >= deadline_s:
+                    head = self._current[0] if self._current else "<idle worker>"
+                    run = now - self._current[1] if self._current else 0.0
+                    return Stall(self.rank, head, run, self._pending - 1, len(self.log))
+                self._cond.wait(0.05)
+        return None
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """Stop the worker once the queue drains; True if it stopped within `timeout`."""
+        self._queue.put(None)
+        self._worker.join(timeout)
+        return not self._worker.is_alive()
+
+
+class InOrderComm:
+    """Comm-facade-shaped collectives that enqueue on an `InOrderDevice` and return futures.
+
+    Mirrors `Comm.all_reduce` / `all_gather` (same axis and phase arguments) but takes and returns
+    `DeviceValue`s, so it is not a `Comm` subclass. `groups[(axis, phase)]` is this rank's
+    communicator; map both phases to one group to model shared communicators. Every collective goes
+    through `router.run(route, enqueue)`; `route_hook(route, enqueue)`, when given, takes over
+    routed collectives (the ordering test uses it to model routing without a turnstile)."""
+
+    def __init__(self, device: InOrderDevice, groups: Mapping[tuple[Axis, Phase], Any], router: Router,
+                 route_hook: Callable[[Route, Callable[[], DeviceValue]], DeviceValue] | None = None) -> None:
+        self.device, self.groups, self.router, self.route_hook = device, dict(groups), router, route_hook
+        self._issued = {Phase.P: 0, Phase.D: 0}  # per phase: each phase is driven by one host thread
+
+    def compute(self, label: str, fn: Callable[..., torch.Tensor], *inputs: DeviceValue) -> DeviceValue:
+        return self.device.submit(label, fn, *inputs)
+
+    def constant(self, label: str, value: torch.Tensor) -> DeviceValue:
+        return self.device.submit(label, lambda: value.clone())
+
+    def all_reduce(self, x: DeviceValue, axis: Axis, phase: Phase) -> DeviceValue:
+        group = self._group(axis, phase)
+
+        def op(t: torch.Tensor) -> torch.Tensor:
+            t = t.clone()
+            dist.all_reduce(t, group=group)
+            return t
+
+        return self._issue(CollectiveSite("all_reduce", axis), phase, op, x)
+
+    def all_gather(self, x: DeviceValue, axis: Axis, phase: Phase) -> DeviceValue:
+        """Rows of every rank of the axis, concatenated in rank order (equal shapes only)."""
+        group = self._group(axis, phase)
+
+        def op(t: torch.Tensor) -> torch.Tensor:
+            parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            return torch.cat(parts)
+
+        return self._issue(CollectiveSite("all_gather", axis), phase, op, x)
+
+    def _group(self, axis: Axis, phase: Phase) -> Any:
+        try:
+            return self.groups[(axis, phase)]
+        except KeyError:
+            raise KeyError(f"no communicator for ({axis}, {phase}); have {sorted(map(str, self.groups))}") from None
+
+    def _issue(self, site: CollectiveSite, phase: Phase, op: Callable, x: DeviceValue) -> DeviceValue:
+        route = self.router.route(phase, site)
+        self._issued[phase] += 1
+        label = f"{route.label} #{self._issued[phase]}"
+
+        def enqueue() -> DeviceValue:
+            return self.device.submit(label, op, x)
+
+        if route.routed and self.route_hook is not None:
+            return self.route_hook(route, enqueue)
+        return self.router.run(route, enqueue)

@@ -1,0 +1,212 @@
+"""Selective device ordering: which P collective runs on D's route (DESIGN.md §6 step 3).
+
+In crossed topologies (ATP > 1 and ADP > 1) D's DP-attention all-gather over ADP and P's
+full-group all-reduce involve intersecting rank sets. The turnstile makes every rank enqueue D's
+iteration at the same point of P; this module makes the *device* keep that order on each rank:
+the registered conflicting P collective is enqueued on the D stream right after the D iteration
+(D→P order locally), and an event makes the P stream wait for it. Every other collective keeps
+its own phase's route, so unrelated P work still overlaps with D.
+
+`Router.run(route, fn)` executes a collective on its route:
+- GPU (`PhaseStreams` given): on the route's CUDA stream; a routed P collective first waits for
+  the P stream (its input was produced there), runs on the D stream, and the P stream waits for
+  its completion event. Tensors crossing streams are recorded on the consuming stream so the
+  caching allocator does not reuse them early.
+- CPU (no streams): routes are labels and execution is program order; the ordering still holds
+  because the caller (the turnstile, or the in-order device model in `inorder.py`) enqueues in
+  the right host order.
+
+A routed P collective must be issued inside a turnstile window (after this round's D iteration,
+before the next round's); `Router.run` enforces that unless `require_window=False`.
+
+Deliberately left out: which ranks form a group (comm's business) and when windows open (the
+turnstile's). The registry is explicit rather than inferred from rank sets: a conflict is a
+property of the phase paths chosen for a topology, and registering it is a deliberate decision.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, TypeVar
+
+import torch
+
+from megatron_rollout.types import Axis, Phase
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+OPS = ("all_reduce", "all_gather", "all_to_all")
+
+
+class RoutingError(RuntimeError):
+    """A routed collective issued where its order against D is not guaranteed."""
+
+
+@dataclass(frozen=True)
+class CollectiveSite:
+    """A kind of collective as the comm facade issues it: operation and axis."""
+
+    op: str
+    axis: Axis
+
+    def __post_init__(self) -> None:
+        if self.op not in OPS:
+            raise ValueError(f"unknown collective op {self.op!r}; known: {OPS}")
+
+    def __str__(self) -> str:
+        return f"{self.op}/{self.axis.value}"
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """P's `p_site` and D's `d_site` run on intersecting groups and must not be reordered."""
+
+    p_site: CollectiveSite
+    d_site: CollectiveSite
+    why: str = ""
+
+
+P_FULL_ALL_REDUCE = CollectiveSite("all_reduce", Axis.FULL)
+D_ADP_ALL_GATHER = CollectiveSite("all_gather", Axis.ADP)
+
+
+class ConflictRegistry:
+    """The registered (P collective, D path) pairs."""
+
+    def __init__(self, conflicts: Iterable[Conflict] = ()) -> None:
+        self._by_p: dict[CollectiveSite, list[Conflict]] = {}
+        for c in conflicts:
+            self.register(c.p_site, c.d_site, c.why)
+
+    @classmethod
+    def for_topology(cls, atp_size: int, adp_size: int) -> "ConflictRegistry":
+        """DESIGN.md §5's default paths: the pair crosses only when both axes exceed 1."""
+        if atp_size < 1 or adp_size < 1:
+            raise ValueError(f"bad topology ATP{atp_size}/ADP{adp_size}")
+        reg = cls()
+        if atp_size > 1 and adp_size > 1:
+            reg.register(P_FULL_ALL_REDUCE, D_ADP_ALL_GATHER,
+                         f"ATP{atp_size}/ADP{adp_size}: D's ADP all-gather and P's full-group all-reduce "
+                         f"share ranks in crossed groups")
+        return reg
+
+    def register(self, p_site: CollectiveSite, d_site: CollectiveSite, why: str = "") -> None:
+        pairs = self._by_p.setdefault(p_site, [])
+        if any(c.d_site == d_site for c in pairs):
+            raise ValueError(f"conflict ({p_site} of P, {d_site} of D) is already registered")
+        pairs.append(Conflict(p_site, d_site, why))
+
+    def conflicts_of(self, p_site: CollectiveSite) -> tuple[Conflict, ...]:
+        return tuple(self._by_p.get(p_site, ()))
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._by_p.values())
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a collective of `phase` at `site` executes: on `stream`'s route."""
+
+    phase: Phase
+    site: CollectiveSite
+    stream: Phase
+
+    @property
+    def routed(self) -> bool:
+        """A P collective moved onto D's route."""
+        return self.phase is Phase.P and self.stream is Phase.D
+
+    @property
+    def label(self) -> str:
+        return f"{self.phase.value}:{self.site}@{self.stream.value}"
+
+
+@dataclass(frozen=True)
+class PhaseStreams:
+    """The two CUDA streams of a rank (owned by the runner; the router only borrows them)."""
+
+    p: Any  # torch.cuda.Stream
+    d: Any  # torch.cuda.Stream
+
+    @classmethod
+    def create(cls, device: torch.device | str | int | None = None) -> "PhaseStreams":
+        if not torch.cuda.is_available():
+            raise RuntimeError("PhaseStreams need CUDA; on CPU give the Router no streams")
+        return cls(torch.cuda.Stream(device), torch.cuda.Stream(device))
+
+    def of(self, phase: Phase) -> Any:
+        return self.p if phase is Phase.P else self.d
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+class Router:
+    """Decides and executes routes. One per rank; called from the host driver thread only."""
+
+    def __init__(self, registry: ConflictRegistry | None = None, streams: PhaseStreams | None = None,
+                 require_window: bool = True) -> None:
+        self.registry = registry or ConflictRegistry()
+        self.streams = streams
+        self.require_window = require_window
+        self._window: tuple[int, int] | None = None  # (epoch, round) while routed P may be issued
+        self.routed_count = 0  # routed P collectives issued so far (for records and tests)
+
+    def route(self, phase: Phase, site: CollectiveSite) -> Route:
+        if phase is Phase.P and self.registry.conflicts_of(site):
+            return Route(phase, site, Phase.D)
+        return Route(phase, site, phase)
+
+    # -- turnstile windows ------------------------------------------------------------------
+    def open_window(self, epoch: int, round_: int) -> None:
+        """This round's D iteration is enqueued: routed P collectives may follow it."""
+        self._window = (epoch, round_)
+
+    def close_window(self) -> None:
+        self._window = None
+
+    @property
+    def window(self) -> tuple[int, int] | None:
+        return self._window
+
+    # -- execution ----------------------------------------------------------------------------
+    def run(self, route: Route, fn: Callable[[], T], inputs: Iterable[torch.Tensor] = ()) -> T:
+        """Run `fn` (which issues one collective) on `route`; `inputs` are the tensors it reads."""
+        if route.routed:
+            if self._window is None and self.require_window:
+                raise RoutingError(f"{route.label} issued outside a turnstile round: it would not be "
+                                   f"ordered after D's {', '.join(str(c.d_site) for c in self.registry.conflicts_of(route.site))} "
+                                   f"on every rank; run P through Turnstile.run_epoch or use an empty registry "
+                                   f"when multiplexing is off")
+            self.routed_count += 1
+        if self.streams is None:
+            return fn()
+        return self._run_cuda(route, fn, list(inputs))
+
+    def _run_cuda(self, route: Route, fn: Callable[[], T], inputs: list[torch.Tensor]) -> T:
+        streams = self.streams
+        own = streams.of(route.phase)
+        target = streams.of(route.stream)
+        if target is own:
+            with torch.cuda.stream(own):
+                return fn()
+        ready = torch.cuda.Event()
+        ready.record(own)  # the collective's input was produced on P's stream
+        target.wait_event(ready)
+        with torch.cuda.stream(target):
+            out = fn()
+        for t in inputs:
+            t.record_stream(target)
+        done = torch.cuda.Event()
+        done.record(target)
+        own.wait_event(done)  # P continues only after the routed collective
+        for t in _tensors(out):
+            t.record_stream(own)
+        return out
