@@ -419,10 +419,10 @@ class RolloutEngine:
         req.lifetime += 1
         seq.request = None
         seq.last_used = time.perf_counter()
+        if self._mux is not None:  # first: blocks a running epoch still writes must not be freed
+            self._mux.forget(req)
         if reason in (FinishReason.ABORT, FinishReason.ERROR) and req.stage is not Stage.DECODE:
             self._evict(seq)  # a half-computed prefill must not look cached
-        if self._mux is not None:
-            self._mux.forget(req)
         if not seq.session:
             self._evict(seq)
             del self.seqs[seq.sid]
