@@ -298,7 +298,7 @@ class RolloutEngine:
             seq = req.seq
             if req.stage is Stage.WAITING and seq.computed == 0 and not self.pool.table(seq.sid):
                 usable = (len(seq.tokens) - 1) // bs  # always compute at least the last token
-                blocks = self.pool.lookup(seq.block_hashes(bs)[:usable])
+                blocks = self.pool.lookup(self._cache_keys(seq.block_hashes(bs)[:usable]))
                 if blocks:
                     self.pool.share(seq.sid, blocks)
                     seq.computed = len(blocks) * bs
@@ -402,8 +402,13 @@ class RolloutEngine:
             return
         bs = self.pool.block_size
         table = self.pool.table(seq.sid)
-        for i, h in enumerate(seq.block_hashes(bs)[: seq.computed // bs]):
+        for i, h in enumerate(self._cache_keys(seq.block_hashes(bs)[: seq.computed // bs])):
             self.pool.register(table[i], h)
+
+    def _cache_keys(self, hashes: list[int]) -> list[int]:
+        """Prefix-cache keys of block hashes: K/V computed under other weights is never reused."""
+        version = self.weights.version
+        return [hash((version, h)) for h in hashes]
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         p = req.params
