@@ -323,6 +323,15 @@ class RolloutEngine:
         if idle:
             self._evict(idle[0])
             return []
+        # Waiting requests that picked up cached prefixes hold blocks that starve everyone else: let
+        # them go, and forget those prefixes so that the next step does not pick them up again.
+        holders = [r.seq for r in self.requests.values() if r.stage is Stage.WAITING and self.pool.table(r.seq.sid)]
+        for seq in holders:
+            blocks = self.pool.table(seq.sid)
+            self._evict(seq)
+            self.pool.uncache(b for b in blocks if self.pool.refcount[b] == 0)
+        if holders:
+            return []
         oldest = min(self.requests.values(), key=lambda r: r.order)
         return [self._finish(oldest, FinishReason.ERROR, f"request {oldest.rid} does not fit in the KV pool")]
 

@@ -12,7 +12,7 @@ owner names a block twice; every engine test calls it at teardown.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 
 class KVExhausted(RuntimeError):
@@ -106,6 +106,11 @@ class BlockPool:
         if prefix_hash in self.hash_block or block in self.block_hash:
             return
         self.block_hash[block], self.hash_block[prefix_hash] = prefix_hash, block
+
+    def uncache(self, blocks: Iterable[int]) -> None:
+        """Forget the prefixes of these blocks: `lookup` no longer finds them."""
+        for block in blocks:
+            self._forget_hash(block)
 
     def _forget_hash(self, block: int) -> None:
         h = self.block_hash.pop(block, None)
