@@ -190,7 +190,13 @@ class RolloutEngine:
     def run_until(self, rids: list[int]) -> dict[int, RequestOutput]:
         """Step until these requests finish; other finished requests stay deliverable by `step`."""
         want, done = set(rids), {}
+        for out in [o for o in self._undelivered if o.request_id in want]:  # aborted in the meantime
+            self._undelivered.remove(out)
+            done[out.request_id] = out
         while want - done.keys():
+            lost = want - done.keys() - self.requests.keys()
+            if lost:
+                raise KeyError(f"requests {sorted(lost)} are not running (unknown, or already returned by step())")
             for out in self._step():
                 (done.__setitem__(out.request_id, out) if out.request_id in want else self._undelivered.append(out))
         return done
