@@ -34,6 +34,10 @@ class Session:
     def _check_open(self) -> None:
         if self.closed:
             raise SessionClosed(f"session {self._seq.sid} is closed")
+        if self._engine.seqs.get(self._seq.sid) is not self._seq:
+            from megatron_rollout.engine.engine import RequestError
+
+            raise RequestError(f"unknown session {self._seq.sid}: this engine did not open it, or dropped it")
 
     def append(self, token_ids: list[int]) -> None:
         from megatron_rollout.engine.engine import RequestError
