@@ -3,6 +3,7 @@ the others, with the tokens they would have had anyway, and its KV bookkeeping s
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -30,14 +31,13 @@ def test_one_bad_prompt_among_good_ones(engine, make_engine, qwen):
         "float": ([1, 2.0], "token id 2.0 is outside the vocabulary"),
         "too long": (list(range(1, 33)), "context of 32 tokens leaves no room to generate \\(max_model_len 32\\)"),
     }
+    alone = make_engine(qwen[1], block_size=4, num_blocks=16).generate(GOOD, PARAMS)
     for name, (prompt, message) in bad.items():
         results = engine.generate([GOOD[0], prompt, GOOD[1]], PARAMS)
         assert results[1].finish_reason is FinishReason.ERROR, name
         assert results[1].token_ids == [] and results[1].logprobs == [] and results[1].weight_version == -1
         assert results[1].error is not None
-        import re
         assert re.search(message, results[1].error), (name, results[1].error)
-        alone = make_engine(qwen[1], block_size=4, num_blocks=16).generate(GOOD, PARAMS)
         assert [r.token_ids for r in (results[0], results[2])] == [r.token_ids for r in alone], name
         assert all(r.finish_reason is FinishReason.LENGTH for r in (results[0], results[2]))
         engine.check_integrity()

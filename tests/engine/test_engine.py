@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from megatron_rollout.engine import FinishReason, RequestError, SamplingParams, Schedule, SessionClosed
+from megatron_rollout.engine import FinishReason, RequestError, SamplingParams, SessionClosed
 from megatron_rollout.engine.scheduler import Stage
 from megatron_rollout.engine.weights import WeightVersionError
 
