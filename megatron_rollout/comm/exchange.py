@@ -41,6 +41,19 @@ def compute_local(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exp
     return out.index_add_(0, token, y * weights.reshape(-1)[order, None])
 
 
+def pack_routing(ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """ids, weights: [N, k] -> [N, 2k] float32, so routing crosses ranks in one message.
+
+    Expert ids are exact in float32 (below 2**24); weights round-trip exactly from bf16/fp16/fp32."""
+    return torch.cat([ids.to(torch.float32), weights.to(torch.float32)], dim=1)
+
+
+def unpack_routing(packed: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `pack_routing`: [N, 2k] -> ids [N, k] int64, weights [N, k] in `dtype`."""
+    k = packed.shape[1] // 2
+    return packed[:, :k].to(torch.int64), packed[:, k:].to(dtype)
+
+
 class ExpertExchange(abc.ABC):
     @abc.abstractmethod
     def run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: "Experts",

@@ -58,6 +58,11 @@ class Comm(abc.ABC):
     def exchange(self, phase: Phase) -> "ExpertExchange":
         """The expert exchange (dispatch domain) that `phase` owns."""
 
+    def all_gather_object(self, obj: object, context: str = "") -> list:
+        """A picklable `obj` from every rank of the full group, in rank order (CPU rendezvous; raises
+        on a timeout, naming the ranks that did not arrive and `context`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no all_gather_object")
+
     @property
     def shard(self) -> Shard:
         return Shard(self.rank(Axis.ATP), self.size(Axis.ATP), self.rank(Axis.EP), self.size(Axis.EP))
@@ -83,6 +88,9 @@ class LocalComm(Comm):
 
     def all_gather(self, x: torch.Tensor, axis: Axis, phase: Phase) -> list[torch.Tensor]:
         return [x]
+
+    def all_gather_object(self, obj: object, context: str = "") -> list:
+        return [obj]
 
     def all_to_all(self, chunks: list[torch.Tensor], axis: Axis, phase: Phase) -> list[torch.Tensor]:
         if len(chunks) != 1:

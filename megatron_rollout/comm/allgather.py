@@ -1,0 +1,48 @@
+"""The all-gather expert exchange: P's full-group path (DESIGN.md §5).
+
+Every rank gathers the tokens (and their routing) of all ADP replicas over its ADP group, runs
+its own experts on all of them, and a sum over the full group adds each expert's contribution
+exactly once (ETP = 1, so every expert lives on exactly one rank of the full group). Each rank
+then keeps its own replica's rows. The ATP ranks of a replica hold identical tokens, so each of
+them gathers the same rows; they differ only in which experts they run.
+
+This is the path whose full-group all-reduce conflicts with D's ADP all-gather (two ranks can
+enqueue them in opposite orders; DESIGN.md §5-6), so the exchange yields
+`BoundaryPoint(layer, MOE_DATA)` right before that all-reduce: the turnstile orders it after D.
+
+Left out: sequence parallelism and reduce-scatter variants (every rank materialises all replicas'
+rows, which is fine for P's batch sizes and the CPU tests, and is why D defaults to all-to-all).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from megatron_rollout.comm.exchange import ExpertExchange, compute_local, pack_routing, unpack_routing
+from megatron_rollout.types import Axis, Phase
+
+if TYPE_CHECKING:
+    from megatron_rollout.comm.facade import Comm
+    from megatron_rollout.model.layers import Experts, Forward
+
+
+class AllGatherExchange(ExpertExchange):
+    """ADP all-gather -> local experts on every replica's tokens -> FULL all-reduce -> own rows."""
+
+    def __init__(self, comm: "Comm", phase: Phase) -> None:
+        self.comm, self.phase = comm, phase
+
+    def run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: "Experts",
+            layer: int) -> "Forward":
+        from megatron_rollout.model.layers import BoundaryPoint, Site
+
+        comm, phase = self.comm, self.phase
+        xs = comm.all_gather(x, Axis.ADP, phase)  # per replica: [N_i, H]
+        routing = comm.all_gather(pack_routing(ids, weights), Axis.ADP, phase)  # per replica: [N_i, 2k]
+        all_ids, all_weights = unpack_routing(torch.cat(routing), x.dtype)
+        partial = compute_local(torch.cat(xs), all_ids, all_weights, experts)  # [sum N_i, H]
+        yield BoundaryPoint(layer, Site.MOE_DATA)
+        total = comm.all_reduce(partial, Axis.FULL, phase)
+        start = sum(t.shape[0] for t in xs[: comm.rank(Axis.ADP)])
+        return total[start: start + x.shape[0]]

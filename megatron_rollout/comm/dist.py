@@ -1,0 +1,284 @@
+"""`DistComm`: the comm facade over torch.distributed, one communicator per (axis, phase) (DESIGN.md §5).
+
+Built once per process, on every rank in the same order (torch's `new_group` demands it):
+1. a CPU gloo group over all ranks (`cpu_group`), for planning and rendezvous;
+2. Megatron's parallel_state, initialised or read and checked (`groups.init_parallel`);
+3. per phase, one communicator for every multi-rank group of every axis (gloo on CPU, NCCL on
+   CUDA). Axes of one phase that name the same ranks (EP and FULL when ETP = 1) share that phase's
+   communicator: one phase issues its collectives in one order, so sharing a sequence is safe;
+   sharing across phases is what must not happen;
+4. per phase, its expert exchange as configured: the all-gather path, or a dispatch domain with
+   its own communicator (P: normal mode, D: low-latency mode; `CommConfig.backend` picks the
+   all-to-all or the DeepEP implementation).
+
+`all_gather_object(obj, context)` goes through the TCP store instead of a collective so that a
+rank that died or never came is *named* when the others give up after `timeout_s`
+(`RendezvousTimeout`), rather than every rank hanging in a collective.
+
+Left out: pipeline/context parallel groups, communicator tuning (NCCL options, SM limits),
+streams (the runner owns those), and rebuilding after a communicator failure (make a new DistComm).
+"""
+from __future__ import annotations
+
+import importlib
+import itertools
+import logging
+import math
+import pickle
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_rollout.comm.domain import DispatchDomain
+from megatron_rollout.comm.exchange import ExpertExchange
+from megatron_rollout.comm.facade import Comm
+from megatron_rollout.comm.groups import ParallelGroups, ParallelLayout, init_parallel
+from megatron_rollout.types import Axis, Phase
+
+logger = logging.getLogger(__name__)
+
+_BACKENDS = ("alltoall", "deepep")
+_EXCHANGES = ("allgather", "alltoall")
+# Which kind of dispatch domain each phase owns (DESIGN.md §5): wired here, nowhere else.
+_DOMAIN_MODE = {Phase.P: "normal", Phase.D: "low_latency"}
+_DOMAINS = {("alltoall", "normal"): "megatron_rollout.comm.alltoall:NormalAllToAllDomain",
+            ("alltoall", "low_latency"): "megatron_rollout.comm.alltoall:LowLatencyAllToAllDomain",
+            ("deepep", "normal"): "megatron_rollout.comm.deepep:DeepEPNormalDomain",
+            ("deepep", "low_latency"): "megatron_rollout.comm.deepep:DeepEPLowLatencyDomain"}
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    """How the rollout communicates."""
+
+    backend: str = "alltoall"
+    """Dispatch-domain implementation: "alltoall" (torch.distributed; gloo or NCCL; always there) or
+    "deepep" (DeepEP V1 buffers; 2-8 NVLink GPUs per node; fails with an install hint if missing)."""
+    timeout_s: float = 60.0
+    """Every wait in comm (collectives, count exchanges, rendezvous) fails after this, naming what it
+    waited for."""
+    p_exchange: str = "allgather"
+    """P's expert exchange: "allgather" (ADP all-gather + full-group all-reduce) or "alltoall"
+    (P's normal dispatch domain, split at notify)."""
+    d_exchange: str = "alltoall"
+    """D's expert exchange: "alltoall" (D's low-latency domain) or "allgather"."""
+    d_max_tokens: int = 256
+    """Most tokens one ADP replica sends through D's low-latency domain per layer (its largest decode
+    batch); each ATP rank's static buffers hold ceil(d_max_tokens / ATP) per peer."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"CommConfig.backend must be one of {_BACKENDS}, got {self.backend!r}")
+        for name in ("p_exchange", "d_exchange"):
+            if getattr(self, name) not in _EXCHANGES:
+                raise ValueError(f"CommConfig.{name} must be one of {_EXCHANGES}, got {getattr(self, name)!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"CommConfig.timeout_s must be positive, got {self.timeout_s}")
+        if self.d_max_tokens < 1:
+            raise ValueError(f"CommConfig.d_max_tokens must be >= 1, got {self.d_max_tokens}")
+
+
+class RendezvousTimeout(TimeoutError):
+    """Some ranks did not reach a rendezvous within the timeout."""
+
+    def __init__(self, message: str, missing: tuple[int, ...], context: str) -> None:
+        super().__init__(message)
+        self.missing, self.context = missing, context
+
+
+class RendezvousMismatch(RuntimeError):
+    """Ranks met at the same rendezvous round with different contexts: their schedules diverged."""
+
+
+class StoreRendezvous:
+    """`all_gather_object` through the TCP store: each rank posts its value under (round, rank) and
+    waits for all keys, so on a timeout it can check which ranks' keys are missing. Rounds are
+    counted locally; ranks must call in the same order, which the context check verifies."""
+
+    _instances = itertools.count()  # one prefix per instance; instances are built in rank order
+
+    def __init__(self, rank: int, world: int, timeout_s: float) -> None:
+        base = dist.distributed_c10d._get_default_store()
+        self._store = dist.PrefixStore(f"megatron_rollout/comm/all_gather_object/{next(self._instances)}/", base)
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self._round = 0
+        self._failed: str | None = None  # after a failure the ranks' round counters no longer agree
+
+    def all_gather_object(self, obj: Any, context: str) -> list[Any]:
+        if self._failed is not None:
+            raise RuntimeError(f"all_gather_object {context!r} refused: an earlier rendezvous failed "
+                               f"({self._failed}); build a new DistComm")
+        k, self._round = self._round, self._round + 1
+        keys = [f"{k}/{r}" for r in range(self.world)]
+        self._store.set(keys[self.rank], pickle.dumps((context, obj)))
+        try:
+            self._store.wait(keys, timedelta(seconds=self.timeout_s))
+            values = [pickle.loads(v) for v in self._store.multi_get(keys)]
+        except dist.DistError as exc:
+            err = self._timeout(k, keys, context, exc)
+            self._failed = str(err)
+            raise err from exc
+        contexts = {r: c for r, (c, _) in enumerate(values)}
+        if len(set(contexts.values())) > 1:
+            self._failed = f"context mismatch in round {k}"
+            raise RendezvousMismatch(f"rendezvous round {k} on rank {self.rank}: ranks arrived with different "
+                                     f"contexts {contexts}; their schedules diverged")
+        if self._store.add(f"{k}/read", 1) == self.world:  # the last reader clears the round
+            for key in keys + [f"{k}/read"]:
+                self._store.delete_key(key)
+        return [v for _, v in values]
+
+    def _timeout(self, k: int, keys: list[str], context: str, exc: Exception) -> RendezvousTimeout:
+        try:
+            missing = tuple(r for r, key in enumerate(keys) if not self._store.check([key]))
+            why = "did not arrive"
+        except dist.DistError:
+            missing, why = (0,), "is unreachable (it hosts the TCP store; dead?)"
+        msg = (f"rendezvous {context!r} (round {k}) on rank {self.rank}: rank(s) {list(missing)} {why} within "
+               f"{self.timeout_s}s ({type(exc).__name__})")
+        logger.error(msg)
+        return RendezvousTimeout(msg, missing, context)
+
+
+def _load(path: str) -> type:
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class DistComm(Comm):
+    """Collectives by (axis, phase) over torch.distributed; see the module docstring for the wiring."""
+
+    def __init__(self, layout: ParallelLayout, config: CommConfig = CommConfig(),
+                 device: torch.device | str | None = None) -> None:
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.config, self.device = config, torch.device(device)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if config.backend == "deepep" and "alltoall" in (config.p_exchange, config.d_exchange):
+            from megatron_rollout.comm.deepep import require_deep_ep
+
+            require_deep_ep()  # before any collective, so every rank fails the same way
+        self._timeout = timedelta(seconds=config.timeout_s)
+        self._owned: list[dist.ProcessGroup] = []
+        self.cpu_group = self._new_group(list(range(dist.get_world_size())), "gloo")
+        self.groups: ParallelGroups = init_parallel(layout, self.cpu_group, config.timeout_s)
+        self._axis_groups = {phase: self._phase_groups(backend) for phase in Phase}
+        self._rendezvous = StoreRendezvous(dist.get_rank(), dist.get_world_size(), config.timeout_s)
+        self._domains: dict[Phase, DispatchDomain] = {}
+        kinds = {Phase.P: config.p_exchange, Phase.D: config.d_exchange}
+        self._exchanges = {phase: self._build_exchange(phase, kinds[phase], backend) for phase in Phase}
+        logger.info("DistComm on rank %d: %s, P=%s, D=%s, backend=%s", dist.get_rank(), layout,
+                    config.p_exchange, config.d_exchange, backend)
+
+    @classmethod
+    def create(cls, layout: ParallelLayout, device: torch.device | str | None = None, **config: Any) -> "DistComm":
+        """`DistComm(layout, CommConfig(**config), device)`, e.g. `create(layout, timeout_s=30)`."""
+        return cls(layout, CommConfig(**config), device)
+
+    # ---- construction ------------------------------------------------------------------------
+    def _new_group(self, ranks: list[int], backend: str) -> dist.ProcessGroup:
+        group = dist.new_group(ranks, timeout=self._timeout, backend=backend)
+        self._owned.append(group)
+        return group
+
+    def _phase_groups(self, backend: str) -> dict[Axis, dist.ProcessGroup | None]:
+        """One phase's communicators; every rank creates every group, in one order."""
+        made: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for axis in Axis:
+            for ranks in self.groups.axes[axis].groups:
+                if len(ranks) > 1 and ranks not in made:
+                    made[ranks] = self._new_group(list(ranks), backend)
+        return {axis: made.get(self.groups.ranks(axis)) for axis in Axis}
+
+    def _build_exchange(self, phase: Phase, kind: str, backend: str) -> ExpertExchange:
+        if kind == "allgather":
+            from megatron_rollout.comm.allgather import AllGatherExchange
+
+            return AllGatherExchange(self, phase)
+        from megatron_rollout.comm.alltoall import AllToAllExchange
+
+        mode = _DOMAIN_MODE[phase]
+        mine = None
+        for ranks in self.groups.axes[Axis.EP].groups:  # the domain's own communicator
+            group = self._new_group(list(ranks), backend)
+            mine = group if ranks == self.groups.ranks(Axis.EP) else mine
+        cls = _load(_DOMAINS[(self.config.backend, mode)])
+        per_rank = math.ceil(self.config.d_max_tokens / self.size(Axis.ATP))
+        domain = cls(f"{phase.value}/{mode}", mine, self.device, self.config.timeout_s, per_rank)
+        self._domains[phase] = domain
+        return AllToAllExchange(self, phase, domain)
+
+    def close(self) -> None:
+        """Destroy the communicators this object made (and parallel_state, if it initialised it)."""
+        for group in self._owned:
+            dist.destroy_process_group(group)
+        self._owned.clear()
+        if self.groups.owns_parallel_state:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+
+    # ---- the facade --------------------------------------------------------------------------
+    def size(self, axis: Axis) -> int:
+        return self.groups.size(axis)
+
+    def rank(self, axis: Axis) -> int:
+        return self.groups.rank_in(axis)
+
+    def group(self, axis: Axis, phase: Phase) -> dist.ProcessGroup | None:
+        """The communicator `phase` owns on `axis` (None when the axis has one rank)."""
+        return self._axis_groups[phase][axis]
+
+    def exchange(self, phase: Phase) -> ExpertExchange:
+        return self._exchanges[phase]
+
+    def domain(self, phase: Phase) -> DispatchDomain | None:
+        """The dispatch domain `phase` owns (None when its exchange is the all-gather path)."""
+        return self._domains.get(phase)
+
+    def all_reduce(self, x: torch.Tensor, axis: Axis, phase: Phase) -> torch.Tensor:
+        group = self.group(axis, phase)
+        if group is None:
+            return x
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, axis: Axis, phase: Phase) -> list[torch.Tensor]:
+        group = self.group(axis, phase)
+        if group is None:
+            return [x]
+        counts = self._gather_counts(x.shape[0], group)
+        padded = x.new_zeros((max(counts), *x.shape[1:]))
+        padded[: x.shape[0]] = x
+        out = [torch.empty_like(padded) for _ in counts]
+        dist.all_gather(out, padded, group=group)
+        return [t[:n] for t, n in zip(out, counts)]
+
+    def all_to_all(self, chunks: list[torch.Tensor], axis: Axis, phase: Phase) -> list[torch.Tensor]:
+        if len(chunks) != self.size(axis):
+            raise ValueError(f"all_to_all over {axis.value} ({self.size(axis)} ranks) got {len(chunks)} chunks")
+        group = self.group(axis, phase)
+        if group is None:
+            return list(chunks)
+        send = [c.shape[0] for c in chunks]
+        recv = torch.empty(len(send), dtype=torch.int64, device=self.device)
+        dist.all_to_all_single(recv, torch.tensor(send, device=self.device), group=group)
+        recv_rows = recv.tolist()
+        out = chunks[0].new_empty((sum(recv_rows), *chunks[0].shape[1:]))
+        # gloo's list all_to_all needs equal sizes; the single-tensor form takes per-rank splits.
+        dist.all_to_all_single(out, torch.cat(chunks).contiguous(), recv_rows, send, group=group)
+        return list(out.split(recv_rows))
+
+    def all_gather_object(self, obj: Any, context: str = "") -> list[Any]:
+        """`obj` from every rank (rank order). Raises RendezvousTimeout naming the ranks that did not
+        arrive within `timeout_s`, and RendezvousMismatch if ranks passed different contexts."""
+        return self._rendezvous.all_gather_object(obj, context)
+
+    def _gather_counts(self, n: int, group: dist.ProcessGroup) -> list[int]:
+        counts = torch.empty(group.size(), dtype=torch.int64, device=self.device)
+        dist.all_gather_into_tensor(counts, torch.tensor([n], device=self.device), group=group)
+        return counts.tolist()
