@@ -52,10 +52,22 @@ def transformer_config(cfg: ModelConfig, **overrides: Any):
     return TransformerConfig(**kwargs)
 
 
+def _without_te_compat() -> None:
+    """megatron-core 0.16.1's router reads `moe_utils.te_general_gemm`, a name bound only when
+    Transformer Engine imports; without TE the MoE forward dies with a NameError. Binding it to
+    None selects Megatron's own torch.mm path, which is what that check intends."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def build_gpt_model(cfg: ModelConfig, **overrides: Any) -> nn.Module:
     """A Megatron `GPTModel` matching `cfg` (call after `parallel_state.initialize_model_parallel`)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    _without_te_compat()
 
     tcfg = transformer_config(cfg, **overrides)
     spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization="RMSNorm")

@@ -69,9 +69,9 @@ def _gpu_world(rank):
     from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
     from megatron_rollout.model.config import preset
     from megatron_rollout.model.transformer import MoETransformer
+    from megatron_rollout.tokenizer import ByteTokenizer
     from rl.envs import SingleTurnEnv
     from rl.envs.single_turn import TASKS
-    from megatron_rollout.tokenizer import ByteTokenizer
     from rl.megatron_trainer import MegatronTrainer, build_gpt_model, load_weights
     from rl.objective import LossConfig
     from rl.rollout import Episode, RolloutConfig, rollout
@@ -93,7 +93,9 @@ def _gpu_world(rank):
     batch = type(batch)(*(t.cuda() for t in (batch.input_ids, batch.loss_mask, batch.rollout_logprobs,
                                               batch.rewards, batch.group_ids)))
     mask = batch.loss_mask.bool()
-    parity = float((trainer.logprobs(batch.input_ids) - native.token_logprobs(batch.input_ids))[mask].abs().max())
+    with torch.no_grad():
+        native_lp = native.token_logprobs(batch.input_ids)
+    parity = float((trainer.logprobs(batch.input_ids) - native_lp)[mask].abs().max())
     before = {n: t.clone() for n, t in trainer.named_weights()}
     metrics = trainer.train_step(batch, torch.tensor([1.0, -1.0, 1.0, -1.0], device="cuda"))
     moved = sum(not torch.equal(before[n], t) for n, t in trainer.named_weights())
@@ -104,5 +106,5 @@ def _gpu_world(rank):
 @pytest.mark.gpu
 def test_megatron_trainer_step_on_gpu():
     res = run_world(_gpu_world, 1, timeout=300)[0]
-    assert res["parity"] < 1e-3, res
+    assert res["parity"] < 1e-4, res  # fp32; measured 4.8e-7 on an H200
     assert res["loss"] == res["loss"] and res["moved"] > 0 and res["version"] == 1
