@@ -22,7 +22,7 @@ from megatron_rollout.engine.runner import ModelRunner, SpanInput
 from megatron_rollout.engine.sampler import sample
 from megatron_rollout.engine.scheduler import (PrefillChunk, SchedulerConfig, SchedulerState, SeqView, Stage,
                                                StepPlan, plan_step)
-from megatron_rollout.engine.weights import WeightStore
+from megatron_rollout.engine.weights import WeightStore, WeightVersionError
 from megatron_rollout.kv.block_pool import BlockPool
 from megatron_rollout.kv.paged import PagedKVCache, SeqSpan
 from megatron_rollout.model.layers import run_to_end
@@ -168,8 +168,16 @@ class RolloutEngine:
 
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
                        version: int, final: bool = True) -> None:
-        """Copy full-named tensors into the engine's weights (see `WeightStore.update`)."""
+        """Copy full-named tensors into the engine's weights (see `WeightStore.update`). Refused
+        while a `mux` prefill epoch is half-way through its layers."""
+        if self._mux is not None and self._mux.busy:
+            raise WeightVersionError(f"a mux prefill epoch is in flight; update weights between steps once "
+                                     f"it has finished (engine.step() until not engine.mux_busy)")
         self.weights.update(named_tensors, version, final)
+
+    @property
+    def mux_busy(self) -> bool:
+        return self._mux is not None and self._mux.busy
 
     def release_kv(self) -> None:
         """Free the KV tensors (e.g. while the trainer runs). Sessions keep their tokens and
@@ -309,6 +317,7 @@ class RolloutEngine:
                 if blocks:
                     self.pool.share(seq.sid, blocks)
                     seq.computed = len(blocks) * bs
+                    seq.registered, seq.kv_version = len(blocks), self.weights.version
 
     def _preempt(self, rids: Iterable[int]) -> None:
         for rid in rids:
@@ -319,7 +328,7 @@ class RolloutEngine:
 
     def _evict(self, seq: Seq) -> None:
         self.pool.release(seq.sid)
-        seq.computed = 0
+        seq.reset_kv()
 
     def _unblock(self) -> list[RequestOutput]:  # local only: changes no collective
         """Nothing fits: evict idle sessions' KV, or refuse the oldest request if even an empty
@@ -414,12 +423,18 @@ class RolloutEngine:
         return outs
 
     def _register_blocks(self, seq: Seq) -> None:
-        if not self.config.prefix_caching:
+        """Offer the sequence's newly completed full blocks to the prefix cache, once each, and
+        only while all its K/V was computed under the current weights."""
+        version = self.weights.version
+        seq.kv_version = version if seq.kv_version in (None, version) else -1
+        full = seq.computed // self.pool.block_size
+        if not self.config.prefix_caching or seq.kv_version != version or full <= seq.registered:
             return
-        bs = self.pool.block_size
         table = self.pool.table(seq.sid)
-        for i, h in enumerate(self._cache_keys(seq.block_hashes(bs)[: seq.computed // bs])):
-            self.pool.register(table[i], h)
+        keys = self._cache_keys(seq.block_hashes(self.pool.block_size)[seq.registered:full])
+        for i, key in enumerate(keys, start=seq.registered):
+            self.pool.register(table[i], key)
+        seq.registered = full
 
     def _cache_keys(self, hashes: list[int]) -> list[int]:
         """Prefix-cache keys of block hashes: K/V computed under other weights is never reused."""

@@ -114,5 +114,5 @@ class MuxDriver:
         zombie = next(self._zombie_ids)
         self.engine.pool.tables[zombie] = self.engine.pool.tables.pop(req.seq.sid, [])
         self.engine.pool.reserved.discard(req.seq.sid)
-        req.seq.computed = 0
+        req.seq.reset_kv()
         self.epoch.zombies.append(zombie)

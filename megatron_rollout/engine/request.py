@@ -27,6 +27,14 @@ class Seq:
     """The generation running on this sequence, if any."""
     session: bool = False
     last_used: float = 0.0
+    registered: int = 0
+    """Leading full blocks already offered to the prefix cache."""
+    kv_version: int | None = None
+    """Weight version every cached position was computed under; None when nothing is cached, -1
+    when versions are mixed (such K/V is never offered for reuse)."""
+
+    def reset_kv(self) -> None:
+        self.computed, self.registered, self.kv_version = 0, 0, None
 
     def block_hashes(self, block_size: int) -> list[int]:
         full = len(self.tokens) // block_size
