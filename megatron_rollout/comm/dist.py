@@ -239,12 +239,23 @@ class DistComm(Comm):
         """The dispatch domain `phase` owns (None when its exchange is the all-gather path)."""
         return self._domains.get(phase)
 
+    router = None
+    """A `multiplex.routing.Router` set by a `mux` engine: it puts the registered conflicting P
+    collective on D's route (CUDA streams) inside the turnstile's window; None runs in place."""
+
+    def _on_route(self, phase: Phase, op: str, axis: Axis, fn, inputs: tuple[torch.Tensor, ...] = ()):
+        if self.router is None:
+            return fn()
+        from megatron_rollout.multiplex.routing import CollectiveSite
+
+        return self.router.run(self.router.route(phase, CollectiveSite(op, axis)), fn, inputs)
+
     def all_reduce(self, x: torch.Tensor, axis: Axis, phase: Phase) -> torch.Tensor:
         group = self.group(axis, phase)
         if group is None:
             return x
         x = x.contiguous()
-        dist.all_reduce(x, group=group)
+        self._on_route(phase, "all_reduce", axis, lambda: dist.all_reduce(x, group=group), (x,))
         return x
 
     def all_gather(self, x: torch.Tensor, axis: Axis, phase: Phase) -> list[torch.Tensor]:
@@ -255,7 +266,7 @@ class DistComm(Comm):
         padded = x.new_zeros((max(counts), *x.shape[1:]))
         padded[: x.shape[0]] = x
         out = [torch.empty_like(padded) for _ in counts]
-        dist.all_gather(out, padded, group=group)
+        self._on_route(phase, "all_gather", axis, lambda: dist.all_gather(out, padded, group=group), (padded,))
         return [t[:n] for t, n in zip(out, counts)]
 
     def all_to_all(self, chunks: list[torch.Tensor], axis: Axis, phase: Phase) -> list[torch.Tensor]:

@@ -85,12 +85,16 @@ class Rendezvous(RendezvousBase):
     """Store-backed rendezvous over the ranks of `group` (a gloo or any process group; only its
     membership and the default store are used).
 
-    `name` separates independent rendezvous over the same ranks; two live instances with the same
-    name and ranks would read each other's keys. Meetings are numbered per instance, so every rank
+    `name` separates independent rendezvous over the same ranks; instances made with the same name
+    get the name's next generation (`name.0`, `name.1`, ...), so a rendezvous rebuilt after a failure
+    never reads the old one's keys, provided every rank builds its instances in the same order
+    (as torch's `new_group` also requires). Meetings are numbered per instance, so every rank
     must make the same sequence of `meet` calls; a differing (epoch, tag) at the same call number
     raises `RendezvousMismatch` on every rank. `boundary` is not compared (ranks may legitimately
     report different progress that the caller wants to diagnose from the payloads); it names the
     meeting in errors."""
+
+    _generations: dict[tuple[str, str], int] = {}  # per process; see the class docstring
 
     def __init__(self, group: dist.ProcessGroup | None = None, timeout_s: float = 60.0, rank: int | None = None,
                  name: str = "turnstile", store: dist.Store | None = None) -> None:
@@ -103,7 +107,10 @@ class Rendezvous(RendezvousBase):
         self.timeout_s = timeout_s
         base = store if store is not None else dist.distributed_c10d._get_default_store()
         members = "-".join(map(str, self.ranks))
-        self._store = dist.PrefixStore(f"megatron_rollout/rendezvous/{name}/{members}/", base)
+        generation = Rendezvous._generations.get((name, members), 0)
+        Rendezvous._generations[(name, members)] = generation + 1
+        self.prefix = f"megatron_rollout/rendezvous/{name}.{generation}/{members}/"
+        self._store = dist.PrefixStore(self.prefix, base)
         self._seq = 0
         self._poisoned: str | None = None
 

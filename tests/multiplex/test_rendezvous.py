@@ -28,7 +28,8 @@ def rank_checks(rank: int) -> dict:
     out["payloads"] = seen[7]
     out["all_consistent"] = all(s == [(r, b * r) for r in range(4)] for b, s in enumerate(seen))
     # Keys of finished meetings are deleted by their owner (all but the last are gone).
-    store = dist.PrefixStore("megatron_rollout/rendezvous/payloads/0-1-2-3/", dist.distributed_c10d._get_default_store())
+    assert rdv.prefix == "megatron_rollout/rendezvous/payloads.0/0-1-2-3/"
+    store = dist.PrefixStore(rdv.prefix, dist.distributed_c10d._get_default_store())
     out["old_key_gone"] = not store.check([f"3/{rank}"])
     # A subgroup meets without the others.
     sub = dist.new_group([0, 1])
@@ -52,8 +53,11 @@ def rank_checks(rank: int) -> dict:
             late.meet(9, 14, "pre-D")
         except RuntimeError as exc:
             out["poisoned"] = str(exc)
-    # Everyone still meets on a fresh rendezvous afterwards (the world is intact).
+    # Everyone still meets on a fresh rendezvous afterwards (the world is intact); rebuilding one
+    # with the failed one's name starts a new generation that ignores the stale keys.
     out["after"] = Rendezvous(timeout_s=30, name="after").meet(10, 0, "pre-D", (1,))
+    again = Rendezvous(timeout_s=30, name="timeout")
+    out["rebuilt"] = (again.prefix, again.meet(9, 13, "post-D", (rank,)))
     return out
 
 
@@ -64,6 +68,7 @@ def test_four_ranks(mux_world):
     for rank, r in enumerate(res):
         assert r["payloads"] == [(0, 0), (1, 7), (2, 14), (3, 21)] and r["all_consistent"] and r["old_key_gone"]
         assert r["after"] == [(1,)] * 4
+        assert r["rebuilt"] == ("megatron_rollout/rendezvous/timeout.1/0-1-2-3/", [(0,), (1,), (2,), (3,)])
         assert "rank 2 is at epoch 2, boundary 4, post-D" in r["mismatch"] or rank == 2
         assert "plans or P boundary sequences diverged" in r["mismatch"]
     assert res[0]["sub"] == res[1]["sub"] == [(10,), (11,)] and "sub" not in res[2]
