@@ -42,8 +42,9 @@ from rl.trajectory import collate
 log = logging.getLogger(__name__)
 
 ENV_NAMES = (*TASKS, "guess")
-LOGGED = ("reward_mean", "reward_sq", "kl", "clip_fraction", "entropy", "loss", "pg_loss", "grad_norm",
-          "tis_weight_mean", "rollout_abs_diff", "rollout_makespan_s", "tokens_per_s", "kept_fraction")
+LOGGED = ("reward_mean", "reward_sq", "kept_fraction", "rollout_makespan_s", "tokens_per_s",  # per rank, averaged
+          "loss", "pg_loss", "kl", "entropy", "clip_fraction", "ratio_mean", "tis_weight_mean", "tis_clip_fraction",
+          "rollout_abs_diff", "tokens", "grad_norm")
 
 
 @dataclass(frozen=True)
@@ -121,14 +122,15 @@ def _episodes(cfg: GRPOConfig, tok: ByteTokenizer, step: int, rank: int) -> list
     eps = []
     for g in range(cfg.prompts_per_step):
         prompt_seed = rng.randrange(2**31)
-        eps += [Episode(make_env(cfg, tok), prompt_seed, g, sample_seed=rng.randrange(2**40)) for _ in range(cfg.group_size)]
+        eps += [Episode(make_env(cfg, tok), prompt_seed, g, sample_seed=rng.randrange(2**40))
+                for _ in range(cfg.group_size)]
     return eps
 
 
 def _mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
     """Mean of each LOGGED key over the ranks that have it."""
     if not (dist.is_available() and dist.is_initialized()):
-        return values
+        return {k: values[k] for k in LOGGED if k in values}
     buf = torch.tensor([[values.get(k, 0.0), float(k in values)] for k in LOGGED], dtype=torch.float64)
     dist.all_reduce(buf)
     return {k: float(s / n) for k, (s, n) in zip(LOGGED, buf.tolist()) if n > 0}

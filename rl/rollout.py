@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_rollout.engine import RequestError
 from megatron_rollout.engine.api import FinishReason, RequestOutput, SamplingParams
 from rl.envs.base import Env
 from rl.trajectory import NOT_GENERATED, Trajectory
@@ -127,7 +128,11 @@ async def _run_episode(engine: Any, pump: _Pump, ep: Episode, cfg: RolloutConfig
             params = cfg.sampling
             if ep.sample_seed is not None:
                 params = dataclasses.replace(params, seed=ep.sample_seed * 1000 + turns)
-            pending = session.submit(params)
+            try:
+                pending = session.submit(params)
+            except RequestError as exc:  # e.g. the context no longer fits: end this episode only
+                log.warning("episode seed=%d group=%d ends at turn %d: %s", ep.seed, ep.group_id, turns, exc)
+                break
             out = await pump.wait(pending)
             pump.futures.pop(pending, None)
             pending = None

@@ -37,7 +37,8 @@ class GuessDigitEnv(Env):
             raise RuntimeError("GuessDigitEnv.step called before reset")
         self.turn += 1
         await asyncio.sleep(self.latency_s)  # the tool call
-        guess = next((int(c) for c in self.tok.decode([i for i in generated_ids if i < 256]) if c in "0123456789"), None)
+        text = self.tok.decode([i for i in generated_ids if i < 256])
+        guess = next((int(c) for c in text if c in "0123456789"), None)
         if guess == self.secret:
             return StepResult((), 1.0 - (self.turn - 1) / self.max_turns, True)
         if self.turn >= self.max_turns:

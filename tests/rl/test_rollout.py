@@ -64,7 +64,8 @@ def test_single_turn_trajectories(policy, tok):
 def test_multi_turn_with_tool_latency(policy, tok):
     engine = _engine(policy, "mux")
     n, latency, turns = 12, 0.05, 3
-    res = rollout(engine, _guess(tok, n, latency, turns), RolloutConfig(SamplingParams(max_new_tokens=3), max_turns=turns))
+    cfg = RolloutConfig(SamplingParams(max_new_tokens=3), max_turns=turns)
+    res = rollout(engine, _guess(tok, n, latency, turns), cfg)
     trajs = res.trajectories
     assert res.stats.num_turns == sum(t.num_turns for t in trajs) and res.stats.num_turns > n
     tool_calls = res.stats.num_turns  # one env.step (with its sleep) per turn
@@ -98,3 +99,13 @@ def test_env_error_propagates_and_frees_sessions(policy, tok):
         rollout(engine, eps, RolloutConfig(SamplingParams(max_new_tokens=30)))
     assert not engine.seqs and not engine.has_work()
     engine.check_integrity()
+
+
+def test_refused_turn_truncates_only_that_episode(policy, tok):
+    # Prompt (43 tokens with BOS) + 3 generated + a 10-token reply exceeds 50: the second turn is refused.
+    engine = RolloutEngine(copy.deepcopy(policy), EngineConfig(num_blocks=64, max_model_len=50))
+    res = rollout(engine, _guess(tok, 4, 0.0), RolloutConfig(SamplingParams(max_new_tokens=3), max_turns=3))
+    assert all(t.num_turns == 1 for t in res.trajectories)
+    assert all(t.truncated for t in res.trajectories if t.reward == 0.0)
+    assert res.stats.truncated >= 1
+    assert not engine.seqs
