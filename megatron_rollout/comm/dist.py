@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_rollout.comm.allgather import AllGatherExchange
+from megatron_rollout.comm.alltoall import AllToAllExchange
 from megatron_rollout.comm.domain import DispatchDomain
 from megatron_rollout.comm.exchange import ExpertExchange
 from megatron_rollout.comm.facade import Comm
@@ -153,8 +155,9 @@ class DistComm(Comm):
 
     def __init__(self, layout: ParallelLayout, config: CommConfig = CommConfig(),
                  device: torch.device | str | None = None) -> None:
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        if device is None:  # follow the trainer's default group: NCCL means CUDA tensors, gloo CPU ones
+            on_cuda = "nccl" in dist.get_backend()
+            device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
         self.config, self.device = config, torch.device(device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if config.backend == "deepep" and "alltoall" in (config.p_exchange, config.d_exchange):
@@ -195,11 +198,7 @@ class DistComm(Comm):
 
     def _build_exchange(self, phase: Phase, kind: str, backend: str) -> ExpertExchange:
         if kind == "allgather":
-            from megatron_rollout.comm.allgather import AllGatherExchange
-
             return AllGatherExchange(self, phase)
-        from megatron_rollout.comm.alltoall import AllToAllExchange
-
         mode = _DOMAIN_MODE[phase]
         mine = None
         for ranks in self.groups.axes[Axis.EP].groups:  # the domain's own communicator

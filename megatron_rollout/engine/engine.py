@@ -88,7 +88,8 @@ class EngineStats:
 
 class RolloutEngine:
     def __init__(self, model: MoETransformer, config: EngineConfig | None = None, timeline=None, rank: int = 0,
-                 coordinator: LocalCoordinator | RankSharedCoordinator | None = None, rendezvous=None) -> None:
+                 coordinator: LocalCoordinator | RankSharedCoordinator | None = None, rendezvous=None,
+                 router=None) -> None:
         self.model, self.config = model, config or EngineConfig()
         cfg = model.cfg
         self.max_model_len = self.config.max_model_len or cfg.max_position_embeddings
@@ -114,7 +115,7 @@ class RolloutEngine:
         self._mux = None
         if self.config.schedule is Schedule.MUX:
             from megatron_rollout.engine.mux import MuxDriver
-            self._mux = MuxDriver(self, rendezvous)
+            self._mux = MuxDriver(self, rendezvous, router)
 
     # -- public API ------------------------------------------------------------------------
     @property

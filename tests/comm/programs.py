@@ -12,8 +12,6 @@ import torch.distributed as dist
 from megatron_rollout.types import Axis, Phase
 from tests.comm.worlds import SHORT_TIMEOUT_S, experts_pair, exchange_errors, moe_cfg, routed_tokens
 
-__all__ = ["Phase"]
-
 
 def error_of(fn: Callable[[], Any]) -> str | None:
     """'Type: message' of what fn raises, or None."""
@@ -283,6 +281,5 @@ def cuda_exchanges(rank: int, backend: str = "alltoall", dtype: torch.dtype = to
     exchanges = {"allgather_P": AllGatherExchange(comm, Phase.P), "alltoall_P": comm.exchange(Phase.P),
                  "alltoall_D": comm.exchange(Phase.D)}
     errors = exchange_errors(comm, exchanges, device=device, dtype=dtype)
-    groups = {"P": str(comm.group(Axis.FULL, Phase.P)) if n > 1 else None}
     comm.close()
-    return {"errors": errors, "groups": groups}
+    return {"errors": errors}

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from megatron_rollout.types import Phase
 from tests.world import run_world
 
 logger = logging.getLogger(__name__)
@@ -118,8 +119,8 @@ def four_ranks(rank: int) -> dict:
     check(out, "groups", programs.groups_info, comm)
     check(out, "collectives", programs.collectives, comm)
     check(out, "all_gather_object", comm.all_gather_object, {"rank": rank, "square": rank * rank}, "step 1")
-    check(out, "exchange_atp2", exchange_errors, comm, {"allgather_P": comm.exchange(programs.Phase.P),
-                                                        "alltoall_D": comm.exchange(programs.Phase.D)})
+    check(out, "exchange_atp2", exchange_errors, comm, {"allgather_P": comm.exchange(Phase.P),
+                                                        "alltoall_D": comm.exchange(Phase.D)})
     split = DistComm(ParallelLayout(2, 2, 4), CommConfig(timeout_s=TIMEOUT_S, p_exchange="alltoall"))
     check(out, "pending_p_across_d", programs.pending_p_across_d, split)
     check(out, "model_atp2_adp2_p_alltoall", programs.sharded_model, split, [[5, 3], [4]])
@@ -145,7 +146,7 @@ def two_ranks(rank: int) -> dict:
     layout = ParallelLayout(1, 2, 2)
     check(out, "deepep_missing", programs.error_of, lambda: DistComm(layout, CommConfig(backend="deepep")))
     comm = DistComm(layout, CommConfig(timeout_s=TIMEOUT_S, p_exchange="alltoall", d_max_tokens=16))
-    P, D = programs.Phase.P, programs.Phase.D
+    P, D = Phase.P, Phase.D
     check(out, "exchange_atp1", exchange_errors, comm, {"allgather_P": AllGatherExchange(comm, P),
                                                         "alltoall_P": comm.exchange(P),
                                                         "alltoall_D": comm.exchange(D)})
