@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rollout.engine import EngineConfig, GenerationResult, RequestError, RolloutEngine, SamplingParams
-from megatron_rollout.engine.api import FinishReason
+from megatron_rollout.engine.api import FinishReason, Schedule
 from megatron_rollout.engine.coordinator import RankSharedCoordinator
 from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.types import Axis
@@ -60,6 +60,7 @@ class Runtime:
         self.rank = dist.get_rank()
         self.replica, self.replicas = comm.rank(Axis.ADP), comm.size(Axis.ADP)
         self.leader = comm.rank(Axis.ATP) == 0
+        self._engines = 0
 
     @property
     def is_main(self) -> bool:
@@ -84,11 +85,18 @@ class Runtime:
         return cls(comm, dev, timeout_s)
 
     def engine(self, model: MoETransformer, config: EngineConfig, timeline=None) -> RolloutEngine:
+        """An engine whose steps are planned rank-shared; under `mux` its turnstile meets over the
+        CPU group and the registered conflicting P collective is routed after D."""
         from megatron_rollout.multiplex.rendezvous import Rendezvous
+        from megatron_rollout.multiplex.routing import ConflictRegistry, PhaseStreams, Router
 
-        rendezvous = Rendezvous(self.comm.cpu_group, self.timeout_s, self.rank)
-        return RolloutEngine(model, config, timeline=timeline, rank=self.rank,
-                             coordinator=RankSharedCoordinator(self.comm), rendezvous=rendezvous)
+        self._engines += 1  # each engine's rendezvous keys live in their own namespace
+        rendezvous = Rendezvous(self.comm.cpu_group, self.timeout_s, self.rank, name=f"turnstile{self._engines}")
+        streams = PhaseStreams.create(self.device) if self.device.type == "cuda" else None
+        router = Router(ConflictRegistry.for_topology(self.comm.size(Axis.ATP), self.comm.size(Axis.ADP)), streams)
+        self.comm.router = router if Schedule(config.schedule) is Schedule.MUX else None
+        return RolloutEngine(model, config, timeline=timeline, rank=self.rank, coordinator=RankSharedCoordinator(self.comm),
+                             rendezvous=rendezvous, router=router)
 
     def drain(self, engine: RolloutEngine) -> list:
         """Declare this rank done and step until every rank is; returns what finished meanwhile."""

@@ -1,13 +1,14 @@
 """The `mux` schedule: in-place P/D multiplexing inside the engine (DESIGN.md §6).
 
 An admitted prefill batch is an *epoch*: its forward is the model's generator, which stops at
-every safe boundary. Each engine step is one turnstile round: one decode iteration (a matched
-no-work call where a rank has no rows), then P resumes for a span of boundaries chosen by the
-segment policy. On several ranks the `Turnstile` adds the pre-/post-D rendezvous and routes the
-registered conflicting P collective after D; on one process those are no-ops.
+every safe boundary. Each engine step is one turnstile round (`multiplex.turnstile`): pre-D
+rendezvous, one decode iteration (a matched no-work call where a replica has no rows, skipped
+only when no replica has any), the post-D rendezvous, then P resumes for the span the segment
+policy permits. On one process the rendezvous are local no-ops; the protocol is the same.
 
 A request cancelled mid-epoch cannot give its blocks back at once: the rest of P's forward still
-writes them. Its blocks move to a *zombie* owner released when the epoch ends.
+writes them. Its blocks move to a *zombie* owner released when the epoch ends, and the
+controller is untouched (the epoch runs to its end for the other requests).
 """
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ import torch
 from megatron_rollout.engine.api import RequestOutput
 from megatron_rollout.engine.coordinator import GlobalView
 from megatron_rollout.engine.scheduler import StepPlan
-from megatron_rollout.model.layers import Forward
 from megatron_rollout.multiplex.controller import BoundaryController
+from megatron_rollout.multiplex.policy import FixedSpan, LoadSelected, SegmentPolicy
 from megatron_rollout.multiplex.rendezvous import LocalRendezvous, RendezvousBase
-from megatron_rollout.multiplex.policy import FixedSpan, LoadSelected, SegmentLoad, SegmentPolicy
+from megatron_rollout.multiplex.routing import Router
+from megatron_rollout.multiplex.turnstile import Turnstile
 from megatron_rollout.types import Phase
 
 if TYPE_CHECKING:
@@ -40,79 +42,80 @@ def make_policy(spec: str) -> SegmentPolicy:
 @dataclass
 class Epoch:
     number: int
-    forward: Forward
     owners: list
-    prefill_tokens: int
-    boundaries: int = 0
-    """Boundaries passed so far."""
+    """(request, lifetime, context length) of every row P samples when it finishes."""
     zombies: list[int] = field(default_factory=list)
-    logits: torch.Tensor | None = None
+    """Block owners parked until the epoch ends (requests cancelled mid-epoch)."""
 
 
 class MuxDriver:
-    def __init__(self, engine: "RolloutEngine", rendezvous: RendezvousBase | None = None) -> None:
+    def __init__(self, engine: "RolloutEngine", rendezvous: RendezvousBase | None = None,
+                 router: Router | None = None) -> None:
         self.engine = engine
-        self.policy: SegmentPolicy = make_policy(engine.config.mux_span)
-        self.rendezvous = rendezvous or LocalRendezvous()
-        self.controller = BoundaryController()
+        self.turnstile = Turnstile(rendezvous or LocalRendezvous(), BoundaryController(),
+                                   make_policy(engine.config.mux_span), router)
         self.epoch: Epoch | None = None
         self._numbers = itertools.count(1)
         self._zombie_ids = itertools.count(-1, -1)
-        self.rounds = 0
+        self._clock = time.perf_counter() - time.time()  # turnstile records use time.time()
+
+    @property
+    def rounds(self) -> int:
+        """Turnstile rounds run so far (all epochs)."""
+        return len(self.turnstile.records)
 
     @property
     def busy(self) -> bool:
         return self.epoch is not None
 
     def round(self, plan: StepPlan, view: GlobalView) -> list[RequestOutput]:
-        """One turnstile round: D iteration, then P up to the policy's span."""
         e = self.engine
         if view.any_prefill and self.epoch is None:  # every rank starts the epoch, maybe with no rows
             inputs, owners = e._inputs((), plan.prefill)
-            self.epoch = Epoch(next(self._numbers), e.runner.forward(inputs, Phase.P), owners, view.prefill_tokens)
-            self.controller.begin_epoch(self.epoch.number)
-        if not view.any_decode and self.epoch is None:
-            return e._unblock() if e.requests else []
-        self.rounds += 1
-        outs = e._run_plain(StepPlan(decode=plan.decode), Phase.D) if view.any_decode else []
-        if self.epoch is not None:
-            # The step's state gather was the pre-D rendezvous; D is enqueued; now the post-D one.
-            self.rendezvous.meet(self.epoch.number, self.epoch.boundaries, "post-D")
-            self.controller.mark_post_d_complete()
-            self.controller.advance(self.policy.span(SegmentLoad(view.max_decode_rows, None, self.epoch.prefill_tokens)))
-            outs += self._segment()
+            self.epoch = Epoch(next(self._numbers), owners)
+            self.turnstile.begin(self.epoch.number, e.runner.forward(inputs, Phase.P),
+                                 prefill_tokens=view.prefill_tokens)
+        outs: list[RequestOutput] = []
+
+        def decode_iteration() -> None:
+            if view.any_decode:
+                outs.extend(e._run_plain(StepPlan(decode=plan.decode), Phase.D))
+
+        if self.epoch is None:
+            if not view.any_decode:
+                return e._unblock() if e.requests else []
+            decode_iteration()
+            return outs
+        with torch.no_grad():  # grad mode is read each time P's generator resumes
+            finished = self.turnstile.round(decode_iteration, lambda: len(plan.decode))
+        if finished:  # this round ran no D (every rank's P had already returned): run it now
+            decode_iteration()
+            outs.extend(self._finish_epoch())
+        else:
+            self._record_segment()
         return outs
 
-    def _segment(self) -> list[RequestOutput]:
-        """Run P through the segments the controller permits (or to its end)."""
+    def _finish_epoch(self) -> list[RequestOutput]:
         epoch, e = self.epoch, self.engine
-        t0 = time.perf_counter()
-        start = epoch.boundaries
-        with torch.no_grad():
-            try:
-                while self.controller.may_run_next_segment():
-                    next(epoch.forward)
-                    self.controller.publish(epoch.number, epoch.boundaries + 1)
-                    epoch.boundaries += 1
-            except StopIteration as stop:
-                epoch.logits = stop.value
-                self.controller.end_epoch()
-        if e.timeline is not None:
-            e.timeline.record(e.rank, Phase.P.value, f"epoch {epoch.number} segment", t0, time.perf_counter(),
-                              boundaries=f"{start + 1}..{epoch.boundaries}")
-        if epoch.logits is None:
-            return []
         self.epoch = None
         for owner in epoch.zombies:
             e.pool.release(owner)
-        return e._complete(epoch.owners, epoch.logits)
+        return e._complete(epoch.owners, self.turnstile.result)
+
+    def _record_segment(self) -> None:
+        e, rec = self.engine, self.turnstile.records[-1]
+        if e.timeline is not None:
+            e.timeline.record(e.rank, Phase.P.value, f"epoch {rec.epoch} segment", rec.t_post_d + self._clock,
+                              rec.t_end + self._clock, boundaries=f"{rec.first_boundary}..{rec.last_boundary}",
+                              span=rec.span, max_decode_rows=rec.max_decode_rows)
 
     def forget(self, req: "Request") -> None:
         """`req` is finishing early; if P is still writing its blocks, park them until the epoch ends."""
         if self.epoch is None or not any(o[0] is req for o in self.epoch.owners):
             return
+        pool = self.engine.pool
         zombie = next(self._zombie_ids)
-        self.engine.pool.tables[zombie] = self.engine.pool.tables.pop(req.seq.sid, [])
-        self.engine.pool.reserved.discard(req.seq.sid)
+        pool.tables[zombie] = pool.tables.pop(req.seq.sid, [])
+        pool.reserved.discard(req.seq.sid)
         req.seq.reset_kv()
         self.epoch.zombies.append(zombie)
