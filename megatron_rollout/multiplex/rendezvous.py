@@ -9,7 +9,8 @@ each rank sets one key per meeting and waits (server side, with a deadline) for 
 others; on timeout it checks which keys are absent and raises `RendezvousTimeout` naming them.
 Each key also carries the rank's (epoch, boundary, tag) and a small tuple of ints, so a meeting
 returns what every rank brought: the turnstile uses that to agree on boundary counts, decode rows
-and cancellation without a separate collective.
+and cancellation without a separate collective. Its errors subclass comm.dist's
+(`RendezvousTimeout`, `RendezvousMismatch`), which DistComm's state gather raises the same way.
 
 Deliberately left out: no device synchronisation (P work already submitted keeps running), no
 retry (a timed-out rendezvous is poisoned: the engine cancels the epoch and builds a new one),
@@ -24,6 +25,8 @@ from typing import Sequence
 
 import torch.distributed as dist
 
+from megatron_rollout.comm import dist as comm_dist
+
 logger = logging.getLogger(__name__)
 
 TAGS = ("pre-D", "post-D")
@@ -31,18 +34,23 @@ TAGS = ("pre-D", "post-D")
 Payload = tuple[int, ...]
 
 
-class RendezvousTimeout(TimeoutError):
-    """Some ranks did not reach a rendezvous in time. `.missing` are their global ranks."""
+class RendezvousTimeout(comm_dist.RendezvousTimeout):
+    """Some ranks did not reach a turnstile rendezvous in time. `.missing` are their global ranks.
+
+    A subclass of comm's `RendezvousTimeout`, so one `except` catches a timeout in either the
+    engine's state gather or the turnstile; adds the turnstile's `.epoch`, `.boundary`, `.tag`."""
 
     def __init__(self, missing: Sequence[int], epoch: int, boundary: int, tag: str, timeout_s: float,
                  rank: int) -> None:
-        self.missing, self.epoch, self.boundary, self.tag = tuple(missing), epoch, boundary, tag
-        super().__init__(f"rank(s) {list(self.missing)} did not arrive at the {tag} rendezvous of epoch "
+        missing = tuple(missing)
+        super().__init__(f"rank(s) {list(missing)} did not arrive at the {tag} rendezvous of epoch "
                          f"{epoch}, boundary {boundary} within {timeout_s}s (seen from rank {rank}); "
-                         f"check those ranks for a hang or crash")
+                         f"check those ranks for a hang or crash",
+                         missing, f"turnstile {tag}, epoch {epoch}, boundary {boundary}")
+        self.epoch, self.boundary, self.tag = epoch, boundary, tag
 
 
-class RendezvousMismatch(RuntimeError):
+class RendezvousMismatch(comm_dist.RendezvousMismatch):
     """All ranks arrived, but not at the same (epoch, tag): their plans diverged."""
 
 

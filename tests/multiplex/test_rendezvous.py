@@ -7,8 +7,17 @@ import time
 import pytest
 import torch.distributed as dist
 
+from megatron_rollout.comm import dist as comm_dist
+
 from megatron_rollout.multiplex.rendezvous import (LocalRendezvous, Rendezvous, RendezvousMismatch,
                                                    RendezvousTimeout)
+
+
+def test_errors_are_comm_errors():
+    exc = RendezvousTimeout([3], 9, 13, "post-D", 1.5, 0)
+    assert isinstance(exc, comm_dist.RendezvousTimeout) and isinstance(exc, TimeoutError)
+    assert exc.missing == (3,) and (exc.epoch, exc.boundary, exc.tag) == (9, 13, "post-D")
+    assert issubclass(RendezvousMismatch, comm_dist.RendezvousMismatch)
 
 
 def test_local_rendezvous():
