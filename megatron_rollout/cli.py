@@ -20,9 +20,19 @@ def _ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers, got {text!r}") from None
 
 
+def _schedules(text: str) -> str:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    known = [s.value for s in Schedule]
+    if not names or any(n not in known for n in names):
+        raise argparse.ArgumentTypeError(f"--schedule takes {', '.join(known)} (or a comma list for replay), "
+                                         f"got {text!r}")
+    return ",".join(names)
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-moe", help="preset name or Hugging Face checkpoint directory")
-    p.add_argument("--schedule", default="chunked", choices=[s.value for s in Schedule])
+    p.add_argument("--schedule", default="chunked", type=_schedules,
+                   help="off | chunked | mux; replay also takes a list (off,chunked,mux) to compare in one run")
     p.add_argument("--mux-span", default="load", help="mux segment policy: load | fixed:K")
     p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per rank")
     p.add_argument("--block-size", type=int, default=16)
@@ -60,8 +70,8 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(schedule=args.schedule, block_size=args.block_size, num_blocks=args.num_blocks,
+def engine_config(args: argparse.Namespace, schedule: str | None = None) -> EngineConfig:
+    return EngineConfig(schedule=schedule or args.schedule, block_size=args.block_size, num_blocks=args.num_blocks,
                         max_batch_tokens=args.max_batch_tokens, mux_span=args.mux_span)
 
 
@@ -76,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from megatron_rollout.launch import run_generate, run_replay
 
+    if args.command == "generate" and "," in args.schedule:
+        print("megatron-rollout generate: error: --schedule takes one schedule", file=sys.stderr)
+        return 2
     try:
         report = run_generate(args) if args.command == "generate" else run_replay(args)
     except (ValueError, FileNotFoundError) as exc:

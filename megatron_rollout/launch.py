@@ -19,21 +19,29 @@ def _device(args: argparse.Namespace) -> str:
     return args.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def build_engine(args: argparse.Namespace, timeline=None):
-    """(engine, runtime) for these arguments; runtime is None on one process."""
-    from megatron_rollout.cli import engine_config
-
+def build_model(args: argparse.Namespace):
+    """(model, runtime) for these arguments; runtime is None on one process."""
     world = args.atp * args.adp
     if args.ep is not None and args.ep != world:
         raise ValueError(f"--ep must equal --atp x --adp ({world}) with expert tensor parallel 1, got {args.ep}")
     if world == 1:
-        model = load_model(args.model, device=_device(args))
-        return RolloutEngine(model, engine_config(args), timeline=timeline), None
+        return load_model(args.model, device=_device(args)), None
     from megatron_rollout.distributed import Runtime
 
     runtime = Runtime.start(args.atp, args.adp, device=_device(args), timeout_s=args.timeout)
-    model = load_model(args.model, comm=runtime.comm, device=runtime.device)
-    return runtime.engine(model, engine_config(args), timeline=timeline), runtime
+    return load_model(args.model, comm=runtime.comm, device=runtime.device), runtime
+
+
+def build_engine(args: argparse.Namespace, timeline=None, model=None, runtime=None, schedule: str | None = None):
+    """(engine, runtime) for these arguments (reusing `model`/`runtime` when given)."""
+    from megatron_rollout.cli import engine_config
+
+    if model is None:
+        model, runtime = build_model(args)
+    config = engine_config(args, schedule)
+    if runtime is None:
+        return RolloutEngine(model, config, timeline=timeline), None
+    return runtime.engine(model, config, timeline=timeline), runtime
 
 
 def _output(result) -> dict:
@@ -57,22 +65,27 @@ def run_generate(args: argparse.Namespace) -> dict | None:
 
 
 def run_replay(args: argparse.Namespace) -> dict | None:
+    """One report, or {"runs": [...]} when several schedules are compared in this one process
+    (same model, same trace, one after the other)."""
     from megatron_rollout.trace.replay import replay
     from megatron_rollout.trace.schema import load_trace
 
     requests = load_trace(args.trace)
-    timeline = _timeline(args)
-    engine, runtime = build_engine(args, timeline)
-    vocab = engine.model.cfg.vocab_size
-    if runtime is None:
-        report, _ = replay(engine, requests, seed=args.seed, progress=not args.no_progress, vocab_size=vocab,
-                           schedule=args.schedule)
-        report = report.to_dict()
-    else:
-        report = runtime.replay(engine, requests, seed=args.seed, progress=not args.no_progress, vocab_size=vocab,
-                                schedule=args.schedule)
-    _write_timeline(args, timeline, runtime)
-    return report
+    schedules = args.schedule.split(",")
+    model, runtime = build_model(args)
+    reports = []
+    for schedule in schedules:
+        timeline = _timeline(args)
+        engine, _ = build_engine(args, timeline, model, runtime, schedule)
+        opts = dict(seed=args.seed, progress=not args.no_progress, vocab_size=model.cfg.vocab_size, schedule=schedule)
+        if runtime is None:
+            reports.append(replay(engine, requests, **opts)[0].to_dict())
+        else:
+            reports.append(runtime.replay(engine, requests, **opts))
+        _write_timeline(args, timeline, runtime, suffix=f".{schedule}" if len(schedules) > 1 else "")
+    if runtime is not None and not runtime.is_main:
+        return None
+    return reports[0] if len(reports) == 1 else {"runs": reports}
 
 
 def _timeline(args: argparse.Namespace):
@@ -83,11 +96,15 @@ def _timeline(args: argparse.Namespace):
     return Timeline()
 
 
-def _write_timeline(args: argparse.Namespace, timeline, runtime) -> None:
+def _write_timeline(args: argparse.Namespace, timeline, runtime, suffix: str = "") -> None:
     if timeline is None:
         return
     if runtime is not None:
         timeline = runtime.gather_timeline(timeline)
         if timeline is None:
             return
-    timeline.write_chrome_trace(args.timeline)
+    path = args.timeline
+    if suffix:  # timeline.json -> timeline.off.json, ...
+        stem, dot, ext = path.rpartition(".")
+        path = f"{stem}{suffix}.{ext}" if dot else path + suffix
+    timeline.write_chrome_trace(path)

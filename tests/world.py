@@ -35,12 +35,13 @@ def _entry(rank: int, n: int, port: int, fn: Callable, args: tuple, queue, pg_ti
     except BaseException as exc:  # noqa: BLE001 - reported to the parent with its traceback
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
-        try:
-            from megatron.core import parallel_state
+        import sys
 
-            parallel_state.destroy_model_parallel()
-        except Exception:  # noqa: BLE001
-            pass
+        if "megatron.core.parallel_state" in sys.modules:  # importing it just to tear down costs seconds
+            try:
+                sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
+            except Exception:  # noqa: BLE001
+                pass
         if dist.is_initialized():
             dist.destroy_process_group()
 
