@@ -103,7 +103,7 @@ def test_replay_mux_with_timeline(trace, tmp_path):
 def test_bad_arguments_exit_non_zero_with_a_message(capsys, tmp_path):
     for argv, message in [
         (["generate", "--prompt-ids", "1,x"], "comma-separated integers, got '1,x'"),
-        (["generate", "--prompt-ids", "1", "--schedule", "fast"], "invalid choice: 'fast'"),
+        (["generate", "--prompt-ids", "1", "--schedule", "fast"], "--schedule takes off, chunked, mux"),
         (["replay", "--schedule", "off"], "the following arguments are required: --trace"),
         (["launch"], "invalid choice: 'launch'"),
     ]:
