@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Multi-GPU validation (issue 9), for a machine with 2 or more GPUs of one host.
+#
+# 1. the GPU tests of the comm layer: NCCL exchanges (all-gather, normal and low-latency
+#    all-to-all domains) and, where `deep_ep` imports, DeepEP's normal P buffer and low-latency D
+#    buffer used side by side in one process;
+# 2. replay of one trace under off, chunked and mux (one process per GPU, NCCL), for the layouts
+#    the GPU count allows: ATP1/ADP n and ATP n/ADP1, and ATP2/ADP2 on 4 GPUs.
+# Results go to $OUT (default /tmp/multigpu). Wheels in .whl/ and .whl-x2/ are installed first
+# when present (megatron-core, tokenspeed-deepep, nvshmem4py; see docs/benchmarks.md).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+OUT=${OUT:-/tmp/multigpu}
+mkdir -p "$OUT"
+wheels=$(ls .whl/*.whl .whl-x2/*.whl 2>/dev/null)
+if [ -n "$wheels" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \
+    && export PYTHONPATH=/tmp/site:$PWD
+fi
+n=$(python3 -c "import torch; print(torch.cuda.device_count())")
+echo "GPUs: $n"
+nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
+python3 -c "import deep_ep; print('deep_ep', deep_ep.__file__)" > "$OUT/deep_ep.txt" 2>&1
+
+python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" tests/comm tests/multiplex 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
+
+python3 -m megatron_rollout.cli make-trace --conversations "${CONVERSATIONS:-32}" --scale "${SCALE:-0.05}" --out "$OUT/trace.jsonl"
+layouts="1,$n $n,1"
+[ "$n" -ge 4 ] && layouts="$layouts 2,$((n / 2))"
+for layout in $layouts; do
+  atp=${layout%,*}; adp=${layout#*,}
+  timeout 300 torchrun --nproc_per_node "$n" -m megatron_rollout.cli replay --trace "$OUT/trace.jsonl" \
+    --model "${MODEL:-tiny-moe}" --schedule off,chunked,mux --json --no-progress --device cuda \
+    --atp "$atp" --adp "$adp" --timeout 60 > "$OUT/replay_atp${atp}_adp${adp}.json" 2> "$OUT/replay_atp${atp}_adp${adp}.err"
+  echo "ATP$atp/ADP$adp exit $?"
+  python3 -c "
+import json, sys
+for r in json.load(open(sys.argv[1]))['runs']:
+    print(f\"  {r['schedule']:8s} makespan {r['makespan_s']:.2f}s p99 {r['p99_request_s']:.3f}s decode wait {r['mean_decode_wait_ms']:.1f}ms\")
+" "$OUT/replay_atp${atp}_adp${adp}.json" || tail -5 "$OUT/replay_atp${atp}_adp${adp}.err"
+done
