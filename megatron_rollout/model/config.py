@@ -108,7 +108,7 @@ PRESETS: dict[str, ModelConfig] = {
         vocab_size=260, hidden_size=64, num_layers=3, num_attention_heads=4, num_query_groups=2,
         kv_channels=16, ffn_hidden_size=128, num_moe_experts=8, moe_router_topk=2,
         moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32, moe_layer_freq=(0, 1, 1),
-        qk_layernorm=True, max_position_embeddings=2048, rotary_base=10000.0),
+        qk_layernorm=True, max_position_embeddings=8192, rotary_base=10000.0),
     # Qwen3-30B-A3B shapes (random init; GPU benchmarks).
     "qwen3-30b-a3b": ModelConfig(
         vocab_size=151936, hidden_size=2048, num_layers=48, num_attention_heads=32,
