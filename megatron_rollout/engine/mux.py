@@ -86,13 +86,18 @@ class MuxDriver:
                 return e._unblock() if e.requests else []
             decode_iteration()
             return outs
+        rows = lambda: len(plan.decode)  # noqa: E731
         with torch.no_grad():  # grad mode is read each time P's generator resumes
-            finished = self.turnstile.round(decode_iteration, lambda: len(plan.decode))
-        if finished:  # this round ran no D (every rank's P had already returned): run it now
-            decode_iteration()
+            finished = self.turnstile.round(decode_iteration, rows)
+            if finished:  # this round ran no D (every rank's P had already returned): run it now
+                decode_iteration()
+            else:
+                self._record_segment()
+                # P returned in this round: close the epoch now (a pre-D rendezvous that confirms
+                # it on every rank and runs no D) rather than one step later.
+                finished = self.turnstile.p_finished and self.turnstile.round(decode_iteration, rows)
+        if finished:
             outs.extend(self._finish_epoch())
-        else:
-            self._record_segment()
         return outs
 
     def _finish_epoch(self) -> list[RequestOutput]:

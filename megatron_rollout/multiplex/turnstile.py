@@ -127,6 +127,12 @@ class Turnstile:
         """The epoch in progress, if any."""
         return self._epoch.number if self._epoch is not None else None
 
+    @property
+    def p_finished(self) -> bool:
+        """This rank's P forward of the running epoch has returned (every rank's has too, since
+        all run the same boundary sequence; the next pre-D rendezvous confirms it)."""
+        return self._epoch is not None and self._epoch.finished
+
     def cancel(self, reason: str = "") -> bool:
         """Ask to end the running epoch; every rank stops at its next pre-D rendezvous with
         `EpochCancelled`. Thread-safe. Returns False (and does nothing) when no epoch is running:
