@@ -103,10 +103,11 @@ class ModelConfig:
 
 PRESETS: dict[str, ModelConfig] = {
     # The embedded default: a byte-level vocabulary (256 bytes + BOS/EOS/PAD), 8 experts, top-2,
-    # one dense layer first as in DeepSeek-style models. Milliseconds per step on CPU.
+    # one dense layer first as in DeepSeek-style models, 4 KV heads so ATP can be 1, 2 or 4.
+    # Milliseconds per step on CPU.
     "tiny-moe": ModelConfig(
-        vocab_size=260, hidden_size=64, num_layers=3, num_attention_heads=4, num_query_groups=2,
-        kv_channels=16, ffn_hidden_size=128, num_moe_experts=8, moe_router_topk=2,
+        vocab_size=260, hidden_size=64, num_layers=3, num_attention_heads=8, num_query_groups=4,
+        kv_channels=8, ffn_hidden_size=128, num_moe_experts=8, moe_router_topk=2,
         moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32, moe_layer_freq=(0, 1, 1),
         qk_layernorm=True, max_position_embeddings=8192, rotary_base=10000.0),
     # Qwen3-30B-A3B shapes (random init; GPU benchmarks).

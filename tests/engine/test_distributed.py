@@ -15,8 +15,7 @@ from megatron_rollout.model.config import preset
 from megatron_rollout.model.transformer import MoETransformer
 from tests.world import run_world
 
-# tiny-moe with 4 query groups, so ATP 4 can split attention.
-CFG = preset("tiny-moe").replace(num_attention_heads=8, num_query_groups=4, kv_channels=8)
+CFG = preset("tiny-moe")  # 4 KV heads: ATP 4 can split attention
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [9] * 7, [200, 100]]
 PARAMS = SamplingParams(temperature=0.0, max_new_tokens=5)
 SCHEDULES = ("off", "chunked", "mux")
