@@ -96,7 +96,8 @@ class RolloutEngine:
         self.pool = BlockPool(self.config.num_blocks, self.config.block_size)
         kv_heads = cfg.num_query_groups // model.comm.size(Axis.ATP)
         self._kv_shape = (cfg, self.config.num_blocks, self.config.block_size, kv_heads)
-        self.runner = ModelRunner(model, PagedKVCache(*self._kv_shape, device=model.device))
+        from megatron_rollout.engine.cuda_runner import make_runner  # CudaRunner on one GPU, else ModelRunner
+        self.runner = make_runner(model, PagedKVCache(*self._kv_shape, device=model.device))
         self.weights = WeightStore(model)
         self.stats = EngineStats()
         self.timeline, self.rank = timeline, rank

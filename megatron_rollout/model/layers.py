@@ -13,6 +13,7 @@ Driving a generator to its end (`run_to_end`) is the plain forward.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Generator
 from dataclasses import dataclass
 
@@ -194,12 +195,56 @@ class Experts(nn.Module):
         self.local_experts = nn.ModuleList(
             MLP(cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.torch_dtype, device=device)
             for _ in range(self.num_local))
+        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # see restack()
 
     def grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x: [n, H] sorted by local expert, `counts[K]` rows for expert K. Returns [n, H]."""
         if sum(counts) == 0:
             return x.new_zeros(x.shape)
+        if x.is_cuda and self.stacked() is not None:  # GPU fast path: one grouped GEMM per projection
+            offsets = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32).to(x.device)
+            return self.grouped_offsets(x, offsets)
         return torch.cat([self.local_experts[k](part) for k, part in enumerate(x.split(counts)) if counts[k]])
+
+    # -- grouped-GEMM fast path (CUDA, bf16) -------------------------------------------------
+    def restack(self) -> None:
+        """Make every expert's `linear_fc1/fc2.weight` a view of one stacked tensor per projection
+        ([E, 2F, H] and [E, H, F]), so `update_weights` (an in-place copy per Megatron name) lands
+        in the tensors the grouped GEMM reads, at stable addresses. Called by the CUDA runner; the
+        portable path never needs it. `WeightStore.bind` re-points parameters and undoes it
+        (`stacked()` then returns None and the per-expert path runs)."""
+        if self._stacked is not None and self.stacked() is not None:
+            return  # already stacked and still aliased
+        fc1 = torch.stack([e.linear_fc1.weight.detach() for e in self.local_experts])
+        fc2 = torch.stack([e.linear_fc2.weight.detach() for e in self.local_experts])
+        for i, e in enumerate(self.local_experts):
+            e.linear_fc1.weight.data = fc1[i]
+            e.linear_fc2.weight.data = fc2[i]
+        self._stacked = (fc1, fc2)
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The stacked weights when they still alias the experts' parameters (bf16, not FP8)."""
+        st = self._stacked
+        if st is None or st[0].dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
+            return None
+        first, last = self.local_experts[0], self.local_experts[-1]
+        if (first.linear_fc1.fp8 is not None or first.linear_fc2.fp8 is not None
+                or first.linear_fc1.weight.data_ptr() != st[0].data_ptr()
+                or last.linear_fc2.weight.data_ptr() != st[1][-1].data_ptr()):
+            return None
+        return st
+
+    def grouped_offsets(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """x: [n, H] sorted by local expert; offsets: [E] int32 cumulative row counts (on x's
+        device, so no host sync). Returns [n, H]. Needs `stacked()`."""
+        st = self.stacked()
+        if st is None:
+            raise RuntimeError("grouped_offsets needs stacked bf16 expert weights: call restack() on a CUDA "
+                               "model (after any WeightStore.bind)")
+        fc1, fc2 = st
+        h = torch._grouped_mm(x, fc1.transpose(1, 2), offs=offsets)  # [n, 2F]
+        gate, up = h.chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, fc2.transpose(1, 2), offs=offsets)  # [n, H]
 
 
 class MoELayer(nn.Module):

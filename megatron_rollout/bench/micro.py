@@ -1,0 +1,224 @@
+"""Micro-benchmarks of the CUDA runner's parts, each against its roofline (GPU only).
+
+- `decode_steps`: one decode iteration (graph replay) at several batch sizes and context lengths,
+  against the memory roofline (bytes it must read / measured copy bandwidth), and the same step
+  run eagerly (what the graph saves).
+- `prefill`: one prefill forward, FLOP/s against the measured matmul rate.
+- `attention`: the paged decode and prefill kernels alone (achieved bandwidth; Triton vs varlen).
+- `experts`: grouped-GEMM experts vs the per-expert loop at decode and prefill sizes.
+- `overlap`: a decode replay while a long prefill runs on the other stream, with the D stream at
+  high priority, at equal priority, and (if they work here) with green-context SM partitions.
+
+Inputs are random (token ids, block tables as a shuffled permutation, KV filled with noise).
+Left out: anything multi-rank.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from megatron_rollout.bench.bounds import ModelCosts, decode_roofline_s, prefill_flops
+from megatron_rollout.bench.ceilings import time_cuda
+from megatron_rollout.engine.cuda_runner import CudaRunner
+from megatron_rollout.engine.runner import SpanInput
+from megatron_rollout.kernels.layout import KernelPagedBatch, build_layout
+from megatron_rollout.kv.paged import SeqSpan
+from megatron_rollout.model.layers import run_to_end
+from megatron_rollout.types import Phase
+
+log = logging.getLogger(__name__)
+
+
+def random_inputs(spec: list[tuple[int, int]], block_size: int, num_blocks: int, vocab: int,
+                  rng: np.random.Generator) -> list[SpanInput]:
+    """SpanInputs for (past, new) pairs with disjoint random block tables."""
+    need = [math.ceil((p + n) / block_size) for p, n in spec]
+    if sum(need) > num_blocks:
+        raise ValueError(f"{sum(need)} blocks needed, cache has {num_blocks}")
+    perm = rng.permutation(num_blocks)
+    inputs, at = [], 0
+    for (past, new), k in zip(spec, need):
+        table = tuple(int(b) for b in perm[at:at + k])
+        at += k
+        inputs.append(SpanInput(SeqSpan(table, past, new), rng.integers(0, vocab, new).tolist(), sample=True))
+    return inputs
+
+
+def decode_steps(runner: CudaRunner, costs: ModelCosts, bandwidth: float, points: list[tuple[int, int]],
+                 rng: np.random.Generator, iters: int = 30) -> list[dict[str, Any]]:
+    """Graph-replayed (and eager) decode step time for each (rows, context) point."""
+    out = []
+    cache = runner.cache
+    for rows, context in points:
+        inputs = random_inputs([(context - 1, 1)] * rows, cache.block_size, cache.num_blocks,
+                               runner.cfg.vocab_size, rng)
+        graph = runner._graph(runner.bucket(rows))
+        graph.static.fill([i.span for i in inputs], [i.token_ids[0] for i in inputs])
+        graph_s = time_cuda(graph.graph.replay, iters=iters, stream=runner.d_stream)
+        eager_s = time_cuda(lambda: run_to_end(runner._eager(inputs, Phase.D)), iters=5, warmup=1)
+        roof = decode_roofline_s(costs, rows, rows * context, bandwidth)
+        out.append({"rows": rows, "bucket": graph.rows, "context": context, "graph_ms": graph_s * 1e3,
+                    "eager_ms": eager_s * 1e3, "roofline_ms": roof * 1e3, "graph_over_roofline": graph_s / roof,
+                    "bytes": costs.decode_bytes(rows, rows * context)})
+        log.info("decode rows=%d ctx=%d: %.2f ms (roofline %.2f ms)", rows, context, graph_s * 1e3, roof * 1e3)
+    return out
+
+
+def prefill(runner: CudaRunner, costs: ModelCosts, peak: float, specs: list[list[tuple[int, int]]],
+            rng: np.random.Generator, iters: int = 5) -> list[dict[str, Any]]:
+    """Time of one P forward for each batch spec [(past, new), ...]."""
+    out = []
+    cache = runner.cache
+    for spec in specs:
+        inputs = random_inputs(spec, cache.block_size, cache.num_blocks, runner.cfg.vocab_size, rng)
+        seconds = time_cuda(lambda: run_to_end(runner.forward(inputs, Phase.P)), iters=iters, warmup=1)
+        flops = prefill_flops(costs, spec)
+        tokens = sum(n for _, n in spec)
+        out.append({"spans": spec, "tokens": tokens, "ms": seconds * 1e3, "tokens_per_s": tokens / seconds,
+                    "tflops": flops / seconds / 1e12, "fraction_of_matmul_peak": flops / seconds / peak})
+        log.info("prefill %d tokens: %.1f ms, %.0f TFLOP/s", tokens, seconds * 1e3, flops / seconds / 1e12)
+    return out
+
+
+def attention(runner: CudaRunner, rng: np.random.Generator) -> dict[str, Any]:
+    """The attention kernels alone on layer 0 of the runner's cache."""
+    from megatron_rollout.kernels.registry import resolve_attention
+
+    cache, cfg = runner.cache, runner.cfg
+    dev, dt = runner.device, cfg.torch_dtype
+    hq, hkv, d = runner.q_heads, runner.kv_heads, cfg.kv_channels
+    result: dict[str, Any] = {}
+
+    def run(kernels, inputs):
+        layout = build_layout([i.span for i in inputs], [i.token_ids for i in inputs], [True] * len(inputs),
+                              cache.block_size, kernels, hq, hkv, d, dev, runner.num_sms)
+        n = sum(i.span.new for i in inputs)
+        gen = torch.Generator(device=dev).manual_seed(n)  # the same q, k, v for every backend
+        q = torch.randn(n, hq, d, device=dev, dtype=dt, generator=gen)
+        k = torch.randn(n, hkv, d, device=dev, dtype=dt, generator=gen)
+        v = torch.randn(n, hkv, d, device=dev, dtype=dt, generator=gen)
+        batch = KernelPagedBatch(cache, layout, kernels)
+        seconds = time_cuda(lambda: batch.attend(0, q, k, v), iters=20)
+        return seconds, batch.attend(0, q, k, v)
+
+    dec = random_inputs([(2047, 1)] * 64, cache.block_size, cache.num_blocks, cfg.vocab_size, rng)
+    seconds, _ = run(runner.kernels, dec)
+    kv_bytes = 64 * 2048 * hkv * d * 2 * cache.k.element_size()
+    result["decode_64x2048"] = {"ms": seconds * 1e3, "kv_bytes": kv_bytes, "gb_per_s": kv_bytes / seconds / 1e9}
+    pre = random_inputs([(2048, 1024)] * 4, cache.block_size, cache.num_blocks, cfg.vocab_size, rng)
+    pairs = sum(n * p + n * (n + 1) / 2 for p, n in [(2048, 1024)] * 4)
+    flops = 4 * pairs * hq * d
+    t_triton, o_triton = run(runner.kernels, pre)
+    result["prefill_4x(2048+1024)"] = {"triton_ms": t_triton * 1e3, "triton_tflops": flops / t_triton / 1e12}
+    try:
+        varlen = resolve_attention("varlen", dev)
+        t_var, o_var = run(varlen, pre)
+        rel = float((o_var.float() - o_triton.float()).norm() / o_triton.float().norm())
+        result["prefill_4x(2048+1024)"].update(varlen_ms=t_var * 1e3, varlen_tflops=flops / t_var / 1e12,
+                                               varlen_vs_triton_rel_err=rel)
+    except Exception as exc:  # recorded, not fatal: varlen is an alternative
+        result["prefill_4x(2048+1024)"]["varlen_error"] = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+def experts(runner: CudaRunner, rng: np.random.Generator) -> dict[str, Any]:
+    """Grouped-GEMM experts vs the per-expert loop (first MoE layer)."""
+    from megatron_rollout.comm.exchange import compute_local
+    from megatron_rollout.kernels.moe import routed_experts
+    from megatron_rollout.model.layers import MoELayer
+
+    layer = next(m for m in runner.model.modules() if isinstance(m, MoELayer))
+    cfg, dev = runner.cfg, runner.device
+    out = {}
+    for tokens in (64, 8192):
+        x = torch.randn(tokens, cfg.hidden_size, device=dev, dtype=cfg.torch_dtype)
+        with torch.no_grad():
+            w, ids = layer.router(x)
+            grouped = time_cuda(lambda: routed_experts(x, ids, w, layer.experts), iters=10)
+            try:
+                tri = time_cuda(lambda: routed_experts(x, ids, w, layer.experts, "triton", 1 << 30), iters=10) * 1e3
+            except Exception as exc:
+                tri = f"{type(exc).__name__}: {exc}"
+            synced = time_cuda(lambda: compute_local(x, ids, w, layer.experts), iters=5, warmup=1)
+            stacked, layer.experts._stacked = layer.experts._stacked, None  # force the per-expert loop
+            try:
+                loop = time_cuda(lambda: compute_local(x, ids, w, layer.experts), iters=3, warmup=1)
+            finally:
+                layer.experts._stacked = stacked
+        out[f"{tokens}_tokens"] = {"grouped_sync_free_ms": grouped * 1e3, "triton_ms": tri,
+                                   "grouped_after_host_sort_ms": synced * 1e3, "per_expert_loop_ms": loop * 1e3,
+                                   "expert_weight_bytes": layer.experts.stacked()[0].numel() * 3 // 2 * 2}
+    return out
+
+
+def overlap(runner: CudaRunner, rng: np.random.Generator, rows: int = 64, context: int = 2048,
+            prefill_spec: list[tuple[int, int]] | None = None, green_sms: tuple[int, ...] = (16, 32)) -> dict:
+    """Decode replay latency while a prefill forward runs on the other stream."""
+    cache = runner.cache
+    spec = prefill_spec or [(0, 4096)] * 4
+    p_inputs = random_inputs(spec, cache.block_size, cache.num_blocks // 2, runner.cfg.vocab_size, rng)
+    d_inputs = random_inputs([(context - 1, 1)] * rows, cache.block_size, cache.num_blocks // 2,
+                             runner.cfg.vocab_size, rng)
+    d_inputs = [SpanInput(SeqSpan(tuple(b + cache.num_blocks // 2 for b in i.span.table), i.span.past, 1),
+                          i.token_ids, True) for i in d_inputs]
+    graph = runner._graph(runner.bucket(rows))
+    graph.static.fill([i.span for i in d_inputs], [i.token_ids[0] for i in d_inputs])
+
+    def p_forward(stream):
+        with torch.cuda.stream(stream):
+            return run_to_end(runner._eager(p_inputs, Phase.P))
+
+    def trial(d_stream, p_stream, replays: int = 8) -> dict:
+        torch.cuda.synchronize()
+        p_start, p_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        p_start.record(p_stream)
+        saved = runner.p_stream
+        runner.p_stream = p_stream
+        try:
+            gen = runner._eager(p_inputs, Phase.P)  # the runner's P forward, enqueued without waiting
+            while True:
+                try:
+                    point = next(gen)
+                except StopIteration:
+                    break
+                if point is not None and point.layer == -1:  # completion polls: P is fully enqueued
+                    break
+        finally:
+            runner.p_stream = saved
+        p_end.record(p_stream)
+        times = []
+        for _ in range(replays):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record(d_stream)
+            with torch.cuda.stream(d_stream):
+                graph.graph.replay()
+            e.record(d_stream)
+            times.append((s, e))
+        torch.cuda.synchronize()
+        return {"d_ms": [a.elapsed_time(b) for a, b in times], "p_ms": p_start.elapsed_time(p_end)}
+
+    result: dict[str, Any] = {}
+    result["d_alone_ms"] = time_cuda(graph.graph.replay, iters=10, stream=runner.d_stream) * 1e3
+    result["p_alone_ms"] = time_cuda(lambda: p_forward(runner.p_stream), iters=2, warmup=1) * 1e3
+    result["priority"] = trial(runner.d_stream, runner.p_stream)
+    result["equal_priority"] = trial(torch.cuda.Stream(runner.device, priority=0), runner.p_stream)
+    green: dict[str, Any] = {}
+    try:
+        from torch.cuda.green_contexts import GreenContext
+
+        total = runner.num_sms
+        for d_sms in green_sms:
+            try:
+                gd = GreenContext.create(num_sms=d_sms, device_id=runner.device.index or 0)
+                gp = GreenContext.create(num_sms=total - d_sms, device_id=runner.device.index or 0)
+                green[f"d{d_sms}_p{total - d_sms}"] = trial(gd.Stream(), gp.Stream())
+            except Exception as exc:
+                green[f"d{d_sms}_p{total - d_sms}"] = {"error": f"{type(exc).__name__}: {exc}"}
+    except Exception as exc:
+        green["error"] = f"{type(exc).__name__}: {exc}"
+    result["green_contexts"] = green
+    return result

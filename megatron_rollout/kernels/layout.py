@@ -1,0 +1,211 @@
+"""Index building for one forward over paged KV, and the attention backend the model calls.
+
+`build_layout` turns the runner's spans (block table, cached positions, new positions) into the
+device index tensors the kernels read: one int32 host array (numpy, vectorised: no per-token
+Python), pinned and copied in one non-blocking transfer. `StaticDecodeLayout` is the CUDA-graph
+version for decode batches: fixed-size device buffers, refilled in place before each replay, so
+the captured kernels see new rows without being re-captured.
+
+`KernelPagedBatch` implements `model.attention.AttentionBackend` on top of a layout and an
+`AttentionKernels` backend: store the new K/V, then decode rows (one new token) go to the
+split-K decode kernel and the other spans to the causal prefill kernel.
+
+Left out: sequences longer than their block table (the engine grows tables before a forward) and
+any bookkeeping of which blocks are free (that is `kv.block_pool`'s job).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from megatron_rollout.kernels.registry import AttentionKernels, DecodeMeta, PrefillMeta
+from megatron_rollout.kv.paged import PagedKVCache, SeqSpan
+from megatron_rollout.model.attention import AttentionBackend
+
+
+def choose_splits(rows: int, kv_heads: int, num_sms: int, max_len: int | None = None, cap: int = 32,
+                  min_per_split: int = 256, programs_per_sm: int = 8) -> int:
+    """KV splits per decode row (a power of two): about `programs_per_sm` programs per SM, so
+    enough loads are in flight to stream the KV at full bandwidth, each split at least
+    `min_per_split` positions long when the longest row is known."""
+    want = math.ceil(programs_per_sm * num_sms / max(1, rows * kv_heads))
+    splits = 1 << max(0, math.ceil(math.log2(want)))
+    if max_len is not None:
+        by_len = max(1, math.ceil(max_len / min_per_split))
+        splits = min(splits, 1 << (by_len.bit_length() - 1))  # a power of two
+    return max(1, min(cap, splits))
+
+
+def _to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(host)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+@dataclass(frozen=True)
+class ForwardLayout:
+    """Everything one forward needs on the device, as int32 views of one buffer."""
+
+    tokens: torch.Tensor
+    """[N] token ids of the new positions, span by span."""
+    positions: torch.Tensor
+    """[N] position of each new token."""
+    slots: torch.Tensor
+    """[N] KV slot of each new token (< 0: padded row, not stored)."""
+    logits_rows: torch.Tensor
+    """[R] int64 rows of the sampled spans' last tokens."""
+    decode: DecodeMeta | None
+    prefill: PrefillMeta | None
+
+
+def build_layout(spans: Sequence[SeqSpan], token_ids: Sequence[Sequence[int]], sample: Sequence[bool],
+                 block_size: int, kernels: AttentionKernels, q_heads: int, kv_heads: int, head_dim: int,
+                 device: torch.device, num_sms: int = 132) -> ForwardLayout:
+    """Device indices for the spans of one forward (new tokens laid out span after span)."""
+    s_count = len(spans)
+    news = np.fromiter((s.new for s in spans), np.int64, s_count)
+    pasts = np.fromiter((s.past for s in spans), np.int64, s_count)
+    width = max([len(s.table) for s in spans] + [1])
+    tables = np.zeros((s_count, width), np.int32)
+    for i, s in enumerate(spans):
+        tables[i, :len(s.table)] = s.table
+    q_start = np.cumsum(news) - news
+    n = int(news.sum())
+    seg = np.repeat(np.arange(s_count), news)
+    pos = np.arange(n) - q_start[seg] + pasts[seg]
+    slots = tables[seg, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    tokens = np.fromiter(itertools.chain.from_iterable(token_ids), np.int64, n)
+    lens = pasts + news
+    dec = np.nonzero(news == 1)[0]
+    multi = np.nonzero(news > 1)[0]
+    tok = kernels.tile_tokens(q_heads // kv_heads)
+    ntiles = (news[multi] + tok - 1) // tok
+    t_count = int(ntiles.sum())
+    tile_seq = np.repeat(multi, ntiles)
+    tile_start = (np.arange(t_count) - np.repeat(np.cumsum(ntiles) - ntiles, ntiles)) * tok
+    rows = (q_start + news - 1)[np.asarray(sample, dtype=bool)] if s_count else np.zeros(0, np.int64)
+
+    parts = [tokens, pos, slots, q_start, pasts, news, lens, dec, tile_seq, tile_start, rows, tables.reshape(-1)]
+    packed = np.concatenate([np.asarray(p, np.int32).reshape(-1) for p in parts])
+    dev = _to_device(packed, device)
+    views, at = [], 0
+    for p in parts:
+        views.append(dev[at:at + p.size])
+        at += p.size
+    t_tok, t_pos, t_slot, t_qs, t_past, t_new, t_len, t_dec, t_tseq, t_tstart, t_rows, t_tab = views
+    t_tab = t_tab.view(s_count, width)
+
+    decode = None
+    if dec.size:
+        splits = choose_splits(int(dec.size), kv_heads, num_sms, int(lens[dec].max()))
+        decode = DecodeMeta(t_dec, t_tab, t_len, t_qs, splits, block_size, host_seq=dec, host_tables=tables,
+                            host_lens=lens, host_q_start=q_start)
+    prefill = None
+    if multi.size:
+        prefill = PrefillMeta(t_tab, t_qs, t_past, t_new, t_tseq, t_tstart, tok, tuple(multi.tolist()),
+                              int(news[multi].max()), int(lens[multi].max()), block_size, host_tables=tables,
+                              host_q_start=q_start, host_past=pasts, host_new=news)
+    return ForwardLayout(t_tok, t_pos, t_slot, t_rows.long(), decode, prefill)
+
+
+class KernelPagedBatch(AttentionBackend):
+    """`AttentionBackend` over a `PagedKVCache` through an `AttentionKernels` backend."""
+
+    def __init__(self, cache: PagedKVCache, layout: ForwardLayout, kernels: AttentionKernels) -> None:
+        self.cache, self.layout, self.kernels = cache, layout, kernels
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.layout.positions
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kc, vc = self.cache.k[layer], self.cache.v[layer]  # [slots, hkv, d]
+        self.kernels.store_kv(kc, vc, k, v, self.layout.slots)
+        out = torch.empty_like(q)
+        if self.layout.decode is not None:
+            self.kernels.decode(q, kc, vc, self.layout.decode, out)
+        if self.layout.prefill is not None:
+            self.kernels.prefill(q, kc, vc, self.layout.prefill, out)
+        return out
+
+
+class StaticDecodeLayout:
+    """Fixed-size decode indices for one CUDA-graph batch size, refilled in place.
+
+    Rows past the live batch are padding: token 0 at position 0, slot -1 (nothing stored) and
+    length 0 (attention writes zeros), so a graph captured for `rows` serves any batch up to it."""
+
+    def __init__(self, rows: int, table_width: int, block_size: int, kernels: AttentionKernels, q_heads: int,
+                 kv_heads: int, head_dim: int, device: torch.device, num_sms: int) -> None:
+        self.rows, self.width, self.block_size = rows, table_width, block_size
+        size = 4 * rows + rows * table_width
+        self.device_buf = torch.zeros(size, dtype=torch.int32, device=device)
+        self.host_buf = torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.host = self.host_buf.numpy()
+        self._copied: torch.cuda.Event | None = None
+        b = rows
+        d = self.device_buf
+        self.tokens, self.positions, self.slots, self.lens = d[:b], d[b:2 * b], d[2 * b:3 * b], d[3 * b:4 * b]
+        self.tables = d[4 * b:].view(rows, table_width)
+        self.arange = torch.arange(rows, dtype=torch.int32, device=device)
+        self.logits_rows = torch.arange(rows, dtype=torch.int64, device=device)
+        splits = choose_splits(rows, kv_heads, num_sms)
+        workspace = {}
+        if hasattr(kernels, "decode_block_n"):
+            from megatron_rollout.kernels.triton_attention import decode_workspace
+
+            workspace = decode_workspace(rows, q_heads, splits, head_dim, device)
+        self.decode = DecodeMeta(self.arange, self.tables, self.lens, self.arange, splits, block_size,
+                                 workspace=workspace)
+        self.layout = ForwardLayout(self.tokens, self.positions, self.slots, self.logits_rows, self.decode, None)
+        self.fill_padding()
+
+    def fill_padding(self) -> None:
+        """Every row padding (used while capturing)."""
+        self._wait_copy()
+        h, b = self.host, self.rows
+        h[:4 * b] = 0
+        h[2 * b:3 * b] = -1
+        self._upload(0)
+
+    def fill(self, spans: Sequence[SeqSpan], tokens: Sequence[int]) -> None:
+        """Load one decode batch (`len(spans)` <= rows; one new token per span)."""
+        n, b, bs = len(spans), self.rows, self.block_size
+        if n > b:
+            raise ValueError(f"decode batch of {n} rows exceeds this graph's {b}")
+        self._wait_copy()
+        h = self.host
+        tables = h[4 * b:].reshape(b, self.width)
+        pasts = np.fromiter((s.past for s in spans), np.int64, n)
+        for i, s in enumerate(spans):
+            if len(s.table) > self.width:
+                raise ValueError(f"block table of {len(s.table)} blocks exceeds the graph's width {self.width}")
+            tables[i, :len(s.table)] = s.table
+        h[:n] = tokens
+        h[n:b] = 0
+        h[b:b + n] = pasts
+        h[b + n:2 * b] = 0
+        rows = np.arange(n)
+        h[2 * b:2 * b + n] = tables[rows, pasts // bs].astype(np.int64) * bs + pasts % bs
+        h[2 * b + n:3 * b] = -1
+        h[3 * b:3 * b + n] = pasts + 1
+        h[3 * b + n:4 * b] = 0
+        self._upload(n)
+
+    def _upload(self, n: int) -> None:
+        end = 4 * self.rows + n * self.width
+        self.device_buf[:end].copy_(self.host_buf[:end], non_blocking=True)
+        if self.device_buf.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def _wait_copy(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()  # the pinned buffer is about to be rewritten
+            self._copied = None

@@ -1,0 +1,161 @@
+"""Routed experts on one rank with no host synchronisation: grouped GEMMs, CUDA-graph safe.
+
+The portable exchange (`comm.exchange.compute_local`) sorts token/expert pairs with
+`bincount(...).tolist()`: a host round trip per MoE layer, which forbids CUDA-graph capture and
+stalls the host behind the GPU (so P could not be enqueued ahead of D). Here every step stays on
+the device:
+
+1. each (token, slot) pair gets its destination in expert-sorted order from a one-hot prefix sum
+   (small batches) or a stable argsort (large prefills), both sync-free;
+2. `Experts.grouped_offsets` runs the expert MLPs as two `torch._grouped_mm` calls over the stacked
+   expert weights, with the cumulative counts as group offsets (never a Python loop over experts);
+3. results return to pair order by index and are combined with the routing weights.
+
+`DeviceLocalComm` is `LocalComm` with this exchange; `install_device_exchange(model)` swaps it in
+for a single-rank model (the CUDA runner does this). Left out: expert parallelism (several ranks
+exchange tokens through `comm`'s distributed exchanges), FP8 expert weights (they fall back to the
+portable exchange) and capacity factors / token dropping.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from megatron_rollout.comm.exchange import ExpertExchange, compute_local
+from megatron_rollout.comm.facade import LocalComm
+from megatron_rollout.model.layers import Experts, MoELayer
+
+log = logging.getLogger(__name__)
+
+ONE_HOT_LIMIT = 1 << 22
+"""Pairs x experts up to which the one-hot prefix sum is used (capturable, a few MB)."""
+
+
+def sorted_destinations(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """flat: [P] expert id of each pair. Returns (dest [P] int64: the pair's row in expert-sorted,
+    stable order; offsets [E] int32: cumulative pair counts, the groups' end rows)."""
+    pairs = flat.numel()
+    if pairs * num_experts <= ONE_HOT_LIMIT:
+        # [E, P]: the scan runs along the contiguous dim (a scan along dim 0 of [P, E] is a serial
+        # loop per column in torch, ~P dependent steps: 0.25 ms per layer at decode sizes)
+        onehot = torch.zeros(num_experts, pairs, dtype=torch.int32, device=flat.device)
+        onehot.scatter_(0, flat[None, :], 1)
+        csum = onehot.cumsum(1, dtype=torch.int32)
+        counts = csum[:, -1]
+        offsets = counts.cumsum(0, dtype=torch.int32)
+        rank = csum.gather(0, flat[None, :]).squeeze(0) - 1  # position among pairs of the same expert
+        dest = (offsets - counts)[flat] + rank
+        return dest.long(), offsets
+    order = torch.argsort(flat, stable=True)
+    dest = torch.empty_like(order)
+    dest[order] = torch.arange(pairs, device=flat.device)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    return dest, counts.cumsum(0, dtype=torch.int32)
+
+
+def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts,
+                   small: str = "grouped_mm", small_pairs: int = 0) -> torch.Tensor:
+    """sum_k weights[n, k] * expert_{ids[n, k]}(x[n]) for a rank holding every expert. x: [N, H];
+    ids, weights: [N, k]. Returns [N, H] in x's dtype. Batches of at most `small_pairs` pairs use
+    the `small` kernels ("triton": `kernels.moe_triton`; "grouped_mm": the grouped GEMM)."""
+    n, k = ids.shape
+    if n == 0:
+        return x.new_zeros(x.shape)
+    if small == "triton" and n * k <= small_pairs:
+        from megatron_rollout.kernels.moe_triton import routed_experts_triton
+
+        fc1, fc2 = experts.stacked()
+        return routed_experts_triton(x, ids, weights, fc1, fc2, experts.first)
+    flat = ids.reshape(-1) - experts.first
+    dest, offsets = sorted_destinations(flat, experts.num_local)
+    token = torch.arange(n * k, device=x.device) // k
+    xs = x.new_empty(n * k, x.shape[1])
+    xs.index_copy_(0, dest, x.index_select(0, token))  # [P, H], expert-sorted
+    ys = experts.grouped_offsets(xs, offsets)  # [P, H]
+    y = ys.index_select(0, dest).view(n, k, -1)  # back to pair order
+    return (y * weights.unsqueeze(-1).to(y.dtype)).sum(1)
+
+
+class DeviceExchange(ExpertExchange):
+    """Single-rank exchange: `routed_experts` when the experts are stacked, else the portable path.
+
+    `small` / `small_pairs` pick the kernels of small batches (see `routed_experts`); the CUDA
+    runner sets them from a measurement (`choose_small_kernels`)."""
+
+    def __init__(self, small: str = "grouped_mm", small_pairs: int = 4096) -> None:
+        self.small, self.small_pairs = small, small_pairs
+
+    def run(self, x, ids, weights, experts, layer):
+        if experts.stacked() is None:
+            return compute_local(x, ids, weights, experts)
+        return routed_experts(x, ids, weights, experts, self.small, self.small_pairs)
+        yield  # a generator with no boundary: nothing crosses ranks
+
+
+class DeviceLocalComm(LocalComm):
+    """`LocalComm` whose exchange never synchronises with the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.device_exchange = DeviceExchange()
+        self._exchange = self.device_exchange
+
+
+def choose_small_kernels(model: torch.nn.Module, rows: int = 64) -> dict:
+    """Time the Triton and grouped-GEMM expert paths on a decode-sized batch of the first MoE
+    layer and keep the faster for small batches. Returns the timings (ms) and the choice."""
+    comm = getattr(model, "comm", None)
+    layer = next((m for m in model.modules() if isinstance(m, MoELayer)), None)
+    if not isinstance(comm, DeviceLocalComm) or layer is None or layer.experts.stacked() is None:
+        return {"choice": "none"}
+    from megatron_rollout.kernels import moe_triton
+
+    cfg_h = layer.experts.stacked()[0].shape[2]
+    ffn = layer.experts.stacked()[1].shape[2]
+    if not moe_triton.supported(cfg_h, ffn):
+        return {"choice": "grouped_mm", "reason": f"hidden {cfg_h} / ffn {ffn} not tileable"}
+    x = torch.randn(rows, cfg_h, device=layer.experts.stacked()[0].device, dtype=layer.experts.stacked()[0].dtype)
+    names = ("grouped_mm", "triton")
+    with torch.no_grad():
+        w, ids = layer.router(x)
+        outs = {n: routed_experts(x, ids, w, layer.experts, n, 1 << 30) for n in names}  # compiles Triton
+        samples: dict[str, list[float]] = {n: [] for n in names}
+        for _ in range(5):  # interleaved rounds: clock ramp-up and noise hit both alike
+            for name in names:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(5):
+                    routed_experts(x, ids, w, layer.experts, name, 1 << 30)
+                end.record()
+                end.synchronize()
+                samples[name].append(start.elapsed_time(end) / 5)
+        timings = {n: sorted(v)[len(v) // 2] for n, v in samples.items()}  # median of the rounds
+    ref = outs["grouped_mm"].float()
+    err = float((outs["triton"].float() - ref).norm() / ref.norm().clamp_min(1e-12))
+    choice = "triton" if err < 2e-2 and timings["triton"] < timings["grouped_mm"] else "grouped_mm"
+    comm.device_exchange.small = choice
+    log.info("small-batch experts: %s (grouped_mm %.3f ms, triton %.3f ms, rel err %.1e)", choice,
+             timings["grouped_mm"], timings["triton"], err)
+    return {"choice": choice, "ms": timings, "triton_rel_err": err, "rows": rows}
+
+
+def install_device_exchange(model: torch.nn.Module) -> bool:
+    """Stack every MoE layer's expert weights and give a single-rank model the device exchange.
+
+    Returns True when every MoE layer can run sync-free (bf16 stacked weights, no FP8), which is
+    what CUDA-graph capture of a forward needs. A model whose comm is not `LocalComm` is left
+    alone (returns False): its exchanges cross ranks."""
+    comm = getattr(model, "comm", None)
+    if type(comm) is not LocalComm and not isinstance(comm, DeviceLocalComm):
+        log.info("model comm is %s: keeping its exchange", type(comm).__name__)
+        return False
+    ok = True
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            module.experts.restack()
+            ok = ok and module.experts.stacked() is not None
+    if not isinstance(comm, DeviceLocalComm):
+        model.comm = DeviceLocalComm()
+    return ok

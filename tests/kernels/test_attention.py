@@ -1,0 +1,179 @@
+"""Paged attention kernels against the portable path (`kv.paged.PagedBatch`) on random inputs.
+
+Every check draws fresh random caches, block tables (shuffled, so blocks are never contiguous),
+cached lengths and new lengths, mixes decode rows (one new token) with prefill spans (cached
+prefix + several new tokens: causal with an offset), and compares both the attention output and
+the KV cache after the store. The CUDA cases are marked `gpu`; the same cases run on CPU through
+Triton's interpreter when `TRITON_INTERPRET=1` and Triton is installed. The registry and the
+portable backend are tested on CPU unconditionally.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from megatron_rollout.kernels.layout import KernelPagedBatch, StaticDecodeLayout, build_layout, choose_splits
+from megatron_rollout.kernels.registry import PortableAttention, available_backends, resolve_attention
+from megatron_rollout.kv.paged import PagedBatch, PagedKVCache, SeqSpan
+from megatron_rollout.model.config import ModelConfig
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+
+DEVICES = [
+    pytest.param("cuda", marks=pytest.mark.gpu, id="cuda"),
+    pytest.param("cpu", marks=pytest.mark.skipif(not _INTERPRET, reason="needs TRITON_INTERPRET=1 and triton"),
+                 id="interpret"),
+]
+
+
+def _cfg(hq: int, hkv: int, d: int, dtype: str) -> ModelConfig:
+    return ModelConfig(vocab_size=50, hidden_size=32, num_layers=2, num_attention_heads=hq, num_query_groups=hkv,
+                       kv_channels=d, ffn_hidden_size=48, max_position_embeddings=4096, dtype=dtype)
+
+
+def _spans(spec: list[tuple[int, int]], block_size: int, num_blocks: int, gen: torch.Generator) -> list[SeqSpan]:
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    spans, at = [], 0
+    for past, new in spec:
+        k = -(-(past + new) // block_size)
+        spans.append(SeqSpan(tuple(perm[at:at + k]), past, new))
+        at += k
+    assert at <= num_blocks
+    return spans
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12))
+
+
+def _case(device: str, spec: list[tuple[int, int]], hq: int, hkv: int, d: int, bs: int, seed: int,
+          backend: str = "triton", static: bool = False):
+    gen = torch.Generator().manual_seed(seed)
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    cfg = _cfg(hq, hkv, d, dtype)
+    dt = cfg.torch_dtype
+    total_blocks = sum(-(-(p + n) // bs) for p, n in spec) + 7
+    spans = _spans(spec, bs, total_blocks, gen)
+    ref_cache = PagedKVCache(cfg, total_blocks, bs, hkv, device=device)
+    ref_cache.k.copy_(torch.randn(ref_cache.k.shape, generator=gen).to(dt))
+    ref_cache.v.copy_(torch.randn(ref_cache.v.shape, generator=gen).to(dt))
+    cache = PagedKVCache(cfg, total_blocks, bs, hkv, device=device)
+    cache.k.copy_(ref_cache.k)
+    cache.v.copy_(ref_cache.v)
+    n = sum(new for _, new in spec)
+    q = torch.randn(n, hq, d, generator=gen).to(device, dt)
+    k = torch.randn(n, hkv, d, generator=gen).to(device, dt)
+    v = torch.randn(n, hkv, d, generator=gen).to(device, dt)
+    layer = 1
+    ref = PagedBatch(ref_cache, spans).attend(layer, q, k, v)
+    kernels = resolve_attention(backend, device)
+    dev = torch.device(device)
+    if static:
+        rows = 8
+        layout = StaticDecodeLayout(rows, 64, bs, kernels, hq, hkv, d, dev, num_sms=132)
+        layout.fill(spans, [0] * len(spans))
+        pad = rows - n  # a graph's batch is always `rows` long: padded rows ride along
+        qp, kp, vp = (torch.cat([t, torch.randn(pad, *t.shape[1:], generator=gen).to(device, dt)]) for t in (q, k, v))
+        out = KernelPagedBatch(cache, layout.layout, kernels).attend(layer, qp, kp, vp)
+        assert torch.equal(out[n:], torch.zeros_like(out[n:]))  # length-0 rows give zeros
+        out = out[:n]
+    else:
+        layout = build_layout(spans, [[0] * s.new for s in spans], [True] * len(spans), bs, kernels, hq, hkv, d,
+                              dev, num_sms=132)
+        out = KernelPagedBatch(cache, layout, kernels).attend(layer, q, k, v)
+    return out, ref, cache, ref_cache
+
+
+def _tol(device: str) -> float:
+    return 2e-2 if device == "cuda" else 1e-5
+
+
+MIXED = [(5, 1), (0, 7), (9, 13), (30, 1), (3, 2), (0, 1), (17, 40)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_mixed_batch_matches_portable(device, seed):
+    out, ref, cache, ref_cache = _case(device, MIXED, hq=8, hkv=2, d=32, bs=4, seed=seed)
+    assert torch.isfinite(out).all()
+    assert _rel(out, ref) < _tol(device)
+    assert torch.equal(cache.k, ref_cache.k) and torch.equal(cache.v, ref_cache.v)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_long_causal_offset(device):
+    # tiles that straddle blocks, a span longer than one tile, and GQA group 4
+    spec = [(100, 37), (0, 64), (63, 65)]
+    out, ref, _, _ = _case(device, spec, hq=8, hkv=2, d=32, bs=16, seed=3)
+    assert _rel(out, ref) < _tol(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_long_contexts_split_k(device):
+    spec = [(700, 1), (1, 1), (333, 1), (1500, 1)]
+    out, ref, _, _ = _case(device, spec, hq=4, hkv=4, d=64, bs=16, seed=4)
+    assert _rel(out, ref) < _tol(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_static_decode_layout_with_padding(device):
+    spec = [(12, 1), (40, 1), (3, 1)]  # 3 live rows in a layout of 8: 5 padded rows store nothing
+    out, ref, cache, ref_cache = _case(device, spec, hq=8, hkv=2, d=32, bs=4, seed=5, static=True)
+    assert _rel(out, ref) < _tol(device)
+    assert torch.equal(cache.k, ref_cache.k) and torch.equal(cache.v, ref_cache.v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", [0, 1])
+def test_qwen3_shapes_bf16(seed):
+    """Qwen3-30B-A3B attention shapes: 32 query heads, 4 kv heads, head_dim 128, blocks of 16."""
+    spec = [(2000, 1)] * 5 + [(0, 300), (1200, 257), (4000, 1)]
+    out, ref, _, _ = _case("cuda", spec, hq=32, hkv=4, d=128, bs=16, seed=seed)
+    assert _rel(out, ref) < 2e-2
+
+
+@pytest.mark.gpu
+def test_varlen_backend_matches_portable():
+    if "varlen" not in available_backends():
+        pytest.skip("no varlen backend")
+    try:
+        resolve_attention("varlen", "cuda")
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    out, ref, _, _ = _case("cuda", [(0, 64), (100, 37), (5, 1), (63, 65)], hq=8, hkv=2, d=64, bs=16, seed=6,
+                           backend="varlen")
+    assert _rel(out, ref) < 2e-2
+
+
+# -- CPU, unconditional --------------------------------------------------------------------
+
+def test_portable_backend_matches_paged_batch_on_cpu():
+    out, ref, cache, ref_cache = _case("cpu", MIXED, hq=8, hkv=2, d=16, bs=4, seed=7, backend="portable")
+    assert _rel(out, ref) < 1e-6
+    assert torch.equal(cache.k, ref_cache.k) and torch.equal(cache.v, ref_cache.v)
+
+
+def test_registry_auto_falls_back_to_portable_on_cpu(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert isinstance(resolve_attention("auto", "cpu"), PortableAttention)
+
+
+def test_registry_explicit_backend_that_cannot_run_names_the_reason(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="'triton' was asked for but cannot run on cpu"):
+        resolve_attention("triton", "cpu")
+
+
+def test_registry_unknown_backend():
+    with pytest.raises(ValueError, match="unknown attention backend 'flash9'"):
+        resolve_attention("flash9", "cpu")
+
+
+def test_choose_splits_covers_sms_and_respects_length():
+    assert choose_splits(rows=1, kv_heads=4, num_sms=132) == 32  # capped
+    assert choose_splits(rows=64, kv_heads=4, num_sms=132) == 8
+    assert choose_splits(rows=1, kv_heads=4, num_sms=132, max_len=300) == 2  # >= 256 positions a split
+    assert choose_splits(rows=512, kv_heads=8, num_sms=132) == 1

@@ -1,0 +1,190 @@
+"""Grouped-GEMM experts and the sync-free expert exchange against the portable per-expert path.
+
+CPU: destinations in expert-sorted order (both the one-hot and the argsort method), stacked
+weights that alias the Megatron-named parameters (an in-place weight update lands in both; a
+bind-style re-point disables the fast path), and the portable path left exactly as it was.
+GPU: `routed_experts` vs `compute_local` on random bf16 inputs, the `Experts.grouped` fast path vs
+the loop, and the exchange inside a captured CUDA graph.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import megatron_rollout.kernels.moe as moe
+from megatron_rollout.comm.exchange import compute_local
+from megatron_rollout.comm.facade import LocalComm
+from megatron_rollout.kernels.moe import DeviceLocalComm, install_device_exchange, routed_experts, sorted_destinations
+from megatron_rollout.model.config import ModelConfig
+from megatron_rollout.model.transformer import MoETransformer
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12))
+
+
+def _moe_cfg(**kw) -> ModelConfig:
+    base = dict(vocab_size=64, hidden_size=128, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                kv_channels=32, num_moe_experts=16, moe_router_topk=4, moe_ffn_hidden_size=64, dtype="bfloat16")
+    return ModelConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("one_hot", [True, False])
+def test_sorted_destinations_is_a_stable_expert_sort(monkeypatch, one_hot):
+    monkeypatch.setattr(moe, "ONE_HOT_LIMIT", 1 << 30 if one_hot else 0)
+    gen = torch.Generator().manual_seed(0)
+    flat = torch.randint(0, 7, (200,), generator=gen)
+    dest, offsets = sorted_destinations(flat, 9)
+    order = torch.argsort(flat, stable=True)
+    expect = torch.empty_like(order)
+    expect[order] = torch.arange(200)
+    assert torch.equal(dest, expect)
+    assert offsets.tolist() == torch.bincount(flat, minlength=9).cumsum(0).tolist()
+    assert offsets.dtype == torch.int32
+
+
+def test_restacked_weights_alias_the_megatron_parameters():
+    model = MoETransformer(_moe_cfg()).init_weights(0)
+    experts = model.decoder.layers[0].mlp.experts
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    experts.restack()
+    fc1, fc2 = experts.stacked()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # values unchanged
+    new = torch.randn(fc1.shape[1:]).bfloat16()
+    with torch.no_grad():
+        experts.local_experts[5].linear_fc1.weight.copy_(new)  # what update_weights does
+    assert torch.equal(fc1[5], new)
+    experts.local_experts[0].linear_fc1.weight.data = torch.zeros_like(fc1[0])  # what WeightStore.bind does
+    assert experts.stacked() is None
+
+
+def test_portable_grouped_path_is_unchanged_on_cpu():
+    model = MoETransformer(_moe_cfg()).init_weights(1)
+    experts = model.decoder.layers[1].mlp.experts
+    x = torch.randn(30, 128).bfloat16()
+    counts = [3, 0, 5, 2, 0, 0, 4, 1, 2, 3, 0, 4, 1, 2, 3, 0]
+    loop = torch.cat([experts.local_experts[k](p) for k, p in enumerate(x.split(counts)) if counts[k]])
+    experts.restack()
+    assert torch.equal(experts.grouped(x, counts), loop)  # no fast path on CPU: bit-identical
+
+
+def test_install_device_exchange_on_a_single_rank_model():
+    model = MoETransformer(_moe_cfg()).init_weights(2)
+    assert isinstance(model.comm, LocalComm)
+    assert install_device_exchange(model) is True
+    assert isinstance(model.comm, DeviceLocalComm)
+    fp32 = MoETransformer(_moe_cfg(dtype="float32")).init_weights(2)
+    assert install_device_exchange(fp32) is False  # grouped GEMMs need bf16: graphs stay off
+
+
+def test_routed_experts_matches_compute_local_on_cpu():
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm is missing")
+    model = MoETransformer(_moe_cfg()).init_weights(3)
+    experts = model.decoder.layers[0].mlp.experts
+    experts.restack()
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(41, 128, generator=gen).bfloat16()
+    ids = torch.randint(0, 16, (41, 4), generator=gen)
+    w = torch.rand(41, 4, generator=gen).bfloat16()
+    try:
+        out = routed_experts(x, ids, w, experts)
+    except (RuntimeError, NotImplementedError) as exc:  # some CPU builds lack a bf16 grouped GEMM
+        pytest.skip(f"no CPU grouped GEMM here: {exc}")
+    with torch.no_grad():
+        assert _rel(out, compute_local(x, ids, w, experts)) < 1e-2
+
+
+# -- GPU -----------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 3000])
+def test_routed_experts_matches_portable_on_gpu(tokens):
+    model = MoETransformer(_moe_cfg(num_moe_experts=32, moe_router_topk=8), device="cuda").init_weights(4)
+    experts = model.decoder.layers[0].mlp.experts
+    experts.restack()
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 128, generator=gen).bfloat16().cuda()
+    logits = torch.randn(tokens, 32, generator=gen).cuda()
+    w, ids = logits.softmax(-1).topk(8, dim=-1)
+    w = w.bfloat16()
+    with torch.no_grad():
+        ref = compute_local(x, ids, w, experts)
+        out = routed_experts(x, ids, w, experts)
+    assert torch.isfinite(out).all()
+    assert _rel(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+def test_grouped_fast_path_matches_loop_on_gpu():
+    model = MoETransformer(_moe_cfg(), device="cuda").init_weights(5)
+    experts = model.decoder.layers[0].mlp.experts
+    x = torch.randn(300, 128, device="cuda").bfloat16()
+    counts = torch.distributions.Multinomial(300, torch.ones(16)).sample().long().tolist()
+    with torch.no_grad():
+        loop = experts.grouped(x, counts)  # not stacked yet: the loop
+        experts.restack()
+        fast = experts.grouped(x, counts)
+    assert _rel(fast, loop) < 1e-2
+
+
+@pytest.mark.gpu
+def test_routed_experts_in_a_cuda_graph():
+    model = MoETransformer(_moe_cfg(), device="cuda").init_weights(6)
+    experts = model.decoder.layers[0].mlp.experts
+    experts.restack()
+    x = torch.randn(24, 128, device="cuda").bfloat16()
+    ids = torch.randint(0, 16, (24, 4), device="cuda")
+    w = torch.rand(24, 4, device="cuda").bfloat16()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(stream):
+        routed_experts(x, ids, w, experts)  # warm-up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        out = routed_experts(x, ids, w, experts)
+    x.copy_(torch.randn_like(x))
+    ids.copy_(torch.randint(0, 16, (24, 4), device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        assert _rel(out, compute_local(x, ids, w, experts)) < 1e-2
+
+
+# -- the Triton small-batch expert kernels (moe_triton) ----------------------------------------
+
+_INTERPRET = __import__("os").environ.get("TRITON_INTERPRET") == "1" and \
+    __import__("importlib.util").util.find_spec("triton") is not None
+DEVICES = [
+    pytest.param("cuda", marks=pytest.mark.gpu, id="cuda"),
+    pytest.param("cpu", marks=pytest.mark.skipif(not _INTERPRET, reason="needs TRITON_INTERPRET=1 and triton"),
+                 id="interpret"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_triton_small_batch_experts_match_loop(device, tokens):
+    from megatron_rollout.kernels.moe_triton import padded_layout, routed_experts_triton
+
+    gen = torch.Generator().manual_seed(tokens)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    e, k, h, f = 8, 2, 64, 32
+    fc1 = (torch.randn(e, 2 * f, h, generator=gen) * 0.1).to(device, dtype)
+    fc2 = (torch.randn(e, h, f, generator=gen) * 0.1).to(device, dtype)
+    x = torch.randn(tokens, h, generator=gen).to(device, dtype)
+    ids = torch.randint(0, e, (tokens, k), generator=gen).to(device)
+    w = torch.rand(tokens, k, generator=gen).to(device, dtype)
+    out = routed_experts_triton(x, ids, w, fc1, fc2)
+    ref = torch.zeros(tokens, h, dtype=torch.float64)
+    for n in range(tokens):
+        for j in range(k):
+            ex = int(ids[n, j])
+            gate, up = (fc1[ex].double().cpu() @ x[n].double().cpu()).chunk(2)
+            ref[n] += float(w[n, j]) * (fc2[ex].double().cpu() @ (torch.nn.functional.silu(gate) * up))
+    assert _rel(out.cpu(), ref) < (2e-2 if device == "cuda" else 1e-5)
+    dest, row_pair, block_expert = padded_layout(ids.reshape(-1), e)
+    assert torch.equal(row_pair[dest].long().cpu(), torch.arange(tokens * k))
+    blocks = block_expert.cpu().tolist()
+    assert blocks == sorted(blocks) and blocks[-1] == e  # experts ascending, then past-the-end blocks
