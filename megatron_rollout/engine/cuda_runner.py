@@ -145,6 +145,7 @@ class CudaRunner:
                         "decode runs eagerly")
         self.expert_kernels = self._choose_expert_kernels()
         self._graphs: dict[int, _DecodeGraph] = {}
+        self._weights_ptr = model.embedding.word_embeddings.weight.data_ptr()  # see _graphable
         self._pool = None
         self.capture_error: str | None = None
         self._cache = cache
@@ -202,6 +203,12 @@ class CudaRunner:
 
     # -- decode graphs ------------------------------------------------------------------------
     def _graphable(self, inputs: list[SpanInput]) -> bool:
+        if self.graph_safe and self.model.embedding.word_embeddings.weight.data_ptr() != self._weights_ptr:
+            # WeightStore.bind re-pointed every parameter: captured graphs would read the old
+            # tensors. Decode runs eagerly from now on (bind is meant for eager engines).
+            log.warning("parameters were re-bound (WeightStore.bind): decode graphs dropped, decode runs eagerly")
+            self.graph_safe = False
+            self._graphs.clear()
         if not (self.config.use_graphs and self.graph_safe and inputs) or self.bucket(len(inputs)) is None:
             return False
         return all(i.span.new == 1 and i.sample and len(i.span.table) <= self.table_width for i in inputs)
