@@ -94,7 +94,8 @@ class Runtime:
         rendezvous = Rendezvous(self.comm.cpu_group, self.timeout_s, self.rank, name=f"turnstile{self._engines}")
         streams = PhaseStreams.create(self.device) if self.device.type == "cuda" else None
         router = Router(ConflictRegistry.for_topology(self.comm.size(Axis.ATP), self.comm.size(Axis.ADP)), streams)
-        self.comm.router = router if Schedule(config.schedule) is Schedule.MUX else None
+        turnstile = Schedule(config.schedule) is Schedule.MUX and config.mux_ordering == "turnstile"
+        self.comm.router = router if turnstile else None
         return RolloutEngine(model, config, timeline=timeline, rank=self.rank, coordinator=RankSharedCoordinator(self.comm),
                              rendezvous=rendezvous, router=router)
 

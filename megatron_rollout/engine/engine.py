@@ -56,11 +56,16 @@ class EngineConfig:
     """`mux` segment policy: "load" (LoadSelected) or "fixed:K" (FixedSpan(K))."""
     seed: int = 0
     """Seed of the generator used by sampled requests without their own seed."""
+    mux_ordering: str = "turnstile"
+    """`mux` only: "turnstile" (the protocol) or "naive" (P on its own host thread, no cross-rank
+    order: the unsafe baseline of the ordering experiments; never use it across ranks)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", Schedule(self.schedule))
         if self.block_size <= 0 or self.num_blocks <= 0:
             raise ValueError(f"block_size and num_blocks must be positive, got {self.block_size}, {self.num_blocks}")
+        if self.mux_ordering not in ("turnstile", "naive"):
+            raise ValueError(f"mux_ordering must be 'turnstile' or 'naive', got {self.mux_ordering!r}")
         if not (self.mux_span == "load" or self.mux_span.startswith("fixed:") and self.mux_span[6:].isdigit()
                 and int(self.mux_span[6:]) > 0):
             raise ValueError(f"mux_span must be 'load' or 'fixed:K' with K > 0, got {self.mux_span!r}")

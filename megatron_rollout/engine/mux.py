@@ -6,6 +6,11 @@ rendezvous, one decode iteration (a matched no-work call where a replica has no 
 only when no replica has any), the post-D rendezvous, then P resumes for the span the segment
 policy permits. On one process the rendezvous are local no-ops; the protocol is the same.
 
+`EngineConfig.mux_ordering="naive"` is the unsafe baseline the ordering experiments compare
+against: P's forward runs to its end on a host thread of its own while D iterates, with no
+rendezvous and no routing, so P and D enqueue their collectives independently. It is correct on
+one process and deadlocks crossed ATP/ADP layouts on an in-order device (tests/multiplex).
+
 A request cancelled mid-epoch cannot give its blocks back at once: the rest of P's forward still
 writes them. Its blocks move to a *zombie* owner released when the epoch ends, and the
 controller is untouched (the epoch runs to its end for the other requests).
@@ -13,6 +18,7 @@ controller is untouched (the epoch runs to its end for the other requests).
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -22,6 +28,7 @@ import torch
 from megatron_rollout.engine.api import RequestOutput
 from megatron_rollout.engine.coordinator import GlobalView
 from megatron_rollout.engine.scheduler import StepPlan
+from megatron_rollout.model.layers import run_to_end
 from megatron_rollout.multiplex.controller import BoundaryController
 from megatron_rollout.multiplex.policy import FixedSpan, LoadSelected, SegmentPolicy
 from megatron_rollout.multiplex.rendezvous import LocalRendezvous, RendezvousBase
@@ -52,9 +59,12 @@ class MuxDriver:
     def __init__(self, engine: "RolloutEngine", rendezvous: RendezvousBase | None = None,
                  router: Router | None = None) -> None:
         self.engine = engine
-        self.turnstile = Turnstile(rendezvous or LocalRendezvous(), BoundaryController(),
-                                   make_policy(engine.config.mux_span), router)
+        self.rendezvous = rendezvous or LocalRendezvous()
+        self.turnstile = Turnstile(self.rendezvous, BoundaryController(), make_policy(engine.config.mux_span), router)
         self.epoch: Epoch | None = None
+        self.naive = engine.config.mux_ordering == "naive"
+        self._p_thread: threading.Thread | None = None
+        self._p_outcome: list = []  # [result] or [exception] once the naive P thread ends
         self._numbers = itertools.count(1)
         self._zombie_ids = itertools.count(-1, -1)
         self._clock = time.perf_counter() - time.time()  # turnstile records use time.time()
@@ -73,8 +83,11 @@ class MuxDriver:
         if view.any_prefill and self.epoch is None:  # every rank starts the epoch, maybe with no rows
             inputs, owners = e._inputs((), plan.prefill)
             self.epoch = Epoch(next(self._numbers), owners)
-            self.turnstile.begin(self.epoch.number, e.runner.forward(inputs, Phase.P),
-                                 prefill_tokens=view.prefill_tokens)
+            forward = e.runner.forward(inputs, Phase.P)
+            if self.naive:
+                self._start_p_thread(forward)
+            else:
+                self.turnstile.begin(self.epoch.number, forward, prefill_tokens=view.prefill_tokens)
         outs: list[RequestOutput] = []
 
         def decode_iteration() -> None:
@@ -86,6 +99,9 @@ class MuxDriver:
                 return e._unblock() if e.requests else []
             decode_iteration()
             return outs
+        if self.naive:
+            decode_iteration()
+            return outs + self._poll_p_thread()
         rows = lambda: len(plan.decode)  # noqa: E731
         with torch.no_grad():  # grad mode is read each time P's generator resumes
             finished = self.turnstile.round(decode_iteration, rows)
@@ -100,12 +116,38 @@ class MuxDriver:
             outs.extend(self._finish_epoch())
         return outs
 
-    def _finish_epoch(self) -> list[RequestOutput]:
+    def _finish_epoch(self, logits=None) -> list[RequestOutput]:
         epoch, e = self.epoch, self.engine
         self.epoch = None
         for owner in epoch.zombies:
             e.pool.release(owner)
-        return e._complete(epoch.owners, self.turnstile.result)
+        return e._complete(epoch.owners, self.turnstile.result if logits is None else logits)
+
+    # -- the naive baseline ------------------------------------------------------------------
+    def _start_p_thread(self, forward) -> None:
+        def run() -> None:
+            try:
+                with torch.no_grad():
+                    self._p_outcome.append(run_to_end(forward))
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the engine's thread
+                self._p_outcome.append(exc)
+
+        self._p_outcome = []
+        self._p_thread = threading.Thread(target=run, name=f"naive-P-epoch{self.epoch.number}", daemon=True)
+        self._p_thread.start()
+
+    def _poll_p_thread(self) -> list[RequestOutput]:
+        # Bookkeeping only: ranks agree on the step at which the epoch's requests are promoted,
+        # so ATP peers stay mirrors; the device order of P's collectives stays unordered.
+        done = self.rendezvous.meet(self.epoch.number, 0, "naive-poll", (int(not self._p_thread.is_alive()),))
+        if not all(d[0] for d in done):
+            return []
+        self._p_thread.join()
+        outcome = self._p_outcome[0]
+        if isinstance(outcome, BaseException):
+            self.epoch = None
+            raise outcome
+        return self._finish_epoch(outcome)
 
     def _record_segment(self) -> None:
         e, rec = self.engine, self.turnstile.records[-1]

@@ -200,3 +200,56 @@ class InOrderComm:
         if route.routed and self.route_hook is not None:
             return self.route_hook(route, enqueue)
         return self.router.run(route, enqueue)
+
+
+class DeviceStall(TimeoutError):
+    """A collective on a rank's in-order device did not complete in time (a distributed cycle)."""
+
+
+class InOrderDistComm:
+    """Mixin for `comm.dist.DistComm`: every collective the model issues runs on this rank's
+    `InOrderDevice`, in the order host threads enqueue it, and the caller waits for its value.
+
+    This is the engine-level ordering model: P's and D's host drivers share one in-order queue per
+    rank, as they would share a stream. `hazard(phase, op, axis)`, when given, runs on the host
+    thread before each enqueue (a test uses it to make replicas reach their collectives in
+    opposite orders, as timing would on a real deployment). A value not ready within `stall_s`
+    raises `DeviceStall` naming the rank and the operations the device was stuck on."""
+
+    def attach_device(self, rank: int, stall_s: float, hazard: Callable[[Phase, str, Axis], None] | None = None) -> None:
+        self.inorder = InOrderDevice(rank)
+        self.stall_s, self.hazard = stall_s, hazard
+        self._count = 0
+
+    def _on_device(self, phase: Phase, op: str, axis: Axis, fn: Callable[[], Any]) -> Any:
+        if self.hazard is not None:
+            self.hazard(phase, op, axis)
+        self._count += 1
+        label = f"{phase.value}:{op}/{axis.value} #{self._count}"
+        value = self.inorder.submit(label, fn)
+        try:
+            return value.result(self.stall_s)
+        except TimeoutError:
+            stall = self.inorder.watch(0.0, 0.0)
+            head = stall.op if stall else "?"
+            raise DeviceStall(f"rank {self.inorder.rank}: {label} not done after {self.stall_s}s; the device is "
+                              f"stuck in {head} with {stall.queued if stall else '?'} queued behind it") from None
+
+    def all_reduce(self, x, axis, phase):
+        return self._on_device(phase, "all_reduce", axis, lambda: super(InOrderDistComm, self).all_reduce(x, axis, phase))
+
+    def all_gather(self, x, axis, phase):
+        return self._on_device(phase, "all_gather", axis, lambda: super(InOrderDistComm, self).all_gather(x, axis, phase))
+
+    def all_to_all(self, chunks, axis, phase):
+        return self._on_device(phase, "all_to_all", axis,
+                               lambda: super(InOrderDistComm, self).all_to_all(chunks, axis, phase))
+
+
+def in_order_dist_comm(layout, config, stall_s: float, hazard=None):
+    """A `DistComm` (built collectively, like one) whose collectives run on an in-order device."""
+    from megatron_rollout.comm.dist import DistComm
+
+    comm = type("InOrderDistComm", (InOrderDistComm, DistComm), {})(layout, config, torch.device("cpu"))
+    comm.attach_device(dist.get_rank(), stall_s, hazard)
+    return comm

@@ -29,7 +29,7 @@ from megatron_rollout.comm import dist as comm_dist
 
 logger = logging.getLogger(__name__)
 
-TAGS = ("pre-D", "post-D")
+TAGS = ("pre-D", "post-D", "naive-poll")  # naive-poll: the unsafe baseline agreeing on epoch ends
 
 Payload = tuple[int, ...]
 
