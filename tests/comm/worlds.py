@@ -48,7 +48,7 @@ def moe_cfg():
     from megatron_rollout.model.config import preset
 
     # 4 query groups and 8 heads so that ATP4 divides attention.
-    return preset("tiny-moe").replace(num_query_groups=4, num_attention_heads=8)
+    return preset("tiny-moe")  # 8 heads over 4 KV heads: ATP 1, 2 and 4 split it
 
 
 def experts_pair(shard, seed: int = 0):
