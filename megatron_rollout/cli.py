@@ -9,8 +9,9 @@ import argparse
 import json
 import logging
 import sys
+import warnings
 
-from megatron_rollout.engine import EngineConfig, SamplingParams, Schedule
+from megatron_rollout.engine import EngineConfig, Schedule
 
 
 def _ids(text: str) -> list[int]:
@@ -77,6 +78,8 @@ def engine_config(args: argparse.Namespace, schedule: str | None = None) -> Engi
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # megatron-core announces on import that it falls back from Transformer Engine/Apex: expected here.
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     args = parser().parse_args(argv)
     if args.command == "make-trace":
         from megatron_rollout.trace.make import make_trace

@@ -12,22 +12,26 @@ import logging
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from megatron_rollout.engine.api import FinishReason, GenerationResult, RequestOutput, SamplingParams, Schedule
 from megatron_rollout.engine.coordinator import GlobalView, LocalCoordinator, RankSharedCoordinator
 from megatron_rollout.engine.request import Request, Seq
-from megatron_rollout.engine.runner import ModelRunner, SpanInput
+from megatron_rollout.engine.runner import SpanInput
 from megatron_rollout.engine.sampler import sample
 from megatron_rollout.engine.scheduler import (PrefillChunk, SchedulerConfig, SchedulerState, SeqView, Stage,
-                                               StepPlan, plan_step)
+                                               StepPlan)
 from megatron_rollout.engine.weights import WeightStore, WeightVersionError
 from megatron_rollout.kv.block_pool import BlockPool
 from megatron_rollout.kv.paged import PagedKVCache, SeqSpan
 from megatron_rollout.model.layers import run_to_end
 from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.types import Axis, Phase
+
+if TYPE_CHECKING:
+    from megatron_rollout.engine.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -178,8 +182,8 @@ class RolloutEngine:
         """Copy full-named tensors into the engine's weights (see `WeightStore.update`). Refused
         while a `mux` prefill epoch is half-way through its layers."""
         if self._mux is not None and self._mux.busy:
-            raise WeightVersionError(f"a mux prefill epoch is in flight; update weights between steps once "
-                                     f"it has finished (engine.step() until not engine.mux_busy)")
+            raise WeightVersionError("a mux prefill epoch is in flight; update weights between steps once "
+                                     "it has finished (engine.step() until not engine.mux_busy)")
         self.weights.update(named_tensors, version, final)
 
     @property

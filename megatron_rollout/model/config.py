@@ -7,7 +7,7 @@ split over ranks lives in `megatron_rollout.model.sharding`.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 

@@ -50,7 +50,7 @@ from typing import TypeVar
 from megatron_rollout.model.layers import BoundaryPoint
 from megatron_rollout.multiplex.controller import BoundaryController
 from megatron_rollout.multiplex.policy import SegmentLoad, SegmentPolicy
-from megatron_rollout.multiplex.rendezvous import Payload, RendezvousBase
+from megatron_rollout.multiplex.rendezvous import RendezvousBase
 from megatron_rollout.multiplex.routing import Router
 
 logger = logging.getLogger(__name__)
