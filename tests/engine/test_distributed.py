@@ -21,8 +21,8 @@ PARAMS = SamplingParams(temperature=0.0, max_new_tokens=5)
 SCHEDULES = ("off", "chunked", "mux")
 
 
-def _reference() -> list[list[int]]:
-    model = MoETransformer(CFG).init_weights(seed=3)
+def _reference(seed: int = 3) -> list[list[int]]:
+    model = MoETransformer(CFG).init_weights(seed=seed)
     return [r.token_ids for r in RolloutEngine(model, EngineConfig(block_size=4)).generate(PROMPTS, PARAMS)]
 
 
@@ -38,6 +38,15 @@ def _world(rank: int, atp: int, adp: int) -> dict:
         engine.check_integrity()
         if results is not None:
             out[schedule] = [r.token_ids for r in results]
+    # Reshard on hot swap: a one-process trainer's full tensors land as this layout's shards.
+    trainer = MoETransformer(CFG).init_weights(seed=4)
+    engine = runtime.engine(model, EngineConfig(schedule="chunked", block_size=4))
+    engine.update_weights(trainer.state_dict(), version=1)
+    results = runtime.generate(engine, PROMPTS, PARAMS)
+    if results is not None:
+        out["swapped"] = [r.token_ids for r in results]
+        out["versions"] = {v for r in results for v in r.weight_versions}
+    model.init_weights(seed=3)  # back to the first weights
     # Uneven load: replica 0 gets every request, the other replicas none (they run no-work forwards).
     engine = runtime.engine(model, EngineConfig(schedule="mux", block_size=4))
     if runtime.replica == 0 and runtime.leader:
@@ -55,6 +64,7 @@ def test_layouts_match_single_process(atp: int, adp: int) -> None:
     for schedule in SCHEDULES:
         assert got[0][schedule] == want, schedule
     assert got[0]["uneven"] == want
+    assert got[0]["swapped"] == _reference(seed=4) != want and got[0]["versions"] == {1}
 
 
 def _dies(rank: int) -> str:
