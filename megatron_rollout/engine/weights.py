@@ -1,17 +1,19 @@
 """Weight hot-swap: versions, validation, copy into persistent buffers, zero-copy bind.
 
 Tensors arrive under full Megatron names (`sharding.full_shapes`); each rank keeps its slice, so a
-trainer whose TP/EP layout differs from the rollout's ATP/EP hands over gathered full tensors and
-this store reshards them. A version may arrive in several chunks (`final=False` until the last);
+trainer whose TP/EP layout differs from the rollout's ATP/EP hands over full tensors and this
+store reshards them; `gather_full_state` builds those from a sharded trainer's local state. A version may arrive in several chunks (`final=False` until the last);
 until the last chunk lands the version is half-applied and the engine refuses to step.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from megatron_rollout.model.sharding import full_shapes, local_name, shard_tensor
+from megatron_rollout.comm.facade import Shard
+from megatron_rollout.model.config import ModelConfig
+from megatron_rollout.model.sharding import full_name, full_shapes, local_name, shard_tensor, unshard_tensor
 from megatron_rollout.model.transformer import MoETransformer
 
 
@@ -78,3 +80,22 @@ class WeightStore:
         for name, t in params.items():
             own[name].data = t.detach()
         self.version = version
+
+
+def gather_full_state(local_state: Mapping[str, torch.Tensor], cfg: ModelConfig, shard: Shard,
+                      all_gather_object: Callable[[object], list]) -> dict[str, torch.Tensor]:
+    """Full tensors from a sharded trainer: every rank passes its local (Megatron-named, TP-sliced,
+    locally numbered experts) state and its `Shard`; `all_gather_object` gathers a Python object
+    over ranks that together hold the whole model (e.g. `DistComm.all_gather_object` or
+    `torch.distributed.all_gather_object` over the model-parallel group). Portable and simple,
+    it moves tensors through the CPU; a trainer that already holds full tensors skips it."""
+    mine = {full_name(n, cfg, shard): (shard.atp_rank, t.detach().cpu()) for n, t in local_state.items()}
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    for entry in all_gather_object(mine):
+        for name, (rank, tensor) in entry.items():
+            parts.setdefault(name, {}).setdefault(rank, tensor)
+    missing = sorted(set(full_shapes(cfg)) - set(parts))
+    if missing:
+        raise KeyError(f"no rank holds {missing[0]} ({len(missing)} tensors missing): gather over every "
+                       f"model-parallel rank")
+    return {name: unshard_tensor(name, [parts[name][r] for r in sorted(parts[name])], cfg) for name in full_shapes(cfg)}

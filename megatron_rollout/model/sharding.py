@@ -89,3 +89,28 @@ def local_shapes(cfg: ModelConfig, shard: Shard) -> dict[str, tuple[int, ...]]:
         if local is not None:
             out[local] = tuple(shard_tensor(name, torch.empty(shape, device="meta"), cfg, shard).shape)
     return out
+
+
+def full_name(local: str, cfg: ModelConfig, shard: Shard) -> str:
+    """Inverse of `local_name`: the full (global-expert) name of this rank's parameter."""
+    m = _EXPERT.match(local)
+    if not m:
+        return local
+    per_rank = cfg.num_moe_experts // shard.ep_size
+    return f"{m.group(1)}{shard.ep_rank * per_rank + int(m.group(2))}{m.group(3)}"
+
+
+def unshard_tensor(full_name_: str, parts: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """Inverse of `shard_tensor` over ATP: `parts[r]` is ATP rank r's slice of the full tensor."""
+    if len(parts) == 1:
+        return parts[0]
+    dense = ".experts." not in full_name_ and "shared_experts" not in full_name_
+    if full_name_.endswith("self_attention.linear_qkv.weight"):
+        return torch.cat(parts, dim=0)
+    if full_name_.endswith("self_attention.linear_proj.weight") or \
+            (dense and full_name_.endswith("mlp.linear_fc2.weight")):
+        return torch.cat(parts, dim=1)
+    if dense and full_name_.endswith("mlp.linear_fc1.weight"):
+        halves = [p.chunk(2, dim=0) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    return parts[0]  # replicated over ATP

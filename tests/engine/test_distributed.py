@@ -47,6 +47,13 @@ def _world(rank: int, atp: int, adp: int) -> dict:
         out["swapped"] = [r.token_ids for r in results]
         out["versions"] = {v for r in results for v in r.weight_versions}
     model.init_weights(seed=3)  # back to the first weights
+    # A trainer sharded like this layout hands its local state over: gathered to full tensors.
+    from megatron_rollout.engine.weights import gather_full_state
+
+    full = gather_full_state(model.state_dict(), CFG, runtime.comm.shard,
+                             lambda obj: runtime.comm.all_gather_object(obj, context="weights"))
+    reference = MoETransformer(CFG).init_weights(seed=3).state_dict()
+    out["gathered_equal"] = set(full) == set(reference) and all(torch.equal(full[k], reference[k]) for k in full)
     # Uneven load: replica 0 gets every request, the other replicas none (they run no-work forwards).
     engine = runtime.engine(model, EngineConfig(schedule="mux", block_size=4))
     if runtime.replica == 0 and runtime.leader:
@@ -65,6 +72,7 @@ def test_layouts_match_single_process(atp: int, adp: int) -> None:
         assert got[0][schedule] == want, schedule
     assert got[0]["uneven"] == want
     assert got[0]["swapped"] == _reference(seed=4) != want and got[0]["versions"] == {1}
+    assert all(r["gathered_equal"] for r in got)
 
 
 def _dies(rank: int) -> str:
