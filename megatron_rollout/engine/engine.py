@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -143,8 +144,7 @@ class RolloutEngine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> int:
         self._record("add", list(prompt_ids), params)
         seq = Seq(next(self._ids))
-        self._validate_tokens(prompt_ids, allow_empty=False)
-        seq.tokens = list(prompt_ids)
+        seq.tokens = self._validate_tokens(prompt_ids, allow_empty=False)
         self.seqs[seq.sid] = seq
         try:
             return self._submit(seq, params or SamplingParams())
@@ -254,13 +254,18 @@ class RolloutEngine:
             getattr(session, kind)(*rest)
 
     # -- submission ------------------------------------------------------------------------
-    def _validate_tokens(self, ids: list[int], allow_empty: bool) -> None:
+    def _validate_tokens(self, ids: list[int], allow_empty: bool) -> list[int]:
+        """The ids as Python ints, or RequestError saying which one is wrong."""
         if not ids and not allow_empty:
             raise RequestError("empty prompt: give at least one token id")
         vocab = self.model.cfg.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        wrong = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+        if wrong:
+            raise RequestError(f"token ids must be integers, got {wrong[0]!r} ({type(wrong[0]).__name__})")
+        bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise RequestError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        return [int(t) for t in ids]
 
     def _submit(self, seq: Seq, params: SamplingParams) -> int:
         if seq.request is not None:

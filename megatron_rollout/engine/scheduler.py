@@ -161,10 +161,11 @@ def _admit_chunks(by_age: list[SeqView], free: int, cfg: SchedulerConfig, budget
             break
         if seq.stage is Stage.WAITING and seq.prefix_key in keys and seq.computed == 0:
             continue
-        n = min(seq.tokens - seq.computed, budget)
+        fits = (seq.blocks + free - reserve) * cfg.block_size - seq.computed  # positions free KV can hold
+        n = min(seq.tokens - seq.computed, budget, fits)
+        if n <= 0:
+            break  # not even one position fits: wait for decode rows to finish
         need = _blocks(seq.computed + n, cfg.block_size) - seq.blocks
-        if need > free - reserve:
-            break
         admitted.append(PrefillChunk(seq.rid, n, completes=seq.computed + n == seq.tokens))
         budget -= n
         free -= need

@@ -46,8 +46,8 @@ class Session:
         if self._seq.request is not None:
             raise RequestError(f"session {self._seq.sid} is generating (request {self._seq.request.rid}); "
                                f"append after it finishes")
-        self._engine._validate_tokens(token_ids, allow_empty=True)
-        self._engine._record("append", self.sid, list(token_ids))
+        token_ids = self._engine._validate_tokens(token_ids, allow_empty=True)
+        self._engine._record("append", self.sid, token_ids)
         self._seq.tokens.extend(token_ids)
 
     def submit(self, params: SamplingParams | None = None) -> int:

@@ -27,8 +27,9 @@ def test_one_bad_prompt_among_good_ones(engine, make_engine, qwen):
         "empty": ([], "empty prompt"),
         "over vocab": ([1, V, 2], f"token id {V} is outside the vocabulary \\[0, {V}\\)"),
         "negative": ([-1], "token id -1 is outside the vocabulary"),
-        "not an int": ([1, "7"], "token id '7' is outside the vocabulary"),
-        "float": ([1, 2.0], "token id 2.0 is outside the vocabulary"),
+        "not an int": ([1, "7"], "token ids must be integers, got '7' \\(str\\)"),
+        "float": ([1, 2.0], "token ids must be integers, got 2.0 \\(float\\)"),
+        "bool": ([1, True], "token ids must be integers, got True \\(bool\\)"),
         "too long": (list(range(1, 33)), "context of 32 tokens leaves no room to generate \\(max_model_len 32\\)"),
     }
     alone = make_engine(qwen[1], block_size=4, num_blocks=16).generate(GOOD, PARAMS)
@@ -132,3 +133,17 @@ def test_malformed_trace_line_is_named_by_line_number(tmp_path, line, message):
 def test_empty_trace(tmp_path):
     with pytest.raises(TraceError, match="no requests"):
         load_trace(_write(tmp_path / "empty.jsonl", [""]))
+
+
+def test_numpy_and_torch_integer_ids_are_accepted_as_ints(engine):
+    import numpy as np
+    import torch
+
+    want = [r.token_ids for r in engine.generate(GOOD, PARAMS)]
+    as_numpy = [list(np.array(p, dtype=np.int64)) for p in GOOD]
+    assert [r.token_ids for r in engine.generate(as_numpy, PARAMS)] == want
+    session = engine.open_session()
+    session.append([torch.tensor(t).item() for t in GOOD[0]])
+    session.append([np.int32(GOOD[1][0])])
+    assert all(type(t) is int for t in session.token_ids)
+    session.close()

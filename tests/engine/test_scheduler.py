@@ -56,6 +56,18 @@ def test_chunked_decodes_first_and_fills_the_budget_with_prefill():
     assert plan.preempt == ()
 
 
+def test_chunked_shrinks_a_chunk_to_the_kv_that_is_free():
+    # 3 free blocks: the decode row's next position takes 1, 1 stays in hand for decode growth,
+    # so one block's worth of the long prompt is prefilled rather than none of it.
+    state = SchedulerState((decoding(0, BS + 1, blocks=1), waiting(1, 10 * BS)), free_blocks=3)
+    plan = plan_step(state, cfg(Schedule.CHUNKED, budget=512))
+    assert plan.decode == (0,)
+    assert plan.prefill == (PrefillChunk(1, BS, completes=False),)
+    # nothing free beyond that: no chunk at all (never a zero-token chunk)
+    state = SchedulerState((decoding(0, BS + 1, blocks=1), waiting(1, 10 * BS)), free_blocks=2)
+    assert plan_step(state, cfg(Schedule.CHUNKED, budget=512)).prefill == ()
+
+
 def test_chunked_packs_several_prompts_and_continues_a_partial_prefill_first():
     state = SchedulerState((waiting(0, 5), SeqView(1, P, 20, 8, 2, 2, order=1), waiting(2, 4), waiting(3, 9)),
                            free_blocks=20)
