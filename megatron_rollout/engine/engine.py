@@ -324,13 +324,19 @@ class RolloutEngine:
         return SchedulerState(tuple(views), self.pool.num_free, epoch_in_flight=bool(self._mux and self._mux.busy))
 
     def _attach_prefixes(self) -> None:
+        """Give waiting requests the cached blocks of their prefix, oldest first. Reviving a block
+        from the free list takes it from the pool, so revivals stop while doing so would leave
+        fewer free blocks than decode rows (which need them to grow)."""
         bs = self.pool.block_size
-        for req in self.requests.values():
+        headroom = self.pool.num_free - sum(r.stage is Stage.DECODE for r in self.requests.values())
+        for req in sorted(self.requests.values(), key=lambda r: r.order):
             seq = req.seq
             if req.stage is Stage.WAITING and seq.computed == 0 and not self.pool.table(seq.sid):
                 usable = (len(seq.tokens) - 1) // bs  # always compute at least the last token
                 blocks = self.pool.lookup(self._cache_keys(seq.block_hashes(bs)[:usable]))
-                if blocks:
+                revived = sum(self.pool.refcount[b] == 0 for b in blocks)
+                if blocks and revived <= headroom:
+                    headroom -= revived
                     self.pool.share(seq.sid, blocks)
                     seq.computed = len(blocks) * bs
                     seq.registered, seq.kv_version = len(blocks), self.weights.version
