@@ -154,7 +154,7 @@ def run_micro(model: MoETransformer, cfg: ModelConfig, args, costs, bandwidth: f
 
 def run_schedule(model: MoETransformer, cfg: ModelConfig, trace: list, spec: str, args) -> dict[str, Any]:
     from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
-    from megatron_rollout.engine.engine import EngineStats
+    from megatron_rollout.engine.config import EngineStats
     from megatron_rollout.trace.replay import replay
     from megatron_rollout.trace.timeline import Timeline
 

@@ -1,8 +1,9 @@
 """The rollout engine: paged KV, continuous batching with explicit P/D phases, sessions."""
-from megatron_rollout.engine.api import (FinishReason, GenerationResult, RequestOutput, SamplingParams,
+from megatron_rollout.engine.api import (FinishReason, GenerationResult, RequestError, RequestOutput, SamplingParams,
                                          Schedule)
-from megatron_rollout.engine.engine import EngineConfig, RequestError, RolloutEngine
+from megatron_rollout.engine.config import EngineConfig, EngineStats
+from megatron_rollout.engine.engine import RolloutEngine
 from megatron_rollout.engine.session import Session, SessionClosed
 
-__all__ = ["EngineConfig", "FinishReason", "GenerationResult", "RequestError", "RequestOutput", "RolloutEngine",
+__all__ = ["EngineConfig", "EngineStats", "FinishReason", "GenerationResult", "RequestError", "RequestOutput", "RolloutEngine",
            "SamplingParams", "Schedule", "Session", "SessionClosed"]

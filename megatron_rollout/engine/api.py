@@ -13,6 +13,10 @@ class Schedule(enum.Enum):
     MUX = "mux"  # segmented prefill with a decode iteration between segments (turnstile)
 
 
+class RequestError(ValueError):
+    """A request was refused; the engine keeps serving the others."""
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # a stop token was sampled (it is included in the output)
     LENGTH = "length"  # max_new_tokens reached, or the context is full

@@ -12,17 +12,19 @@ import logging
 import numbers
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_rollout.engine.api import FinishReason, GenerationResult, RequestOutput, SamplingParams, Schedule
+from megatron_rollout.engine.api import (FinishReason, GenerationResult, RequestError, RequestOutput, SamplingParams,
+                                         Schedule)
+from megatron_rollout.engine.config import EngineConfig, EngineStats
+from megatron_rollout.engine.prefix import PrefixCache
 from megatron_rollout.engine.coordinator import GlobalView, LocalCoordinator, RankSharedCoordinator
 from megatron_rollout.engine.request import Request, Seq
 from megatron_rollout.engine.runner import SpanInput
 from megatron_rollout.engine.sampler import sample
-from megatron_rollout.engine.scheduler import (PrefillChunk, SchedulerConfig, SchedulerState, SeqView, Stage,
+from megatron_rollout.engine.scheduler import (PrefillChunk, SchedulerState, SeqView, Stage,
                                                StepPlan)
 from megatron_rollout.engine.weights import WeightStore, WeightVersionError
 from megatron_rollout.kv.block_pool import BlockPool
@@ -37,65 +39,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class RequestError(ValueError):
-    """A request was refused; the engine keeps serving the others."""
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    schedule: Schedule | str = Schedule.CHUNKED
-    """off | chunked | mux (see `Schedule`)."""
-    block_size: int = 16
-    """Positions per KV block."""
-    num_blocks: int = 512
-    """KV blocks in the pool (per rank)."""
-    max_batch_tokens: int = 512
-    """Token budget of a step (`chunked`) or of a prefill epoch (`off`, `mux`)."""
-    max_decode_rows: int = 256
-    """Decode rows per iteration."""
-    max_model_len: int | None = None
-    """Longest context; defaults to the model's max_position_embeddings."""
-    prefix_caching: bool = True
-    """Reuse computed full blocks of identical prefixes (GRPO groups share their prompt)."""
-    mux_span: str = "load"
-    """`mux` segment policy: "load" (LoadSelected) or "fixed:K" (FixedSpan(K))."""
-    seed: int = 0
-    """Seed of the generator used by sampled requests without their own seed."""
-    mux_ordering: str = "turnstile"
-    """`mux` only: "turnstile" (the protocol) or "naive" (P on its own host thread, no cross-rank
-    order: the unsafe baseline of the ordering experiments; never use it across ranks)."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "schedule", Schedule(self.schedule))
-        if self.block_size <= 0 or self.num_blocks <= 0:
-            raise ValueError(f"block_size and num_blocks must be positive, got {self.block_size}, {self.num_blocks}")
-        if self.mux_ordering not in ("turnstile", "naive"):
-            raise ValueError(f"mux_ordering must be 'turnstile' or 'naive', got {self.mux_ordering!r}")
-        if not (self.mux_span == "load" or self.mux_span.startswith("fixed:") and self.mux_span[6:].isdigit()
-                and int(self.mux_span[6:]) > 0):
-            raise ValueError(f"mux_span must be 'load' or 'fixed:K' with K > 0, got {self.mux_span!r}")
-
-    @property
-    def scheduler(self) -> SchedulerConfig:
-        return SchedulerConfig(self.schedule, self.block_size, self.max_batch_tokens, self.max_decode_rows)
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    decode_iterations: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    preemptions: int = 0
-    decode_wait_s: float = 0.0
-    decode_waits: int = 0
-
-    @property
-    def mean_decode_wait_ms(self) -> float:
-        """Mean time a ready decode row waited for its next iteration (ms)."""
-        return 1e3 * self.decode_wait_s / self.decode_waits if self.decode_waits else 0.0
-
-
 class RolloutEngine:
     def __init__(self, model: MoETransformer, config: EngineConfig | None = None, timeline=None, rank: int = 0,
                  coordinator: LocalCoordinator | RankSharedCoordinator | None = None, rendezvous=None,
@@ -103,7 +46,7 @@ class RolloutEngine:
         self.model, self.config = model, config or EngineConfig()
         cfg = model.cfg
         self.max_model_len = self.config.max_model_len or cfg.max_position_embeddings
-        self.pool = BlockPool(self.config.num_blocks, self.config.block_size)
+        self._new_pool()
         kv_heads = cfg.num_query_groups // model.comm.size(Axis.ATP)
         self._kv_shape = (cfg, self.config.num_blocks, self.config.block_size, kv_heads)
         from megatron_rollout.engine.cuda_runner import make_runner  # CudaRunner on one GPU, else ModelRunner
@@ -197,10 +140,14 @@ class RolloutEngine:
             raise RuntimeError(f"cannot release KV with {len(self.requests)} requests in flight")
         for seq in self.seqs.values():
             self._evict(seq)
-        self.pool = BlockPool(self.config.num_blocks, self.config.block_size)
+        self._new_pool()  # cached prefixes point into the K/V being freed
         self.runner.cache = None
         if torch.cuda.is_available() and self.model.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _new_pool(self) -> None:
+        self.pool = BlockPool(self.config.num_blocks, self.config.block_size)
+        self.prefix = PrefixCache(self.pool, self.config.prefix_caching)
 
     def reclaim_kv(self) -> None:
         if self.runner.cache is None:
@@ -307,8 +254,7 @@ class RolloutEngine:
         return self._run_plain(plan, view.phase)
 
     def _planning_state(self) -> SchedulerState:
-        if self.config.prefix_caching:
-            self._attach_prefixes()
+        self.prefix.attach(self.requests.values(), self.weights.version)
         return self._state()
 
     def _state(self) -> SchedulerState:
@@ -322,24 +268,6 @@ class RolloutEngine:
                 freeable=sum(self.pool.refcount[b] == 1 for b in table), order=req.order,
                 prefix_key=(seq.block_hashes(self.pool.block_size) or [None])[0] if twin else None))
         return SchedulerState(tuple(views), self.pool.num_free, epoch_in_flight=bool(self._mux and self._mux.busy))
-
-    def _attach_prefixes(self) -> None:
-        """Give waiting requests the cached blocks of their prefix, oldest first. Reviving a block
-        from the free list takes it from the pool, so revivals stop while doing so would leave
-        fewer free blocks than decode rows (which need them to grow)."""
-        bs = self.pool.block_size
-        headroom = self.pool.num_free - sum(r.stage is Stage.DECODE for r in self.requests.values())
-        for req in sorted(self.requests.values(), key=lambda r: r.order):
-            seq = req.seq
-            if req.stage is Stage.WAITING and seq.computed == 0 and not self.pool.table(seq.sid):
-                usable = (len(seq.tokens) - 1) // bs  # always compute at least the last token
-                blocks = self.pool.lookup(self._cache_keys(seq.block_hashes(bs)[:usable]))
-                revived = sum(self.pool.refcount[b] == 0 for b in blocks)
-                if blocks and revived <= headroom:
-                    headroom -= revived
-                    self.pool.share(seq.sid, blocks)
-                    seq.computed = len(blocks) * bs
-                    seq.registered, seq.kv_version = len(blocks), self.weights.version
 
     def _preempt(self, rids: Iterable[int]) -> None:
         for rid in rids:
@@ -432,7 +360,7 @@ class RolloutEngine:
                 self.pool.promote(seq.sid)
             else:
                 self.stats.decode_tokens += 1
-            self._register_blocks(seq)
+            self.prefix.offer(seq, version)
             req.stage, req.ready_at = Stage.DECODE, now
             req.first_token = req.first_token or now
             req.output.append(s.token)
@@ -443,25 +371,6 @@ class RolloutEngine:
             if reason is not None:
                 outs.append(self._finish(req, reason))
         return outs
-
-    def _register_blocks(self, seq: Seq) -> None:
-        """Offer the sequence's newly completed full blocks to the prefix cache, once each, and
-        only while all its K/V was computed under the current weights."""
-        version = self.weights.version
-        seq.kv_version = version if seq.kv_version in (None, version) else -1
-        full = seq.computed // self.pool.block_size
-        if not self.config.prefix_caching or seq.kv_version != version or full <= seq.registered:
-            return
-        table = self.pool.table(seq.sid)
-        keys = self._cache_keys(seq.block_hashes(self.pool.block_size)[seq.registered:full])
-        for i, key in enumerate(keys, start=seq.registered):
-            self.pool.register(table[i], key)
-        seq.registered = full
-
-    def _cache_keys(self, hashes: list[int]) -> list[int]:
-        """Prefix-cache keys of block hashes: K/V computed under other weights is never reused."""
-        version = self.weights.version
-        return [hash((version, h)) for h in hashes]
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         p = req.params

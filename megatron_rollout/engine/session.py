@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megatron_rollout.engine.api import GenerationResult, SamplingParams
+from megatron_rollout.engine.api import GenerationResult, RequestError, SamplingParams
 
 if TYPE_CHECKING:
     from megatron_rollout.engine.engine import RolloutEngine
@@ -35,12 +35,10 @@ class Session:
         if self.closed:
             raise SessionClosed(f"session {self._seq.sid} is closed")
         if self._engine.seqs.get(self._seq.sid) is not self._seq:
-            from megatron_rollout.engine.engine import RequestError
 
             raise RequestError(f"unknown session {self._seq.sid}: this engine did not open it, or dropped it")
 
     def append(self, token_ids: list[int]) -> None:
-        from megatron_rollout.engine.engine import RequestError
 
         self._check_open()
         if self._seq.request is not None:

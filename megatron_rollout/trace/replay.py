@@ -31,7 +31,7 @@ import numpy as np
 from tqdm import tqdm
 
 from megatron_rollout.engine.api import FinishReason, RequestOutput, SamplingParams, Schedule
-from megatron_rollout.engine.engine import RequestError
+from megatron_rollout.engine.api import RequestError
 from megatron_rollout.trace.metrics import ReplayReport, build_report
 from megatron_rollout.trace.schema import ConversationId, TraceRequest, group_conversations
 
