@@ -7,7 +7,10 @@
 # 2. replay of one trace under off, chunked and mux (one process per GPU, NCCL), for the layouts
 #    the GPU count allows: ATP1/ADP n and ATP n/ADP1, and ATP2/ADP2 on 4 GPUs.
 # Results go to $OUT (default /tmp/multigpu). Wheels in .whl/ and .whl-x2/ are installed first
-# when present (megatron-core, tokenspeed-deepep, nvshmem4py; see docs/benchmarks.md).
+# when present. Fetch them on a machine with PyPI (git-ignore the folder, carry it to the GPU host):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_34_x86_64 \
+#     -d .whl-x2 tokenspeed-deepep==1.2.1.post20251110 nvshmem4py-cu13==0.4.1 megatron-core==0.16.1
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
