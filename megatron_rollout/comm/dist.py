@@ -25,6 +25,7 @@ import itertools
 import logging
 import math
 import pickle
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -102,10 +103,17 @@ class StoreRendezvous:
 
     _instances = itertools.count()  # one prefix per instance; instances are built in rank order
 
-    def __init__(self, rank: int, world: int, timeout_s: float) -> None:
-        base = dist.distributed_c10d._get_default_store()
-        self._store = dist.PrefixStore(f"megatron_rollout/comm/all_gather_object/{next(self._instances)}/", base)
-        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+    def __init__(self, rank: int, ranks: int | Sequence[int], timeout_s: float, prefix: str | None = None,
+                 store: dist.Store | None = None) -> None:
+        """`ranks`: the global ranks that meet (an int n means 0..n-1); `prefix` names the keys
+        (default: one per instance, instances built in the same order on every rank)."""
+        base = store if store is not None else dist.distributed_c10d._get_default_store()
+        prefix = prefix or f"megatron_rollout/comm/all_gather_object/{next(self._instances)}/"
+        self._store = dist.PrefixStore(prefix, base)
+        self.ranks = tuple(range(ranks)) if isinstance(ranks, int) else tuple(ranks)
+        if rank not in self.ranks:
+            raise ValueError(f"rank {rank} is not among the rendezvous ranks {list(self.ranks)}")
+        self.rank, self.timeout_s = rank, timeout_s
         self._round = 0
         self._failed: str | None = None  # after a failure the ranks' round counters no longer agree
 
@@ -114,8 +122,8 @@ class StoreRendezvous:
             raise RuntimeError(f"all_gather_object {context!r} refused: an earlier rendezvous failed "
                                f"({self._failed}); build a new DistComm")
         k, self._round = self._round, self._round + 1
-        keys = [f"{k}/{r}" for r in range(self.world)]
-        self._store.set(keys[self.rank], pickle.dumps((context, obj)))
+        keys = [f"{k}/{r}" for r in self.ranks]
+        self._store.set(f"{k}/{self.rank}", pickle.dumps((context, obj)))
         try:
             self._store.wait(keys, timedelta(seconds=self.timeout_s))
             values = [pickle.loads(v) for v in self._store.multi_get(keys)]
@@ -123,19 +131,19 @@ class StoreRendezvous:
             err = self._timeout(k, keys, context, exc)
             self._failed = str(err)
             raise err from exc
-        contexts = {r: c for r, (c, _) in enumerate(values)}
+        contexts = {r: c for r, (c, _) in zip(self.ranks, values)}
         if len(set(contexts.values())) > 1:
             self._failed = f"context mismatch in round {k}"
             raise RendezvousMismatch(f"rendezvous round {k} on rank {self.rank}: ranks arrived with different "
                                      f"contexts {contexts}; their schedules diverged")
-        if self._store.add(f"{k}/read", 1) == self.world:  # the last reader clears the round
+        if self._store.add(f"{k}/read", 1) == len(self.ranks):  # the last reader clears the round
             for key in keys + [f"{k}/read"]:
                 self._store.delete_key(key)
         return [v for _, v in values]
 
     def _timeout(self, k: int, keys: list[str], context: str, exc: Exception) -> RendezvousTimeout:
         try:
-            missing = tuple(r for r, key in enumerate(keys) if not self._store.check([key]))
+            missing = tuple(r for r, key in zip(self.ranks, keys) if not self._store.check([key]))
             why = "did not arrive"
         except dist.DistError:
             missing, why = (0,), "is unreachable (it hosts the TCP store; dead?)"

@@ -4,10 +4,10 @@ did not come (DESIGN.md §6).
 Why not `dist.barrier` on a gloo group: a gloo barrier that times out says nothing about *which*
 rank is missing, and `monitored_barrier(wait_all_ranks=True)` names the missing ranks on rank 0
 only (the other ranks just time out waiting for rank 0). The turnstile needs every arrived rank to
-fail with the same diagnosis, so this module meets through the process group's key-value store:
-each rank sets one key per meeting and waits (server side, with a deadline) for the keys of the
-others; on timeout it checks which keys are absent and raises `RendezvousTimeout` naming them.
-Each key also carries the rank's (epoch, boundary, tag) and a small tuple of ints, so a meeting
+fail with the same diagnosis, so this module meets through the process group's key-value store,
+with comm's `StoreRendezvous` (the same exchange DistComm's state gather uses): each rank sets one
+key per meeting and waits, with a deadline, for the others'; on timeout it names the absent ranks.
+This layer adds the turnstile's vocabulary: each meeting carries the rank's (epoch, boundary, tag) and a small tuple of ints, so a meeting
 returns what every rank brought: the turnstile uses that to agree on boundary counts, decode rows
 and cancellation without a separate collective. Its errors subclass comm.dist's
 (`RendezvousTimeout`, `RendezvousMismatch`), which DistComm's state gather raises the same way.
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import abc
 import logging
-from datetime import timedelta
 from typing import Sequence
 
 import torch.distributed as dist
@@ -113,50 +112,29 @@ class Rendezvous(RendezvousBase):
         if self.rank not in self.ranks:
             raise ValueError(f"rank {self.rank} is not in the rendezvous group {list(self.ranks)}")
         self.timeout_s = timeout_s
-        base = store if store is not None else dist.distributed_c10d._get_default_store()
         members = "-".join(map(str, self.ranks))
         generation = Rendezvous._generations.get((name, members), 0)
         Rendezvous._generations[(name, members)] = generation + 1
         self.prefix = f"megatron_rollout/rendezvous/{name}.{generation}/{members}/"
-        self._store = dist.PrefixStore(self.prefix, base)
-        self._seq = 0
+        self._gather = comm_dist.StoreRendezvous(self.rank, self.ranks, timeout_s, self.prefix, store)
         self._poisoned: str | None = None
-
-    def _key(self, seq: int, rank: int) -> str:
-        return f"{seq}/{rank}"
 
     def meet(self, epoch: int, boundary: int, tag: str, payload: Payload = ()) -> list[Payload]:
         _check_args(epoch, boundary, tag, payload)
         if self._poisoned:
             raise RuntimeError(f"rendezvous used after a failure ({self._poisoned}); build a new one")
-        seq, self._seq = self._seq, self._seq + 1
-        mine = f"{epoch}|{boundary}|{tag}|" + ",".join(map(str, payload))
-        self._store.set(self._key(seq, self.rank), mine.encode())
-        keys = [self._key(seq, r) for r in self.ranks]
-        try:
-            self._store.wait(keys, timedelta(seconds=self.timeout_s))
-            values = [v.decode() for v in self._store.multi_get(keys)]
-        except dist.DistError as exc:
-            try:
-                missing = [r for r, k in zip(self.ranks, keys) if not self._store.check([k])]
-            except dist.DistError:  # the store itself is gone: its host (global rank 0) died
-                missing = [0]
-            err = RendezvousTimeout(missing, epoch, boundary, tag, self.timeout_s, self.rank)
+        try:  # the store exchange is comm's; this layer adds the turnstile's checks and names
+            values = self._gather.all_gather_object((epoch, boundary, tag, tuple(payload)), context="turnstile")
+        except comm_dist.RendezvousTimeout as exc:
+            err = RendezvousTimeout(exc.missing, epoch, boundary, tag, self.timeout_s, self.rank)
             self._poisoned = str(err)
-            logger.error("%s (%s: %s)", err, type(exc).__name__, exc)
             raise err from None
-        if seq > 0:
-            # Every rank has set its key for `seq`, so all of them finished reading `seq - 1`.
-            self._store.delete_key(self._key(seq - 1, self.rank))
-        payloads: list[Payload] = []
-        for r, v in zip(self.ranks, values):
-            e, b, t, p = v.split("|")
-            if (int(e), t) != (epoch, tag):
-                seen = {rr: vv.rsplit("|", 1)[0] for rr, vv in zip(self.ranks, values)}
-                self._poisoned = f"mismatch at meeting {seq}"
+        for r, (e, b, t, _) in zip(self.ranks, values):
+            if (e, t) != (epoch, tag):
+                seen = {rr: f"{ee}|{bb}|{tt}" for rr, (ee, bb, tt, _) in zip(self.ranks, values)}
+                self._poisoned = f"mismatch at epoch {epoch}, {tag}"
                 raise RendezvousMismatch(
-                    f"rendezvous {seq}: rank {self.rank} is at epoch {epoch}, boundary {boundary}, {tag} "
+                    f"rendezvous on rank {self.rank}: it is at epoch {epoch}, boundary {boundary}, {tag} "
                     f"but rank {r} is at epoch {e}, boundary {b}, {t}; all ranks (epoch|boundary|tag): {seen}. "
                     f"The ranks' plans or P boundary sequences diverged")
-            payloads.append(tuple(int(x) for x in p.split(",")) if p else ())
-        return payloads
+        return [v[3] for v in values]

@@ -13,7 +13,6 @@ from megatron_rollout.multiplex.controller import BoundaryController
 from megatron_rollout.multiplex.policy import FixedSpan, LoadSelected
 from megatron_rollout.multiplex.rendezvous import LocalRendezvous, Rendezvous
 from megatron_rollout.multiplex.routing import P_FULL_ALL_REDUCE, ConflictRegistry, Router
-from megatron_rollout.multiplex.timeline import chrome_events
 from megatron_rollout.multiplex.turnstile import EpochCancelled, Turnstile, TurnstileDivergence
 from megatron_rollout.types import Phase
 
@@ -50,8 +49,6 @@ def test_rounds_interleave_d_before_each_segment():
     assert all(r.epoch == 7 and r.decode_rows == r.max_decode_rows == 3 and r.span == 2 for r in recs)
     assert all(r.t_start <= r.t_pre_d <= r.t_decode <= r.t_post_d <= r.t_end for r in recs)
     assert ts.controller.epoch is None and ts.running is None
-    events = chrome_events(recs)
-    assert len(events) == 12 and events[-1]["name"] == "P segment 5..5" and events[-1]["args"]["round"] == 3
 
 
 def test_load_selected_runs_p_whole_without_decode_rows_and_splits_with_them():
