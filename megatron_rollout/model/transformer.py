@@ -71,11 +71,6 @@ class MoETransformer(nn.Module):
         name = local_name(full_name, self.cfg, comm.shard)
         return None if name is None else self.get_parameter(name)
 
-    def output_weight(self) -> torch.Tensor:
-        if self.cfg.tie_word_embeddings:
-            return self.embedding.word_embeddings.weight
-        return self.output_layer.weight
-
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         h = self.decoder.final_layernorm(h)
         if self.cfg.tie_word_embeddings:

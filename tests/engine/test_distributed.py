@@ -38,6 +38,8 @@ def _world(rank: int, atp: int, adp: int) -> dict:
         engine.check_integrity()
         if results is not None:
             out[schedule] = [r.token_ids for r in results]
+        if schedule == "mux":  # crossed layouts route P's full-group all-reduce after D
+            out["routed"] = runtime.comm.router.routed_count
     # Reshard on hot swap: a one-process trainer's full tensors land as this layout's shards.
     trainer = MoETransformer(CFG).init_weights(seed=4)
     engine = runtime.engine(model, EngineConfig(schedule="chunked", block_size=4))
@@ -70,6 +72,8 @@ def test_layouts_match_single_process(atp: int, adp: int) -> None:
     got = run_world(_world, atp * adp, atp, adp, timeout=240)
     for schedule in SCHEDULES:
         assert got[0][schedule] == want, schedule
+    crossed = atp > 1 and adp > 1
+    assert all((r["routed"] > 0) == crossed for r in got), [r["routed"] for r in got]
     assert got[0]["uneven"] == want
     assert got[0]["swapped"] == _reference(seed=4) != want and got[0]["versions"] == {1}
     assert all(r["gathered_equal"] for r in got)

@@ -510,3 +510,24 @@ def test_release_and_reclaim_kv(make_engine, qwen):
     assert engine.stats.prefill_tokens - before == len(full_context)
     assert_same([out.result], reference(make_engine, model, [full_context], params))
     session.close()
+
+
+def test_update_weights_is_refused_mid_mux_epoch_and_accepted_after(make_engine, qwen):
+    _, model = qwen
+    engine = make_engine(model, schedule="mux", **SMALL)
+    rids = [engine.add_request(p, ABORT_PARAMS) for p in prompts([9, 7], seed=3)]
+    outs: dict = {}
+    while not engine.mux_busy or engine._mux.turnstile.controller.last_published == 0:
+        for out in engine.step():
+            outs[out.request_id] = out
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(WeightVersionError, match="mux prefill epoch is in flight"):
+        engine.update_weights(state, version=1)
+    assert engine.weight_version == 0
+    while engine.mux_busy:
+        for out in engine.step():
+            outs[out.request_id] = out
+    engine.update_weights(state, version=1)  # between epochs it lands
+    assert engine.weight_version == 1
+    drain(engine, outs)
+    assert sorted(outs) == sorted(rids)
