@@ -265,7 +265,7 @@ class RolloutEngine:
             twin = self.config.prefix_caching and (seq.computed == 0 or req.stage is Stage.PREFILL)
             views.append(SeqView(
                 rid=req.rid, stage=req.stage, tokens=len(seq.tokens), computed=seq.computed, blocks=len(table),
-                freeable=sum(self.pool.refcount[b] == 1 for b in table), order=req.order,
+                freeable=self.pool.exclusive(seq.sid), order=req.order,
                 prefix_key=(seq.block_hashes(self.pool.block_size) or [None])[0] if twin else None))
         return SchedulerState(tuple(views), self.pool.num_free, epoch_in_flight=bool(self._mux and self._mux.busy))
 

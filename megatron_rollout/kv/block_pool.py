@@ -39,6 +39,18 @@ class BlockPool:
     def table(self, owner: int) -> list[int]:
         return self.tables.get(owner, [])
 
+    def exclusive(self, owner: int) -> int:
+        """Blocks of `owner` that no other owner holds (what releasing it would free).
+
+        Sharing only ever hands out a leading run of a table (a prefix), so the shared blocks of
+        every table are a leading run too (`check_integrity` verifies it) and the scan stops at
+        the first unshared block: O(shared prefix), not O(table), on the decode hot path."""
+        table = self.tables.get(owner, [])
+        shared = 0
+        while shared < len(table) and self.refcount[table[shared]] > 1:
+            shared += 1
+        return len(table) - shared
+
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
@@ -123,6 +135,9 @@ class BlockPool:
         for owner, table in self.tables.items():
             if len(set(table)) != len(table):
                 raise AssertionError(f"owner {owner} names a block twice: {table}")
+            exclusive = sum(self.refcount[b] == 1 for b in table)
+            if exclusive != self.exclusive(owner):
+                raise AssertionError(f"owner {owner}: shared blocks are not a leading run of its table {table}")
             for block in table:
                 counts[block] += 1
         for block in range(self.num_blocks):
