@@ -39,6 +39,7 @@ from megatron_rollout.comm.domain import DispatchDomain
 from megatron_rollout.comm.exchange import ExpertExchange
 from megatron_rollout.comm.facade import Comm
 from megatron_rollout.comm.groups import ParallelGroups, ParallelLayout, init_parallel
+from megatron_rollout.multiplex.routing import CollectiveSite
 from megatron_rollout.types import Axis, Phase
 
 logger = logging.getLogger(__name__)
@@ -253,8 +254,6 @@ class DistComm(Comm):
     def _on_route(self, phase: Phase, op: str, axis: Axis, fn, inputs: tuple[torch.Tensor, ...] = ()):
         if self.router is None:
             return fn()
-        from megatron_rollout.multiplex.routing import CollectiveSite
-
         return self.router.run(self.router.route(phase, CollectiveSite(op, axis)), fn, inputs)
 
     def all_reduce(self, x: torch.Tensor, axis: Axis, phase: Phase) -> torch.Tensor:
