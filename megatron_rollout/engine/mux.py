@@ -160,9 +160,8 @@ class MuxDriver:
         """`req` is finishing early; if P is still writing its blocks, park them until the epoch ends."""
         if self.epoch is None or not any(o[0] is req for o in self.epoch.owners):
             return
-        pool = self.engine.pool
         zombie = next(self._zombie_ids)
-        pool.tables[zombie] = pool.tables.pop(req.seq.sid, [])
-        pool.reserved.discard(req.seq.sid)
+        self.engine.pool.transfer(req.seq.sid, zombie)
+        self.engine.pool.promote(zombie)  # parked, not a reservation any more
         req.seq.reset_kv()
         self.epoch.zombies.append(zombie)

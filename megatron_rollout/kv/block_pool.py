@@ -12,6 +12,7 @@ owner names a block twice; every engine test calls it at teardown.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 
@@ -24,8 +25,12 @@ class BlockPool:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.refcount = [0] * num_blocks
-        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))  # insertion order = LRU
+        self.refcount = [0] * num_blocks  # = len(self._holders[block])
+        self._holders: list[set[int]] = [set() for _ in range(num_blocks)]
+        self._exclusive: dict[int, int] = {}  # owner -> blocks no other owner holds
+        # Free blocks, least recently freed first. An OrderedDict, not a dict: popping the oldest is
+        # O(1) there, while a plain dict's next(iter(...)) walks every slot deleted before it.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.tables: dict[int, list[int]] = {}  # owner -> blocks, in position order
         self.block_hash: dict[int, int] = {}  # block -> prefix hash of its (full) contents
         self.hash_block: dict[int, int] = {}  # prefix hash -> block
@@ -40,16 +45,28 @@ class BlockPool:
         return self.tables.get(owner, [])
 
     def exclusive(self, owner: int) -> int:
-        """Blocks of `owner` that no other owner holds (what releasing it would free).
+        """Blocks of `owner` that no other owner holds (what releasing it would free). Kept up to
+        date as blocks are held and dropped, so the planner reads it in O(1) every step."""
+        return self._exclusive.get(owner, 0)
 
-        Sharing only ever hands out a leading run of a table (a prefix), so the shared blocks of
-        every table are a leading run too (`check_integrity` verifies it) and the scan stops at
-        the first unshared block: O(shared prefix), not O(table), on the decode hot path."""
-        table = self.tables.get(owner, [])
-        shared = 0
-        while shared < len(table) and self.refcount[table[shared]] > 1:
-            shared += 1
-        return len(table) - shared
+    def _hold(self, owner: int, block: int) -> None:
+        holders = self._holders[block]
+        if len(holders) == 1:
+            self._exclusive[next(iter(holders))] -= 1  # its sole holder now shares it
+        holders.add(owner)
+        if len(holders) == 1:
+            self._exclusive[owner] = self._exclusive.get(owner, 0) + 1
+        self.refcount[block] = len(holders)
+
+    def _drop(self, owner: int, block: int) -> None:
+        holders = self._holders[block]
+        holders.discard(owner)
+        if len(holders) == 1:  # the last holder has it to itself again
+            last = next(iter(holders))
+            self._exclusive[last] = self._exclusive.get(last, 0) + 1
+        self.refcount[block] = len(holders)
+        if not holders:
+            self._free[block] = None
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -65,10 +82,9 @@ class BlockPool:
             raise KVExhausted(f"owner {owner} needs {need} blocks, {len(self._free)} free")
         added = []
         for _ in range(need):
-            block = next(iter(self._free))
-            del self._free[block]
+            block, _ = self._free.popitem(last=False)
             self._forget_hash(block)
-            self.refcount[block] = 1
+            self._hold(owner, block)
             added.append(block)
         table.extend(added)
         return added
@@ -91,16 +107,29 @@ class BlockPool:
         for block in blocks:
             if self.refcount[block] == 0:
                 del self._free[block]
-            self.refcount[block] += 1
+            self._hold(owner, block)
             table.append(block)
 
     def release(self, owner: int) -> None:
         """Drop every block of `owner` (end of a sequence, preemption, cancellation)."""
         self.reserved.discard(owner)
         for block in self.tables.pop(owner, []):
-            self.refcount[block] -= 1
-            if self.refcount[block] == 0:
-                self._free[block] = None
+            self._drop(owner, block)
+        self._exclusive.pop(owner, None)
+
+    def transfer(self, owner: int, new_owner: int) -> None:
+        """Hand every block of `owner` to `new_owner` (which holds none), e.g. to park them."""
+        if new_owner in self.tables:
+            raise ValueError(f"owner {new_owner} already holds blocks")
+        table = self.tables.pop(owner, [])
+        for block in table:
+            self._holders[block].discard(owner)
+            self._holders[block].add(new_owner)
+        self.tables[new_owner] = table
+        self._exclusive[new_owner] = self._exclusive.pop(owner, 0)
+        if owner in self.reserved:
+            self.reserved.discard(owner)
+            self.reserved.add(new_owner)
 
     # -- prefix cache ----------------------------------------------------------------------
     def lookup(self, hashes: Sequence[int]) -> list[int]:
@@ -131,20 +160,26 @@ class BlockPool:
 
     # -- checks ----------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        counts = [0] * self.num_blocks
+        owners: list[set[int]] = [set() for _ in range(self.num_blocks)]
         for owner, table in self.tables.items():
             if len(set(table)) != len(table):
                 raise AssertionError(f"owner {owner} names a block twice: {table}")
-            exclusive = sum(self.refcount[b] == 1 for b in table)
-            if exclusive != self.exclusive(owner):
-                raise AssertionError(f"owner {owner}: shared blocks are not a leading run of its table {table}")
             for block in table:
-                counts[block] += 1
+                owners[block].add(owner)
+        counts = [len(o) for o in owners]
         for block in range(self.num_blocks):
             if counts[block] != self.refcount[block]:
                 raise AssertionError(f"block {block}: refcount {self.refcount[block]} but {counts[block]} owners")
             if (block in self._free) != (counts[block] == 0):
                 raise AssertionError(f"block {block}: free={block in self._free} with {counts[block]} owners")
+            if self._holders[block] != owners[block]:
+                raise AssertionError(f"block {block}: holders recorded {sorted(self._holders[block])}, "
+                                     f"owners {sorted(owners[block])}")
+        for owner, table in self.tables.items():
+            exclusive = sum(self.refcount[b] == 1 for b in table)
+            if exclusive != self.exclusive(owner):
+                raise AssertionError(f"owner {owner}: {self.exclusive(owner)} exclusive blocks counted, "
+                                     f"{exclusive} in its table {table}")
         if not self.reserved <= set(self.tables):
             raise AssertionError(f"reservations without blocks: {sorted(self.reserved - set(self.tables))}")
         for h, block in self.hash_block.items():
