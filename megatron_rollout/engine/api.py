@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import enum
+import functools
+import math
+import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -42,14 +46,53 @@ class SamplingParams:
     """Per-request seed: the same seed and weights give the same tokens."""
 
     def __post_init__(self) -> None:
+        # Checked here, at submission, so that one bad value is refused for its request alone
+        # instead of raising inside a step that serves everyone co-batched with it.
+        set_ = functools.partial(object.__setattr__, self)
+        set_("temperature", _real("temperature", self.temperature))
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        set_("top_k", _integer("top_k", self.top_k))
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise ValueError(f"top_k must be >= 0 (0 keeps all tokens), got {self.top_k}")
+        set_("top_p", _real("top_p", self.top_p))
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        set_("max_new_tokens", _integer("max_new_tokens", self.max_new_tokens))
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Iterable):
+            raise ValueError(f"stop_token_ids must be a sequence of token ids, got {_describe(self.stop_token_ids)}")
+        stops = tuple(_integer("stop_token_ids entry", t) for t in self.stop_token_ids)
+        if any(t < 0 for t in stops):
+            raise ValueError(f"stop_token_ids must be >= 0, got {min(stops)}")
+        set_("stop_token_ids", stops)
+        if not isinstance(self.ignore_stop, bool):
+            raise ValueError(f"ignore_stop must be True or False, got {_describe(self.ignore_stop)}")
+        if self.seed is not None:
+            set_("seed", _integer("seed", self.seed))
+            if not 0 <= self.seed < 2**64:
+                raise ValueError(f"seed must be in [0, 2**64) (a torch.Generator seed), got {self.seed}")
+
+
+def _describe(value: object) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _integer(name: str, value: object) -> int:
+    """An integer (numpy's too) as a Python int; bool, float (even 2.0) and str are refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {_describe(value)}")
+    return int(value)
+
+
+def _real(name: str, value: object) -> float:
+    """A finite real number as a Python float; bool, str, NaN and infinities are refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {_describe(value)}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,11 @@ was drawn from: the raw logits' softmax at temperature 0 (greedy) and 1; the tem
 top-k/top-p-filtered softmax otherwise. That is what an RL trainer's importance ratio needs.
 A request with a seed draws from its own generator, so its tokens do not depend on which other
 requests share the batch.
+
+Rows are judged one by one: a row whose logits are not finite (NaN weights, a diverging trainer)
+comes back as a `Sampled` with `error` set and no token, so its caller can fail that request alone;
+argmax over NaN would silently give token 0 and `multinomial` would raise for the whole batch.
+-inf entries are allowed (a masked token), as long as some entry is finite.
 """
 from __future__ import annotations
 
@@ -17,15 +22,31 @@ from megatron_rollout.engine.api import SamplingParams
 
 @dataclass(frozen=True)
 class Sampled:
-    token: int
-    logprob: float
+    """One row's draw: a token and its logprob, or (`error` set) why the row has none."""
+
+    token: int | None
+    logprob: float | None
+    error: str | None = None
+    """e.g. "non-finite logits (nan)"; the caller adds where (position, weight version)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def _non_finite(row_max: float) -> Sampled:
+    # A row's max is NaN if any entry is NaN (amax propagates NaN), +inf if any entry is +inf,
+    # and -inf only when every entry is -inf: the three ways a softmax over it has no meaning.
+    kind = "nan" if row_max != row_max else ("inf" if row_max > 0 else "-inf everywhere")
+    return Sampled(None, None, f"non-finite logits ({kind})")
 
 
 def filtered_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits: [V] -> fp32 log-probabilities of the sampling distribution (-inf where filtered)."""
     x = logits.float()
     if params.temperature not in (0.0, 1.0):
-        x = x / params.temperature
+        # Shift first: the max becomes 0, so a tiny temperature gives -inf for the rest, never inf - inf.
+        x = (x - x.max()) / params.temperature
     if params.top_k and params.top_k < x.numel():
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -39,6 +60,17 @@ def filtered_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Sampled:
+    """logits: [V]."""
+    row_max = float(logits.amax())
+    return _draw(logits, params, generator) if _finite(row_max) else _non_finite(row_max)
+
+
+def _finite(x: float) -> bool:
+    return x == x and abs(x) != float("inf")
+
+
+def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Sampled:
+    """logits: [V], some entry finite and none NaN or +inf."""
     if params.temperature == 0.0:
         logp = logits.float().log_softmax(-1)
         token = int(torch.argmax(logp))
@@ -49,11 +81,13 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[Sampled]:
-    """logits: [rows, V]; one params and generator per row."""
+    """logits: [rows, V]; one params and generator per row. Never raises for a row's values: a
+    non-finite row gets `Sampled(None, None, error)` and the other rows are sampled as usual."""
     if logits.shape[0] == 0:
         return []
-    greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
-    out: list[Sampled | None] = [None] * len(params)
+    row_max = logits.amax(-1).float().tolist()  # [rows]: one reduction and one sync for the batch
+    out: list[Sampled | None] = [None if _finite(m) else _non_finite(m) for m in row_max]
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0.0 and out[i] is None]
     if greedy:
         logp = logits[greedy].float().log_softmax(-1)
         tokens = logp.argmax(-1)
@@ -62,5 +96,5 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             out[i] = Sampled(t, lp)
     for i, p in enumerate(params):
         if out[i] is None:
-            out[i] = sample_row(logits[i], p, generators[i])
+            out[i] = _draw(logits[i], p, generators[i])
     return out  # type: ignore[return-value]

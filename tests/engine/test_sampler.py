@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_rollout.engine.api import SamplingParams
-from megatron_rollout.engine.sampler import filtered_logprobs, sample, sample_row
+from megatron_rollout.engine.sampler import Sampled, filtered_logprobs, sample, sample_row
 
 # Probabilities 0.5, 0.25, 0.15, 0.1 (logits = log p + 3, a shift softmax ignores).
 PROBS = [0.5, 0.25, 0.15, 0.1]
@@ -120,7 +120,80 @@ def test_greedy_and_sampled_rows_mix_in_one_batch():
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
     (dict(max_new_tokens=0), "max_new_tokens must be positive, got 0"),
     (dict(max_new_tokens=-3), "max_new_tokens must be positive, got -3"),
+    (dict(temperature=float("nan")), "temperature must be finite, got nan"),
+    (dict(temperature=float("inf")), "temperature must be finite, got inf"),
+    (dict(temperature="0.7"), r"temperature must be a number, got '0.7' \(str\)"),
+    (dict(temperature=True), r"temperature must be a number, got True \(bool\)"),
+    (dict(top_p=float("nan")), "top_p must be finite, got nan"),
+    (dict(top_k=2.0), r"top_k must be an integer, got 2.0 \(float\)"),
+    (dict(top_k=True), r"top_k must be an integer, got True \(bool\)"),
+    (dict(max_new_tokens=8.5), r"max_new_tokens must be an integer, got 8.5 \(float\)"),
+    (dict(max_new_tokens=False), r"max_new_tokens must be an integer, got False \(bool\)"),
+    (dict(seed=1.0), r"seed must be an integer, got 1.0 \(float\)"),
+    (dict(seed=True), r"seed must be an integer, got True \(bool\)"),
+    (dict(seed=-1), r"seed must be in \[0, 2\*\*64\)"),
+    (dict(stop_token_ids=(1, "2")), r"stop_token_ids entry must be an integer, got '2' \(str\)"),
+    (dict(stop_token_ids=(-1,)), "stop_token_ids must be >= 0, got -1"),
+    (dict(stop_token_ids=7), r"stop_token_ids must be a sequence of token ids, got 7 \(int\)"),
+    (dict(ignore_stop=1), r"ignore_stop must be True or False, got 1 \(int\)"),
 ])
 def test_sampling_params_are_validated(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_integer_like_values_are_normalised_to_python_types():
+    np = pytest.importorskip("numpy")
+    p = SamplingParams(temperature=1, top_k=np.int64(3), max_new_tokens=np.int32(5), seed=np.uint64(7),
+                       stop_token_ids=[np.int64(4), 9])
+    assert (p.temperature, p.top_k, p.max_new_tokens, p.seed, p.stop_token_ids) == (1.0, 3, 5, 7, (4, 9))
+    assert [type(v) for v in (p.temperature, p.top_k, p.max_new_tokens, p.seed, *p.stop_token_ids)] == \
+        [float, int, int, int, int, int]
+    hash(p)  # a list given for stop_token_ids is stored as a tuple: still hashable
+
+
+# ---------------------------------------------------------------- non-finite logits, row by row
+
+NAN, INF = float("nan"), float("inf")
+BAD_ROWS = [
+    ([0.0, NAN, 1.0], "non-finite logits (nan)"),
+    ([0.0, INF, 1.0], "non-finite logits (inf)"),
+    ([NAN, INF, NEG], "non-finite logits (nan)"),
+    ([NEG, NEG, NEG], "non-finite logits (-inf everywhere)"),
+]
+
+
+@pytest.mark.parametrize("bad, message", BAD_ROWS)
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_non_finite_row_fails_alone(bad, message, temperature):
+    good = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]])
+    logits = torch.stack([good[0], torch.tensor(bad), good[1]])
+    params = [SamplingParams(temperature=temperature)] * 3
+    out = sample(logits, params, [torch.Generator().manual_seed(s) for s in (1, 2, 3)])
+    alone = sample(good, params[:2], [torch.Generator().manual_seed(s) for s in (1, 3)])
+    assert out[1] == Sampled(None, None, message) and not out[1].ok
+    assert [out[0], out[2]] == alone and all(s.ok and s.error is None for s in alone)
+    assert sample_row(torch.tensor(bad), params[0], torch.Generator().manual_seed(0)) == Sampled(None, None, message)
+
+
+def test_non_finite_rows_in_bfloat16_and_in_a_whole_batch():
+    logits = torch.tensor([[NAN, 1.0], [INF, 0.0]], dtype=torch.bfloat16)
+    out = sample(logits, [SamplingParams(temperature=0.0), SamplingParams(top_k=1)], [None, None])
+    assert [s.error for s in out] == ["non-finite logits (nan)", "non-finite logits (inf)"]
+    assert [s.token for s in out] == [None, None]
+
+
+def test_masked_tokens_are_allowed():
+    logits = torch.tensor([[NEG, 1.0, NEG, 0.0]])
+    greedy, sampled = (sample(logits, [SamplingParams(temperature=t, seed=0)], [torch.Generator().manual_seed(0)])[0]
+                       for t in (0.0, 1.0))
+    assert greedy == Sampled(1, pytest.approx(-math.log1p(math.exp(-1.0)), abs=1e-6))
+    assert sampled.ok and sampled.token in (1, 3)
+
+
+def test_a_tiny_temperature_is_greedy_not_nan():
+    # 3 / 1e-39 overflows fp32: scaling before shifting by the max gave inf - inf = NaN
+    lp = filtered_logprobs(LOGITS, SamplingParams(temperature=1e-39))
+    torch.testing.assert_close(lp, _lp([0.0, NEG, NEG, NEG]))
+    s = sample_row(LOGITS, SamplingParams(temperature=1e-39), torch.Generator().manual_seed(0))
+    assert (s.token, s.logprob, s.error) == (0, 0.0, None)
