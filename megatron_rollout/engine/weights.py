@@ -2,12 +2,25 @@
 
 Tensors arrive under full Megatron names (`sharding.full_shapes`); each rank keeps its slice, so a
 trainer whose TP/EP layout differs from the rollout's ATP/EP hands over full tensors and this
-store reshards them; `gather_full_state` builds those from a sharded trainer's local state. A version may arrive in several chunks (`final=False` until the last);
-until the last chunk lands the version is half-applied and the engine refuses to step.
+store reshards them; `gather_full_state` builds those from a sharded trainer's local state.
+
+An update is all-or-nothing. Every name, value type, shape, dtype and value (finite, and within
+range of the engine's dtype) is checked before the first parameter is touched; a refused update
+leaves the serving version intact, bit for bit. A version may arrive in several chunks
+(`final=False` until the last): those chunks are validated and staged (this rank's slices, copied
+to host memory, since the caller may reuse its buffers), and the final chunk copies staged and
+final tensors in place only once the version is complete. Until then the engine refuses to step,
+so no token is sampled while a version is half-received. A version sent whole (one `final=True`
+call) is validated, then copied in place: no staging copy. Left out: staging in device memory
+(it would hold a second model where chunking exists to bound memory) and rollback of a copy that
+fails half-way on the device itself.
 """
 from __future__ import annotations
 
+import logging
+import numbers
 from collections.abc import Callable, Iterable, Mapping
+from typing import NamedTuple
 
 import torch
 
@@ -16,9 +29,25 @@ from megatron_rollout.model.config import ModelConfig
 from megatron_rollout.model.sharding import full_name, full_shapes, local_name, shard_tensor, unshard_tensor
 from megatron_rollout.model.transformer import MoETransformer
 
+log = logging.getLogger(__name__)
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""Dtypes an update may bring; each is cast to the engine's dtype (e.g. a trainer's fp32 master
+weights into a bf16 engine: the rounding every bf16 inference does). Integer, bool, complex and
+fp8 tensors are refused rather than cast (fp8 means nothing without its scales)."""
+
 
 class WeightVersionError(RuntimeError):
-    """A stale, out-of-order or half-applied weight version."""
+    """A stale, out-of-order, malformed or incomplete weight version."""
+
+
+class _Incoming(NamedTuple):
+    """One validated tensor of an update: its full name, and this rank's parameter and slice
+    (both None when another rank holds it, e.g. another EP rank's expert)."""
+
+    name: str
+    param: torch.nn.Parameter | None
+    value: torch.Tensor | None
 
 
 class WeightStore:
@@ -26,60 +55,149 @@ class WeightStore:
         self.model = model
         self.version = 0
         self._pending: int | None = None
-        self._received: set[str] = set()
+        self._staged: dict[str, torch.Tensor | None] = {}  # full name -> host copy of this rank's slice
         self._shapes = full_shapes(model.cfg)
 
     def check_ready(self) -> None:
         if self._pending is not None:
-            missing = len(self._shapes) - len(self._received)
+            missing = len(self._shapes) - len(self._staged)
             raise WeightVersionError(f"weight version {self._pending} is half-applied ({missing} tensors missing); "
                                      f"finish it with update_weights(..., final=True) before stepping")
 
     def update(self, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int,
                final: bool = True) -> None:
-        items = list(named.items() if isinstance(named, Mapping) else named)
-        if version <= self.version:
-            raise WeightVersionError(f"weight version {version} is stale: the engine is at {self.version}")
+        """Apply (final) or stage (not final) one chunk of `version`; see the module docstring.
+
+        Raises (and changes nothing the engine serves): WeightVersionError for a version that is not
+        a new integer or not the pending one, and for a final chunk that leaves tensors unset;
+        KeyError for an unknown name; TypeError for a value that is not a float tensor; ValueError
+        for a wrong shape, a repeated name, or a value that is not finite in the engine's dtype. A
+        refused chunk of a pending version drops the whole pending version: send it again from its
+        first chunk.
+        """
+        version = self._check_version(version)
         if self._pending is not None and version != self._pending:
             raise WeightVersionError(f"version {self._pending} is half-applied; got a chunk of version {version}")
-        cfg, shard = self.model.cfg, self.model.comm.shard
-        staged = []
-        for name, tensor in items:  # validate everything before touching a parameter
-            if name not in self._shapes:
-                raise KeyError(f"unknown weight {name!r} (expected Megatron names, e.g. {next(iter(self._shapes))!r})")
-            if tuple(tensor.shape) != self._shapes[name]:
-                raise ValueError(f"weight {name}: shape {tuple(tensor.shape)}, expected {self._shapes[name]}")
-            local = local_name(name, cfg, shard)
-            if local is not None:
-                staged.append((self.model.get_parameter(local), shard_tensor(name, tensor, cfg, shard)))
-        self._pending = version
+        try:
+            incoming = self._validate(named, version)
+            if final:
+                missing = sorted(set(self._shapes) - set(self._staged) - {t.name for t in incoming})
+                if missing:
+                    raise WeightVersionError(
+                        f"final chunk of version {version} leaves {len(missing)} tensors unset, e.g. {missing[0]}; "
+                        f"version {version} was dropped whole and version {self.version} keeps serving: "
+                        f"send every tensor again")
+        except Exception:
+            self._drop(version)
+            raise
+        if not final:
+            for t in incoming:
+                self._staged[t.name] = None if t.value is None else t.value.detach().to("cpu", copy=True)
+            self._pending = version
+            return
+        params = dict(self.model.named_parameters())
         with torch.no_grad():
-            for param, value in staged:
-                param.copy_(value)
-        self._received.update(name for name, _ in items)
-        if final:
-            missing = sorted(set(self._shapes) - self._received)
-            if missing:
-                raise WeightVersionError(f"final chunk of version {version} leaves {len(missing)} tensors "
-                                         f"unset, e.g. {missing[0]}; the version stays half-applied")
-            self.version, self._pending, self._received = version, None, set()
+            for name, value in self._staged.items():
+                local = local_name(name, self.model.cfg, self.model.comm.shard)
+                if value is not None and local is not None:
+                    params[local].copy_(value)
+            for t in incoming:
+                if t.param is not None:
+                    t.param.copy_(t.value)
+        self.version, self._pending, self._staged = version, None, {}
 
     def bind(self, params: Mapping[str, torch.Tensor], version: int) -> None:
         """Zero-copy: point the engine's parameters at a colocated trainer's tensors (same local
         names, shapes, dtypes and devices), for an eager engine; captured graphs need `update`."""
-        if version <= self.version:
-            raise WeightVersionError(f"weight version {version} is stale: the engine is at {self.version}")
+        version = self._check_version(version)
+        if self._pending is not None:
+            raise WeightVersionError(f"version {self._pending} is half-applied; finish it before bind()")
         own = dict(self.model.named_parameters())
         if set(params) != set(own):
             raise KeyError(f"bind needs exactly the engine's parameters; differ: {sorted(set(params) ^ set(own))[:3]}")
         for name, t in params.items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"cannot bind {name}: expected a torch.Tensor, got {type(t).__name__}")
             p = own[name]
             if t.shape != p.shape or t.dtype != p.dtype or t.device != p.device:
                 raise ValueError(f"cannot bind {name}: {tuple(t.shape)}/{t.dtype}/{t.device} vs "
                                  f"{tuple(p.shape)}/{p.dtype}/{p.device}; use update() to copy")
+        _check_values(list(params.items()), version)
         for name, t in params.items():
             own[name].data = t.detach()
         self.version = version
+
+    # -- validation -----------------------------------------------------------------------------
+    def _check_version(self, version: object) -> int:
+        if isinstance(version, bool) or not isinstance(version, numbers.Integral):
+            raise WeightVersionError(f"weight version must be an integer, got {version!r} ({type(version).__name__})")
+        if version <= self.version:
+            raise WeightVersionError(f"weight version {version} is stale: the engine is at {self.version}")
+        return int(version)
+
+    def _drop(self, version: int) -> None:
+        if self._pending == version:
+            log.warning("weight version %d dropped (%d staged tensors); version %d keeps serving",
+                        version, len(self._staged), self.version)
+            self._pending, self._staged = None, {}
+
+    def _validate(self, named: object, version: int) -> list[_Incoming]:
+        """Every tensor of one chunk checked (nothing copied yet): names, types, shapes, dtypes, values."""
+        if isinstance(named, Mapping):
+            pairs = list(named.items())
+        elif isinstance(named, Iterable) and not isinstance(named, (str, bytes, torch.Tensor)):
+            pairs = list(named)
+        else:
+            raise TypeError(f"update_weights takes a mapping or (name, tensor) pairs, got {type(named).__name__}")
+        cfg, shard = self.model.cfg, self.model.comm.shard
+        seen: set[str] = set()
+        out: list[_Incoming] = []
+        for pair in pairs:
+            if not (isinstance(pair, tuple) and len(pair) == 2):
+                raise TypeError(f"update_weights takes (name, tensor) pairs, got {pair!r:.80}")
+            name, tensor = pair
+            if not isinstance(name, str) or name not in self._shapes:
+                raise KeyError(f"unknown weight {name!r} (expected Megatron names, e.g. {next(iter(self._shapes))!r})")
+            if name in seen or name in self._staged:
+                where = "twice in one chunk" if name in seen else "again: an earlier chunk of this version had it"
+                raise ValueError(f"weight {name} of version {version} arrived {where}")
+            seen.add(name)
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"weight {name}: expected a torch.Tensor, got {type(tensor).__name__}")
+            if tuple(tensor.shape) != self._shapes[name]:
+                raise ValueError(f"weight {name}: shape {tuple(tensor.shape)}, expected {self._shapes[name]}")
+            if tensor.dtype not in FLOAT_DTYPES:
+                raise TypeError(f"weight {name}: dtype {tensor.dtype} is refused (not cast); send one of "
+                                f"{', '.join(str(d) for d in FLOAT_DTYPES)}")
+            local = local_name(name, cfg, shard)
+            if local is None:
+                out.append(_Incoming(name, None, None))
+            else:
+                out.append(_Incoming(name, self.model.get_parameter(local), shard_tensor(name, tensor, cfg, shard)))
+        # The whole tensor, not this rank's slice: every rank refuses the same update.
+        _check_values([(name, tensor) for name, tensor in pairs], version, self.model.cfg.torch_dtype)
+        return out
+
+
+def _check_values(named: list[tuple[str, torch.Tensor]], version: int, target: torch.dtype | None = None) -> None:
+    """Refuse NaN, infinities, and values beyond `target`'s range (they would become inf): one
+    min/max reduction per tensor (a read, no copy), one host sync per device and dtype."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (_, t) in enumerate(named):
+        if t.numel():
+            groups.setdefault((t.device, t.dtype), []).append(i)
+    limit = torch.finfo(target).max if target is not None else float("inf")
+    for indices in groups.values():
+        lows, highs = zip(*(torch.aminmax(named[i][1].detach()) for i in indices))
+        stats = torch.stack(lows + highs).tolist()
+        for i, lo, hi in zip(indices, stats[:len(indices)], stats[len(indices):]):
+            if lo != lo or hi != hi or abs(lo) == float("inf") or abs(hi) == float("inf"):
+                kind = "NaN" if lo != lo or hi != hi else "an infinity"
+                raise ValueError(f"weight {named[i][0]} of version {version} holds {kind}; refused "
+                                 f"(the serving version is unchanged): check the trainer's step")
+            if max(-lo, hi) > limit:
+                raise ValueError(f"weight {named[i][0]} of version {version} holds {max(-lo, hi):.4g}, beyond "
+                                 f"{target}'s range ({limit:.4g}); refused rather than cast to inf")
 
 
 def gather_full_state(local_state: Mapping[str, torch.Tensor], cfg: ModelConfig, shard: Shard,

@@ -1,0 +1,170 @@
+"""Weight updates are all-or-nothing: whatever is wrong with an update (a missing name in its final
+chunk, NaN, an integer dtype, a value that is not a tensor, a bad version), the version that was
+serving keeps serving, bit for bit, and the engine generates exactly what it generated before."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_rollout.engine import SamplingParams
+from megatron_rollout.engine.weights import WeightVersionError
+
+SMALL = dict(block_size=4, num_blocks=64, max_batch_tokens=8)
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
+PROMPTS = [[5, 17, 33, 2, 9], [40, 41, 3]]
+
+
+def _perturbed(model, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {k: v + 0.1 * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
+
+
+def _snapshot(engine) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+
+
+def _assert_serving(engine, weights: dict[str, torch.Tensor], version: int, tokens: list[list[int]]) -> None:
+    """The engine holds exactly `weights` at `version` and still generates `tokens`."""
+    now = engine.model.state_dict()
+    changed = [k for k, v in weights.items() if not torch.equal(now[k], v)]
+    assert changed == [], f"{len(changed)} tensors changed, e.g. {changed[:1]}"
+    assert engine.weight_version == version
+    out = engine.generate(PROMPTS, GREEDY)
+    assert [r.token_ids for r in out] == tokens
+    assert all(r.weight_versions == [version] * 6 for r in out)
+
+
+@pytest.fixture
+def served(make_engine, qwen):
+    """(engine at version 1, its weights, its tokens, a valid version-2 state)."""
+    _, base = qwen
+    engine = make_engine(copy.deepcopy(base), **SMALL)
+    engine.update_weights(_perturbed(base, 1), version=1)
+    return engine, _snapshot(engine), [r.token_ids for r in engine.generate(PROMPTS, GREEDY)], _perturbed(base, 2)
+
+
+def test_final_chunk_missing_a_name_leaves_the_old_version_serving(served):
+    engine, weights, tokens, v2 = served
+    names = sorted(v2)
+    engine.update_weights({k: v2[k] for k in names[:10]}, version=2, final=False)
+    with pytest.raises(WeightVersionError, match=f"final chunk of version 2 leaves 1 tensors unset, e.g. {names[-1]}; "
+                                                 "version 2 was dropped whole and version 1 keeps serving"):
+        engine.update_weights({k: v2[k] for k in names[10:-1]}, version=2, final=True)
+    _assert_serving(engine, weights, 1, tokens)
+    engine.update_weights(v2, version=2)  # resent whole, it lands
+    assert engine.weight_version == 2 and all(torch.equal(engine.model.state_dict()[k], v2[k]) for k in v2)
+
+
+def _last(v2: dict, value) -> dict:
+    """v2 with its last tensor (in iteration order) replaced: every other tensor would be copied first."""
+    name = list(v2)[-1]
+    return {**v2, name: value(v2[name])}
+
+
+def _with_nan(t):
+    t = t.clone()
+    t.view(-1)[3] = float("nan")
+    return t
+
+
+def _with_inf(t):
+    t = t.clone()
+    t.view(-1)[0] = float("-inf")
+    return t
+
+
+@pytest.mark.parametrize("bad, error, message", [
+    (lambda t: _with_nan(t), ValueError, r"weight {name} of version 2 holds NaN; refused"),
+    (lambda t: _with_inf(t), ValueError, r"weight {name} of version 2 holds an infinity"),
+    (lambda t: t.double() * 1e300, ValueError, r"weight {name} of version 2 holds .*beyond torch.float32's range"),
+    (lambda t: t.long(), TypeError, r"weight {name}: dtype torch.int64 is refused \(not cast\)"),
+    (lambda t: t > 0, TypeError, r"weight {name}: dtype torch.bool is refused"),
+    (lambda t: t.numpy(), TypeError, r"weight {name}: expected a torch.Tensor, got ndarray"),
+    (lambda t: t.tolist(), TypeError, r"weight {name}: expected a torch.Tensor, got list"),
+    (lambda t: t[:-1], ValueError, r"weight {name}: shape"),
+])
+def test_a_bad_tensor_refuses_the_whole_update(served, bad, error, message):
+    engine, weights, tokens, v2 = served
+    name = list(v2)[-1]
+    with pytest.raises(error, match=message.format(name=name.replace(".", r"\."))):
+        engine.update_weights(_last(v2, bad), version=2)
+    _assert_serving(engine, weights, 1, tokens)
+
+
+def test_a_bad_chunk_drops_its_pending_version(served):
+    engine, weights, tokens, v2 = served
+    names = list(v2)
+    engine.update_weights({k: v2[k] for k in names[:4]}, version=2, final=False)
+    with pytest.raises(ValueError, match="holds NaN"):
+        engine.update_weights({names[4]: _with_nan(v2[names[4]])}, version=2, final=False)
+    _assert_serving(engine, weights, 1, tokens)  # not stuck half-applied: stepping works
+    with pytest.raises(ValueError, match=f"weight {names[0]} of version 3 arrived twice in one chunk"):
+        engine.update_weights([(names[0], v2[names[0]]), (names[0], v2[names[0]])], version=3)
+    engine.update_weights({k: v2[k] for k in names[:4]}, version=3, final=False)
+    with pytest.raises(ValueError, match="arrived again: an earlier chunk of this version had it"):
+        engine.update_weights({names[0]: v2[names[0]]}, version=3, final=False)
+    _assert_serving(engine, weights, 1, tokens)
+
+
+@pytest.mark.parametrize("version, message", [
+    (True, r"weight version must be an integer, got True \(bool\)"),
+    (2.0, r"weight version must be an integer, got 2.0 \(float\)"),
+    (2.5, r"weight version must be an integer, got 2.5 \(float\)"),
+    ("2", r"weight version must be an integer, got '2' \(str\)"),
+    (None, r"weight version must be an integer, got None"),
+    (1, "weight version 1 is stale: the engine is at 1"),
+    (-4, "weight version -4 is stale"),
+])
+def test_versions_are_strictly_increasing_integers(served, version, message):
+    engine, weights, tokens, v2 = served
+    with pytest.raises(WeightVersionError, match=message):
+        engine.update_weights(v2, version=version)
+    with pytest.raises(WeightVersionError, match=message):
+        engine.weights.bind(dict(engine.model.named_parameters()), version)
+    _assert_serving(engine, weights, 1, tokens)
+
+
+def test_numpy_integer_version_and_float_dtypes_are_accepted(served):
+    engine, _, _, v2 = served
+    half = {k: v.bfloat16() for k, v in v2.items()}
+    engine.update_weights(half, version=np.int64(2))
+    assert engine.weight_version == 2 and type(engine.weight_version) is int
+    assert all(torch.equal(engine.model.state_dict()[k], v.float()) for k, v in half.items())
+    engine.update_weights({k: v.double() for k, v in v2.items()}, version=3)
+    assert all(torch.equal(engine.model.state_dict()[k], v) for k, v in v2.items())
+
+
+def test_a_whole_update_copies_in_place_and_chunks_are_staged_as_copies(served):
+    engine, _, _, v2 = served
+    pointers = {k: p.data_ptr() for k, p in engine.model.named_parameters()}
+    engine.update_weights(v2, version=2)
+    assert not engine.weights._staged  # sent whole: nothing staged
+    assert {k: p.data_ptr() for k, p in engine.model.named_parameters()} == pointers  # graphs stay valid
+    # A trainer that reuses one buffer per chunk: what was sent is what lands.
+    v3, names = _perturbed(engine.model, 3), sorted(v2)
+    buffer = {k: v3[k].clone() for k in names[:6]}
+    engine.update_weights(buffer, version=3, final=False)
+    for t in buffer.values():
+        t.zero_()
+    engine.update_weights({k: v3[k] for k in names[6:]}, version=3, final=True)
+    assert all(torch.equal(engine.model.state_dict()[k], v3[k]) for k in names)
+    assert {k: p.data_ptr() for k, p in engine.model.named_parameters()} == pointers
+
+
+def test_updates_that_are_not_tensors_name_what_is_wrong(served):
+    engine, weights, tokens, v2 = served
+    with pytest.raises(TypeError, match="takes a mapping or \\(name, tensor\\) pairs, got Tensor"):
+        engine.update_weights(torch.zeros(3), version=2)
+    with pytest.raises(TypeError, match="takes \\(name, tensor\\) pairs, got"):
+        engine.update_weights(["embedding.word_embeddings.weight"], version=2)
+    with pytest.raises(KeyError, match="unknown weight 7"):
+        engine.update_weights({7: torch.zeros(1)}, version=2)
+    with pytest.raises(TypeError, match="cannot bind .*: expected a torch.Tensor, got list"):
+        engine.weights.bind({k: p.tolist() for k, p in engine.model.named_parameters()}, 2)
+    nan = {k: _with_nan(p.detach()) for k, p in engine.model.named_parameters()}
+    with pytest.raises(ValueError, match="holds NaN"):
+        engine.weights.bind(nan, 2)
+    _assert_serving(engine, weights, 1, tokens)
