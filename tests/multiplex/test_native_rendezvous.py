@@ -1,0 +1,169 @@
+"""The shared-memory rendezvous on 2 and 4 CPU processes: payloads over many rounds, mismatch on
+every rank, a rank that never comes and a rank that was killed (named, the latter as dead and at
+once), the store fallback, and the cached build."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatron_rollout.comm import shm_rendezvous as shm
+from megatron_rollout.multiplex.native_rendezvous import NativeRendezvous, NativeRendezvousTimeout, make_rendezvous
+from megatron_rollout.multiplex.rendezvous import Rendezvous, RendezvousMismatch, RendezvousTimeout
+from tests.world import _entry, free_port, run_world
+
+ROUNDS = 3000
+TAGS = ("pre-D", "post-D")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    """Build (or load the cached build) once here, so ranks do not race on a cold cache."""
+    try:
+        shm.load_extension()
+    except shm.NativeUnavailable as exc:
+        pytest.skip(f"native rendezvous not buildable here: {exc}")
+
+
+def exchange(rdv, rank: int, n: int) -> bool:
+    """Every round carries a different payload per rank, of varying length."""
+    for k in range(ROUNDS):
+        payload = tuple(range(rank * k, rank * k + k % 4))
+        got = rdv.meet(7, k, TAGS[k % 2], payload)
+        if got != [tuple(range(r * k, r * k + k % 4)) for r in range(n)]:
+            return False
+    return True
+
+
+def four_ranks(rank: int) -> dict:
+    out: dict = {}
+    rdv = make_rendezvous(timeout_s=30, name="native-test")
+    out["kind"] = type(rdv).__name__
+    out["exchange"] = exchange(rdv, rank, 4)
+    # Ranks at different points: every rank raises, naming where rank 2 is.
+    mism = NativeRendezvous(timeout_s=30, name="native-mismatch")
+    try:
+        mism.meet(2, 4, "post-D" if rank == 2 else "pre-D", (rank,))
+    except RendezvousMismatch as exc:
+        out["mismatch"] = str(exc)
+    try:
+        mism.meet(2, 5, "pre-D")
+    except RuntimeError as exc:
+        out["mismatch_poisoned"] = str(exc)
+    # Rank 3 never comes (it sleeps past the others' timeout).
+    late = NativeRendezvous(timeout_s=1.0, name="native-timeout")
+    if rank < 3:
+        t0 = time.monotonic()
+        try:
+            late.meet(9, 13, "post-D")
+        except RendezvousTimeout as exc:
+            out["timeout"] = (type(exc).__name__, exc.missing, exc.epoch, exc.boundary, exc.tag, exc.elapsed_s,
+                              exc.dead, str(exc), time.monotonic() - t0)
+        try:
+            late.meet(9, 14, "pre-D")
+        except RuntimeError as exc:
+            out["poisoned"] = str(exc)
+    else:
+        time.sleep(1.5)
+    # Fallback: one rank disables native, so every rank gets the store path; it still meets.
+    if rank == 2:
+        os.environ[shm.DISABLE_ENV] = "1"
+    auto = make_rendezvous(timeout_s=30, name="native-fallback")
+    out["fallback"] = (type(auto).__name__, auto.meet(1, 0, "pre-D", (rank,)))
+    try:
+        make_rendezvous(timeout_s=30, name="native-forced", prefer="native")
+    except shm.NativeUnavailable as exc:
+        out["forced"] = str(exc)
+    os.environ.pop(shm.DISABLE_ENV, None)
+    out["store"] = type(make_rendezvous(timeout_s=30, name="native-store", prefer="store")).__name__
+    return out
+
+
+def test_four_ranks():
+    res = run_world(four_ranks, 4, timeout=120)
+    for rank, r in enumerate(res):
+        assert r["kind"] == "NativeRendezvous" and r["exchange"], r
+        assert "mismatch_poisoned" in r and "used after a failure" in r["mismatch_poisoned"]
+        if rank != 2:
+            assert "rank 2 is at epoch 2, boundary 4, post-D" in r["mismatch"], r["mismatch"]
+        else:
+            assert "rank 0 is at epoch 2, boundary 4, pre-D" in r["mismatch"], r["mismatch"]
+        assert r["fallback"] == ("Rendezvous", [(0,), (1,), (2,), (3,)])
+        assert f"rank 2: native rendezvous disabled by {shm.DISABLE_ENV}=1" in r["forced"]
+        assert r["store"] == "Rendezvous"
+    for r in res[:3]:
+        kind, missing, epoch, boundary, tag, elapsed, dead, msg, waited = r["timeout"]
+        assert (kind, missing, epoch, boundary, tag, dead) == ("NativeRendezvousTimeout", (3,), 9, 13, "post-D", {})
+        assert "rank(s) [3] did not arrive at the post-D rendezvous of epoch 9, boundary 13: waited 1.0" in msg
+        assert 1.0 <= elapsed < 1.3 and 1.0 <= waited < 1.5
+        assert "used after a failure" in r["poisoned"]
+    assert "timeout" not in res[3]
+
+
+def two_ranks_killed(rank: int, queue) -> None:
+    rdv = NativeRendezvous(timeout_s=20, name="native-killed")
+    ok = exchange(rdv, rank, 2)
+    pids = rdv.meet(0, 0, "pre-D", (os.getpid(),))
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # a zombie until the parent reaps it: still named dead
+    t0 = time.monotonic()
+    try:
+        rdv.meet(3, 8, "post-D")
+    except NativeRendezvousTimeout as exc:
+        queue.put(("timeout", ok, pids, exc.missing, exc.dead, exc.epoch, exc.boundary, str(exc),
+                   time.monotonic() - t0))
+
+
+def test_killed_rank_is_named_dead():
+    """Rank 1 dies by SIGKILL; rank 0 fails well before its 20 s timeout, naming rank 1's pid."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out, status = ctx.Queue(), ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, 2, port, two_ranks_killed, (out,), status, 60.0), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        kind, ok, pids, missing, dead, epoch, boundary, msg, waited = out.get(timeout=90)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert kind == "timeout" and ok
+    assert pids[1][0] == procs[1].pid and procs[1].exitcode == -signal.SIGKILL
+    assert (missing, dead, epoch, boundary) == ((1,), {1: procs[1].pid}, 3, 8)
+    assert f"rank 1 (pid {procs[1].pid}) is dead" in msg and "gave up early" in msg
+    assert waited < 5.0
+
+
+def _load_in_subprocess(env: dict[str, str]) -> subprocess.CompletedProcess:
+    code = ("import time; from megatron_rollout.comm import shm_rendezvous as s\n"
+            "t = time.perf_counter()\n"
+            "try:\n    s.load_extension(); print('loaded', time.perf_counter() - t)\n"
+            "except s.NativeUnavailable as e:\n    print('unavailable', e)\n")
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+
+
+def test_build_is_cached():
+    so = list(shm.extension_dir().glob("*.so"))
+    assert len(so) == 1, so
+    res = _load_in_subprocess({})
+    kind, seconds = res.stdout.split()
+    assert kind == "loaded" and float(seconds) < 3.0, res.stdout + res.stderr
+    assert list(shm.extension_dir().glob("*.so")) == so and so[0].stat().st_mtime < time.time() - 1
+
+
+def test_failed_build_is_unavailable_with_reason(tmp_path):
+    res = _load_in_subprocess({shm.DIR_ENV: str(tmp_path), "CXX": "/bin/false"})
+    assert res.stdout.startswith("unavailable cannot build shm_rendezvous.cpp"), res.stdout + res.stderr
+    assert "install a C++ compiler and ninja" in res.stdout
+    disabled = _load_in_subprocess({shm.DISABLE_ENV: "1"})
+    assert disabled.stdout.strip() == f"unavailable native rendezvous disabled by {shm.DISABLE_ENV}=1"
