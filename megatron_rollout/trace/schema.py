@@ -14,12 +14,16 @@
   turn finished, or after the replay start for turn 0.
 
 Exactly these five fields; anything else is an error, so a typo (`"wait"`) is not silently read as
-a default. Booleans are not numbers here, and `5.0` is not an integer token count.
+a default. Booleans are not numbers here, and `5.0` (or `1e11`, which JSON reads as a float) is not
+an integer token count. Limits hold at parse time, before anything is allocated or slept on: token
+counts at most `MAX_TOKENS`, `wait_ms` at most `MAX_WAIT_MS` (one hour), turns below `MAX_TURNS`,
+integer conversation ids within 64 bits and string ids at most `MAX_ID_CHARS` characters; and
+`validate_trace` bounds token counts by a model's context (`replay` calls it before the first turn).
 
 `load_trace` is strict (first bad line raises `TraceError`); `load_trace_lenient` skips bad lines,
 logs a warning for each and returns them, so a replay can serve the rest. What this module leaves
-out: generating traces (`make.py`), replaying them (`replay.py`), and any limit tied to a model
-(context length, vocabulary): the engine refuses what it cannot serve, per request.
+out: generating traces (`make.py`), replaying them (`replay.py`), and a conversation's cumulative
+context: a turn that no longer fits is the engine's to refuse, and the replay's to report.
 """
 from __future__ import annotations
 
@@ -36,6 +40,12 @@ logger = logging.getLogger(__name__)
 ConversationId = Union[str, int]
 
 FIELDS = ("conversation", "turn", "input_tokens", "output_tokens", "wait_ms")
+MAX_TOKENS = 1 << 24
+"""Token counts above this (16.7M) are refused whatever the model: no context holds them."""
+MAX_WAIT_MS = 3_600_000.0
+"""One hour: a longer tool wait is a unit mistake (seconds for ms) or a corrupt line."""
+MAX_TURNS = 1 << 20
+MAX_ID_CHARS = 256
 
 
 def _is_int(value: Any) -> bool:
@@ -59,7 +69,9 @@ class TraceRequest:
     output_tokens: int
     """Tokens generated for this turn (> 0)."""
     wait_ms: float
-    """Tool time before the turn is released, in milliseconds (>= 0)."""
+    """Tool time before the turn is released, in milliseconds (0 to MAX_WAIT_MS)."""
+    where: str = dataclasses.field(default="", compare=False, repr=False)
+    """Where the line came from ("path:line"), for errors found after parsing; not a trace field."""
 
     def __post_init__(self) -> None:
         c = self.conversation
@@ -67,19 +79,30 @@ class TraceRequest:
             raise ValueError(f"'conversation' must be a string or an integer, got {_describe(c)}")
         if isinstance(c, str) and not c:
             raise ValueError("'conversation' must not be the empty string")
+        if isinstance(c, str) and len(c) > MAX_ID_CHARS:
+            raise ValueError(f"'conversation' must be at most {MAX_ID_CHARS} characters, got {len(c)}")
+        if _is_int(c) and not -2**63 <= c < 2**63:
+            raise ValueError(f"'conversation' must fit in 64 bits, got {c}")
         if not _is_int(self.turn) or self.turn < 0:
             raise ValueError(f"'turn' must be an integer >= 0, got {_describe(self.turn)}")
+        if self.turn >= MAX_TURNS:
+            raise ValueError(f"'turn' must be below {MAX_TURNS}, got {self.turn}")
         for name in ("input_tokens", "output_tokens"):
             value = getattr(self, name)
             if not _is_int(value) or value <= 0:
                 raise ValueError(f"'{name}' must be a positive integer, got {_describe(value)}")
+            if value > MAX_TOKENS:
+                raise ValueError(f"'{name}' must be at most {MAX_TOKENS} (no context holds more), got {value}")
         w = self.wait_ms
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
             raise ValueError(f"'wait_ms' must be a finite number >= 0, got {_describe(w)}")
+        if w > MAX_WAIT_MS:
+            raise ValueError(f"'wait_ms' must be at most {MAX_WAIT_MS:.0f} (one hour), got {w}; "
+                             f"is it in seconds or microseconds?")
         object.__setattr__(self, "wait_ms", float(w))  # JSON `0` and `0.0` read the same
 
     @classmethod
-    def from_dict(cls, obj: Any) -> TraceRequest:
+    def from_dict(cls, obj: Any, where: str = "") -> TraceRequest:
         """Build from a parsed JSON line; `ValueError` says which field is wrong and how."""
         if not isinstance(obj, dict):
             raise ValueError(f"expected a JSON object with fields {', '.join(FIELDS)}, "
@@ -91,10 +114,10 @@ class TraceRequest:
         if extra:
             raise ValueError(f"unexpected field(s) {', '.join(map(repr, extra))}; "
                              f"the fields are {', '.join(FIELDS)}")
-        return cls(**obj)
+        return cls(**obj, where=where)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {f: getattr(self, f) for f in FIELDS}
 
 
 class TraceError(ValueError):
@@ -156,6 +179,32 @@ def group_conversations(requests: Iterable[TraceRequest]) -> dict[ConversationId
     return groups
 
 
+def validate_trace(requests: Iterable[TraceRequest], max_model_len: int, *,
+                   max_wait_ms: float = MAX_WAIT_MS) -> None:
+    """Refuse, before anything is allocated, a request no engine with `max_model_len` positions
+    can serve: a turn's new input or its output alone must leave room in the context (a
+    conversation outgrowing it later is refused per turn by the engine). `TraceError` names the
+    line (or, for a trace built in code, the request's index)."""
+    if not _is_int(max_model_len) or max_model_len < 2:
+        raise ValueError(f"max_model_len must be an integer >= 2, got {_describe(max_model_len)}")
+    for index, req in enumerate(requests):
+        problem = None
+        if req.input_tokens >= max_model_len:
+            problem = (f"input_tokens {req.input_tokens} does not fit the context: max_model_len "
+                       f"{max_model_len} leaves room for at most {max_model_len - 1} new tokens and one output")
+        elif req.output_tokens >= max_model_len:
+            problem = (f"output_tokens {req.output_tokens} does not fit the context: max_model_len is "
+                       f"{max_model_len}, so at most {max_model_len - 1} tokens can be generated")
+        elif req.wait_ms > max_wait_ms:
+            problem = f"wait_ms {req.wait_ms} is above the limit of {max_wait_ms} ms"
+        if problem is not None:
+            path, _, line = req.where.rpartition(":")
+            if path and line.isdigit():
+                raise TraceError(path, int(line), problem)
+            raise TraceError("<trace>", index + 1, f"request {index} (conversation {req.conversation!r} "
+                                                  f"turn {req.turn}): {problem}")
+
+
 def _read(path: str | os.PathLike, strict: bool) -> LenientLoad:
     name = os.fspath(path)
     order = _TurnOrder()
@@ -173,7 +222,7 @@ def _read(path: str | os.PathLike, strict: bool) -> LenientLoad:
                     raise ValueError(f"malformed JSON: {exc.msg} at column {exc.colno}") from None
                 if isinstance(obj, dict):
                     conversation = obj.get("conversation")
-                req = TraceRequest.from_dict(obj)
+                req = TraceRequest.from_dict(obj, where=f"{name}:{lineno}")
                 order.check(req)
             except (ValueError, TypeError) as exc:
                 error = TraceError(name, lineno, str(exc))

@@ -123,3 +123,62 @@ def test_trace_request_validates_when_built_in_code():
         TraceRequest("x", 0, 1, 0, 0.0)
     with pytest.raises(ValueError, match="'conversation' must not be the empty string"):
         TraceRequest("", 0, 1, 1, 0.0)
+
+
+# ---------------------------------------------------------------- limits, at parse time
+
+def _line(**kw):
+    return {"conversation": "b", "turn": 0, "input_tokens": 4, "output_tokens": 2, "wait_ms": 0, **kw}
+
+
+@pytest.mark.parametrize("bad, message", [
+    (_line(input_tokens=100_000_000_000), "'input_tokens' must be at most 16777216 (no context holds more), "
+                                          "got 100000000000"),
+    ('{"conversation": "b", "turn": 0, "input_tokens": 1e11, "output_tokens": 2, "wait_ms": 0}',
+     "'input_tokens' must be a positive integer, got 100000000000.0 (float)"),
+    (_line(output_tokens=100_000_000_000), "'output_tokens' must be at most 16777216"),
+    (_line(output_tokens=2.5), "'output_tokens' must be a positive integer, got 2.5 (float)"),
+    (_line(wait_ms=1e12), "'wait_ms' must be at most 3600000 (one hour), got 1000000000000.0"),
+    (_line(turn=10**7), "'turn' must be below 1048576, got 10000000"),
+    (_line(turn=1e3), "'turn' must be an integer >= 0, got 1000.0 (float)"),
+    (_line(conversation=2**70), "'conversation' must fit in 64 bits"),
+    (_line(conversation="c" * 300), "'conversation' must be at most 256 characters, got 300"),
+])
+def test_limits_are_refused_at_parse_time_with_the_line(tmp_path, bad, message):
+    import time
+
+    path = _write_lines(tmp_path / "big.jsonl", GOOD + [bad])
+    start = time.perf_counter()
+    with pytest.raises(TraceError) as info:
+        load_trace(path)
+    assert time.perf_counter() - start < 1.0  # refused, not allocated or slept on
+    assert (info.value.path, info.value.line) == (str(path), 4)
+    assert message in info.value.message, info.value.message
+
+
+def test_validate_trace_bounds_tokens_by_the_context_and_names_the_line(tmp_path):
+    from megatron_rollout.trace.schema import validate_trace
+
+    path = _write_lines(tmp_path / "t.jsonl", GOOD + [_line(input_tokens=200), _line(conversation="c", output_tokens=128)])
+    reqs = load_trace(path)
+    validate_trace(reqs[:3], max_model_len=128)  # 100 + 5 fits
+    with pytest.raises(TraceError, match=rf"t\.jsonl:4: input_tokens 200 does not fit the context: max_model_len "
+                                         rf"128 leaves room for at most 127") as info:
+        validate_trace(reqs, max_model_len=128)
+    assert info.value.line == 4
+    with pytest.raises(TraceError, match=r"t\.jsonl:5: output_tokens 128 does not fit the context"):
+        validate_trace(reqs[:3] + reqs[4:], max_model_len=128)
+    with pytest.raises(TraceError, match=r"t\.jsonl:3: wait_ms 400.0 is above the limit of 100"):
+        validate_trace(reqs, max_model_len=1000, max_wait_ms=100)
+    built = [TraceRequest("x", 0, 3, 1, 0.0), TraceRequest("x", 1, 64, 1, 0.0)]  # in code: no file line
+    with pytest.raises(TraceError, match=r"<trace>:2: request 1 \(conversation 'x' turn 1\): input_tokens 64"):
+        validate_trace(built, max_model_len=64)
+    with pytest.raises(ValueError, match="max_model_len must be an integer >= 2, got 0"):
+        validate_trace(built, max_model_len=0)
+
+
+def test_where_is_metadata_not_a_field(tmp_path):
+    path = _write_lines(tmp_path / "t.jsonl", GOOD)
+    reqs = load_trace(path)
+    assert reqs[1].where == f"{path}:2" and reqs[1] == TraceRequest(7, 0, 50, 3, 12.5)
+    assert reqs[1].to_dict() == GOOD[1] | {"wait_ms": 12.5}
