@@ -12,9 +12,13 @@ and the engine's mean decode wait. Definitions:
 - TTFT = first_token - arrival; percentiles are numpy's default (linear interpolation between
   the two closest ranks, `np.percentile(..., method="linear")`).
 
-Latency and token figures count completed requests only; failed ones (finished with an error,
-or refused by the engine at submission) are counted in `failed` and skipped turns (after a
-failure) in `skipped`. A figure with no data is NaN (null in JSON).
+Latency and token figures count completed requests only: those that generated every token the
+trace asked for. A request that stopped short (finish `length` because the context was full:
+the trace asked 100, the model had room for 54) counts in `truncated`, not as a success; failed
+ones (finished with an error, or refused by the engine at submission) in `failed`; turns never
+submitted after either in `skipped`. `input_tokens` counts the trace's new tokens of completed
+requests; `prefill_tokens` what the engine actually prefilled for them, which is more when a
+preempted or evicted context was recomputed. A figure with no data is NaN (null in JSON).
 Left out: comparing reports (ratios are taken within one run by the caller) and anything
 per rank or per phase (that is the timeline's job).
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -29,7 +34,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from megatron_rollout.engine.api import FinishReason, RequestOutput, Schedule
-from megatron_rollout.trace.schema import ConversationId
+from megatron_rollout.trace.schema import ConversationId, TraceRequest
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -39,13 +46,18 @@ class ReplayReport:
     schedule: str
     """'off', 'chunked', 'mux' (Schedule values), or '' when not given."""
     requests: int
-    """Requests that completed (any finish reason but error)."""
+    """Requests that completed: every output token the trace asked for was generated."""
+    truncated: int
+    """Requests that finished with fewer output tokens than the trace asked (context full)."""
     failed: int
     """Requests the engine finished with an error or refused at submission."""
     skipped: int
-    """Turns never submitted because an earlier turn of their conversation failed."""
+    """Turns never submitted because an earlier turn of their conversation failed or was truncated."""
     input_tokens: int
-    """Prefilled tokens of completed requests (new tokens of each turn)."""
+    """The trace's new input tokens of completed requests."""
+    prefill_tokens: int
+    """Tokens the engine prefilled for completed requests: input_tokens plus recomputation (a
+    preempted or evicted context prefilled again) and each continuation's last sampled token."""
     output_tokens: int
     """Generated tokens of completed requests."""
     makespan_s: float
@@ -72,8 +84,9 @@ class ReplayReport:
 
     def summary(self) -> str:
         """A few human-readable lines for logs and the CLI."""
-        return (f"schedule={self.schedule or '-'} requests={self.requests} failed={self.failed} "
-                f"skipped={self.skipped} output_tokens={self.output_tokens}\n"
+        return (f"schedule={self.schedule or '-'} requests={self.requests} truncated={self.truncated} "
+                f"failed={self.failed} skipped={self.skipped} input_tokens={self.input_tokens} "
+                f"prefill_tokens={self.prefill_tokens} output_tokens={self.output_tokens}\n"
                 f"makespan {self.makespan_s:.3f} s, {self.tokens_per_s:.1f} tok/s; request p50 "
                 f"{self.p50_request_s:.3f} s p99 {self.p99_request_s:.3f} s; trajectory p99 "
                 f"{self.p99_trajectory_s:.3f} s; TTFT mean {self.mean_ttft_s:.3f} s p99 "
@@ -90,7 +103,8 @@ def _mean(values: Sequence[float]) -> float:
 
 def build_report(outputs: Sequence[RequestOutput], conversation_of: Mapping[int, ConversationId], *,
                  start: float, mean_decode_wait_ms: float, schedule: Schedule | str | None = None,
-                 skipped: int = 0, refused: Sequence[ConversationId] = ()) -> ReplayReport:
+                 skipped: int = 0, refused: Sequence[ConversationId] = (),
+                 turn_of: Mapping[int, TraceRequest] | None = None) -> ReplayReport:
     """Compute a `ReplayReport`.
 
     Args:
@@ -102,17 +116,28 @@ def build_report(outputs: Sequence[RequestOutput], conversation_of: Mapping[int,
         skipped: turns not submitted because their conversation had failed.
         refused: the conversation of each request the engine refused at submission (it has no
             output; each counts as failed and cuts its conversation).
+        turn_of: request_id -> the trace line it served, for every request in `outputs`: what it
+            asked for. Without it (a caller that has not passed it yet) truncation goes
+            undetected and input_tokens falls back to prefilled tokens; a warning says so.
     """
     missing = [o.request_id for o in outputs if o.request_id not in conversation_of]
     if missing:
         raise ValueError(f"no conversation id for request(s) {missing[:10]}")
     if skipped < 0:
         raise ValueError(f"skipped must be >= 0, got {skipped}")
-    done = [o for o in outputs if o.result.finish_reason is not FinishReason.ERROR]
-    failed = len(outputs) - len(done) + len(refused)
+    if turn_of is None:
+        logger.warning("build_report without turn_of: truncated turns are not detected and input_tokens "
+                       "counts prefilled tokens (recomputation included)")
+    elif missing := [o.request_id for o in outputs if o.request_id not in turn_of]:
+        raise ValueError(f"no trace line for request(s) {missing[:10]}")
+    ended = [o for o in outputs if o.result.finish_reason is not FinishReason.ERROR]
+    short = {o.request_id for o in ended
+             if turn_of is not None and len(o.result.token_ids) < turn_of[o.request_id].output_tokens}
+    done = [o for o in ended if o.request_id not in short]
+    failed = len(outputs) - len(ended) + len(refused)
 
     failed_conversations = {conversation_of[o.request_id] for o in outputs
-                            if o.result.finish_reason is FinishReason.ERROR} | set(refused)
+                            if o.result.finish_reason is FinishReason.ERROR or o.request_id in short} | set(refused)
     spans: dict[ConversationId, tuple[float, float]] = {}
     for o in done:
         key = conversation_of[o.request_id]
@@ -129,9 +154,11 @@ def build_report(outputs: Sequence[RequestOutput], conversation_of: Mapping[int,
     return ReplayReport(
         schedule=sched,
         requests=len(done),
+        truncated=len(short),
         failed=failed,
         skipped=skipped,
-        input_tokens=sum(o.prompt_tokens for o in done),
+        input_tokens=sum(o.prompt_tokens if turn_of is None else turn_of[o.request_id].input_tokens for o in done),
+        prefill_tokens=sum(o.prompt_tokens for o in done),
         output_tokens=output_tokens,
         makespan_s=makespan,
         p50_request_s=_percentile(completions, 50),

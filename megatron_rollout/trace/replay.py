@@ -11,9 +11,13 @@ Input ids come from a generator seeded by (seed, conversation index, turn), not 
 shared by all turns: submission order depends on timing, and the same trace must get the same
 tokens under every schedule for their figures to be comparable.
 
-A turn that fails (the engine refuses it at submission with `RequestError`, e.g. a context longer
-than the model's, or finishes it with an error) ends its conversation: the turn counts as failed,
-its later turns as skipped, nothing is lost silently. The loop steps the engine while it has work
+The trace is checked against the model's context (`validate_trace`) before anything is allocated:
+a line asking for more tokens than any context holds is refused with its line number. A turn that
+fails (the engine refuses it at submission with `RequestError`, e.g. a context longer than the
+model's, or finishes it with an error) ends its conversation: the turn counts as failed, its later
+turns as skipped, nothing is lost silently. So does a turn that comes back with fewer tokens than
+the trace asked (the context filled up): it counts as truncated, not as a success, and its later
+turns, which would extend a full context, as skipped. The loop steps the engine while it has work
 and otherwise sleeps until the next release (no busy spin). The tqdm bar is here rather than in the CLI because
 only this loop knows when a request is done; `progress=False` silences it. Left out: the engine
 itself, tool execution (waits are sleeps) and multi-rank driving (the distributed runtime's job).
@@ -33,7 +37,7 @@ from tqdm import tqdm
 from megatron_rollout.engine.api import FinishReason, RequestOutput, SamplingParams, Schedule
 from megatron_rollout.engine.api import RequestError
 from megatron_rollout.trace.metrics import ReplayReport, build_report
-from megatron_rollout.trace.schema import ConversationId, TraceRequest, group_conversations
+from megatron_rollout.trace.schema import ConversationId, TraceRequest, group_conversations, validate_trace
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +61,8 @@ def _input_ids(seed: int, conv: _Conversation, turn: TraceRequest, vocab_size: i
 def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, progress: bool = True,
            vocab_size: int | None = None,
            schedule: Schedule | str | None = None,
-           details: dict | None = None) -> tuple[ReplayReport, list[RequestOutput]]:
+           details: dict | None = None,
+           max_model_len: int | None = None) -> tuple[ReplayReport, list[RequestOutput]]:
     """Replay `requests` on `engine`; return the report and every finished request (finish order).
 
     Args:
@@ -69,17 +74,24 @@ def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, prog
         progress: show a tqdm bar (requests done) on stderr.
         vocab_size: input ids are drawn from [0, vocab_size); required.
         schedule: the engine's schedule, copied into the report.
-        details: if given, receives "conversation_of" (request id -> conversation), "start" and
-            "skipped", so that replicas' replays can be merged into one report.
+        details: if given, receives "conversation_of" (request id -> conversation), "turn_of"
+            (request id -> its trace line), "start", "skipped" and "refused", so that replicas'
+            replays can be merged into one report.
+        max_model_len: the engine's context length, to refuse lines that cannot fit before
+            anything runs; None reads `engine.max_model_len` where the engine has one.
     """
     if vocab_size is None or isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
         raise ValueError(f"vocab_size must be the model's vocabulary size (a positive int), got "
                          f"{vocab_size!r}; input ids are drawn from [0, vocab_size)")
+    max_model_len = max_model_len if max_model_len is not None else getattr(engine, "max_model_len", None)
+    if max_model_len is not None:
+        validate_trace(requests, max_model_len)
     conversations = [_Conversation(i, key, turns)
                      for i, (key, turns) in enumerate(group_conversations(requests).items())]
     total = sum(len(c.turns) for c in conversations)
     outputs: list[RequestOutput] = []
     conversation_of: dict[int, ConversationId] = {}
+    turn_of: dict[int, TraceRequest] = {}
     owner: dict[int, _Conversation] = {}  # in-flight request id -> its conversation
     skipped = 0
     refused: list[ConversationId] = []
@@ -96,7 +108,7 @@ def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, prog
             while releases and releases[0][0] <= now:
                 _, index = heapq.heappop(releases)
                 conv = conversations[index]
-                if not _submit(engine, conv, seed, vocab_size, owner, conversation_of):
+                if not _submit(engine, conv, seed, vocab_size, owner, conversation_of, turn_of):
                     refused.append(conv.key)
                     skipped_now = _end_after_failure(conv)
                     skipped += skipped_now
@@ -110,7 +122,7 @@ def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, prog
                         continue
                     outputs.append(out)
                     bar.update(1)
-                    skipped_now = _finish_turn(conv, out, releases)
+                    skipped_now = _finish_turn(conv, out, turn_of[out.request_id], releases)
                     skipped += skipped_now
                     bar.update(skipped_now)
                 if owner and not engine.has_work():
@@ -124,18 +136,20 @@ def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, prog
             _close(conv)
 
     if details is not None:
-        details.update(conversation_of=conversation_of, start=start, skipped=skipped, refused=refused)
+        details.update(conversation_of=conversation_of, turn_of=turn_of, start=start, skipped=skipped,
+                       refused=refused)
     report = build_report(outputs, conversation_of, start=start,
                           mean_decode_wait_ms=engine.stats.mean_decode_wait_ms,
-                          schedule=schedule, skipped=skipped, refused=refused)
-    if report.requests + report.failed + report.skipped != total:
-        raise RuntimeError(f"replay accounted for {report.requests + report.failed + report.skipped} "
-                           f"of {total} requests")
+                          schedule=schedule, skipped=skipped, refused=refused, turn_of=turn_of)
+    accounted = report.requests + report.truncated + report.failed + report.skipped
+    if accounted != total:
+        raise RuntimeError(f"replay accounted for {accounted} of {total} requests")
     return report, outputs
 
 
 def _submit(engine: Any, conv: _Conversation, seed: int, vocab_size: int,
-            owner: dict[int, _Conversation], conversation_of: dict[int, ConversationId]) -> bool:
+            owner: dict[int, _Conversation], conversation_of: dict[int, ConversationId],
+            turn_of: dict[int, TraceRequest]) -> bool:
     """Append the next turn's input and submit it; False when the engine refuses it."""
     turn = conv.turns[conv.next_turn]
     if conv.session is None:
@@ -150,16 +164,23 @@ def _submit(engine: Any, conv: _Conversation, seed: int, vocab_size: int,
         return False
     owner[request_id] = conv
     conversation_of[request_id] = conv.key
+    turn_of[request_id] = turn
     return True
 
 
-def _finish_turn(conv: _Conversation, out: RequestOutput, releases: list[tuple[float, int]]) -> int:
+def _finish_turn(conv: _Conversation, out: RequestOutput, turn: TraceRequest,
+                 releases: list[tuple[float, int]]) -> int:
     """Record a finished turn; release the next one or end the conversation. Returns the number
-    of turns skipped because this one failed."""
+    of turns skipped because this one failed or was truncated."""
     conv.next_turn += 1
     if out.result.finish_reason is FinishReason.ERROR:
-        logger.warning("conversation %r turn %d (request %d) failed: %s", conv.key, conv.next_turn - 1,
+        logger.warning("conversation %r turn %d (request %d) failed: %s", conv.key, turn.turn,
                        out.request_id, out.result.error)
+        return _end_after_failure(conv)
+    if len(out.result.token_ids) < turn.output_tokens:
+        logger.warning("conversation %r turn %d (request %d) truncated: %d of %d output tokens (%s; the "
+                       "context is full)", conv.key, turn.turn, out.request_id, len(out.result.token_ids),
+                       turn.output_tokens, out.result.finish_reason.value)
         return _end_after_failure(conv)
     if conv.next_turn < len(conv.turns):
         wait_s = conv.turns[conv.next_turn].wait_ms / 1e3
@@ -170,7 +191,8 @@ def _finish_turn(conv: _Conversation, out: RequestOutput, releases: list[tuple[f
 
 
 def _end_after_failure(conv: _Conversation) -> int:
-    """End a conversation whose last submitted turn failed; returns how many turns it skips."""
+    """End a conversation whose last submitted turn failed or was truncated; returns how many
+    turns it skips."""
     remaining = len(conv.turns) - conv.next_turn
     if remaining:
         logger.warning("conversation %r ends: %d later turn(s) skipped", conv.key, remaining)

@@ -74,3 +74,30 @@ def test_json_is_strict_and_empty_figures_are_null():
 def test_missing_conversation_id_is_an_error():
     with pytest.raises(ValueError, match=r"no conversation id for request\(s\) \[5\]"):
         build_report([_out(5, 0.0, 0.1, 0.2)], {}, start=0.0, mean_decode_wait_ms=0.0)
+
+
+def test_short_outputs_are_truncated_and_input_tokens_come_from_the_trace(caplog):
+    from megatron_rollout.trace.schema import TraceRequest
+
+    outputs = [
+        _out(0, 0.0, 0.5, 1.0, n_out=3, prompt=12),  # asked 3: complete; prefilled 12 for 10 new (recomputed)
+        _out(1, 2.0, 2.5, 4.0, n_out=54, prompt=6),  # asked 100, got 54: truncated, "a" is cut
+        _out(2, 0.0, 1.0, 3.0, n_out=2, prompt=5),  # asked 2: complete
+    ]
+    turn_of = {0: TraceRequest("a", 0, 10, 3, 0.0), 1: TraceRequest("a", 1, 6, 100, 1.0),
+               2: TraceRequest("b", 0, 5, 2, 0.0)}
+    report = build_report(outputs, {0: "a", 1: "a", 2: "b"}, start=0.0, mean_decode_wait_ms=0.0, skipped=1,
+                          turn_of=turn_of)
+    assert (report.requests, report.truncated, report.failed, report.skipped) == (2, 1, 0, 1)
+    assert (report.input_tokens, report.prefill_tokens, report.output_tokens) == (15, 17, 5)
+    assert report.p50_request_s == pytest.approx(2.0)  # completions [1, 3]: the truncated one is left out
+    assert report.p99_trajectory_s == pytest.approx(3.0)  # only "b"
+    data = json.loads(report.to_json())
+    assert (data["truncated"], data["input_tokens"], data["prefill_tokens"]) == (1, 15, 17)
+    with pytest.raises(ValueError, match=r"no trace line for request\(s\) \[2\]"):
+        build_report(outputs, {0: "a", 1: "a", 2: "b"}, start=0.0, mean_decode_wait_ms=0.0,
+                     turn_of={0: turn_of[0], 1: turn_of[1]})
+    # Without the trace lines the report says what it cannot tell.
+    old = build_report(outputs, {0: "a", 1: "a", 2: "b"}, start=0.0, mean_decode_wait_ms=0.0)
+    assert (old.requests, old.truncated, old.input_tokens) == (3, 0, 23)
+    assert "without turn_of: truncated turns are not detected" in caplog.text

@@ -41,7 +41,7 @@ class FakeSession:
         self.request_ids.append(rid)
         self.engine.waiting.append(SimpleNamespace(
             rid=rid, session=self, params=params, arrival=time.perf_counter(), first=None, tokens=[],
-            prompt=len(self.context) - self.prefilled))
+            prompt=len(self.context) - (0 if self.engine.recompute else self.prefilled)))
         self.prefilled = len(self.context)
         return rid
 
@@ -52,9 +52,11 @@ class FakeSession:
 class FakeEngine:
     """One step = sleep, prefill waiting requests (first token), one token per running request."""
 
-    def __init__(self, step_s=0.001, max_context=None, lose_request=None):
+    def __init__(self, step_s=0.001, max_context=None, lose_request=None, full_at=None, recompute=False):
         self.step_s = step_s
-        self.max_context = max_context
+        self.max_context = max_context  # a request that cannot fit is finished with an error
+        self.full_at = full_at  # generation stops (length) when the context reaches this
+        self.recompute = recompute  # every turn prefills its whole context (as after an eviction)
         self.lose_request = lose_request
         self.next_id = 100
         self.waiting, self.running, self.sessions = [], [], []
@@ -93,7 +95,7 @@ class FakeEngine:
             req.tokens.append(token)
             req.session.context.append(token)
             req.first = req.first or now
-            if len(req.tokens) == req.params.max_new_tokens:
+            if len(req.tokens) == req.params.max_new_tokens or len(req.session.context) == self.full_at:
                 self.running.remove(req)
                 finished.append(self._done(req, FinishReason.LENGTH))
         return finished
@@ -228,3 +230,39 @@ def test_bad_turn_sequence_is_refused_before_anything_runs():
         replay(engine, [TraceRequest("a", 0, 1, 1, 0.0), TraceRequest("a", 2, 1, 1, 0.0)],
                progress=False, vocab_size=VOCAB)
     assert engine.sessions == []
+
+
+def test_turn_cut_short_by_a_full_context_counts_as_truncated_not_completed():
+    # "a": 8 + 3 = 11 tokens, then turn 1 adds 5 and asks 6 more, but the context is full at 20: 4 of 6.
+    trace = _trace({"a": [(8, 3, 0.0), (5, 6, 1.0), (1, 1, 1.0)], "b": [(4, 2, 0.0), (3, 3, 1.0)]})
+    report, outputs = replay(FakeEngine(full_at=20), trace, progress=False, vocab_size=VOCAB)
+    assert (report.requests, report.truncated, report.failed, report.skipped) == (3, 1, 0, 1)
+    cut = [o for o in outputs if o.result.finish_reason is FinishReason.LENGTH and len(o.result.token_ids) == 4]
+    assert len(cut) == 1 and len(outputs) == 4  # nothing submitted after the cut turn
+    assert report.output_tokens == 3 + 2 + 3  # the cut turn's 4 tokens are not a success's
+    assert report.input_tokens == 8 + 4 + 3
+    # only "b" is a whole trajectory
+    b = [o for o in outputs if o.prompt_tokens in (4, 3)]
+    assert report.p99_trajectory_s == pytest.approx(max(o.times.finish for o in b) - min(o.times.arrival for o in b))
+    assert "truncated=1" in report.summary()
+
+
+def test_input_tokens_count_the_trace_and_prefill_tokens_the_recomputation():
+    trace = _trace(SPEC)
+    report, _ = replay(FakeEngine(recompute=True), trace, progress=False, vocab_size=VOCAB)
+    assert report.requests == 6 and report.truncated == 0
+    assert report.input_tokens == sum(r.input_tokens for r in trace) == 28
+    # a: 8, 8+3+5, 16+2+6; 1: 4; c: 3, 3+4+2
+    assert report.prefill_tokens == 8 + 16 + 24 + 4 + 3 + 9
+
+
+def test_lines_that_cannot_fit_the_context_are_refused_before_anything_is_allocated():
+    engine = FakeEngine()
+    engine.max_model_len = 64
+    trace = [TraceRequest("a", 0, 10, 2, 0.0), TraceRequest("b", 0, 10_000_000, 2, 0.0)]
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"<trace>:2: request 1 .*input_tokens 10000000 does not fit the context"):
+        replay(engine, trace, progress=False, vocab_size=VOCAB)
+    assert time.perf_counter() - start < 0.5 and engine.sessions == []
+    with pytest.raises(ValueError, match="output_tokens 64 does not fit the context"):
+        replay(FakeEngine(), [TraceRequest("a", 0, 1, 64, 0.0)], progress=False, vocab_size=VOCAB, max_model_len=64)

@@ -34,9 +34,12 @@ def test_every_schedule_serves_the_trace_with_forced_lengths(model, trace, sched
     assert (report.requests, report.failed, report.skipped) == (len(trace), 0, 0)
     assert Counter(len(o.result.token_ids) for o in outputs) == Counter(r.output_tokens for r in trace)
     assert report.output_tokens == sum(r.output_tokens for r in trace)
-    # A later turn prefills its new tokens plus the last sampled token, whose K/V is not cached yet.
+    # input_tokens are the trace's; a later turn also prefills the last sampled token, whose K/V is not
+    # cached yet (and nothing is recomputed with this many blocks).
     new_tokens = sum(r.input_tokens for r in trace)
-    assert new_tokens <= report.input_tokens <= new_tokens + sum(r.turn > 0 for r in trace)
+    assert report.input_tokens == new_tokens
+    assert new_tokens <= report.prefill_tokens <= new_tokens + sum(r.turn > 0 for r in trace)
+    assert report.truncated == 0
     assert report.schedule == schedule and report.makespan_s > 0 and report.tokens_per_s > 0
     assert not engine.has_work() and engine.seqs == {}  # every session closed
 
@@ -57,3 +60,31 @@ def test_refused_turn_ends_its_conversation(model):
     short = [o for o in outputs if o.prompt_tokens < 30]  # "long" turn 0 prefilled 30 tokens
     assert len(short) == 2  # the trajectory figure covers only the uncut conversation
     assert report.p99_trajectory_s == pytest.approx(max(o.times.finish for o in short) - min(o.times.arrival for o in short))
+
+
+@pytest.mark.parametrize("schedule", ["off", "chunked"])
+def test_turn_cut_by_a_full_context_counts_as_truncated(model, schedule):
+    # 20 + 10 = 30 tokens after turn 0; turn 1 adds 10 and asks 50, but max_model_len 64 leaves room for 24.
+    trace = [TraceRequest("t", 0, 20, 10, 0.0), TraceRequest("u", 0, 5, 3, 0.0), TraceRequest("t", 1, 10, 50, 1.0),
+             TraceRequest("t", 2, 2, 2, 1.0)]
+    engine = RolloutEngine(model, EngineConfig(schedule=schedule, num_blocks=64, max_model_len=64))
+    report, outputs = replay(engine, trace, progress=False, vocab_size=model.cfg.vocab_size)
+    assert (report.requests, report.truncated, report.failed, report.skipped) == (2, 1, 0, 1)
+    assert sorted(len(o.result.token_ids) for o in outputs) == [3, 10, 24]
+    assert report.output_tokens == 13 and report.input_tokens == 25
+    assert engine.seqs == {}
+
+
+def test_a_line_longer_than_the_context_is_refused_with_its_line_before_any_allocation(model, tmp_path):
+    import time
+
+    from megatron_rollout.trace.schema import TraceError, load_trace
+
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"conversation": 0, "turn": 0, "input_tokens": 5, "output_tokens": 2, "wait_ms": 0}\n'
+                    '{"conversation": 1, "turn": 0, "input_tokens": 10000000, "output_tokens": 2, "wait_ms": 0}\n')
+    engine = RolloutEngine(model, EngineConfig(num_blocks=64, max_model_len=64))
+    start = time.perf_counter()
+    with pytest.raises(TraceError, match=r"t\.jsonl:2: input_tokens 10000000 does not fit the context"):
+        replay(engine, load_trace(path), progress=False, vocab_size=model.cfg.vocab_size)
+    assert time.perf_counter() - start < 0.5 and engine.seqs == {}
