@@ -2,9 +2,18 @@
 
 `build_layout` turns the runner's spans (block table, cached positions, new positions) into the
 device index tensors the kernels read: one int32 host array (numpy, vectorised: no per-token
-Python), pinned and copied in one non-blocking transfer. `StaticDecodeLayout` is the CUDA-graph
-version for decode batches: fixed-size device buffers, refilled in place before each replay, so
-the captured kernels see new rows without being re-captured.
+Python), pinned and copied in one non-blocking transfer.
+
+Every view into that array starts on a 16-byte boundary and every block-table row is a multiple
+of `TABLE_ALIGN` entries wide. Triton specialises a kernel on whether each pointer argument is
+16-byte aligned and on whether each integer argument is 1 or a multiple of 16; views packed back
+to back at batch-dependent offsets (and a table stride equal to the longest table of the batch)
+gave each batch shape its own specialisation, so the first replays of a run compiled dozens of
+kernel variants inside the timed region. Aligned, the kernels see one signature per model.
+
+`StaticDecodeLayout` is the CUDA-graph version for decode batches: fixed-size device buffers,
+refilled in place before each replay, so the captured kernels see new rows without being
+re-captured.
 
 `KernelPagedBatch` implements `model.attention.AttentionBackend` on top of a layout and an
 `AttentionKernels` backend: store the new K/V, then decode rows (one new token) go to the
@@ -41,6 +50,35 @@ def choose_splits(rows: int, kv_heads: int, num_sms: int, max_len: int | None = 
     return max(1, min(cap, splits))
 
 
+ALIGN_ELEMS = 4
+"""int32 elements per 16 bytes: every packed view starts at a multiple of this."""
+TABLE_ALIGN = 16
+"""Block-table rows are padded to a multiple of this many entries (the table stride is then never
+1 and always a multiple of 16, whatever the batch: one Triton specialisation)."""
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def table_width(longest: int) -> int:
+    """Block-table row width for a batch whose longest table has `longest` blocks."""
+    return _round_up(max(longest, 1), TABLE_ALIGN)
+
+
+def pack_aligned(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """Concatenate int32 arrays so that each starts at a multiple of `ALIGN_ELEMS` elements;
+    returns the packed array and each part's (offset, size)."""
+    spans, at = [], 0
+    for p in parts:
+        spans.append((at, int(p.size)))
+        at += _round_up(int(p.size), ALIGN_ELEMS)
+    packed = np.zeros(max(at, ALIGN_ELEMS), np.int32)
+    for p, (off, size) in zip(parts, spans):
+        packed[off:off + size] = np.asarray(p).reshape(-1)
+    return packed, spans
+
+
 def _to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
     t = torch.from_numpy(host)
     if device.type == "cuda":
@@ -71,7 +109,7 @@ def build_layout(spans: Sequence[SeqSpan], token_ids: Sequence[Sequence[int]], s
     s_count = len(spans)
     news = np.fromiter((s.new for s in spans), np.int64, s_count)
     pasts = np.fromiter((s.past for s in spans), np.int64, s_count)
-    width = max([len(s.table) for s in spans] + [1])
+    width = table_width(max([len(s.table) for s in spans] + [1]))
     tables = np.zeros((s_count, width), np.int32)
     for i, s in enumerate(spans):
         tables[i, :len(s.table)] = s.table
@@ -92,12 +130,9 @@ def build_layout(spans: Sequence[SeqSpan], token_ids: Sequence[Sequence[int]], s
     rows = (q_start + news - 1)[np.asarray(sample, dtype=bool)] if s_count else np.zeros(0, np.int64)
 
     parts = [tokens, pos, slots, q_start, pasts, news, lens, dec, tile_seq, tile_start, rows, tables.reshape(-1)]
-    packed = np.concatenate([np.asarray(p, np.int32).reshape(-1) for p in parts])
-    dev = _to_device(packed, device)
-    views, at = [], 0
-    for p in parts:
-        views.append(dev[at:at + p.size])
-        at += p.size
+    packed, offsets = pack_aligned(parts)
+    dev = _to_device(packed, device)  # a fresh allocation: its start is aligned far beyond 16 bytes
+    views = [dev[off:off + size] for off, size in offsets]
     t_tok, t_pos, t_slot, t_qs, t_past, t_new, t_len, t_dec, t_tseq, t_tstart, t_rows, t_tab = views
     t_tab = t_tab.view(s_count, width)
 
@@ -139,20 +174,25 @@ class StaticDecodeLayout:
     """Fixed-size decode indices for one CUDA-graph batch size, refilled in place.
 
     Rows past the live batch are padding: token 0 at position 0, slot -1 (nothing stored) and
-    length 0 (attention writes zeros), so a graph captured for `rows` serves any batch up to it."""
+    length 0 (attention writes zeros), so a graph captured for `rows` serves any batch up to it.
+    The four per-row sections are `stride` (rows rounded up to 16 bytes) apart and the tables
+    start after them, so every view is 16-byte aligned (see the module docstring)."""
 
     def __init__(self, rows: int, table_width: int, block_size: int, kernels: AttentionKernels, q_heads: int,
                  kv_heads: int, head_dim: int, device: torch.device, num_sms: int) -> None:
-        self.rows, self.width, self.block_size = rows, table_width, block_size
-        size = 4 * rows + rows * table_width
+        width = _round_up(table_width, TABLE_ALIGN)
+        self.rows, self.width, self.block_size = rows, width, block_size
+        self.stride = st = _round_up(rows, ALIGN_ELEMS)
+        size = 4 * st + rows * width
         self.device_buf = torch.zeros(size, dtype=torch.int32, device=device)
         self.host_buf = torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.host = self.host_buf.numpy()
         self._copied: torch.cuda.Event | None = None
         b = rows
         d = self.device_buf
-        self.tokens, self.positions, self.slots, self.lens = d[:b], d[b:2 * b], d[2 * b:3 * b], d[3 * b:4 * b]
-        self.tables = d[4 * b:].view(rows, table_width)
+        self.tokens, self.positions = d[:b], d[st:st + b]
+        self.slots, self.lens = d[2 * st:2 * st + b], d[3 * st:3 * st + b]
+        self.tables = d[4 * st:].view(rows, width)
         self.arange = torch.arange(rows, dtype=torch.int32, device=device)
         self.logits_rows = torch.arange(rows, dtype=torch.int64, device=device)
         splits = choose_splits(rows, kv_heads, num_sms)
@@ -169,19 +209,19 @@ class StaticDecodeLayout:
     def fill_padding(self) -> None:
         """Every row padding (used while capturing)."""
         self._wait_copy()
-        h, b = self.host, self.rows
-        h[:4 * b] = 0
-        h[2 * b:3 * b] = -1
+        h, st = self.host, self.stride
+        h[:4 * st] = 0
+        h[2 * st:3 * st] = -1
         self._upload(0)
 
     def fill(self, spans: Sequence[SeqSpan], tokens: Sequence[int]) -> None:
         """Load one decode batch (`len(spans)` <= rows; one new token per span)."""
-        n, b, bs = len(spans), self.rows, self.block_size
+        n, b, bs, st = len(spans), self.rows, self.block_size, self.stride
         if n > b:
             raise ValueError(f"decode batch of {n} rows exceeds this graph's {b}")
         self._wait_copy()
         h = self.host
-        tables = h[4 * b:].reshape(b, self.width)
+        tables = h[4 * st:].reshape(b, self.width)
         pasts = np.fromiter((s.past for s in spans), np.int64, n)
         for i, s in enumerate(spans):
             if len(s.table) > self.width:
@@ -189,17 +229,17 @@ class StaticDecodeLayout:
             tables[i, :len(s.table)] = s.table
         h[:n] = tokens
         h[n:b] = 0
-        h[b:b + n] = pasts
-        h[b + n:2 * b] = 0
+        h[st:st + n] = pasts
+        h[st + n:st + b] = 0
         rows = np.arange(n)
-        h[2 * b:2 * b + n] = tables[rows, pasts // bs].astype(np.int64) * bs + pasts % bs
-        h[2 * b + n:3 * b] = -1
-        h[3 * b:3 * b + n] = pasts + 1
-        h[3 * b + n:4 * b] = 0
+        h[2 * st:2 * st + n] = tables[rows, pasts // bs].astype(np.int64) * bs + pasts % bs
+        h[2 * st + n:2 * st + b] = -1
+        h[3 * st:3 * st + n] = pasts + 1
+        h[3 * st + n:3 * st + b] = 0
         self._upload(n)
 
     def _upload(self, n: int) -> None:
-        end = 4 * self.rows + n * self.width
+        end = 4 * self.stride + n * self.width
         self.device_buf[:end].copy_(self.host_buf[:end], non_blocking=True)
         if self.device_buf.is_cuda:
             self._copied = torch.cuda.Event()

@@ -1,0 +1,133 @@
+"""Index layouts keep one Triton specialisation per model: every view 16-byte aligned and the block
+table stride a multiple of 16, whatever the batch (CPU), and a CUDA run of many batch shapes
+compiles each attention kernel once (GPU)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_rollout.kernels.layout import (ALIGN_ELEMS, TABLE_ALIGN, StaticDecodeLayout, build_layout, pack_aligned,
+                                             table_width)
+from megatron_rollout.kernels.registry import PortableAttention
+from megatron_rollout.kv.paged import SeqSpan
+
+
+def _spans(rng: np.random.Generator, count: int, bs: int) -> list[SeqSpan]:
+    spans, at = [], 0
+    for _ in range(count):
+        past = int(rng.integers(0, 90))
+        new = 1 if rng.random() < 0.5 else int(rng.integers(2, 40))
+        k = -(-(past + new) // bs)
+        spans.append(SeqSpan(tuple(range(at, at + k)), past, new))
+        at += k
+    return spans
+
+
+def _tensors(layout) -> dict[str, torch.Tensor]:
+    out = {"tokens": layout.tokens, "positions": layout.positions, "slots": layout.slots}
+    if layout.decode is not None:
+        d = layout.decode
+        out.update(seq=d.seq, tables=d.tables, lens=d.lens, q_start=d.q_start)
+    if layout.prefill is not None:
+        p = layout.prefill
+        out.update(past=p.past, new=p.new, tile_seq=p.tile_seq, tile_start=p.tile_start, ptables=p.tables)
+    return out
+
+
+def test_pack_aligned_offsets_and_values():
+    parts = [np.arange(3), np.arange(5) + 10, np.zeros(0, np.int32), np.arange(4) + 20]
+    packed, spans = pack_aligned(parts)
+    assert spans == [(0, 3), (4, 5), (12, 0), (12, 4)]
+    assert packed.dtype == np.int32
+    for p, (off, size) in zip(parts, spans):
+        assert off % ALIGN_ELEMS == 0
+        assert packed[off:off + size].tolist() == list(p)
+
+
+def test_table_width_is_a_multiple_of_16_and_never_1():
+    assert [table_width(n) for n in (0, 1, 15, 16, 17, 2560)] == [16, 16, 16, 16, 32, 2560]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_build_layout_views_are_aligned_for_any_batch(seed):
+    rng = np.random.default_rng(seed)
+    bs = 16
+    spans = _spans(rng, int(rng.integers(1, 9)), bs)
+    tokens = [rng.integers(0, 50, s.new).tolist() for s in spans]
+    layout = build_layout(spans, tokens, [True] * len(spans), bs, PortableAttention(), 8, 4, 8, torch.device("cpu"))
+    tensors = _tensors(layout)
+    base = layout.tokens.data_ptr()
+    for name, t in tensors.items():
+        assert (t.data_ptr() - base) % 16 == 0, (name, t.data_ptr() - base)
+    table = tensors.get("tables", tensors.get("ptables"))
+    assert table.stride(0) % TABLE_ALIGN == 0 and table.stride(0) >= TABLE_ALIGN
+    # values unchanged by the padding: positions and slots of every new token
+    pos = np.concatenate([np.arange(s.past, s.past + s.new) for s in spans])
+    assert layout.positions.tolist() == pos.tolist()
+    slots = np.concatenate([[s.table[p // bs] * bs + p % bs for p in range(s.past, s.past + s.new)] for s in spans])
+    assert layout.slots.tolist() == slots.tolist()
+    assert layout.tokens.tolist() == [t for ts in tokens for t in ts]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16])
+def test_static_decode_layout_views_are_aligned(rows):
+    layout = StaticDecodeLayout(rows, 37, 16, PortableAttention(), 8, 4, 8, torch.device("cpu"), num_sms=4)
+    base = layout.device_buf.data_ptr()
+    for t in (layout.tokens, layout.positions, layout.slots, layout.lens, layout.tables):
+        assert (t.data_ptr() - base) % 16 == 0
+    assert layout.tables.shape == (rows, 48) and layout.tables.stride(0) == 48
+    spans = [SeqSpan((3, 1, 4), 40, 1)] * min(rows, 2)
+    layout.fill(spans, [7] * len(spans))
+    n = len(spans)
+    assert layout.tokens.tolist() == [7] * n + [0] * (rows - n)
+    assert layout.positions.tolist() == [40] * n + [0] * (rows - n)
+    assert layout.slots.tolist() == [4 * 16 + 8] * n + [-1] * (rows - n)
+    assert layout.lens.tolist() == [41] * n + [0] * (rows - n)
+    assert layout.tables[0, :3].tolist() == [3, 1, 4]
+
+
+@pytest.mark.gpu
+def test_attention_kernels_compile_once_over_many_batch_shapes():
+    """Mixed batches of varying shapes (odd and even counts, decode-only, prefill-only, several
+    split counts) through the Triton backend: after a first pass over every path, no compilation."""
+    from megatron_rollout.bench.compiles import CompileCounter
+    from megatron_rollout.kernels.layout import KernelPagedBatch
+    from megatron_rollout.kernels.triton_attention import TritonAttention
+    from megatron_rollout.kv.paged import PagedKVCache
+    from megatron_rollout.model.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=50, hidden_size=32, num_layers=1, num_attention_heads=32, num_query_groups=4,
+                      kv_channels=128, ffn_hidden_size=48, max_position_embeddings=8192, dtype="bfloat16")
+    dev = torch.device("cuda")
+    cache = PagedKVCache(cfg, 4096, 16, 4, device=dev)
+    kernels = TritonAttention()
+    rng = np.random.default_rng(0)
+
+    def run(spec):
+        spans, at = [], 0
+        for past, new in spec:
+            k = -(-(past + new) // 16)
+            spans.append(SeqSpan(tuple(range(at, at + k)), past, new))
+            at += k
+        layout = build_layout(spans, [[0] * s.new for s in spans], [True] * len(spans), 16, kernels, 32, 4, 128, dev)
+        n = int(layout.tokens.numel())
+        q, k, v = (torch.randn(n, h, 128, device=dev, dtype=torch.bfloat16) for h in (32, 4, 4))
+        KernelPagedBatch(cache, layout, kernels).attend(0, q, k, v)
+
+    def shapes():
+        for rows in (1, 2, 3, 7, 16, 33):
+            for ctx in (5, 300, 2000, 7000):
+                yield [(ctx, 1)] * rows
+                yield [(ctx, 1)] * rows + [(int(rng.integers(0, 500)), int(rng.integers(2, 300)))]
+        for count in (1, 2, 5):
+            yield [(int(rng.integers(0, 900)), int(rng.integers(2, 700))) for _ in range(count)]
+
+    for spec in shapes():  # first pass: whatever compiles, compiles here
+        run(spec)
+    torch.cuda.synchronize()
+    with CompileCounter() as counter:
+        for spec in shapes():
+            run(spec)
+        torch.cuda.synchronize()
+    assert counter.counts.triton == 0, counter.counts
