@@ -20,6 +20,7 @@ import abc
 import json
 import logging
 import os
+import pickle
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -304,12 +305,17 @@ class _SafetensorsSource(_Source):
         from safetensors import safe_open
 
         self.where: dict[str, object] = {}
+        self.file_of: dict[str, Path] = {}
         for path in files:
-            handle = safe_open(str(path), framework="pt", device="cpu")
+            try:
+                handle = safe_open(str(path), framework="pt", device="cpu")
+            except Exception as exc:  # safetensors' own error type (SafetensorError) or an OSError
+                raise ValueError(f"{path}: not a readable safetensors file ({exc}); it is empty, truncated or "
+                                 f"corrupt: download or save it again") from None
             for name in handle.keys():
                 if name in self.where:
                     raise ValueError(f"tensor {name!r} appears in two files of the checkpoint (second: {path})")
-                self.where[name] = handle
+                self.where[name], self.file_of[name] = handle, path
 
     def names(self) -> set[str]:
         return set(self.where)
@@ -321,25 +327,87 @@ class _SafetensorsSource(_Source):
 
     def read(self, part):
         handle = self.where[part.name]
-        return handle.get_tensor(part.name) if part.expert is None else handle.get_slice(part.name)[part.expert]
+        try:
+            return handle.get_tensor(part.name) if part.expert is None else handle.get_slice(part.name)[part.expert]
+        except Exception as exc:
+            raise ValueError(f"{self.file_of[part.name]}: cannot read tensor {part.name!r} ({exc}); the file is "
+                             f"damaged: download or save it again") from None
+
+
+def _allowed_roots(path: Path) -> list[Path]:
+    """Where a checkpoint's files may live: its directory, and for a Hugging Face hub cache snapshot
+    (`<repo>/snapshots/<revision>/`, whose files are symlinks to `<repo>/blobs/`) that blobs folder."""
+    roots = [path.resolve()]
+    if path.resolve().parent.name == "snapshots":
+        roots.append(path.resolve().parent.parent / "blobs")
+    return roots
+
+
+def _inside(path: Path, name: str, origin: str) -> Path:
+    """`path / name`, refused when the name or a symlink on the way leads out of the checkpoint."""
+    rel = Path(name)
+    if rel.is_absolute() or ".." in rel.parts or not rel.parts:
+        raise ValueError(f"{origin} names {name!r}, outside the checkpoint directory {path}; only files "
+                         f"inside it are read")
+    file = path / rel
+    target = file.resolve()
+    if not any(target.is_relative_to(root) for root in _allowed_roots(path)):
+        raise ValueError(f"{file} is a symlink to {target}, outside the checkpoint directory {path}; copy the "
+                         f"file into the checkpoint instead")
+    return file
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{file}: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{file}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _index_files(path: Path, index: Path) -> list[Path]:
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ValueError(f"{index}: expected a 'weight_map' object of tensor name -> file name")
+    return sorted({_inside(path, f, f"{index.name}'s weight_map") for f in weight_map.values()})
+
+
+def _load_bin(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError:
+        # torch's own message proposes weights_only=False, which would run the file's code: never.
+        raise ValueError(f"{file}: refused: it holds pickled Python objects besides tensors, and loading those "
+                         f"runs code from the file. Convert it to safetensors where it is trusted, or use a "
+                         f"safetensors checkpoint") from None
+    except Exception as exc:
+        raise ValueError(f"{file}: not a readable PyTorch checkpoint ({type(exc).__name__}); it is empty, "
+                         f"truncated or corrupt: download or save it again") from None
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise ValueError(f"{file}: expected a dict of tensor name -> tensor, got {type(state).__name__}")
+    return state
 
 
 def _open_checkpoint(path: Path) -> _Source:
     index = path / "model.safetensors.index.json"
     if index.exists():  # only the files it names: some repos also ship e.g. consolidated.safetensors
-        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+        files = _index_files(path, index)
     elif (path / "model.safetensors").exists():
-        files = [path / "model.safetensors"]
+        files = [_inside(path, "model.safetensors", "the checkpoint")]
     else:
-        files = sorted(path.glob("*.safetensors"))
+        files = [_inside(path, f.name, "the checkpoint") for f in sorted(path.glob("*.safetensors"))]
     if files:
         return _SafetensorsSource(files)
-    bins = sorted(path.glob("pytorch_model*.bin"))
+    bins = [_inside(path, f.name, "the checkpoint") for f in sorted(path.glob("pytorch_model*.bin"))]
     if not bins:
         raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {path}")
     tensors: dict[str, torch.Tensor] = {}
     for b in bins:
-        tensors.update(torch.load(b, map_location="cpu", weights_only=True, mmap=True))
+        tensors.update(_load_bin(b))
     return _DictSource(tensors)
 
 
@@ -413,6 +481,10 @@ def load_pretrained(path: str | os.PathLike, comm: Comm | None = None, device: t
     import transformers
 
     path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path / 'config.json'} does not exist: a checkpoint directory holds config.json "
+                                f"and its weights")
+    _read_json(path / "config.json")  # transformers' own error gives no position, and some none at all
     hf_config = transformers.AutoConfig.from_pretrained(path)
     arch = architecture_of(hf_config)
     cfg = config_from_hf(hf_config)
