@@ -1,15 +1,20 @@
 """Colocated GRPO on CPU: rollout engine and trainer in one process, weights hot-swapped each step.
 
-    python examples/train_grpo.py --config configs/grpo_tiny_cpu.yaml --steps 30 --out /tmp/run
-    torchrun --nproc_per_node 2 examples/train_grpo.py --config configs/grpo_tiny_cpu.yaml --out /tmp/run2
+    python examples/train_grpo.py --config configs/grpo_tool_cpu.yaml --out /tmp/tool
+    torchrun --nproc_per_node 4 examples/train_grpo.py --config configs/grpo_tool_cpu.yaml --atp 2 --adp 2 --ep 4 \\
+        --out /tmp/tool4
+    python examples/train_grpo.py --config configs/grpo_tiny_cpu.yaml --steps 30 --out /tmp/smoke   # quick smoke
 
 What was simplified, and why:
-- The policy is the tiny byte-level MoE from a random init, and the task rewards digits in the
-  output: a signal a random model finds, so learning shows within minutes on a CPU.
+- The policy is the tiny byte-level MoE from a random init; the tool task (`lookup`: call a tool,
+  copy the code it returns into the answer) is one it can learn on a CPU in minutes and cannot
+  game (ignoring the tool's reply scores at most 0.1). `digits` is the quick smoke task.
 - The trainer is the native model (a Megatron GPTModel trains only on GPU; see rl.megatron_trainer).
 - Rollout and training alternate synchronously (fully on-policy); no async/off-policy overlap.
-- Under torchrun each rank samples its own prompts and gradients are averaged (data parallel);
-  the engine is not sharded across ranks.
+- Under torchrun, `--atp/--adp` (ATP x ADP = processes) shard the rollout engine (mux schedule,
+  experts over EP = all ranks) while every rank trains a data-parallel replica of the unsharded
+  model; `update_weights` reshards the trainer's full tensors every step. Without them every rank
+  is a full engine and trainer replica.
 """
 import argparse
 import dataclasses
@@ -29,7 +34,11 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--config", required=True)
 parser.add_argument("--steps", type=int)
 parser.add_argument("--out")
+parser.add_argument("--overwrite", action="store_true", help="replace an existing OUT/metrics.jsonl")
 parser.add_argument("--schedule", choices=["off", "chunked", "mux"])
+parser.add_argument("--atp", type=int, help="rollout attention tensor parallel size (config key atp)")
+parser.add_argument("--adp", type=int, help="rollout attention data parallel replicas (config key adp)")
+parser.add_argument("--ep", type=int, help="rollout expert parallel size, = atp x adp (config key ep)")
 args = parser.parse_args()
 
 torch.set_num_threads(1)
@@ -37,23 +46,29 @@ if int(os.environ.get("WORLD_SIZE", "1")) > 1:
     dist.init_process_group("gloo")
 rank = dist.get_rank() if dist.is_initialized() else 0
 
-cfg = GRPOConfig.from_yaml(args.config, steps=args.steps)
+try:
+    cfg = GRPOConfig.from_yaml(args.config, steps=args.steps, atp=args.atp, adp=args.adp, ep=args.ep)
+except (ValueError, TypeError, FileNotFoundError) as exc:
+    sys.exit(f"{args.config}: {exc}")
 if args.schedule:
     cfg = dataclasses.replace(cfg, engine={**cfg.engine, "schedule": args.schedule})
 
 bar = tqdm(total=cfg.steps, disable=rank != 0, desc=f"GRPO {cfg.env}")
 def show(m):
-    bar.set_postfix(reward=f"{m['reward_mean']:.3f}", kl=f"{m.get('kl', 0):.4f}", tok_s=f"{m['tokens_per_s']:.0f}")
+    bar.set_postfix(reward=f"{m['reward_mean']:.3f}", kl=f"{m['kl'] or 0:.3f}", turns=f"{m['turns_mean']:.1f}")
     bar.update()
 
 start = time.perf_counter()
-history = run_grpo(cfg, args.out, on_step=show)
+try:
+    history = run_grpo(cfg, args.out, on_step=show, overwrite=args.overwrite)
+except FileExistsError as exc:
+    sys.exit(str(exc))
 bar.close()
 if rank == 0:
     first = sum(m["reward_mean"] for m in history[:5]) / len(history[:5])
     last = sum(m["reward_mean"] for m in history[-5:]) / len(history[-5:])
-    print(f"reward first-5 {first:.3f} -> last-5 {last:.3f} | {len(history)} steps in "
-          f"{time.perf_counter() - start:.1f}s | weight version {history[-1]['weight_version']}"
-          + (f" | outputs in {args.out}" if args.out else ""))
+    print(f"reward first-5 {first:.3f} -> last-5 {last:.3f} | kl last {history[-1]['kl'] or 0:.3f} nats/token | "
+          f"{len(history)} steps in {time.perf_counter() - start:.1f}s | weight version "
+          f"{history[-1]['weight_version']}" + (f" | outputs in {args.out}" if args.out else ""))
 if dist.is_initialized():
     dist.destroy_process_group()

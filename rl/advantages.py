@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from rl.fields import check_types
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class AdvantageConfig:
     """Added to the std before dividing."""
 
     def __post_init__(self) -> None:
+        check_types(self)
         if self.eps <= 0:
             raise ValueError(f"AdvantageConfig.eps must be positive, got {self.eps}")
 

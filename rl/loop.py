@@ -3,9 +3,11 @@
 One process (per rank) holds both the trainer's model and the engine's model, as separate
 modules: every step ends with `engine.update_weights(trainer.named_weights(), version + 1)`, so
 the hot-swap path is exercised exactly as a Megatron trainer would use it, and KV memory is
-released while the trainer runs. Under torch.distributed every rank rolls out its own prompts and
-gradients are averaged over ranks (plain data parallelism); reward statistics and loss metrics
-are averaged over ranks, and only rank 0 writes outputs.
+released while the trainer runs. Under torch.distributed the rollout is either replicated (every
+rank a full engine) or sharded ATP x ADP over all ranks (`rl.placement`); either way the step's
+trajectories are gathered to every rank, GRPO advantages are computed over all of them, each
+trainer replica trains on its share of the groups and gradients are averaged over ranks. Only
+rank 0 writes outputs.
 
 Left out: asynchronous (off-policy) rollouts overlapping training, rollout/trainer on separate
 devices, checkpointing, evaluation sets, and learning-rate schedules.
@@ -17,7 +19,9 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,48 +31,61 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
+from megatron_rollout.engine import EngineConfig, SamplingParams
 from megatron_rollout.model.config import preset
 from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.tokenizer import ByteTokenizer
 from rl.advantages import AdvantageConfig, grpo_advantages
 from rl.envs import Env, GuessDigitEnv, SingleTurnEnv
+from rl.envs.lookup import LookupEnv
 from rl.envs.single_turn import TASKS
+from rl.fields import ConfigTypeError, build, check_types
 from rl.objective import LossConfig
-from rl.rollout import Episode, RolloutConfig, rollout
+from rl.placement import Placement
+from rl.rollout import Episode, RolloutConfig
 from rl.trainer import NativeTrainer, TrainerConfig
-from rl.trajectory import collate
+from rl.trajectory import Trajectory, collate
 
 log = logging.getLogger(__name__)
 
-ENV_NAMES = (*TASKS, "guess")
-LOGGED = ("reward_mean", "reward_sq", "kept_fraction", "rollout_makespan_s", "tokens_per_s",  # per rank, averaged
-          "loss", "pg_loss", "kl", "entropy", "clip_fraction", "ratio_mean", "tis_weight_mean", "tis_clip_fraction",
-          "rollout_abs_diff", "tokens", "grad_norm")
+ENV_NAMES = (*TASKS, "guess", "lookup")
+TRAIN_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "ratio_mean", "tis_weight_mean",
+              "tis_clip_fraction", "rollout_abs_diff", "tokens", "grad_norm")
+"""Trainer metrics, averaged over the ranks that trained this step (None where none did)."""
 
 
 @dataclass(frozen=True)
 class GRPOConfig:
     seed: int = 0
-    """Seeds the model init (identical on every rank) and the prompts (different per rank)."""
+    """Seeds the model init (identical on every rank) and the prompts (different per rollout replica)."""
     model: str = "tiny-moe"
     """Model preset."""
     env: str = "digits"
-    """digits | target_byte (single turn) | guess (multi-turn tool task)."""
+    """digits | target_byte (single turn) | guess | lookup (multi-turn tool tasks; need max_turns >= 2)."""
     prompts_per_step: int = 8
-    """Prompts (GRPO groups) per rank per step."""
+    """Prompts (GRPO groups) per rollout replica per step (a rank, or an ADP replica when sharded)."""
     group_size: int = 8
     """Samples per prompt."""
-    max_new_tokens: int = 12
-    """Generated tokens per turn."""
+    max_new_tokens: int | tuple[int, ...] = 12
+    """Generated tokens per turn: one budget for every turn, or a list per turn (the last repeats),
+    e.g. [2, 8] for a short tool call and a longer answer."""
     temperature: float = 1.0
     max_turns: int = 1
     """Generation turns per episode (multi-turn envs)."""
     tool_latency_s: float = 0.0
-    """Simulated tool/grader delay per env step."""
+    """Simulated tool/grader delay per env step (an asyncio sleep: other episodes keep decoding)."""
     lr: float = 1e-2
     betas: tuple[float, float] = (0.9, 0.99)
     steps: int = 30
+    atp: int = 1
+    """Rollout attention tensor parallel size (ATP x ADP = the torchrun world, or 1 x 1 for replicas)."""
+    adp: int = 1
+    """Rollout attention data parallel replicas; each replica's leader drives its own episodes."""
+    ep: int | None = None
+    """Rollout expert parallel size; must be ATP x ADP (ETP = 1); None means exactly that."""
+    max_engine_errors: float = 0.1
+    """Largest share of a step's episodes the engine may end (refused: the KV pool is too small;
+    failed) before the run stops with the figure; any such episode is logged as a warning."""
     engine: dict[str, Any] = field(default_factory=dict)
     """EngineConfig fields (schedule, num_blocks, ...); the schedule defaults to "mux"."""
     loss: LossConfig = LossConfig()
@@ -76,21 +93,44 @@ class GRPOConfig:
     trainer: TrainerConfig = TrainerConfig()
 
     def __post_init__(self) -> None:
+        check_types(self)
         if self.env not in ENV_NAMES:
             raise ValueError(f"unknown env {self.env!r}; expected one of {ENV_NAMES}")
-        for name in ("prompts_per_step", "group_size", "max_new_tokens", "max_turns", "steps"):
+        budgets = self.max_new_tokens if isinstance(self.max_new_tokens, (tuple, list)) else (self.max_new_tokens,)
+        if not budgets or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in budgets):
+            raise ConfigTypeError(f"GRPOConfig.max_new_tokens must be an int >= 1 or a list of them, "
+                                  f"got {self.max_new_tokens!r}")
+        object.__setattr__(self, "max_new_tokens", self.max_new_tokens if isinstance(self.max_new_tokens, int)
+                           else tuple(self.max_new_tokens))
+        for name in ("prompts_per_step", "group_size", "max_turns", "steps", "atp", "adp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GRPOConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.env in ("guess", "lookup") and self.max_turns < 2:
+            raise ValueError(f"env {self.env!r} is multi-turn: max_turns must be >= 2, got {self.max_turns}")
+        if self.ep is not None and self.ep != self.atp * self.adp:
+            raise ValueError(f"GRPOConfig.ep must equal atp x adp = {self.atp * self.adp} (expert tensor "
+                             f"parallel 1), got {self.ep}")
         if self.lr <= 0:
-            raise ValueError(f"lr must be positive, got {self.lr}")
+            raise ValueError(f"GRPOConfig.lr must be positive, got {self.lr}")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"GRPOConfig.betas must be two values in [0, 1), got {list(self.betas)}")
+        if self.tool_latency_s < 0:
+            raise ValueError(f"GRPOConfig.tool_latency_s must be >= 0, got {self.tool_latency_s}")
+        if not 0 <= self.max_engine_errors <= 1:
+            raise ValueError(f"GRPOConfig.max_engine_errors must be in [0, 1], got {self.max_engine_errors}")
         self.engine_config  # validate early, with the engine's own messages
 
     @property
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(**{"schedule": "mux", **self.engine})
+        try:
+            return EngineConfig(**{"schedule": "mux", **self.engine})
+        except TypeError as exc:  # an unknown key
+            raise ConfigTypeError(f"GRPOConfig.engine: {exc}; see megatron_rollout.engine.EngineConfig") from None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], **overrides: Any) -> "GRPOConfig":
+        if not isinstance(raw, dict):
+            raise ConfigTypeError(f"a GRPO config must be a mapping of keys, got {type(raw).__name__}")
         raw = {**raw, **{k: v for k, v in overrides.items() if v is not None}}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - known)
@@ -98,10 +138,8 @@ class GRPOConfig:
             raise ValueError(f"unknown GRPO config keys {unknown}; known: {sorted(known)}")
         nested = {"loss": LossConfig, "advantages": AdvantageConfig, "trainer": TrainerConfig}
         for key, kind in nested.items():
-            if isinstance(raw.get(key), dict):
-                raw[key] = kind(**raw[key])
-        if "betas" in raw:
-            raw["betas"] = tuple(raw["betas"])
+            if key in raw:
+                raw[key] = build(kind, raw[key], key)
         return cls(**raw)
 
     @classmethod
@@ -111,102 +149,153 @@ class GRPOConfig:
 
 
 def make_env(cfg: GRPOConfig, tok: ByteTokenizer) -> Env:
+    if cfg.env == "lookup":
+        return LookupEnv(tok, latency_s=cfg.tool_latency_s)
     if cfg.env == "guess":
         return GuessDigitEnv(tok, latency_s=cfg.tool_latency_s, max_turns=cfg.max_turns)
     task, rubric = TASKS[cfg.env]
     return SingleTurnEnv(task, rubric, tok, latency_s=cfg.tool_latency_s)
 
 
-def _episodes(cfg: GRPOConfig, tok: ByteTokenizer, step: int, rank: int) -> list[Episode]:
-    rng = random.Random(f"{cfg.seed}-{rank}-{step}")
+def _episodes(cfg: GRPOConfig, tok: ByteTokenizer, step: int, replica: int) -> list[Episode]:
+    """This replica's episodes; group ids are unique over replicas (replica * prompts_per_step + g)."""
+    rng = random.Random(f"{cfg.seed}-{replica}-{step}")
     eps = []
     for g in range(cfg.prompts_per_step):
         prompt_seed = rng.randrange(2**31)
-        eps += [Episode(make_env(cfg, tok), prompt_seed, g, sample_seed=rng.randrange(2**40))
-                for _ in range(cfg.group_size)]
+        eps += [Episode(make_env(cfg, tok), prompt_seed, replica * cfg.prompts_per_step + g,
+                        sample_seed=rng.randrange(2**40)) for _ in range(cfg.group_size)]
     return eps
-
-
-def _mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
-    """Mean of each LOGGED key over the ranks that have it."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return {k: values[k] for k in LOGGED if k in values}
-    buf = torch.tensor([[values.get(k, 0.0), float(k in values)] for k in LOGGED], dtype=torch.float64)
-    dist.all_reduce(buf)
-    return {k: float(s / n) for k, (s, n) in zip(LOGGED, buf.tolist()) if n > 0}
 
 
 class GRPORun:
     """Builds the policy, the engine and the trainer; `step()` runs one GRPO iteration."""
 
-    def __init__(self, cfg: GRPOConfig) -> None:
+    def __init__(self, cfg: GRPOConfig, placement: Placement | None = None) -> None:
         self.cfg = cfg
-        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.place = placement or Placement.create(cfg.atp, cfg.adp)
+        self.rank = self.place.rank
         self.tok = ByteTokenizer()
         torch.manual_seed(cfg.seed)
         self.policy = MoETransformer(preset(cfg.model)).init_weights(cfg.seed)
-        if dist.is_available() and dist.is_initialized():
+        if self.place.distributed:
             for p in self.policy.parameters():  # identical start on every rank, whatever the init did
-                dist.broadcast(p.data, src=0)
-        # A separate module for the engine, so every update goes through the hot-swap path.
-        self.engine = RolloutEngine(copy.deepcopy(self.policy), cfg.engine_config)
+                dist.broadcast(p.data, src=0, group=self.place.group)
+        # A separate module for the engine (a shard of it when sharded): every update is a hot swap.
+        self.engine = self.place.make_engine(self.policy, cfg.engine_config)
         optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=0.0)
-        self.trainer = NativeTrainer(self.policy, optimizer, cfg.loss, cfg.trainer)
-        sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+        # The initial policy is the reference whatever kl_coef is, so the KL is always measured.
+        self.trainer = NativeTrainer(self.policy, optimizer, cfg.loss, cfg.trainer, ref_model=copy.deepcopy(self.policy),
+                                     process_group=self.place.group)
+        budgets = (cfg.max_new_tokens,) if isinstance(cfg.max_new_tokens, int) else cfg.max_new_tokens
+        sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=max(budgets),
                                   stop_token_ids=(self.tok.eos_id,))
-        self.rollout_cfg = RolloutConfig(sampling, max_turns=cfg.max_turns)
+        self.rollout_cfg = RolloutConfig(sampling, max_turns=cfg.max_turns, turn_max_new_tokens=budgets)
         self.step_index = 0
 
-    def step(self) -> dict[str, float | None]:
-        cfg, step = self.cfg, self.step_index
+    def step(self) -> dict[str, Any]:
+        cfg, step, place = self.cfg, self.step_index, self.place
+        t0 = time.perf_counter()
         self.engine.reclaim_kv()
-        result = rollout(self.engine, _episodes(cfg, self.tok, step, self.rank), self.rollout_cfg)
+        local = place.rollout(self.engine, _episodes(cfg, self.tok, step, place.rollout_index), self.rollout_cfg)
         self.engine.release_kv()
-        trajs = result.trajectories
+        mine = local.result
+        gathered = place.all_gather((mine.trajectories, mine.stats) if mine is not None else None)
+        trajs: list[Trajectory] = [t for g in gathered if g is not None for t in g[0]]
+        stats = [g[1] for g in gathered if g is not None]
+        self._check_engine_errors(trajs, step)
+        t1 = time.perf_counter()
         batch = collate(trajs, self.tok.pad_id)
         adv = grpo_advantages(batch.rewards, batch.group_ids, cfg.advantages)
-        keep = adv.keep.nonzero().squeeze(-1)
+        # This trainer replica's share: whole groups, round-robin over ranks.
+        keep = (adv.keep & (batch.group_ids % place.world == place.rank)).nonzero().squeeze(-1)
         sub = batch.select(keep) if keep.numel() else None
         train = self.trainer.train_step(sub, adv.values[keep] if sub is not None else None)
+        t2 = time.perf_counter()
         version = self.engine.weight_version + 1
         self.engine.update_weights(self.trainer.named_weights(), version)
+        t3 = time.perf_counter()
+        per_rank = place.all_gather((train, (t1 - t0, t2 - t1, t3 - t2)))
+        metrics = {k: _mean([r[0][k] for r in per_rank if k in r[0]]) for k in TRAIN_KEYS}
+        times = [r[1] for r in per_rank]
         rewards = batch.rewards
-        local = {**train, "reward_mean": float(rewards.mean()),
-                 "reward_sq": float((rewards ** 2).mean()), "kept_fraction": keep.numel() / len(trajs),
-                 "rollout_makespan_s": result.stats.makespan_s, "tokens_per_s": result.stats.tokens_per_s}
-        metrics = _mean_over_ranks(local)
-        # std over the samples of all ranks, from the averaged first and second moments
-        metrics["reward_std"] = math.sqrt(max(metrics.pop("reward_sq") - metrics["reward_mean"] ** 2, 0.0))
-        for key in ("kl", "clip_fraction", "entropy", "loss"):
-            metrics.setdefault(key, None)  # no group kept anywhere: no training this step
+        makespan = max(s.makespan_s for s in stats)
+        generated = sum(s.generated_tokens for s in stats)
         stale = [version - 1 - v for t in trajs for v in t.generated_versions]
         self.step_index += 1
-        return {"step": step, **metrics, "weight_version": version, "max_staleness": max(stale, default=0),
-                "turns_mean": result.stats.num_turns / len(trajs), "generated_tokens": result.stats.generated_tokens}
+        return {"step": step, "reward_mean": float(rewards.mean()),
+                "reward_std": float(rewards.std(unbiased=False)), **metrics,
+                "kept_fraction": float(adv.keep.float().mean()), "weight_version": version,
+                "max_staleness": max(stale, default=0),
+                "turns_mean": sum(t.num_turns for t in trajs) / len(trajs),
+                "turns_max": max(t.num_turns for t in trajs), "episodes": len(trajs),
+                "engine_errors": sum(t.error is not None for t in trajs), "generated_tokens": generated,
+                "rollout_makespan_s": makespan, "tokens_per_s": generated / makespan if makespan > 0 else 0.0,
+                "rollout_s": max(t[0] for t in times), "train_s": max(t[1] for t in times),
+                "update_weights_s": max(t[2] for t in times)}
+
+    def _check_engine_errors(self, trajs: list[Trajectory], step: int) -> None:
+        """Same gathered trajectories on every rank, so every rank decides alike (no rank left waiting)."""
+        errors = [t.error for t in trajs if t.error is not None]
+        if not errors:
+            return
+        share = len(errors) / len(trajs)
+        kv = self.cfg.engine_config
+        msg = (f"step {step}: the engine ended {len(errors)} of {len(trajs)} episodes ({share:.0%}), e.g. "
+               f"{errors[0]!r}; the KV pool is engine.num_blocks={kv.num_blocks} x block_size={kv.block_size} "
+               f"= {kv.num_blocks * kv.block_size} positions per rank")
+        if share > self.cfg.max_engine_errors:
+            raise RuntimeError(f"{msg}, over max_engine_errors={self.cfg.max_engine_errors:.0%}: raise "
+                               f"engine.num_blocks (or lower prompts_per_step x group_size)")
+        log.warning("%s", msg)
+
+    def close(self) -> None:
+        self.place.close()
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+class MetricsFile:
+    """metrics.jsonl, rewritten atomically (tmp file + rename) after each step, so a run that fails
+    before its first step leaves an earlier run's file as it was, and a reader never sees half a line.
+    An existing file is refused unless `overwrite` (it is then replaced once the first step is in)."""
+
+    def __init__(self, path: Path, overwrite: bool = False) -> None:
+        if path.exists() and not overwrite:
+            raise FileExistsError(f"{path} exists (an earlier run's metrics); choose a new --out directory, or "
+                                  f"pass --overwrite to replace it once this run's first step has finished")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path, self.lines = path, []
+
+    def append(self, metrics: dict[str, Any]) -> None:
+        self.lines.append(json.dumps(metrics))
+        tmp = self.path.with_name(self.path.name + f".tmp{os.getpid()}")
+        tmp.write_text("\n".join(self.lines) + "\n")
+        os.replace(tmp, self.path)
 
 
 def run_grpo(cfg: GRPOConfig, out_dir: str | Path | None = None,
-             on_step: Callable[[dict[str, float]], None] | None = None) -> list[dict[str, float]]:
+             on_step: Callable[[dict[str, Any]], None] | None = None, overwrite: bool = False,
+             placement: Placement | None = None) -> list[dict[str, Any]]:
     """Run cfg.steps GRPO steps; rank 0 writes out_dir/metrics.jsonl (per step) and reward.png."""
-    run = GRPORun(cfg)
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    writer = MetricsFile(Path(out_dir) / "metrics.jsonl", overwrite) if out_dir is not None and rank == 0 else None
+    run = GRPORun(cfg, placement)
     history = []
-    writer = None
-    if out_dir is not None and run.rank == 0:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        writer = open(Path(out_dir) / "metrics.jsonl", "w")
     try:
         for _ in range(cfg.steps):
             m = run.step()
             history.append(m)
             if writer is not None:
-                writer.write(json.dumps(m) + "\n")
-                writer.flush()
+                writer.append(m)
             if on_step is not None:
                 on_step(m)
     finally:
-        if writer is not None:
-            writer.close()
-    if out_dir is not None and run.rank == 0:
+        if placement is None:
+            run.close()
+    if writer is not None:
         plot_rewards(history, Path(out_dir) / "reward.png")
     return history
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from rl.fields import check_types
 
 AGGREGATIONS = ("token", "sequence")
 
@@ -43,6 +44,7 @@ class LossConfig:
     """Cap of the truncated importance weight exp(old - rollout); None disables the correction."""
 
     def __post_init__(self) -> None:
+        check_types(self)
         if not 0 <= self.clip_low < 1:
             raise ValueError(f"clip_low must be in [0, 1), got {self.clip_low}")
         if self.clip_high < 0:

@@ -25,6 +25,7 @@ from megatron_rollout.engine import RequestError
 from megatron_rollout.engine.api import FinishReason, RequestOutput, SamplingParams
 from rl.envs.base import Env
 from rl.trajectory import NOT_GENERATED, Trajectory
+from rl.fields import check_types
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +36,18 @@ class RolloutConfig:
     """Sampling of every turn (its `seed` is replaced per request when the episode has one)."""
     max_turns: int = 1
     """Generation turns per episode; an episode not done by then is marked truncated."""
+    turn_max_new_tokens: tuple[int, ...] = ()
+    """Per-turn generation budgets (turn t gets entry min(t, len - 1)), e.g. a short tool call then
+    a longer answer; empty: every turn gets `sampling.max_new_tokens`."""
     idle_sleep_s: float = 0.0005
     """How long the pump sleeps when the engine has no work (every episode is in a tool call)."""
 
     def __post_init__(self) -> None:
+        check_types(self)
         if self.max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+        if any(n < 1 for n in self.turn_max_new_tokens):
+            raise ValueError(f"turn_max_new_tokens must be >= 1 each, got {list(self.turn_max_new_tokens)}")
         if self.idle_sleep_s < 0:
             raise ValueError(f"idle_sleep_s must be >= 0, got {self.idle_sleep_s}")
 
@@ -70,6 +77,8 @@ class RolloutStats:
     num_trajectories: int
     num_turns: int
     truncated: int
+    engine_errors: int
+    """Episodes the engine ended (a refused submission, e.g. the KV pool is too small; an ERROR/ABORT finish)."""
 
 
 @dataclass(frozen=True)
@@ -119,19 +128,23 @@ async def _run_episode(engine: Any, pump: _Pump, ep: Episode, cfg: RolloutConfig
     obs = await ep.env.reset(ep.seed)
     n = len(obs.token_ids)
     tokens, mask, logprobs, versions = list(obs.token_ids), [0] * n, [0.0] * n, [NOT_GENERATED] * n
-    reward, turns, done, failed = 0.0, 0, False, False
+    reward, turns, done, failed, error = 0.0, 0, False, False, None
     session = engine.open_session()
     pending: int | None = None
     try:
         session.append(list(obs.token_ids))
         while not done and turns < cfg.max_turns:
             params = cfg.sampling
+            if cfg.turn_max_new_tokens:
+                budget = cfg.turn_max_new_tokens[min(turns, len(cfg.turn_max_new_tokens) - 1)]
+                params = dataclasses.replace(params, max_new_tokens=budget)
             if ep.sample_seed is not None:
                 params = dataclasses.replace(params, seed=ep.sample_seed * 1000 + turns)
             try:
                 pending = session.submit(params)
             except RequestError as exc:  # e.g. the context no longer fits: end this episode only
                 log.warning("episode seed=%d group=%d ends at turn %d: %s", ep.seed, ep.group_id, turns, exc)
+                error = f"refused at turn {turns}: {exc}"
                 break
             out = await pump.wait(pending)
             pump.futures.pop(pending, None)
@@ -148,7 +161,7 @@ async def _run_episode(engine: Any, pump: _Pump, ep: Episode, cfg: RolloutConfig
             if res.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                 log.warning("episode seed=%d group=%d ends at turn %d: request %s (%s)", ep.seed, ep.group_id,
                             turns, res.finish_reason.value, res.error)
-                failed = True
+                failed, error = True, f"{res.finish_reason.value} at turn {turns}: {res.error}"
                 break
             step = await ep.env.step(res.token_ids)
             reward += step.reward
@@ -167,7 +180,7 @@ async def _run_episode(engine: Any, pump: _Pump, ep: Episode, cfg: RolloutConfig
             engine.abort(pending)
         session.close()
     return Trajectory(tuple(tokens), tuple(mask), tuple(logprobs), tuple(versions), reward, ep.group_id,
-                      num_turns=turns, truncated=not done)
+                      num_turns=turns, truncated=not done, error=error)
 
 
 async def rollout_async(engine: Any, episodes: Sequence[Episode], cfg: RolloutConfig) -> RolloutResult:
@@ -189,7 +202,8 @@ async def rollout_async(engine: Any, episodes: Sequence[Episode], cfg: RolloutCo
     stats = RolloutStats(makespan_s=makespan, generated_tokens=generated, prefill_tokens=pump.prefill_tokens,
                          tokens_per_s=generated / makespan if makespan > 0 else 0.0, engine_steps=pump.steps,
                          num_trajectories=len(trajectories), num_turns=sum(t.num_turns for t in trajectories),
-                         truncated=sum(t.truncated for t in trajectories))
+                         truncated=sum(t.truncated for t in trajectories),
+                         engine_errors=sum(t.error is not None for t in trajectories))
     return RolloutResult(trajectories, stats)
 
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from rl.objective import LossConfig, entropy_from_logits, policy_loss
 from rl.trajectory import TrajectoryBatch
+from rl.fields import check_types
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class TrainerConfig:
     """Max global gradient norm; None disables clipping."""
 
     def __post_init__(self) -> None:
+        check_types(self)
         if self.num_minibatches < 1 or self.ppo_epochs < 1:
             raise ValueError(f"num_minibatches and ppo_epochs must be >= 1, got {self.num_minibatches}, "
                              f"{self.ppo_epochs}")

@@ -39,6 +39,8 @@ class Trajectory:
     """Generation turns in the episode."""
     truncated: bool = False
     """The episode ended early (max turns, a refused or aborted request) rather than by `done`."""
+    error: str | None = None
+    """Why the engine ended the episode (a refused submission, an ERROR/ABORT finish); None otherwise."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

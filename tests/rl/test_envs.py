@@ -5,6 +5,7 @@ import pytest
 
 from megatron_rollout.tokenizer import ByteTokenizer
 from rl.envs import GuessDigitEnv, Rubric, SingleTurnEnv, digit_fraction, target_byte_fraction
+from rl.envs.lookup import LookupEnv, code_match
 from rl.envs.single_turn import TASKS
 
 TOK = ByteTokenizer()
@@ -81,3 +82,49 @@ def test_guess_env_latency_overlaps_across_episodes():
 
     elapsed = asyncio.run(many())
     assert 0.1 <= elapsed < 1.0  # 20 sequential tool calls would take 2 s
+
+
+def test_lookup_env_call_reply_and_reward():
+    async def play(call, answer, seed=11):
+        env = LookupEnv(TOK, latency_s=0.0)
+        await env.reset(seed)
+        return env.code, await env.step(call), await env.step(answer)
+
+    code, reply, final = asyncio.run(play(ids("hi"), ids("")))
+    assert len(code) == 1 and code.isdigit()
+    assert TOK.decode(list(reply.observation_ids)) == f"\ncode {code}\n" and not reply.done and reply.reward == 0
+    assert final.done and final.reward == 0.0  # empty answer
+    wrong = str((int(code) + 1) % 10)
+    _, _, final = asyncio.run(play(ids("x"), ids(code * 3 + wrong) + [TOK.eos_id]))
+    assert final.reward == pytest.approx(0.75)  # specials are not graded
+    _, reply, _ = asyncio.run(play([TOK.eos_id], ids(code)))  # an empty call gets no code
+    assert TOK.decode(list(reply.observation_ids)) == "\nno call\n"
+    assert code_match(ids("4848"), "48") == 1.0 and code_match(ids("8484"), "48") == 0.0
+
+
+def test_lookup_env_cannot_be_gamed_without_the_reply():
+    """A policy that ignores the tool's reply scores at most ~0.1 (one digit always); copying scores 1."""
+    async def codes(n):
+        out = []
+        for seed in range(n):
+            env = LookupEnv(TOK, latency_s=0.0)
+            await env.reset(seed)
+            out.append(env.code)
+        return out
+
+    all_codes = asyncio.run(codes(2000))
+    best_blind = max(sum(code_match(ids(d * 8), c) for c in all_codes) / len(all_codes) for d in "0123456789")
+    assert 0.08 < best_blind < 0.12
+    assert sum(code_match(ids(c * 8), c) for c in all_codes) / len(all_codes) == 1.0
+    assert len(set(all_codes)) == 10
+
+
+def test_lookup_env_waits_for_the_tool():
+    async def one():
+        env = LookupEnv(TOK, latency_s=0.05)
+        await env.reset(0)
+        t = time.perf_counter()
+        await env.step(ids("q"))
+        return time.perf_counter() - t
+
+    assert asyncio.run(one()) >= 0.05

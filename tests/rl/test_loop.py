@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -9,8 +10,9 @@ from rl.objective import LossConfig
 from tests.world import run_world
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "grpo_tiny_cpu.yaml"
+TOOL_CONFIG = CONFIG.with_name("grpo_tool_cpu.yaml")
 REQUIRED = {"step", "reward_mean", "reward_std", "kl", "clip_fraction", "rollout_makespan_s", "tokens_per_s",
-            "weight_version"}
+            "weight_version", "rollout_s", "train_s", "update_weights_s", "turns_mean", "turns_max"}
 
 
 def test_config_from_yaml_and_overrides():
@@ -50,6 +52,89 @@ def test_multi_turn_tool_task_end_to_end(tmp_path):
     assert all(1 < m["turns_mean"] <= 3 for m in history)
     assert all(0.0 <= m["reward_mean"] <= 1.0 for m in history)
     assert all(0 < m["generated_tokens"] <= 3 * 8 * m["turns_mean"] for m in history)
+
+
+def test_tool_config():
+    cfg = GRPOConfig.from_yaml(TOOL_CONFIG)
+    assert cfg.env == "lookup" and cfg.max_turns == 2 and cfg.max_new_tokens == (2, 8)
+    assert cfg.tool_latency_s > 0 and cfg.loss.kl_coef == 0.05 and cfg.engine["schedule"] == "mux"
+    assert GRPOConfig.from_yaml(TOOL_CONFIG, atp=2, adp=2, ep=4).ep == 4
+    with pytest.raises(ValueError, match="ep must equal atp x adp = 4"):
+        GRPOConfig.from_yaml(TOOL_CONFIG, atp=2, adp=2, ep=2)
+    with pytest.raises(ValueError, match="max_turns must be >= 2"):
+        GRPOConfig(env="lookup", max_turns=1)
+
+
+@pytest.mark.parametrize("raw,message", [
+    ({"lr": "fast"}, "GRPOConfig.lr must be float, got 'fast' (str)"),
+    ({"steps": 2.5}, "GRPOConfig.steps must be int, got 2.5 (float)"),
+    ({"betas": 0.9}, "GRPOConfig.betas must be a list of 2 values (float, float), got 0.9 (float)"),
+    ({"betas": [0.9, "x"]}, "GRPOConfig.betas[1] must be float, got 'x'"),
+    ({"loss": "ppo"}, "loss must be a mapping of LossConfig fields (clip_low,"),
+    ({"loss": {"kl_coef": "big"}}, "LossConfig.kl_coef must be float, got 'big'"),
+    ({"loss": {"kl": 0.1}}, "unknown loss keys ['kl']"),
+    ({"trainer": {"num_minibatches": True}}, "TrainerConfig.num_minibatches must be int, got True"),
+    ({"max_new_tokens": [2, "8"]}, "max_new_tokens must be an int >= 1 or a list of them, got [2, '8']"),
+    ({"engine": {"num_blockz": 3}}, "GRPOConfig.engine: "),
+    ({"env": 3}, "GRPOConfig.env must be str, got 3 (int)"),
+])
+def test_wrong_yaml_types_name_the_key(raw, message):
+    with pytest.raises(ValueError) as info:  # ConfigTypeError is a ValueError (and a TypeError)
+        GRPOConfig.from_dict(raw)
+    assert message in str(info.value)
+
+
+def test_yaml_numbers_are_normalised():
+    cfg = GRPOConfig.from_dict({"lr": 1, "betas": [0.9, 0.95], "loss": {"kl_coef": 0}})
+    assert cfg.lr == 1.0 and isinstance(cfg.lr, float) and cfg.betas == (0.9, 0.95)
+    assert isinstance(cfg.loss.kl_coef, float)
+
+
+def _small(**kw):
+    base = dict(prompts_per_step=2, group_size=4, steps=2, max_new_tokens=4, engine={"num_blocks": 64})
+    return GRPOConfig(**{**base, **kw})
+
+
+def test_metrics_record_times_turns_and_kl(tmp_path):
+    cfg = _small(env="lookup", max_turns=2, max_new_tokens=(2, 4), tool_latency_s=0.01)
+    history = run_grpo(cfg, tmp_path)
+    for m in history:
+        assert m["turns_mean"] == 2 and m["turns_max"] == 2 and m["episodes"] == 8
+        assert m["rollout_s"] >= 0.01 and m["train_s"] > 0 and m["update_weights_s"] > 0
+        assert m["rollout_s"] >= m["rollout_makespan_s"] > 0
+        assert 0 < m["generated_tokens"] <= 8 * (2 + 4)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and REQUIRED <= set(lines[0]) and lines[1]["rollout_s"] == history[1]["rollout_s"]
+    # digits: dense rewards, so the first step moves the policy; the KL is measured even at kl_coef 0
+    history = run_grpo(_small(max_new_tokens=6))
+    assert history[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the first step trains the initial policy
+    assert history[1]["kl"] > 1e-5
+
+
+def test_rerun_that_fails_early_keeps_the_old_metrics(tmp_path):
+    old = '{"step": 0, "reward_mean": 0.5}\n'
+    (tmp_path / "metrics.jsonl").write_text(old)
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        run_grpo(_small(), tmp_path)
+    assert (tmp_path / "metrics.jsonl").read_text() == old
+    tiny_pool = _small(engine={"num_blocks": 1, "block_size": 4})  # fails in its first step
+    with pytest.raises(RuntimeError):
+        run_grpo(tiny_pool, tmp_path, overwrite=True)
+    assert (tmp_path / "metrics.jsonl").read_text() == old
+    run_grpo(dataclasses.replace(_small(), steps=1), tmp_path, overwrite=True)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["weight_version"] == 1
+    assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name]
+
+
+def test_kv_pool_too_small_fails_with_the_figure(caplog):
+    # "Digits please (NN): " with BOS is 21 tokens: it does not fit in 2 blocks of 4 positions.
+    with pytest.raises(RuntimeError, match=r"ended 8 of 8 episodes \(100%\).*num_blocks=2 x block_size=4 = 8 "
+                                           r"positions.*raise engine.num_blocks"):
+        run_grpo(_small(engine={"num_blocks": 2, "block_size": 4}))
+    caplog.set_level(logging.WARNING, logger="rl.loop")
+    history = run_grpo(_small(engine={"num_blocks": 2, "block_size": 4}, max_engine_errors=1.0, steps=1))
+    assert history[0]["engine_errors"] == 8 and "ended 8 of 8 episodes" in caplog.text
 
 
 def _two_rank_run(rank, out):
