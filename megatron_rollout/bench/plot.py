@@ -1,16 +1,37 @@
 """Draw the benchmark's figure from its JSON: `python -m megatron_rollout.bench.plot rollout.json out.png`.
 
-Left panel: makespan, p99 request and p99 trajectory completion per schedule (and the
-transformers peer when it finished), with the trace's lower bound as a line. Right panels: three
-seconds of the host timeline (P segments above, D iterations below) under `off` and under `mux`,
-taken from the middle of each replay. Needs matplotlib (a plotting extra, not a dependency of the
-package).
+Left panel: median makespan, p99 request and p99 trajectory completion per schedule (each at its
+best budget, error bars from the repeats' min to max) and the vLLM peer, with the trace's lower
+bound as a line. Right panels: three seconds of the host timeline (P segments above, D
+iterations below) from the middle of the first timed `off` and `mux` replays. Needs matplotlib (a
+plotting extra, not a dependency of the package).
 """
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
+
+METRICS = (("makespan_s", "makespan"), ("p99_request_s", "p99 request"), ("p99_trajectory_s", "p99 trajectory"))
+
+
+def _series(result: dict) -> dict[str, tuple[list[float], list[float], list[float]]]:
+    """name -> (medians, mins, maxs) over METRICS, for every schedule (and vLLM) with a median."""
+    out = {}
+    for name, s in result.get("schedules", {}).items():
+        m = s.get("median") or {}
+        if m.get("makespan_s") is None:
+            continue
+        out[f"{name}@{s.get('budget')}"] = tuple([(d.get(k) or 0.0) for k, _ in METRICS]
+                                                 for d in (m, s.get("min") or m, s.get("max") or m))
+    v = result.get("vllm") or {}
+    if (v.get("median") or {}).get("makespan_s") is not None:
+        passes = v.get("repeats") or [v["median"]]
+        med = [v["median"].get(k) or 0.0 for k, _ in METRICS]
+        lo = [min(p.get(k) or 0.0 for p in passes) for k, _ in METRICS]
+        hi = [max(p.get(k) or 0.0 for p in passes) for k, _ in METRICS]
+        out[f"vllm@{v.get('best_budget')}"] = (med, lo, hi)
+    return out
 
 
 def plot(result: dict, path: str | Path) -> None:
@@ -19,33 +40,31 @@ def plot(result: dict, path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    scheds = {k: v for k, v in result.get("schedules", {}).items() if v.get("finished")}
-    names = list(scheds)
-    metrics = [("makespan_s", "makespan"), ("p99_request_s", "p99 request"), ("p99_trajectory_s", "p99 trajectory")]
-    values = {n: [scheds[n]["report"].get(m) or 0.0 for m, _ in metrics] for n in names}
-    hf = result.get("hf_peer") or {}
-    if hf.get("finished"):
-        names.append("hf-cb")
-        values["hf-cb"] = [hf.get("makespan_s") or 0.0, hf.get("p99_request_s") or 0.0, hf.get("p99_trajectory_s") or 0.0]
-    timelines = [(n, scheds[n].get("timeline", [])) for n in ("off", "mux") if n in scheds]
-
+    series = _series(result)
+    timelines = []
+    for name in ("off", "mux"):
+        reps = (result.get("schedules", {}).get(name) or {}).get("repeats") or []
+        events = next((r["timeline"] for r in reps if r.get("timeline")), None)
+        if events:
+            timelines.append((name, events))
     fig = plt.figure(figsize=(13, 4.2))
     grid = fig.add_gridspec(len(timelines) or 1, 2, width_ratios=[1, 1.6])
     ax = fig.add_subplot(grid[:, 0])
-    width = 0.8 / max(1, len(names))
-    for i, name in enumerate(names):
-        xs = [j + i * width for j in range(len(metrics))]
-        bars = ax.bar(xs, values[name], width, label=name)
+    width = 0.8 / max(1, len(series))
+    for i, (name, (med, lo, hi)) in enumerate(series.items()):
+        xs = [j + i * width for j in range(len(METRICS))]
+        err = [[m - a for m, a in zip(med, lo)], [b - m for m, b in zip(med, hi)]]
+        bars = ax.bar(xs, med, width, yerr=err, capsize=2, label=name)
         ax.bar_label(bars, fmt="%.1f", fontsize=7)
-    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(metrics))], [m for _, m in metrics])
-    ax.set_ylabel("seconds")
+    ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(METRICS))], [m for _, m in METRICS])
+    ax.set_ylabel("seconds (median, min-max)")
     bound = (result.get("lower_bound") or {}).get("bound_s")
     if bound:
         ax.axhline(bound, color="k", ls="--", lw=1, label=f"lower bound {bound:.1f} s")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     trace = result.get("trace", {})
-    ax.set_title(f"{result.get('model', '')}, {trace.get('conversations', '?')} conversations, "
-                 f"{trace.get('requests', '?')} requests", fontsize=9)
+    ax.set_title(f"{result.get('model', '')}, profile {result.get('profile', '?')}, "
+                 f"{trace.get('conversations', '?')} conversations, {trace.get('requests', '?')} requests", fontsize=9)
     for row, (name, events) in enumerate(timelines):
         tax = fig.add_subplot(grid[row, 1])
         for phase, y, color in (("P", 1, "tab:orange"), ("D", 0, "tab:blue")):

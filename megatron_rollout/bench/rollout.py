@@ -1,20 +1,33 @@
-"""`python -m megatron_rollout.bench.rollout`: the one-GPU rollout benchmark (issue 8), one command.
+"""`python -m megatron_rollout.bench.rollout`: the one-GPU rollout benchmark, one command (DESIGN.md §9).
 
-One run measures, on the device it runs on:
-1. the ceilings: copy bandwidth and bf16 matmul rate;
-2. micro-benchmarks of the CUDA runner (decode step vs its memory roofline at several batch sizes,
-   prefill FLOP/s vs the matmul rate, attention and expert kernels, D latency under a concurrent P
-   with stream priorities and green contexts): `bench.micro`;
-3. a synthetic agentic trace (`trace.make_trace`, the paper's statistics, sized by
-   `--conversations` and `--scale`) replayed by the engine under each schedule (`off`, `chunked`,
-   `mux` by default), each in a fresh engine over the same model, with the same token ids;
-4. lower bounds on the makespan from the trace (`bench.bounds`) and the ratios the issue targets;
-5. the Hugging Face transformers continuous-batching peer on the same shape and trace
-   (`bench.hf_peer`), bounded in time.
+A figure counts only warm, repeated, each schedule at its best token budget, next to the peer:
 
-Results go to `<out>/rollout.json` after every stage (a killed run keeps what it measured); a
-short table is printed last. `--device cpu --model tiny-moe` runs steps 3-4 on CPU (the CPU test
-uses this). Left out: several GPUs, FP8 (the FP8 backend is benchmarked by `model.fp8`'s owner).
+1. a trace (`trace.make_trace`, `--profile current | prefill | decode`, sized by
+   `--conversations` and `--scale`; per-profile defaults sized so a full comparison fits two
+   9-minute device calls), its lower bound (`bench.bounds`) and, on CUDA, the device ceilings;
+2. the budget sweep: every base schedule (`off`, `chunked`, `mux`) replayed once at each
+   `--budgets` value (`--max-batch-tokens`: the chunked step budget, the off/mux epoch budget) on
+   a short pass (the first `--sweep-fraction` of the conversations); each schedule's best budget
+   is the one with the shortest makespan. The sweep is also the warm-up: after it every kernel
+   variant a replay uses is compiled (with one budget, one untimed short pass per schedule is run
+   instead). Same-budget ratios come from this pass;
+3. the timed repeats: `--repeats` rounds, interleaved (off, chunked, mux, mux-epoch, off, ...),
+   each replay in a fresh engine over the same model and token ids, at the schedule's best
+   budget. `mux-epoch` is the paper's ablation: mux with one segment per epoch (whole-epoch
+   asynchronous enqueue, `mux_span="fixed:1000000000"`) at mux's budget. Decode graphs are
+   captured when the engine is built, before the clock starts; every timed replay runs inside a
+   `bench.compiles.CompileCounter`, and its Triton and torch compilations are in the JSON and
+   the table (a figure with compilations is marked cold and left out of the medians);
+4. per schedule: `repeats` (the reports) and `median` / `min` / `max` of every figure; ratios
+   from medians (best budget against best budget), and the issue's targets for the profile;
+5. the vLLM peer (`bench.vllm_peer`) in its own process after this one has freed the GPU, on
+   the same trace file and token ids; its figures join the table and the ratios.
+
+Results go to `<out>/rollout.json` after every replay (a killed run keeps what it measured);
+`--deadline-s` stops cleanly before a replay that would not fit and leaves time for the peer.
+The last lines of stdout are the table. `--device cpu --model tiny-moe` runs steps 1-4 on CPU
+(the CI test does). Left out: several GPUs, FP8; the micro-benchmarks (`--micro`) belong to the
+kernel work and are off by default.
 """
 from __future__ import annotations
 
@@ -26,8 +39,10 @@ import logging
 import math
 import os
 import signal
+import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,48 +50,76 @@ import numpy as np
 import torch
 
 from megatron_rollout.bench.bounds import model_costs, trace_lower_bound
+from megatron_rollout.bench.compiles import CompileCounter
 from megatron_rollout.model.config import PRESETS, ModelConfig
 from megatron_rollout.model.transformer import MoETransformer
+from megatron_rollout.trace.make import PROFILES, make_trace, max_context
 
 log = logging.getLogger("megatron_rollout.bench")
 
-TARGETS = {"mux_over_off": 0.75, "mux_over_chunked": 0.9, "mux_decode_wait_ms": 15.0,
-           "decode64_over_roofline": 1.3, "mux_over_lower_bound": 1.5}
+BASE_SCHEDULES = ("off", "chunked", "mux")
+ABLATION = ("mux-epoch", "mux@fixed:1000000000")
+"""The paper's ablation: label and spec (one segment per prefill epoch)."""
+PROFILE_SIZES = {"current": (16, 0.1), "prefill": (24, 1.0), "decode": (16, 0.25)}
+"""Default (conversations, scale) per profile: one timed replay takes ~5-10 s on the H200 (12 layers)."""
+REPORT_FIGURES = ("makespan_s", "p50_request_s", "p99_request_s", "p99_trajectory_s", "mean_ttft_s", "p99_ttft_s",
+                  "mean_decode_wait_ms", "tokens_per_s")
+TARGETS = {
+    "current": {"best_over_vllm": 1.0},
+    "prefill": {"mux_over_best_baseline": 0.85, "mux_over_vllm": 0.8, "mux_p99_request_over_best_baseline": 0.7,
+                "mux_ttft_over_off": 1.1},
+}
+"""Issue 13's targets per profile (ratio <= target)."""
 
 
 class ScheduleTimeout(Exception):
-    """A schedule ran past its time budget."""
+    """A replay ran past its time limit."""
 
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m megatron_rollout.bench.rollout", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3-30b-a3b-12l", choices=sorted(PRESETS))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--conversations", type=int, default=48)
-    ap.add_argument("--scale", type=float, default=0.3, help="token-count scale of the trace")
+    ap.add_argument("--profile", default="current", choices=sorted(PROFILES), help="trace profile (trace.make)")
+    ap.add_argument("--conversations", type=int, default=None, help="default: per profile (PROFILE_SIZES)")
+    ap.add_argument("--scale", type=float, default=None, help="token-count scale of the trace (default: per profile)")
     ap.add_argument("--wait-scale", type=float, default=None, help="tool-wait scale (default: --scale)")
     ap.add_argument("--trace-seed", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0, help="weights and input token ids")
     ap.add_argument("--schedules", default="off,chunked,mux",
-                    help="comma-separated; 'mux@fixed:K' runs mux with another segment policy")
-    ap.add_argument("--max-batch-tokens", type=int, default=4096)
+                    help="comma-separated; 'mux@fixed:K' runs mux with another segment policy; '' runs none")
+    ap.add_argument("--ablation", action=argparse.BooleanOptionalAction, default=True,
+                    help="add mux-epoch (one segment per epoch) when mux runs")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--budgets", default="2048,4096,8192,16384", help="token budgets swept (one value: no sweep)")
+    ap.add_argument("--max-batch-tokens", type=int, default=None, help="one budget for all (same as --budgets N)")
+    ap.add_argument("--sweep-fraction", type=float, default=0.5, help="share of the conversations in the sweep pass")
     ap.add_argument("--max-decode-rows", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--kv-gb", type=float, default=40.0, help="KV cache size on CUDA (GiB)")
     ap.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-gb)")
+    ap.add_argument("--max-model-len", default="auto",
+                    help="int, or 'auto': the preset's, raised to cover the trace's longest context (random weights)")
     ap.add_argument("--mux-span", default="load", help="segment policy of plain 'mux': load | fixed:K")
     ap.add_argument("--attention", default="auto", help="auto | triton | varlen | portable")
-    ap.add_argument("--schedule-budget-s", type=float, default=150.0)
-    ap.add_argument("--micro", action=argparse.BooleanOptionalAction, default=None, help="default: on CUDA")
-    ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=None, help="default: on CUDA")
-    ap.add_argument("--hf-budget-s", type=float, default=120.0)
+    ap.add_argument("--schedule-budget-s", type=float, default=120.0, help="time limit of one replay")
+    ap.add_argument("--deadline-s", type=float, default=520.0, help="whole run, the peer included")
+    ap.add_argument("--micro", action=argparse.BooleanOptionalAction, default=False)
+    ap.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=None, help="default: on CUDA")
+    ap.add_argument("--vllm-site", default="/tmp/pv/site", help="where the vLLM bundle was unpacked")
+    ap.add_argument("--vllm-budgets", default="default,best",
+                    help="vLLM's max_num_batched_tokens: 'default' (its own) and/or 'best' (our best schedule's)")
+    ap.add_argument("--vllm-passes", type=int, default=3)
+    ap.add_argument("--vllm-reserve-s", type=float, default=200.0, help="time kept for the peer")
+    ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=False, help="the transformers peer")
+    ap.add_argument("--hf-budget-s", type=float, default=60.0)
     ap.add_argument("--out", default="runs/bench")
     ap.add_argument("--no-progress", action="store_true")
     return ap
 
 
 def random_model(cfg: ModelConfig, device: torch.device, seed: int) -> MoETransformer:
-    """Random bf16 weights drawn on the device (init_weights draws 8B values on CPU: too slow)."""
+    """Random weights drawn on the device (init_weights draws 8B values on CPU: too slow)."""
     model = MoETransformer(cfg, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
@@ -104,15 +147,63 @@ def _write(out: Path, result: dict) -> None:
     tmp.replace(out / "rollout.json")
 
 
-def trace_summary(trace: list, block_size: int) -> dict[str, Any]:
+def trace_summary(trace: list) -> dict[str, Any]:
     from megatron_rollout.trace.schema import group_conversations
 
     convs = group_conversations(trace)
     contexts = [sum(t.input_tokens + t.output_tokens for t in turns) for turns in convs.values()]
     return {"requests": len(trace), "conversations": len(convs),
             "input_tokens": sum(t.input_tokens for t in trace), "output_tokens": sum(t.output_tokens for t in trace),
-            "mean_turns": len(trace) / len(convs), "max_context": max(contexts), "mean_context": float(np.mean(contexts)),
+            "mean_turns": len(trace) / len(convs), "max_context": max(contexts),
+            "mean_context": float(np.mean(contexts)),
             "total_wait_s": sum(t.wait_ms for t in trace) / 1e3}
+
+
+@dataclass
+class Run:
+    """What the stages share (mutable, private to `main`)."""
+
+    args: argparse.Namespace
+    cfg: ModelConfig
+    model: MoETransformer | None
+    max_model_len: int
+    num_blocks: int
+    deadline: float
+    """perf_counter time by which our stages must end (the peer's reserve excluded)."""
+    expert_choice: str | None = None
+    """The small-batch expert kernel the first engine measured; later engines keep it."""
+    last_s: dict[str, float] = field(default_factory=dict)
+    """Duration of the last replay of each kind (sweep, timed), to keep within the deadline."""
+
+    def fits(self, kind: str) -> bool:
+        need = self.last_s.get(kind, 0.0) * 1.25 + 3.0
+        return time.perf_counter() + need <= self.deadline
+
+
+def _split(spec: str) -> tuple[str, str | None]:
+    schedule, _, span = spec.partition("@")
+    return schedule, span or None
+
+
+def _engine_config(run: Run, schedule: str, span: str | None, budget: int):
+    from megatron_rollout.engine import EngineConfig
+
+    a = run.args
+    kw: dict[str, Any] = dict(schedule=schedule, block_size=a.block_size, num_blocks=run.num_blocks,
+                              max_batch_tokens=budget, max_decode_rows=a.max_decode_rows, mux_span=span or a.mux_span,
+                              seed=a.seed, max_model_len=run.max_model_len)
+    try:  # the typed runner config (EngineConfig.runner); older engines take no runner keyword
+        from megatron_rollout.engine.config import RunnerConfig
+
+        kw["runner"] = RunnerConfig(attention=a.attention, measure_expert_kernels=run.expert_choice is None)
+    except ImportError:
+        pass
+    return EngineConfig(**kw)
+
+
+def _expert_small(model) -> str | None:
+    exchange = getattr(getattr(model, "comm", None), "device_exchange", None)
+    return getattr(exchange, "small", None)
 
 
 def run_micro(model: MoETransformer, cfg: ModelConfig, args, costs, bandwidth: float, peak: float,
@@ -152,25 +243,30 @@ def run_micro(model: MoETransformer, cfg: ModelConfig, args, costs, bandwidth: f
     return out
 
 
-def run_schedule(model: MoETransformer, cfg: ModelConfig, trace: list, spec: str, args) -> dict[str, Any]:
-    from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
+def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str) -> dict[str, Any]:
+    """One replay of `trace` under `spec` at `budget` in a fresh engine; compilations counted."""
+    from megatron_rollout.engine import RolloutEngine, SamplingParams
     from megatron_rollout.engine.config import EngineStats
     from megatron_rollout.trace.replay import replay
     from megatron_rollout.trace.timeline import Timeline
 
-    schedule, _, span = spec.partition("@")
-    config = EngineConfig(schedule=schedule, block_size=args.block_size, num_blocks=_num_blocks(args, cfg),
-                          max_batch_tokens=args.max_batch_tokens, max_decode_rows=args.max_decode_rows,
-                          mux_span=span or args.mux_span, seed=args.seed)
-    engine = RolloutEngine(model, config, timeline=Timeline())
-    runner = engine.runner
+    args, cfg = run.args, run.cfg
+    schedule, span = _split(spec)
     t0 = time.perf_counter()
-    if hasattr(runner, "capture"):
-        runner.capture()
+    engine = RolloutEngine(run.model, _engine_config(run, schedule, span, budget), timeline=Timeline())
+    runner = engine.runner
+    if run.expert_choice is None and _expert_small(run.model) is not None:
+        run.expert_choice = _expert_small(run.model)
+    if hasattr(runner, "capture"):  # decode graphs for every batch this trace can form, before timing
+        rows = len({t.conversation for t in trace})
+        top = runner.bucket(min(rows, args.max_decode_rows)) if hasattr(runner, "bucket") else None
+        sizes = [b for b in runner.config.graph_batch_sizes if top is None or b <= top]
+        runner.capture(sizes)
     rng = np.random.default_rng(args.seed)
-    warm = [rng.integers(0, cfg.vocab_size, n).tolist() for n in ((700, 300, 1) if args.device != "cpu" else (24, 9, 1))]
+    sizes = (700, 300, 1) if args.device != "cpu" else (24, 9, 1)
+    warm = [rng.integers(0, cfg.vocab_size, n).tolist() for n in sizes]
     engine.generate(warm, SamplingParams(temperature=0.0, max_new_tokens=8, ignore_stop=True))
-    warmup_s = time.perf_counter() - t0
+    setup_s = time.perf_counter() - t0
     engine.stats = EngineStats()
     engine.timeline = Timeline()
     if hasattr(runner, "stats"):
@@ -178,37 +274,41 @@ def run_schedule(model: MoETransformer, cfg: ModelConfig, trace: list, spec: str
     if args.device != "cpu":
         torch.cuda.synchronize()
 
+    limit = max(1.0, min(args.schedule_budget_s, run.deadline - time.perf_counter()))
+
     def expire(signum, frame):
-        raise ScheduleTimeout(f"schedule {spec} ran past {args.schedule_budget_s:.0f} s")
+        raise ScheduleTimeout(f"replay of {spec} ran past its {limit:.0f} s limit")
 
     previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, args.schedule_budget_s)
+    signal.setitimer(signal.ITIMER_REAL, limit)
     started = time.perf_counter()
+    counter = CompileCounter()
     try:
-        report, _ = replay(engine, trace, seed=args.seed, progress=not args.no_progress, vocab_size=cfg.vocab_size,
-                           schedule=schedule)
+        with counter:
+            report, _ = replay(engine, trace, seed=args.seed, progress=not args.no_progress, vocab_size=cfg.vocab_size,
+                               schedule=schedule)
+            if args.device != "cpu":
+                torch.cuda.synchronize()
         result: dict[str, Any] = {"report": report.to_dict(), "finished": True}
     except ScheduleTimeout as exc:
-        result = {"finished": False, "error": str(exc), "elapsed_s": time.perf_counter() - started}
+        result = {"finished": False, "error": str(exc)}
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-    stats = engine.stats
-    events = engine.timeline.events
-    d_starts = sorted(e.start for e in events if e.phase == "D")
-    gaps = np.diff(d_starts) if len(d_starts) > 1 else np.zeros(0)
+    wall = time.perf_counter() - started
+    run.last_s[kind] = max(run.last_s.get(kind, 0.0), wall + setup_s)
+    stats, events = engine.stats, engine.timeline.events
+    compiles = counter.counts
     result.update(
-        spec=spec, warmup_s=warmup_s, runner=type(runner).__name__,
+        spec=spec, budget=budget, wall_s=wall, setup_s=setup_s, compilations=compiles.to_dict(),
+        warm=compiles.total == 0, runner=type(runner).__name__,
         graph_safe=getattr(runner, "graph_safe", None), capture_error=getattr(runner, "capture_error", None),
         attention_backend=getattr(getattr(runner, "kernels", None), "name", None),
-        expert_kernels=getattr(runner, "expert_kernels", None),
-        runner_stats=dict(getattr(runner, "stats", {})),
+        expert_small_kernel=_expert_small(run.model), runner_stats=dict(getattr(runner, "stats", {})),
         engine_stats={"steps": stats.steps, "decode_iterations": stats.decode_iterations,
                       "prefill_tokens": stats.prefill_tokens, "decode_tokens": stats.decode_tokens,
                       "preemptions": stats.preemptions, "mean_decode_wait_ms": stats.mean_decode_wait_ms},
-        decode_interval_ms={"mean": float(gaps.mean() * 1e3) if gaps.size else None,
-                            "p50": float(np.median(gaps) * 1e3) if gaps.size else None},
-        timeline=_window(events, seconds=3.0))
+        timeline=_window(events, seconds=3.0) if kind == "timed" else [])
     del engine, runner
     gc.collect()
     if args.device != "cpu":
@@ -227,81 +327,292 @@ def _window(events, seconds: float) -> list[list]:
             if e.end >= lo and e.start <= lo + seconds]
 
 
-def ratios(result: dict) -> dict[str, float | None]:
-    sched = result.get("schedules", {})
-
-    def makespan(name):
-        s = sched.get(name, {})
-        return s.get("report", {}).get("makespan_s") if s.get("finished") else None
-
-    off, chunked, mux = makespan("off"), makespan("chunked"), makespan("mux")
-    out: dict[str, float | None] = {
-        "mux_over_off": mux / off if mux and off else None,
-        "mux_over_chunked": mux / chunked if mux and chunked else None,
-        "mux_decode_wait_ms": sched.get("mux", {}).get("report", {}).get("mean_decode_wait_ms"),
-    }
-    decode = result.get("micro", {}).get("decode")
-    if isinstance(decode, list):
-        point = next((p for p in decode if p["rows"] == 64 and p["context"] == 2048), None)
-        out["decode64_over_roofline"] = point["graph_over_roofline"] if point else None
-    bound = result.get("lower_bound", {}).get("bound_s")
-    out["mux_over_lower_bound"] = mux / bound if mux and bound else None
+def summarize(repeats: list[dict]) -> dict[str, Any]:
+    """median / min / max of every figure over the warm, finished repeats (all finished ones when
+    none is warm: `median_warm` then says False)."""
+    done = [r for r in repeats if r.get("finished")]
+    warm = [r for r in done if r.get("warm")]
+    use = warm or done
+    out: dict[str, Any] = {"n": len(use), "n_cold": len(done) - len(warm), "median_warm": bool(warm) or not done,
+                           "compilations": sum(r.get("compilations", {}).get("total", 0) for r in repeats)}
+    for stat, fn in (("median", np.median), ("min", np.min), ("max", np.max)):
+        out[stat] = {}
+        for key in REPORT_FIGURES:
+            values = [r["report"][key] for r in use if isinstance(r["report"].get(key), (int, float))]
+            out[stat][key] = float(fn(values)) if values else None
     return out
 
 
+def _ratio(a, b):
+    return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0 else None
+
+
+def ratios(result: dict) -> dict[str, float | None]:
+    """Ratios of medians, each schedule at its best budget; same-budget ratios from the sweep."""
+    sched = result.get("schedules", {})
+
+    def med(name, key="makespan_s"):
+        return (sched.get(name, {}).get("median") or {}).get(key)
+
+    out: dict[str, float | None] = {}
+    baselines = [n for n in ("off", "chunked") if med(n) is not None]
+    best_base = min(baselines, key=med) if baselines else None
+    ours = [n for n in sched if med(n) is not None]
+    vllm = ((result.get("vllm") or {}).get("median") or {}).get("makespan_s")
+    out["mux_over_off"] = _ratio(med("mux"), med("off"))
+    out["mux_over_chunked"] = _ratio(med("mux"), med("chunked"))
+    out["mux_over_best_baseline"] = _ratio(med("mux"), med(best_base)) if best_base else None
+    out["mux_p99_request_over_best_baseline"] = _ratio(med("mux", "p99_request_s"), med(best_base, "p99_request_s")) \
+        if best_base else None
+    out["mux_ttft_over_off"] = _ratio(med("mux", "mean_ttft_s"), med("off", "mean_ttft_s"))
+    out["mux_epoch_over_mux"] = _ratio(med(ABLATION[0]), med("mux"))
+    out["best_over_vllm"] = _ratio(min((med(n) for n in ours), default=None), vllm) if ours else None
+    out["mux_over_vllm"] = _ratio(med("mux"), vllm)
+    out["mux_over_lower_bound"] = _ratio(med("mux"), (result.get("lower_bound") or {}).get("bound_s"))
+    for budget, row in (result.get("sweep") or {}).items():
+        ms = {n: (r.get("report") or {}).get("makespan_s") for n, r in row.items() if r.get("finished")}
+        out[f"mux_over_off@{budget}"] = _ratio(ms.get("mux"), ms.get("off"))
+        out[f"mux_over_chunked@{budget}"] = _ratio(ms.get("mux"), ms.get("chunked"))
+    return out
+
+
+def _fmt(v, spec):
+    return format(v, spec) if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v)) else "-"
+
+
 def table(result: dict) -> str:
-    lines = [f"{'schedule':<16}{'makespan_s':>11}{'p99_req_s':>10}{'p99_traj_s':>11}{'ttft_s':>8}"
-             f"{'dwait_ms':>9}{'tok/s':>8}"]
-
-    def fmt(v, spec):
-        return format(v, spec) if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v)) else "-"
-
+    """The printed summary: everything the notes need, from the JSON alone."""
+    t = result.get("trace", {})
+    lines = [f"== {result.get('model')} profile={result.get('profile')} {t.get('conversations')} conversations, "
+             f"{t.get('requests')} requests, {t.get('input_tokens')} in / {t.get('output_tokens')} out tokens, "
+             f"max context {t.get('max_context')}, max_model_len {result.get('max_model_len')}, "
+             f"{result.get('device')}"]
+    head = (f"{'schedule':<11}{'budget':>7}{'n':>3}{'makespan_s med [min-max]':>26}{'p50_req':>8}{'p99_req':>8}"
+            f"{'p99_traj':>9}{'ttft_s':>8}{'dwait_ms':>9}{'tok/s':>7}{'compiles':>9}")
+    lines.append(head)
     for name, s in result.get("schedules", {}).items():
-        r = s.get("report", {})
-        if not s.get("finished"):
-            lines.append(f"{name:<16} {s.get('error', 'did not finish')}")
+        m, lo, hi = s.get("median") or {}, s.get("min") or {}, s.get("max") or {}
+        if not m or m.get("makespan_s") is None:
+            lines.append(f"{name:<11} no finished replay: {s.get('error') or s.get('stopped') or '-'}")
             continue
-        lines.append(f"{name:<16}{fmt(r.get('makespan_s'), '11.2f')}{fmt(r.get('p99_request_s'), '10.2f')}"
-                     f"{fmt(r.get('p99_trajectory_s'), '11.2f')}{fmt(r.get('mean_ttft_s'), '8.3f')}"
-                     f"{fmt(r.get('mean_decode_wait_ms'), '9.1f')}{fmt(r.get('tokens_per_s'), '8.0f')}")
-    hf = result.get("hf_peer")
-    if hf:
-        if hf.get("ran") and hf.get("requests_done"):
-            lines.append(f"{'hf-cb':<16}{fmt(hf.get('makespan_s'), '11.2f')}{fmt(hf.get('p99_request_s'), '10.2f')}"
-                         f"{fmt(hf.get('p99_trajectory_s'), '11.2f')}{'-':>8}{'-':>9}{fmt(hf.get('tokens_per_s'), '8.0f')}"
-                         f"  ({hf['requests_done']}/{hf['requests_total']} requests"
-                         f"{'' if hf.get('finished') else ', not finished in budget'})")
+        span = (f"{_fmt(m['makespan_s'], '.2f')} "
+                f"[{_fmt(lo.get('makespan_s'), '.2f')}-{_fmt(hi.get('makespan_s'), '.2f')}]")
+        cold = f" cold:{s['n_cold']}" if s.get("n_cold") else ""
+        lines.append(f"{name:<11}{_fmt(s.get('budget'), '7d')}{s.get('n', 0):>3}{span:>26}"
+                     f"{_fmt(m.get('p50_request_s'), '8.2f')}{_fmt(m.get('p99_request_s'), '8.2f')}"
+                     f"{_fmt(m.get('p99_trajectory_s'), '9.2f')}{_fmt(m.get('mean_ttft_s'), '8.3f')}"
+                     f"{_fmt(m.get('mean_decode_wait_ms'), '9.1f')}{_fmt(m.get('tokens_per_s'), '7.0f')}"
+                     f"{s.get('compilations', 0):>9d}{cold}")
+    v = result.get("vllm")
+    if v:
+        m = v.get("median") or {}
+        if m.get("makespan_s") is not None:
+            passes = [p["makespan_s"] for p in v.get("repeats", [])]
+            span = f"{_fmt(m['makespan_s'], '.2f')} [{_fmt(min(passes), '.2f')}-{_fmt(max(passes), '.2f')}]"
+            lines.append(f"{'vllm':<11}{str(v.get('best_budget')):>7}{len(passes):>3}{span:>26}"
+                         f"{_fmt(m.get('p50_request_s'), '8.2f')}{_fmt(m.get('p99_request_s'), '8.2f')}"
+                         f"{_fmt(m.get('p99_trajectory_s'), '9.2f')}{_fmt(m.get('mean_ttft_s'), '8.3f')}"
+                         f"{'n/a':>9}{_fmt(m.get('tokens_per_s'), '7.0f')}{'-':>9}")
+            chosen = {k: e.get("chosen", {}) for k, e in (v.get("budgets") or {}).items()}
+            for k, c in chosen.items():
+                lines.append(f"  vllm@{k}: budget {c.get('max_num_batched_tokens')}, seqs {c.get('max_num_seqs')}, "
+                             f"graphs {c.get('cudagraph_mode')}, compile {c.get('compilation_mode')}, "
+                             f"median {_fmt(((v['budgets'][k].get('median') or {}).get('makespan_s')), '.2f')} s")
+            for line in (v.get("log_lines") or [])[:4]:
+                lines.append(f"  vllm log: {line[:150]}")
         else:
-            lines.append(f"{'hf-cb':<16} not run: {hf.get('reason') or hf.get('error')}")
+            lines.append(f"{'vllm':<11} not measured: {v.get('error') or v.get('reason') or 'no finished pass'}")
+    sweep = result.get("sweep") or {}
+    if sweep:
+        names = sorted({n for row in sweep.values() for n in row}, key=list(BASE_SCHEDULES).index)
+        lines.append("sweep (short pass, makespan s): " + "  ".join(
+            f"{b}: " + " ".join(f"{n}={_fmt((row.get(n, {}).get('report') or {}).get('makespan_s'), '.2f')}"
+                                for n in names) for b, row in sweep.items()))
     lb = result.get("lower_bound")
     if lb:
         lines.append(f"lower bound {lb['bound_s']:.2f} s (chain {lb['chain_s']:.2f} s, work {lb['work_s']:.2f} s)")
+    targets = TARGETS.get(result.get("profile"), {})
     for key, value in result.get("ratios", {}).items():
-        target = TARGETS.get(key)
-        verdict = "" if value is None or target is None else ("  ok" if value <= target else "  MISSED")
-        lines.append(f"{key:<24}{fmt(value, '8.3f')}  (target <= {target}){verdict}")
+        if value is None:
+            continue
+        target = targets.get(key)
+        verdict = "" if target is None else (f"  (target <= {target}) " + ("met" if value <= target else "MISSED"))
+        lines.append(f"{key:<38}{_fmt(value, '8.3f')}{verdict}")
+    if result.get("stopped"):
+        lines.append(f"stopped early: {result['stopped']}")
     return "\n".join(lines)
+
+
+def _specs(args) -> list[tuple[str, str]]:
+    """(label, spec) of every schedule to time, the ablation after mux."""
+    specs = [(s, s) for s in (x.strip() for x in args.schedules.split(",")) if s]
+    if args.ablation and any(label == "mux" for label, _ in specs) and ABLATION[0] not in dict(specs):
+        specs.append(ABLATION)
+    return specs
+
+
+def _budgets(args) -> list[int]:
+    if args.max_batch_tokens is not None:
+        return [args.max_batch_tokens]
+    budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
+    if not budgets or any(b <= 0 for b in budgets):
+        raise SystemExit(f"--budgets must list positive token budgets, got {args.budgets!r}")
+    return budgets
+
+
+def _base(spec: str) -> str:
+    return _split(spec)[0]
+
+
+def sweep_stage(run: Run, result: dict, out: Path, trace: list, specs: list[tuple[str, str]],
+                budgets: list[int]) -> dict[str, int]:
+    """Each base schedule's best budget (the sweep), or the one budget after a warm-up pass each."""
+    bases = [s for s in BASE_SCHEDULES if any(_base(spec) == s for _, spec in specs)]
+    keep = _first_conversations(trace, run.args.sweep_fraction)
+    short = [t for t in trace if t.conversation in keep]
+    result["sweep_trace"] = trace_summary(short)
+    if len(budgets) == 1:
+        result["warmup"] = {}
+        for spec in bases:
+            if not run.fits("sweep"):
+                result["stopped"] = "deadline during the warm-up"
+                break
+            r = run_replay(run, short, spec, budgets[0], "sweep")
+            result["warmup"][spec] = {k: r.get(k) for k in ("finished", "wall_s", "compilations", "report")}
+            _write(out, result)
+        return {s: budgets[0] for s in BASE_SCHEDULES}
+    result["sweep"] = {}
+    for budget in budgets:
+        row = result["sweep"].setdefault(str(budget), {})
+        for spec in bases:
+            if not run.fits("sweep"):
+                result["stopped"] = f"deadline during the sweep (budget {budget}, {spec})"
+                break
+            r = run_replay(run, short, spec, budget, "sweep")
+            row[spec] = {k: r.get(k) for k in ("finished", "wall_s", "compilations", "report", "error")}
+            _write(out, result)
+    best: dict[str, int] = {}
+    for spec in bases:
+        measured = {int(b): row[spec]["report"]["makespan_s"] for b, row in result["sweep"].items()
+                    if row.get(spec, {}).get("finished")}
+        best[spec] = min(measured, key=measured.get) if measured else budgets[0]
+    result["best_budget"] = best
+    return best
+
+
+def _first_conversations(trace: list, fraction: float) -> set:
+    keys = list(dict.fromkeys(t.conversation for t in trace))
+    return set(keys[:max(1, min(len(keys), round(len(keys) * fraction)))])
+
+
+def timed_stage(run: Run, result: dict, out: Path, trace: list, specs: list[tuple[str, str]],
+                best: dict[str, int]) -> None:
+    scheds = result["schedules"]
+    for label, spec in specs:
+        budget = best.get(_base(spec), next(iter(best.values())))
+        scheds[label] = {"spec": spec, "budget": budget, "repeats": []}
+    for rep in range(run.args.repeats):
+        for label, spec in specs:
+            entry = scheds[label]
+            if not run.fits("timed"):
+                entry["stopped"] = result["stopped"] = f"deadline before repeat {rep + 1} of {label}"
+                continue
+            log.info("repeat %d/%d: %s at budget %d", rep + 1, run.args.repeats, label, entry["budget"])
+            r = run_replay(run, trace, spec, entry["budget"], "timed")
+            r["repeat"] = rep
+            if entry["repeats"] and entry["repeats"][0].get("timeline"):
+                r["timeline"] = []  # one timeline per schedule is enough for the plot
+            entry["repeats"].append(r)
+            entry.update(summarize(entry["repeats"]))
+            result["ratios"] = ratios(result)
+            _write(out, result)
+
+
+def vllm_stage(run: Run, result: dict, out: Path, trace: list, deadline_total: float) -> dict[str, Any]:
+    """The peer in its own process, on the trace file the replays used."""
+    from megatron_rollout.trace.schema import write_trace
+
+    args = run.args
+    trace_path = out / "trace.jsonl"
+    write_trace(trace_path, trace)
+    budgets = []
+    for b in args.vllm_budgets.split(","):
+        b = b.strip()
+        if b == "best":
+            medians = {n: (s.get("median") or {}).get("makespan_s") for n, s in result.get("schedules", {}).items()}
+            medians = {n: v for n, v in medians.items() if v is not None}
+            if medians:
+                budgets.append(str(result["schedules"][min(medians, key=medians.get)]["budget"]))
+        elif b:
+            budgets.append(b)
+    remaining = deadline_total - time.perf_counter() - 10
+    if remaining < 90:
+        return {"ran": False, "reason": f"only {remaining:.0f} s left of --deadline-s for the peer"}
+    env = dict(os.environ)
+    from megatron_rollout.bench.vllm_peer import ENV
+
+    env.update(ENV)
+    repo = str(Path(__file__).resolve().parents[2])
+    site = [args.vllm_site, os.path.join(args.vllm_site, "nvidia_cutlass_dsl", "dsl_packages")]
+    env["PYTHONPATH"] = os.pathsep.join([p for p in site if os.path.isdir(p)] + [repo, env.get("PYTHONPATH", "")])
+    log_path = out / "vllm.log"
+    cmd = [sys.executable, "-m", "megatron_rollout.bench.vllm_peer", "--trace", str(trace_path),
+           "--out", str(out / "vllm.json"), "--model", args.model, "--seed", str(args.seed),
+           "--max-model-len", str(run.max_model_len), "--budgets", ",".join(dict.fromkeys(budgets)) or "default",
+           "--passes", str(args.vllm_passes), "--deadline-s", f"{remaining - 15:.0f}", "--log", str(log_path)]
+    log.info("vLLM peer: %s", " ".join(cmd))
+    t0 = time.perf_counter()
+    with open(log_path, "w") as logf:
+        try:
+            proc = subprocess.run(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, timeout=remaining)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    peer = json.loads((out / "vllm.json").read_text()) if (out / "vllm.json").exists() else {}
+    peer.update(command=" ".join(cmd), exit=code, wall_s=time.perf_counter() - t0)
+    if not peer.get("ran"):
+        tail = log_path.read_text(errors="replace").splitlines()[-8:] if log_path.exists() else []
+        peer.setdefault("error", f"exit {code}; log tail: {' | '.join(tail)[-600:]}")
+    return peer
+
+
+def _max_model_len(args, cfg: ModelConfig, trace: list) -> int:
+    if args.max_model_len != "auto":
+        return int(args.max_model_len)
+    need = max_context(trace) + 16
+    return max(cfg.max_position_embeddings, -(-need // 1024) * 1024)
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parser().parse_args(argv)
+    t_start = time.perf_counter()
+    deadline_total = t_start + args.deadline_s
     out = Path(os.path.expandvars(args.out))
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    micro_on = cuda if args.micro is None else args.micro
-    hf_on = cuda if args.hf is None else args.hf
+    vllm_on = cuda if args.vllm is None else args.vllm
+    conversations, scale = PROFILE_SIZES[args.profile]
+    conversations = args.conversations or conversations
+    scale = args.scale or scale
+    trace = make_trace(conversations, args.trace_seed, scale, args.wait_scale, profile=args.profile)
     cfg = PRESETS[args.model]
+    max_model_len = _max_model_len(args, cfg, trace)
+    if max_model_len > cfg.max_position_embeddings:  # random weights: RoPE is computed from positions
+        cfg = cfg.replace(max_position_embeddings=max_model_len)
     result: dict[str, Any] = {
         "command": "python -m megatron_rollout.bench.rollout " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-        "model": args.model, "args": vars(args)}
-    from megatron_rollout.trace.make import make_trace
+        "model": args.model, "profile": args.profile, "conversations": conversations, "scale": scale,
+        "max_model_len": max_model_len, "args": vars(args), "trace": trace_summary(trace), "schedules": {}}
+    try:
+        import triton
 
-    trace = make_trace(args.conversations, args.trace_seed, args.scale, args.wait_scale)
-    result["trace"] = trace_summary(trace, args.block_size)
+        result["triton"] = triton.__version__
+    except ImportError:
+        result["triton"] = None
     costs = model_costs(cfg)
     bandwidth = peak = None
     if cuda:
@@ -309,38 +620,44 @@ def main(argv: list[str] | None = None) -> int:
 
         bandwidth, peak = copy_bandwidth(device), matmul_rate(device)
         result["ceilings"] = {"copy_bytes_per_s": bandwidth, "bf16_matmul_flops": peak}
-        log.info("ceilings: copy %.2f TB/s, bf16 matmul %.0f TFLOP/s", bandwidth / 1e12, peak / 1e12)
-        max_batch = min(args.conversations, args.max_decode_rows)
-        lb = trace_lower_bound(trace, costs, peak, bandwidth, max_batch)
-        result["lower_bound"] = {"bound_s": lb.bound_s, "chain_s": lb.chain_s, "chain_conversation": lb.chain_conversation,
-                                 "work_s": lb.work_s, "total_flops": lb.total_flops, "total_bytes": lb.total_bytes}
-    t0 = time.perf_counter()
-    model = random_model(cfg, device, args.seed)
-    result["model_build_s"] = time.perf_counter() - t0
+        lb = trace_lower_bound(trace, costs, peak, bandwidth, min(conversations, args.max_decode_rows))
+        result["lower_bound"] = {"bound_s": lb.bound_s, "chain_s": lb.chain_s,
+                                 "chain_conversation": lb.chain_conversation, "work_s": lb.work_s,
+                                 "total_flops": lb.total_flops, "total_bytes": lb.total_bytes}
+    specs = _specs(args)
+    reserve = args.vllm_reserve_s if vllm_on else 0.0
+    run = Run(args, cfg, None, max_model_len, _num_blocks(args, cfg), deadline_total - reserve)
+    if specs or args.micro:
+        t0 = time.perf_counter()
+        run.model = random_model(cfg, device, args.seed)
+        result["model_build_s"] = time.perf_counter() - t0
     _write(out, result)
-    if micro_on:
-        result["micro"] = run_micro(model, cfg, args, costs, bandwidth, peak)
+    if args.micro and cuda:
+        result["micro"] = run_micro(run.model, cfg, args, costs, bandwidth, peak)
         gc.collect()
         torch.cuda.empty_cache()
         _write(out, result)
-    result["schedules"] = {}
-    for spec in [s.strip() for s in args.schedules.split(",") if s.strip()]:
-        log.info("schedule %s", spec)
-        result["schedules"][spec] = run_schedule(model, cfg, trace, spec, args)
+    if specs:
+        best = sweep_stage(run, result, out, trace, specs, _budgets(args))
+        result["expert_kernel"] = run.expert_choice
+        timed_stage(run, result, out, trace, specs, best)
         result["ratios"] = ratios(result)
         _write(out, result)
-    if micro_on:  # last before the peer: green contexts are beta, a failure must not cost the replays
-        result["micro"].update(run_micro(model, cfg, args, costs, bandwidth, peak, names=("overlap",)))
+    run.model = None
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    if vllm_on:
+        result["vllm"] = vllm_stage(run, result, out, trace, deadline_total)
+        result["ratios"] = ratios(result)
         _write(out, result)
-    if hf_on:
+    if args.hf and time.perf_counter() + args.hf_budget_s < deadline_total:
         from megatron_rollout.bench.hf_peer import run_peer
 
-        del model
-        gc.collect()
-        torch.cuda.empty_cache()
         result["hf_peer"] = run_peer(cfg, trace, args.device, args.seed, args.hf_budget_s)
         _write(out, result)
     result["ratios"] = ratios(result)
+    result["wall_s"] = time.perf_counter() - t_start
     _write(out, result)
     print(table(result), flush=True)
     return 0
