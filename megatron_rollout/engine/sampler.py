@@ -13,6 +13,7 @@ argmax over NaN would silently give token 0 and `multinomial` would raise for th
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +38,7 @@ class Sampled:
 def _non_finite(row_max: float) -> Sampled:
     # A row's max is NaN if any entry is NaN (amax propagates NaN), +inf if any entry is +inf,
     # and -inf only when every entry is -inf: the three ways a softmax over it has no meaning.
-    kind = "nan" if row_max != row_max else ("inf" if row_max > 0 else "-inf everywhere")
+    kind = "nan" if math.isnan(row_max) else ("inf" if row_max > 0 else "-inf everywhere")
     return Sampled(None, None, f"non-finite logits ({kind})")
 
 
@@ -66,7 +67,7 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
 
 
 def _finite(x: float) -> bool:
-    return x == x and abs(x) != float("inf")
+    return math.isfinite(x)
 
 
 def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Sampled:
@@ -80,7 +81,8 @@ def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generat
     return Sampled(token, float(logp[token]))
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[Sampled]:
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> list[Sampled]:
     """logits: [rows, V]; one params and generator per row. Never raises for a row's values: a
     non-finite row gets `Sampled(None, None, error)` and the other rows are sampled as usual."""
     if logits.shape[0] == 0:

@@ -18,6 +18,7 @@ fails half-way on the device itself.
 from __future__ import annotations
 
 import logging
+import math
 import numbers
 from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
@@ -191,8 +192,8 @@ def _check_values(named: list[tuple[str, torch.Tensor]], version: int, target: t
         lows, highs = zip(*(torch.aminmax(named[i][1].detach()) for i in indices))
         stats = torch.stack(lows + highs).tolist()
         for i, lo, hi in zip(indices, stats[:len(indices)], stats[len(indices):]):
-            if lo != lo or hi != hi or abs(lo) == float("inf") or abs(hi) == float("inf"):
-                kind = "NaN" if lo != lo or hi != hi else "an infinity"
+            if not (math.isfinite(lo) and math.isfinite(hi)):
+                kind = "NaN" if math.isnan(lo) or math.isnan(hi) else "an infinity"
                 raise ValueError(f"weight {named[i][0]} of version {version} holds {kind}; refused "
                                  f"(the serving version is unchanged): check the trainer's step")
             if max(-lo, hi) > limit:

@@ -159,11 +159,12 @@ def test_limits_are_refused_at_parse_time_with_the_line(tmp_path, bad, message):
 def test_validate_trace_bounds_tokens_by_the_context_and_names_the_line(tmp_path):
     from megatron_rollout.trace.schema import validate_trace
 
-    path = _write_lines(tmp_path / "t.jsonl", GOOD + [_line(input_tokens=200), _line(conversation="c", output_tokens=128)])
+    lines = GOOD + [_line(input_tokens=200), _line(conversation="c", output_tokens=128)]
+    path = _write_lines(tmp_path / "t.jsonl", lines)
     reqs = load_trace(path)
     validate_trace(reqs[:3], max_model_len=128)  # 100 + 5 fits
-    with pytest.raises(TraceError, match=rf"t\.jsonl:4: input_tokens 200 does not fit the context: max_model_len "
-                                         rf"128 leaves room for at most 127") as info:
+    with pytest.raises(TraceError, match=r"t\.jsonl:4: input_tokens 200 does not fit the context: max_model_len "
+                                         r"128 leaves room for at most 127") as info:
         validate_trace(reqs, max_model_len=128)
     assert info.value.line == 4
     with pytest.raises(TraceError, match=r"t\.jsonl:5: output_tokens 128 does not fit the context"):
