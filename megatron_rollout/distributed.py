@@ -20,6 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megatron_rollout.comm.dist import CommConfig
 from megatron_rollout.engine import EngineConfig, GenerationResult, RequestError, RolloutEngine, SamplingParams
 from megatron_rollout.engine.api import FinishReason, Schedule
 from megatron_rollout.engine.coordinator import RankSharedCoordinator
@@ -67,10 +68,14 @@ class Runtime:
         return self.rank == 0
 
     @classmethod
-    def start(cls, atp: int, adp: int, device: str = "cpu", timeout_s: float = 120.0) -> "Runtime":
-        """Join (or reuse) the process group torchrun set up, and build the rollout's groups."""
-        from megatron_rollout.comm.dist import CommConfig, DistComm
+    def start(cls, atp: int, adp: int, device: str = "cpu", timeout_s: float = 120.0,
+              comm: CommConfig | None = None) -> "Runtime":
+        """Join (or reuse) the process group torchrun set up, and build the rollout's groups. `comm`
+        (`EngineConfig.comm`) configures the communicators; its timeout is `timeout_s`. The comm's
+        router (the topology's conflict registry, CUDA phase streams on GPU) is built here, once."""
+        from megatron_rollout.comm.dist import DistComm
         from megatron_rollout.comm.groups import ParallelLayout
+        from megatron_rollout.multiplex.routing import ConflictRegistry, PhaseStreams, Router
 
         dev = torch.device(device)
         if dev.type == "cuda":
@@ -81,23 +86,23 @@ class Runtime:
                 raise ValueError(f"--atp {atp} --adp {adp} needs {atp * adp} processes: launch with "
                                  f"torchrun --nproc_per_node {atp * adp}")
             dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
-        comm = DistComm(ParallelLayout(atp, adp, atp * adp), CommConfig(timeout_s=timeout_s), device=dev)
-        return cls(comm, dev, timeout_s)
+        streams = PhaseStreams.create(dev) if dev.type == "cuda" else None
+        router = Router(ConflictRegistry.for_topology(atp, adp), streams)
+        config = dataclasses.replace(comm or CommConfig(), timeout_s=timeout_s)
+        return cls(DistComm(ParallelLayout(atp, adp, atp * adp), config, device=dev, router=router), dev, timeout_s)
 
     def engine(self, model: MoETransformer, config: EngineConfig, timeline=None) -> RolloutEngine:
         """An engine whose steps are planned rank-shared; under `mux` its turnstile meets over the
-        CPU group and the registered conflicting P collective is routed after D."""
+        CPU group and the comm's router puts the registered conflicting P collective after D (the
+        comm routes only while a turnstile engine uses it: one engine at a time per runtime)."""
         from megatron_rollout.multiplex.rendezvous import Rendezvous
-        from megatron_rollout.multiplex.routing import ConflictRegistry, PhaseStreams, Router
 
         self._engines += 1  # each engine's rendezvous keys live in their own namespace
         rendezvous = Rendezvous(self.comm.cpu_group, self.timeout_s, self.rank, name=f"turnstile{self._engines}")
-        streams = PhaseStreams.create(self.device) if self.device.type == "cuda" else None
-        router = Router(ConflictRegistry.for_topology(self.comm.size(Axis.ATP), self.comm.size(Axis.ADP)), streams)
-        turnstile = Schedule(config.schedule) is Schedule.MUX and config.mux_ordering == "turnstile"
-        self.comm.router = router if turnstile else None
+        turnstile = config.schedule is Schedule.MUX and config.mux.ordering == "turnstile"
+        self.comm.route_collectives(turnstile)
         return RolloutEngine(model, config, timeline=timeline, rank=self.rank, coordinator=RankSharedCoordinator(self.comm),
-                             rendezvous=rendezvous, router=router)
+                             rendezvous=rendezvous, router=self.comm.router)
 
     def drain(self, engine: RolloutEngine) -> list:
         """Declare this rank done and step until every rank is; returns what finished meanwhile."""

@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_rollout.comm.exchange import ExpertExchange, compute_local, pack_routing, unpack_routing
+from megatron_rollout.forward import BoundaryPoint, Site
 from megatron_rollout.types import Axis, Phase
 
 if TYPE_CHECKING:
     from megatron_rollout.comm.facade import Comm
-    from megatron_rollout.model.layers import Experts, Forward
+    from megatron_rollout.forward import Experts, Forward
 
 
 class AllGatherExchange(ExpertExchange):
@@ -35,7 +36,6 @@ class AllGatherExchange(ExpertExchange):
 
     def run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: "Experts",
             layer: int) -> "Forward":
-        from megatron_rollout.model.layers import BoundaryPoint, Site
 
         comm, phase = self.comm, self.phase
         xs = comm.all_gather(x, Axis.ADP, phase)  # per replica: [N_i, H]

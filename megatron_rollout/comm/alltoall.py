@@ -34,11 +34,12 @@ import torch.distributed as dist
 
 from megatron_rollout.comm.domain import HEADER, DispatchDomain, DomainState, Handle, Layout, PendingDispatch, RecvMeta
 from megatron_rollout.comm.exchange import ExpertExchange, pack_routing, unpack_routing
+from megatron_rollout.forward import BoundaryPoint, Site
 from megatron_rollout.types import Axis, Phase
 
 if TYPE_CHECKING:
     from megatron_rollout.comm.facade import Comm
-    from megatron_rollout.model.layers import Experts, Forward
+    from megatron_rollout.forward import Experts, Forward
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +169,6 @@ class AllToAllExchange(ExpertExchange):
 
     def run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: "Experts",
             layer: int) -> "Forward":
-        from megatron_rollout.model.layers import BoundaryPoint, Site
 
         domain, rows = self.domain, self.rows(x.shape[0])
         xs, ids_s, weights_s = x[rows], ids[rows], weights[rows]

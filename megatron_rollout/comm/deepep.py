@@ -39,7 +39,7 @@ import torch.distributed as dist
 from megatron_rollout.comm.domain import DispatchDomain, Handle, Layout, PendingDispatch, Received, RecvMeta
 
 if TYPE_CHECKING:
-    from megatron_rollout.model.layers import Experts
+    from megatron_rollout.forward import Experts
 
 logger = logging.getLogger(__name__)
 

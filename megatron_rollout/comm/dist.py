@@ -37,9 +37,8 @@ from megatron_rollout.comm.allgather import AllGatherExchange
 from megatron_rollout.comm.alltoall import AllToAllExchange
 from megatron_rollout.comm.domain import DispatchDomain
 from megatron_rollout.comm.exchange import ExpertExchange
-from megatron_rollout.comm.facade import Comm
+from megatron_rollout.comm.facade import CollectiveRouter, CollectiveSite, Comm
 from megatron_rollout.comm.groups import ParallelGroups, ParallelLayout, init_parallel
-from megatron_rollout.multiplex.routing import CollectiveSite
 from megatron_rollout.types import Axis, Phase
 
 logger = logging.getLogger(__name__)
@@ -163,11 +162,15 @@ class DistComm(Comm):
     """Collectives by (axis, phase) over torch.distributed; see the module docstring for the wiring."""
 
     def __init__(self, layout: ParallelLayout, config: CommConfig = CommConfig(),
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, router: CollectiveRouter | None = None) -> None:
         if device is None:  # follow the trainer's default group: NCCL means CUDA tensors, gloo CPU ones
             on_cuda = "nccl" in dist.get_backend()
             device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
         self.config, self.device = config, torch.device(device)
+        self.router = router
+        """Puts the registered conflicting P collective on D's route inside the turnstile's window
+        (a `multiplex.routing.Router`); used only while `routing` is on, see `route_collectives`."""
+        self.routing = False
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if config.backend == "deepep" and "alltoall" in (config.p_exchange, config.d_exchange):
             from megatron_rollout.comm.deepep import require_deep_ep
@@ -186,9 +189,10 @@ class DistComm(Comm):
                     config.p_exchange, config.d_exchange, backend)
 
     @classmethod
-    def create(cls, layout: ParallelLayout, device: torch.device | str | None = None, **config: Any) -> "DistComm":
-        """`DistComm(layout, CommConfig(**config), device)`, e.g. `create(layout, timeout_s=30)`."""
-        return cls(layout, CommConfig(**config), device)
+    def create(cls, layout: ParallelLayout, device: torch.device | str | None = None,
+               router: CollectiveRouter | None = None, **config: Any) -> "DistComm":
+        """`DistComm(layout, CommConfig(**config), device, router)`, e.g. `create(layout, timeout_s=30)`."""
+        return cls(layout, CommConfig(**config), device, router)
 
     # ---- construction ------------------------------------------------------------------------
     def _new_group(self, ranks: list[int], backend: str) -> dist.ProcessGroup:
@@ -247,12 +251,16 @@ class DistComm(Comm):
         """The dispatch domain `phase` owns (None when its exchange is the all-gather path)."""
         return self._domains.get(phase)
 
-    router = None
-    """A `multiplex.routing.Router` set by a `mux` engine: it puts the registered conflicting P
-    collective on D's route (CUDA streams) inside the turnstile's window; None runs in place."""
+    def route_collectives(self, on: bool) -> None:
+        """Route collectives through `router` (a turnstile-ordered `mux` engine) or run them in
+        place (every other schedule: P and D never overlap, so nothing needs ordering)."""
+        if on and self.router is None:
+            raise ValueError("this DistComm has no router: build it with DistComm(..., router=Router(...)) "
+                             "to run the turnstile across ranks")
+        self.routing = on
 
     def _on_route(self, phase: Phase, op: str, axis: Axis, fn, inputs: tuple[torch.Tensor, ...] = ()):
-        if self.router is None:
+        if not self.routing:
             return fn()
         return self.router.run(self.router.route(phase, CollectiveSite(op, axis)), fn, inputs)
 

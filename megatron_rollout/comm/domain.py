@@ -47,7 +47,7 @@ import torch.distributed as dist
 from megatron_rollout.comm.exchange import compute_local
 
 if TYPE_CHECKING:
-    from megatron_rollout.model.layers import Experts
+    from megatron_rollout.forward import Experts
 
 logger = logging.getLogger(__name__)
 

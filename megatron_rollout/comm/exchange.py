@@ -1,6 +1,6 @@
 """Expert exchange: how routed tokens reach their experts and come back.
 
-`ExpertExchange.run` is a generator (see `model.layers`): a distributed exchange yields a
+`ExpertExchange.run` is a generator (see `megatron_rollout.forward`): a distributed exchange yields a
 `BoundaryPoint` between its count notification and its data movement. `LocalExchange` is the
 single-rank case and the reference every distributed exchange is tested against.
 """
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from megatron_rollout.model.layers import Experts, Forward
+    from megatron_rollout.forward import Experts, Forward
 
 
 def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:

@@ -4,16 +4,48 @@ Every collective names an axis and a phase. The model never sees a process group
 `comm.all_reduce(x, Axis.ATP, Phase.P)` and the facade picks the communicator that phase owns on
 that axis. `LocalComm` is the single-process facade: every axis has one rank and every
 collective is the identity, so the same model code runs unchanged on one process.
+`CollectiveSite` names a kind of collective (operation, axis); a `CollectiveRouter` decides the
+stream it runs on (implemented by `multiplex.routing.Router` for the `mux` schedule).
 """
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from megatron_rollout.comm.exchange import ExpertExchange, LocalExchange
 from megatron_rollout.types import Axis, Phase
+
+T = TypeVar("T")
+
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "all_to_all")
+
+
+@dataclass(frozen=True)
+class CollectiveSite:
+    """A kind of collective as the comm facade issues it: operation and axis."""
+
+    op: str
+    axis: Axis
+
+    def __post_init__(self) -> None:
+        if self.op not in COLLECTIVE_OPS:
+            raise ValueError(f"unknown collective op {self.op!r}; known: {COLLECTIVE_OPS}")
+
+    def __str__(self) -> str:
+        return f"{self.op}/{self.axis.value}"
+
+
+class CollectiveRouter(Protocol):
+    """Where a collective runs (`multiplex.routing.Router` is the implementation): comm asks for a
+    route for (phase, site) and runs the collective's closure on it."""
+
+    def route(self, phase: Phase, site: CollectiveSite) -> Any: ...
+
+    def run(self, route: Any, fn: Callable[[], T], inputs: Iterable[torch.Tensor] = ()) -> T: ...
 
 
 @dataclass(frozen=True)

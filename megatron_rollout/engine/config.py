@@ -1,53 +1,211 @@
-"""The engine's configuration and the counters it reports.
+"""The engine's configuration, one frozen config per component, and the counters it reports.
 
-`EngineConfig` is what a user sets; `EngineStats` is what the engine measured (STYLE rule 4:
-configs are never mutated, run-time values come back in their own record).
+`EngineConfig` nests the component configs (torchtitan's manner): `scheduler` (the planner),
+`kv` (the block pool), `mux` (segment policy and ordering), `runner` (which runner and its
+knobs) and `comm` (the communicators a distributed driver builds). Each is frozen and validated
+in `__post_init__`. `EngineConfig(schedule="mux", num_blocks=64, mux_span="fixed:1", ...)` is
+shorthand: each flat keyword (`FLAT`) sets one field of one component, and the flat names stay
+readable as properties. Strings from a command line are parsed here only (`parse_span`,
+`Schedule(...)`, `RunnerConfig.kind`), so the CLI and a YAML file mean the same thing.
+
+`EngineStats` is what the engine measured (STYLE rule 4: configs are never mutated, run-time
+values come back in their own record).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
 
+from megatron_rollout.comm.dist import CommConfig
 from megatron_rollout.engine.api import Schedule
 from megatron_rollout.engine.scheduler import SchedulerConfig
+from megatron_rollout.multiplex.policy import (FixedSpan, FixedSpanConfig, LoadSelected, LoadSelectedConfig,
+                                               SegmentPolicy)
+
+DEFAULT_NUM_BLOCKS = 1024
+"""KV blocks per rank when nobody says otherwise (the CLI's `--num-blocks` default too)."""
+
+SpanConfig = FixedSpanConfig | LoadSelectedConfig
+"""A `mux` segment policy, as a typed config (see `multiplex.policy`)."""
+
+RUNNER_KINDS = ("auto", "eager", "cuda")
+ORDERINGS = ("turnstile", "naive")
+
+
+def parse_span(spec: str | SpanConfig) -> SpanConfig:
+    """The one parser of segment-policy strings: "load" -> LoadSelectedConfig(), "fixed:K" ->
+    FixedSpanConfig(K). A config passes through unchanged."""
+    if isinstance(spec, (FixedSpanConfig, LoadSelectedConfig)):
+        return spec
+    if spec == "load":
+        return LoadSelectedConfig()
+    k = spec[6:] if isinstance(spec, str) and spec.startswith("fixed:") else ""
+    if not (k.isdigit() and int(k) > 0):
+        raise ValueError(f"mux_span must be 'load' or 'fixed:K' with K > 0, got {spec!r}")
+    return FixedSpanConfig(int(k))
+
+
+def span_spec(span: SpanConfig) -> str:
+    """The string `parse_span` reads back ("load" for any LoadSelectedConfig)."""
+    return f"fixed:{span.span}" if isinstance(span, FixedSpanConfig) else "load"
+
+
+def build_policy(span: SpanConfig) -> SegmentPolicy:
+    return FixedSpan(span) if isinstance(span, FixedSpanConfig) else LoadSelected(span)
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    schedule: Schedule | str = Schedule.CHUNKED
-    """off | chunked | mux (see `Schedule`)."""
-    block_size: int = 16
-    """Positions per KV block."""
-    num_blocks: int = 512
+class KVConfig:
+    """The paged KV pool (positions per block: `SchedulerConfig.block_size`, shared with the planner)."""
+
+    num_blocks: int = DEFAULT_NUM_BLOCKS
     """KV blocks in the pool (per rank)."""
-    max_batch_tokens: int = 512
-    """Token budget of a step (`chunked`) or of a prefill epoch (`off`, `mux`)."""
-    max_decode_rows: int = 256
-    """Decode rows per iteration."""
-    max_model_len: int | None = None
-    """Longest context; defaults to the model's max_position_embeddings."""
     prefix_caching: bool = True
     """Reuse computed full blocks of identical prefixes (GRPO groups share their prompt)."""
-    mux_span: str = "load"
-    """`mux` segment policy: "load" (LoadSelected) or "fixed:K" (FixedSpan(K))."""
-    seed: int = 0
-    """Seed of the generator used by sampled requests without their own seed."""
-    mux_ordering: str = "turnstile"
-    """`mux` only: "turnstile" (the protocol) or "naive" (P on its own host thread, no cross-rank
-    order: the unsafe baseline of the ordering experiments; never use it across ranks)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "schedule", Schedule(self.schedule))
-        if self.block_size <= 0 or self.num_blocks <= 0:
-            raise ValueError(f"block_size and num_blocks must be positive, got {self.block_size}, {self.num_blocks}")
-        if self.mux_ordering not in ("turnstile", "naive"):
-            raise ValueError(f"mux_ordering must be 'turnstile' or 'naive', got {self.mux_ordering!r}")
-        if not (self.mux_span == "load" or self.mux_span.startswith("fixed:") and self.mux_span[6:].isdigit()
-                and int(self.mux_span[6:]) > 0):
-            raise ValueError(f"mux_span must be 'load' or 'fixed:K' with K > 0, got {self.mux_span!r}")
+        if type(self.num_blocks) is not int or self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive int, got {self.num_blocks!r}")
+
+
+@dataclass(frozen=True)
+class MuxConfig:
+    """The `mux` schedule (ignored by `off` and `chunked`)."""
+
+    span: SpanConfig = field(default_factory=LoadSelectedConfig)
+    """Segment policy: LoadSelectedConfig (span from decode load) or FixedSpanConfig(K). A string
+    ("load", "fixed:K") is parsed by `parse_span`."""
+    ordering: str = "turnstile"
+    """"turnstile" (the protocol) or "naive" (P on its own host thread, no cross-rank order: the
+    unsafe baseline of the ordering experiments; never use it across ranks)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "span", parse_span(self.span))
+        if self.ordering not in ORDERINGS:
+            raise ValueError(f"mux_ordering must be 'turnstile' or 'naive', got {self.ordering!r}")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """Which runner executes forwards, and the CUDA runner's knobs (`engine.cuda_runner`)."""
+
+    kind: str = "auto"
+    """auto (CudaRunner for a single-rank model on CUDA, else the portable ModelRunner) | eager
+    (always ModelRunner) | cuda (CudaRunner, or an error saying why it cannot run)."""
+    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256)
+    """Decode batch buckets captured as CUDA graphs; larger batches run eagerly."""
+    use_graphs: bool = True
+    """Replay decode from CUDA graphs (False: every forward eager, e.g. to compare)."""
+    attention: str = "auto"
+    """Attention kernels: auto | triton | varlen | portable (see `kernels.registry`)."""
+    async_prefill: bool = True
+    """Yield `COMPLETION` boundaries until P's event fires instead of blocking on it."""
+    d_priority: int = -1
+    """Priority of the D stream (lower is higher; P's stream gets 0)."""
+    measure_expert_kernels: bool = True
+    """Time the Triton and grouped-GEMM expert kernels at decode size once and use the faster."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in RUNNER_KINDS:
+            raise ValueError(f"the runner kind must be auto, eager or cuda, got {self.kind!r}")
+        sizes = self.graph_batch_sizes
+        if not sizes or any(b <= 0 for b in sizes) or list(sizes) != sorted(set(sizes)):
+            raise ValueError(f"graph_batch_sizes must be positive and strictly increasing, got {sizes}")
+
+
+FLAT: dict[str, tuple[str, str]] = {
+    "schedule": ("scheduler", "schedule"),
+    "block_size": ("scheduler", "block_size"),
+    "max_batch_tokens": ("scheduler", "max_batch_tokens"),
+    "max_decode_rows": ("scheduler", "max_decode_rows"),
+    "num_blocks": ("kv", "num_blocks"),
+    "prefix_caching": ("kv", "prefix_caching"),
+    "mux_span": ("mux", "span"),
+    "mux_ordering": ("mux", "ordering"),
+    "runner_kind": ("runner", "kind"),
+}
+"""Flat keyword -> (component, field): the shorthand `EngineConfig(**flat)` accepts."""
+
+
+@dataclass(frozen=True, init=False)
+class EngineConfig:
+    scheduler: SchedulerConfig
+    """Planner: schedule (off | chunked | mux), block size, token budget, decode rows."""
+    kv: KVConfig
+    """KV pool size and prefix caching."""
+    mux: MuxConfig
+    """`mux` segment policy and ordering."""
+    runner: RunnerConfig
+    """Runner kind and CUDA-runner knobs."""
+    comm: CommConfig
+    """Communicators, read by whoever builds the DistComm (`distributed.Runtime.start`); the engine
+    itself uses the model's comm as built."""
+    max_model_len: int | None
+    """Longest context; defaults to the model's max_position_embeddings."""
+    seed: int
+    """Seed of the generator used by sampled requests without their own seed."""
+
+    def __init__(self, scheduler: SchedulerConfig | None = None, kv: KVConfig | None = None,
+                 mux: MuxConfig | None = None, runner: RunnerConfig | None = None, comm: CommConfig | None = None,
+                 max_model_len: int | None = None, seed: int = 0, **flat: Any) -> None:
+        unknown = sorted(set(flat) - set(FLAT))
+        if unknown:
+            raise TypeError(f"EngineConfig got unknown keywords {unknown}; known: components "
+                            f"scheduler/kv/mux/runner/comm, max_model_len, seed, and {sorted(FLAT)}")
+        parts: dict[str, Any] = {"scheduler": scheduler or SchedulerConfig(), "kv": kv or KVConfig(),
+                                 "mux": mux or MuxConfig(), "runner": runner or RunnerConfig(),
+                                 "comm": comm or CommConfig()}
+        updates: dict[str, dict[str, Any]] = {}
+        for name, value in flat.items():
+            component, attr = FLAT[name]
+            updates.setdefault(component, {})[attr] = value
+        if "schedule" in updates.get("scheduler", {}):
+            updates["scheduler"]["schedule"] = Schedule(updates["scheduler"]["schedule"])
+        for component, values in updates.items():
+            parts[component] = dataclasses.replace(parts[component], **values)
+        for name, value in {**parts, "max_model_len": max_model_len, "seed": seed}.items():
+            object.__setattr__(self, name, value)
+        self.__post_init__()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "scheduler", dataclasses.replace(self.scheduler,
+                                                                  schedule=Schedule(self.scheduler.schedule)))
+        if self.max_model_len is not None and (type(self.max_model_len) is not int or self.max_model_len <= 0):
+            raise ValueError(f"max_model_len must be a positive int or None, got {self.max_model_len!r}")
+
+    # -- the flat names, read-only ----------------------------------------------------------
+    @property
+    def schedule(self) -> Schedule:
+        return self.scheduler.schedule
 
     @property
-    def scheduler(self) -> SchedulerConfig:
-        return SchedulerConfig(self.schedule, self.block_size, self.max_batch_tokens, self.max_decode_rows)
+    def block_size(self) -> int:
+        return self.scheduler.block_size
+
+    @property
+    def max_batch_tokens(self) -> int:
+        return self.scheduler.max_batch_tokens
+
+    @property
+    def max_decode_rows(self) -> int:
+        return self.scheduler.max_decode_rows
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.num_blocks
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.kv.prefix_caching
+
+    @property
+    def mux_span(self) -> str:
+        return span_spec(self.mux.span)
+
+    @property
+    def mux_ordering(self) -> str:
+        return self.mux.ordering
 
 
 @dataclass

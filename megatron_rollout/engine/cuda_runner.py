@@ -24,6 +24,8 @@ engine and the mux driver are unchanged):
   is safe on one rank only (boundary counts would differ between ranks); `make_runner` gives
   this runner to single-rank models only.
 
+`EngineConfig.runner` (`RunnerConfig`) picks the runner (`kind`) and holds this runner's knobs.
+
 Green contexts (SM partitions for D and P) are measured by `bench.micro` and not used here: see
 docs/benchmarks.md. Left out: multi-rank graphs (collectives inside captured graphs), MTP
 lookahead, and FP8 expert GEMMs inside graphs (such models run D eagerly).
@@ -34,16 +36,16 @@ import logging
 import os
 from bisect import bisect_left
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from megatron_rollout.engine.runner import ModelRunner, SpanInput
+from megatron_rollout.engine.config import RunnerConfig
+from megatron_rollout.engine.runner import ModelRunner, Runner, SpanInput
 from megatron_rollout.kernels.layout import KernelPagedBatch, StaticDecodeLayout, build_layout
 from megatron_rollout.kernels.moe import install_device_exchange
 from megatron_rollout.kernels.registry import resolve_attention
 from megatron_rollout.kv.paged import PagedKVCache
-from megatron_rollout.model.layers import BoundaryPoint, Forward, Site, run_to_end
+from megatron_rollout.forward import BoundaryPoint, Forward, Site, run_to_end
 from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.types import Phase
 
@@ -53,45 +55,28 @@ COMPLETION = BoundaryPoint(-1, Site.MOE_DATA)
 """Yielded by an asynchronous P forward after its last layer while the device finishes it."""
 
 RUNNER_ENV = "MEGATRON_ROLLOUT_RUNNER"
-"""Environment override for `make_runner`: auto | eager | cuda."""
+"""auto | eager | cuda: the default of the CLI's `--runner` and of `make_runner` without a config."""
 
 
-@dataclass(frozen=True)
-class CudaRunnerConfig:
-    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256)
-    """Decode batch buckets captured as CUDA graphs; larger batches run eagerly."""
-    use_graphs: bool = True
-    """Replay decode from CUDA graphs (False: every forward eager, e.g. to compare)."""
-    attention: str = "auto"
-    """Attention kernels: auto | triton | varlen | portable (see `kernels.registry`)."""
-    async_prefill: bool = True
-    """Yield `COMPLETION` boundaries until P's event fires instead of blocking on it."""
-    d_priority: int = -1
-    """Priority of the D stream (lower is higher; P's stream gets 0)."""
-    measure_expert_kernels: bool = True
-    """Time the Triton and grouped-GEMM expert kernels at decode size once and use the faster."""
-
-    def __post_init__(self) -> None:
-        sizes = self.graph_batch_sizes
-        if not sizes or any(b <= 0 for b in sizes) or list(sizes) != sorted(set(sizes)):
-            raise ValueError(f"graph_batch_sizes must be positive and strictly increasing, got {sizes}")
+CudaRunnerConfig = RunnerConfig
+"""The CUDA runner's knobs are `RunnerConfig`'s (`EngineConfig.runner`); the old name stays."""
 
 
-def make_runner(model: MoETransformer, cache: PagedKVCache, config: CudaRunnerConfig | None = None):
-    """The engine's runner: `CudaRunner` for a single-rank model on CUDA, else `ModelRunner`.
+def make_runner(model: MoETransformer, cache: PagedKVCache, config: RunnerConfig | None = None) -> Runner:
+    """The engine's runner as `config.kind` says: `CudaRunner` for a single-rank model on CUDA
+    ("auto", "cuda"), else `ModelRunner` ("auto", "eager").
 
-    `MEGATRON_ROLLOUT_RUNNER=eager` forces the portable runner, `cuda` requires the CUDA one."""
-    choice = os.environ.get(RUNNER_ENV, "auto")
-    if choice not in ("auto", "eager", "cuda"):
-        raise ValueError(f"{RUNNER_ENV} must be auto, eager or cuda, got {choice!r}")
+    The engine always passes `EngineConfig.runner`. Without a config (scripts, tests) the kind is
+    `MEGATRON_ROLLOUT_RUNNER`'s, the same convenience the CLI's `--runner` default offers."""
+    config = config or RunnerConfig(kind=os.environ.get(RUNNER_ENV, "auto"))
     from megatron_rollout.comm.facade import LocalComm
 
     single = isinstance(model.comm, LocalComm)
-    if choice == "eager" or (choice == "auto" and not (model.device.type == "cuda" and single)):
+    if config.kind == "eager" or (config.kind == "auto" and not (model.device.type == "cuda" and single)):
         return ModelRunner(model, cache)
     if model.device.type != "cuda" or not single:
-        raise RuntimeError(f"{RUNNER_ENV}=cuda needs a single-rank model on a CUDA device; got "
-                           f"{model.device} with {type(model.comm).__name__}")
+        raise RuntimeError(f"runner kind 'cuda' ({RUNNER_ENV}=cuda or --runner cuda) needs a single-rank model "
+                           f"on a CUDA device; got {model.device} with {type(model.comm).__name__}")
     return CudaRunner(model, cache, config)
 
 
@@ -126,10 +111,10 @@ class _DecodeGraph:
 class CudaRunner:
     """`ModelRunner`'s contract on one GPU: graphs for D, streams for P and D, async P."""
 
-    def __init__(self, model: MoETransformer, cache: PagedKVCache, config: CudaRunnerConfig | None = None) -> None:
+    def __init__(self, model: MoETransformer, cache: PagedKVCache, config: RunnerConfig | None = None) -> None:
         if model.device.type != "cuda":
             raise RuntimeError(f"CudaRunner needs a model on CUDA, got {model.device}")
-        self.model, self.config = model, config or CudaRunnerConfig()
+        self.model, self.config = model, config or RunnerConfig()
         self.cfg = model.cfg
         self.device = model.device
         self.kernels = resolve_attention(self.config.attention, self.device)

@@ -1,18 +1,21 @@
-"""The model runner: turns a batch of sequence spans into a forward over paged KV.
+"""The runner contract and the portable runner: a batch of sequence spans -> a forward over paged KV.
 
-It holds tensors and never decides anything: the engine tells it which spans to run, in which
-phase, and which rows to return logits for. `forward` returns the model's generator, so the
+A runner holds tensors and never decides anything: the engine tells it which spans to run, in
+which phase, and which rows to return logits for. `forward` returns the model's generator, so the
 caller chooses whether to run it to the end (decode, `off`, `chunked`) or segment by segment
-(`mux` prefill).
+(`mux` prefill). `Runner` is the protocol; `ModelRunner` (portable, any device, any rank count)
+and `cuda_runner.CudaRunner` (one GPU: decode graphs, phase streams) implement it, and
+`cuda_runner.make_runner` picks one from `EngineConfig.runner`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from megatron_rollout.kv.paged import PagedBatch, PagedKVCache, SeqSpan
-from megatron_rollout.model.layers import Forward
+from megatron_rollout.forward import Forward
 from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.types import Phase
 
@@ -26,7 +29,20 @@ class SpanInput:
     """Return logits for the span's last token."""
 
 
+class Runner(Protocol):
+    """What the engine needs of a runner. `cache` may be set to None (KV released) and back."""
+
+    cache: PagedKVCache | None
+
+    def forward(self, inputs: list[SpanInput], phase: Phase) -> Forward:
+        """Logits [rows sampled, V] for the spans with `sample`, in input order. Reads and writes
+        the KV blocks the spans name; returns a generator that yields at P's boundaries."""
+        ...
+
+
 class ModelRunner:
+    """The portable runner: the model's own `step` over a `PagedBatch`."""
+
     def __init__(self, model: MoETransformer, cache: PagedKVCache) -> None:
         self.model, self.cache = model, cache
 

@@ -2,17 +2,16 @@
 
 Appending tool output and generating again prefills only the new tokens (and the last sampled
 token, whose K/V is computed with them). A session whose KV was evicted under pressure recomputes
-it transparently on its next turn.
+it transparently on its next turn. A session talks to the engine's `RequestTable` (which records
+its calls for ATP peers) and steps the engine only through the `run_until` it was given.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-from megatron_rollout.engine.api import GenerationResult, RequestError, SamplingParams
-
-if TYPE_CHECKING:
-    from megatron_rollout.engine.engine import RolloutEngine
-    from megatron_rollout.engine.request import Seq
+from megatron_rollout.engine.api import GenerationResult, RequestError, RequestOutput, SamplingParams
+from megatron_rollout.engine.bookkeeping import Append, Close, RequestTable, Submit
+from megatron_rollout.engine.request import Seq
 
 
 class SessionClosed(ValueError):
@@ -20,8 +19,9 @@ class SessionClosed(ValueError):
 
 
 class Session:
-    def __init__(self, engine: "RolloutEngine", seq: "Seq") -> None:
-        self._engine, self._seq, self.closed = engine, seq, False
+    def __init__(self, table: RequestTable, seq: Seq, run_until: Callable[[list[int]], dict[int, RequestOutput]]
+                 ) -> None:
+        self._table, self._seq, self._run_until, self.closed = table, seq, run_until, False
 
     @property
     def sid(self) -> int:
@@ -34,39 +34,36 @@ class Session:
     def _check_open(self) -> None:
         if self.closed:
             raise SessionClosed(f"session {self._seq.sid} is closed")
-        if self._engine.seqs.get(self._seq.sid) is not self._seq:
-
+        if self._table.seqs.get(self._seq.sid) is not self._seq:
             raise RequestError(f"unknown session {self._seq.sid}: this engine did not open it, or dropped it")
 
     def append(self, token_ids: list[int]) -> None:
-
         self._check_open()
         if self._seq.request is not None:
             raise RequestError(f"session {self._seq.sid} is generating (request {self._seq.request.rid}); "
                                f"append after it finishes")
-        token_ids = self._engine._validate_tokens(token_ids, allow_empty=True)
-        self._engine._record("append", self.sid, token_ids)
+        token_ids = self._table.validate_tokens(token_ids, allow_empty=True)
+        self._table.record(Append(self.sid, token_ids))
         self._seq.tokens.extend(token_ids)
 
     def submit(self, params: SamplingParams | None = None) -> int:
         """Start generating after everything appended so far; returns the request id."""
         self._check_open()
         params = params or SamplingParams()
-        rid = self._engine._submit(self._seq, params)
-        self._engine._record("submit", self.sid, params)
+        rid = self._table.submit(self._seq, params)
+        self._table.record(Submit(self.sid, params))
         return rid
 
     def generate(self, params: SamplingParams | None = None) -> GenerationResult:
         rid = self.submit(params)
-        return self._engine.run_until([rid])[rid].result
+        return self._run_until([rid])[rid].result
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
-        engine, seq = self._engine, self._seq
-        engine._record("close", seq.sid)
+        table, seq = self._table, self._seq
+        table.record(Close(seq.sid))
         if seq.request is not None:
-            engine.abort(seq.request.rid)
-        engine._evict(seq)
-        engine.seqs.pop(seq.sid, None)
+            table.abort(seq.request.rid)
+        table.drop_seq(seq)

@@ -8,50 +8,22 @@ routing free of collectives).
 
 Forward methods that may cross ranks are generators: they `yield` a `BoundaryPoint` right
 before each collective, so a caller can run P's forward segment by segment (DESIGN.md §6).
-Driving a generator to its end (`run_to_end`) is the plain forward.
+Driving a generator to its end (`run_to_end`) is the plain forward. Those primitives live in
+`megatron_rollout.forward` (below both model and comm) and are re-exported here.
 """
 from __future__ import annotations
 
-import enum
 import itertools
-from collections.abc import Generator
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megatron_rollout.comm.facade import Comm, Shard
+from megatron_rollout.forward import BoundaryPoint, Forward, Site, run_to_end  # noqa: F401 (re-exported)
 from megatron_rollout.model.attention import AttentionBackend
 from megatron_rollout.model.config import ModelConfig
 from megatron_rollout.types import Axis, Phase
-
-
-class Site(enum.Enum):
-    """Where in a layer a boundary sits."""
-
-    ATTN_REDUCE = "attn_reduce"  # before attention's ATP all-reduce
-    MLP_REDUCE = "mlp_reduce"  # before a dense MLP's ATP all-reduce
-    MOE_EXCHANGE = "moe_exchange"  # before MoE's token exchange (count notify / full-group gather)
-    MOE_DATA = "moe_data"  # split-phase dispatch: counts exchanged, data not yet submitted
-
-
-@dataclass(frozen=True)
-class BoundaryPoint:
-    layer: int
-    site: Site
-
-
-Forward = Generator[BoundaryPoint, None, torch.Tensor]
-
-
-def run_to_end(gen: Forward) -> torch.Tensor:
-    """Drive a forward generator through all its boundaries; return its result."""
-    while True:
-        try:
-            next(gen)
-        except StopIteration as stop:
-            return stop.value
 
 
 class RMSNorm(nn.Module):

@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from megatron_rollout.comm.facade import Comm, LocalComm
+from megatron_rollout.forward import Forward, run_to_end
 from megatron_rollout.model.attention import AttentionBackend, CausalBatch
 from megatron_rollout.model.config import ModelConfig
-from megatron_rollout.model.layers import Forward, Linear, RMSNorm, TransformerLayer, rope_tables, run_to_end
+from megatron_rollout.model.layers import Linear, RMSNorm, TransformerLayer, rope_tables
 from megatron_rollout.types import Phase
 
 

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_rollout.multiplex.routing import CollectiveSite, Route, Router
+from megatron_rollout.comm.facade import CollectiveSite
+from megatron_rollout.multiplex.routing import ConflictRegistry, Route, Router
 from megatron_rollout.types import Axis, Phase
 
 logger = logging.getLogger(__name__)
@@ -246,10 +247,12 @@ class InOrderDistComm:
                                lambda: super(InOrderDistComm, self).all_to_all(chunks, axis, phase))
 
 
-def in_order_dist_comm(layout, config, stall_s: float, hazard=None):
-    """A `DistComm` (built collectively, like one) whose collectives run on an in-order device."""
+def in_order_dist_comm(layout, config, stall_s: float, hazard=None, router: Router | None = None):
+    """A `DistComm` (built collectively, like one) whose collectives run on an in-order device; its
+    router (default: the topology's conflict registry, no streams) serves turnstile engines."""
     from megatron_rollout.comm.dist import DistComm
 
-    comm = type("InOrderDistComm", (InOrderDistComm, DistComm), {})(layout, config, torch.device("cpu"))
+    router = router or Router(ConflictRegistry.for_topology(layout.atp, layout.adp))
+    comm = type("InOrderDistComm", (InOrderDistComm, DistComm), {})(layout, config, torch.device("cpu"), router)
     comm.attach_device(dist.get_rank(), stall_s, hazard)
     return comm

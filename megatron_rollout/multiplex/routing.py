@@ -19,6 +19,9 @@ its own phase's route, so unrelated P work still overlaps with D.
 A routed P collective must be issued inside a turnstile window (after this round's D iteration,
 before the next round's); `Router.run` enforces that unless `require_window=False`.
 
+`CollectiveSite` (what a collective is: operation and axis) belongs to comm, which issues them;
+this module decides where they run. `Router` implements comm's `CollectiveRouter` protocol.
+
 Deliberately left out: which ranks form a group (comm's business) and when windows open (the
 turnstile's). The registry is explicit rather than inferred from rank sets: a conflict is a
 property of the phase paths chosen for a topology, and registering it is a deliberate decision.
@@ -31,32 +34,16 @@ from typing import Any, Callable, Iterable, TypeVar
 
 import torch
 
+from megatron_rollout.comm.facade import COLLECTIVE_OPS as OPS  # noqa: F401 (re-exported)
+from megatron_rollout.comm.facade import CollectiveSite
 from megatron_rollout.types import Axis, Phase
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-OPS = ("all_reduce", "all_gather", "all_to_all")
-
-
 class RoutingError(RuntimeError):
     """A routed collective issued where its order against D is not guaranteed."""
-
-
-@dataclass(frozen=True)
-class CollectiveSite:
-    """A kind of collective as the comm facade issues it: operation and axis."""
-
-    op: str
-    axis: Axis
-
-    def __post_init__(self) -> None:
-        if self.op not in OPS:
-            raise ValueError(f"unknown collective op {self.op!r}; known: {OPS}")
-
-    def __str__(self) -> str:
-        return f"{self.op}/{self.axis.value}"
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from megatron_rollout.model.layers import BoundaryPoint
+from megatron_rollout.forward import BoundaryPoint
 from megatron_rollout.multiplex.controller import BoundaryController
 from megatron_rollout.multiplex.policy import SegmentLoad, SegmentPolicy
 from megatron_rollout.multiplex.rendezvous import RendezvousBase

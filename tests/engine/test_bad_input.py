@@ -92,7 +92,7 @@ def test_closed_and_unknown_sessions(engine):
     with pytest.raises(SessionClosed):
         session.append([3])
     # A session object for a sequence this engine never opened (or already dropped).
-    stranger = Session(engine, Seq(12345, tokens=[1, 2], session=True))
+    stranger = Session(engine.table, Seq(12345, tokens=[1, 2], session=True), engine.run_until)
     with pytest.raises(RequestError, match="unknown session 12345"):
         stranger.submit(PARAMS)
     assert not engine.requests

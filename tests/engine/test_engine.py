@@ -84,7 +84,7 @@ def test_greedy_equals_transformers(request, make_engine, family, schedule):
     assert engine.stats.prefill_tokens == sum(len(p) for p in batch)
     assert engine.stats.decode_tokens == sum(lengths) - len(batch)
     if schedule == "mux":
-        assert engine._mux.rounds > 0 and not engine._mux.busy
+        assert engine.mux.rounds > 0 and not engine.mux.busy
     assert engine.pool.num_free == engine.pool.num_blocks  # finished one-shot requests keep no KV
 
 
@@ -269,7 +269,7 @@ def test_abort_mid_mux_epoch_parks_blocks_until_the_epoch_ends(make_engine, qwen
     seen = {}
 
     def mid_epoch(engine, rids):
-        mux = engine._mux
+        mux = engine.mux
         if mux.busy and 0 < mux.turnstile.controller.last_published and any(o[0].rid == rids[1] for o in mux.epoch.owners):
             seen["blocks"] = list(engine.pool.table(engine.requests[rids[1]].seq.sid))
             return True
@@ -288,13 +288,13 @@ def test_abort_mid_mux_epoch_parks_blocks_until_the_epoch_ends(make_engine, qwen
     assert engine.pool.num_free == free_before
     assert all(engine.pool.refcount[b] > 0 for b in seen["blocks"])
     engine.check_integrity()
-    epoch = engine._mux.epoch
-    assert engine._mux.turnstile.controller.epoch == epoch.number  # the epoch runs on for the others
-    while engine._mux.epoch is epoch:
+    epoch = engine.mux.epoch
+    assert engine.mux.turnstile.controller.epoch == epoch.number  # the epoch runs on for the others
+    while engine.mux.epoch is epoch:
         for out in engine.step():
             outs[out.request_id] = out
     assert not [owner for owner in engine.pool.tables if owner < 0]  # the parked blocks went back
-    assert engine._mux.turnstile.controller.epoch is None
+    assert engine.mux.turnstile.controller.epoch is None
     drain(engine, outs)
     assert outs[rids[1]].result.finish_reason is FinishReason.ABORT
     assert_same([outs[rids[0]].result, outs[rids[2]].result],
@@ -517,7 +517,7 @@ def test_update_weights_is_refused_mid_mux_epoch_and_accepted_after(make_engine,
     engine = make_engine(model, schedule="mux", **SMALL)
     rids = [engine.add_request(p, ABORT_PARAMS) for p in prompts([9, 7], seed=3)]
     outs: dict = {}
-    while not engine.mux_busy or engine._mux.turnstile.controller.last_published == 0:
+    while not engine.mux_busy or engine.mux.turnstile.controller.last_published == 0:
         for out in engine.step():
             outs[out.request_id] = out
     state = {k: v.clone() for k, v in model.state_dict().items()}

@@ -6,67 +6,57 @@ rendezvous, one decode iteration (a matched no-work call where a replica has no 
 only when no replica has any), the post-D rendezvous, then P resumes for the span the segment
 policy permits. On one process the rendezvous are local no-ops; the protocol is the same.
 
-`EngineConfig.mux_ordering="naive"` is the unsafe baseline the ordering experiments compare
-against: P's forward runs to its end on a host thread of its own while D iterates, with no
-rendezvous and no routing, so P and D enqueue their collectives independently. It is correct on
-one process and deadlocks crossed ATP/ADP layouts on an in-order device (tests/multiplex).
+`MuxConfig.ordering="naive"` is the unsafe baseline the ordering experiments compare against:
+P's forward runs to its end on a host thread of its own while D iterates, with no rendezvous and
+no routing, so P and D enqueue their collectives independently. It is correct on one process and
+deadlocks crossed ATP/ADP layouts on an in-order device (tests/multiplex).
 
 A request cancelled mid-epoch cannot give its blocks back at once: the rest of P's forward still
-writes them. Its blocks move to a *zombie* owner released when the epoch ends, and the
-controller is untouched (the epoch runs to its end for the other requests).
+writes them. The request table parks them (`RequestTable.begin_in_flight`) until the epoch ends,
+and the controller is untouched (the epoch runs to its end for the other requests).
 """
 from __future__ import annotations
 
 import itertools
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
 from megatron_rollout.engine.api import RequestOutput
+from megatron_rollout.engine.bookkeeping import RequestTable, SampleOwner
+from megatron_rollout.engine.config import MuxConfig, build_policy
 from megatron_rollout.engine.coordinator import GlobalView
+from megatron_rollout.engine.execution import StepExecutor
 from megatron_rollout.engine.scheduler import StepPlan
-from megatron_rollout.model.layers import run_to_end
+from megatron_rollout.engine.schedules.base import ScheduleDriver
+from megatron_rollout.forward import Forward, run_to_end
 from megatron_rollout.multiplex.controller import BoundaryController
-from megatron_rollout.multiplex.policy import FixedSpan, LoadSelected, SegmentPolicy
 from megatron_rollout.multiplex.rendezvous import LocalRendezvous, RendezvousBase
 from megatron_rollout.multiplex.routing import Router
 from megatron_rollout.multiplex.turnstile import Turnstile
 from megatron_rollout.types import Phase
 
-if TYPE_CHECKING:
-    from megatron_rollout.engine.engine import RolloutEngine
-    from megatron_rollout.engine.request import Request
-
-
-def make_policy(spec: str) -> SegmentPolicy:
-    """"load" -> LoadSelected(), "fixed:K" -> FixedSpan(K) (EngineConfig.mux_span)."""
-    return LoadSelected() if spec == "load" else FixedSpan(int(spec.split(":", 1)[1]))
-
 
 @dataclass
 class Epoch:
     number: int
-    owners: list
-    """(request, lifetime, context length) of every row P samples when it finishes."""
-    zombies: list[int] = field(default_factory=list)
-    """Block owners parked until the epoch ends (requests cancelled mid-epoch)."""
+    owners: list[SampleOwner]
+    """Every row P samples when it finishes."""
 
 
-class MuxDriver:
-    def __init__(self, engine: "RolloutEngine", rendezvous: RendezvousBase | None = None,
-                 router: Router | None = None) -> None:
-        self.engine = engine
+class MuxSchedule(ScheduleDriver):
+    def __init__(self, config: MuxConfig, table: RequestTable, executor: StepExecutor,
+                 rendezvous: RendezvousBase | None = None, router: Router | None = None) -> None:
+        self.table, self.executor = table, executor
         self.rendezvous = rendezvous or LocalRendezvous()
-        self.turnstile = Turnstile(self.rendezvous, BoundaryController(), make_policy(engine.config.mux_span), router)
+        self.turnstile = Turnstile(self.rendezvous, BoundaryController(), build_policy(config.span), router)
         self.epoch: Epoch | None = None
-        self.naive = engine.config.mux_ordering == "naive"
+        self.naive = config.ordering == "naive"
         self._p_thread: threading.Thread | None = None
         self._p_outcome: list = []  # [result] or [exception] once the naive P thread ends
         self._numbers = itertools.count(1)
-        self._zombie_ids = itertools.count(-1, -1)
         self._clock = time.perf_counter() - time.time()  # turnstile records use time.time()
 
     @property
@@ -78,12 +68,13 @@ class MuxDriver:
     def busy(self) -> bool:
         return self.epoch is not None
 
-    def round(self, plan: StepPlan, view: GlobalView) -> list[RequestOutput]:
-        e = self.engine
+    def step(self, plan: StepPlan, view: GlobalView) -> list[RequestOutput]:
+        ex = self.executor
         if view.any_prefill and self.epoch is None:  # every rank starts the epoch, maybe with no rows
-            inputs, owners = e._inputs((), plan.prefill)
+            rows, owners = ex.inputs((), plan.prefill)
             self.epoch = Epoch(next(self._numbers), owners)
-            forward = e.runner.forward(inputs, Phase.P)
+            self.table.begin_in_flight(owners)
+            forward = ex.forward(rows, Phase.P)
             if self.naive:
                 self._start_p_thread(forward)
             else:
@@ -92,11 +83,11 @@ class MuxDriver:
 
         def decode_iteration() -> None:
             if view.any_decode:
-                outs.extend(e._run_plain(StepPlan(decode=plan.decode), Phase.D))
+                outs.extend(ex.run(StepPlan(decode=plan.decode), Phase.D))
 
         if self.epoch is None:
             if not view.any_decode:
-                return e._unblock() if e.requests else []
+                return self.table.unblock() if self.table.requests else []
             decode_iteration()
             return outs
         if self.naive:
@@ -113,18 +104,16 @@ class MuxDriver:
                 # it on every rank and runs no D) rather than one step later.
                 finished = self.turnstile.p_finished and self.turnstile.round(decode_iteration, rows)
         if finished:
-            outs.extend(self._finish_epoch())
+            outs.extend(self._finish_epoch(self.turnstile.result))
         return outs
 
-    def _finish_epoch(self, logits=None) -> list[RequestOutput]:
-        epoch, e = self.epoch, self.engine
-        self.epoch = None
-        for owner in epoch.zombies:
-            e.pool.release(owner)
-        return e._complete(epoch.owners, self.turnstile.result if logits is None else logits)
+    def _finish_epoch(self, logits: torch.Tensor) -> list[RequestOutput]:
+        epoch, self.epoch = self.epoch, None
+        self.table.end_in_flight()  # first: the requests it completes may finish now, unparked
+        return self.executor.complete(epoch.owners, logits)
 
     # -- the naive baseline ------------------------------------------------------------------
-    def _start_p_thread(self, forward) -> None:
+    def _start_p_thread(self, forward: Forward) -> None:
         def run() -> None:
             try:
                 with torch.no_grad():
@@ -146,22 +135,13 @@ class MuxDriver:
         outcome = self._p_outcome[0]
         if isinstance(outcome, BaseException):
             self.epoch = None
+            self.table.end_in_flight()
             raise outcome
         return self._finish_epoch(outcome)
 
     def _record_segment(self) -> None:
-        e, rec = self.engine, self.turnstile.records[-1]
-        if e.timeline is not None:
-            e.timeline.record(e.rank, Phase.P.value, f"epoch {rec.epoch} segment", rec.t_post_d + self._clock,
-                              rec.t_end + self._clock, boundaries=f"{rec.first_boundary}..{rec.last_boundary}",
-                              span=rec.span, max_decode_rows=rec.max_decode_rows)
-
-    def forget(self, req: "Request") -> None:
-        """`req` is finishing early; if P is still writing its blocks, park them until the epoch ends."""
-        if self.epoch is None or not any(o[0] is req for o in self.epoch.owners):
-            return
-        zombie = next(self._zombie_ids)
-        self.engine.pool.transfer(req.seq.sid, zombie)
-        self.engine.pool.promote(zombie)  # parked, not a reservation any more
-        req.seq.reset_kv()
-        self.epoch.zombies.append(zombie)
+        ex, rec = self.executor, self.turnstile.records[-1]
+        if ex.timeline is not None:
+            ex.timeline.record(ex.rank, Phase.P.value, f"epoch {rec.epoch} segment", rec.t_post_d + self._clock,
+                               rec.t_end + self._clock, boundaries=f"{rec.first_boundary}..{rec.last_boundary}",
+                               span=rec.span, max_decode_rows=rec.max_decode_rows)

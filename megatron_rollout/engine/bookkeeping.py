@@ -1,0 +1,342 @@
+"""Request bookkeeping: sequences, requests, lifetimes, KV blocks and the op record (Python numbers only).
+
+`RequestTable` is everything the engine knows about its requests between forwards: it submits,
+finishes, evicts and preempts; it turns a plan's rows into runner inputs (growing or reserving
+their KV blocks) and advances a request by one sampled token; it relieves KV pressure the pure
+planner cannot (`unblock`); and on a distributed replica leader it records every submission as a
+typed `Op`, which the step gather ships to the ATP peers (`engine.coordinator`). It never touches a
+tensor: sampling and forwards are `engine.execution`'s.
+
+A forward in flight across steps (a `mux` prefill epoch) still writes the blocks of the requests
+it will sample. `begin_in_flight` names them; one of them finishing early has its blocks *parked*
+under a negative owner id until `end_in_flight`, so no block is handed out while it is written.
+"""
+from __future__ import annotations
+
+import itertools
+import numbers
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from megatron_rollout.engine.api import FinishReason, RequestError, RequestOutput, SamplingParams
+from megatron_rollout.engine.config import EngineStats
+from megatron_rollout.engine.prefix import PrefixCache
+from megatron_rollout.engine.request import Request, Seq
+from megatron_rollout.engine.runner import SpanInput
+from megatron_rollout.engine.scheduler import PrefillChunk, SchedulerState, SeqView, Stage
+from megatron_rollout.kv.block_pool import BlockPool
+from megatron_rollout.kv.paged import SeqSpan
+
+
+class SampleOwner(NamedTuple):
+    """The request a sampled logits row belongs to, as it was when its forward was built."""
+
+    request: Request
+    lifetime: int
+    """The request's lifetime then; a sample for an older lifetime is dropped."""
+    context: int
+    """Context length the sample completes (the sequence's `computed` once it lands)."""
+
+
+# -- the op record: what an ATP peer replays, in order, to mirror its leader ---------------------
+@dataclass(frozen=True)
+class OpenSession:
+    pass
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    prompt: list[int]
+    params: SamplingParams | None
+
+
+@dataclass(frozen=True)
+class Abort:
+    rid: int
+
+
+@dataclass(frozen=True)
+class Append:
+    sid: int
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Submit:
+    sid: int
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Close:
+    sid: int
+
+
+Op = OpenSession | AddRequest | Abort | Append | Submit | Close
+
+
+class RequestTable:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool, max_model_len: int,
+                 vocab_size: int, stats: EngineStats, recording: bool = False) -> None:
+        self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
+        self.max_model_len, self.vocab_size, self.stats = max_model_len, vocab_size, stats
+        self.recording = recording
+        """Record submissions as ops (a distributed replica's leader)."""
+        self.seqs: dict[int, Seq] = {}
+        self.requests: dict[int, Request] = {}
+        self.undelivered: list[RequestOutput] = []
+        """Requests finished outside a step (aborts), handed out by the next `engine.step()`."""
+        self._ops: list[Op] = []
+        self._ids = itertools.count()
+        self._order = itertools.count()
+        self._zombie_ids = itertools.count(-1, -1)
+        self._in_flight: set[int] = set()  # rids whose blocks a forward in flight still writes
+        self.parked: list[int] = []
+        """Block owners parked until the forward in flight ends (requests that finished early)."""
+        self.new_pool()
+
+    def new_pool(self) -> None:
+        """A fresh, empty block pool (cached prefixes point into K/V that is being freed)."""
+        self.pool = BlockPool(self.num_blocks, self.block_size)
+        self.prefix = PrefixCache(self.pool, self.prefix_caching)
+
+    # -- the op record -----------------------------------------------------------------------
+    def record(self, op: Op) -> None:
+        if self.recording:
+            self._ops.append(op)
+
+    def take_ops(self) -> list[Op]:
+        ops, self._ops = self._ops, []
+        return ops
+
+    # -- submission ----------------------------------------------------------------------------
+    def validate_tokens(self, ids: list[int], allow_empty: bool) -> list[int]:
+        """The ids as Python ints, or RequestError saying which one is wrong."""
+        if not ids and not allow_empty:
+            raise RequestError("empty prompt: give at least one token id")
+        wrong = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+        if wrong:
+            raise RequestError(f"token ids must be integers, got {wrong[0]!r} ({type(wrong[0]).__name__})")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return [int(t) for t in ids]
+
+    def open_seq(self) -> Seq:
+        """A new session's sequence."""
+        seq = Seq(next(self._ids), session=True, last_used=time.perf_counter())
+        self.seqs[seq.sid] = seq
+        self.record(OpenSession())
+        return seq
+
+    def add(self, prompt_ids: list[int], params: SamplingParams | None) -> int:
+        """A one-shot request on a private sequence; its request id."""
+        self.record(AddRequest(list(prompt_ids), params))
+        seq = Seq(next(self._ids))
+        seq.tokens = self.validate_tokens(prompt_ids, allow_empty=False)
+        self.seqs[seq.sid] = seq
+        try:
+            return self.submit(seq, params or SamplingParams())
+        except RequestError:
+            del self.seqs[seq.sid]
+            raise
+
+    def submit(self, seq: Seq, params: SamplingParams) -> int:
+        """Start a request on `seq` (its tokens so far); its request id."""
+        if seq.request is not None:
+            raise RequestError(f"sequence {seq.sid} already has request {seq.request.rid} running")
+        if not seq.tokens:
+            raise RequestError("nothing to generate from: append tokens first")
+        if len(seq.tokens) >= self.max_model_len:
+            raise RequestError(f"context of {len(seq.tokens)} tokens leaves no room to generate "
+                               f"(max_model_len {self.max_model_len})")
+        need = self.pool.blocks_for(min(len(seq.tokens) + params.max_new_tokens, self.max_model_len))
+        if need > self.pool.num_blocks:
+            raise RequestError(f"request needs {need} KV blocks, the pool holds {self.pool.num_blocks}; "
+                               f"raise EngineConfig.num_blocks or shorten it")
+        rid = next(self._ids)
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        req = Request(rid, seq, params, next(self._order), len(seq.tokens) - seq.computed, generator=gen)
+        seq.request = req
+        self.requests[rid] = req
+        return rid
+
+    def abort(self, rid: int) -> None:
+        """Cancel a request (unknown or finished: nothing happens); its output is undelivered."""
+        self.record(Abort(rid))
+        req = self.requests.get(rid)
+        if req is not None:
+            self.undelivered.append(self.finish(req, FinishReason.ABORT))
+
+    def drop_seq(self, seq: Seq) -> None:
+        """Forget a closed session's sequence and free its KV."""
+        self.evict(seq)
+        self.seqs.pop(seq.sid, None)
+
+    # -- lifetimes -----------------------------------------------------------------------------
+    def evict(self, seq: Seq) -> None:
+        self.pool.release(seq.sid)
+        seq.reset_kv()
+
+    def evict_all(self) -> None:
+        for seq in self.seqs.values():
+            self.evict(seq)
+
+    def preempt(self, rids: Iterable[int]) -> None:
+        for rid in rids:
+            req = self.requests[rid]
+            self.evict(req.seq)
+            req.stage, req.lifetime = Stage.WAITING, req.lifetime + 1
+            self.stats.preemptions += 1
+
+    def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
+        seq = req.seq
+        del self.requests[req.rid]
+        req.lifetime += 1
+        seq.request = None
+        seq.last_used = time.perf_counter()
+        self._park(req)  # first: blocks a forward in flight still writes must not be freed
+        if reason in (FinishReason.ABORT, FinishReason.ERROR) and req.stage is not Stage.DECODE:
+            self.evict(seq)  # a half-computed prefill must not look cached
+        if not seq.session:
+            self.evict(seq)
+            del self.seqs[seq.sid]
+        else:
+            self.pool.promote(seq.sid)
+        return req.finish(reason, error)
+
+    def unblock(self) -> list[RequestOutput]:  # local only: changes no collective
+        """Nothing fits: evict idle sessions' KV, or refuse the oldest request if even an empty
+        pool cannot hold it."""
+        idle = sorted((s for s in self.seqs.values() if s.request is None and self.pool.table(s.sid)),
+                      key=lambda s: s.last_used)
+        if idle:
+            self.evict(idle[0])
+            return []
+        # Waiting requests that picked up cached prefixes hold blocks that starve everyone else: let
+        # them go, and forget those prefixes so that the next step does not pick them up again.
+        holders = [r.seq for r in self.requests.values() if r.stage is Stage.WAITING and self.pool.table(r.seq.sid)]
+        for seq in holders:
+            blocks = self.pool.table(seq.sid)
+            self.evict(seq)
+            self.pool.uncache(b for b in blocks if self.pool.refcount[b] == 0)
+        if holders:
+            return []
+        oldest = min(self.requests.values(), key=lambda r: r.order)
+        return [self.finish(oldest, FinishReason.ERROR, f"request {oldest.rid} does not fit in the KV pool")]
+
+    # -- a forward in flight across steps --------------------------------------------------------
+    def begin_in_flight(self, owners: Iterable[SampleOwner]) -> None:
+        self._in_flight = {o.request.rid for o in owners}
+
+    def end_in_flight(self) -> None:
+        """The forward in flight finished: parked blocks go back to the pool."""
+        for owner in self.parked:
+            self.pool.release(owner)
+        self.parked, self._in_flight = [], set()
+
+    def _park(self, req: Request) -> None:
+        if req.rid not in self._in_flight:
+            return
+        self._in_flight.discard(req.rid)
+        zombie = next(self._zombie_ids)
+        self.pool.transfer(req.seq.sid, zombie)
+        self.pool.promote(zombie)  # parked, not a reservation any more
+        req.seq.reset_kv()
+        self.parked.append(zombie)
+
+    # -- planning --------------------------------------------------------------------------------
+    def planning_state(self, version: int, epoch_in_flight: bool) -> SchedulerState:
+        """What the planner sees (after giving waiting requests their cached prefix blocks)."""
+        self.prefix.attach(self.requests.values(), version)
+        views = []
+        for req in self.requests.values():
+            seq = req.seq
+            table = self.pool.table(seq.sid)
+            twin = self.prefix_caching and (seq.computed == 0 or req.stage is Stage.PREFILL)
+            views.append(SeqView(
+                rid=req.rid, stage=req.stage, tokens=len(seq.tokens), computed=seq.computed, blocks=len(table),
+                freeable=self.pool.exclusive(seq.sid), order=req.order,
+                prefix_key=(seq.block_hashes(self.pool.block_size) or [None])[0] if twin else None))
+        return SchedulerState(tuple(views), self.pool.num_free, epoch_in_flight=epoch_in_flight)
+
+    # -- rows of a forward and their samples -----------------------------------------------------
+    def decode_row(self, rid: int) -> tuple[SpanInput, SampleOwner]:
+        """Grow the request's KV by its pending token; its input row and sample owner."""
+        req = self.requests[rid]
+        seq = req.seq
+        self.pool.grow(seq.sid, len(seq.tokens))
+        span = SeqSpan(tuple(self.pool.table(seq.sid)), seq.computed, 1)
+        return SpanInput(span, seq.tokens[seq.computed:], sample=True), SampleOwner(req, req.lifetime, len(seq.tokens))
+
+    def prefill_row(self, chunk: PrefillChunk) -> tuple[SpanInput, SampleOwner | None]:
+        """Reserve KV for the chunk; its input row, and its sample owner if the chunk completes
+        the context (a partial chunk samples nothing and counts as computed at once)."""
+        req = self.requests[chunk.rid]
+        seq = req.seq
+        req.stage = Stage.PREFILL
+        self.pool.reserve(seq.sid, seq.computed + chunk.tokens)
+        span = SeqSpan(tuple(self.pool.table(seq.sid)), seq.computed, chunk.tokens)
+        row = SpanInput(span, seq.tokens[seq.computed:seq.computed + chunk.tokens], chunk.completes)
+        self.stats.prefill_tokens += chunk.tokens
+        if chunk.completes:
+            return row, SampleOwner(req, req.lifetime, len(seq.tokens))
+        seq.computed += chunk.tokens
+        return row, None
+
+    def is_live(self, owner: SampleOwner) -> bool:
+        """The owner's request still runs, in the lifetime its row was built for."""
+        req = owner.request
+        return self.requests.get(req.rid) is req and req.lifetime == owner.lifetime
+
+    def note_decode_wait(self, decode: Iterable[int], start: float) -> None:
+        for rid in decode:
+            req = self.requests[rid]
+            if req.ready_at is not None:
+                self.stats.decode_wait_s += start - req.ready_at
+                self.stats.decode_waits += 1
+        if decode:
+            self.stats.decode_iterations += 1
+
+    def accept(self, owner: SampleOwner, token: int, logprob: float, version: int, now: float
+               ) -> RequestOutput | None:
+        """Advance a live owner's request by one sampled token; its output if that finished it."""
+        req = owner.request
+        seq = req.seq
+        seq.computed = owner.context
+        if req.stage is Stage.PREFILL:
+            self.pool.promote(seq.sid)
+        else:
+            self.stats.decode_tokens += 1
+        self.prefix.offer(seq, version)
+        req.stage, req.ready_at = Stage.DECODE, now
+        req.first_token = req.first_token or now
+        req.output.append(token)
+        req.logprobs.append(logprob)
+        req.versions.append(version)
+        seq.tokens.append(token)
+        reason = self._stop_reason(req, token)
+        return None if reason is None else self.finish(req, reason)
+
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        p = req.params
+        if token in p.stop_token_ids and not p.ignore_stop:
+            return FinishReason.STOP
+        if len(req.output) >= p.max_new_tokens or len(req.seq.tokens) >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def check_integrity(self) -> None:
+        """KV bookkeeping is consistent and every block is owned by a live sequence (or parked)."""
+        self.pool.check_integrity()
+        unknown = set(self.pool.tables) - set(self.seqs) - set(self.parked)
+        if unknown:
+            raise AssertionError(f"blocks held by unknown sequences {sorted(unknown)}")
+        for seq in self.seqs.values():
+            if seq.computed > len(self.pool.table(seq.sid)) * self.pool.block_size:
+                raise AssertionError(f"sequence {seq.sid} claims {seq.computed} computed positions "
+                                     f"with {len(self.pool.table(seq.sid))} blocks")

@@ -1,0 +1,94 @@
+"""Step execution: a plan's rows -> span inputs -> the runner's forward -> samples -> bookkeeping.
+
+`StepExecutor` is the device side of a step. It asks the `RequestTable` for each row's span (the
+table grows or reserves the row's KV blocks), hands the rows to the runner, samples the logits,
+and gives each sample back to the table, which advances or finishes its request. Schedules
+(`engine.schedules`) decide *when* forwards run and in which phase; this module only runs them.
+
+Left out: planning (the pure `scheduler.plan_step`) and anything that changes which requests exist.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import torch
+
+from megatron_rollout.engine.api import FinishReason, RequestOutput
+from megatron_rollout.engine.config import EngineStats
+from megatron_rollout.engine.bookkeeping import RequestTable, SampleOwner
+from megatron_rollout.engine.runner import Runner, SpanInput
+from megatron_rollout.engine.sampler import sample
+from megatron_rollout.engine.scheduler import PrefillChunk, StepPlan
+from megatron_rollout.engine.weights import WeightStore
+from megatron_rollout.forward import Forward, run_to_end
+from megatron_rollout.types import Phase
+
+
+class StepInputs(NamedTuple):
+    """One forward's rows and, in logits-row order, the owner of every row it samples."""
+
+    rows: list[SpanInput]
+    owners: list[SampleOwner]
+
+
+class StepExecutor:
+    def __init__(self, table: RequestTable, runner: Runner, weights: WeightStore, stats: EngineStats, seed: int,
+                 timeline=None, rank: int = 0) -> None:
+        self.table, self.runner, self.weights, self.stats = table, runner, weights, stats
+        self.timeline, self.rank = timeline, rank
+        self.generator = torch.Generator().manual_seed(seed)
+        """Draws for sampled requests without their own seed."""
+
+    def inputs(self, decode: Iterable[int], prefill: Iterable[PrefillChunk]) -> StepInputs:
+        """Grow/reserve KV for the rows and build the runner's inputs: decode rows first."""
+        rows, owners = [], []
+        for rid in decode:
+            row, owner = self.table.decode_row(rid)
+            rows.append(row)
+            owners.append(owner)
+        for chunk in prefill:
+            row, owner = self.table.prefill_row(chunk)
+            rows.append(row)
+            if owner is not None:
+                owners.append(owner)
+        return StepInputs(rows, owners)
+
+    def forward(self, rows: list[SpanInput], phase: Phase) -> Forward:
+        """The runner's resumable forward over `rows` (a `mux` epoch drives it segment by segment)."""
+        return self.runner.forward(rows, phase)
+
+    def run(self, plan: StepPlan, phase: Phase) -> list[RequestOutput]:
+        """One forward in `phase` over the plan's rows (none: a matched no-work forward), run to its
+        end, sampled and completed."""
+        step = self.inputs(plan.decode, plan.prefill)
+        t0 = time.perf_counter()
+        self.table.note_decode_wait(plan.decode, t0)
+        with torch.no_grad():
+            logits = run_to_end(self.runner.forward(step.rows, phase))
+        t1 = time.perf_counter()
+        if self.timeline is not None:
+            self.timeline.record(self.rank, phase.value, "prefill" if phase is Phase.P else "decode", t0, t1,
+                                 rows=len(plan.decode), prefill=len(plan.prefill))
+        return self.complete(step.owners, logits)
+
+    def complete(self, owners: list[SampleOwner], logits: torch.Tensor) -> list[RequestOutput]:
+        """Sample one token per owner row and advance its request; rows of stale lifetimes are
+        dropped. A row whose logits are not finite fails its own request only."""
+        live = [(i, o) for i, o in enumerate(owners) if self.table.is_live(o)]
+        picked = sample(logits[[i for i, _ in live]], [o.request.params for _, o in live],
+                        [o.request.generator or self.generator for _, o in live])
+        now, outs = time.perf_counter(), []
+        version = self.weights.version
+        for (_, owner), s in zip(live, picked):
+            if s.error is not None:
+                req = owner.request
+                outs.append(self.table.finish(req, FinishReason.ERROR,
+                                              f"request {req.rid}: {s.error} at position {owner.context} "
+                                              f"under weight version {version}"))
+                continue
+            out = self.table.accept(owner, s.token, s.logprob, version, now)
+            if out is not None:
+                outs.append(out)
+        return outs
