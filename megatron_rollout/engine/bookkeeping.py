@@ -115,8 +115,13 @@ class RequestTable:
 
     # -- submission ----------------------------------------------------------------------------
     def validate_tokens(self, ids: list[int], allow_empty: bool) -> list[int]:
-        """The ids as Python ints, or RequestError saying which one is wrong."""
-        if not ids and not allow_empty:
+        """The ids as Python ints, or RequestError saying which one is wrong. A 1-D numpy array or
+        torch tensor is read as its list of values (an integer dtype passes, a float one is refused)."""
+        if hasattr(ids, "tolist") and hasattr(ids, "ndim"):  # np.ndarray, torch.Tensor
+            if ids.ndim != 1:
+                raise RequestError(f"token ids must be a flat sequence, got an array of shape {tuple(ids.shape)}")
+            ids = ids.tolist()
+        if len(ids) == 0 and not allow_empty:
             raise RequestError("empty prompt: give at least one token id")
         wrong = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
         if wrong:

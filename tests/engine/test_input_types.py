@@ -1,9 +1,8 @@
 """Prompt ids given as numpy arrays or torch tensors are token ids like a list of ints.
 
-Today `RolloutEngine._validate_tokens` (engine.py) starts with `if not ids`, which raises numpy's /
-torch's "truth value ... is ambiguous" for any array of two or more ids, and it then iterates a
-tensor into 0-d tensors, which are not `numbers.Integral`. These tests are strict xfails until
-engine.py normalises arrays first (see the reason); drop the marks with that fix.
+`RequestTable.validate_tokens` (engine/bookkeeping.py) reads a 1-D array as its `.tolist()` before
+checking: `if not ids` on an array would raise numpy's / torch's "truth value ... is ambiguous",
+and iterating a tensor gives 0-d tensors, which are not `numbers.Integral`.
 """
 from __future__ import annotations
 
@@ -15,8 +14,6 @@ from megatron_rollout.engine import FinishReason, RequestError, SamplingParams
 
 PARAMS = SamplingParams(temperature=0.0, max_new_tokens=4)
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13]]
-FIX = ("engine.py _validate_tokens: `if not ids` on an array raises 'truth value is ambiguous'; convert "
-       "np.ndarray / torch.Tensor with .tolist() (1-D, integer dtype) before checking, and test len(ids) == 0")
 
 
 @pytest.fixture
@@ -29,7 +26,6 @@ def want(engine):
     return [r.token_ids for r in engine.generate(PROMPTS, PARAMS)]
 
 
-@pytest.mark.xfail(strict=True, reason=FIX)
 @pytest.mark.parametrize("as_array", [
     lambda p: np.array(p, dtype=np.int64),
     lambda p: np.array(p, dtype=np.int32),
@@ -43,7 +39,6 @@ def test_array_prompts_generate_the_same_tokens(engine, want, as_array):
     assert engine.run_until([rid])[rid].result.token_ids == want[0]
 
 
-@pytest.mark.xfail(strict=True, reason=FIX)
 def test_array_session_appends(engine, want):
     session = engine.open_session()
     session.append(np.array(PROMPTS[0][:2]))
@@ -52,7 +47,6 @@ def test_array_session_appends(engine, want):
     session.close()
 
 
-@pytest.mark.xfail(strict=True, reason=FIX)
 def test_float_array_prompt_is_refused_for_its_request_alone(engine, want):
     results = engine.generate([PROMPTS[0], np.array([1.0, 2.0]), PROMPTS[1]], PARAMS)
     assert results[1].finish_reason is FinishReason.ERROR and "token ids must be integers" in results[1].error
