@@ -32,6 +32,7 @@ kernel work and are off by default.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -250,7 +251,6 @@ def run_micro(model: MoETransformer, cfg: ModelConfig, args, costs, bandwidth: f
 def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str) -> dict[str, Any]:
     """One replay of `trace` under `spec` at `budget` in a fresh engine; compilations counted."""
     from megatron_rollout.engine import RolloutEngine, SamplingParams
-    from megatron_rollout.engine.config import EngineStats
     from megatron_rollout.trace.replay import replay
     from megatron_rollout.trace.timeline import Timeline
 
@@ -271,8 +271,10 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str) -> dict
     warm = [rng.integers(0, cfg.vocab_size, n).tolist() for n in sizes]
     engine.generate(warm, SamplingParams(temperature=0.0, max_new_tokens=8, ignore_stop=True))
     setup_s = time.perf_counter() - t0
-    engine.stats = EngineStats()
-    engine.timeline = Timeline()
+    # reset in place: the engine's parts hold these objects (assigning new ones would detach them)
+    for f in dataclasses.fields(engine.stats):
+        setattr(engine.stats, f.name, f.default)
+    first_event = len(engine.timeline.events)
     if hasattr(runner, "stats"):
         runner.stats = {k: 0 for k in runner.stats}
     if args.device != "cpu":
@@ -301,7 +303,7 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str) -> dict
         signal.signal(signal.SIGALRM, previous)
     wall = time.perf_counter() - started
     run.last_s[kind] = max(run.last_s.get(kind, 0.0), wall + setup_s)
-    stats, events = engine.stats, engine.timeline.events
+    stats, events = engine.stats, engine.timeline.events[first_event:]
     compiles = counter.counts
     result.update(
         spec=spec, budget=budget, wall_s=wall, setup_s=setup_s, compilations=compiles.to_dict(),
