@@ -100,7 +100,8 @@ def test_attention_kernels_compile_once_over_many_batch_shapes():
     cfg = ModelConfig(vocab_size=50, hidden_size=32, num_layers=1, num_attention_heads=32, num_query_groups=4,
                       kv_channels=128, ffn_hidden_size=48, max_position_embeddings=8192, dtype="bfloat16")
     dev = torch.device("cuda")
-    cache = PagedKVCache(cfg, 4096, 16, 4, device=dev)
+    blocks = 16384
+    cache = PagedKVCache(cfg, blocks, 16, 4, device=dev)
     kernels = TritonAttention()
     rng = np.random.default_rng(0)
 
@@ -110,6 +111,7 @@ def test_attention_kernels_compile_once_over_many_batch_shapes():
             k = -(-(past + new) // 16)
             spans.append(SeqSpan(tuple(range(at, at + k)), past, new))
             at += k
+        assert at <= blocks, at
         layout = build_layout(spans, [[0] * s.new for s in spans], [True] * len(spans), 16, kernels, 32, 4, 128, dev)
         n = int(layout.tokens.numel())
         q, k, v = (torch.randn(n, h, 128, device=dev, dtype=torch.bfloat16) for h in (32, 4, 4))
