@@ -1,0 +1,544 @@
+"""Fused Triton kernels for a decode step's small operations, and `install_fused_ops` that swaps them in.
+
+Why: at decode sizes a layer's GEMMs are short and the step is dominated by small eager kernels
+(RMSNorm is six, RoPE about five each for q and k, the router's fp32 linear + softmax + top-k +
+renormalisation about eight, the residual adds): ~0.2 ms per layer inside a CUDA graph at batch 1.
+Four kernels replace them, one launch each:
+
+- `rmsnorm`: `weight * (x.float() * rsqrt(mean(x^2) + eps)).to(dtype)` per row;
+- `add_rmsnorm`: `h = h + delta` and `rmsnorm(h)` in one pass (between attention and MLP, and
+  between layers: `install_fused_ops` carries each layer's MLP output to the next layer's norm);
+- `qkv_norm_rope`: from the QKV projection's per-query-group layout (each group's query heads,
+  then its key head, then its value head) to contiguous q [N, hq, d], k, v [N, hkv, d], with the
+  per-head QK-norm and rotate-half RoPE of `layers.apply_rope` (cos/sin from `layers.rope_tables`);
+- `router_topk`: logits (bf16 operands, fp32 accumulation), softmax, top-k and optional
+  renormalisation, per 16-token block holding all experts.
+
+Exactness against the portable path (the references below run `model.layers`' own forwards):
+every elementwise step does the reference's fp32 operation and rounds to bf16 where it does
+(round to nearest even, written out as bit arithmetic so that Triton's interpreter, whose
+float-to-bf16 conversion truncates, computes the same bits as the GPU). What differs is only the
+order of the fp32 sums (mean of squares, softmax denominator, the router's dot products); a
+different fp32 sum can move a bf16 result by one unit in the last place on a few elements, so
+tests state tolerances and also count bitwise-equal elements. The router chooses on the fp32
+logits: on distinct values it picks the same experts as `torch.topk` over the probabilities and
+in the same (descending) order; on exactly equal logits it takes the lowest expert id first
+(`torch.topk` does not specify an order); values within the fp32 rounding of the dot products
+(~1e-6 relative) can come out in either order. NaN logits give undefined but in-range ids.
+
+`install_fused_ops(model)` replaces `forward` on module *instances* (RMSNorm, SelfAttention,
+Router, TransformerLayer) and the model's `step`, so the model code is unchanged and a model
+without it runs as before; `uninstall_fused_ops` removes them. Backends: "triton" (these kernels;
+on CPU only under `TRITON_INTERPRET=1`) and "torch" (the same wiring over the reference ops, so the
+wiring itself is tested on CPU: bit-identical to the unfused model). Every fused op falls back to
+the reference when autograd needs it, the dtype is not bf16, or the shapes do not fit the kernels.
+
+Left out: fp16/fp32 kernels, fusing the RoPE output into the KV store, the token permutation of
+`kernels.moe`, and backward passes (inference only).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import types
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from megatron_rollout.forward import BoundaryPoint, Forward, Site
+from megatron_rollout.model.layers import RMSNorm, Router, SelfAttention, TransformerLayer, apply_rope, rope_tables
+from megatron_rollout.types import Axis
+
+log = logging.getLogger(__name__)
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CI and CPU-only installs: the reference ops and the "torch" backend still work
+    triton = None
+
+BACKENDS = ("auto", "triton", "torch")
+LAUNCHES: dict[str, int] = {"rmsnorm": 0, "add_rmsnorm": 0, "qkv_norm_rope": 0, "router_topk": 0}
+"""Kernel launches per op (host-side count; a fallback to the reference does not count): lets a
+test see that the kernels, not the references, ran."""
+ROUTER_BLOCK_M = 16
+"""Tokens per router program (tl.dot's minimum M)."""
+
+
+class AddNorm(NamedTuple):
+    h: torch.Tensor  # h + delta, [N, H]
+    normed: torch.Tensor  # rmsnorm(h + delta), [N, H]
+
+
+class QKV(NamedTuple):
+    q: torch.Tensor  # [N, hq, d], QK-norm and RoPE applied, contiguous
+    k: torch.Tensor  # [N, hkv, d], likewise
+    v: torch.Tensor  # [N, hkv, d], contiguous copy
+
+
+class Routing(NamedTuple):
+    weights: torch.Tensor  # [N, k] in x's dtype
+    ids: torch.Tensor  # [N, k] int64 expert ids, by descending probability
+
+
+def interpreting() -> bool:
+    """True under Triton's CPU interpreter (`TRITON_INTERPRET=1`)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_available() -> bool:
+    return triton is not None
+
+
+# -- references: the model's own math ---------------------------------------------------------
+
+def _norm_like(weight: torch.Tensor, eps: float) -> types.SimpleNamespace:
+    return types.SimpleNamespace(weight=weight, eps=eps)
+
+
+def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`layers.RMSNorm.forward` itself (the class's, never an installed replacement)."""
+    return RMSNorm.forward(_norm_like(weight, eps), x)  # type: ignore[arg-type]
+
+
+def add_rmsnorm_ref(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> AddNorm:
+    h = h + delta
+    return AddNorm(h, rmsnorm_ref(h, weight, eps))
+
+
+def qkv_norm_rope_ref(qkv: torch.Tensor, groups: int, per_group: int, head_dim: int, cos: torch.Tensor,
+                      sin: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                      eps: float) -> QKV:
+    """What `SelfAttention.forward` does between `linear_qkv` and `attend`. qkv: [N, G*(P+2)*d]."""
+    n, d = qkv.shape[0], head_dim
+    view = qkv.view(n, groups, per_group + 2, d)
+    q = view[:, :, :per_group].reshape(n, groups * per_group, d)
+    k, v = view[:, :, -2], view[:, :, -1]
+    if q_weight is not None:
+        q, k = rmsnorm_ref(q, q_weight, eps), rmsnorm_ref(k, k_weight, eps)
+    return QKV(apply_rope(q, cos, sin).contiguous(), apply_rope(k, cos, sin).contiguous(), v.contiguous())
+
+
+def router_ref(x: torch.Tensor, weight: torch.Tensor, topk: int, renormalize: bool) -> Routing:
+    """`layers.Router.forward` itself."""
+    ns = types.SimpleNamespace(weight=weight, topk=topk, renormalize=renormalize)
+    return Routing(*Router.forward(ns, x))  # type: ignore[arg-type]
+
+
+# -- Triton kernels ---------------------------------------------------------------------------
+
+if triton is not None:
+    _NEG_INF = tl.constexpr(float("-inf"))
+
+    @triton.jit
+    def _bf16(x):
+        """fp32 -> the fp32 value of the nearest bf16 (ties to even), as integer arithmetic."""
+        b = x.to(tl.uint32, bitcast=True)
+        b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+        return b.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _rmsnorm_kernel(X, Dlt, W, Y, Hout, eps, inv_n, stride_x, stride_d, stride_y, stride_h,
+                        N_COLS: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N_COLS
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_DELTA:
+            x = _bf16(x + tl.load(Dlt + row * stride_d + cols, mask=mask, other=0.0).to(tl.float32))
+            tl.store(Hout + row * stride_h + cols, x.to(Hout.dtype.element_ty), mask=mask)
+        r = tl.math.rsqrt(tl.sum(x * x, axis=0) * inv_n + eps)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        y = _bf16(w * _bf16(x * r))
+        tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _head_norm(x, xr, W, c, rot, eps, inv_d):
+        """RMSNorm of each row of x [R, D]; xr holds the same rows at the rotated columns."""
+        r = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_d + eps)[:, None]
+        w = tl.load(W + c).to(tl.float32)[None, :]
+        wr = tl.load(W + rot).to(tl.float32)[None, :]
+        return _bf16(w * _bf16(x * r)), _bf16(wr * _bf16(xr * r))
+
+    @triton.jit
+    def _rope(x, xr, cos, sin, first):
+        """x * cos + cat(-x2, x1) * sin, each product and the sum rounded to bf16 as torch does."""
+        a = _bf16(x * cos[None, :])
+        b = _bf16(xr * sin[None, :])
+        return _bf16(a + tl.where(first[None, :], -b, b))
+
+    @triton.jit
+    def _qkv_rope_kernel(QKV_, Q, K, V, Cos, Sin, QW, KW, eps, inv_d, stride_qkv, stride_cos, stride_sin,
+                         GROUPS: tl.constexpr, PER: tl.constexpr, PER_P: tl.constexpr, D: tl.constexpr,
+                         NORM: tl.constexpr):
+        n = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1)
+        c = tl.arange(0, D)
+        rot = (c + D // 2) % D
+        first = c < D // 2
+        cos = tl.load(Cos + n * stride_cos + c).to(tl.float32)
+        sin = tl.load(Sin + n * stride_sin + c).to(tl.float32)
+        base = QKV_ + n * stride_qkv + g * ((PER + 2) * D)
+        # this group's query heads: [PER_P, D]
+        h = tl.arange(0, PER_P)
+        hmask = (h < PER)[:, None]
+        x = tl.load(base + h[:, None] * D + c[None, :], mask=hmask, other=0.0).to(tl.float32)
+        xr = tl.load(base + h[:, None] * D + rot[None, :], mask=hmask, other=0.0).to(tl.float32)
+        if NORM:
+            x, xr = _head_norm(x, xr, QW, c, rot, eps, inv_d)
+        q = _rope(x, xr, cos, sin, first)
+        tl.store(Q + n * (GROUPS * PER * D) + (g * PER + h)[:, None] * D + c[None, :], q.to(Q.dtype.element_ty),
+                 mask=hmask)
+        # its key head: [1, D]
+        kb = base + PER * D
+        x = tl.load(kb + c[None, :]).to(tl.float32)
+        xr = tl.load(kb + rot[None, :]).to(tl.float32)
+        if NORM:
+            x, xr = _head_norm(x, xr, KW, c, rot, eps, inv_d)
+        k = _rope(x, xr, cos, sin, first)
+        tl.store(K + n * (GROUPS * D) + g * D + c[None, :], k.to(K.dtype.element_ty))
+        # its value head, copied
+        tl.store(V + n * (GROUPS * D) + g * D + c, tl.load(kb + D + c))
+
+    @triton.jit(do_not_specialize=["n_rows"])
+    def _router_kernel(X, W, Wout, Ids, n_rows, stride_x,
+                       H: tl.constexpr, E: tl.constexpr, E_P: tl.constexpr, TOPK: tl.constexpr,
+                       TOPK_P: tl.constexpr, RENORM: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                       DOT_FP32: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid * BM + tl.arange(0, BM)
+        rmask = rows < n_rows
+        r64 = rows.to(tl.int64)
+        e = tl.arange(0, E_P)
+        emask = e < E
+        kk = tl.arange(0, BK)
+        acc = tl.zeros([BM, E_P], tl.float32)
+        for k0 in range(0, H, BK):
+            kmask = (k0 + kk) < H
+            x = tl.load(X + r64[:, None] * stride_x + k0 + kk[None, :], mask=rmask[:, None] & kmask[None, :],
+                        other=0.0)
+            w = tl.load(W + e[:, None] * H + k0 + kk[None, :], mask=emask[:, None] & kmask[None, :], other=0.0)
+            if DOT_FP32:  # the interpreter's tl.dot misreads bf16 operands: multiply their fp32 values
+                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:  # bf16 products are exact in fp32; the tensor cores accumulate in fp32
+                acc += tl.dot(x, tl.trans(w))
+        logits = tl.where(emask[None, :], acc, _NEG_INF)
+        m = tl.max(logits, axis=1)
+        p = tl.exp(logits - m[:, None])
+        probs = tl.math.div_rn(p, tl.sum(p, axis=1)[:, None])  # IEEE division, as torch's softmax
+        kcol = tl.arange(0, TOPK_P)
+        top_w = tl.zeros([BM, TOPK_P], tl.float32)
+        top_i = tl.zeros([BM, TOPK_P], tl.int32)
+        vals = logits
+        for i in tl.static_range(TOPK):
+            best = tl.max(vals, axis=1)
+            idx = tl.min(tl.where(vals == best[:, None], e[None, :], E_P), axis=1)  # lowest id on exact ties
+            idx = tl.minimum(idx, E - 1)  # NaN rows: keep ids in range
+            hit = e[None, :] == idx[:, None]
+            top_w = tl.where(kcol[None, :] == i, tl.sum(tl.where(hit, probs, 0.0), axis=1)[:, None], top_w)
+            top_i = tl.where(kcol[None, :] == i, idx[:, None], top_i)
+            vals = tl.where(hit, _NEG_INF, vals)
+        if RENORM:
+            top_w = tl.math.div_rn(top_w, tl.sum(top_w, axis=1)[:, None])
+        omask = rmask[:, None] & (kcol[None, :] < TOPK)
+        out = r64[:, None] * TOPK + kcol[None, :]
+        tl.store(Wout + out, _bf16(top_w).to(Wout.dtype.element_ty), mask=omask)
+        tl.store(Ids + out, top_i.to(tl.int64), mask=omask)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _runnable(*tensors: torch.Tensor) -> bool:
+    """The kernels can run on these tensors: Triton present, bf16, on CUDA (or interpreting), no autograd."""
+    if triton is None:
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t.dtype != torch.bfloat16 or (grad and t.requires_grad):
+            return False
+        if not (t.is_cuda or interpreting()):
+            return False
+    return True
+
+
+def _empty(out: torch.Tensor | None, shape, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    dtype = dtype or like.dtype
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} tensor of shape {tuple(shape)}, got "
+                         f"{out.dtype} {tuple(out.shape)} (contiguous={out.is_contiguous()})")
+    return out
+
+
+def _norm_warps(block: int) -> int:
+    return max(1, min(8, block // 256))
+
+
+# -- kernel wrappers (fall back to the references where the kernels do not apply) --------------
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim of x [..., H] (one launch). `out` (optional): the result tensor."""
+    hidden = x.shape[-1]
+    if not _runnable(x, weight) or x.numel() == 0 or weight.shape != (hidden,):
+        ref = rmsnorm_ref(x, weight, eps)
+        return ref if out is None else out.copy_(ref)
+    x2 = x.reshape(-1, hidden)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = _empty(out, x.shape, x)
+    block = _pow2(hidden)
+    LAUNCHES["rmsnorm"] += 1
+    _rmsnorm_kernel[(x2.shape[0],)](x2, x2, weight, y, y, eps, 1.0 / hidden, x2.stride(0), x2.stride(0), hidden,
+                                    hidden, N_COLS=hidden, BLOCK=block, HAS_DELTA=False,
+                                    num_warps=_norm_warps(block), enable_fp_fusion=False)
+    return y
+
+
+def add_rmsnorm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                out_h: torch.Tensor | None = None, out: torch.Tensor | None = None) -> AddNorm:
+    """(h + delta, rmsnorm(h + delta)) for h, delta [N, H] (one launch, one read of each)."""
+    hidden = h.shape[-1]
+    if (not _runnable(h, delta, weight) or h.numel() == 0 or h.shape != delta.shape or h.dim() != 2
+            or weight.shape != (hidden,)):
+        ref = add_rmsnorm_ref(h, delta, weight, eps)
+        if out_h is None and out is None:
+            return ref
+        return AddNorm(ref.h if out_h is None else out_h.copy_(ref.h), ref.normed if out is None else out.copy_(ref.normed))
+    if h.stride(-1) != 1:
+        h = h.contiguous()
+    if delta.stride(-1) != 1:
+        delta = delta.contiguous()
+    hs, y = _empty(out_h, h.shape, h), _empty(out, h.shape, h)
+    block = _pow2(hidden)
+    LAUNCHES["add_rmsnorm"] += 1
+    _rmsnorm_kernel[(h.shape[0],)](h, delta, weight, y, hs, eps, 1.0 / hidden, h.stride(0), delta.stride(0), hidden,
+                                   hidden, N_COLS=hidden, BLOCK=block, HAS_DELTA=True,
+                                   num_warps=_norm_warps(block), enable_fp_fusion=False)
+    return AddNorm(hs, y)
+
+
+def qkv_norm_rope(qkv: torch.Tensor, groups: int, per_group: int, head_dim: int, cos: torch.Tensor,
+                  sin: torch.Tensor, q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                  eps: float = 1e-6, out: QKV | None = None) -> QKV:
+    """Split the QKV projection's output [N, G*(P+2)*d] into q [N, G*P, d], k, v [N, G, d], with
+    QK-norm (when the weights are given) and RoPE applied (one launch)."""
+    n, d = qkv.shape[0], head_dim
+    weights = [w for w in (q_weight, k_weight) if w is not None]
+    fits = (qkv.dim() == 2 and qkv.shape[1] == groups * (per_group + 2) * d and d >= 2 and d == _pow2(d)
+            and cos.shape == (n, d) and sin.shape == (n, d) and cos.stride(-1) == 1 and sin.stride(-1) == 1
+            and all(w.shape == (d,) for w in weights) and (q_weight is None) == (k_weight is None))
+    if not fits or not _runnable(qkv, cos, sin, *weights) or n == 0:
+        ref = qkv_norm_rope_ref(qkv, groups, per_group, d, cos, sin, q_weight, k_weight, eps)
+        return ref if out is None else QKV(*(o.copy_(r) for o, r in zip(out, ref)))
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    q = _empty(out.q if out else None, (n, groups * per_group, d), qkv)
+    k = _empty(out.k if out else None, (n, groups, d), qkv)
+    v = _empty(out.v if out else None, (n, groups, d), qkv)
+    norm = q_weight is not None
+    qw, kw = (q_weight, k_weight) if norm else (cos, cos)  # unused pointers when NORM is off
+    LAUNCHES["qkv_norm_rope"] += 1
+    _qkv_rope_kernel[(n, groups)](qkv, q, k, v, cos, sin, qw, kw, eps, 1.0 / d, qkv.stride(0), cos.stride(0),
+                                  sin.stride(0), GROUPS=groups, PER=per_group, PER_P=_pow2(per_group), D=d,
+                                  NORM=norm, num_warps=4 if d * _pow2(per_group) >= 1024 else 1,
+                                  enable_fp_fusion=False)
+    return QKV(q, k, v)
+
+
+def router_topk(x: torch.Tensor, weight: torch.Tensor, topk: int, renormalize: bool,
+                out: Routing | None = None) -> Routing:
+    """Softmax over `weight @ x` (fp32), top-k, optional renormalisation (one launch). x: [N, H]
+    bf16, weight: [E, H]. Returns weights [N, k] (x's dtype) and ids [N, k] int64."""
+    experts, hidden = weight.shape[0], x.shape[-1]
+    fits = x.dim() == 2 and weight.shape == (experts, hidden) and 0 < topk <= experts <= 256 and hidden >= 16
+    if not fits or not _runnable(x, weight) or x.shape[0] == 0:
+        ref = router_ref(x, weight, topk, renormalize)
+        return ref if out is None else Routing(out.weights.copy_(ref.weights), out.ids.copy_(ref.ids))
+    n = x.shape[0]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    weight = weight.contiguous()
+    w_out = _empty(out.weights if out else None, (n, topk), x)
+    ids = _empty(out.ids if out else None, (n, topk), x, torch.int64)
+    bk = min(128, _pow2(hidden))
+    LAUNCHES["router_topk"] += 1
+    _router_kernel[(triton.cdiv(n, ROUTER_BLOCK_M),)](
+        x, weight, w_out, ids, n, x.stride(0), H=hidden, E=experts, E_P=max(16, _pow2(experts)), TOPK=topk,
+        TOPK_P=_pow2(topk), RENORM=bool(renormalize), BM=ROUTER_BLOCK_M, BK=bk, DOT_FP32=interpreting(),
+        num_warps=4, num_stages=4)
+    return Routing(w_out, ids)
+
+
+# -- backends: the four ops over model modules -------------------------------------------------
+
+class TorchOps:
+    """The reference ops (the model's own math) behind the fused wiring."""
+
+    name = "torch"
+
+    def rmsnorm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return rmsnorm_ref(x, norm.weight, norm.eps)
+
+    def add_rmsnorm(self, norm: RMSNorm, h: torch.Tensor, delta: torch.Tensor) -> AddNorm:
+        return add_rmsnorm_ref(h, delta, norm.weight, norm.eps)
+
+    def qkv(self, attn: SelfAttention, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> QKV:
+        qw, kw, eps = _qk_weights(attn)
+        return qkv_norm_rope_ref(qkv, attn.groups, attn.per_group, attn.cfg.kv_channels, *rope, qw, kw, eps)
+
+    def router(self, router: Router, x: torch.Tensor) -> Routing:
+        return router_ref(x, router.weight, router.topk, router.renormalize)
+
+
+class TritonOps(TorchOps):
+    """The fused kernels; each falls back to the reference where it does not apply."""
+
+    name = "triton"
+
+    def rmsnorm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return rmsnorm(x, norm.weight, norm.eps)
+
+    def add_rmsnorm(self, norm: RMSNorm, h: torch.Tensor, delta: torch.Tensor) -> AddNorm:
+        return add_rmsnorm(h, delta, norm.weight, norm.eps)
+
+    def qkv(self, attn: SelfAttention, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> QKV:
+        qw, kw, eps = _qk_weights(attn)
+        return qkv_norm_rope(qkv, attn.groups, attn.per_group, attn.cfg.kv_channels, *rope, qw, kw, eps)
+
+    def router(self, router: Router, x: torch.Tensor) -> Routing:
+        return router_topk(x, router.weight, router.topk, router.renormalize)
+
+
+def _qk_weights(attn: SelfAttention) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+    if not attn.cfg.qk_layernorm:
+        return None, None, attn.cfg.layernorm_epsilon
+    return attn.q_layernorm.weight, attn.k_layernorm.weight, attn.q_layernorm.eps
+
+
+# -- the replacement forwards (bound to module instances) ---------------------------------------
+
+def _norm_forward(self: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    return self._fused_ops.rmsnorm(self, x)
+
+
+def _router_forward(self: Router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    weights, ids = self._fused_ops.router(self, x)
+    return weights, ids
+
+
+def _attention_forward(self: SelfAttention, x: torch.Tensor, rope, attn, comm, phase) -> Forward:
+    """`SelfAttention.forward` with the split, QK-norm and RoPE in one kernel."""
+    n, d = x.shape[0], self.cfg.kv_channels
+    q, k, v = self._fused_ops.qkv(self, self.linear_qkv(x), rope)
+    out = self.linear_proj(attn.attend(self.layer, q, k, v).reshape(n, self.groups * self.per_group * d))
+    if comm.size(Axis.ATP) > 1:
+        yield BoundaryPoint(self.layer, Site.ATTN_REDUCE)
+        out = comm.all_reduce(out, Axis.ATP, phase)
+    return out
+
+
+def _layer_pair(layer: TransformerLayer, ops: TorchOps, h: torch.Tensor, delta: torch.Tensor | None, rope, attn,
+                comm, phase):
+    """One layer on the residual stream `h + delta` (delta: the previous layer's MLP output, not yet
+    added, or None). Returns (h, mlp output): the caller adds them, fused with the next norm."""
+    if delta is None:
+        x = ops.rmsnorm(layer.input_layernorm, h)
+    else:
+        h, x = ops.add_rmsnorm(layer.input_layernorm, h, delta)
+    a = yield from layer.self_attention(x, rope, attn, comm, phase)
+    h, x = ops.add_rmsnorm(layer.pre_mlp_layernorm, h, a)
+    m = yield from layer.mlp(x, comm, phase)
+    return h, m
+
+
+def _layer_forward(self: TransformerLayer, h: torch.Tensor, rope, attn, comm, phase) -> Forward:
+    h, m = yield from _layer_pair(self, self._fused_ops, h, None, rope, attn, comm, phase)
+    return h + m
+
+
+def _step(self, tokens: torch.Tensor, positions: torch.Tensor, attn, phase,
+          logits_index: torch.Tensor | None = None) -> Forward:
+    """`MoETransformer.step` with each residual add fused into the next layer's first norm."""
+    cfg, ops = self.cfg, self._fused_ops
+    h = self.embedding.word_embeddings(tokens)  # [N, H]
+    rope = rope_tables(positions, cfg.kv_channels, cfg.rotary_base, h.dtype)
+    delta = None
+    for layer in self.decoder.layers:
+        h, delta = yield from _layer_pair(layer, ops, h, delta, rope, attn, self.comm, phase)
+    if logits_index is not None:
+        h, delta = h[logits_index], delta[logits_index]
+    return self.logits(h + delta)
+
+
+_SWAPS = ((RMSNorm, "forward", _norm_forward), (Router, "forward", _router_forward),
+          (SelfAttention, "forward", _attention_forward), (TransformerLayer, "forward", _layer_forward))
+
+
+def _make_ops(model: torch.nn.Module, backend: str) -> tuple[TorchOps | None, str]:
+    """The ops for `backend`, or (None, why not) for "auto" where the kernels do not apply."""
+    if backend not in BACKENDS:
+        raise ValueError(f"fused-ops backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return TorchOps(), ""
+    cfg = model.cfg
+    device = next(model.parameters()).device
+    if backend == "auto":
+        if triton is None:
+            return None, "triton is not installed"
+        if device.type != "cuda":
+            return None, f"model is on {device}, the fused kernels run on CUDA"
+        if cfg.torch_dtype != torch.bfloat16:
+            return None, f"model dtype is {cfg.dtype}, the fused kernels are bf16"
+        return TritonOps(), ""
+    if triton is None:
+        raise ImportError("fused-ops backend 'triton' needs Triton: pip install triton (it comes with CUDA torch)")
+    if device.type != "cuda" and not interpreting():
+        raise ValueError(f"fused-ops backend 'triton' needs the model on CUDA (it is on {device}); on CPU set "
+                         "TRITON_INTERPRET=1 to run the kernels in Triton's interpreter")
+    return TritonOps(), ""
+
+
+def install_fused_ops(model: torch.nn.Module, backend: str = "auto") -> dict:
+    """Swap the fused ops into a built `MoETransformer` (idempotent; `uninstall_fused_ops` undoes).
+
+    "auto" installs the Triton kernels for a bf16 model on CUDA and nothing otherwise; "triton"
+    forces them (CPU only under TRITON_INTERPRET=1); "torch" installs the same wiring over the
+    reference ops. Returns what was done: backend, installed, per-kind module counts, reason."""
+    ops, reason = _make_ops(model, backend)
+    if ops is None:
+        log.info("fused ops not installed: %s", reason)
+        return {"backend": "none", "installed": False, "reason": reason}
+    counts = {cls.__name__: 0 for cls, _, _ in _SWAPS}
+    for module in model.modules():
+        for cls, attr, fn in _SWAPS:
+            if isinstance(module, cls):
+                module._fused_ops = ops
+                setattr(module, attr, types.MethodType(fn, module))
+                counts[cls.__name__] += 1
+    model._fused_ops = ops
+    model.step = types.MethodType(_step, model)
+    log.info("fused ops (%s) installed: %s", ops.name, counts)
+    return {"backend": ops.name, "installed": True, "modules": counts, "step": True, "reason": reason}
+
+
+def uninstall_fused_ops(model: torch.nn.Module) -> int:
+    """Remove what `install_fused_ops` set; returns the number of modules restored."""
+    restored = 0
+    for module in model.modules():
+        if "_fused_ops" in module.__dict__:
+            for attr in ("forward", "step"):
+                if isinstance(module.__dict__.get(attr), types.MethodType):
+                    delattr(module, attr)
+            del module._fused_ops
+            restored += 1
+    return restored
+
+
+def installed_backend(model: torch.nn.Module) -> str | None:
+    """The backend installed on `model` ("triton", "torch") or None."""
+    ops = model.__dict__.get("_fused_ops")
+    return None if ops is None else ops.name
