@@ -11,6 +11,7 @@ import torch
 
 from megatron_rollout.engine import RolloutEngine, SamplingParams
 from megatron_rollout.model.checkpoint import load_model
+from megatron_rollout.options import engine_config
 
 log = logging.getLogger(__name__)
 
@@ -28,14 +29,13 @@ def build_model(args: argparse.Namespace):
         return load_model(args.model, device=_device(args)), None
     from megatron_rollout.distributed import Runtime
 
-    runtime = Runtime.start(args.atp, args.adp, device=_device(args), timeout_s=args.timeout)
+    runtime = Runtime.start(args.atp, args.adp, device=_device(args), timeout_s=args.timeout,
+                            comm=engine_config(args).comm)
     return load_model(args.model, comm=runtime.comm, device=runtime.device), runtime
 
 
 def build_engine(args: argparse.Namespace, timeline=None, model=None, runtime=None, schedule: str | None = None):
     """(engine, runtime) for these arguments (reusing `model`/`runtime` when given)."""
-    from megatron_rollout.cli import engine_config
-
     if model is None:
         model, runtime = build_model(args)
     config = engine_config(args, schedule)

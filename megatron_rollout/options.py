@@ -1,0 +1,61 @@
+"""Engine options on a command line: the arguments, and the one place they become an `EngineConfig`.
+
+Kept below both `cli` (which declares the arguments) and `launch` (which builds the engine from
+them), so that neither imports the other. Strings are parsed by the config's own parsers
+(`engine.config.parse_span`, `Schedule`, `RunnerConfig.kind`), never here.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from megatron_rollout.comm.dist import CommConfig
+from megatron_rollout.engine.api import Schedule
+from megatron_rollout.engine.config import (DEFAULT_NUM_BLOCKS, RUNNER_KINDS, EngineConfig, KVConfig, MuxConfig,
+                                            RunnerConfig, parse_span)
+from megatron_rollout.engine.cuda_runner import RUNNER_ENV
+from megatron_rollout.engine.scheduler import SchedulerConfig
+
+
+def schedules(text: str) -> str:
+    """`--schedule`: one schedule, or a comma list (replay compares them in one run)."""
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    known = [s.value for s in Schedule]
+    if not names or any(n not in known for n in names):
+        raise argparse.ArgumentTypeError(f"--schedule takes {', '.join(known)} (or a comma list for replay), "
+                                         f"got {text!r}")
+    return ",".join(names)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny-moe", help="preset name or Hugging Face checkpoint directory")
+    p.add_argument("--schedule", default="chunked", type=schedules,
+                   help="off | chunked | mux; replay also takes a list (off,chunked,mux) to compare in one run")
+    p.add_argument("--mux-span", default="load", help="mux segment policy: load | fixed:K")
+    p.add_argument("--num-blocks", type=int, default=DEFAULT_NUM_BLOCKS, help="KV blocks per rank")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-batch-tokens", type=int, default=512)
+    p.add_argument("--runner", default=os.environ.get(RUNNER_ENV, "auto"), choices=RUNNER_KINDS,
+                   help=f"auto | eager | cuda (default: ${RUNNER_ENV}, else auto)")
+    p.add_argument("--attention", default="auto", help="CUDA runner attention kernels: auto | triton | varlen | portable")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    p.add_argument("--timeline", default=None, help="write a Chrome/Perfetto trace of P and D work here")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--atp", type=int, default=1, help="attention tensor parallel size")
+    p.add_argument("--adp", type=int, default=1, help="attention data parallel size")
+    p.add_argument("--ep", type=int, default=None, help="expert parallel size (= atp * adp)")
+    p.add_argument("--comm-backend", default="alltoall", help="dispatch domains: alltoall | deepep")
+    p.add_argument("--p-exchange", default="allgather", help="P's expert exchange: allgather | alltoall")
+    p.add_argument("--d-exchange", default="alltoall", help="D's expert exchange: alltoall | allgather")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds before a missing rank is an error")
+
+
+def engine_config(args: argparse.Namespace, schedule: str | None = None) -> EngineConfig:
+    """The `EngineConfig` these arguments describe (`schedule` overrides `--schedule`)."""
+    return EngineConfig(
+        scheduler=SchedulerConfig(Schedule(schedule or args.schedule), args.block_size, args.max_batch_tokens),
+        kv=KVConfig(num_blocks=args.num_blocks),
+        mux=MuxConfig(span=parse_span(args.mux_span)),
+        runner=RunnerConfig(kind=args.runner, attention=args.attention),
+        comm=CommConfig(backend=args.comm_backend, timeout_s=args.timeout, p_exchange=args.p_exchange,
+                        d_exchange=args.d_exchange))
