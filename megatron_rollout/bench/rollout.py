@@ -113,7 +113,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--vllm-budgets", default="default,best",
                     help="vLLM's max_num_batched_tokens: 'default' (its own) and/or 'best' (our best schedule's)")
     ap.add_argument("--vllm-passes", type=int, default=3)
-    ap.add_argument("--vllm-reserve-s", type=float, default=200.0, help="time kept for the peer")
+    ap.add_argument("--vllm-reserve-s", type=float, default=250.0, help="time kept for the peer")
     ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=False, help="the transformers peer")
     ap.add_argument("--hf-budget-s", type=float, default=60.0)
     ap.add_argument("--out", default="runs/bench")
