@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,19 @@ from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.types import Axis
 
 log = logging.getLogger(__name__)
+
+
+class ReplayShare(NamedTuple):
+    """One replica leader's part of a distributed replay, gathered at rank 0."""
+
+    outputs: list
+    """RequestOutputs, times on this rank's perf_counter clock."""
+    details: dict
+    """`trace.replay.replay`'s details (conversation_of, start, skipped, refused)."""
+    clock_offset: float
+    """time.time() - time.perf_counter() on this rank."""
+    decode_wait_s: float
+    decode_waits: int
 
 
 def _finished(engine: RolloutEngine) -> bool:
@@ -101,8 +115,9 @@ class Runtime:
         rendezvous = Rendezvous(self.comm.cpu_group, self.timeout_s, self.rank, name=f"turnstile{self._engines}")
         turnstile = config.schedule is Schedule.MUX and config.mux.ordering == "turnstile"
         self.comm.route_collectives(turnstile)
-        return RolloutEngine(model, config, timeline=timeline, rank=self.rank, coordinator=RankSharedCoordinator(self.comm),
-                             rendezvous=rendezvous, router=self.comm.router)
+        return RolloutEngine(model, config, timeline=timeline, rank=self.rank,
+                             coordinator=RankSharedCoordinator(self.comm), rendezvous=rendezvous,
+                             router=self.comm.router)
 
     def drain(self, engine: RolloutEngine) -> list:
         """Declare this rank done and step until every rank is; returns what finished meanwhile."""
@@ -147,14 +162,14 @@ class Runtime:
                                 vocab_size=vocab_size, schedule=schedule, details=details)
         self.drain(engine)
         offset = time.time() - time.perf_counter()
-        mine = (outputs, details, offset, engine.stats.decode_wait_s, engine.stats.decode_waits) if self.leader \
-            else None
-        gathered = self.comm.all_gather_object(mine, context="replay results")
+        mine = ReplayShare(outputs, details, offset, engine.stats.decode_wait_s, engine.stats.decode_waits) \
+            if self.leader else None
+        gathered: list[ReplayShare | None] = self.comm.all_gather_object(mine, context="replay results")
         if not self.is_main:
             return None
-        parts = [g for g in gathered if g is not None and g[1]]
-        base = parts[0][2] if parts else offset
-        all_outs, conversation_of, starts, skipped, refused = [], {}, [], 0, []
+        parts = [g for g in gathered if g is not None and g.details]
+        base = parts[0].clock_offset if parts else offset
+        all_outs, conversation_of, turn_of, starts, skipped, refused = [], {}, {}, [], 0, []
         for outs, det, off, _, _ in parts:
             shift = off - base  # express every rank's perf_counter times on rank 0's clock
             for out in outs:
@@ -164,13 +179,15 @@ class Runtime:
                                             else out.times.first_token + shift, finish=out.times.finish + shift)
                 all_outs.append(dataclasses.replace(out, request_id=new_id, times=times))
                 conversation_of[new_id] = det["conversation_of"][out.request_id]
+                turn_of[new_id] = det["turn_of"][out.request_id]
             starts.append(det["start"] + shift)
             skipped += det["skipped"]
             refused += list(det["refused"])
         waits = [g for g in gathered if g is not None]
-        wait_ms = 1e3 * sum(g[3] for g in waits) / max(1, sum(g[4] for g in waits))
+        wait_ms = 1e3 * sum(g.decode_wait_s for g in waits) / max(1, sum(g.decode_waits for g in waits))
         report = build_report(all_outs, conversation_of, start=min(starts, default=time.perf_counter()),
-                              mean_decode_wait_ms=wait_ms, schedule=schedule, skipped=skipped, refused=refused)
+                              mean_decode_wait_ms=wait_ms, schedule=schedule, skipped=skipped, refused=refused,
+                              turn_of=turn_of)
         return report.to_dict()
 
     def gather_timeline(self, timeline):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from megatron_rollout.engine.api import Schedule
 from megatron_rollout.engine.scheduler import SchedulerConfig, SchedulerState, StepPlan, plan_step
@@ -40,6 +41,17 @@ class GlobalView:
     """A `mux` prefill epoch is running (on every rank alike)."""
     all_done: bool = False
     """Every rank has said it will submit nothing more (distributed drivers stop stepping)."""
+
+
+class ReplicaReport(NamedTuple):
+    """What one rank contributes to a step's gather. Only a replica's leader sends ops and state."""
+
+    replica: int
+    ops: list
+    """The leader's submissions since the last step (`bookkeeping.Op` records), for its ATP peers."""
+    state: SchedulerState | None
+    done: bool
+    """This rank's driver will submit nothing more."""
 
 
 def _view(plans: list[StepPlan], states: list[SchedulerState], all_done: bool = False) -> GlobalView:
@@ -81,9 +93,10 @@ class RankSharedCoordinator:
 
     def plan(self, state_fn: Callable[[], SchedulerState], cfg: SchedulerConfig, step: int, ops: list,
              apply_ops: Callable[[list], None], done: bool = False) -> tuple[StepPlan, GlobalView]:
-        mine = (self.replica, ops, state_fn(), done) if self.leader else (self.replica, [], None, done)
-        entries = self.comm.all_gather_object(mine, context=f"step {step}")
-        leaders = {replica: (ops_, state) for replica, ops_, state, _ in entries if state is not None}
+        mine = ReplicaReport(self.replica, ops, state_fn(), done) if self.leader else \
+            ReplicaReport(self.replica, [], None, done)
+        entries: list[ReplicaReport] = self.comm.all_gather_object(mine, context=f"step {step}")
+        leaders = {e.replica: (e.ops, e.state) for e in entries if e.state is not None}
         if not self.leader:
             leader_ops, leader_state = leaders[self.replica]
             apply_ops(leader_ops)
@@ -92,5 +105,5 @@ class RankSharedCoordinator:
                 raise RuntimeError(f"step {step}: ATP rank {self.atp_rank} of replica {self.replica} does not own "
                                    f"the requests its leader plans ({own} != {leader_state})")
         plans = {r: plan_step(st, cfg) for r, (_, st) in sorted(leaders.items())}
-        view = _view(list(plans.values()), [st for _, st in leaders.values()], all(e[3] for e in entries))
+        view = _view(list(plans.values()), [st for _, st in leaders.values()], all(e.done for e in entries))
         return _align(plans[self.replica], view, cfg.schedule), view

@@ -201,6 +201,13 @@ def _check_values(named: list[tuple[str, torch.Tensor]], version: int, target: t
                                  f"{target}'s range ({limit:.4g}); refused rather than cast to inf")
 
 
+class ShardPiece(NamedTuple):
+    """One rank's slice of a full-named tensor, as `gather_full_state` gathers it."""
+
+    atp_rank: int
+    tensor: torch.Tensor
+
+
 def gather_full_state(local_state: Mapping[str, torch.Tensor], cfg: ModelConfig, shard: Shard,
                       all_gather_object: Callable[[object], list]) -> dict[str, torch.Tensor]:
     """Full tensors from a sharded trainer: every rank passes its local (Megatron-named, TP-sliced,
@@ -208,11 +215,11 @@ def gather_full_state(local_state: Mapping[str, torch.Tensor], cfg: ModelConfig,
     over ranks that together hold the whole model (e.g. `DistComm.all_gather_object` or
     `torch.distributed.all_gather_object` over the model-parallel group). Portable and simple,
     it moves tensors through the CPU; a trainer that already holds full tensors skips it."""
-    mine = {full_name(n, cfg, shard): (shard.atp_rank, t.detach().cpu()) for n, t in local_state.items()}
+    mine = {full_name(n, cfg, shard): ShardPiece(shard.atp_rank, t.detach().cpu()) for n, t in local_state.items()}
     parts: dict[str, dict[int, torch.Tensor]] = {}
     for entry in all_gather_object(mine):
-        for name, (rank, tensor) in entry.items():
-            parts.setdefault(name, {}).setdefault(rank, tensor)
+        for name, piece in entry.items():
+            parts.setdefault(name, {}).setdefault(piece.atp_rank, piece.tensor)
     missing = sorted(set(full_shapes(cfg)) - set(parts))
     if missing:
         raise KeyError(f"no rank holds {missing[0]} ({len(missing)} tensors missing): gather over every "
