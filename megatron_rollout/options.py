@@ -11,8 +11,15 @@ import os
 
 from megatron_rollout.comm.dist import CommConfig
 from megatron_rollout.engine.api import Schedule
-from megatron_rollout.engine.config import (DEFAULT_NUM_BLOCKS, RUNNER_KINDS, EngineConfig, KVConfig, MuxConfig,
-                                            RunnerConfig, parse_span)
+from megatron_rollout.engine.config import (
+    DEFAULT_NUM_BLOCKS,
+    RUNNER_KINDS,
+    EngineConfig,
+    KVConfig,
+    MuxConfig,
+    RunnerConfig,
+    parse_span,
+)
 from megatron_rollout.engine.cuda_runner import RUNNER_ENV
 from megatron_rollout.engine.scheduler import SchedulerConfig
 
@@ -37,7 +44,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=512)
     p.add_argument("--runner", default=os.environ.get(RUNNER_ENV, "auto"), choices=RUNNER_KINDS,
                    help=f"auto | eager | cuda (default: ${RUNNER_ENV}, else auto)")
-    p.add_argument("--attention", default="auto", help="CUDA runner attention kernels: auto | triton | varlen | portable")
+    p.add_argument("--attention", default="auto",
+                   help="CUDA runner attention kernels: auto | triton | varlen | portable")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--timeline", default=None, help="write a Chrome/Perfetto trace of P and D work here")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")

@@ -67,8 +67,9 @@ def _check_report(report: dict, trace: Path, schedule: str) -> None:
     assert report["schedule"] == schedule
     assert report["requests"] == len(requests) and report["failed"] == 0 and report["skipped"] == 0
     assert report["output_tokens"] == sum(r.output_tokens for r in requests)  # replay forces output lengths
-    # Later turns prefill their new tokens and the previous turn's last sampled token.
-    assert report["input_tokens"] == sum(r.input_tokens for r in requests) + len(requests) - 3
+    # input_tokens are the trace's; later turns also prefill the previous turn's last sampled token.
+    assert report["input_tokens"] == sum(r.input_tokens for r in requests) and report["truncated"] == 0
+    assert report["prefill_tokens"] == report["input_tokens"] + len(requests) - 3
     assert 0 < report["p50_request_s"] <= report["p99_request_s"] <= report["makespan_s"]
     assert 0 < report["p99_trajectory_s"] <= report["makespan_s"]
     assert 0 < report["mean_ttft_s"] < report["makespan_s"] and report["mean_decode_wait_ms"] >= 0

@@ -1,9 +1,15 @@
 """The rollout engine: paged KV, continuous batching with explicit P/D phases, sessions."""
-from megatron_rollout.engine.api import (FinishReason, GenerationResult, RequestError, RequestOutput, SamplingParams,
-                                         Schedule)
+from megatron_rollout.engine.api import (
+                                         FinishReason,
+                                         GenerationResult,
+                                         RequestError,
+                                         RequestOutput,
+                                         SamplingParams,
+                                         Schedule,
+)
 from megatron_rollout.engine.config import EngineConfig, EngineStats
 from megatron_rollout.engine.engine import RolloutEngine
 from megatron_rollout.engine.session import Session, SessionClosed
 
-__all__ = ["EngineConfig", "EngineStats", "FinishReason", "GenerationResult", "RequestError", "RequestOutput", "RolloutEngine",
-           "SamplingParams", "Schedule", "Session", "SessionClosed"]
+__all__ = ["EngineConfig", "EngineStats", "FinishReason", "GenerationResult", "RequestError", "RequestOutput",
+           "RolloutEngine", "SamplingParams", "Schedule", "Session", "SessionClosed"]

@@ -20,8 +20,13 @@ from typing import Any
 from megatron_rollout.comm.dist import CommConfig
 from megatron_rollout.engine.api import Schedule
 from megatron_rollout.engine.scheduler import SchedulerConfig
-from megatron_rollout.multiplex.policy import (FixedSpan, FixedSpanConfig, LoadSelected, LoadSelectedConfig,
-                                               SegmentPolicy)
+from megatron_rollout.multiplex.policy import (
+    FixedSpan,
+    FixedSpanConfig,
+    LoadSelected,
+    LoadSelectedConfig,
+    SegmentPolicy,
+)
 
 DEFAULT_NUM_BLOCKS = 1024
 """KV blocks per rank when nobody says otherwise (the CLI's `--num-blocks` default too)."""

@@ -41,11 +41,11 @@ import torch
 
 from megatron_rollout.engine.config import RunnerConfig
 from megatron_rollout.engine.runner import ModelRunner, Runner, SpanInput
+from megatron_rollout.forward import BoundaryPoint, Forward, Site, run_to_end
 from megatron_rollout.kernels.layout import KernelPagedBatch, StaticDecodeLayout, build_layout
 from megatron_rollout.kernels.moe import install_device_exchange
 from megatron_rollout.kernels.registry import resolve_attention
 from megatron_rollout.kv.paged import PagedKVCache
-from megatron_rollout.forward import BoundaryPoint, Forward, Site, run_to_end
 from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.types import Phase
 

@@ -16,8 +16,8 @@ from typing import NamedTuple
 import torch
 
 from megatron_rollout.engine.api import FinishReason, RequestOutput
-from megatron_rollout.engine.config import EngineStats
 from megatron_rollout.engine.bookkeeping import RequestTable, SampleOwner
+from megatron_rollout.engine.config import EngineStats
 from megatron_rollout.engine.runner import Runner, SpanInput
 from megatron_rollout.engine.sampler import sample
 from megatron_rollout.engine.scheduler import PrefillChunk, StepPlan

@@ -14,8 +14,8 @@ from typing import Protocol
 
 import torch
 
-from megatron_rollout.kv.paged import PagedBatch, PagedKVCache, SeqSpan
 from megatron_rollout.forward import Forward
+from megatron_rollout.kv.paged import PagedBatch, PagedKVCache, SeqSpan
 from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.types import Phase
 

@@ -97,7 +97,8 @@ class SelfAttention(nn.Module):
         if self.cfg.qk_layernorm:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = self.linear_proj(attn.attend(self.layer, q, k, v.contiguous()).reshape(n, self.groups * self.per_group * d))
+        heads = attn.attend(self.layer, q, k, v.contiguous())  # [N, hq, d]
+        out = self.linear_proj(heads.reshape(n, self.groups * self.per_group * d))
         if comm.size(Axis.ATP) > 1:
             yield BoundaryPoint(self.layer, Site.ATTN_REDUCE)
             out = comm.all_reduce(out, Axis.ATP, phase)
@@ -245,7 +246,8 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dt, device)
         self.self_attention = SelfAttention(cfg, layer, shard, device)
         self.pre_mlp_layernorm = RMSNorm(cfg.hidden_size, eps, dt, device)
-        self.mlp = MoELayer(cfg, layer, shard, device) if cfg.is_moe_layer(layer) else DenseMLP(cfg, layer, shard, device)
+        moe = cfg.is_moe_layer(layer)
+        self.mlp = MoELayer(cfg, layer, shard, device) if moe else DenseMLP(cfg, layer, shard, device)
 
     def forward(self, h: torch.Tensor, rope, attn: AttentionBackend, comm: Comm, phase: Phase) -> Forward:
         h = h + (yield from self.self_attention(self.input_layernorm(h), rope, attn, comm, phase))

@@ -217,7 +217,8 @@ class InOrderDistComm:
     opposite orders, as timing would on a real deployment). A value not ready within `stall_s`
     raises `DeviceStall` naming the rank and the operations the device was stuck on."""
 
-    def attach_device(self, rank: int, stall_s: float, hazard: Callable[[Phase, str, Axis], None] | None = None) -> None:
+    def attach_device(self, rank: int, stall_s: float,
+                      hazard: Callable[[Phase, str, Axis], None] | None = None) -> None:
         self.inorder = InOrderDevice(rank)
         self.stall_s, self.hazard = stall_s, hazard
         self._count = 0
@@ -237,10 +238,12 @@ class InOrderDistComm:
                               f"stuck in {head} with {stall.queued if stall else '?'} queued behind it") from None
 
     def all_reduce(self, x, axis, phase):
-        return self._on_device(phase, "all_reduce", axis, lambda: super(InOrderDistComm, self).all_reduce(x, axis, phase))
+        return self._on_device(phase, "all_reduce", axis,
+                               lambda: super(InOrderDistComm, self).all_reduce(x, axis, phase))
 
     def all_gather(self, x, axis, phase):
-        return self._on_device(phase, "all_gather", axis, lambda: super(InOrderDistComm, self).all_gather(x, axis, phase))
+        return self._on_device(phase, "all_gather", axis,
+                               lambda: super(InOrderDistComm, self).all_gather(x, axis, phase))
 
     def all_to_all(self, chunks, axis, phase):
         return self._on_device(phase, "all_to_all", axis,

@@ -168,8 +168,9 @@ class Router:
         """Run `fn` (which issues one collective) on `route`; `inputs` are the tensors it reads."""
         if route.routed:
             if self._window is None and self.require_window:
+                d_sites = ", ".join(str(c.d_site) for c in self.registry.conflicts_of(route.site))
                 raise RoutingError(f"{route.label} issued outside a turnstile round: it would not be "
-                                   f"ordered after D's {', '.join(str(c.d_site) for c in self.registry.conflicts_of(route.site))} "
+                                   f"ordered after D's {d_sites} "
                                    f"on every rank; run P through Turnstile.run_epoch or use an empty registry "
                                    f"when multiplexing is off")
             self.routed_count += 1

@@ -167,7 +167,8 @@ class Turnstile:
             raise RuntimeError(f"begin({epoch}): epoch {self._epoch.number} is still running")
         self.controller.begin_epoch(epoch)
         with self._lock:
-            self._epoch, self._cancel, self.result = _Epoch(epoch, p_forward, total_boundaries, prefill_tokens), False, None
+            self._epoch = _Epoch(epoch, p_forward, total_boundaries, prefill_tokens)
+            self._cancel, self.result = False, None
 
     def round(self, decode_iteration: Callable[[], None], decode_rows: Callable[[], int]) -> bool:
         """One turnstile round; True when the epoch ended (all ranks' P finished) instead."""

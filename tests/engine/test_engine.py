@@ -270,7 +270,8 @@ def test_abort_mid_mux_epoch_parks_blocks_until_the_epoch_ends(make_engine, qwen
 
     def mid_epoch(engine, rids):
         mux = engine.mux
-        if mux.busy and 0 < mux.turnstile.controller.last_published and any(o[0].rid == rids[1] for o in mux.epoch.owners):
+        if mux.busy and 0 < mux.turnstile.controller.last_published and \
+                any(o[0].rid == rids[1] for o in mux.epoch.owners):
             seen["blocks"] = list(engine.pool.table(engine.requests[rids[1]].seq.sid))
             return True
         return False

@@ -11,8 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_rollout.engine.api import Schedule
-from megatron_rollout.engine.scheduler import (PrefillChunk, SchedulerConfig, SchedulerState, SeqView, Stage,
-                                               StepPlan, plan_step)
+from megatron_rollout.engine.scheduler import (
+    PrefillChunk,
+    SchedulerConfig,
+    SchedulerState,
+    SeqView,
+    Stage,
+    StepPlan,
+    plan_step,
+)
 
 BS = 4
 D, P, W = Stage.DECODE, Stage.PREFILL, Stage.WAITING
@@ -29,7 +36,8 @@ def decoding(rid: int, tokens: int, order: int | None = None, blocks: int | None
                    rid if order is None else order)
 
 
-def waiting(rid: int, tokens: int, order: int | None = None, key: int | None = None, computed: int = 0, blocks: int = 0):
+def waiting(rid: int, tokens: int, order: int | None = None, key: int | None = None, computed: int = 0,
+            blocks: int = 0):
     return SeqView(rid, W, tokens, computed, blocks, blocks, rid if order is None else order, key)
 
 
@@ -198,7 +206,8 @@ def test_plans_respect_their_invariants(state, schedule, budget, rows):
     by_rid = {s.rid: s for s in state.seqs}
     prefill = [ch.rid for ch in plan.prefill]
     # Each request appears at most once, in a role its stage allows.
-    assert len(set(plan.decode) | set(prefill) | set(plan.preempt)) == len(plan.decode) + len(prefill) + len(plan.preempt)
+    roles = len(plan.decode) + len(prefill) + len(plan.preempt)
+    assert len(set(plan.decode) | set(prefill) | set(plan.preempt)) == roles
     assert all(by_rid[r].stage is D for r in plan.decode + plan.preempt)
     assert all(by_rid[r].stage is not D for r in prefill)
     assert len(plan.decode) <= rows
