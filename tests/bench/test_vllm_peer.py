@@ -178,3 +178,85 @@ def test_peer_ids_are_the_ids_our_replay_appends():
     expected = conversation_inputs(trace, seed=4, vocab_size=97)
     assert list(appended.values()) == list(expected.values())
     assert input_ids(4, 0, 0, 5, 97) == expected[0][0][:5]
+
+
+def _fake_vllm(monkeypatch, calls: list):
+    """A stand-in `vllm` package with the names the peer imports (AsyncLLM, AsyncEngineArgs,
+    SamplingParams, TokensPrompt, RequestOutputKind), to test the peer's orchestration."""
+    import sys
+    import types
+
+    def module(name, **attrs):
+        m = types.ModuleType(name)
+        m.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, m)
+        return m
+
+    class AsyncEngineArgs:
+        def __init__(self, **kw):
+            self.kw = kw
+
+    class SamplingParams:
+        def __init__(self, **kw):
+            self.kw = kw
+
+    class AsyncLLM:
+        @classmethod
+        def from_engine_args(cls, args):
+            calls.append(("start", args.kw.get("max_num_batched_tokens")))
+            engine = cls()
+            engine.budget = args.kw.get("max_num_batched_tokens") or 2048
+            engine.vllm_config = types.SimpleNamespace(
+                scheduler_config=types.SimpleNamespace(max_num_batched_tokens=engine.budget, max_num_seqs=1024),
+                cache_config=types.SimpleNamespace(block_size=16, enable_prefix_caching=True))
+            return engine
+
+        async def reset_prefix_cache(self):
+            calls.append(("reset", self.budget))
+            return True
+
+        async def generate(self, prompt, sampling_params, request_id):
+            n = sampling_params.kw["max_tokens"]
+            assert sampling_params.kw["min_tokens"] == n and sampling_params.kw["ignore_eos"]
+            await asyncio.sleep(0.001 if self.budget == 4096 else 0.012)
+            yield _Out([_Delta([7] * n)], finished=True)
+
+        def shutdown(self):
+            calls.append(("shutdown", self.budget))
+
+    module("vllm", __version__="0.26.0-fake", SamplingParams=SamplingParams,
+           TokensPrompt=lambda **kw: kw["prompt_token_ids"])
+    module("vllm.engine")
+    module("vllm.engine.arg_utils", AsyncEngineArgs=AsyncEngineArgs)
+    module("vllm.sampling_params", RequestOutputKind=types.SimpleNamespace(DELTA="delta"))
+    module("vllm.v1")
+    module("vllm.v1.engine")
+    module("vllm.v1.engine.async_llm", AsyncLLM=AsyncLLM)
+
+
+def test_peer_main_warms_up_resets_and_keeps_the_best_budget(monkeypatch, tmp_path):
+    import json
+
+    from megatron_rollout.bench import vllm_peer
+    from megatron_rollout.trace.schema import write_trace
+
+    calls: list = []
+    _fake_vllm(monkeypatch, calls)
+    trace = make_trace(conversations=2, seed=0, scale=0.002, wait_scale=0.0)
+    write_trace(tmp_path / "t.jsonl", trace)
+    code = vllm_peer.main(["--trace", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "v.json"),
+                           "--budgets", "default,4096", "--passes", "2", "--model-dir", str(tmp_path / "m")])
+    assert code == 0
+    result = json.loads((tmp_path / "v.json").read_text())
+    assert [c for c in calls if c[0] == "start"] == [("start", None), ("start", 4096)]
+    assert sum(1 for c in calls if c[0] == "reset") == 2 * 3  # before the warm-up and each timed pass
+    for key in ("default", "4096"):
+        entry = result["budgets"][key]
+        assert len(entry["passes"]) == 2 and "warmup" in entry
+        assert entry["passes"][0]["requests"] == len(trace)
+        assert entry["passes"][0]["output_tokens"] == sum(t.output_tokens for t in trace)
+    assert result["budgets"]["default"]["chosen"]["max_num_batched_tokens"] == 2048
+    assert result["ran"] and result["best_budget"] == "4096"  # the fake is faster there
+    assert result["median"]["makespan_s"] == result["budgets"]["4096"]["median"]["makespan_s"]
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 12
