@@ -44,7 +44,6 @@ import types
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from megatron_rollout.forward import BoundaryPoint, Forward, Site
 from megatron_rollout.model.layers import RMSNorm, Router, SelfAttention, TransformerLayer, apply_rope, rope_tables
@@ -307,7 +306,8 @@ def add_rmsnorm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps:
         ref = add_rmsnorm_ref(h, delta, weight, eps)
         if out_h is None and out is None:
             return ref
-        return AddNorm(ref.h if out_h is None else out_h.copy_(ref.h), ref.normed if out is None else out.copy_(ref.normed))
+        return AddNorm(ref.h if out_h is None else out_h.copy_(ref.h),
+                       ref.normed if out is None else out.copy_(ref.normed))
     if h.stride(-1) != 1:
         h = h.contiguous()
     if delta.stride(-1) != 1:

@@ -291,12 +291,12 @@ def test_cuda_runner_graphs_with_fused_ops_match_the_portable_runner():
     before = dict(fused.LAUNCHES)
     with torch.no_grad():
         batch = inputs([(0, 11), (0, 20), (0, 3)])
-        assert _rel(run_to_end(fast.forward(batch, Phase.P)), run_to_end(ref.forward(batch, Phase.P))) < 1e-2
+        assert _rel(run_to_end(fast.forward(batch, Phase.P)), run_to_end(ref.forward(batch, Phase.P))) < 3e-2
         lens = [11, 20, 3]
         for _ in range(3):  # 3 rows: bucket 4, one padded row
             batch = inputs([(n, 1) for n in lens])
             a, b = run_to_end(ref.forward(batch, Phase.D)), run_to_end(fast.forward(batch, Phase.D))
-            assert b.shape == a.shape and _rel(b, a) < 1e-2
+            assert b.shape == a.shape and _rel(b, a) < 3e-2  # the runner test's bound (Triton attention)
             lens = [n + 1 for n in lens]
     assert fast.stats["graph_replays"] == 3
     assert all(fused.LAUNCHES[k] > before[k] for k in fused.LAUNCHES)
@@ -366,7 +366,8 @@ def test_install_is_idempotent_uninstall_restores_and_deepcopy_rebinds():
     # 3 layers x (input, pre-MLP, q, k) norms + the final norm; 2 MoE routers; 3 attentions and layers
     assert first["modules"] == {"RMSNorm": 13, "Router": 2, "SelfAttention": 3, "TransformerLayer": 3}
     clone = copy.deepcopy(model)
-    assert clone.step.__self__ is clone and clone.decoder.final_layernorm.forward.__self__ is clone.decoder.final_layernorm
+    norm = clone.decoder.final_layernorm
+    assert clone.step.__self__ is clone and norm.forward.__self__ is norm  # bound to the copy, not the original
     assert fused.uninstall_fused_ops(model) == 1 + 13 + 2 + 3 + 3
     assert fused.installed_backend(model) is None
     assert all("forward" not in m.__dict__ for m in model.modules()) and "step" not in model.__dict__

@@ -1,0 +1,306 @@
+"""`python -m megatron_rollout.bench.kernels --json`: the fused small-op kernels against the portable ops (GPU).
+
+Why a benchmark of its own: the decode step's gap to its memory roofline at small batches is
+mostly small kernels (issue 14), and `kernels.fused` replaces them; this measures what each fused
+kernel saves and what the whole step gains, in one call that finishes in about a minute.
+
+1. Per op (`rmsnorm`, `add_rmsnorm`, `qkv_norm_rope`, `router_topk`) at the model preset's sizes
+   and 1, 16, 64 and 4,096 tokens: the portable ops (the model's own code) and the fused kernel,
+   each timed two ways: eager (median of CUDA-event timed calls: includes launch overhead) and
+   inside a CUDA graph (one captured call per input set, replayed; the time per call is what a
+   decode graph pays). Input sets rotate so that the graph reads more than the L2 holds where an
+   op reads weights (the router's 512 KB per layer); the fused kernel's bytes over its graph time
+   give its bandwidth.
+2. The whole decode step, graph-replayed (`bench.micro.decode_steps`: 1 x 2,048 and 64 x 2,048
+   positions by default) with and without `install_fused_ops`, against the memory roofline.
+
+Triton compilations are counted over every timed region (`bench.compiles`); each region is
+warmed first, so the count must be 0. One JSON object on stdout (`--json`) or in `--out`, and a
+short table on stderr. Random bf16 inputs (never zeros). Left out: a per-kernel profiler
+breakdown of the whole step and multi-GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+log = logging.getLogger("megatron_rollout.bench.kernels")
+
+ROWS = (1, 16, 64, 4096)
+L2_DEFEAT_BYTES = 96 << 20
+"""Bytes of distinct inputs a graph timing cycles through (over the H200's 50 MB L2)."""
+MAX_SETS = 128
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m megatron_rollout.bench.kernels", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen3-30b-a3b-12l", help="model preset (sizes of the ops and the step)")
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="token counts of the per-op timings")
+    ap.add_argument("--decode", default="1x2048,64x2048", help="decode points ROWSxCONTEXT ('' skips the step)")
+    ap.add_argument("--iters", type=int, default=30, help="timed repetitions per measurement")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
+    ap.add_argument("--out", default=None, help="also write the JSON object to this file")
+    return ap
+
+
+def parse_points(spec: str) -> list[tuple[int, int]]:
+    """'1x2048,64x2048' -> [(1, 2048), (64, 2048)]."""
+    points = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        rows, _, context = item.partition("x")
+        if not (rows.isdigit() and context.isdigit() and int(rows) > 0 and int(context) > 0):
+            raise ValueError(f"decode point {item!r} must be ROWSxCONTEXT with positive integers, e.g. 64x2048")
+        points.append((int(rows), int(context)))
+    return points
+
+
+# -- timing ---------------------------------------------------------------------------------------
+
+def eager_us(fn: Callable[[], object], iters: int) -> float:
+    from megatron_rollout.bench.ceilings import time_cuda
+
+    return time_cuda(fn, iters=iters, warmup=3) * 1e6
+
+
+def graph_us(fns: list[Callable[[], object]], iters: int) -> float:
+    """Microseconds per call of a CUDA graph holding one call of each of `fns` (warmed outside)."""
+    from megatron_rollout.bench.ceilings import time_cuda
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in fns[:2]:
+            fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    seconds = time_cuda(graph.replay, iters=iters, warmup=3)
+    del graph
+    return seconds / len(fns) * 1e6
+
+
+# -- per-op cases -----------------------------------------------------------------------------------
+
+def _randn(shape, gen, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(shape, device=gen.device, generator=gen) * scale).bfloat16()
+
+
+def op_cases(cfg, rows: int, gen: torch.Generator) -> dict[str, dict[str, Any]]:
+    """For each op: a factory of one input set, its minimal bytes, and the two implementations."""
+    from megatron_rollout.kernels import fused
+    from megatron_rollout.model.layers import rope_tables
+
+    h, d, eps = cfg.hidden_size, cfg.kv_channels, cfg.layernorm_epsilon
+    groups, per = cfg.num_query_groups, cfg.heads_per_group
+    experts, topk = cfg.num_moe_experts, cfg.moe_router_topk
+
+    def norm_set():
+        return _randn((rows, h), gen), (1 + 0.1 * torch.randn(h, device=gen.device, generator=gen)).bfloat16()
+
+    def add_set():
+        w = (1 + 0.1 * torch.randn(h, device=gen.device, generator=gen)).bfloat16()
+        return _randn((rows, h), gen), _randn((rows, h), gen), w
+
+    def qkv_set():
+        pos = torch.randint(0, cfg.max_position_embeddings, (rows,), device=gen.device, generator=gen)
+        cos, sin = rope_tables(pos, d, cfg.rotary_base, torch.bfloat16)
+        w = (1 + 0.1 * torch.randn(2, d, device=gen.device, generator=gen)).bfloat16()
+        return _randn((rows, groups * (per + 2) * d), gen), cos, sin, w[0], w[1]
+
+    def router_set():
+        return _randn((rows, h), gen), _randn((experts, h), gen, 0.02)
+
+    qkv_elems = rows * groups * (per + 2) * d
+    cases = {
+        "rmsnorm": dict(make=norm_set, bytes=2 * (2 * rows * h + h),
+                        portable=lambda x, w: fused.rmsnorm_ref(x, w, eps),
+                        fused=lambda x, w: fused.rmsnorm(x, w, eps)),
+        "add_rmsnorm": dict(make=add_set, bytes=2 * (4 * rows * h + h),
+                            portable=lambda a, b, w: fused.add_rmsnorm_ref(a, b, w, eps),
+                            fused=lambda a, b, w: fused.add_rmsnorm(a, b, w, eps)),
+        "qkv_norm_rope": dict(
+            make=qkv_set, bytes=2 * (2 * qkv_elems + 2 * rows * d + 2 * d),
+            portable=lambda x, c, s, qw, kw: fused.qkv_norm_rope_ref(x, groups, per, d, c, s, qw, kw, eps),
+            fused=lambda x, c, s, qw, kw: fused.qkv_norm_rope(x, groups, per, d, c, s, qw, kw, eps)),
+    }
+    if experts:
+        renorm = cfg.moe_renormalize_topk
+        cases["router_topk"] = dict(make=router_set, bytes=2 * (experts * h + rows * h) + rows * topk * (2 + 8),
+                                    portable=lambda x, w: fused.router_ref(x, w, topk, renorm),
+                                    fused=lambda x, w: fused.router_topk(x, w, topk, renorm))
+    return cases
+
+
+def time_ops(cfg, rows_list: list[int], iters: int, seed: int, device: str = "cuda") -> list[dict[str, Any]]:
+    from megatron_rollout.bench.compiles import CompileCounter
+    from megatron_rollout.kernels import fused
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = []
+    for rows in rows_list:
+        for name, case in op_cases(cfg, rows, gen).items():
+            first = case["make"]()
+            set_bytes = sum(t.numel() * t.element_size() for t in first)  # the inputs one call reads
+            count = max(1, min(MAX_SETS, math.ceil(L2_DEFEAT_BYTES / set_bytes)))
+            sets = [first] + [case["make"]() for _ in range(count - 1)]
+            row: dict[str, Any] = {"op": name, "rows": rows, "sets": len(sets), "min_bytes": case["bytes"]}
+            before = fused.LAUNCHES[name]
+            for impl in ("portable", "fused"):
+                fn = case[impl]
+                fn(*first)  # compiles (fused) outside every timed region
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                with CompileCounter() as counter:
+                    row[f"{impl}_eager_us"] = eager_us(lambda f=fn, a=first: f(*a), iters)
+                    row[f"{impl}_graph_us"] = graph_us([lambda f=fn, a=s: f(*a) for s in sets], iters)
+                row[f"{impl}_compiles"] = counter.counts.triton
+            row["fused_launched"] = fused.LAUNCHES[name] > before  # the kernel ran, not its fallback
+            row["graph_speedup"] = row["portable_graph_us"] / row["fused_graph_us"]
+            row["fused_gb_s"] = case["bytes"] / (row["fused_graph_us"] * 1e-6) / 1e9
+            out.append(row)
+            log.info("%s rows=%d: portable %.1f us, fused %.1f us (graph)", name, rows, row["portable_graph_us"],
+                     row["fused_graph_us"])
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+# -- the whole decode step --------------------------------------------------------------------------
+
+def time_decode(cfg, points: list[tuple[int, int]], iters: int, seed: int, bandwidth: float) -> dict[str, Any]:
+    """Graph-replayed decode steps with and without the fused ops, on one model and one cache."""
+    import numpy as np
+
+    from megatron_rollout.bench import micro
+    from megatron_rollout.bench.bounds import model_costs
+    from megatron_rollout.bench.compiles import CompileCounter
+    from megatron_rollout.bench.rollout import random_model
+    from megatron_rollout.engine.cuda_runner import CudaRunner, CudaRunnerConfig
+    from megatron_rollout.forward import run_to_end
+    from megatron_rollout.kernels import fused
+    from megatron_rollout.kv.paged import PagedKVCache
+    from megatron_rollout.types import Phase
+
+    block = 16
+    blocks = sum(r * math.ceil(c / block) for r, c in points) + 64
+    model = random_model(cfg, torch.device("cuda"), seed)
+    cache = PagedKVCache(cfg, blocks, block, cfg.num_query_groups, device="cuda")
+    cache.k.normal_()
+    cache.v.normal_()
+    buckets = tuple(sorted({r for r, _ in points}))
+    runner = CudaRunner(model, cache, CudaRunnerConfig(graph_batch_sizes=buckets))
+    costs = model_costs(cfg)
+    result: dict[str, Any] = {"expert_kernels": runner.expert_kernels,
+                              "runner_installed": fused.installed_backend(model)}
+    for variant in ("portable", "fused"):
+        fused.uninstall_fused_ops(model)
+        if variant == "fused":
+            result["install"] = fused.install_fused_ops(model)
+        runner._graphs.clear()  # captured with the other variant's ops
+        runner._pool = None
+        rng = np.random.default_rng(seed)
+        with torch.no_grad():
+            for rows, context in points:  # warm: captures (Triton compiles there) and one eager step
+                inputs = micro.random_inputs([(context - 1, 1)] * rows, block, cache.num_blocks, cfg.vocab_size, rng)
+                runner._graph(runner.bucket(rows))
+                run_to_end(runner._eager(inputs, Phase.D))
+            torch.cuda.synchronize()
+            with CompileCounter() as counter:
+                result[variant] = micro.decode_steps(runner, costs, bandwidth, points, rng, iters=iters)
+        result[f"{variant}_compiles"] = counter.counts.triton
+    result["graph_speedup"] = [a["graph_ms"] / b["graph_ms"] for a, b in zip(result["portable"], result["fused"])]
+    del runner, cache, model
+    torch.cuda.empty_cache()
+    return result
+
+
+# -- output -----------------------------------------------------------------------------------------
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = [f"{'op':<14}{'rows':>6}{'portable us':>13}{'fused us':>10}{'x':>7}{'fused GB/s':>12}"
+             f"{'eager p/f us':>16}  (graph times per call)"]
+    for r in result.get("ops", []):
+        lines.append(f"{r['op']:<14}{r['rows']:>6}{r['portable_graph_us']:>13.1f}{r['fused_graph_us']:>10.1f}"
+                     f"{r['graph_speedup']:>7.2f}{r['fused_gb_s']:>12.0f}"
+                     f"{r['portable_eager_us']:>8.0f}/{r['fused_eager_us']:<7.0f}")
+    decode = result.get("decode") or {}
+    if "portable" in decode:
+        lines.append(f"{'decode step':<14}{'rows x ctx':>12}{'graph ms p -> f':>18}{'roofline':>10}{'f/roof':>8}"
+                     f"{'eager ms p -> f':>18}")
+        for a, b in zip(decode["portable"], decode["fused"]):
+            lines.append(f"{'':<14}{a['rows']:>5} x {a['context']:<5}{a['graph_ms']:>9.3f} -> {b['graph_ms']:<6.3f}"
+                         f"{b['roofline_ms']:>9.3f}{b['graph_over_roofline']:>8.2f}"
+                         f"{a['eager_ms']:>10.2f} -> {b['eager_ms']:<6.2f}")
+    lines.append(f"triton compilations in timed regions: {result.get('compiles_in_timed_regions', 'n/a')}"
+                 f"   wall {result.get('wall_s', 0):.1f} s")
+    return "\n".join(lines)
+
+
+def emit(result: dict[str, Any], as_json: bool, out: str | None, stdout: TextIO, stderr: TextIO) -> None:
+    """The table on stderr; the JSON object on stdout (`as_json`) and/or in the file `out`."""
+    text = json.dumps(result, default=str)
+    if out:
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+    print(format_table(result), file=stderr)
+    if as_json:
+        print(text, file=stdout)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from megatron_rollout.bench.ceilings import copy_bandwidth
+    from megatron_rollout.kernels import fused
+    from megatron_rollout.model.config import preset
+
+    cfg = preset(args.model)
+    if cfg.dtype != "bfloat16":
+        cfg = cfg.replace(dtype="bfloat16")
+    rows = [int(r) for r in args.rows.split(",") if r.strip()]
+    points = parse_points(args.decode)
+    t0 = time.perf_counter()
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                              "triton": getattr(fused.triton, "__version__", None), "model": args.model,
+                              "rows": rows, "decode_points": points}
+    result["copy_bandwidth_gb_s"] = copy_bandwidth() / 1e9
+    result["ops"] = time_ops(cfg, rows, args.iters, args.seed)
+    result["ops_wall_s"] = time.perf_counter() - t0
+    if points:
+        result["decode"] = time_decode(cfg, points, args.iters, args.seed, result["copy_bandwidth_gb_s"] * 1e9)
+    compiles = sum(r["portable_compiles"] + r["fused_compiles"] for r in result["ops"])
+    if points:
+        compiles += result["decode"]["portable_compiles"] + result["decode"]["fused_compiles"]
+    result["compiles_in_timed_regions"] = compiles
+    result["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.kernels needs a CUDA GPU (torch.cuda.is_available() is False here): run it on the "
+                         "GPU machine, e.g. python -m megatron_rollout.bench.kernels --json")
+    from megatron_rollout.kernels import fused
+
+    if not fused.triton_available():
+        raise SystemExit("bench.kernels needs Triton (import triton failed): pip install triton")
+    parse_points(args.decode)  # a bad point fails before minutes of set-up
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    emit(run(args), args.json, args.out, sys.stdout, sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""`bench.kernels` on CPU: it refuses clearly without CUDA, parses its decode points, and its output
+writer gives one JSON object (stdout and file) and the table from a result of the shape it produces."""
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+
+from megatron_rollout.bench import kernels
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_exits_with_a_clear_message_without_cuda():
+    with pytest.raises(SystemExit) as exc:
+        kernels.main(["--json"])
+    assert "needs a CUDA GPU" in str(exc.value.code)
+
+
+def test_decode_points_parse_and_bad_ones_are_named():
+    assert kernels.parse_points("1x2048, 64x2048") == [(1, 2048), (64, 2048)]
+    assert kernels.parse_points("") == []
+    with pytest.raises(ValueError, match="'64-2048' must be ROWSxCONTEXT"):
+        kernels.parse_points("64-2048")
+
+
+def _fake_result() -> dict:
+    op = {"op": "rmsnorm", "rows": 64, "sets": 128, "min_bytes": 524288, "portable_eager_us": 40.0,
+          "fused_eager_us": 8.0, "portable_graph_us": 14.5, "fused_graph_us": 2.5, "graph_speedup": 5.8,
+          "fused_gb_s": 209.7, "portable_compiles": 0, "fused_compiles": 0, "fused_launched": True}
+    step = {"rows": 64, "bucket": 64, "context": 2048, "graph_ms": 7.45, "eager_ms": 20.1, "roofline_ms": 4.37,
+            "graph_over_roofline": 1.7, "bytes": 1e10}
+    return {"ops": [op], "decode": {"portable": [step], "fused": [dict(step, graph_ms=6.9, graph_over_roofline=1.58)]},
+            "compiles_in_timed_regions": 0, "wall_s": 61.0}
+
+
+def test_emit_writes_one_json_object_and_a_table(tmp_path):
+    out, err = io.StringIO(), io.StringIO()
+    path = tmp_path / "sub" / "kernels.json"
+    kernels.emit(_fake_result(), True, str(path), out, err)
+    printed = json.loads(out.getvalue())  # exactly one JSON document on stdout
+    assert printed == json.loads(path.read_text())
+    assert printed["ops"][0]["fused_graph_us"] == 2.5
+    table = err.getvalue()
+    assert "rmsnorm" in table and "14.5" in table and "7.450 -> 6.900" in table
+    assert "compilations in timed regions: 0" in table
