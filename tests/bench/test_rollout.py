@@ -89,3 +89,74 @@ def test_profile_and_max_model_len_auto(tmp_path):
     assert result["profile"] == "prefill" and result["max_model_len"] == 4096
     assert result["schedules"]["mux"]["repeats"][0]["finished"]
     assert set(result["warmup"]) == {"mux"}
+
+
+_FAKE_VLLM = {
+    "vllm/__init__.py": "__version__ = '0.26.0-standin'\n"
+                        "class SamplingParams:\n    def __init__(self, **kw):\n        self.kw = kw\n"
+                        "def TokensPrompt(prompt_token_ids):\n    return prompt_token_ids\n",
+    "vllm/engine/__init__.py": "",
+    "vllm/engine/arg_utils.py": "class AsyncEngineArgs:\n    def __init__(self, **kw):\n        self.kw = kw\n",
+    "vllm/sampling_params.py": "class RequestOutputKind:\n    DELTA = 1\n",
+    "vllm/v1/__init__.py": "",
+    "vllm/v1/engine/__init__.py": "",
+    "vllm/v1/engine/async_llm.py": (
+        "import asyncio, types\n"
+        "class AsyncLLM:\n"
+        "    @classmethod\n"
+        "    def from_engine_args(cls, args):\n"
+        "        e = cls(); e.budget = args.kw.get('max_num_batched_tokens') or 8192\n"
+        "        e.vllm_config = types.SimpleNamespace(scheduler_config=types.SimpleNamespace(\n"
+        "            max_num_batched_tokens=e.budget, max_num_seqs=1024))\n"
+        "        print('INFO Using FLASH_ATTN backend (stand-in)', flush=True)\n"
+        "        return e\n"
+        "    async def reset_prefix_cache(self):\n"
+        "        return True\n"
+        "    async def generate(self, prompt, sampling_params, request_id):\n"
+        "        n = sampling_params.kw['max_tokens']\n"
+        "        await asyncio.sleep(0.002)\n"
+        "        yield types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[5] * n)], finished=True)\n"
+        "    def shutdown(self):\n"
+        "        pass\n"),
+}
+
+
+def test_vllm_stage_runs_the_peer_in_its_own_process(tmp_path):
+    """The peer's subprocess path end to end with a stand-in `vllm` package on --vllm-site (this
+    checks our orchestration: trace file, environment, JSON merge, table; not vLLM). No schedule
+    of ours runs, so no model is built and the Qwen3 preset's config.json is only written."""
+    site = tmp_path / "site"
+    for rel, text in _FAKE_VLLM.items():
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_text(text)
+    out = tmp_path / "out"
+    code = rollout.main(["--model", "qwen3-30b-a3b-12l", "--device", "cpu", "--conversations", "2",
+                         "--scale", "0.001", "--schedules", "", "--vllm", "--vllm-site", str(site),
+                         "--vllm-budgets", "default,2048", "--vllm-passes", "2", "--deadline-s", "200",
+                         "--out", str(out), "--no-progress"])
+    assert code == 0
+    result = json.loads((out / "rollout.json").read_text())
+    peer = result["vllm"]
+    assert peer.get("ran") and peer["exit"] == 0 and peer["vllm"] == "0.26.0-standin", peer
+    assert set(peer["budgets"]) == {"default", "2048"}
+    assert peer["budgets"]["default"]["chosen"]["max_num_batched_tokens"] == 8192
+    assert len(peer["repeats"]) == 2 and peer["repeats"][0]["requests"] == result["trace"]["requests"]
+    assert peer["repeats"][0]["output_tokens"] == result["trace"]["output_tokens"]
+    assert any("FLASH_ATTN" in line for line in peer["log_lines"])
+    assert (out / "trace.jsonl").exists() and "vllm" in rollout.table(result)
+
+
+def test_ratios_are_medians_over_medians_against_the_peer():
+    result = {"schedules": {n: {"median": {"makespan_s": m, "p99_request_s": p, "mean_ttft_s": t}}
+                            for n, m, p, t in (("off", 10.0, 2.0, 0.1), ("chunked", 8.0, 4.0, 0.2),
+                                               ("mux", 6.0, 1.0, 0.3), ("mux-epoch", 9.0, 1.5, 0.3))},
+              "vllm": {"median": {"makespan_s": 5.0}}, "lower_bound": {"bound_s": 3.0},
+              "sweep": {"4096": {"off": {"finished": True, "report": {"makespan_s": 4.0}},
+                                 "mux": {"finished": True, "report": {"makespan_s": 3.0}}}}}
+    r = rollout.ratios(result)
+    assert r["mux_over_best_baseline"] == pytest.approx(6 / 8)
+    assert r["mux_p99_request_over_best_baseline"] == pytest.approx(1 / 4)  # chunked is the best baseline
+    assert r["mux_ttft_over_off"] == pytest.approx(3.0)
+    assert r["best_over_vllm"] == pytest.approx(6 / 5) and r["mux_over_vllm"] == pytest.approx(6 / 5)
+    assert r["mux_epoch_over_mux"] == pytest.approx(1.5) and r["mux_over_lower_bound"] == pytest.approx(2.0)
+    assert r["mux_over_off@4096"] == pytest.approx(0.75) and r["mux_over_chunked@4096"] is None
