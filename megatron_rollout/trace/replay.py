@@ -34,8 +34,7 @@ from typing import Any, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from megatron_rollout.engine.api import FinishReason, RequestOutput, SamplingParams, Schedule
-from megatron_rollout.engine.api import RequestError
+from megatron_rollout.engine.api import FinishReason, RequestError, RequestOutput, SamplingParams, Schedule
 from megatron_rollout.trace.metrics import ReplayReport, build_report
 from megatron_rollout.trace.schema import ConversationId, TraceRequest, group_conversations, validate_trace
 

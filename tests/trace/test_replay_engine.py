@@ -59,7 +59,8 @@ def test_refused_turn_ends_its_conversation(model):
     assert len(outputs) == 3 and engine.seqs == {}
     short = [o for o in outputs if o.prompt_tokens < 30]  # "long" turn 0 prefilled 30 tokens
     assert len(short) == 2  # the trajectory figure covers only the uncut conversation
-    assert report.p99_trajectory_s == pytest.approx(max(o.times.finish for o in short) - min(o.times.arrival for o in short))
+    span = max(o.times.finish for o in short) - min(o.times.arrival for o in short)
+    assert report.p99_trajectory_s == pytest.approx(span)
 
 
 @pytest.mark.parametrize("schedule", ["off", "chunked"])

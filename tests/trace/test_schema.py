@@ -3,8 +3,14 @@ import logging
 
 import pytest
 
-from megatron_rollout.trace.schema import (TraceError, TraceRequest, group_conversations, load_trace,
-                                           load_trace_lenient, write_trace)
+from megatron_rollout.trace.schema import (
+    TraceError,
+    TraceRequest,
+    group_conversations,
+    load_trace,
+    load_trace_lenient,
+    write_trace,
+)
 
 GOOD = [
     {"conversation": "a", "turn": 0, "input_tokens": 100, "output_tokens": 5, "wait_ms": 0},
@@ -14,7 +20,7 @@ GOOD = [
 
 
 def _write_lines(path, lines):
-    path.write_text("".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines))
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
     return path
 
 
