@@ -273,7 +273,7 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str) -> dict
     setup_s = time.perf_counter() - t0
     # reset in place: the engine's parts hold these objects (assigning new ones would detach them)
     for f in dataclasses.fields(engine.stats):
-        setattr(engine.stats, f.name, f.default)
+        setattr(engine.stats, f.name, f.default if f.default is not dataclasses.MISSING else f.default_factory())
     first_event = len(engine.timeline.events)
     if hasattr(runner, "stats"):
         runner.stats = {k: 0 for k in runner.stats}
