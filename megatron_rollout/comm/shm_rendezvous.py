@@ -103,30 +103,30 @@ class ShmBarrierConfig:
     on a 2-core machine with 2 to 8 ranks (docs/rendezvous.md)."""
 
     spin_us: float | None = None
-    """Busy-wait this long before yielding. None: 20 us when every rank of the group can have a
+    """Busy-wait this long before yielding. None: 5 us when every rank of the group can have a
     core (ranks <= usable CPUs), else 0 (spinning steals the core a late rank needs)."""
-    yield_us: float | None = None
-    """Then `sched_yield` for this long before sleeping on a futex. None: 50 us when ranks fit the
-    CPUs, else 20 us."""
+    yield_us: float = 2000.0
+    """Then `sched_yield` for this long before sleeping on a futex. Long on purpose: once one rank
+    sleeps, every meeting pays a futex wake-up (tens of us on a busy machine) and the ranks take
+    turns sleeping; yielding keeps the waiter runnable without holding a core another rank needs
+    (2 ranks, 2 cores: 2.3 us per meeting with 2 ms of yielding, 50 us with 50 us)."""
     poll_ms: float = 50.0
     """While asleep, wake this often to check whether a missing rank's process is gone."""
     check_dead: bool = True
     """Fail at once (and say so) when a missing rank's process is gone, instead of at the timeout."""
 
     def __post_init__(self) -> None:
-        for name in ("spin_us", "yield_us"):
-            v = getattr(self, name)
-            if v is not None and not v >= 0:
-                raise ValueError(f"ShmBarrierConfig.{name} must be >= 0 or None, got {v!r}")
+        if self.spin_us is not None and not self.spin_us >= 0:
+            raise ValueError(f"ShmBarrierConfig.spin_us must be >= 0 or None, got {self.spin_us!r}")
+        if not self.yield_us >= 0:
+            raise ValueError(f"ShmBarrierConfig.yield_us must be >= 0, got {self.yield_us!r}")
         if not self.poll_ms >= 1:
             raise ValueError(f"ShmBarrierConfig.poll_ms must be >= 1 (ms), got {self.poll_ms!r}")
 
     def resolved(self, nranks: int) -> tuple[float, float]:
         """(spin_us, yield_us) for a group of `nranks` on this machine."""
         fits = nranks <= len(os.sched_getaffinity(0))
-        spin = self.spin_us if self.spin_us is not None else (20.0 if fits else 0.0)
-        yld = self.yield_us if self.yield_us is not None else (50.0 if fits else 20.0)
-        return spin, yld
+        return (self.spin_us if self.spin_us is not None else (5.0 if fits else 0.0)), self.yield_us
 
 
 class Absence(NamedTuple):
