@@ -1,0 +1,90 @@
+"""Multi-turn sessions (`engine/session.py`): turns prefill only what is new, closed sessions refuse
+everything, idle sessions lose their KV under pressure and recompute it."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_rollout.engine import FinishReason, RequestError, SamplingParams, SessionClosed
+
+from .common import ABORT_PARAMS, SCHEDULES, SMALL, assert_same, drain, prompts, reference
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_session_turns_prefill_only_new_tokens(make_engine, qwen, schedule):
+    _, model = qwen
+    system, tool = prompts([10, 5], seed=14)
+    params = SamplingParams(temperature=0.0, max_new_tokens=4)
+    engine = make_engine(model, schedule=schedule, **SMALL)
+    session = engine.open_session()
+    session.append(system)
+    first = session.generate(params)
+    assert engine.stats.prefill_tokens == 10
+    # Another request between the turns must not disturb the session's KV.
+    other = engine.generate(prompts([9], seed=15), params)
+    before = engine.stats.prefill_tokens
+    session.append(tool)
+    rid = session.submit(params)
+    out = engine.run_until([rid])[rid]
+    # The new tokens and the last sampled token (whose K/V was never computed) are prefilled.
+    assert out.prompt_tokens == len(tool) + 1
+    assert engine.stats.prefill_tokens - before == len(tool) + 1
+    context = system + first.token_ids + tool
+    assert session.token_ids == context + out.result.token_ids
+    assert_same([out.result], reference(make_engine, model, [context], params))
+    assert_same(other, reference(make_engine, model, prompts([9], seed=15), params))
+    held = len(engine.pool.table(session.sid))
+    assert held == engine.pool.blocks_for(len(session.token_ids) - 1) and engine.pool.num_free == 64 - held
+    session.close()
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_closed_session_refuses_everything(make_engine, qwen):
+    _, model = qwen
+    engine = make_engine(model, **SMALL)
+    session = engine.open_session()
+    session.append([1, 2, 3])
+    rid = session.submit(ABORT_PARAMS)
+    engine.step()
+    session.close()  # closing a generating session aborts its request
+    assert engine.step()[0].result.finish_reason is FinishReason.ABORT and rid not in engine.requests
+    session.close()  # idempotent
+    for call in (lambda: session.append([4]), lambda: session.submit(), lambda: session.generate()):
+        with pytest.raises(SessionClosed, match=f"session {session.sid} is closed"):
+            call()
+    assert engine.pool.num_free == engine.pool.num_blocks and session.sid not in engine.seqs
+
+
+def test_session_rules(make_engine, qwen):
+    _, model = qwen
+    engine = make_engine(model, **SMALL)
+    session = engine.open_session()
+    with pytest.raises(RequestError, match="append tokens first"):
+        session.submit()
+    session.append([1, 2])
+    session.submit(ABORT_PARAMS)
+    with pytest.raises(RequestError, match="is generating"):
+        session.append([3])
+    with pytest.raises(RequestError, match="already has request"):
+        session.submit(ABORT_PARAMS)
+    drain(engine)
+    session.append([3])  # after it finished: fine
+    assert session.generate(ABORT_PARAMS).finish_reason is FinishReason.LENGTH
+
+
+def test_idle_sessions_lose_their_kv_under_pressure_and_recompute_it(make_engine, qwen):
+    _, model = qwen
+    params = SamplingParams(temperature=0.0, max_new_tokens=4)
+    engine = make_engine(model, block_size=4, num_blocks=8, max_batch_tokens=32)
+    session = engine.open_session()
+    context = prompts([14], seed=16)[0]
+    session.append(context)
+    first = session.generate(params)
+    assert len(engine.pool.table(session.sid)) == 5
+    big = engine.generate(prompts([20], seed=17), params)  # needs 6 of the 8 blocks
+    assert big[0].finish_reason is FinishReason.LENGTH
+    assert engine.pool.table(session.sid) == []  # evicted for it
+    before = engine.stats.prefill_tokens
+    second = session.generate(params)
+    assert engine.stats.prefill_tokens - before == len(context) + len(first.token_ids)
+    assert_same([second], reference(make_engine, model, [context + first.token_ids], params))
+    session.close()
