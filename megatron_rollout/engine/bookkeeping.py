@@ -215,8 +215,10 @@ class RequestTable:
         return req.finish(reason, error)
 
     def unblock(self) -> list[RequestOutput]:  # local only: changes no collective
-        """Nothing fits: evict idle sessions' KV, or refuse the oldest request if even an empty
-        pool cannot hold it."""
+        """Nothing fits: free KV, the least costly first: an idle session's (least recently used),
+        then cached prefixes that waiting requests picked up, then the youngest half-finished
+        prefill's (preempted: it recomputes later). A request is refused only when nothing else
+        holds a block and it still does not fit, which `submit` already rules out."""
         idle = sorted((s for s in self.seqs.values() if s.request is None and self.pool.table(s.sid)),
                       key=lambda s: s.last_used)
         if idle:
@@ -231,8 +233,16 @@ class RequestTable:
             self.pool.uncache(b for b in blocks if self.pool.refcount[b] == 0)
         if holders:
             return []
+        halfway = [r for r in self.requests.values() if r.stage is Stage.PREFILL and self.pool.table(r.seq.sid)]
+        if halfway:
+            self.preempt([max(halfway, key=lambda r: r.order).rid])
+            return []
         oldest = min(self.requests.values(), key=lambda r: r.order)
-        return [self.finish(oldest, FinishReason.ERROR, f"request {oldest.rid} does not fit in the KV pool")]
+        need = self.pool.blocks_for(len(oldest.seq.tokens))
+        return [self.finish(oldest, FinishReason.ERROR,
+                            f"request {oldest.rid} does not fit in the KV pool: its {len(oldest.seq.tokens)}-token "
+                            f"context needs {need} blocks and {self.pool.num_free} of {self.pool.num_blocks} are "
+                            f"free with no other request or session holding any; raise EngineConfig.num_blocks")]
 
     # -- a forward in flight across steps --------------------------------------------------------
     def begin_in_flight(self, owners: Iterable[SampleOwner]) -> None:

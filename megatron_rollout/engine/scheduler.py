@@ -3,11 +3,14 @@
 Every rank can run `plan_step` on the same gathered state and get the same plan, so plans agree
 without a leader (DESIGN.md §7). The rules:
 1. Decode first: every decode row that fits gets its next position, oldest first; when KV runs
-   short the youngest decode rows are preempted (their blocks freed, recomputed later), never
-   dropped. A request mid-prefill in a `mux` epoch is never preempted: its blocks are reserved.
+   short the youngest requests younger than the row are preempted (their blocks freed, recomputed
+   later), never dropped: decode rows, and under `chunked` half-finished prefills. A request
+   mid-prefill in a `mux` epoch is never preempted: its blocks are reserved.
 2. Then prefill, into what is left: `chunked` packs prefill chunks into the decode step's token
-   budget; `off` and `mux` admit whole prompts as one prefill batch (an *epoch*); `off` runs it
-   alone before decode resumes, `mux` interleaves it with decode iterations (the engine's job).
+   budget, and a prefill cut short by KV ends the step's admissions (a second half-finished
+   prefill beside it would only take the blocks it waits for); `off` and `mux` admit whole prompts
+   as one prefill batch (an *epoch*); `off` runs it alone before decode resumes, `mux` interleaves
+   it with decode iterations (the engine's job).
 3. Requests whose prompt shares its first block with a prompt being prefilled wait, so they can
    reuse its blocks from the prefix cache instead of computing them again (GRPO groups).
 """
@@ -97,6 +100,9 @@ def plan_step(state: SchedulerState, cfg: SchedulerConfig) -> StepPlan:
     free = state.free_blocks
     by_age = sorted(state.seqs, key=lambda s: s.order)
     decoding = [s for s in by_age if s.stage is Stage.DECODE]
+    # `chunked` keeps a half-finished prefill's blocks across steps: a decode row may take them.
+    chunked = cfg.schedule is Schedule.CHUNKED
+    halfway = [s for s in by_age if s.stage is Stage.PREFILL and s.freeable] if chunked else []
 
     rows: list[SeqView] = []
     preempt: list[int] = []
@@ -104,8 +110,10 @@ def plan_step(state: SchedulerState, cfg: SchedulerConfig) -> StepPlan:
     while queue and len(rows) < cfg.max_decode_rows:
         seq = queue.pop(0)
         need = _blocks(seq.tokens, bs) - seq.blocks
-        while need > free and queue:  # make room by preempting the youngest
-            victim = queue.pop()
+        while need > free:  # make room by preempting the youngest of those younger than this row
+            victim = _youngest(queue, halfway, younger_than=seq.order)
+            if victim is None:
+                break
             preempt.append(victim.rid)
             free += victim.freeable
         if need <= free:
@@ -114,6 +122,9 @@ def plan_step(state: SchedulerState, cfg: SchedulerConfig) -> StepPlan:
         else:
             preempt.append(seq.rid)
             free += seq.freeable
+    if preempt:
+        gone = set(preempt)
+        by_age = [s for s in by_age if s.rid not in gone]
 
     if cfg.schedule is Schedule.OFF:
         prefill = _admit_whole(by_age, free, cfg, reserve=0)
@@ -126,6 +137,15 @@ def plan_step(state: SchedulerState, cfg: SchedulerConfig) -> StepPlan:
         return StepPlan(decode=tuple(s.rid for s in rows), prefill=prefill, preempt=tuple(preempt))
     prefill = _admit_chunks(by_age, free, cfg, budget=cfg.max_batch_tokens - len(rows), reserve=len(rows))
     return StepPlan(decode=tuple(s.rid for s in rows), prefill=prefill, preempt=tuple(preempt))
+
+
+def _youngest(queue: list[SeqView], halfway: list[SeqView], younger_than: int) -> SeqView | None:
+    """Pop the youngest preemption victim younger than `younger_than`: the last decode row still
+    queued (all of them are younger) or the last half-finished prefill, whichever is younger."""
+    last_prefill = halfway[-1] if halfway and halfway[-1].order > younger_than else None
+    if queue and (last_prefill is None or queue[-1].order > last_prefill.order):
+        return queue.pop()
+    return halfway.pop() if last_prefill is not None else None
 
 
 def _candidates(by_age: list[SeqView]) -> list[SeqView]:
@@ -171,4 +191,6 @@ def _admit_chunks(by_age: list[SeqView], free: int, cfg: SchedulerConfig, budget
         free -= need
         if seq.prefix_key is not None:
             keys.add(seq.prefix_key)
+        if n == fits < seq.tokens - seq.computed:
+            break  # cut short by KV: younger prompts would take the blocks this one waits for
     return tuple(admitted)

@@ -208,7 +208,10 @@ def test_plans_respect_their_invariants(state, schedule, budget, rows):
     # Each request appears at most once, in a role its stage allows.
     roles = len(plan.decode) + len(prefill) + len(plan.preempt)
     assert len(set(plan.decode) | set(prefill) | set(plan.preempt)) == roles
-    assert all(by_rid[r].stage is D for r in plan.decode + plan.preempt)
+    assert all(by_rid[r].stage is D for r in plan.decode)
+    # Preempted: decode rows, and under `chunked` half-finished prefills (which then get no chunk).
+    assert all(by_rid[r].stage is D or (schedule is Schedule.CHUNKED and by_rid[r].stage is P) for r in plan.preempt)
+    assert not set(plan.preempt) & set(prefill)
     assert all(by_rid[r].stage is not D for r in prefill)
     assert len(plan.decode) <= rows
     # Decode rows go oldest first; every preempted row is younger than every row kept, except a
