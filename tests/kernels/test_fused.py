@@ -2,8 +2,8 @@
 
 Each kernel is compared with its reference (the model's own forward code) on fresh random bf16
 inputs, with the outputs poisoned (NaN, -1) before the run so an unwritten element fails:
-- `rmsnorm`, `add_rmsnorm`: the sum `h + delta` bit for bit; the norm within 2 bf16 ulps per
-  element, normwise rel err < 2e-3, and at least 99% of elements bitwise equal (only the fp32
+- `rmsnorm`, `add_rmsnorm`: the sum `h + delta` bit for bit; the norm within 3 bf16 ulps per
+  element (one ulp of `x * rsqrt(..)` moved by a different fp32 sum, then the weight product), normwise rel err < 2e-3, and at least 99% of elements bitwise equal (only the fp32
   order of the mean of squares differs);
 - `qkv_norm_rope`: v bit for bit; without QK-norm q and k bit for bit (elementwise only); with it
   normwise rel err < 2e-3 and >= 99% bitwise equal;
@@ -61,8 +61,11 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _within_ulps(a: torch.Tensor, b: torch.Tensor, ulps: int) -> bool:
+    """|a - b| <= ulps bf16 units in the last place of the larger of the two, elementwise."""
     a, b = a.float(), b.float()
-    return bool(((a - b).abs() <= torch.maximum(a.abs(), b.abs()) * (ulps * 2.0 ** -8) + 1e-30).all())
+    _, exp = torch.frexp(torch.maximum(a.abs(), b.abs()))
+    ulp = torch.ldexp(torch.ones_like(a), exp - 8)  # bf16 keeps 8 significant bits
+    return bool(((a - b).abs() <= ulps * ulp).all())
 
 
 def _gen(device: str, seed: int) -> torch.Generator:
@@ -102,7 +105,7 @@ def test_rmsnorm_matches_reference(device, rows, hidden):
     ref = fused.rmsnorm_ref(x, w, eps)
     assert _launched("rmsnorm", before) == 1 and y.data_ptr() == out.data_ptr()
     assert not y.isnan().any()
-    assert _rel(y, ref) < 2e-3 and _within_ulps(y, ref, 2) and _same(y, ref) >= 0.99, (_rel(y, ref), _same(y, ref))
+    assert _rel(y, ref) < 2e-3 and _within_ulps(y, ref, 3) and _same(y, ref) >= 0.99, (_rel(y, ref), _same(y, ref))
 
 
 @pytest.mark.parametrize("device,rows,hidden", _cases(NORM_GPU, NORM_INTERP))
@@ -117,7 +120,7 @@ def test_add_rmsnorm_matches_reference(device, rows, hidden):
     assert torch.equal(got.h, ref.h)  # one bf16 add: bit for bit
     y = got.normed
     assert not y.isnan().any()
-    assert _rel(y, ref.normed) < 2e-3 and _within_ulps(y, ref.normed, 2) and _same(y, ref.normed) >= 0.99
+    assert _rel(y, ref.normed) < 2e-3 and _within_ulps(y, ref.normed, 3) and _same(y, ref.normed) >= 0.99
 
 
 # (tokens, groups, heads per group, head dim)
@@ -265,6 +268,28 @@ def test_fused_model_greedy_matches_in_the_interpreter():
     got = _greedy_agreement(TINY.replace(dtype="bfloat16"), "cpu", 3, steps=6)
     assert got["rel"] < 1e-2 and got["ties"] <= 1 and got["equal"] >= 5, got
     assert all(n > 0 for n in got["launches"].values()), got
+
+
+@pytest.mark.parametrize("device", [CUDA, INTERP])
+def test_autograd_falls_back_to_the_references(device):
+    """A trainer sharing the model: with gradients needed every fused op runs the reference, so the
+    loss and every gradient equal the unfused model's (bit for bit on CPU)."""
+    cfg = TINY.replace(dtype="bfloat16")
+    ref = MoETransformer(cfg).init_weights(6).to(device)
+    fast = copy.deepcopy(ref)
+    fused.install_fused_ops(fast, "triton")
+    ids = torch.randint(0, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(6)).to(device)
+    before = dict(fused.LAUNCHES)
+    losses = [m.token_logprobs(ids).sum() for m in (ref, fast)]
+    for loss in losses:
+        loss.backward()
+    # CPU: bit for bit; CUDA: backward's atomic adds may sum in another order
+    same = torch.equal if device == "cpu" else (lambda a, b: _rel(a, b) < 1e-2)
+    assert fused.LAUNCHES == before and same(losses[0], losses[1])
+    grads = {n: p.grad for n, p in ref.named_parameters()}  # None for experts no token chose
+    assert sum(g is not None for g in grads.values()) > len(grads) // 2
+    for name, p in fast.named_parameters():
+        assert (p.grad is None and grads[name] is None) or same(p.grad, grads[name]), name
 
 
 @pytest.mark.gpu
