@@ -3,8 +3,8 @@
 Each kernel is compared with its reference (the model's own forward code) on fresh random bf16
 inputs, with the outputs poisoned (NaN, -1) before the run so an unwritten element fails:
 - `rmsnorm`, `add_rmsnorm`: the sum `h + delta` bit for bit; the norm within 3 bf16 ulps per
-  element (one ulp of `x * rsqrt(..)` moved by a different fp32 sum, then the weight product), normwise rel err < 2e-3, and at least 99% of elements bitwise equal (only the fp32
-  order of the mean of squares differs);
+  element (one ulp of `x * rsqrt(..)` moved by a differently ordered fp32 mean of squares, then
+  the weight product), normwise rel err < 2e-3, and at least 99% of elements bitwise equal;
 - `qkv_norm_rope`: v bit for bit; without QK-norm q and k bit for bit (elementwise only); with it
   normwise rel err < 2e-3 and >= 99% bitwise equal;
 - `router_topk`: ids equal to `torch.topk`'s except on near-ties (rows whose chosen experts' exact
