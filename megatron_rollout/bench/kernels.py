@@ -15,8 +15,8 @@ kernel saves and what the whole step gains, in one call that finishes in about a
    positions by default) with and without `install_fused_ops`, against the memory roofline.
 
 Triton compilations are counted over every timed region (`bench.compiles`); each region is
-warmed first, so the count must be 0. One JSON object on stdout (`--json`) or in `--out`, and a
-short table on stderr. Random bf16 inputs (never zeros). Left out: a per-kernel profiler
+warmed first, so the count must be 0. One JSON object on stdout (`--json`) and/or in `--out`, then
+a short table on stderr. Random bf16 inputs (never zeros). Left out: a per-kernel profiler
 breakdown of the whole step and multi-GPU.
 """
 from __future__ import annotations
@@ -249,15 +249,16 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def emit(result: dict[str, Any], as_json: bool, out: str | None, stdout: TextIO, stderr: TextIO) -> None:
-    """The table on stderr; the JSON object on stdout (`as_json`) and/or in the file `out`."""
+    """The JSON object on stdout (`as_json`) and/or in the file `out`, then the table on stderr (last,
+    so that the end of the output shows it)."""
     text = json.dumps(result, default=str)
     if out:
         path = Path(out)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text + "\n")
-    print(format_table(result), file=stderr)
     if as_json:
-        print(text, file=stdout)
+        print(text, file=stdout, flush=True)
+    print(format_table(result), file=stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
