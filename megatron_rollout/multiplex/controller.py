@@ -32,7 +32,27 @@ class BoundaryError(ValueError):
         if reason not in REASONS:
             raise ValueError(f"unknown boundary rejection reason {reason!r}; known: {sorted(REASONS)}")
         self.epoch, self.boundary_id, self.reason = epoch, boundary_id, reason
+        self.rank: int | None = None
+        self.last: int | None = None
+        self.permitted: int | None = None
         super().__init__(f"boundary {boundary_id} of epoch {epoch} rejected ({reason}): {detail}")
+
+    @classmethod
+    def rejected(cls, epoch: int, boundary_id: int, reason: str, last: int, permitted: int,
+                 rank: int | None = None) -> "BoundaryError":
+        """The controller's error for `reason`, built from ints only, so that every rank can raise
+        the identical error from a rendezvous payload (`rank`: the rank whose controller rejected)."""
+        detail = {
+            "stale": "no epoch is open",
+            "duplicate": f"boundary {last} was already published",
+            "nonmonotone": f"ids start at 1 and increase; last published is {last}",
+            "missing": f"expected {last + 1}; boundaries {last + 1}..{boundary_id - 1} were skipped",
+            "over-permitted": f"the permitted endpoint is {permitted}",
+        }.get(reason, "")
+        where = "" if rank is None else f"rank {rank}'s P forward: "
+        err = cls(epoch, boundary_id, reason, where + detail)
+        err.rank, err.last, err.permitted = rank, last, permitted
+        return err
 
 
 class ProtocolError(RuntimeError):
@@ -149,16 +169,9 @@ class BoundaryController:
         if epoch != self._epoch:
             now = "no epoch is open" if self._epoch is None else f"the open epoch is {self._epoch}"
             raise BoundaryError(epoch, boundary_id, "stale", now)
-        last = self._last
-        if boundary_id == last and last > 0:
-            raise BoundaryError(epoch, boundary_id, "duplicate", f"boundary {last} was already published")
-        if boundary_id <= last:
-            raise BoundaryError(epoch, boundary_id, "nonmonotone",
-                                f"ids start at 1 and increase; last published is {last}")
-        if boundary_id > last + 1:
-            raise BoundaryError(epoch, boundary_id, "missing",
-                                f"expected {last + 1}; boundaries {last + 1}..{boundary_id - 1} were skipped")
-        if boundary_id > self._permitted:
-            raise BoundaryError(epoch, boundary_id, "over-permitted",
-                                f"the permitted endpoint is {self._permitted}")
+        last, permitted = self._last, self._permitted
+        reason = ("duplicate" if boundary_id == last and last > 0 else "nonmonotone" if boundary_id <= last
+                  else "missing" if boundary_id > last + 1 else "over-permitted" if boundary_id > permitted else None)
+        if reason is not None:
+            raise BoundaryError.rejected(epoch, boundary_id, reason, last, permitted)
         self._last = boundary_id

@@ -43,12 +43,12 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 from megatron_rollout.forward import BoundaryPoint
-from megatron_rollout.multiplex.controller import BoundaryController
+from megatron_rollout.multiplex.controller import REASONS, BoundaryController, BoundaryError
 from megatron_rollout.multiplex.policy import SegmentLoad, SegmentPolicy
 from megatron_rollout.multiplex.rendezvous import RendezvousBase
 from megatron_rollout.multiplex.routing import Router
@@ -56,6 +56,8 @@ from megatron_rollout.multiplex.routing import Router
 logger = logging.getLogger(__name__)
 
 R = TypeVar("R")
+
+_REASON_CODES = tuple(sorted(REASONS))  # a rejection crosses the rendezvous as 1 + its index here
 
 
 class TurnstileDivergence(RuntimeError):
@@ -98,9 +100,11 @@ class _Epoch:
     forward: Generator
     total_boundaries: int | None
     prefill_tokens: int
+    ids: dict[BoundaryPoint, int] | None = None  # the forward's boundary plan: point -> id
     rounds: int = 0
     finished: bool = False  # this rank's P forward returned
     result: object = None
+    fault: tuple[int, int, int, int] = (0, 0, 0, 0)  # a rejected publish: (id, reason code, last, permitted)
 
 
 class Turnstile:
@@ -147,18 +151,34 @@ class Turnstile:
 
     def run_epoch(self, epoch: int, p_forward: Generator[BoundaryPoint, None, R],
                   decode_iteration: Callable[[], None], decode_rows: Callable[[], int], *,
-                  total_boundaries: int | None = None, prefill_tokens: int = 0) -> R:
+                  total_boundaries: int | None = None, prefill_tokens: int = 0,
+                  boundaries: Sequence[BoundaryPoint] | None = None) -> R:
         """Run P's forward to its end with D iterations interleaved; return the forward's result.
 
         `total_boundaries` (optional) is how many boundaries `p_forward` yields; it lets
-        `LoadSelected` release the whole rest in one span and is checked against what P yields."""
-        self.begin(epoch, p_forward, total_boundaries=total_boundaries, prefill_tokens=prefill_tokens)
+        `LoadSelected` release the whole rest in one span and is checked against what P yields.
+        `boundaries` (optional) is the forward's boundary plan, the points it yields in order: each
+        yielded point is then published as its position in the plan (1-based), so the controller
+        sees the forward's real sequence and rejects a skipped or repeated boundary; without it,
+        the k-th yield is published as id k. It implies `total_boundaries`."""
+        self.begin(epoch, p_forward, total_boundaries=total_boundaries, prefill_tokens=prefill_tokens,
+                   boundaries=boundaries)
         while not self.round(decode_iteration, decode_rows):
             pass
         return self.result  # type: ignore[return-value]
 
     def begin(self, epoch: int, p_forward: Generator[BoundaryPoint, None, object], *,
-              total_boundaries: int | None = None, prefill_tokens: int = 0) -> None:
+              total_boundaries: int | None = None, prefill_tokens: int = 0,
+              boundaries: Sequence[BoundaryPoint] | None = None) -> None:
+        ids = None
+        if boundaries is not None:
+            ids = {point: i + 1 for i, point in enumerate(boundaries)}
+            if len(ids) != len(boundaries):
+                raise ValueError(f"the boundary plan of epoch {epoch} names a point twice: {list(boundaries)}")
+            if total_boundaries is None:
+                total_boundaries = len(ids)
+            elif total_boundaries != len(ids):
+                raise ValueError(f"total_boundaries={total_boundaries} but the boundary plan has {len(ids)} points")
         if total_boundaries is not None and (type(total_boundaries) is not int or total_boundaries < 0):
             raise ValueError(f"total_boundaries must be a non-negative int or None, got {total_boundaries!r}")
         if type(prefill_tokens) is not int or prefill_tokens < 0:
@@ -167,7 +187,7 @@ class Turnstile:
             raise RuntimeError(f"begin({epoch}): epoch {self._epoch.number} is still running")
         self.controller.begin_epoch(epoch)
         with self._lock:
-            self._epoch = _Epoch(epoch, p_forward, total_boundaries, prefill_tokens)
+            self._epoch = _Epoch(epoch, p_forward, total_boundaries, prefill_tokens, ids)
             self._cancel, self.result = False, None
 
     def round(self, decode_iteration: Callable[[], None], decode_rows: Callable[[], int]) -> bool:
@@ -189,12 +209,18 @@ class Turnstile:
         ctl, epoch = self.controller, ep.number
         t_start = time.time()
         published = ctl.last_published
-        pre = self.rendezvous.meet(epoch, published, "pre-D", (published, int(ep.finished), int(self._cancel)))
-        self._agree(epoch, ep.rounds + 1, "pre-D", [(p[0], p[1]) for p in pre], ("boundaries", "finished"))
+        pre = self.rendezvous.meet(epoch, published, "pre-D", (published, int(ep.finished), int(self._cancel),
+                                                               *ep.fault))
+        # A rank whose controller rejected a boundary tells every rank here; all raise the same error.
+        for r, p in zip(self.rendezvous.ranks, pre):
+            if p[4]:
+                raise BoundaryError.rejected(epoch, p[3], _REASON_CODES[p[4] - 1], p[5], p[6], rank=r)
+        if len({p[0] for p in pre}) > 1:  # `finished` may differ (a rank still polling); boundaries may not
+            self._agree(epoch, ep.rounds + 1, "pre-D", [(p[0], p[1]) for p in pre], ("boundaries", "finished"))
         cancellers = [r for r, p in zip(self.rendezvous.ranks, pre) if p[2]]
         if cancellers:
             raise EpochCancelled(epoch, ep.rounds, published, cancellers)
-        if ep.finished:
+        if all(p[1] for p in pre):  # a rank whose device still finishes P's tail polls on (see _run_segments)
             if ep.total_boundaries is not None and published != ep.total_boundaries:
                 raise TurnstileDivergence(f"epoch {epoch}: P yielded {published} boundaries, "
                                           f"total_boundaries said {ep.total_boundaries}")
@@ -227,9 +253,17 @@ class Turnstile:
         return False
 
     def _run_segments(self, ep: _Epoch) -> None:
-        """Resume P until the permitted endpoint or its end."""
+        """Resume P once per permitted boundary (as every rank does), publishing each yield.
+
+        A publish the controller rejects does not stop P here: this rank keeps resuming as often
+        as its peers do in this round (so the collectives after each boundary still pair up) and
+        reports the rejection at the next pre-D rendezvous, where every rank raises it. A yield
+        with a negative layer (an asynchronous runner's completion poll, `cuda_runner.COMPLETION`)
+        is not a boundary: it ends this round's P so D can run while the device finishes P."""
         ctl, total = self.controller, ep.total_boundaries
-        while ctl.may_run_next_segment():
+        if ep.finished:
+            return
+        for _ in range(ctl.permitted - ctl.last_published):
             try:
                 point = next(ep.forward)
             except StopIteration as stop:
@@ -238,7 +272,23 @@ class Turnstile:
             if not isinstance(point, BoundaryPoint):
                 raise TypeError(f"P forward yielded {point!r} at boundary {ctl.last_published + 1} of epoch "
                                 f"{ep.number}; it must yield BoundaryPoint")
-            ctl.publish(ep.number, ctl.last_published + 1)
+            if point.layer < 0:
+                return
+            if ep.fault[1]:
+                continue  # already rejected: keep pace with the peers, publish nothing
+            if ep.ids is None:
+                boundary = ctl.last_published + 1
+            elif point in ep.ids:
+                boundary = ep.ids[point]
+            else:
+                raise TurnstileDivergence(f"epoch {ep.number}: P yielded {point}, which is not in its boundary "
+                                          f"plan {list(ep.ids)}; the plan and the forward disagree")
+            try:
+                ctl.publish(ep.number, boundary)
+            except BoundaryError as err:
+                logger.error("rank %d: %s (P yielded %s)", self.rendezvous.rank, err, point)
+                ep.fault = (boundary, _REASON_CODES.index(err.reason) + 1, ctl.last_published, ctl.permitted)
+                continue
             if total is not None and ctl.last_published > total:
                 raise TurnstileDivergence(f"epoch {ep.number}: P yielded boundary {ctl.last_published} ({point}) "
                                           f"but total_boundaries is {total}")
