@@ -32,6 +32,8 @@ without it runs as before; `uninstall_fused_ops` removes them. Backends: "triton
 on CPU only under `TRITON_INTERPRET=1`) and "torch" (the same wiring over the reference ops, so the
 wiring itself is tested on CPU: bit-identical to the unfused model). Every fused op falls back to
 the reference when autograd needs it, the dtype is not bf16, or the shapes do not fit the kernels.
+On CUDA, installing first runs `self_check` (each kernel once at the model's sizes against its
+reference): a kernel that does not build or disagrees on the device leaves the model portable.
 
 Left out: fp16/fp32 kernels, fusing the RoPE output into the KV store, the token permutation of
 `kernels.moe`, and backward passes (inference only).
@@ -502,13 +504,67 @@ def _make_ops(model: torch.nn.Module, backend: str) -> tuple[TorchOps | None, st
     return TritonOps(), ""
 
 
-def install_fused_ops(model: torch.nn.Module, backend: str = "auto") -> dict:
+def self_check(model: torch.nn.Module, ops: TorchOps, rows: int = 16, tol: float = 1e-2) -> str | None:
+    """Run each op once on random inputs at the model's sizes (this compiles the kernels) and compare
+    with the reference. Returns None when all agree, else what failed: a kernel that does not build
+    or disagrees on this device is then not installed, and the model keeps its portable path."""
+    first = next((m for m in model.modules() if isinstance(m, TransformerLayer)), None)
+    router = next((m for m in model.modules() if isinstance(m, Router)), None)
+    if first is None:
+        return None
+    norm, attn = first.input_layernorm, first.self_attention
+    dev, dt = norm.weight.device, norm.weight.dtype
+    gen = torch.Generator(device=dev).manual_seed(0)
+    h = (torch.randn(rows, norm.weight.shape[0], device=dev, generator=gen)).to(dt)
+    delta = (torch.randn(rows, norm.weight.shape[0], device=dev, generator=gen)).to(dt)
+    d, groups, per = attn.cfg.kv_channels, attn.groups, attn.per_group
+    qkv = torch.randn(rows, groups * (per + 2) * d, device=dev, generator=gen).to(dt)
+    rope = rope_tables(torch.arange(rows, device=dev) * 37, d, attn.cfg.rotary_base, dt)
+    ref = TorchOps()
+    checks = [("rmsnorm", lambda o: (o.rmsnorm(norm, h),)),
+              ("add_rmsnorm", lambda o: tuple(o.add_rmsnorm(norm, h, delta))),
+              ("qkv_norm_rope", lambda o: tuple(o.qkv(attn, qkv, rope)))]
+    if router is not None:
+        x = torch.randn(rows, router.weight.shape[1], device=dev, generator=gen).to(dt)
+        checks.append(("router_topk", lambda o: tuple(o.router(router, x))))
+    with torch.no_grad():
+        for name, run in checks:
+            try:
+                got = run(ops)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+            except Exception as exc:  # a kernel that does not build here: keep the portable path
+                return f"{name} failed: {type(exc).__name__}: {exc}"
+            for g, r in zip(got, run(ref)):
+                if g.shape != r.shape or g.dtype != r.dtype:
+                    return f"{name}: got {g.dtype} {tuple(g.shape)}, expected {r.dtype} {tuple(r.shape)}"
+                if not g.is_floating_point():  # router ids: near-ties may swap a few
+                    agree = float((g == r).double().mean())
+                    if agree < 0.9:
+                        return f"{name}: only {agree:.0%} of the expert ids agree with the reference"
+                    continue
+                err = float((g.double() - r.double()).norm() / r.double().norm().clamp_min(1e-30))
+                if not err < tol:  # NaN fails too
+                    return f"{name}: rel err {err:.2e} against the reference (tolerance {tol:g})"
+    return None
+
+
+def install_fused_ops(model: torch.nn.Module, backend: str = "auto", verify: bool | None = None) -> dict:
     """Swap the fused ops into a built `MoETransformer` (idempotent; `uninstall_fused_ops` undoes).
 
     "auto" installs the Triton kernels for a bf16 model on CUDA and nothing otherwise; "triton"
     forces them (CPU only under TRITON_INTERPRET=1); "torch" installs the same wiring over the
-    reference ops. Returns what was done: backend, installed, per-kind module counts, reason."""
+    reference ops. `verify` (default: on CUDA) runs `self_check` first and installs nothing if a
+    kernel fails to build or disagrees. Returns what was done: backend, installed, per-kind module
+    counts, reason."""
     ops, reason = _make_ops(model, backend)
+    if ops is not None and isinstance(ops, TritonOps):
+        if verify is None:
+            verify = next(model.parameters()).device.type == "cuda"
+        failure = self_check(model, ops) if verify else None
+        if failure is not None:
+            log.warning("fused ops not installed, the portable path stays: %s", failure)
+            ops, reason = None, failure
     if ops is None:
         log.info("fused ops not installed: %s", reason)
         return {"backend": "none", "installed": False, "reason": reason}
@@ -522,7 +578,8 @@ def install_fused_ops(model: torch.nn.Module, backend: str = "auto") -> dict:
     model._fused_ops = ops
     model.step = types.MethodType(_step, model)
     log.info("fused ops (%s) installed: %s", ops.name, counts)
-    return {"backend": ops.name, "installed": True, "modules": counts, "step": True, "reason": reason}
+    return {"backend": ops.name, "installed": True, "modules": counts, "step": True, "reason": reason,
+            "verified": bool(verify)}
 
 
 def uninstall_fused_ops(model: torch.nn.Module) -> int:

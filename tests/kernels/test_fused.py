@@ -414,6 +414,31 @@ def test_kernels_fall_back_to_the_references_where_they_cannot_run():
     assert fused.LAUNCHES == before  # CPU without the interpreter: no kernel ran
 
 
+class _WrongNorm(fused.TorchOps):
+    def rmsnorm(self, norm, x):
+        return super().rmsnorm(norm, x) * 1.1
+
+
+class _BrokenRouter(fused.TorchOps):
+    def router(self, router, x):
+        raise RuntimeError("no kernel image is available")
+
+
+def test_self_check_catches_a_wrong_or_failing_kernel():
+    model = MoETransformer(TINY.replace(dtype="bfloat16")).init_weights(0)
+    assert fused.self_check(model, fused.TorchOps()) is None
+    assert fused.self_check(model, _WrongNorm()).startswith("rmsnorm: rel err")
+    assert "router_topk failed: RuntimeError: no kernel image" in fused.self_check(model, _BrokenRouter())
+
+
+@pytest.mark.interpret
+@pytest.mark.skipif(not _INTERPRET, reason="needs TRITON_INTERPRET=1 and triton")
+def test_install_verifies_the_kernels_in_the_interpreter():
+    report = fused.install_fused_ops(MoETransformer(TINY.replace(dtype="bfloat16")).init_weights(0), "triton",
+                                     verify=True)
+    assert report["installed"] and report["verified"], report
+
+
 @pytest.mark.skipif(fused.triton_available(), reason="Triton is installed here")
 def test_triton_backend_without_triton_names_the_install():
     with pytest.raises(ImportError, match="pip install triton"):
