@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megatron-rollout {args.command}: error: {exc}", file=sys.stderr)
         return 2
     if report is not None:  # rank 0
-        print(json.dumps(report) if args.json else _human(report))
+        print(json.dumps(report, allow_nan=False) if args.json else _human(report))  # NaN is not JSON
     return 0
 
 

@@ -91,6 +91,11 @@ class Runtime:
         from megatron_rollout.comm.groups import ParallelLayout
         from megatron_rollout.multiplex.routing import ConflictRegistry, PhaseStreams, Router
 
+        if not 0 < timeout_s < float("inf"):
+            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
+        if dist.is_initialized() and dist.get_world_size() != atp * adp:
+            raise ValueError(f"the process group has {dist.get_world_size()} ranks but ATP {atp} x ADP {adp} = "
+                             f"{atp * adp}: the layout must cover every rank exactly once")
         dev = torch.device(device)
         if dev.type == "cuda":
             dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -99,6 +104,9 @@ class Runtime:
             if "WORLD_SIZE" not in os.environ:
                 raise ValueError(f"--atp {atp} --adp {adp} needs {atp * adp} processes: launch with "
                                  f"torchrun --nproc_per_node {atp * adp}")
+            if int(os.environ["WORLD_SIZE"]) != atp * adp:
+                raise ValueError(f"WORLD_SIZE is {os.environ['WORLD_SIZE']} but ATP {atp} x ADP {adp} = {atp * adp}: "
+                                 f"launch {atp * adp} processes or change the layout")
             dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
         streams = PhaseStreams.create(dev) if dev.type == "cuda" else None
         router = Router(ConflictRegistry.for_topology(atp, adp), streams)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import os
 
 import torch
 
@@ -17,7 +19,20 @@ log = logging.getLogger(__name__)
 
 
 def _device(args: argparse.Namespace) -> str:
-    return args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    """`--device` checked: cpu, or cuda (cuda:N) when torch sees a GPU."""
+    name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda (cuda:N), got {name!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: torch sees no CUDA device (torch {torch.__version__}, built for CUDA "
+                         f"{torch.version.cuda}); use --device cpu, or check CUDA_VISIBLE_DEVICES and the driver")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return name
 
 
 def build_model(args: argparse.Namespace):
@@ -25,6 +40,11 @@ def build_model(args: argparse.Namespace):
     world = args.atp * args.adp
     if args.ep is not None and args.ep != world:
         raise ValueError(f"--ep must equal --atp x --adp ({world}) with expert tensor parallel 1, got {args.ep}")
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != world:  # else every rank would run its own copy (world 1) or wait for absent ranks
+        raise ValueError(f"{launched} processes were launched (WORLD_SIZE={launched}) but --atp {args.atp} x "
+                         f"--adp {args.adp} = {world}: give --atp/--adp whose product is {launched}, or launch "
+                         f"{world} process(es) (torchrun --nproc_per_node {world})")
     if world == 1:
         return load_model(args.model, device=_device(args)), None
     from megatron_rollout.distributed import Runtime
@@ -45,7 +65,8 @@ def build_engine(args: argparse.Namespace, timeline=None, model=None, runtime=No
 
 
 def _output(result) -> dict:
-    return {"token_ids": result.token_ids, "logprobs": result.logprobs, "finish_reason": result.finish_reason.value,
+    logprobs = [lp if math.isfinite(lp) else None for lp in result.logprobs]  # JSON has no NaN or inf
+    return {"token_ids": result.token_ids, "logprobs": logprobs, "finish_reason": result.finish_reason.value,
             "weight_version": result.weight_version, **({"error": result.error} if result.error else {})}
 
 

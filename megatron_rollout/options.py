@@ -34,6 +34,28 @@ def schedules(text: str) -> str:
     return ",".join(names)
 
 
+def positive_int(text: str) -> int:
+    """`--atp`, `--adp`, `--ep`: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"takes an integer >= 1, got {value}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """`--timeout`: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a number of seconds > 0, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"takes a number of seconds > 0 (and finite), got {text}")
+    return value
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-moe", help="preset name or Hugging Face checkpoint directory")
     p.add_argument("--schedule", default="chunked", type=schedules,
@@ -49,13 +71,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--timeline", default=None, help="write a Chrome/Perfetto trace of P and D work here")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    p.add_argument("--atp", type=int, default=1, help="attention tensor parallel size")
-    p.add_argument("--adp", type=int, default=1, help="attention data parallel size")
-    p.add_argument("--ep", type=int, default=None, help="expert parallel size (= atp * adp)")
+    p.add_argument("--atp", type=positive_int, default=1, help="attention tensor parallel size")
+    p.add_argument("--adp", type=positive_int, default=1, help="attention data parallel size")
+    p.add_argument("--ep", type=positive_int, default=None, help="expert parallel size (= atp * adp)")
     p.add_argument("--comm-backend", default="alltoall", help="dispatch domains: alltoall | deepep")
     p.add_argument("--p-exchange", default="allgather", help="P's expert exchange: allgather | alltoall")
     p.add_argument("--d-exchange", default="alltoall", help="D's expert exchange: alltoall | allgather")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds before a missing rank is an error")
+    p.add_argument("--timeout", type=positive_seconds, default=120.0, help="seconds before a missing rank is an error")
 
 
 def engine_config(args: argparse.Namespace, schedule: str | None = None) -> EngineConfig:

@@ -147,13 +147,18 @@ class EngineConfig:
     """Communicators, read by whoever builds the DistComm (`distributed.Runtime.start`); the engine
     itself uses the model's comm as built."""
     max_model_len: int | None
-    """Longest context; defaults to the model's max_position_embeddings."""
+    """Longest context; None means the model's max_position_embeddings. Longer than that is
+    refused unless `allow_long_context` (see `context_length`)."""
     seed: int
     """Seed of the generator used by sampled requests without their own seed."""
+    allow_long_context: bool
+    """Accept a `max_model_len` beyond the model's positions. For random-weight benchmarking only:
+    RoPE extrapolates arithmetically, but a trained model's outputs there are meaningless."""
 
     def __init__(self, scheduler: SchedulerConfig | None = None, kv: KVConfig | None = None,
                  mux: MuxConfig | None = None, runner: RunnerConfig | None = None, comm: CommConfig | None = None,
-                 max_model_len: int | None = None, seed: int = 0, **flat: Any) -> None:
+                 max_model_len: int | None = None, seed: int = 0, allow_long_context: bool = False,
+                 **flat: Any) -> None:
         unknown = sorted(set(flat) - set(FLAT))
         if unknown:
             raise TypeError(f"EngineConfig got unknown keywords {unknown}; known: components "
@@ -169,7 +174,8 @@ class EngineConfig:
             updates["scheduler"]["schedule"] = Schedule(updates["scheduler"]["schedule"])
         for component, values in updates.items():
             parts[component] = dataclasses.replace(parts[component], **values)
-        for name, value in {**parts, "max_model_len": max_model_len, "seed": seed}.items():
+        for name, value in {**parts, "max_model_len": max_model_len, "seed": seed,
+                            "allow_long_context": allow_long_context}.items():
             object.__setattr__(self, name, value)
         self.__post_init__()
 
@@ -178,6 +184,19 @@ class EngineConfig:
                                                                   schedule=Schedule(self.scheduler.schedule)))
         if self.max_model_len is not None and (type(self.max_model_len) is not int or self.max_model_len <= 0):
             raise ValueError(f"max_model_len must be a positive int or None, got {self.max_model_len!r}")
+        if not isinstance(self.allow_long_context, bool):
+            raise ValueError(f"allow_long_context must be True or False, got {self.allow_long_context!r}")
+
+    def context_length(self, model_positions: int) -> int:
+        """The engine's longest context for a model with `model_positions` positions: max_model_len,
+        or the model's positions when it is None; beyond them only with `allow_long_context`."""
+        if self.max_model_len is None:
+            return model_positions
+        if self.max_model_len > model_positions and not self.allow_long_context:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {model_positions} positions "
+                             f"(max_position_embeddings); lower it, or pass allow_long_context=True for "
+                             f"random-weight benchmarking")
+        return self.max_model_len
 
     # -- the flat names, read-only ----------------------------------------------------------
     @property

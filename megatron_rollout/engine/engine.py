@@ -37,7 +37,7 @@ class RolloutEngine:
                  router=None) -> None:
         self.model, self.config = model, config or EngineConfig()
         cfg, c = model.cfg, self.config
-        self.max_model_len = c.max_model_len or cfg.max_position_embeddings
+        self.max_model_len = c.context_length(cfg.max_position_embeddings)
         self.coordinator = coordinator or LocalCoordinator()
         self.distributed = not isinstance(self.coordinator, LocalCoordinator)
         self.stats = EngineStats()

@@ -1,0 +1,117 @@
+"""Bad CLI input and faults seen through the CLI: a message and exit status 2, never a traceback;
+`--json` stays JSON (no NaN) when the model's logits are not finite.
+
+In-process (`cli.main`) except where the launcher itself is the subject (torchrun).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rollout import cli
+from tests.world import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _strict_json(text: str):
+    def refuse(name: str):
+        raise AssertionError(f"{name} in the CLI's JSON output")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--atp", "-1", "--adp", "-1"], "argument --atp: takes an integer >= 1, got -1"),
+    (["--adp", "0"], "argument --adp: takes an integer >= 1, got 0"),
+    (["--ep", "two"], "argument --ep: takes an integer >= 1, got 'two'"),
+    (["--timeout", "0"], "argument --timeout: takes a number of seconds > 0 (and finite), got 0"),
+    (["--timeout", "-5"], "argument --timeout: takes a number of seconds > 0 (and finite), got -5"),
+    (["--timeout", "nan"], "argument --timeout: takes a number of seconds > 0 (and finite), got nan"),
+])
+def test_bad_parallel_and_timeout_flags_are_refused(capsys, argv, message):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["generate", "--prompt-ids", "1,2", "--device", "cpu", *argv])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device, message", [
+    ("bogus", "--device must be cpu or cuda (cuda:N), got 'bogus'"),
+    ("mps", "--device must be cpu or cuda (cuda:N), got 'mps'"),
+    pytest.param("cuda", "--device cuda: torch sees no CUDA device", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="needs a machine without a GPU")),
+])
+def test_bad_devices_are_refused_with_a_message(capsys, device, message):
+    assert cli.main(["generate", "--prompt-ids", "1,2", "--device", device]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and message in captured.err and "Traceback" not in captured.err
+
+
+def test_a_world_larger_than_the_layout_is_refused(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli.main(["generate", "--prompt-ids", "1,2", "--device", "cpu", "--atp", "1", "--adp", "1"]) == 2
+    assert ("2 processes were launched (WORLD_SIZE=2) but --atp 1 x --adp 1 = 1: give --atp/--adp whose product "
+            "is 2") in capsys.readouterr().err
+
+
+def test_torchrun_with_two_processes_and_a_one_rank_layout_is_refused():
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(free_port()), "-m", "megatron_rollout.cli", "generate",
+                           "--prompt-ids", "1,2", "--atp", "1", "--adp", "1", "--device", "cpu", "--json"],
+                          capture_output=True, text=True, env=env, timeout=180, cwd=ROOT)
+    assert proc.returncode != 0
+    assert proc.stdout.strip() == ""  # no rank ran alone and printed its own JSON
+    assert proc.stderr.count("2 processes were launched (WORLD_SIZE=2) but --atp 1 x --adp 1 = 1") == 2
+
+
+def _checkpoint(path: Path, poison: str) -> Path:
+    """A tiny random Qwen3-MoE checkpoint with NaN in one place (`poison`: a parameter name, and
+    for the embedding only row 77)."""
+    import transformers
+
+    from tests.engine.conftest import hf_config, randomise
+
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config("qwen3_moe")).eval()
+    randomise(hf, 1)
+    with torch.no_grad():
+        weight = dict(hf.named_parameters())[poison]
+        if "embed" in poison:
+            weight[77] = float("nan")
+        else:
+            weight.fill_(float("nan"))
+    hf.save_pretrained(path)
+    return path
+
+
+def test_generate_json_stays_json_when_one_row_is_nan(capsys, tmp_path):
+    model = _checkpoint(tmp_path / "nan_row", "model.embed_tokens.weight")
+    assert cli.main(["generate", "--model", str(model), "--prompt-ids", "1,2,3", "--prompt-ids", "4,77,5",
+                     "--max-new-tokens", "3", "--json", "--device", "cpu"]) == 0
+    outputs = _strict_json(capsys.readouterr().out)["outputs"]
+    assert outputs[0]["finish_reason"] == "length" and len(outputs[0]["token_ids"]) == 3
+    assert all(isinstance(lp, float) and lp < 0 for lp in outputs[0]["logprobs"])
+    assert outputs[1]["finish_reason"] == "error" and outputs[1]["token_ids"] == outputs[1]["logprobs"] == []
+    assert "non-finite logits (nan) at position 3 under weight version 0" in outputs[1]["error"]
+
+
+def test_replay_json_stays_json_when_every_request_fails(capsys, tmp_path):
+    model = _checkpoint(tmp_path / "nan_all", "model.norm.weight")
+    from megatron_rollout.trace.schema import TraceRequest, write_trace
+
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace, [TraceRequest(c, t, 10, 4, 0.0) for c in ("a", "b") for t in range(2)])
+    assert cli.main(["replay", "--model", str(model), "--trace", str(trace), "--json", "--no-progress",
+                     "--device", "cpu"]) == 0
+    report = _strict_json(capsys.readouterr().out)
+    # The first turn of each conversation fails; the second is never submitted.
+    assert (report["failed"], report["skipped"], report["output_tokens"]) == (2, 2, 0)
