@@ -14,6 +14,26 @@ queue has not finished within a deadline (a deadlock, if every rank reports one)
 first failed operation the device is *poisoned*, like a CUDA context after a fault: later
 operations fail without running, so a timed-out collective cannot pair with a later one.
 
+**Why naive multiplexing deadlocks at ATP2/ADP2 and completes at ATP4/ADP1 and ATP1/ADP4.** The
+naive baseline (`MuxConfig.ordering="naive"`, engine.schedules.mux) enqueues P's and D's
+collectives with two properties: (i) ranks of one ADP replica (an ATP group) are mirrors and make
+the same choices; (ii) collectives over one rank set are enqueued in one order by all its members.
+Replicas otherwise choose independently (odd ones P first, even ones D first). A single-stream
+cycle needs two ranks r, s and two collectives, P's `x` and D's `y`, both containing r and s,
+with r enqueueing y before x and s x before y. By (i), r and s sit in different replicas; by (ii),
+x and y run over different rank sets. So the pair must be *crossed*: different groups sharing
+ranks of two replicas (`routing.derive_conflicts` registers exactly those pairs).
+- ATP4/ADP1: one replica; every rank enqueues the same sequence (i). No cycle: completes.
+- ATP1/ADP4: every multi-rank collective of either phase (ADP all-gathers, FULL all-reduce, EP
+  exchanges) runs over the one rank set {0..3}, so (ii) orders them alike everywhere; replicas
+  differ only in where P lands among D's *compute*. No cycle: completes.
+- ATP2/ADP2 (ATP {0,1},{2,3}; ADP {0,2},{1,3}): with the all-gather exchange, P's FULL all-reduce
+  over {0,1,2,3} and D's ADP all-gather over {0,2} share ranks 0 and 2 of replicas 0 and 1. Replica
+  0 (D first) enqueues D's ADP all-gather before P's FULL all-reduce; replica 1 (P first) the
+  reverse. Rank 0 waits in D's ADP all-gather for rank 2, rank 2 in P's FULL all-reduce for rank 0
+  (ranks 1 and 3 likewise): DEADLOCK, at that pair. Only one crossing axis (one non-trivial axis)
+  leaves nothing crossed, which is why the two other layouts complete.
+
 Deliberately left out: multiple streams, SM capacity, real kernels. The model is the single-
 stream limit, which is the case the turnstile must make safe.
 """
@@ -31,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rollout.comm.facade import CollectiveSite
-from megatron_rollout.multiplex.routing import ConflictRegistry, Route, Router
+from megatron_rollout.multiplex.routing import Route, Router, derive_for_exchanges
 from megatron_rollout.types import Axis, Phase
 
 logger = logging.getLogger(__name__)
@@ -234,8 +254,10 @@ class InOrderDistComm:
         except TimeoutError:
             stall = self.inorder.watch(0.0, 0.0)
             head = stall.op if stall else "?"
-            raise DeviceStall(f"rank {self.inorder.rank}: {label} not done after {self.stall_s}s; the device is "
-                              f"stuck in {head} with {stall.queued if stall else '?'} queued behind it") from None
+            err = DeviceStall(f"rank {self.inorder.rank}: {label} not done after {self.stall_s}s; the device is "
+                              f"stuck in {head} with {stall.queued if stall else '?'} queued behind it")
+            err.head = head  # the collective the device is stuck in (`stuck_pair` names the cycle from these)
+            raise err from None
 
     def all_reduce(self, x, axis, phase):
         return self._on_device(phase, "all_reduce", axis,
@@ -250,12 +272,28 @@ class InOrderDistComm:
                                lambda: super(InOrderDistComm, self).all_to_all(chunks, axis, phase))
 
 
+def stuck_pair(heads: Mapping[int, str]) -> str:
+    """Name a cycle from the collective each stalled rank's device is stuck in, by rank (labels as
+    `InOrderDistComm` writes them, "P:all_reduce/FULL #7"): "P's all_reduce over FULL (ranks [2, 3])
+    against D's all_gather over ADP (ranks [0, 1])"."""
+    by_op: dict[str, list[int]] = {}
+    for rank, label in sorted(heads.items()):
+        phase, _, rest = label.partition(":")
+        op, _, axis = rest.split(" ")[0].split("@")[0].partition("/")
+        by_op.setdefault(f"{phase}'s {op} over {axis}", []).append(rank)
+    if len(by_op) < 2:
+        return f"no cycle between phases: every stalled rank is in {sorted(by_op)}"
+    ordered = sorted(by_op.items(), key=lambda kv: kv[0][0] != "P")  # P's side first
+    return " against ".join(f"{what} (ranks {ranks})" for what, ranks in ordered)
+
+
 def in_order_dist_comm(layout, config, stall_s: float, hazard=None, router: Router | None = None):
     """A `DistComm` (built collectively, like one) whose collectives run on an in-order device; its
-    router (default: the topology's conflict registry, no streams) serves turnstile engines."""
+    router (default: the conflicts derived from the layout and the configured exchanges, no
+    streams) serves turnstile engines."""
     from megatron_rollout.comm.dist import DistComm
 
-    router = router or Router(ConflictRegistry.for_topology(layout.atp, layout.adp))
+    router = router or Router(derive_for_exchanges(layout.atp, layout.adp, config.p_exchange, config.d_exchange))
     comm = type("InOrderDistComm", (InOrderDistComm, DistComm), {})(layout, config, torch.device("cpu"), router)
     comm.attach_device(dist.get_rank(), stall_s, hazard)
     return comm

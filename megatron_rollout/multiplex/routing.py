@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import torch
 
 from megatron_rollout.comm.facade import COLLECTIVE_OPS as OPS  # noqa: F401 (re-exported)
 from megatron_rollout.comm.facade import CollectiveSite
+from megatron_rollout.forward import Site
 from megatron_rollout.types import Axis, Phase
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,79 @@ class ConflictRegistry:
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._by_p.values())
+
+
+# -- the registry derived from the layout and the phases' real paths ------------------------------
+# (`derive_conflicts`; `ConflictRegistry.for_topology` above is DESIGN.md §5's hand-written default.)
+
+EXCHANGE_PATHS: dict[str, dict[Site, tuple[CollectiveSite, ...]]] = {
+    # comm.allgather: ADP all-gathers (counts, rows, routing), then the FULL all-reduce.
+    "allgather": {Site.MOE_EXCHANGE: (CollectiveSite("all_gather", Axis.ADP),),
+                  Site.MOE_DATA: (CollectiveSite("all_reduce", Axis.FULL),)},
+    # comm.alltoall: the domain's count notify, then dispatch and combine on the domain's EP
+    # communicator, then the ATP all-gather of the replica's rows.
+    "alltoall": {Site.MOE_EXCHANGE: (CollectiveSite("all_to_all", Axis.EP),),
+                 Site.MOE_DATA: (CollectiveSite("all_to_all", Axis.EP), CollectiveSite("all_gather", Axis.ATP))},
+}
+"""The collectives an MoE layer's expert exchange issues after each of its boundaries, by
+`CommConfig.p_exchange` / `d_exchange` kind (tests/multiplex/test_conflicts.py records them)."""
+
+
+def phase_path(exchange: str) -> dict[Site, tuple[CollectiveSite, ...]]:
+    """The collectives a phase issues right after each boundary site (the model yields right
+    before each), for a phase whose expert exchange is `exchange`. Axes of one rank issue nothing."""
+    if exchange not in EXCHANGE_PATHS:
+        raise ValueError(f"unknown expert exchange {exchange!r}; known: {sorted(EXCHANGE_PATHS)}")
+    dense = CollectiveSite("all_reduce", Axis.ATP)
+    return {Site.ATTN_REDUCE: (dense,), Site.MLP_REDUCE: (dense,), **EXCHANGE_PATHS[exchange]}
+
+
+def megatron_groups(atp: int, adp: int) -> dict[Axis, tuple[tuple[int, ...], ...]]:
+    """Every group of every axis as Megatron lays out TP=`atp`, DP=`adp` (comm.groups reads the
+    same from parallel_state): ATP groups contiguous, ADP strided, EP and FULL every rank."""
+    if atp < 1 or adp < 1:
+        raise ValueError(f"bad topology ATP{atp}/ADP{adp}")
+    world = tuple(range(atp * adp))
+    return {Axis.ATP: tuple(world[i * atp:(i + 1) * atp] for i in range(adp)),
+            Axis.ADP: tuple(world[j::atp] for j in range(atp)), Axis.EP: (world,), Axis.FULL: (world,)}
+
+
+def derive_conflicts(groups: Mapping[Axis, Sequence[Sequence[int]]], p_sites: Iterable[CollectiveSite],
+                     d_sites: Iterable[CollectiveSite]) -> ConflictRegistry:
+    """The (P collective, D collective) pairs that can close a cycle, from the rank sets they run on.
+
+    A pair conflicts when, on some rank, the two groups are different rank sets that share two
+    ranks of different ATP groups (different ADP replicas). Why those: the ranks of one replica
+    are mirrors (same plan, same host decisions), so they never enqueue P and D in opposite
+    orders; collectives over one rank set are ordered alike by all its members; what nothing
+    orders is a P and a D collective over *crossed* groups, and two replicas that enqueue such a
+    pair in opposite orders wait for each other forever (the derivation is in multiplex.inorder).
+    `p_sites` / `d_sites`: the collectives each phase really issues (`phase_path(...).values()`)."""
+    sets = {axis: [frozenset(g) for g in gs] for axis, gs in groups.items()}
+    replica = {r: i for i, g in enumerate(sets[Axis.ATP]) for r in g}
+    world = sorted(replica)
+
+    def group_of(axis: Axis, rank: int) -> frozenset:
+        return next((g for g in sets[axis] if rank in g), frozenset((rank,)))
+
+    reg = ConflictRegistry()
+    p_sites, d_sites = list(dict.fromkeys(p_sites)), list(dict.fromkeys(d_sites))
+    for p in p_sites:
+        for d in d_sites:
+            for r in world:
+                gp, gd = group_of(p.axis, r), group_of(d.axis, r)
+                if gp != gd and len({replica[x] for x in gp & gd}) > 1:
+                    shared = sorted(gp & gd)
+                    reg.register(p, d, f"P's {p} over {sorted(gp)} and D's {d} over {sorted(gd)} share ranks "
+                                       f"{shared} of different replicas")
+                    break
+    return reg
+
+
+def derive_for_exchanges(atp: int, adp: int, p_exchange: str, d_exchange: str) -> ConflictRegistry:
+    """`derive_conflicts` for Megatron's layout and the phases' configured expert exchanges."""
+    paths = [[site for sites in phase_path(kind).values() for site in sites] for kind in (p_exchange, d_exchange)]
+    return derive_conflicts(megatron_groups(atp, adp), *paths)
 
 
 @dataclass(frozen=True)

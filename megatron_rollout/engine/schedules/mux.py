@@ -6,10 +6,20 @@ rendezvous, one decode iteration (a matched no-work call where a replica has no 
 only when no replica has any), the post-D rendezvous, then P resumes for the span the segment
 policy permits. On one process the rendezvous are local no-ops; the protocol is the same.
 
-`MuxConfig.ordering="naive"` is the unsafe baseline the ordering experiments compare against:
-P's forward runs to its end on a host thread of its own while D iterates, with no rendezvous and
-no routing, so P and D enqueue their collectives independently. It is correct on one process and
-deadlocks crossed ATP/ADP layouts on an in-order device (tests/multiplex).
+P's boundary ids come from the model's actual yields: `boundary_plan` lists the points the
+model's P forward yields (per layer: attention's ATP all-reduce, then the MoE exchange and its
+data step, or a dense MLP's all-reduce), and the turnstile publishes each yielded point as its
+position in that plan, so every rank's controller checks the real sequence (a skipped or repeated
+boundary fails every rank with the controller's `BoundaryError`).
+
+`MuxConfig.ordering="naive"` is the unsafe baseline the ordering experiments compare against
+(DESIGN.md §8): no rendezvous, no routing, P and D progress independently. One host thread per
+rank drives both forwards boundary by boundary, and each step enqueues D's iteration and P's next
+segment in an order that depends on the rank's ADP replica (odd replicas P first, even replicas
+D first: replicas progress independently), except that collectives over one rank set keep one
+order on all its members (P's segment goes before D's first collective over the same ranks). So
+the order is consistent within every group, and across replicas only between *crossed* groups.
+Why ATP4/ADP1 and ATP1/ADP4 complete and ATP2/ADP2 deadlocks is derived in `multiplex.inorder`.
 
 A request cancelled mid-epoch cannot give its blocks back at once: the rest of P's forward still
 writes them. The request table parks them (`RequestTable.begin_in_flight`) until the epoch ends,
@@ -18,12 +28,12 @@ and the controller is untouched (the epoch runs to its end for the other request
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 from dataclasses import dataclass
 
 import torch
 
+from megatron_rollout.comm.exchange import LocalExchange
 from megatron_rollout.engine.api import RequestOutput
 from megatron_rollout.engine.bookkeeping import RequestTable, SampleOwner
 from megatron_rollout.engine.config import MuxConfig, build_policy
@@ -31,12 +41,33 @@ from megatron_rollout.engine.coordinator import GlobalView
 from megatron_rollout.engine.execution import StepExecutor
 from megatron_rollout.engine.scheduler import StepPlan
 from megatron_rollout.engine.schedules.base import ScheduleDriver
-from megatron_rollout.forward import Forward, run_to_end
+from megatron_rollout.forward import BoundaryPoint, Forward, Site
 from megatron_rollout.multiplex.controller import BoundaryController
 from megatron_rollout.multiplex.rendezvous import LocalRendezvous, RendezvousBase
-from megatron_rollout.multiplex.routing import Router
+from megatron_rollout.multiplex.routing import Router, phase_path
 from megatron_rollout.multiplex.turnstile import Turnstile
-from megatron_rollout.types import Phase
+from megatron_rollout.types import Axis, Phase
+
+
+def boundary_plan(model, phase: Phase) -> tuple[BoundaryPoint, ...] | None:
+    """The points `model.step(..., phase)` yields, in order (None for a runner without a model of
+    this shape: the turnstile then numbers yields by position). Mirrors `model.layers`; the test
+    tests/multiplex/test_boundary_faults.py checks it against real yields."""
+    cfg, comm = getattr(model, "cfg", None), getattr(model, "comm", None)
+    if cfg is None or comm is None or not hasattr(cfg, "is_moe_layer"):
+        return None
+    tp, split = comm.size(Axis.ATP) > 1, not isinstance(comm.exchange(phase), LocalExchange)
+    points: list[BoundaryPoint] = []
+    for layer in range(cfg.num_layers):
+        if tp:
+            points.append(BoundaryPoint(layer, Site.ATTN_REDUCE))
+        if cfg.is_moe_layer(layer):
+            points.append(BoundaryPoint(layer, Site.MOE_EXCHANGE))
+            if split:
+                points.append(BoundaryPoint(layer, Site.MOE_DATA))
+        elif tp:
+            points.append(BoundaryPoint(layer, Site.MLP_REDUCE))
+    return tuple(points)
 
 
 @dataclass
@@ -54,8 +85,16 @@ class MuxSchedule(ScheduleDriver):
         self.turnstile = Turnstile(self.rendezvous, BoundaryController(), build_policy(config.span), router)
         self.epoch: Epoch | None = None
         self.naive = config.ordering == "naive"
-        self._p_thread: threading.Thread | None = None
-        self._p_outcome: list = []  # [result] or [exception] once the naive P thread ends
+        model = getattr(executor.runner, "model", None)
+        self.comm = getattr(model, "comm", None)
+        self.plan = boundary_plan(model, Phase.P)
+        self.replica = self.comm.rank(Axis.ADP) if self.comm is not None else 0
+        exchanges = getattr(getattr(self.comm, "config", None), "p_exchange", None), \
+            getattr(getattr(self.comm, "config", None), "d_exchange", None)
+        self._paths = {phase: phase_path(kind) if kind else {} for phase, kind in zip((Phase.P, Phase.D), exchanges)}
+        self._p: Forward | None = None  # naive: P's forward, paused at `_p_at` (None: not started)
+        self._p_at: BoundaryPoint | None = None
+        self._p_done: list = []  # naive: [P's result] once its forward returned
         self._numbers = itertools.count(1)
         self._clock = time.perf_counter() - time.time()  # turnstile records use time.time()
 
@@ -76,9 +115,10 @@ class MuxSchedule(ScheduleDriver):
             self.table.begin_in_flight(owners)
             forward = ex.forward(rows, Phase.P)
             if self.naive:
-                self._start_p_thread(forward)
+                self._p, self._p_at, self._p_done = forward, None, []
             else:
-                self.turnstile.begin(self.epoch.number, forward, prefill_tokens=view.prefill_tokens)
+                self.turnstile.begin(self.epoch.number, forward, prefill_tokens=view.prefill_tokens,
+                                     boundaries=self.plan)
         outs: list[RequestOutput] = []
 
         def decode_iteration() -> None:
@@ -91,8 +131,8 @@ class MuxSchedule(ScheduleDriver):
             decode_iteration()
             return outs
         if self.naive:
-            decode_iteration()
-            return outs + self._poll_p_thread()
+            with torch.no_grad():
+                return self._naive_step(plan, view)
         rows = lambda: len(plan.decode)  # noqa: E731
         with torch.no_grad():  # grad mode is read each time P's generator resumes
             finished = self.turnstile.round(decode_iteration, rows)
@@ -113,31 +153,49 @@ class MuxSchedule(ScheduleDriver):
         return self.executor.complete(epoch.owners, logits)
 
     # -- the naive baseline ------------------------------------------------------------------
-    def _start_p_thread(self, forward: Forward) -> None:
-        def run() -> None:
-            try:
-                with torch.no_grad():
-                    self._p_outcome.append(run_to_end(forward))
-            except BaseException as exc:  # noqa: BLE001 - re-raised on the engine's thread
-                self._p_outcome.append(exc)
+    def _next_ranks(self, phase: Phase, point: BoundaryPoint | None) -> tuple[int, ...]:
+        """The ranks of the first multi-rank collective a forward paused at `point` issues when
+        resumed (the model yields right before each); () when it issues none."""
+        if point is None or point.layer < 0 or self.comm is None:
+            return ()
+        for site in self._paths[phase].get(point.site, ()):
+            if self.comm.size(site.axis) > 1:
+                return tuple(self.comm.groups.ranks(site.axis))
+        return ()
 
-        self._p_outcome = []
-        self._p_thread = threading.Thread(target=run, name=f"naive-P-epoch{self.epoch.number}", daemon=True)
-        self._p_thread.start()
+    def _p_resume(self) -> None:
+        try:
+            self._p_at = next(self._p)
+        except StopIteration as stop:
+            self._p_done = [stop.value]
 
-    def _poll_p_thread(self) -> list[RequestOutput]:
+    def _naive_step(self, plan: StepPlan, view: GlobalView) -> list[RequestOutput]:
+        """D's iteration and P's next segment, in this replica's order (module docstring)."""
+        ex, outs = self.executor, []
+        p_pending, p_first = not self._p_done, self.replica % 2 == 1
+        if view.any_decode:
+            step = ex.inputs(plan.decode, ())
+            self.table.note_decode_wait(plan.decode, time.perf_counter())
+            d, d_at = ex.forward(step.rows, Phase.D), None
+            while d is not None:
+                if p_pending and (p_first or self._next_ranks(Phase.P, self._p_at) and
+                                  self._next_ranks(Phase.P, self._p_at) == self._next_ranks(Phase.D, d_at)):
+                    self._p_resume()
+                    p_pending = False
+                try:
+                    d_at = next(d)
+                except StopIteration as stop:
+                    outs.extend(ex.complete(step.owners, stop.value))
+                    d = None
+        if p_pending:
+            self._p_resume()
         # Bookkeeping only: ranks agree on the step at which the epoch's requests are promoted,
         # so ATP peers stay mirrors; the device order of P's collectives stays unordered.
-        done = self.rendezvous.meet(self.epoch.number, 0, "naive-poll", (int(not self._p_thread.is_alive()),))
-        if not all(d[0] for d in done):
-            return []
-        self._p_thread.join()
-        outcome = self._p_outcome[0]
-        if isinstance(outcome, BaseException):
-            self.epoch = None
-            self.table.end_in_flight()
-            raise outcome
-        return self._finish_epoch(outcome)
+        done = self.rendezvous.meet(self.epoch.number, 0, "naive-poll", (int(bool(self._p_done)),))
+        if all(d[0] for d in done):
+            outs.extend(self._finish_epoch(self._p_done[0]))
+            self._p = None
+        return outs
 
     def _record_segment(self) -> None:
         ex, rec = self.executor, self.turnstile.records[-1]
