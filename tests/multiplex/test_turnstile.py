@@ -10,7 +10,7 @@ from megatron_rollout.model.config import preset
 from megatron_rollout.model.layers import BoundaryPoint, Site, run_to_end
 from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.multiplex.controller import BoundaryController
-from megatron_rollout.multiplex.policy import FixedSpan, LoadSelected
+from megatron_rollout.multiplex.policy import FixedSpan, LoadSelected, LoadSelectedConfig
 from megatron_rollout.multiplex.rendezvous import LocalRendezvous, Rendezvous
 from megatron_rollout.multiplex.routing import P_FULL_ALL_REDUCE, ConflictRegistry, Router
 from megatron_rollout.multiplex.turnstile import EpochCancelled, Turnstile, TurnstileDivergence
@@ -135,7 +135,8 @@ def test_routed_collective_lands_after_this_rounds_d():
 def rank_checks(rank: int) -> dict:
     out: dict = {}
     rows = [0, 5, 1, 2][rank]
-    ts = Turnstile(Rendezvous(timeout_s=30, name="ts-test"), BoundaryController(), LoadSelected())
+    ts = Turnstile(Rendezvous(timeout_s=30, name="ts-test"), BoundaryController(),
+                   LoadSelected(LoadSelectedConfig(round_overhead_us=400.0)))  # the spans below assume 400
     log: list[str] = []
     out["result"] = ts.run_epoch(1, scripted_p(8, log), lambda: log.append("D"), lambda: rows,
                                  total_boundaries=8, prefill_tokens=64)
