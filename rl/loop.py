@@ -63,7 +63,8 @@ class GRPOConfig:
     env: str = "digits"
     """digits | target_byte (single turn) | guess | lookup (multi-turn tool tasks; need max_turns >= 2)."""
     prompts_per_step: int = 8
-    """Prompts (GRPO groups) per rollout replica per step (a rank, or an ADP replica when sharded)."""
+    """Prompts (GRPO groups) per step, spread over the rollout replicas (ranks, or ADP replicas when
+    sharded): a multiple of their number; the same groups whatever the layout."""
     group_size: int = 8
     """Samples per prompt."""
     max_new_tokens: int | tuple[int, ...] = 12
@@ -157,15 +158,14 @@ def make_env(cfg: GRPOConfig, tok: ByteTokenizer) -> Env:
     return SingleTurnEnv(task, rubric, tok, latency_s=cfg.tool_latency_s)
 
 
-def _episodes(cfg: GRPOConfig, tok: ByteTokenizer, step: int, replica: int) -> list[Episode]:
-    """This replica's episodes; group ids are unique over replicas (replica * prompts_per_step + g)."""
-    rng = random.Random(f"{cfg.seed}-{replica}-{step}")
-    eps = []
-    for g in range(cfg.prompts_per_step):
-        prompt_seed = rng.randrange(2**31)
-        eps += [Episode(make_env(cfg, tok), prompt_seed, replica * cfg.prompts_per_step + g,
-                        sample_seed=rng.randrange(2**40)) for _ in range(cfg.group_size)]
-    return eps
+def _episodes(cfg: GRPOConfig, tok: ByteTokenizer, step: int, replica: int, replicas: int) -> list[Episode]:
+    """This replica's share of the step's groups (g = replica, replica + replicas, ...): the same
+    groups, seeds and samples whatever the layout."""
+    rng = random.Random(f"{cfg.seed}-{step}")
+    seeds = [(rng.randrange(2**31), [rng.randrange(2**40) for _ in range(cfg.group_size)])
+             for _ in range(cfg.prompts_per_step)]
+    return [Episode(make_env(cfg, tok), seeds[g][0], g, sample_seed=s)
+            for g in range(replica, cfg.prompts_per_step, replicas) for s in seeds[g][1]]
 
 
 class GRPORun:
@@ -174,6 +174,9 @@ class GRPORun:
     def __init__(self, cfg: GRPOConfig, placement: Placement | None = None) -> None:
         self.cfg = cfg
         self.place = placement or Placement.create(cfg.atp, cfg.adp)
+        if cfg.prompts_per_step % self.place.rollout_replicas:
+            raise ValueError(f"prompts_per_step={cfg.prompts_per_step} must be a multiple of the "
+                             f"{self.place.rollout_replicas} rollout replicas")
         self.rank = self.place.rank
         self.tok = ByteTokenizer()
         torch.manual_seed(cfg.seed)
@@ -197,7 +200,8 @@ class GRPORun:
         cfg, step, place = self.cfg, self.step_index, self.place
         t0 = time.perf_counter()
         self.engine.reclaim_kv()
-        local = place.rollout(self.engine, _episodes(cfg, self.tok, step, place.rollout_index), self.rollout_cfg)
+        episodes = _episodes(cfg, self.tok, step, place.rollout_index, place.rollout_replicas)
+        local = place.rollout(self.engine, episodes, self.rollout_cfg)
         self.engine.release_kv()
         mine = local.result
         gathered = place.all_gather((mine.trajectories, mine.stats) if mine is not None else None)

@@ -8,12 +8,19 @@ the differing names.
 
 A GPTModel builds on CPU (the PLATFORM-NOTES recipe: CPU init, no bias, no sequence
 parallelism, the allgather token dispatcher, no grouped GEMM) but its forward needs CUDA, so the
-training step runs on GPU only. Left out: tensor/expert-parallel trainers (their named weights
-would need a gather to full tensors and expert renumbering), pipeline parallelism, Megatron's
-DDP wrapper and distributed optimizer, and the MoE auxiliary losses (disabled in the config).
+training step runs on GPU only.
+
+A trainer sharded over TP and EP (ETP = 1) holds slices under local names: `megatron_full_state`
+gathers them to full tensors (local expert K on EP rank e -> global expert e * per_rank + K; the
+TP-split QKV, attention projection, dense and shared-expert fc1/fc2, embedding and output layer
+concatenated along Megatron's split dimension, SwiGLU fc1 as [gate; up] halves), and
+`engine.update_weights` then reshards them into the rollout's own ATP/EP layout. Left out:
+pipeline parallelism, expert tensor parallelism, Megatron's DDP wrapper and distributed
+optimizer, and the MoE auxiliary losses (disabled in the config).
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -97,9 +104,66 @@ def load_weights(model: nn.Module, named: Mapping[str, torch.Tensor] | Iterable[
         params[name].copy_(t)
 
 
+_LOCAL_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+
+
+def tp_split_dim(name: str) -> int | None:
+    """The dimension Megatron splits `name` along over TP (ETP = 1: routed experts are whole), or None."""
+    if ".experts.local_experts." in name or name.endswith("layernorm.weight") or name.endswith("router.weight"):
+        return None
+    if name.endswith(("linear_qkv.weight", "linear_fc1.weight", "word_embeddings.weight", "output_layer.weight")):
+        return 0  # column parallel (and the vocab-parallel embedding)
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return 1  # row parallel
+    return None
+
+
+def join_tp(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """Full tensor from TP rank r's slices `parts[r]` (a SwiGLU fc1 slice is [gate_r; up_r])."""
+    dim = tp_split_dim(name)
+    if dim is None or len(parts) == 1:
+        return parts[0]
+    if name.endswith("linear_fc1.weight"):
+        halves = [p.chunk(2, dim=0) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    return torch.cat(parts, dim=dim)
+
+
+def megatron_full_state(model: nn.Module, cfg: ModelConfig, group=None) -> dict[str, torch.Tensor]:
+    """Full tensors under full names from a GPTModel sharded over TP/EP (every rank of `group`,
+    default the world, calls it and gets all of them). Moves tensors through the CPU, once per
+    hot swap: simple and portable; a GPU trainer would all-gather on the device instead."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    tp, ep = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
+    per_rank = cfg.num_moe_experts // ps.get_expert_model_parallel_world_size() if cfg.num_moe_experts else 0
+    mine: dict[str, tuple[int, torch.Tensor]] = {}
+    for name, p in model.named_parameters():
+        m = _LOCAL_EXPERT.match(name)
+        if m:
+            name = f"{m.group(1)}{ep * per_rank + int(m.group(2))}{m.group(3)}"
+        mine[name] = (tp, p.detach().cpu())
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    for entry in gathered:
+        for name, (rank, tensor) in entry.items():
+            parts.setdefault(name, {}).setdefault(rank, tensor)
+    want = full_shapes(cfg)
+    missing = sorted(set(want) - set(parts))
+    if missing:
+        raise KeyError(f"no rank holds {missing[0]} ({len(missing)} tensors missing): call on every rank")
+    full = {name: join_tp(name, [parts[name][r] for r in sorted(parts[name])]) for name in want}
+    wrong = [(n, tuple(t.shape), want[n]) for n, t in full.items() if tuple(t.shape) != want[n]]
+    if wrong:
+        raise ValueError(f"gathered Megatron tensors have the wrong full shape, e.g. {wrong[0]} (name, got, want)")
+    return full
+
+
 class MegatronTrainer(PolicyTrainer):
-    """`PolicyTrainer` over a Megatron `GPTModel` (TP = EP = PP = 1 in the trainer) and a torch
-    optimizer over its parameters. `model_cfg` is the native config the engine runs. A GPTModel
+    """`PolicyTrainer` over a Megatron `GPTModel` (any TP and EP, PP = ETP = 1) and a torch
+    optimizer over its parameters; the training step needs CUDA (tested with TP = EP = 1). `model_cfg` is the native config the engine runs. A GPTModel
     holds process groups and cannot be deep-copied, so the KL reference (when `kl_coef` > 0 and
     no `ref_model` is given) is a fresh `build_gpt_model(model_cfg)` loaded with the policy's weights."""
 
@@ -107,12 +171,15 @@ class MegatronTrainer(PolicyTrainer):
                  **kwargs: Any) -> None:
         from megatron.core import parallel_state as ps
 
+        self.sharded = False
         if ps.model_parallel_is_initialized():
             sizes = (ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
-                     ps.get_pipeline_model_parallel_world_size())
-            if sizes != (1, 1, 1):
-                raise NotImplementedError(f"MegatronTrainer supports TP = EP = PP = 1, got (TP, EP, PP) = {sizes}")
-        check_names(model, model_cfg)
+                     ps.get_pipeline_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size())
+            if sizes[2:] != (1, 1):
+                raise NotImplementedError(f"MegatronTrainer supports PP = ETP = 1, got (TP, EP, PP, ETP) = {sizes}")
+            self.sharded = sizes[:2] != (1, 1)
+        if not self.sharded:
+            check_names(model, model_cfg)
         self.model_cfg = model_cfg
         if "process_group" not in kwargs and ps.model_parallel_is_initialized():
             kwargs["process_group"] = ps.get_data_parallel_group()
@@ -128,5 +195,9 @@ class MegatronTrainer(PolicyTrainer):
         return model(input_ids, positions, None)  # causal mask built by the attention; [B, T, V]
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full names and tensors; sharded over TP/EP this is a collective (every rank calls it)."""
+        if self.sharded:
+            yield from megatron_full_state(self.model, self.model_cfg).items()
+            return
         for name, p in self.model.named_parameters():
             yield name, p.detach()

@@ -77,6 +77,7 @@ class Placement:
 
     @classmethod
     def create(cls, atp: int = 1, adp: int = 1, timeout_s: float = 120.0) -> "Placement":
+        """`timeout_s` bounds every cross-rank wait of the sharded rollout."""
         sharded = atp * adp > 1
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if sharded and world != atp * adp:
@@ -120,9 +121,17 @@ class Placement:
     def rollout(self, engine: RolloutEngine, episodes: list[Episode], cfg: RolloutConfig) -> LocalRollout:
         if not self.sharded:
             return LocalRollout(rollout(engine, episodes, cfg), True)
+        lockstep = _Lockstep(engine)
         engine.done = False  # the last rollout's drain declared this rank done
-        result = rollout(_Lockstep(engine), episodes, cfg) if self.runtime.leader else None
-        self.runtime.drain(engine)  # step with the other replicas until every rank is done
+        result = rollout(lockstep, episodes, cfg) if self.runtime.leader else None
+        # Declare this rank done and step with the others until the gathered view says every rank
+        # is. Step first, then look: the view left from the last rollout says "all done" already.
+        engine.done = True
+        while True:
+            lockstep.step()
+            view = engine.last_view
+            if view.all_done and view.requests == 0 and not view.epoch_in_flight:
+                break
         return LocalRollout(result, self.runtime.leader)
 
     def all_gather(self, obj: Any) -> list[Any]:

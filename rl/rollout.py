@@ -97,11 +97,14 @@ class _Pump:
         self.steps = 0
         self.prefill_tokens = 0
         self.stopping = False
+        self.failed: BaseException | None = None
 
     def wait(self, request_id: int) -> asyncio.Future[RequestOutput]:
         fut = self.futures.get(request_id)
         if fut is None:
             fut = self.futures[request_id] = asyncio.get_running_loop().create_future()
+            if self.failed is not None:  # an episode back from a tool call after the pump died
+                fut.set_exception(RuntimeError(f"engine step failed: {self.failed!r}"))
         return fut
 
     async def run(self) -> None:
@@ -118,6 +121,7 @@ class _Pump:
                 else:
                     await asyncio.sleep(self.idle_sleep_s)
         except BaseException as exc:
+            self.failed = exc
             for fut in self.futures.values():
                 if not fut.done():
                     fut.set_exception(RuntimeError(f"engine step failed: {exc!r}"))

@@ -92,18 +92,20 @@ def test_lookup_env_call_reply_and_reward():
 
     code, reply, final = asyncio.run(play(ids("hi"), ids("")))
     assert len(code) == 1 and code.isdigit()
-    assert TOK.decode(list(reply.observation_ids)) == f"\ncode {code}\n" and not reply.done and reply.reward == 0
+    assert TOK.decode(list(reply.observation_ids)) == f"\ncode {code}" and not reply.done and reply.reward == 0
     assert final.done and final.reward == 0.0  # empty answer
-    wrong = str((int(code) + 1) % 10)
-    _, _, final = asyncio.run(play(ids("x"), ids(code * 3 + wrong) + [TOK.eos_id]))
-    assert final.reward == pytest.approx(0.75)  # specials are not graded
+    wrong, cousin = str((int(code) + 1) % 10), chr(ord(code) + 10)  # "7" -> "A": same residue class
+    _, _, final = asyncio.run(play(ids("x"), ids(code * 2 + cousin + wrong) + [TOK.eos_id]))
+    assert final.reward == pytest.approx((1 + 1 + 0.5 + 0) / 4)  # specials are not graded
     _, reply, _ = asyncio.run(play([TOK.eos_id], ids(code)))  # an empty call gets no code
-    assert TOK.decode(list(reply.observation_ids)) == "\nno call\n"
+    assert TOK.decode(list(reply.observation_ids)) == "\nno call"
     assert code_match(ids("4848"), "48") == 1.0 and code_match(ids("8484"), "48") == 0.0
+    assert code_match(ids(">B"), "48") == 0.5  # ">" = "4" + 10, "B" = "8" + 10: the residue classes
 
 
 def test_lookup_env_cannot_be_gamed_without_the_reply():
-    """A policy that ignores the tool's reply scores at most ~0.1 (one digit always); copying scores 1."""
+    """A policy that ignores the tool's reply scores at most ~0.1 (one digit always), a uniform one ~0.05;
+    copying scores 1."""
     async def codes(n):
         out = []
         for seed in range(n):
@@ -117,6 +119,8 @@ def test_lookup_env_cannot_be_gamed_without_the_reply():
     assert 0.08 < best_blind < 0.12
     assert sum(code_match(ids(c * 8), c) for c in all_codes) / len(all_codes) == 1.0
     assert len(set(all_codes)) == 10
+    uniform = sum(code_match([b], c) for b in range(256) for c in all_codes[:200]) / (256 * 200)
+    assert 0.045 < uniform < 0.06
 
 
 def test_lookup_env_waits_for_the_tool():

@@ -56,7 +56,7 @@ def test_multi_turn_tool_task_end_to_end(tmp_path):
 
 def test_tool_config():
     cfg = GRPOConfig.from_yaml(TOOL_CONFIG)
-    assert cfg.env == "lookup" and cfg.max_turns == 2 and cfg.max_new_tokens == (2, 8)
+    assert cfg.env == "lookup" and cfg.max_turns == 2 and cfg.max_new_tokens == (2, 1)
     assert cfg.tool_latency_s > 0 and cfg.loss.kl_coef == 0.05 and cfg.engine["schedule"] == "mux"
     assert GRPOConfig.from_yaml(TOOL_CONFIG, atp=2, adp=2, ep=4).ep == 4
     with pytest.raises(ValueError, match="ep must equal atp x adp = 4"):
@@ -159,3 +159,41 @@ def test_two_ranks_stay_in_sync_and_only_rank0_writes(tmp_path):
     assert w0 == w1 and e0 == e1 == w0  # gradients averaged; engine got the trained weights
     assert [m["reward_mean"] for m in h0] == [m["reward_mean"] for m in h1]  # metrics averaged over ranks
     assert Path(out, "metrics.jsonl").exists() and not Path(out + "-rank1").exists()
+
+
+def _sharded_run(rank, out):
+    import torch
+
+    from megatron_rollout.engine.weights import gather_full_state
+    from rl.loop import GRPORun
+    from rl.placement import Placement
+
+    cfg = _small(env="lookup", max_turns=2, max_new_tokens=(2, 3), tool_latency_s=0.01, atp=2, adp=2, ep=4)
+    place = Placement.create(cfg.atp, cfg.adp)
+    history = run_grpo(cfg, out if rank == 0 else None, placement=place)
+    run = GRPORun(dataclasses.replace(cfg, steps=1), place)  # a second run in the same world: one step, checked
+    run.step()
+    rt = place.runtime
+    engine_full = gather_full_state(run.engine.model.state_dict(), run.policy.cfg, rt.comm.shard,
+                                    lambda obj: rt.comm.all_gather_object(obj, context="weights"))
+    trainer_full = dict(run.trainer.named_weights())
+    same = all(torch.equal(engine_full[n], trainer_full[n]) for n in trainer_full)
+    local = sum(p.numel() for p in run.engine.model.parameters()) < sum(p.numel() for p in run.policy.parameters())
+    return dict(history=history, same=same, sharded=local, leader=rt.leader, replica=rt.replica,
+                weights=[float(p.detach().double().sum()) for p in run.policy.parameters()])
+
+
+def test_sharded_rollout_atp2_adp2_ep4_with_data_parallel_trainers(tmp_path):
+    out = str(tmp_path / "run")
+    res = run_world(_sharded_run, 4, out, timeout=400)
+    assert sorted((r["replica"], r["leader"]) for r in res) == [(0, False), (0, True), (1, False), (1, True)]
+    for r in res:
+        assert r["sharded"] and r["same"]  # the engine holds shards; update_weights resharded the trainer's
+        assert r["weights"] == res[0]["weights"]  # gradients all-reduced over the trainer's own group
+        assert r["history"] == res[0]["history"]  # rewards and metrics gathered over ranks
+    h = res[0]["history"]
+    assert [m["weight_version"] for m in h] == [1, 2]
+    assert all(m["episodes"] == 2 * 4 and m["turns_max"] == 2 and m["engine_errors"] == 0 for m in h)
+    lines = Path(out, "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and json.loads(lines[1])["reward_mean"] == h[1]["reward_mean"]
+    assert Path(out, "reward.png").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
