@@ -18,7 +18,6 @@ import copy
 import dataclasses
 import json
 import logging
-import math
 import os
 import random
 import time
@@ -119,7 +118,7 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.tool_latency_s must be >= 0, got {self.tool_latency_s}")
         if not 0 <= self.max_engine_errors <= 1:
             raise ValueError(f"GRPOConfig.max_engine_errors must be in [0, 1], got {self.max_engine_errors}")
-        self.engine_config  # validate early, with the engine's own messages
+        _ = self.engine_config  # validate early, with the engine's own messages
 
     @property
     def engine_config(self) -> EngineConfig:
@@ -188,8 +187,8 @@ class GRPORun:
         self.engine = self.place.make_engine(self.policy, cfg.engine_config)
         optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=0.0)
         # The initial policy is the reference whatever kl_coef is, so the KL is always measured.
-        self.trainer = NativeTrainer(self.policy, optimizer, cfg.loss, cfg.trainer, ref_model=copy.deepcopy(self.policy),
-                                     process_group=self.place.group)
+        self.trainer = NativeTrainer(self.policy, optimizer, cfg.loss, cfg.trainer,
+                                     ref_model=copy.deepcopy(self.policy), process_group=self.place.group)
         budgets = (cfg.max_new_tokens,) if isinstance(cfg.max_new_tokens, int) else cfg.max_new_tokens
         sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=max(budgets),
                                   stop_token_ids=(self.tok.eos_id,))

@@ -163,7 +163,8 @@ def megatron_full_state(model: nn.Module, cfg: ModelConfig, group=None) -> dict[
 
 class MegatronTrainer(PolicyTrainer):
     """`PolicyTrainer` over a Megatron `GPTModel` (any TP and EP, PP = ETP = 1) and a torch
-    optimizer over its parameters; the training step needs CUDA (tested with TP = EP = 1). `model_cfg` is the native config the engine runs. A GPTModel
+    optimizer over its parameters; the training step needs CUDA (tested with TP = EP = 1).
+    `model_cfg` is the native config the engine runs. A GPTModel
     holds process groups and cannot be deep-copied, so the KL reference (when `kl_coef` > 0 and
     no `ref_model` is given) is a fresh `build_gpt_model(model_cfg)` loaded with the policy's weights."""
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from rl.fields import check_types
 
 AGGREGATIONS = ("token", "sequence")

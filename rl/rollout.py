@@ -24,8 +24,8 @@ from typing import Any
 from megatron_rollout.engine import RequestError
 from megatron_rollout.engine.api import FinishReason, RequestOutput, SamplingParams
 from rl.envs.base import Env
-from rl.trajectory import NOT_GENERATED, Trajectory
 from rl.fields import check_types
+from rl.trajectory import NOT_GENERATED, Trajectory
 
 log = logging.getLogger(__name__)
 

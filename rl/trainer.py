@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rl.fields import check_types
 from rl.objective import LossConfig, entropy_from_logits, policy_loss
 from rl.trajectory import TrajectoryBatch
-from rl.fields import check_types
 
 log = logging.getLogger(__name__)
 

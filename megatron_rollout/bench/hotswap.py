@@ -155,7 +155,7 @@ def run(model_name: str, device: str, repeats: int = 3, bw_bytes: int = 4 << 30)
     out["graphs"] = {"captured_before": sorted(graphs_before) if graphs_before is not None else None,
                      "same_after_copy": graphs_before == graphs_after,
                      "replays_after_copy": None if replays is None else replays_after - replays}
-    del source
+    source.clear()  # free it before the next source
     # (c) reshard from a TP 2 layout: gather the halves on the device, then copy
     lend = lenders(cfg)
     split = half_layer_state(cfg, dev, seed=2)
@@ -181,7 +181,7 @@ def run(model_name: str, device: str, repeats: int = 3, bw_bytes: int = 4 << 30)
     joined = sum(torch.Size(shape).numel() * itemsize for n, shape in full_shapes(cfg).items()
                  if tp_split_dim(n) is not None)
     out["modes"]["reshard"]["joined_bytes_fraction"] = joined / model_bytes
-    del tp2
+    tp2.clear()
     # (b) bind: zero-copy, last (it re-points the parameters; graphs are dropped on next use)
     local = dict(half_layer_state(cfg, dev, seed=3))
     times = _timed(lambda: engine.weights.bind(local, bump()), dev, repeats)
