@@ -15,4 +15,4 @@ def engine_worlds() -> dict[int, list[dict]]:
     """Per-rank results of `engine_world.run_engine_checks` at ATP2/ADP1 (2 ranks) and ATP2/ADP2 (4)."""
     from tests.multiplex.engine_world import run_engine_checks
 
-    return {2: run_world(run_engine_checks, 2, 2, 1, timeout=240), 4: run_world(run_engine_checks, 4, 2, 2, timeout=240)}
+    return {n: run_world(run_engine_checks, n, 2, n // 2, timeout=240) for n in (2, 4)}

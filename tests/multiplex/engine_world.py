@@ -115,10 +115,9 @@ def _issued(rank: int, atp: int, adp: int) -> dict:
 
 
 def run_engine_checks(rank: int, atp: int, adp: int) -> dict:
-    from megatron_rollout.comm.dist import CommConfig
+    from megatron_rollout.comm.dist import CommConfig, DistComm
     from megatron_rollout.comm.groups import ParallelLayout
     from megatron_rollout.distributed import Runtime
-    from megatron_rollout.comm.dist import DistComm
     from megatron_rollout.multiplex.routing import Router, derive_for_exchanges
 
     out: dict = {}

@@ -14,8 +14,8 @@ import pytest
 from megatron_rollout.engine.schedules.mux import boundary_plan
 from megatron_rollout.forward import BoundaryPoint, Site, run_to_end
 from megatron_rollout.multiplex.controller import BoundaryController, BoundaryError
-from megatron_rollout.multiplex.rendezvous import LocalRendezvous
 from megatron_rollout.multiplex.policy import FixedSpan
+from megatron_rollout.multiplex.rendezvous import LocalRendezvous
 from megatron_rollout.multiplex.turnstile import Turnstile
 from tests.multiplex.engine_world import FAULTS
 
