@@ -100,8 +100,9 @@ def measure(ranks: int, rounds: int, store_rounds: int, warmup: int,
         raise RuntimeError(f"benchmark ranks failed: {errors}")
     store = [x for v in results.values() for x in v["store"]]
     summary: dict[str, Any] = {"ranks": ranks, "rounds": rounds, "store_rounds": store_rounds, "warmup": warmup,
-                               "spin_us": config.resolved(ranks)[0], "yield_us": config.yield_us, "pinned": pin, "cpus": len(os.sched_getaffinity(0)),
-                               "host": socket.gethostname(), "load_avg_1m": os.getloadavg()[0]}
+                               "spin_us": config.resolved(ranks)[0], "yield_us": config.yield_us, "pinned": pin,
+                               "cpus": len(os.sched_getaffinity(0)), "host": socket.gethostname(),
+                               "load_avg_1m": os.getloadavg()[0]}
     st = _spread(store)
     summary.update(store_us=st["median"], store_p10_us=st["p10"], store_p90_us=st["p90"])
     native_errors = [v["native_error"] for v in results.values() if "native_error" in v]

@@ -145,10 +145,10 @@ class ShmBarrier:
     OK → payload tuples in group order; MISMATCH → (epoch, boundary, tag_id) per rank; TIMEOUT →
     (missing, gone, elapsed_s), see `absence()`; BAD_ARGS → None (nothing was published)."""
 
-    def __init__(self, native: Any, index: int, nranks: int, path: str) -> None:
+    def __init__(self, native: Any, index: int, nranks: int, path: str, max_payload: int) -> None:
         self._native, self.index, self.nranks, self.path = native, index, nranks, path
         self.meet = native.meet
-        self.max_payload: int = load_extension().MAX_PAYLOAD
+        self.max_payload = max_payload
 
     @classmethod
     def attach(cls, rank: int, ranks: Sequence[int], timeout_s: float, prefix: str, store: dist.Store | None = None,
@@ -195,7 +195,7 @@ class ShmBarrier:
         native.set_wait(spin_us, yield_us, config.poll_ms, check_dead)
         logger.debug("rank %d attached to %s (%d ranks, spin %.0f us, yield %.0f us, dead check %s)",
                      rank, path, len(ranks), spin_us, yield_us, check_dead)
-        return cls(native, index, len(ranks), path)
+        return cls(native, index, len(ranks), path, ext.MAX_PAYLOAD)
 
     def pids(self) -> tuple[int, ...]:
         return tuple(self._native.pids())

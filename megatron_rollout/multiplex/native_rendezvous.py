@@ -47,6 +47,8 @@ class NativeRendezvousTimeout(RendezvousTimeout):
                  elapsed_s: float, dead: dict[int, int]) -> None:
         super().__init__(missing, epoch, boundary, tag, timeout_s, rank)
         self.elapsed_s, self.dead = elapsed_s, dict(dead)
+        # comm.errors.CrossRankTimeout's view of who is gone, plus what the barrier found
+        self.states = {**getattr(self, "states", {}), **{r: "dead" for r in self.dead}}
         alive = [r for r in self.missing if r not in self.dead]
         why = [f"rank {r} (pid {pid}) is dead" for r, pid in self.dead.items()]
         why += [f"rank(s) {alive} are alive but did not come"] if alive and self.dead else []
@@ -54,6 +56,7 @@ class NativeRendezvousTimeout(RendezvousTimeout):
         self.args = (f"rank(s) {list(self.missing)} did not arrive at the {tag} rendezvous of epoch {epoch}, boundary "
                      f"{boundary}: waited {elapsed_s:.3f}s ({gave_up}; seen from rank {rank})"
                      + (f"; {'; '.join(why)}" if why else "") + "; check those ranks for a hang or crash",)
+        self.message = self.args[0]
 
 
 class NativeRendezvous(RendezvousBase):

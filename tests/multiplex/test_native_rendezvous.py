@@ -13,7 +13,7 @@ import pytest
 
 from megatron_rollout.comm import shm_rendezvous as shm
 from megatron_rollout.multiplex.native_rendezvous import NativeRendezvous, NativeRendezvousTimeout, make_rendezvous
-from megatron_rollout.multiplex.rendezvous import Rendezvous, RendezvousMismatch, RendezvousTimeout
+from megatron_rollout.multiplex.rendezvous import RendezvousMismatch, RendezvousTimeout
 from tests.world import _entry, free_port, run_world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -131,13 +131,17 @@ def test_killed_rank_is_named_dead():
     for p in procs:
         p.start()
     try:
-        kind, ok, pids, missing, dead, epoch, boundary, msg, waited = out.get(timeout=90)
+        got = out.get(timeout=90)
+    except Exception:  # queue.Empty: show what the ranks reported instead
+        got = [status.get(timeout=1) for _ in range(status.qsize())]
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    assert kind == "timeout" and ok
+    assert isinstance(got, tuple) and got[0] == "timeout", got
+    kind, ok, pids, missing, dead, epoch, boundary, msg, waited = got
+    assert ok
     assert pids[1][0] == procs[1].pid and procs[1].exitcode == -signal.SIGKILL
     assert (missing, dead, epoch, boundary) == ((1,), {1: procs[1].pid}, 3, 8)
     assert f"rank 1 (pid {procs[1].pid}) is dead" in msg and "gave up early" in msg
@@ -151,7 +155,7 @@ def test_build_is_cached():
             "t = time.perf_counter(); s.load_extension(); print('loaded', time.perf_counter() - t)\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     kind, seconds = res.stdout.split()
-    assert kind == "loaded" and float(seconds) < 3.0, res.stdout + res.stderr
+    assert kind == "loaded" and float(seconds) < 10.0, res.stdout + res.stderr  # a rebuild takes >= 15 s
     assert list(shm.extension_dir().glob("*.so")) == so and so[0].stat().st_mtime < time.time() - 1
 
 
