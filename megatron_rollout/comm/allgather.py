@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 class AllGatherExchange(ExpertExchange):
     """ADP all-gather -> local experts on every replica's tokens -> FULL all-reduce -> own rows."""
 
+    data_boundary = True
+
     def __init__(self, comm: "Comm", phase: Phase) -> None:
         self.comm, self.phase = comm, phase
 

@@ -55,6 +55,10 @@ def unpack_routing(packed: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tens
 
 
 class ExpertExchange(abc.ABC):
+    data_boundary: bool = False
+    """`run` yields `BoundaryPoint(layer, MOE_DATA)` once per call (split-phase exchanges); the mux
+    schedule's boundary plan reads this instead of guessing from the exchange's type."""
+
     @abc.abstractmethod
     def run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: "Experts",
             layer: int) -> "Forward":

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_rollout.comm.exchange import LocalExchange
 from megatron_rollout.engine.api import RequestOutput
 from megatron_rollout.engine.bookkeeping import RequestTable, SampleOwner
 from megatron_rollout.engine.config import MuxConfig, build_policy
@@ -56,7 +55,7 @@ def boundary_plan(model, phase: Phase) -> tuple[BoundaryPoint, ...] | None:
     cfg, comm = getattr(model, "cfg", None), getattr(model, "comm", None)
     if cfg is None or comm is None or not hasattr(cfg, "is_moe_layer"):
         return None
-    tp, split = comm.size(Axis.ATP) > 1, not isinstance(comm.exchange(phase), LocalExchange)
+    tp, split = comm.size(Axis.ATP) > 1, comm.exchange(phase).data_boundary
     points: list[BoundaryPoint] = []
     for layer in range(cfg.num_layers):
         if tp:
