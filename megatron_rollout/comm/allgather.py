@@ -10,6 +10,12 @@ This is the path whose full-group all-reduce conflicts with D's ADP all-gather (
 enqueue them in opposite orders; DESIGN.md §5-6), so the exchange yields
 `BoundaryPoint(layer, MOE_DATA)` right before that all-reduce: the turnstile orders it after D.
 
+With a `capacity` (device-side counts, `CommConfig.counts`), every replica pads its rows to
+`capacity` (padding rows carry expert id -1, so they compute nothing): the all-gathers then have
+one shape on every rank, no count is exchanged or read back, each rank finds its own rows at
+`replica * capacity`, and the experts run through `compute_local_sync_free`. The price is the
+padding: the full-group all-reduce moves ADP x capacity rows whatever the batch.
+
 Left out: sequence parallelism and reduce-scatter variants (every rank materialises all replicas'
 rows, which is fine for P's batch sizes and the CPU tests, and is why D defaults to all-to-all).
 """
@@ -19,7 +25,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_rollout.comm.exchange import ExpertExchange, compute_local, pack_routing, unpack_routing
+from megatron_rollout.comm.exchange import (
+    ExpertExchange,
+    compute_local,
+    compute_local_sync_free,
+    pack_routing,
+    unpack_routing,
+)
 from megatron_rollout.forward import BoundaryPoint, Site
 from megatron_rollout.types import Axis, Phase
 
@@ -33,12 +45,19 @@ class AllGatherExchange(ExpertExchange):
 
     data_boundary = True
 
-    def __init__(self, comm: "Comm", phase: Phase) -> None:
-        self.comm, self.phase = comm, phase
+    def __init__(self, comm: "Comm", phase: Phase, capacity: int | None = None) -> None:
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"AllGatherExchange capacity must be >= 1 or None, got {capacity}")
+        self.comm, self.phase, self.capacity = comm, phase, capacity
+
+    @property
+    def sync_free(self) -> bool:
+        return self.capacity is not None
 
     def run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: "Experts",
             layer: int) -> "Forward":
-
+        if self.capacity is not None:
+            return (yield from self._run_padded(x, ids, weights, experts, layer))
         comm, phase = self.comm, self.phase
         xs = comm.all_gather(x, Axis.ADP, phase)  # per replica: [N_i, H]
         routing = comm.all_gather(pack_routing(ids, weights), Axis.ADP, phase)  # per replica: [N_i, 2k]
@@ -48,3 +67,23 @@ class AllGatherExchange(ExpertExchange):
         total = comm.all_reduce(partial, Axis.FULL, phase)
         start = sum(t.shape[0] for t in xs[: comm.rank(Axis.ADP)])
         return total[start: start + x.shape[0]]
+
+    def _run_padded(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: "Experts",
+                    layer: int) -> "Forward":
+        comm, phase, cap = self.comm, self.phase, self.capacity
+        n, k = ids.shape
+        if n > cap:
+            field = "p_max_tokens" if phase is Phase.P else "d_max_tokens"
+            raise ValueError(f"{phase.value} all-gather exchange at layer {layer}: {n} tokens exceed the padded "
+                             f"capacity of {cap} per replica; raise CommConfig.{field}")
+        pad = cap - n
+        xp = torch.cat([x, x.new_zeros(pad, x.shape[1])])  # [C, H]
+        no_expert = pack_routing(ids.new_full((pad, k), -1), weights.new_zeros(pad, k))
+        rp = torch.cat([pack_routing(ids, weights), no_expert])  # [C, 2k]
+        xs = comm.all_gather_into(xp, Axis.ADP, phase).flatten(0, 1)  # [ADP * C, H]
+        all_ids, all_weights = unpack_routing(comm.all_gather_into(rp, Axis.ADP, phase).flatten(0, 1), x.dtype)
+        partial = compute_local_sync_free(xs, all_ids, all_weights, experts)  # [ADP * C, H]
+        yield BoundaryPoint(layer, Site.MOE_DATA)
+        total = comm.all_reduce(partial, Axis.FULL, phase)
+        start = comm.rank(Axis.ADP) * cap
+        return total[start: start + n]

@@ -3,6 +3,14 @@
 `ExpertExchange.run` is a generator (see `megatron_rollout.forward`): a distributed exchange yields a
 `BoundaryPoint` between its count notification and its data movement. `LocalExchange` is the
 single-rank case and the reference every distributed exchange is tested against.
+
+Two ways to run this rank's experts on routed rows: `compute_local` sorts the pairs by expert with
+per-expert counts read back to the host (exact sizes, the reference), and `compute_local_sync_free`
+does the same on the device only (one-hot prefix sums or a stable argsort, masks for pairs of other
+ranks and padded rows), so a forward that uses it never waits for the device and can be captured
+in a CUDA graph. The sync-free path runs the grouped GEMM when the experts are stacked bf16 on
+CUDA (`Experts.stacked`), else every local expert on every row with the pairs' weights as masks
+(correct anywhere; meant for CPU tests and small models).
 """
 from __future__ import annotations
 
@@ -39,6 +47,64 @@ def compute_local(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exp
     y = experts.grouped(x[token], counts[:-1])
     out = torch.zeros_like(x)
     return out.index_add_(0, token, y * weights.reshape(-1)[order, None])
+
+
+ONE_HOT_LIMIT = 1 << 22
+"""Pairs x experts up to which `sorted_destinations` uses the one-hot prefix sum (a few MB)."""
+
+
+def sorted_destinations(flat: torch.Tensor, num_experts: int, one_hot_limit: int | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """flat: [P] expert id of each pair, in [0, num_experts). Returns (dest [P] int64: the pair's row
+    in expert-sorted, stable order; offsets [E] int32: cumulative pair counts, the groups' end rows).
+    No host synchronisation. `one_hot_limit` (default `ONE_HOT_LIMIT`) picks the method."""
+    pairs = flat.numel()
+    if pairs * num_experts <= (ONE_HOT_LIMIT if one_hot_limit is None else one_hot_limit):
+        # [E, P]: the scan runs along the contiguous dim (a scan along dim 0 of [P, E] is a serial
+        # loop per column in torch, ~P dependent steps: 0.25 ms per layer at decode sizes)
+        onehot = torch.zeros(num_experts, pairs, dtype=torch.int32, device=flat.device)
+        onehot.scatter_(0, flat[None, :], 1)
+        csum = onehot.cumsum(1, dtype=torch.int32)
+        counts = csum[:, -1] if pairs else torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+        offsets = counts.cumsum(0, dtype=torch.int32)
+        rank = csum.gather(0, flat[None, :]).squeeze(0) - 1  # position among pairs of the same expert
+        dest = (offsets - counts)[flat] + rank
+        return dest.long(), offsets
+    order = torch.argsort(flat, stable=True)
+    dest = torch.empty_like(order)
+    dest[order] = torch.arange(pairs, device=flat.device)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    return dest, counts.cumsum(0, dtype=torch.int32)
+
+
+def compute_local_sync_free(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                            experts: "Experts") -> torch.Tensor:
+    """`compute_local` without a host read: x [N, H]; ids, weights [N, k] with global expert ids
+    (ids of other ranks' experts and -1 contribute nothing). Returns [N, H] in x's dtype."""
+    n, k = ids.shape
+    local = ids - experts.first
+    mine = (local >= 0) & (local < experts.num_local)  # [N, k]
+    if n == 0:
+        return x.new_zeros(x.shape)
+    stacked = getattr(experts, "stacked", None)
+    if x.is_cuda and stacked is not None and stacked() is not None:
+        # Foreign pairs go to a sentinel group past the local experts: they sort last, the grouped
+        # GEMM stops at the last local expert's end row, and the mask drops their (unwritten) rows.
+        flat = torch.where(mine, local, experts.num_local).reshape(-1)
+        dest, offsets = sorted_destinations(flat, experts.num_local + 1)
+        token = torch.arange(n * k, device=x.device) // k
+        xs = x.new_empty(n * k, x.shape[1])
+        xs.index_copy_(0, dest, x.index_select(0, token))  # [P, H], expert-sorted
+        ys = experts.grouped_offsets(xs, offsets[: experts.num_local])  # rows past the last offset: unwritten
+        y = ys.index_select(0, dest).view(n, k, -1)
+        y = torch.where(mine.unsqueeze(-1), y, y.new_zeros(()))
+        return (y * weights.unsqueeze(-1).to(y.dtype)).sum(1)
+    out = torch.zeros_like(x)
+    for e, expert in enumerate(experts.local_experts):  # a static loop: every expert on every row
+        coef = (weights * (local == e)).sum(1, keepdim=True).to(x.dtype)  # [N, 1]
+        out += coef * expert(x)
+    return out
 
 
 def pack_routing(ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -1,34 +1,57 @@
 """The CUDA runner: decode (D) as CUDA-graph replays on a high-priority stream, prefill (P) eager
-on its own stream, over the same weights and the same paged KV (DESIGN.md §3, §8).
+on its own stream, over the same weights and the same paged KV, on one rank or many (DESIGN.md §3,
+§5, §6, §8).
 
 What it adds to `runner.ModelRunner` (same `forward(inputs, phase) -> Forward` contract, so the
 engine and the mux driver are unchanged):
 
 - **D graphs.** A pure decode batch (one new token per span) is padded to the next bucket size
-  and replayed from a graph captured once per bucket (lazily, or all at once by `capture`). The
-  graph reads static int32 buffers (`StaticDecodeLayout`) refilled by one pinned copy; the KV
-  cache and the weights keep their addresses, since `update_weights` copies in place (the expert
-  weights are stacked views, `Experts.restack`). Replacing `cache` (engine.release_kv /
-  reclaim_kv) drops the graphs; they are captured again on next use.
-- **Streams and events.** D runs on `d_stream` (high priority), P on `p_stream`. Each forward
-  first waits for the caller's stream (weight copies, earlier host-to-device copies); its result
-  is handed back through an event, so sampling on the caller's stream reads finished logits.
-  P's KV writes are only read by D after the P epoch completed (the engine promotes requests
-  after sampling them), and D's by P only after D's step was sampled, so no other cross-stream
-  ordering is needed on one rank.
+  and replayed from a graph captured once per bucket. The graph reads static int32 buffers
+  (`StaticDecodeLayout`) refilled by one pinned copy; the KV cache and the weights keep their
+  addresses, since `update_weights` copies in place (the expert weights are stacked views,
+  `Experts.restack`). Replacing `cache` (engine.release_kv / reclaim_kv) drops the graphs; they are
+  captured again on next use. On one rank buckets are captured lazily, when first used.
+- **Many ranks.** With a `DistComm` the graphs capture D's collectives on D's own communicators:
+  the ATP all-reduce, the padded ADP all-gather and the low-latency expert exchange, all of static
+  shape with counts consumed on the device (`CommConfig.counts="device"`, the default on CUDA;
+  with host-read counts the model is not graph-safe and D runs eagerly). Capture runs real
+  warm-up forwards, whose collectives must pair up across ranks, so every bucket is captured at
+  once at the first D forward (every rank runs that forward at the same step: D iterations are
+  collective), and the ranks then agree over the CPU group whether all captures succeeded; if one
+  failed anywhere, every rank drops its graphs and runs D eagerly (same collectives, same shapes).
+  A rank replays whichever bucket its own rows need: the collectives' shapes do not depend on it.
+- **Streams and events.** D runs on `d_stream` (high priority), P on `p_stream`; the comm's
+  router is bound to these two streams (`Router.bind_streams`), so every collective a phase issues
+  runs on that phase's stream, and the registered conflicting P collective runs on `d_stream`
+  right after D's iteration, after an event from P's stream, with P's stream waiting for its
+  completion (DESIGN.md §6 rule 3). A forward first waits for the caller's stream (weight copies,
+  earlier host-to-device copies) when it starts; a P forward's later segments wait for nothing on
+  the host side (weights cannot change during an epoch, P's and D's KV blocks are disjoint). The
+  result is handed back through an event, so sampling on the caller's stream reads finished
+  logits. P's KV writes are only read by D after the P epoch completed (the engine promotes
+  requests after sampling them), and D's by P only after D's step was sampled.
 - **Asynchronous P.** P's forward is the model's generator, resumed segment by segment by the
   mux driver; every resume runs on `p_stream` and nothing in it synchronises with the host (the
-  device expert exchange, `kernels.moe`), so the host enqueues P and returns to D at once. When
-  the model's generator finishes, the runner yields `COMPLETION` boundaries until P's event has
-  fired instead of blocking, so D iterations keep running while the GPU finishes P's tail. This
-  is safe on one rank only (boundary counts would differ between ranks); `make_runner` gives
-  this runner to single-rank models only.
+  device expert exchange, `kernels.moe`, or the comm's sync-free exchanges), so the host enqueues P
+  and returns to D at once. When the model's generator finishes, the runner yields `COMPLETION`
+  (layer -1) until P's event has fired instead of blocking, so D iterations keep running while the
+  GPU finishes P's tail. Across ranks this is safe because by then every collective of P is
+  enqueued, and the drivers agree on the poll: the turnstile publishes no boundary for a
+  completion poll, checks only published boundaries at its rendezvous and ends the epoch only
+  when every rank reports P finished; `off`/`chunked` run P to its end (the poll then only spins
+  on this rank); the naive baseline agrees on "P done" through its own rendezvous.
+- **Deferred checks.** The sync-free dispatch domains accumulate sequence-number disagreements
+  on the device; after each forward their counters are copied to pinned memory on the forward's
+  stream and read once that copy has completed, at a later forward (never waiting): a rank-order
+  mismatch raises `SequenceMismatch` there.
+- **Fused ops.** `kernels.fused.install_fused_ops` replaces a decode step's small ops by Triton
+  kernels where they apply (`RunnerConfig.fused_ops`), after the expert exchange is installed.
 
 `EngineConfig.runner` (`RunnerConfig`) picks the runner (`kind`) and holds this runner's knobs.
 
 Green contexts (SM partitions for D and P) are measured by `bench.micro` and not used here: see
-docs/benchmarks.md. Left out: multi-rank graphs (collectives inside captured graphs), MTP
-lookahead, and FP8 expert GEMMs inside graphs (such models run D eagerly).
+docs/benchmarks.md. Left out: MTP lookahead, FP8 expert GEMMs inside graphs (such models run D
+eagerly), and piecewise graphs for P.
 """
 from __future__ import annotations
 
@@ -39,14 +62,16 @@ from collections.abc import Sequence
 
 import torch
 
+from megatron_rollout.comm.facade import LocalComm
 from megatron_rollout.engine.config import RunnerConfig
 from megatron_rollout.engine.runner import ModelRunner, Runner, SpanInput
 from megatron_rollout.forward import BoundaryPoint, Forward, Site, run_to_end
 from megatron_rollout.kernels.layout import KernelPagedBatch, StaticDecodeLayout, build_layout
-from megatron_rollout.kernels.moe import install_device_exchange
+from megatron_rollout.kernels.moe import DeviceLocalComm, install_device_exchange
 from megatron_rollout.kernels.registry import resolve_attention
 from megatron_rollout.kv.paged import PagedKVCache
 from megatron_rollout.model.transformer import MoETransformer
+from megatron_rollout.multiplex.routing import PhaseStreams
 from megatron_rollout.types import Phase
 
 log = logging.getLogger(__name__)
@@ -63,20 +88,18 @@ CudaRunnerConfig = RunnerConfig
 
 
 def make_runner(model: MoETransformer, cache: PagedKVCache, config: RunnerConfig | None = None) -> Runner:
-    """The engine's runner as `config.kind` says: `CudaRunner` for a single-rank model on CUDA
+    """The engine's runner as `config.kind` says: `CudaRunner` for a model on CUDA, one rank or many
     ("auto", "cuda"), else `ModelRunner` ("auto", "eager").
 
     The engine always passes `EngineConfig.runner`. Without a config (scripts, tests) the kind is
     `MEGATRON_ROLLOUT_RUNNER`'s, the same convenience the CLI's `--runner` default offers."""
     config = config or RunnerConfig(kind=os.environ.get(RUNNER_ENV, "auto"))
-    from megatron_rollout.comm.facade import LocalComm
-
-    single = isinstance(model.comm, LocalComm)
-    if config.kind == "eager" or (config.kind == "auto" and not (model.device.type == "cuda" and single)):
+    if config.kind == "eager" or (config.kind == "auto" and model.device.type != "cuda"):
         return ModelRunner(model, cache)
-    if model.device.type != "cuda" or not single:
+    if model.device.type != "cuda":
         raise RuntimeError(f"runner kind 'cuda' ({RUNNER_ENV}=cuda or --runner cuda) needs a single-rank model "
-                           f"on a CUDA device; got {model.device} with {type(model.comm).__name__}")
+                           f"on a CUDA device, or a multi-rank one whose DistComm is on CUDA (NCCL); got "
+                           f"{model.device} with {type(model.comm).__name__}")
     return CudaRunner(model, cache, config)
 
 
@@ -96,20 +119,58 @@ class _DecodeGraph:
         s = self.static
         return run_to_end(model.step(s.tokens, s.positions, self.attn, Phase.D, logits_index=s.logits_rows))
 
-    def capture(self, model: MoETransformer, stream: torch.cuda.Stream, pool) -> None:
+    def capture(self, model: MoETransformer, stream: torch.cuda.Stream, pool, collective: bool) -> None:
+        """Two warm-up steps, then the captured one. `collective`: the step issues NCCL collectives;
+        the capture then tolerates other threads' CUDA calls (the process group's watchdog queries
+        its events while a graph is being captured)."""
         self.static.fill_padding()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.no_grad():
-            for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
+            for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels, NCCL sets up
                 self._step(model)
         stream.synchronize()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(self.graph, pool=pool, stream=stream):
+        mode = "thread_local" if collective else "global"
+        with torch.no_grad(), torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode=mode):
             self.logits = self._step(model)
 
 
+class _DomainProbe:
+    """The deferred sequence checks of the comm's sync-free dispatch domains, without a host wait:
+    after a forward their counters are copied to pinned memory on the forward's stream (one buffer
+    per stream, so P and D copies never share one), and read once that copy has completed."""
+
+    def __init__(self, comm) -> None:
+        domain_of = getattr(comm, "domain", None)
+        found = [domain_of(p) for p in Phase] if domain_of is not None else []
+        self.domains = [d for d in found if d is not None and getattr(d, "sync_free", False)]
+        self._host: dict[int, list[torch.Tensor]] = {}
+        self._pending: dict[int, torch.cuda.Event] = {}
+
+    def after(self, stream: torch.cuda.Stream) -> None:
+        if not self.domains:
+            return
+        key = stream.stream_id
+        if key not in self._host:
+            self._host[key] = [torch.zeros(d.ep_size, dtype=torch.int64, pin_memory=True) for d in self.domains]
+        with torch.cuda.stream(stream):
+            for buf, domain in zip(self._host[key], self.domains):
+                buf.copy_(domain.fault_counters, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+        self._pending[key] = event
+
+    def poll(self) -> None:
+        """Raise `SequenceMismatch` for a domain whose completed snapshot shows one."""
+        for key, event in list(self._pending.items()):
+            if event.query():
+                del self._pending[key]
+                for buf, domain in zip(self._host[key], self.domains):
+                    domain.check(buf.tolist())  # pinned host memory: reads no device
+
+
 class CudaRunner:
-    """`ModelRunner`'s contract on one GPU: graphs for D, streams for P and D, async P."""
+    """`ModelRunner`'s contract on CUDA: graphs for D, streams for P and D, async P; one or many ranks."""
 
     def __init__(self, model: MoETransformer, cache: PagedKVCache, config: RunnerConfig | None = None) -> None:
         if model.device.type != "cuda":
@@ -117,6 +178,8 @@ class CudaRunner:
         self.model, self.config = model, config or RunnerConfig()
         self.cfg = model.cfg
         self.device = model.device
+        self.multi_rank = not isinstance(model.comm, LocalComm)
+        """The model's comm crosses ranks (a `DistComm`): graphs are captured collectively."""
         self.kernels = resolve_attention(self.config.attention, self.device)
         self.q_heads = cache.k.shape[2] * self.cfg.heads_per_group if cache is not None else 0
         self.kv_heads = cache.k.shape[2] if cache is not None else 0
@@ -124,21 +187,35 @@ class CudaRunner:
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.d_stream = torch.cuda.Stream(self.device, priority=self.config.d_priority)
         self.p_stream = torch.cuda.Stream(self.device, priority=0)
+        router = getattr(model.comm, "router", None)
+        if router is not None:  # the comm's collectives must run on the streams the phases run on
+            router.bind_streams(PhaseStreams(p=self.p_stream, d=self.d_stream))
         self.graph_safe = install_device_exchange(model)
         if not self.graph_safe:
-            log.warning("MoE layers are not graph-safe (not bf16, FP8 experts, or a multi-rank comm): "
-                        "decode runs eagerly")
+            log.warning("MoE layers are not graph-safe (not bf16, FP8 experts, or a multi-rank comm that reads "
+                        "counts on the host): decode runs eagerly")
+        self.fused = self._install_fused_ops()
         self.expert_kernels = self._choose_expert_kernels()
+        self._probe = _DomainProbe(model.comm)
         self._graphs: dict[int, _DecodeGraph] = {}
+        self._captured = False  # multi-rank: the collective capture of every bucket was attempted
         self._weights_ptr = model.embedding.word_embeddings.weight.data_ptr()  # see _graphable
         self._pool = None
         self.capture_error: str | None = None
         self._cache = cache
         self.stats = {"graph_replays": 0, "eager_forwards": 0, "completion_polls": 0}
 
+    def _install_fused_ops(self) -> dict:
+        if not self.config.fused_ops:
+            return {"backend": "none", "installed": False, "reason": "RunnerConfig.fused_ops is False"}
+        from megatron_rollout.kernels.fused import install_fused_ops
+
+        return install_fused_ops(self.model)
+
     def _choose_expert_kernels(self) -> dict:
         """Measure the small-batch expert kernels once (Triton vs grouped GEMM) and keep the faster."""
-        if not self.config.measure_expert_kernels or not self.graph_safe:
+        if not self.config.measure_expert_kernels or not self.graph_safe or \
+                not isinstance(self.model.comm, DeviceLocalComm):
             return {"choice": "grouped_mm", "reason": "not measured"}
         try:
             from megatron_rollout.kernels.moe import choose_small_kernels
@@ -158,6 +235,7 @@ class CudaRunner:
         if cache is not self._cache:
             self._graphs.clear()  # captured against the old tensors
             self._pool = None
+            self._captured = False
         self._cache = cache
         if cache is not None:
             self.kv_heads = cache.k.shape[2]
@@ -167,19 +245,28 @@ class CudaRunner:
     # -- public -------------------------------------------------------------------------------
     def forward(self, inputs: list[SpanInput], phase: Phase) -> Forward:
         """Logits [rows sampled, V] for the spans with `sample`, in input order."""
+        self._probe.poll()
+        if phase is Phase.D and self.multi_rank and not self._captured and self.config.use_graphs:
+            self._captured = True  # every rank's first D forward: capture every bucket together
+            self._capture_collectively(self.config.graph_batch_sizes)
         if phase is Phase.D and self._graphable(inputs):
-            graph = self._try_graph(self.bucket(len(inputs)))
+            bucket = self.bucket(len(inputs))
+            graph = self._graphs.get(bucket) if self.multi_rank else self._try_graph(bucket)
             if graph is not None:
                 return self._replay(graph, inputs)
         return self._eager(inputs, phase)
 
     def capture(self, batch_sizes: Sequence[int] | None = None) -> bool:
         """Capture decode graphs now (largest first, sharing one memory pool); False if capture
-        failed (decode then runs eagerly; `capture_error` says why)."""
+        failed (decode then runs eagerly; `capture_error` says why). On many ranks, every rank
+        must call it at the same point (the warm-ups run collectives)."""
         if not (self.config.use_graphs and self.graph_safe):
             return False
-        return all(self._try_graph(rows) is not None
-                   for rows in sorted(batch_sizes or self.config.graph_batch_sizes, reverse=True))
+        sizes = batch_sizes or self.config.graph_batch_sizes
+        if self.multi_rank:
+            self._captured = True
+            return self._capture_collectively(sizes)
+        return all(self._try_graph(rows) is not None for rows in sorted(sizes, reverse=True))
 
     def bucket(self, rows: int) -> int | None:
         sizes = self.config.graph_batch_sizes
@@ -190,7 +277,8 @@ class CudaRunner:
     def _graphable(self, inputs: list[SpanInput]) -> bool:
         if self.graph_safe and self.model.embedding.word_embeddings.weight.data_ptr() != self._weights_ptr:
             # WeightStore.bind re-pointed every parameter: captured graphs would read the old
-            # tensors. Decode runs eagerly from now on (bind is meant for eager engines).
+            # tensors. Decode runs eagerly from now on (bind is meant for eager engines; it runs
+            # on every rank alike, so all ranks stop replaying together).
             log.warning("parameters were re-bound (WeightStore.bind): decode graphs dropped, decode runs eagerly")
             self.graph_safe = False
             self._graphs.clear()
@@ -204,7 +292,7 @@ class CudaRunner:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = _DecodeGraph(self, rows)
-            graph.capture(self.model, self.d_stream, self._pool)
+            graph.capture(self.model, self.d_stream, self._pool, collective=self.multi_rank)
             self._graphs[rows] = graph
             log.info("captured decode graph for %d rows", rows)
         return graph
@@ -221,6 +309,32 @@ class CudaRunner:
             torch.cuda.synchronize(self.device)
             return None
 
+    def _capture_collectively(self, sizes: Sequence[int]) -> bool:
+        """Every bucket on every rank (a failure does not stop the others: the warm-ups' collectives
+        must keep pairing up), then one agreement over the CPU group; all keep graphs or none does."""
+        failed = None
+        if self.graph_safe and self.cache is not None:
+            for rows in sorted(sizes, reverse=True):
+                try:
+                    self._graph(rows)
+                except Exception as exc:  # capture itself runs no collective: the ranks stay aligned
+                    failed = failed or f"{rows} rows: {type(exc).__name__}: {exc}"
+                    log.warning("decode graph capture for %d rows failed: %s", rows, exc)
+                    torch.cuda.synchronize(self.device)
+        else:
+            failed = "not graph-safe" if self.cache is not None else "no KV cache"
+        views = self.model.comm.all_gather_object(failed, context="decode graph capture")
+        problems = {r: v for r, v in enumerate(views) if v is not None}
+        if problems:
+            if self._graphs or failed is None:
+                log.warning("decode graphs dropped on every rank, decode runs eagerly: failed on rank(s) %s",
+                            problems)
+            self.graph_safe = False
+            self.capture_error = f"capture failed on rank(s) {problems}"
+            self._graphs.clear()
+            return False
+        return True
+
     def _replay(self, graph: _DecodeGraph, inputs: list[SpanInput]) -> Forward:
         n = len(inputs)
         caller = torch.cuda.current_stream()
@@ -228,10 +342,11 @@ class CudaRunner:
         with torch.cuda.stream(self.d_stream):
             graph.static.fill([i.span for i in inputs], [i.token_ids[0] for i in inputs])
             graph.graph.replay()
+        self._probe.after(self.d_stream)
         caller.wait_stream(self.d_stream)
         self.stats["graph_replays"] += 1
         return graph.logits[:n]
-        yield  # a generator with no boundary, like the model's D forward on one rank
+        yield  # a generator with no boundary (the graph holds D's whole forward)
 
     # -- eager forwards (P, mixed chunked batches, decode batches past the largest bucket) ----
     def _eager(self, inputs: list[SpanInput], phase: Phase) -> Forward:
@@ -239,26 +354,27 @@ class CudaRunner:
         caller = torch.cuda.current_stream()
         self.stats["eager_forwards"] += 1
         with torch.cuda.stream(stream):
-            stream.wait_stream(caller)
+            stream.wait_stream(caller)  # weight copies and earlier host-to-device copies
             layout = build_layout([i.span for i in inputs], [i.token_ids for i in inputs], [i.sample for i in inputs],
                                   self.cache.block_size, self.kernels, self.q_heads, self.kv_heads,
                                   self.cfg.kv_channels, self.device, self.num_sms)
             attn = KernelPagedBatch(self.cache, layout, self.kernels)
             gen = self.model.step(layout.tokens, layout.positions, attn, phase, logits_index=layout.logits_rows)
         while True:
-            caller = torch.cuda.current_stream()
+            # Each segment runs on the phase's stream: its kernels and its collectives (the router
+            # moves the registered conflicting one to D's stream, with events both ways).
             with torch.cuda.stream(stream):
-                stream.wait_stream(caller)
                 try:
                     point = next(gen)
                 except StopIteration as stop:
                     logits = stop.value
                     break
             yield point
+        self._probe.after(stream)
         done = torch.cuda.Event()
         done.record(stream)
         if self.config.async_prefill and phase is Phase.P:
-            while not done.query():
+            while not done.query():  # rank-safe: see "Asynchronous P" in the module docstring
                 self.stats["completion_polls"] += 1
                 yield COMPLETION
         caller = torch.cuda.current_stream()

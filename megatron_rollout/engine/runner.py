@@ -4,8 +4,10 @@ A runner holds tensors and never decides anything: the engine tells it which spa
 which phase, and which rows to return logits for. `forward` returns the model's generator, so the
 caller chooses whether to run it to the end (decode, `off`, `chunked`) or segment by segment
 (`mux` prefill). `Runner` is the protocol; `ModelRunner` (portable, any device, any rank count)
-and `cuda_runner.CudaRunner` (one GPU: decode graphs, phase streams) implement it, and
-`cuda_runner.make_runner` picks one from `EngineConfig.runner`.
+and `cuda_runner.CudaRunner` (CUDA, one rank or many: decode graphs, phase streams) implement it,
+and `cuda_runner.make_runner` picks one from `EngineConfig.runner`. After a forward's result is
+complete, a runner runs the deferred checks of the comm's sync-free dispatch domains
+(`comm.alltoall.check_domains`): they read the device, so never inside a forward.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from megatron_rollout.comm.alltoall import check_domains
 from megatron_rollout.forward import Forward
 from megatron_rollout.kv.paged import PagedBatch, PagedKVCache, SeqSpan
 from megatron_rollout.model.transformer import MoETransformer
@@ -57,4 +60,9 @@ class ModelRunner:
         ends = torch.tensor([i.span.new for i in inputs], dtype=torch.long).cumsum(0) - 1
         rows = ends[[k for k, i in enumerate(inputs) if i.sample]]
         dev = self.device
-        return self.model.step(tokens.to(dev), batch.positions, batch, phase, logits_index=rows.to(dev))
+        return self._checked(self.model.step(tokens.to(dev), batch.positions, batch, phase, logits_index=rows.to(dev)))
+
+    def _checked(self, forward: Forward) -> Forward:
+        logits = yield from forward
+        check_domains(self.model.comm)  # the forward is over: its deferred sequence checks may read now
+        return logits

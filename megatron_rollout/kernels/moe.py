@@ -12,47 +12,34 @@ the device:
 3. results return to pair order by index and are combined with the routing weights.
 
 `DeviceLocalComm` is `LocalComm` with this exchange; `install_device_exchange(model)` swaps it in
-for a single-rank model (the CUDA runner does this). Left out: expert parallelism (several ranks
-exchange tokens through `comm`'s distributed exchanges), FP8 expert weights (they fall back to the
-portable exchange) and capacity factors / token dropping.
+for a single-rank model (the CUDA runner does this). A multi-rank model keeps its `DistComm`: its
+exchanges are sync-free when the comm consumes counts on the device (`CommConfig.counts`), and
+`install_device_exchange` only stacks the experts so that they run as grouped GEMMs there
+(`comm.exchange.compute_local_sync_free`). Left out: FP8 expert weights (they fall back to the
+portable exchange) and capacity factors / token dropping. `sorted_destinations` lives in
+`comm.exchange` (the distributed exchanges use it too) and is re-exported here.
 """
+
 from __future__ import annotations
 
 import logging
 
 import torch
 
+from megatron_rollout.comm import exchange as _exchange
 from megatron_rollout.comm.exchange import ExpertExchange, compute_local
 from megatron_rollout.comm.facade import LocalComm
 from megatron_rollout.model.layers import Experts, MoELayer
 
 log = logging.getLogger(__name__)
 
-ONE_HOT_LIMIT = 1 << 22
-"""Pairs x experts up to which the one-hot prefix sum is used (capturable, a few MB)."""
+ONE_HOT_LIMIT = _exchange.ONE_HOT_LIMIT
+"""Pairs x experts up to which `sorted_destinations` uses the one-hot prefix sum (capturable, a few MB)."""
 
 
 def sorted_destinations(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """flat: [P] expert id of each pair. Returns (dest [P] int64: the pair's row in expert-sorted,
-    stable order; offsets [E] int32: cumulative pair counts, the groups' end rows)."""
-    pairs = flat.numel()
-    if pairs * num_experts <= ONE_HOT_LIMIT:
-        # [E, P]: the scan runs along the contiguous dim (a scan along dim 0 of [P, E] is a serial
-        # loop per column in torch, ~P dependent steps: 0.25 ms per layer at decode sizes)
-        onehot = torch.zeros(num_experts, pairs, dtype=torch.int32, device=flat.device)
-        onehot.scatter_(0, flat[None, :], 1)
-        csum = onehot.cumsum(1, dtype=torch.int32)
-        counts = csum[:, -1]
-        offsets = counts.cumsum(0, dtype=torch.int32)
-        rank = csum.gather(0, flat[None, :]).squeeze(0) - 1  # position among pairs of the same expert
-        dest = (offsets - counts)[flat] + rank
-        return dest.long(), offsets
-    order = torch.argsort(flat, stable=True)
-    dest = torch.empty_like(order)
-    dest[order] = torch.arange(pairs, device=flat.device)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    return dest, counts.cumsum(0, dtype=torch.int32)
+    """`comm.exchange.sorted_destinations` with this module's `ONE_HOT_LIMIT`."""
+    return _exchange.sorted_destinations(flat, num_experts, ONE_HOT_LIMIT)
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts,
@@ -142,20 +129,22 @@ def choose_small_kernels(model: torch.nn.Module, rows: int = 64) -> dict:
 
 
 def install_device_exchange(model: torch.nn.Module) -> bool:
-    """Stack every MoE layer's expert weights and give a single-rank model the device exchange.
+    """Stack every MoE layer's expert weights; give a single-rank model the device exchange.
 
     Returns True when every MoE layer can run sync-free (bf16 stacked weights, no FP8), which is
-    what CUDA-graph capture of a forward needs. A model whose comm is not `LocalComm` is left
-    alone (returns False): its exchanges cross ranks."""
+    what CUDA-graph capture of a forward needs. A multi-rank model keeps its comm (its exchanges
+    cross ranks); it is graph-safe when that comm consumes the exchanged counts on the device
+    (`DistComm.sync_free`), else False: its exchanges read counts on the host."""
     comm = getattr(model, "comm", None)
-    if type(comm) is not LocalComm and not isinstance(comm, DeviceLocalComm):
-        log.info("model comm is %s: keeping its exchange", type(comm).__name__)
-        return False
+    single = type(comm) is LocalComm or isinstance(comm, DeviceLocalComm)
+    if not single and not getattr(comm, "sync_free", False):
+        log.info("model comm is %s and reads exchanged counts on the host: decode cannot be captured "
+                 "(CommConfig.counts='device' makes it sync-free)", type(comm).__name__)
     ok = True
     for module in model.modules():
         if isinstance(module, MoELayer):
             module.experts.restack()
             ok = ok and module.experts.stacked() is not None
-    if not isinstance(comm, DeviceLocalComm):
+    if single and not isinstance(comm, DeviceLocalComm):
         model.comm = DeviceLocalComm()
-    return ok
+    return ok and (single or bool(getattr(comm, "sync_free", False)))

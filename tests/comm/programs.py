@@ -104,9 +104,10 @@ def pending_p_across_d(comm) -> dict:
             "seqs": (comm.domain(Phase.P).seq, comm.domain(Phase.D).seq)}
 
 
-def sharded_model(comm, lens: list[list[int]]) -> dict:
+def sharded_model(comm, lens: list[list[int]], count_reads: bool = False) -> dict:
     """Prefill (phase P) then one decode token per sequence (phase D) on this replica's sequences
-    (`lens[replica]`, possibly none), against the unsharded model with the same seed."""
+    (`lens[replica]`, possibly none), against the unsharded model with the same seed. With
+    `count_reads`, the host reads made by the sharded model's forwards are returned too."""
     from megatron_rollout.model.attention import DenseKVCache
     from megatron_rollout.model.layers import run_to_end
     from megatron_rollout.model.transformer import MoETransformer
@@ -117,22 +118,30 @@ def sharded_model(comm, lens: list[list[int]]) -> dict:
     nexts = [[torch.randint(0, cfg.vocab_size, (1,), generator=gen) for _ in rl] for rl in lens]
     replica = comm.rank(Axis.ADP)
 
-    def run(model) -> list[torch.Tensor]:
+    reads = HostReads()
+
+    def run(model, counted: bool = False) -> list[torch.Tensor]:
         cache, logits = DenseKVCache(cfg.num_layers, len(prompts[replica])), []
         for phase, toks in ((Phase.P, prompts[replica]), (Phase.D, nexts[replica])):
             cache.begin([len(t) for t in toks])
             tokens = torch.cat(toks) if toks else torch.zeros(0, dtype=torch.long)
             positions = cache.positions() if toks else torch.zeros(0, dtype=torch.long)
-            logits.append(run_to_end(model.step(tokens, positions, cache, phase)))
+            forward = model.step(tokens, positions, cache, phase)
+            if counted:
+                with reads:
+                    logits.append(run_to_end(forward))
+            else:
+                logits.append(run_to_end(forward))
             cache.end()
         return logits
 
     ref = run(MoETransformer(cfg).init_weights(seed=7))
     model = MoETransformer(cfg, comm=comm).init_weights(seed=7)
-    got = run(model)
-    return {"errors": [_err(g, r) for g, r in zip(got, ref)], "shapes": [tuple(g.shape) for g in got],
-            "local_experts": model.decoder.layers[1].mlp.experts.num_local,
-            "qkv_rows": model.decoder.layers[0].self_attention.linear_qkv.weight.shape[0]}
+    got = run(model, counted=count_reads)
+    out = {"errors": [_err(g, r) for g, r in zip(got, ref)], "shapes": [tuple(g.shape) for g in got],
+           "local_experts": model.decoder.layers[1].mlp.experts.num_local,
+           "qkv_rows": model.decoder.layers[0].self_attention.linear_qkv.weight.shape[0]}
+    return {**out, "host_reads": reads.calls} if count_reads else out
 
 
 def rendezvous_failure(rank: int) -> dict:
@@ -283,3 +292,95 @@ def cuda_exchanges(rank: int, backend: str = "alltoall", dtype: torch.dtype = to
     errors = exchange_errors(comm, exchanges, device=device, dtype=dtype)
     comm.close()
     return {"errors": errors}
+
+
+# ---- device-side counts (CommConfig.counts="device") ----------------------------------------------
+HOST_READS = ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
+"""Tensor methods that read a tensor's values on the host (a device sync on CUDA)."""
+
+
+class HostReads:
+    """Counts calls of `HOST_READS` on tensors while active (and where they came from)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __enter__(self) -> "HostReads":
+        import traceback
+
+        self._saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+        for name, fn in self._saved.items():
+            def counting(t, *a, _fn=fn, _name=name, **k):
+                self.calls.append(f"{_name} at {traceback.format_stack(limit=3)[0].strip()}")
+                return _fn(t, *a, **k)
+            setattr(torch.Tensor, name, counting)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, fn in self._saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+def device_counts(comm) -> dict:
+    """Every exchange of a comm with counts="device" against the reference, with the host reads made
+    while they ran (the reference runs outside the count); then the same for the sharded model."""
+    from megatron_rollout.comm.allgather import AllGatherExchange
+    from megatron_rollout.model.layers import run_to_end
+
+    full, local = experts_pair(comm.shard)
+    replica = comm.rank(Axis.ADP)
+    exchanges = {"P": comm.exchange(Phase.P), "D": comm.exchange(Phase.D),
+                 "allgather_D": AllGatherExchange(comm, Phase.D, capacity=comm.config.d_max_tokens)}
+    errors: dict[str, list[float]] = {name: [] for name in exchanges}
+    reads = HostReads()
+    for i, (counts, excluded) in enumerate([((6, 3), {3}), ((0, 5), {6, 7}), ((0, 0), set()), ((4, 7), set())]):
+        x, ids, w = routed_tokens(sum(counts), excluded, seed=200 + i)
+        ref = _ref(x, ids, w, full)
+        rows = slice(sum(counts[:replica]), sum(counts[: replica + 1]))
+        for name, ex in exchanges.items():
+            with reads:
+                got = run_to_end(ex.run(x[rows], ids[rows], w[rows], local, i))
+            errors[name].append(_err(got, ref[rows]))
+    kinds = {name: type(getattr(ex, "domain", ex)).__name__ for name, ex in exchanges.items()}
+    from megatron_rollout.comm.alltoall import check_domains
+
+    check_domains(comm)  # no mismatch: must not raise
+    return {"errors": errors, "host_reads": reads.calls, "kinds": kinds, "sync_free": comm.sync_free,
+            "model": sharded_model(comm, [[5, 3], [4]], count_reads=True)}
+
+
+def device_sequence_mismatch(comm, rank: int) -> dict:
+    """Rank 1 resets D's sync-free domain alone: the next dispatch completes on both ranks (nothing
+    is read inside it) and `check_domains` afterwards raises SequenceMismatch on both."""
+    from megatron_rollout.comm.alltoall import check_domains
+    from megatron_rollout.comm.domain import SequenceMismatch
+    from megatron_rollout.model.layers import run_to_end
+
+    _, local = experts_pair(comm.shard)
+    d, out = comm.domain(Phase.D), {}
+    x, ids, w = routed_tokens(3, set(), seed=60 + rank)
+    run_to_end(comm.exchange(Phase.D).run(x, ids, w, local, 0))
+    check_domains(comm)
+    if rank == 1:
+        d.reset()
+    run_to_end(comm.exchange(Phase.D).run(x, ids, w, local, 1))
+    out["error"] = error_of(lambda: check_domains(comm))
+    out["state"] = d.state.value
+    d.reset()
+    got = run_to_end(comm.exchange(Phase.D).run(x, ids, w, local, 2))
+    out["after"] = error_of(lambda: check_domains(comm))
+    out["rows"] = tuple(got.shape)
+    return out
+
+
+def host_reads_of_exchanges(comm) -> int:
+    """Host reads made by one run of each of the comm's exchanges (counts="host": the control)."""
+    from megatron_rollout.model.layers import run_to_end
+
+    _, local = experts_pair(comm.shard)
+    x, ids, w = routed_tokens(4, set(), seed=7)
+    reads = HostReads()
+    with reads:
+        for phase in Phase:
+            run_to_end(comm.exchange(phase).run(x, ids, w, local, 0))
+    return len(reads.calls)

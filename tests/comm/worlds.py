@@ -4,9 +4,11 @@ assert on; `world(n)` runs the n-rank program once per pytest session and caches
 
 4 ranks: DistComm groups and collectives (ATP2/ADP2/EP4), exchanges against the single-process
 reference, a P dispatch pending across D rounds, the sharded model for ATP2/ADP2, ATP1/ADP4 and
-ATP4/ADP1, and finally a rendezvous with one rank gone and one late.
+ATP4/ADP1, the same with counts consumed on the device (no host read inside a forward), and
+finally a rendezvous with one rank gone and one late.
 2 ranks: exchanges on ATP1/ADP2/EP2, the DeepEP-missing error, the dispatch-domain state machine,
-a rank-order (sequence) mismatch, and a count exchange whose peer never arrives.
+a rank-order (sequence) mismatch, the same found by the deferred device-side check, and a count
+exchange whose peer never arrives.
 """
 from __future__ import annotations
 
@@ -126,7 +128,13 @@ def four_ranks(rank: int) -> dict:
     check(out, "model_atp2_adp2_p_alltoall", programs.sharded_model, split, [[5, 3], [4]])
     split.close()
     check(out, "model_atp2_adp2", programs.sharded_model, comm, [[5, 3], [4]])
+    check(out, "host_counts_reads", programs.host_reads_of_exchanges, comm)
     comm.close()
+    for p_kind in ("alltoall", "allgather"):  # counts consumed on the device: P padded, D low-latency
+        dev = DistComm(ParallelLayout(2, 2, 4), CommConfig(timeout_s=TIMEOUT_S, counts="device", p_exchange=p_kind,
+                                                           p_max_tokens=24, d_max_tokens=16))
+        check(out, f"device_counts_p_{p_kind}", programs.device_counts, dev)
+        dev.close()
     for (atp, adp), lens in (((1, 4), [[3], [2, 4], [], [6]]), ((4, 1), [[4, 2, 3]])):
         comm = DistComm(ParallelLayout(atp, adp, 4), CommConfig(timeout_s=TIMEOUT_S))
         check(out, f"model_atp{atp}_adp{adp}", programs.sharded_model, comm, lens)
@@ -153,6 +161,9 @@ def two_ranks(rank: int) -> dict:
     check(out, "normal_transitions", programs.normal_transitions, comm)
     check(out, "low_latency_transitions", programs.low_latency_transitions, comm)
     check(out, "sequence_mismatch", programs.sequence_mismatch, comm, rank)
+    dev = DistComm(layout, CommConfig(timeout_s=TIMEOUT_S, counts="device", d_max_tokens=8))
+    check(out, "device_sequence_mismatch", programs.device_sequence_mismatch, dev, rank)
+    dev.close()
     short = DistComm(layout, CommConfig(timeout_s=SHORT_TIMEOUT_S, p_exchange="alltoall"))
     check(out, "peer_never_notifies", programs.peer_never_notifies, short, rank)
     return out
