@@ -29,10 +29,10 @@ from collections.abc import Callable
 
 import torch
 
+from megatron_rollout.bench.rollout import random_model
 from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
 from megatron_rollout.model.config import ModelConfig, preset
 from megatron_rollout.model.sharding import full_shapes
-from megatron_rollout.model.transformer import MoETransformer
 
 _LAYER = "decoder.layers."
 
@@ -125,7 +125,7 @@ def run(model_name: str, device: str, repeats: int = 3, bw_bytes: int = 4 << 30)
     cfg = preset(model_name)
     copy_bw = copy_bandwidth(dev, bw_bytes if dev.type == "cuda" else 64 << 20)
     start = time.perf_counter()
-    model = MoETransformer(cfg, device=dev).init_weights(0)
+    model = random_model(cfg, dev, seed=0)  # drawn on the device: init_weights draws on the host (minutes at 30B)
     engine = RolloutEngine(model, EngineConfig(num_blocks=64, block_size=16, schedule="off"))
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     built_s = time.perf_counter() - start
