@@ -79,3 +79,27 @@ def test_turnstile_publishes_the_plan_position_of_each_yield():
     # Without a model of the native shape there is no plan: yields are numbered by position.
     assert boundary_plan(object(), None) is None
     assert run_to_end(forward([])) == 7
+
+
+def test_boundary_plan_matches_single_rank_yields():
+    """One process: the portable exchange and the CUDA runner's sync-free one yield no MOE_DATA."""
+    import torch
+
+    from megatron_rollout.comm.facade import LocalComm
+    from megatron_rollout.kernels.moe import DeviceLocalComm
+    from megatron_rollout.model.attention import CausalBatch
+    from megatron_rollout.model.config import preset
+    from megatron_rollout.model.transformer import MoETransformer
+    from megatron_rollout.types import Phase
+
+    for comm in (LocalComm(), DeviceLocalComm()):
+        model = MoETransformer(preset("tiny-moe"), comm=comm).init_weights(seed=1)
+        gen, seen = model.step(torch.arange(6), torch.arange(6), CausalBatch(1, 6), Phase.P), []
+        with torch.no_grad():
+            while True:
+                try:
+                    seen.append(next(gen))
+                except StopIteration:
+                    break
+        assert list(boundary_plan(model, Phase.P)) == seen == [BoundaryPoint(1, Site.MOE_EXCHANGE),
+                                                               BoundaryPoint(2, Site.MOE_EXCHANGE)]
