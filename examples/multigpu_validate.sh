@@ -43,3 +43,28 @@ for r in json.load(open(sys.argv[1]))['runs']:
     print(f\"  {r['schedule']:8s} makespan {r['makespan_s']:.2f}s p99 {r['p99_request_s']:.3f}s decode wait {r['mean_decode_wait_ms']:.1f}ms\")
 " "$OUT/replay_atp${atp}_adp${adp}.json" || tail -5 "$OUT/replay_atp${atp}_adp${adp}.err"
 done
+
+# 3. the multi-rank CUDA runner (issue 15): decode graphs that capture NCCL collectives on D's own
+#    communicators, P eager on its stream with P's communicators, counts consumed on the device,
+#    and the routed P all-reduce on D's stream. What one GPU could not show: collectives pairing
+#    up across ranks (collective capture warm-ups, ranks replaying different buckets, replicas
+#    without decode rows), the model's ATP all-reduce / all-gather, the crossed ATP2/ADP2 order
+#    under the turnstile, and cross-rank sequence checks. Each layout and exchange pair runs mux
+#    with the CUDA runner and with the eager runner (the reference); a hang shows as exit 124.
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_cuda_runner_multirank.py 2>&1 \
+  | tee "$OUT/pytest_cuda_runner_multirank.log" | tail -5
+for layout in $layouts; do
+  atp=${layout%,*}; adp=${layout#*,}
+  for exchanges in "allgather alltoall" "alltoall alltoall" "allgather allgather"; do
+    set -- $exchanges
+    for runner in cuda eager; do
+      name="runner_${runner}_atp${atp}_adp${adp}_p$1_d$2"
+      timeout 300 torchrun --nproc_per_node "$n" -m megatron_rollout.cli replay --trace "$OUT/trace.jsonl" \
+        --model "${MODEL:-tiny-moe}" --schedule off,mux --json --no-progress --device cuda --runner "$runner" \
+        --atp "$atp" --adp "$adp" --p-exchange "$1" --d-exchange "$2" --timeout 60 \
+        > "$OUT/$name.json" 2> "$OUT/$name.err"
+      echo "$name exit $?"
+      grep -h "decode graphs dropped\|SequenceMismatch\|not graph-safe" "$OUT/$name.err" | head -3
+    done
+  done
+done

@@ -248,7 +248,7 @@ class CudaRunner:
         self._probe.poll()
         if phase is Phase.D and self.multi_rank and not self._captured and self.config.use_graphs:
             self._captured = True  # every rank's first D forward: capture every bucket together
-            self._capture_collectively(self.config.graph_batch_sizes)
+            self._capture_collectively(self.graph_sizes)
         if phase is Phase.D and self._graphable(inputs):
             bucket = self.bucket(len(inputs))
             graph = self._graphs.get(bucket) if self.multi_rank else self._try_graph(bucket)
@@ -262,16 +262,23 @@ class CudaRunner:
         must call it at the same point (the warm-ups run collectives)."""
         if not (self.config.use_graphs and self.graph_safe):
             return False
-        sizes = batch_sizes or self.config.graph_batch_sizes
+        sizes = batch_sizes or self.graph_sizes
         if self.multi_rank:
             self._captured = True
             return self._capture_collectively(sizes)
         return all(self._try_graph(rows) is not None for rows in sorted(sizes, reverse=True))
 
     def bucket(self, rows: int) -> int | None:
-        sizes = self.config.graph_batch_sizes
+        sizes = self.graph_sizes
         i = bisect_left(sizes, rows)
         return sizes[i] if i < len(sizes) else None
+
+    @property
+    def graph_sizes(self) -> tuple[int, ...]:
+        """The configured buckets a graph can hold: on many ranks at most D's static exchange
+        capacity (`CommConfig.d_max_tokens` rows per replica); larger batches run eagerly."""
+        limit = getattr(getattr(self.model.comm, "config", None), "d_max_tokens", None) if self.multi_rank else None
+        return tuple(b for b in self.config.graph_batch_sizes if limit is None or b <= limit)
 
     # -- decode graphs ------------------------------------------------------------------------
     def _graphable(self, inputs: list[SpanInput]) -> bool:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rollout.types import Axis, Phase
-from tests.comm.worlds import SHORT_TIMEOUT_S, experts_pair, exchange_errors, moe_cfg, routed_tokens
+from tests.comm.worlds import SHORT_TIMEOUT_S, exchange_errors, experts_pair, moe_cfg, routed_tokens
 
 
 def error_of(fn: Callable[[], Any]) -> str | None:
@@ -353,7 +353,6 @@ def device_sequence_mismatch(comm, rank: int) -> dict:
     """Rank 1 resets D's sync-free domain alone: the next dispatch completes on both ranks (nothing
     is read inside it) and `check_domains` afterwards raises SequenceMismatch on both."""
     from megatron_rollout.comm.alltoall import check_domains
-    from megatron_rollout.comm.domain import SequenceMismatch
     from megatron_rollout.model.layers import run_to_end
 
     _, local = experts_pair(comm.shard)
