@@ -8,10 +8,14 @@ the registered conflicting P collective is enqueued on the D stream right after 
 its own phase's route, so unrelated P work still overlaps with D.
 
 `Router.run(route, fn)` executes a collective on its route:
-- GPU (`PhaseStreams` given): on the route's CUDA stream; a routed P collective first waits for
-  the P stream (its input was produced there), runs on the D stream, and the P stream waits for
-  its completion event. Tensors crossing streams are recorded on the consuming stream so the
-  caching allocator does not reuse them early.
+- GPU (`PhaseStreams` given, the runner's own: `bind_streams`): a collective runs on its route's
+  stream after an event recorded on the stream that produced its input (the stream current when
+  it was issued, which the CUDA runner makes the phase's own); if that is another stream, the
+  producer waits for the collective's completion event before going on. So an unrouted
+  collective issued on its phase's stream runs right there, and the routed P collective runs on
+  the D stream after this round's D iteration and after P's producing kernels, with P's stream
+  waiting on its completion (DESIGN.md §6 rule 3). Tensors crossing streams are recorded on the
+  consuming stream so the caching allocator does not reuse them early.
 - CPU (no streams): routes are labels and execution is program order; the ordering still holds
   because the caller (the turnstile, or the in-order device model in `inorder.py`) enqueues in
   the right host order.
@@ -210,7 +214,10 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 class Router:
-    """Decides and executes routes. One per rank; called from the host driver thread only."""
+    """Decides and executes routes. One per rank; called from the host driver thread only.
+
+    `streams` are borrowed from the runner that runs the phases (`bind_streams`): a router whose
+    streams are not the ones the forwards run on would order nothing."""
 
     def __init__(self, registry: ConflictRegistry | None = None, streams: PhaseStreams | None = None,
                  require_window: bool = True) -> None:
@@ -219,6 +226,10 @@ class Router:
         self.require_window = require_window
         self._window: tuple[int, int] | None = None  # (epoch, round) while routed P may be issued
         self.routed_count = 0  # routed P collectives issued so far (for records and tests)
+
+    def bind_streams(self, streams: PhaseStreams | None) -> None:
+        """Use the runner's phase streams (the CUDA runner calls this with its P and D streams)."""
+        self.streams = streams
 
     def route(self, phase: Phase, site: CollectiveSite) -> Route:
         if phase is Phase.P and self.registry.conflicts_of(site):
@@ -253,14 +264,12 @@ class Router:
         return self._run_cuda(route, fn, list(inputs))
 
     def _run_cuda(self, route: Route, fn: Callable[[], T], inputs: list[torch.Tensor]) -> T:
-        streams = self.streams
-        own = streams.of(route.phase)
-        target = streams.of(route.stream)
-        if target is own:
-            with torch.cuda.stream(own):
-                return fn()
+        producer = torch.cuda.current_stream()  # where the collective's input was produced
+        target = self.streams.of(route.stream)
+        if target == producer:
+            return fn()
         ready = torch.cuda.Event()
-        ready.record(own)  # the collective's input was produced on P's stream
+        ready.record(producer)
         target.wait_event(ready)
         with torch.cuda.stream(target):
             out = fn()
@@ -268,7 +277,7 @@ class Router:
             t.record_stream(target)
         done = torch.cuda.Event()
         done.record(target)
-        own.wait_event(done)  # P continues only after the routed collective
+        producer.wait_event(done)  # the issuing phase continues only after the collective
         for t in _tensors(out):
-            t.record_stream(own)
+            t.record_stream(producer)
         return out

@@ -154,7 +154,8 @@ def test_multirank_runner_matches_single_rank_and_eager(nccl_world, p_exchange, 
             comm.router.open_window(1, 1)  # as the turnstile does after D: the routed P collective may follow
             logits = [run_to_end(r.forward(inputs, Phase.P)) for r in (eager, single, multi)]
             comm.router.close_window()
-            assert comm.router.routed_count == (cfg.num_layers if p_exchange == "allgather" else 0)
+            moe_layers = sum(cfg.is_moe_layer(layer) for layer in range(cfg.num_layers))
+            assert moe_layers > 0 and comm.router.routed_count == (moe_layers if p_exchange == "allgather" else 0)
             for step in range(9):
                 ref = logits[0].float()
                 tokens = ref.argmax(-1)
