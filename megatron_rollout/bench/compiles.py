@@ -27,7 +27,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-_KERNEL_MODULES = ("megatron_rollout.kernels.triton_attention", "megatron_rollout.kernels.moe_triton")
+_KERNEL_MODULES = ("megatron_rollout.kernels.triton_attention", "megatron_rollout.kernels.moe_triton",
+                   "megatron_rollout.kernels.fused")
 
 
 @dataclass(frozen=True)
