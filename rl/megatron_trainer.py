@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_rollout.model.config import ModelConfig
+from megatron_rollout.model.megatron_layout import join_tp, tp_split_dim  # noqa: F401 (re-exported)
 from megatron_rollout.model.sharding import full_shapes
 from rl.trainer import PolicyTrainer
 
@@ -105,28 +106,6 @@ def load_weights(model: nn.Module, named: Mapping[str, torch.Tensor] | Iterable[
 
 
 _LOCAL_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
-
-
-def tp_split_dim(name: str) -> int | None:
-    """The dimension Megatron splits `name` along over TP (ETP = 1: routed experts are whole), or None."""
-    if ".experts.local_experts." in name or name.endswith("layernorm.weight") or name.endswith("router.weight"):
-        return None
-    if name.endswith(("linear_qkv.weight", "linear_fc1.weight", "word_embeddings.weight", "output_layer.weight")):
-        return 0  # column parallel (and the vocab-parallel embedding)
-    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
-        return 1  # row parallel
-    return None
-
-
-def join_tp(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
-    """Full tensor from TP rank r's slices `parts[r]` (a SwiGLU fc1 slice is [gate_r; up_r])."""
-    dim = tp_split_dim(name)
-    if dim is None or len(parts) == 1:
-        return parts[0]
-    if name.endswith("linear_fc1.weight"):
-        halves = [p.chunk(2, dim=0) for p in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
-    return torch.cat(parts, dim=dim)
 
 
 def megatron_full_state(model: nn.Module, cfg: ModelConfig, group=None) -> dict[str, torch.Tensor]:
