@@ -36,6 +36,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--conversations", type=int, default=128)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--scale", type=float, default=1.0, help="shrink token counts (e.g. 0.01 for CPU)")
+    t.add_argument("--profile", default="current", choices=("current", "prefill", "decode"),
+                   help="trace profile (trace.make.PROFILES): current, prefill (paper-like, ~30:1) or decode")
+    t.add_argument("--wait-scale", type=float, default=None, help="tool-wait scale (default: --scale)")
     t.add_argument("--out", required=True)
     r = sub.add_parser("replay", help="replay a trace and report makespan, latencies, decode wait")
     add_engine_args(r)
@@ -54,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_rollout.trace.make import make_trace
         from megatron_rollout.trace.schema import write_trace
 
-        write_trace(args.out, make_trace(args.conversations, args.seed, args.scale))
+        trace = make_trace(args.conversations, args.seed, args.scale, args.wait_scale, profile=args.profile)
+        write_trace(args.out, trace)
         return 0
     from megatron_rollout.launch import run_generate, run_replay
 
