@@ -3,7 +3,8 @@
 `run_engine_checks(rank, atp, adp)` builds one `DistComm` (default exchanges: P all-gather, D
 all-to-all; the router's conflicts derived from them) and runs, in order: the boundary-plan check
 and the two fault injections of test_boundary_faults.py, then (4 ranks) the recording of what each
-phase really issues for test_conflicts.py. A part that raises returns its traceback text.
+phase really issues for test_conflicts.py, and last the cases of test_engine_ordering.py (one
+4-process spawn fewer). A part that raises returns its traceback text.
 """
 from __future__ import annotations
 
@@ -138,4 +139,10 @@ def run_engine_checks(rank: int, atp: int, adp: int) -> dict:
             out["issued"] = _issued(rank, atp, adp)
         except Exception:  # noqa: BLE001
             out["issued"] = f"rank {rank} issued failed:\n{traceback.format_exc()}"
+        from tests.multiplex.test_engine_ordering import all_cases
+
+        try:  # last: its naive ATP2/ADP2 case deadlocks on purpose
+            out["ordering"] = all_cases(rank)
+        except Exception:  # noqa: BLE001
+            out["ordering"] = f"rank {rank} ordering failed:\n{traceback.format_exc()}"
     return out

@@ -10,7 +10,8 @@ order; `multiplex.inorder` derives the outcomes) must
 and the turnstile completes ATP2/ADP2 with `off`'s tokens. Both phases take the all-gather
 exchange, so D issues the ADP all-gather (with the default all-to-all D, see test_conflicts.py).
 
-All cases run in one world, one after another (the deadlock last: it leaves gloo threads stuck).
+All cases run one after another in the 4-rank world of `engine_world` (conftest.py's
+`engine_worlds`), after its other checks: the deadlock last, since it leaves gloo threads stuck.
 """
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ from megatron_rollout.engine import EngineConfig, SamplingParams
 from megatron_rollout.model.config import preset
 from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.types import Axis
-from tests.world import run_world
 
 CFG = preset("tiny-moe")
 FIRST = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]  # decoding while the second wave prefills
@@ -60,7 +60,7 @@ def _case(rank: int, schedule: str, ordering: str, atp: int, adp: int) -> dict:
             "replica": comm.rank(Axis.ADP), "stalled": None, "s": time.monotonic() - t0}
 
 
-def _all_cases(rank: int) -> dict:
+def all_cases(rank: int) -> dict:
     out = {case: _case(rank, *case) for case in CASES}
     if any(r["stalled"] for r in out.values()):
         # gloo threads stay stuck in the cycle until their timeout and would hold up the exit: the
@@ -69,10 +69,12 @@ def _all_cases(rank: int) -> dict:
     return out
 
 
-def test_naive_deadlocks_only_when_crossed_and_the_turnstile_completes_with_off_tokens() -> None:
+def test_naive_deadlocks_only_when_crossed_and_the_turnstile_completes_with_off_tokens(engine_worlds) -> None:
     from megatron_rollout.multiplex.inorder import stuck_pair
 
-    res = run_world(_all_cases, 4, timeout=240)
+    res = [r["ordering"] for r in engine_worlds[4]]
+    for r in res:
+        assert isinstance(r, dict), r  # a str is the rank's traceback
     by_case = {case: [r[case] for r in res] for case in CASES}
 
     def tokens(case):
