@@ -116,6 +116,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--vllm-reserve-s", type=float, default=250.0, help="time kept for the peer")
     ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=False, help="the transformers peer")
     ap.add_argument("--hf-budget-s", type=float, default=60.0)
+    ap.add_argument("--resume", default=None, metavar="DIR",
+                    help="run only the peer stage over DIR/rollout.json (our figures from an earlier run of the "
+                         "same trace options, e.g. an earlier call of the same device lease); results go to DIR")
     ap.add_argument("--out", default="runs/bench")
     ap.add_argument("--no-progress", action="store_true")
     return ap
@@ -582,6 +585,17 @@ def vllm_stage(run: Run, result: dict, out: Path, trace: list, deadline_total: f
     return peer
 
 
+def _resume(path: Path, fresh: dict[str, Any]) -> dict[str, Any]:
+    """An earlier run's result, checked to be of the same trace (the peer must replay what we did)."""
+    earlier = json.loads((path / "rollout.json").read_text())
+    for key in ("model", "profile", "conversations", "scale", "max_model_len", "trace"):
+        if earlier.get(key) != json.loads(json.dumps(fresh.get(key))):
+            raise SystemExit(f"--resume {path}: its {key} is {earlier.get(key)!r}, this run's is {fresh.get(key)!r}; "
+                             f"give the same trace options")
+    earlier.setdefault("resumed", []).append(fresh["command"])
+    return earlier
+
+
 def _max_model_len(args, cfg: ModelConfig, trace: list) -> int:
     if args.max_model_len != "auto":
         return int(args.max_model_len)
@@ -631,6 +645,9 @@ def main(argv: list[str] | None = None) -> int:
                                  "chain_conversation": lb.chain_conversation, "work_s": lb.work_s,
                                  "total_flops": lb.total_flops, "total_bytes": lb.total_bytes}
     specs = _specs(args)
+    if args.resume:
+        out = Path(os.path.expandvars(args.resume))
+        result, specs = _resume(out, result), []
     reserve = args.vllm_reserve_s if vllm_on else 0.0
     ours = deadline_total - reserve
     run = Run(args, cfg, None, max_model_len, _num_blocks(args, cfg), ours,
