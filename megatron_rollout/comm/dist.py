@@ -13,7 +13,9 @@ Built once per process, on every rank in the same order (torch's `new_group` dem
 
 `all_gather_object(obj, context)` goes through the TCP store instead of a collective so that a
 rank that died or never came is *named* when the others give up after `timeout_s`
-(`RendezvousTimeout`), rather than every rank hanging in a collective.
+(`RendezvousTimeout`), rather than every rank hanging in a collective. A collective that fails
+(gloo's "Timed out waiting ...ms for recv", "Connection closed by peer") is re-raised as
+`CrossRankTimeout` naming the dead or stopped ranks (`comm.errors`), with the time it waited.
 
 Left out: pipeline/context parallel groups, communicator tuning (NCCL options, SM limits),
 streams (the runner owns those), and rebuilding after a communicator failure (make a new DistComm).
@@ -25,6 +27,7 @@ import itertools
 import logging
 import math
 import pickle
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -36,6 +39,7 @@ import torch.distributed as dist
 from megatron_rollout.comm.allgather import AllGatherExchange
 from megatron_rollout.comm.alltoall import AllToAllExchange
 from megatron_rollout.comm.domain import DispatchDomain
+from megatron_rollout.comm.errors import CrossRankTimeout, absent_processes, describe, register_peers, this_process
 from megatron_rollout.comm.exchange import ExpertExchange
 from megatron_rollout.comm.facade import CollectiveRouter, CollectiveSite, Comm
 from megatron_rollout.comm.groups import ParallelGroups, ParallelLayout, init_parallel
@@ -45,10 +49,12 @@ logger = logging.getLogger(__name__)
 
 _BACKENDS = ("alltoall", "deepep")
 _EXCHANGES = ("allgather", "alltoall")
+_COUNTS = ("auto", "host", "device")
 # Which kind of dispatch domain each phase owns (DESIGN.md §5): wired here, nowhere else.
 _DOMAIN_MODE = {Phase.P: "normal", Phase.D: "low_latency"}
 _DOMAINS = {("alltoall", "normal"): "megatron_rollout.comm.alltoall:NormalAllToAllDomain",
             ("alltoall", "low_latency"): "megatron_rollout.comm.alltoall:LowLatencyAllToAllDomain",
+            ("alltoall", "padded"): "megatron_rollout.comm.alltoall:PaddedAllToAllDomain",
             ("deepep", "normal"): "megatron_rollout.comm.deepep:DeepEPNormalDomain",
             ("deepep", "low_latency"): "megatron_rollout.comm.deepep:DeepEPLowLatencyDomain"}
 
@@ -70,7 +76,21 @@ class CommConfig:
     """D's expert exchange: "alltoall" (D's low-latency domain) or "allgather"."""
     d_max_tokens: int = 256
     """Most tokens one ADP replica sends through D's low-latency domain per layer (its largest decode
-    batch); each ATP rank's static buffers hold ceil(d_max_tokens / ATP) per peer."""
+    batch); each ATP rank's static buffers hold ceil(d_max_tokens / ATP) per peer. With device-side
+    counts it is also the capacity of D's padded ADP all-gather (`d_exchange="allgather"`)."""
+    counts: str = "auto"
+    """Where the exchanged counts are consumed: "host" (exact sizes: the host reads every count
+    exchange, so a forward waits for the device once per MoE layer), "device" (capacity-padded
+    exchanges whose counts travel in header tensors and are consumed by masking on the device: no
+    host read inside a P or D forward, decode graphs can capture the exchange; sequence checks are
+    deferred to `check_domains`), or "auto" (device on CUDA, host on CPU)."""
+    p_max_tokens: int = 4096
+    """With device-side counts: most tokens one ADP replica runs through P per layer (at least the
+    scheduler's max_batch_tokens); sizes P's padded domain (ceil(p_max_tokens / ATP) per peer) and
+    its padded ADP all-gather."""
+    trivial_groups: bool = False
+    """Build communicators for one-rank groups too, so that a world of one rank issues every
+    collective of the multi-rank path through its backend (how that path is tested on one GPU)."""
 
     def __post_init__(self) -> None:
         if self.backend not in _BACKENDS:
@@ -82,14 +102,23 @@ class CommConfig:
             raise ValueError(f"CommConfig.timeout_s must be positive, got {self.timeout_s}")
         if self.d_max_tokens < 1:
             raise ValueError(f"CommConfig.d_max_tokens must be >= 1, got {self.d_max_tokens}")
+        if self.counts not in _COUNTS:
+            raise ValueError(f"CommConfig.counts must be one of {_COUNTS}, got {self.counts!r}")
+        if type(self.p_max_tokens) is not int or self.p_max_tokens < 1:
+            raise ValueError(f"CommConfig.p_max_tokens must be an int >= 1, got {self.p_max_tokens!r}")
 
 
-class RendezvousTimeout(TimeoutError):
-    """Some ranks did not reach a rendezvous within the timeout."""
+class RendezvousTimeout(CrossRankTimeout):
+    """Some ranks did not reach a rendezvous within the timeout (or the store's host is gone)."""
 
-    def __init__(self, message: str, missing: tuple[int, ...], context: str) -> None:
-        super().__init__(message)
-        self.missing, self.context = missing, context
+    def __init__(self, message: str, missing: tuple[int, ...], context: str, elapsed_s: float | None = None,
+                 rank: int | None = None, states: dict[int, str] | None = None) -> None:
+        super().__init__(message, missing=missing, where=context, elapsed_s=elapsed_s, rank=rank, states=states)
+        self.context = context
+
+
+_FIRST_WAIT_S = 1.0  # a store wait blocks this long, then polls (and checks for dead ranks) this often:
+_POLL_S = 0.05
 
 
 class RendezvousMismatch(RuntimeError):
@@ -123,12 +152,13 @@ class StoreRendezvous:
                                f"({self._failed}); build a new DistComm")
         k, self._round = self._round, self._round + 1
         keys = [f"{k}/{r}" for r in self.ranks]
-        self._store.set(f"{k}/{self.rank}", pickle.dumps((context, obj)))
+        started = time.monotonic()
         try:
-            self._store.wait(keys, timedelta(seconds=self.timeout_s))
+            self._store.set(f"{k}/{self.rank}", pickle.dumps((context, obj)))
+            self._wait(keys, started)
             values = [pickle.loads(v) for v in self._store.multi_get(keys)]
-        except dist.DistError as exc:
-            err = self._timeout(k, keys, context, exc)
+        except (dist.DistError, RuntimeError) as exc:  # a store timeout, or its host gone
+            err = self._timeout(k, keys, context, exc, time.monotonic() - started)
             self._failed = str(err)
             raise err from exc
         contexts = {r: c for r, (c, _) in zip(self.ranks, values)}
@@ -141,16 +171,40 @@ class StoreRendezvous:
                 self._store.delete_key(key)
         return [v for _, v in values]
 
-    def _timeout(self, k: int, keys: list[str], context: str, exc: Exception) -> RendezvousTimeout:
+    def _wait(self, keys: list[str], started: float) -> None:
+        """Wait for every key until the timeout: blocking for the first second (the usual case),
+        then polling, so that a missing rank whose process is gone (on this host, `comm.errors`)
+        ends the wait at once, naming it. (Polling, not repeated short blocking waits: c10d logs a
+        warning for each of those that times out.) A stopped rank may resume: it gets the timeout."""
+        deadline = started + self.timeout_s
+        try:
+            self._store.wait(keys, timedelta(seconds=min(_FIRST_WAIT_S, self.timeout_s)))
+            return
+        except (dist.DistError, RuntimeError) as exc:
+            if "timeout" not in str(exc).lower() or time.monotonic() >= deadline:
+                raise  # the deadline, or the store's host is gone
+        while not self._store.check(keys):
+            missing = [r for r, key in zip(self.ranks, keys) if not self._store.check([key])]
+            dead = {r: s for r, s in absent_processes(missing).items() if s == "dead"}
+            if dead:
+                raise RuntimeError(f"ranks {missing} missing: {describe(dead)}")
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"store wait timeout after {self.timeout_s}s")
+            time.sleep(_POLL_S)
+
+    def _timeout(self, k: int, keys: list[str], context: str, exc: Exception, elapsed: float) -> RendezvousTimeout:
         try:
             missing = tuple(r for r, key in zip(self.ranks, keys) if not self._store.check([key]))
             why = "did not arrive"
-        except dist.DistError:
-            missing, why = (0,), "is unreachable (it hosts the TCP store; dead?)"
-        msg = (f"rendezvous {context!r} (round {k}) on rank {self.rank}: rank(s) {list(missing)} {why} within "
-               f"{self.timeout_s}s ({type(exc).__name__})")
+        except (dist.DistError, RuntimeError):
+            missing, why = (0,), "is unreachable (it hosts the TCP store)"
+        states = absent_processes()
+        how = f"within {self.timeout_s}s" if elapsed >= 0.95 * self.timeout_s else \
+            f"(the wait failed after {elapsed:.1f} s of {self.timeout_s}s)"
+        msg = (f"rendezvous {context!r} (round {k}) on rank {self.rank}: rank(s) {list(missing)} {why} {how}"
+               + (f": {describe(states)}" if states else "") + f" ({type(exc).__name__})")
         logger.error(msg)
-        return RendezvousTimeout(msg, missing, context)
+        return RendezvousTimeout(msg, missing, context, elapsed_s=elapsed, rank=self.rank, states=states)
 
 
 def _load(path: str) -> type:
@@ -182,7 +236,14 @@ class DistComm(Comm):
         self.groups: ParallelGroups = init_parallel(layout, self.cpu_group, config.timeout_s)
         self._axis_groups = {phase: self._phase_groups(backend) for phase in Phase}
         self._rendezvous = StoreRendezvous(dist.get_rank(), dist.get_world_size(), config.timeout_s)
+        # Every rank's (host, pid), so that a failed wait can say which rank is dead or stopped.
+        register_peers(dict(enumerate(self._rendezvous.all_gather_object(this_process(), context="processes"))))
         self._domains: dict[Phase, DispatchDomain] = {}
+        self.sync_free = config.counts == "device" or (config.counts == "auto" and self.device.type == "cuda")
+        """Counts are consumed on the device: no exchange reads them back inside a forward."""
+        if self.sync_free and config.backend != "alltoall":
+            logger.warning("CommConfig.counts=%r: the %s backend reads its counts on the host; only the all-gather "
+                           "paths are sync-free", config.counts, config.backend)
         kinds = {Phase.P: config.p_exchange, Phase.D: config.d_exchange}
         self._exchanges = {phase: self._build_exchange(phase, kinds[phase], backend) for phase in Phase}
         logger.info("DistComm on rank %d: %s, P=%s, D=%s, backend=%s", dist.get_rank(), layout,
@@ -205,21 +266,24 @@ class DistComm(Comm):
         made: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for axis in Axis:
             for ranks in self.groups.axes[axis].groups:
-                if len(ranks) > 1 and ranks not in made:
+                if (len(ranks) > 1 or self.config.trivial_groups) and ranks not in made:
                     made[ranks] = self._new_group(list(ranks), backend)
         return {axis: made.get(self.groups.ranks(axis)) for axis in Axis}
 
     def _build_exchange(self, phase: Phase, kind: str, backend: str) -> ExpertExchange:
+        capacity = self.config.p_max_tokens if phase is Phase.P else self.config.d_max_tokens
         if kind == "allgather":
-            return AllGatherExchange(self, phase)
-        mode = _DOMAIN_MODE[phase]
+            return AllGatherExchange(self, phase, capacity if self.sync_free else None)
+        padded = self.sync_free and self.config.backend == "alltoall"
+        mode = "padded" if padded and phase is Phase.P else _DOMAIN_MODE[phase]
         mine = None
         for ranks in self.groups.axes[Axis.EP].groups:  # the domain's own communicator
             group = self._new_group(list(ranks), backend)
             mine = group if ranks == self.groups.ranks(Axis.EP) else mine
         cls = _load(_DOMAINS[(self.config.backend, mode)])
-        per_rank = math.ceil(self.config.d_max_tokens / self.size(Axis.ATP))
-        domain = cls(f"{phase.value}/{mode}", mine, self.device, self.config.timeout_s, per_rank)
+        per_rank = math.ceil(capacity / self.size(Axis.ATP))
+        extra = {"sync_free": True} if padded else {}
+        domain = cls(f"{phase.value}/{mode}", mine, self.device, self.config.timeout_s, per_rank, **extra)
         self._domains[phase] = domain
         return AllToAllExchange(self, phase, domain)
 
@@ -261,8 +325,27 @@ class DistComm(Comm):
 
     def _on_route(self, phase: Phase, op: str, axis: Axis, fn, inputs: tuple[torch.Tensor, ...] = ()):
         if not self.routing:
+            return self._waiting(f"{op} over {axis.value} ({phase.value})", axis, phase, fn)
+        return self.router.run(self.router.route(phase, CollectiveSite(op, axis)),
+                               lambda: self._waiting(f"{op} over {axis.value} ({phase.value})", axis, phase, fn),
+                               inputs)
+
+    def _waiting(self, what: str, axis: Axis, phase: Phase, fn):
+        """Run a collective; a communication failure becomes `CrossRankTimeout` naming who is gone."""
+        started = time.monotonic()
+        try:
             return fn()
-        return self.router.run(self.router.route(phase, CollectiveSite(op, axis)), fn, inputs)
+        except CrossRankTimeout:
+            raise
+        except Exception as exc:
+            group = self.group(axis, phase)
+            ranks = dist.get_process_group_ranks(group) if group is not None else [dist.get_rank()]
+            err = CrossRankTimeout.from_collective(f"{what} on rank {dist.get_rank()} (group {ranks})", ranks,
+                                                   dist.get_rank(), started, exc, self.config.timeout_s)
+            if err is None:
+                raise
+            logger.error("%s", err)
+            raise err from exc
 
     def all_reduce(self, x: torch.Tensor, axis: Axis, phase: Phase) -> torch.Tensor:
         group = self.group(axis, phase)
@@ -276,12 +359,24 @@ class DistComm(Comm):
         group = self.group(axis, phase)
         if group is None:
             return [x]
-        counts = self._gather_counts(x.shape[0], group)
+        counts = self._waiting(f"all_gather counts over {axis.value} ({phase.value})", axis, phase,
+                               lambda: self._gather_counts(x.shape[0], group))
         padded = x.new_zeros((max(counts), *x.shape[1:]))
         padded[: x.shape[0]] = x
         out = [torch.empty_like(padded) for _ in counts]
         self._on_route(phase, "all_gather", axis, lambda: dist.all_gather(out, padded, group=group), (padded,))
         return [t[:n] for t, n in zip(out, counts)]
+
+    def all_gather_into(self, x: torch.Tensor, axis: Axis, phase: Phase) -> torch.Tensor:
+        """`x` from every rank of the axis, stacked: [size, *x.shape]. Every rank passes the same shape,
+        so no count is exchanged and nothing is read back (capturable in a CUDA graph)."""
+        group = self.group(axis, phase)
+        if group is None:
+            return x.unsqueeze(0)
+        x = x.detach().contiguous()  # collectives carry no gradient (gloo refuses to fill views of one)
+        out = x.new_empty((group.size() * x.shape[0], *x.shape[1:]))  # concatenated: what gloo and NCCL both take
+        self._on_route(phase, "all_gather", axis, lambda: dist.all_gather_into_tensor(out, x, group=group), (x,))
+        return out.view(group.size(), *x.shape)
 
     def all_to_all(self, chunks: list[torch.Tensor], axis: Axis, phase: Phase) -> list[torch.Tensor]:
         if len(chunks) != self.size(axis):
@@ -291,11 +386,15 @@ class DistComm(Comm):
             return list(chunks)
         send = [c.shape[0] for c in chunks]
         recv = torch.empty(len(send), dtype=torch.int64, device=self.device)
-        dist.all_to_all_single(recv, torch.tensor(send, device=self.device), group=group)
+        counts = torch.tensor(send, device=self.device)
+        self._waiting(f"all_to_all counts over {axis.value} ({phase.value})", axis, phase,
+                      lambda: dist.all_to_all_single(recv, counts, group=group))
         recv_rows = recv.tolist()
         out = chunks[0].new_empty((sum(recv_rows), *chunks[0].shape[1:]))
         # gloo's list all_to_all needs equal sizes; the single-tensor form takes per-rank splits.
-        dist.all_to_all_single(out, torch.cat(chunks).contiguous(), recv_rows, send, group=group)
+        rows = torch.cat(chunks).contiguous()
+        self._waiting(f"all_to_all over {axis.value} ({phase.value})", axis, phase,
+                      lambda: dist.all_to_all_single(out, rows, recv_rows, send, group=group))
         return list(out.split(recv_rows))
 
     def all_gather_object(self, obj: Any, context: str = "") -> list[Any]:

@@ -25,7 +25,9 @@ objects and handles from before are refused (`StaleDispatch`).
 Rank-order checks: the count message to each peer carries this domain's sequence number. If the
 ranks disagree about which dispatch this is (one reset alone, one skipped a dispatch), every rank
 sees a foreign sequence number in its counts and raises `SequenceMismatch`; a peer that never
-issues the exchange makes the wait fail after `timeout_s` with `DomainTimeout`. Neither hangs.
+issues the exchange makes the wait fail after `timeout_s` with `DomainTimeout` (a
+`comm.errors.CrossRankTimeout` naming dead or stopped ranks and the time waited; a data exchange
+whose peer is gone fails the same way). Neither hangs.
 
 Left out: the data movement itself (backends: `alltoall.py`, `deepep.py`), which tokens a rank
 sends (the exchange decides, see `AllToAllExchange`), and any cross-phase ordering (the turnstile).
@@ -37,6 +39,7 @@ import collections
 import contextlib
 import enum
 import logging
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
@@ -44,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 import torch
 import torch.distributed as dist
 
+from megatron_rollout.comm.errors import CrossRankTimeout, comm_failure
 from megatron_rollout.comm.exchange import compute_local
 
 if TYPE_CHECKING:
@@ -79,8 +83,11 @@ class SequenceMismatch(DomainError):
     """Ranks exchanged counts for different dispatches: they issued them in different orders."""
 
 
-class DomainTimeout(DomainError, TimeoutError):
-    """A wait on the domain's communicator did not complete within the timeout."""
+class DomainTimeout(DomainError, CrossRankTimeout):
+    """A wait on the domain's communicator failed: it timed out, or a peer's connection closed."""
+
+    def __init__(self, message: str, **diagnosis) -> None:
+        CrossRankTimeout.__init__(self, message, **diagnosis)
 
 
 @dataclass(frozen=True)
@@ -196,7 +203,7 @@ class DispatchDomain(abc.ABC):
         self._check_layout(layout)
         ep, local = self.ep_size, layout.num_experts // self.ep_size
         send = torch.empty(ep, HEADER + local, dtype=torch.int64, device=self.device)
-        send[:, 0] = self.seq
+        send[:, 0] = self._header_seq()
         send[:, 1] = layout.tokens_per_rank
         send[:, HEADER:] = layout.tokens_per_expert.view(ep, local)
         recv = torch.empty_like(send)
@@ -255,12 +262,13 @@ class DispatchDomain(abc.ABC):
             raise DomainError(f"{self.name}: cannot reset: its communicator failed ({self._retired}); collectives "
                               f"on it may be half-done. Rebuild the comm (a new DistComm) or restart the processes")
         if self._pending is not None:
+            started = time.monotonic()
             try:
                 self._pending.work.wait(timeout=timedelta(seconds=self.timeout_s))
             except RuntimeError as exc:
                 self._retire(f"reset: count exchange #{self._pending.seq} still in flight ({exc})", broken=True)
-                raise DomainTimeout(f"{self.name}: reset found count exchange #{self._pending.seq} still in flight "
-                                    f"after {self.timeout_s}s; the domain is not quiescent") from exc
+                raise self._timeout(f"reset: count exchange #{self._pending.seq} still in flight", started, exc,
+                                    "the domain is not quiescent") from exc
         logger.info("%s: reset from %s (generation %d -> %d)", self.name, self.state.value, self.generation,
                     self.generation + 1)
         self.generation += 1
@@ -270,6 +278,10 @@ class DispatchDomain(abc.ABC):
         self._retired = None
 
     # ---- backend hooks -----------------------------------------------------------------------
+    def _header_seq(self) -> int | torch.Tensor:
+        """The sequence number a count message carries (a sync-free domain keeps it on the device)."""
+        return self.seq
+
     def _check_layout(self, layout: Layout) -> None:
         """Refuse a layout before anything is issued (e.g. more tokens than static buffers hold)."""
 
@@ -288,14 +300,14 @@ class DispatchDomain(abc.ABC):
 
     # ---- checks and transitions --------------------------------------------------------------
     def _await_header(self, pending: PendingDispatch) -> torch.Tensor:
+        started = time.monotonic()
         try:
             pending.work.wait(timeout=timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
             self._retire(f"count exchange #{pending.seq} failed: {exc}", broken=True)
-            raise DomainTimeout(
-                f"{self.name} on EP rank {self.ep_rank}: count exchange #{pending.seq} did not complete within "
-                f"{self.timeout_s}s ({exc}): an EP rank issued a different collective on this domain or never "
-                f"arrived (rank-order mismatch or a dead rank). The domain is retired.") from exc
+            raise self._timeout(f"count exchange #{pending.seq}", started, exc,
+                                "an EP rank is gone, or issued a different collective on this domain; "
+                                "the domain is retired") from exc
         header = pending.recv_header.cpu()
         seqs = header[:, 0].tolist()
         wrong = {r: s for r, s in enumerate(seqs) if s != pending.seq}
@@ -340,12 +352,28 @@ class DispatchDomain(abc.ABC):
             self._retired = reason
         self._broken = self._broken or broken
 
+    def _timeout(self, what: str, started: float, exc: BaseException, consequence: str) -> DomainTimeout:
+        """The named error for a failed wait on this domain's communicator (see `comm.errors`)."""
+        where = f"{self.name} on EP rank {self.ep_rank}: {what}"
+        found = CrossRankTimeout.from_collective(where, dist.get_process_group_ranks(self.group), dist.get_rank(),
+                                                 started, exc, self.timeout_s)
+        if found is None:  # not a recognised communication failure: still name the wait and the time
+            elapsed = time.monotonic() - started
+            found = CrossRankTimeout(f"{where} failed after {elapsed:.1f} s ({type(exc).__name__}: {exc})",
+                                     where=where, elapsed_s=elapsed, rank=dist.get_rank())
+        return DomainTimeout(f"{found.message}; {consequence}", missing=found.missing, where=where,
+                             elapsed_s=found.elapsed_s, rank=found.rank, states=found.states)
+
     @contextlib.contextmanager
     def _guard(self, what: str) -> Iterator[None]:
-        """Any failure while a collective may be half-issued retires the domain for good."""
+        """Any failure while a collective may be half-issued retires the domain for good; a
+        communication failure (a peer gone or late) is a `DomainTimeout` naming who."""
+        started = time.monotonic()
         try:
             yield
         except Exception as exc:
             self._retire(f"{what} failed: {type(exc).__name__}: {exc}", broken=True)
+            if comm_failure(exc) is not None:
+                raise self._timeout(what, started, exc, "the domain is retired") from exc
             raise DomainError(f"{self.name} on EP rank {self.ep_rank}: {what} failed ({type(exc).__name__}: {exc}); "
                               f"the domain is retired") from exc

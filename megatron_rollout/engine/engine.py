@@ -13,6 +13,7 @@ from types import MappingProxyType
 
 import torch
 
+from megatron_rollout.comm.errors import CrossRankTimeout
 from megatron_rollout.engine.api import FinishReason, GenerationResult, RequestError, RequestOutput, SamplingParams
 from megatron_rollout.engine.bookkeeping import Abort, AddRequest, Append, Close, Op, OpenSession, RequestTable, Submit
 from megatron_rollout.engine.config import EngineConfig, EngineStats
@@ -175,7 +176,11 @@ class RolloutEngine:
                                            self.table.take_ops(), self._apply_ops, self.done)
         self.last_view = view
         self.table.preempt(plan.preempt)
-        return self.schedule.step(plan, view)
+        try:
+            return self.schedule.step(plan, view)
+        except CrossRankTimeout as exc:  # a peer is gone: say where this rank was
+            epoch = getattr(getattr(self.schedule, "epoch", None), "number", None)
+            raise exc.locate(f"engine step {self.stats.steps}" + (f", mux epoch {epoch}" if epoch else ""))
 
     def _planning_state(self) -> SchedulerState:
         return self.table.planning_state(self.weights.version, epoch_in_flight=self.schedule.busy)

@@ -7,10 +7,11 @@ only (the other ranks just time out waiting for rank 0). The turnstile needs eve
 fail with the same diagnosis, so this module meets through the process group's key-value store,
 with comm's `StoreRendezvous` (the same exchange DistComm's state gather uses): each rank sets one
 key per meeting and waits, with a deadline, for the others'; on timeout it names the absent ranks.
-This layer adds the turnstile's vocabulary: each meeting carries the rank's (epoch, boundary, tag) and a small tuple of ints, so a meeting
-returns what every rank brought: the turnstile uses that to agree on boundary counts, decode rows
-and cancellation without a separate collective. Its errors subclass comm.dist's
-(`RendezvousTimeout`, `RendezvousMismatch`), which DistComm's state gather raises the same way.
+This layer adds the turnstile's vocabulary: each meeting carries the rank's (epoch, boundary, tag)
+and a small tuple of ints, so a meeting returns what every rank brought: the turnstile uses that to
+agree on boundary counts, decode rows and cancellation without a separate collective. Its errors
+subclass comm.dist's (`RendezvousTimeout`, `RendezvousMismatch`), which DistComm's state gather
+raises the same way; the timeout is a `comm.errors.CrossRankTimeout` (time waited, dead ranks).
 
 Deliberately left out: no device synchronisation (P work already submitted keeps running), no
 retry (a timed-out rendezvous is poisoned: the engine cancels the epoch and builds a new one),
@@ -25,6 +26,7 @@ from typing import Sequence
 import torch.distributed as dist
 
 from megatron_rollout.comm import dist as comm_dist
+from megatron_rollout.comm import errors as comm_errors
 
 logger = logging.getLogger(__name__)
 
@@ -36,16 +38,24 @@ Payload = tuple[int, ...]
 class RendezvousTimeout(comm_dist.RendezvousTimeout):
     """Some ranks did not reach a turnstile rendezvous in time. `.missing` are their global ranks.
 
-    A subclass of comm's `RendezvousTimeout`, so one `except` catches a timeout in either the
-    engine's state gather or the turnstile; adds the turnstile's `.epoch`, `.boundary`, `.tag`."""
+    A subclass of comm's `RendezvousTimeout` (and so of `comm.errors.CrossRankTimeout`), so one
+    `except` catches a timeout in the engine's state gather, the turnstile or a collective; adds
+    the turnstile's `.epoch`, `.boundary`, `.tag`. `elapsed_s` is the time actually waited (a
+    peer whose store connection closes fails the wait early); `states` names dead/stopped ranks."""
 
     def __init__(self, missing: Sequence[int], epoch: int, boundary: int, tag: str, timeout_s: float,
-                 rank: int) -> None:
+                 rank: int, elapsed_s: float | None = None, states: dict[int, str] | None = None) -> None:
         missing = tuple(missing)
+        waited = f"within {timeout_s}s" if elapsed_s is None or elapsed_s >= 0.95 * timeout_s else \
+            f"(the wait failed after {elapsed_s:.1f} s of {timeout_s}s)"
+        where = f"turnstile {tag}, epoch {epoch}, boundary {boundary}"
         super().__init__(f"rank(s) {list(missing)} did not arrive at the {tag} rendezvous of epoch "
-                         f"{epoch}, boundary {boundary} within {timeout_s}s (seen from rank {rank}); "
-                         f"check those ranks for a hang or crash",
-                         missing, f"turnstile {tag}, epoch {epoch}, boundary {boundary}")
+                         f"{epoch}, boundary {boundary} {waited} (seen from rank {rank})", missing, where,
+                         elapsed_s=elapsed_s, rank=rank, states=states)
+        found = comm_errors.describe(self.states)
+        self.args = (f"{self.args[0]}: {found}" if found else f"{self.args[0]}; check those ranks for a hang "
+                     f"or crash",)
+        self.message = self.args[0]
         self.epoch, self.boundary, self.tag = epoch, boundary, tag
 
 
@@ -126,7 +136,8 @@ class Rendezvous(RendezvousBase):
         try:  # the store exchange is comm's; this layer adds the turnstile's checks and names
             values = self._gather.all_gather_object((epoch, boundary, tag, tuple(payload)), context="turnstile")
         except comm_dist.RendezvousTimeout as exc:
-            err = RendezvousTimeout(exc.missing, epoch, boundary, tag, self.timeout_s, self.rank)
+            err = RendezvousTimeout(exc.missing, epoch, boundary, tag, self.timeout_s, self.rank, exc.elapsed_s,
+                                    exc.states)
             self._poisoned = str(err)
             raise err from None
         for r, (e, b, t, _) in zip(self.ranks, values):

@@ -1,0 +1,123 @@
+"""A dead or stopped rank mid-`mux` generation: every survivor fails with `CrossRankTimeout`, naming
+that rank, within a bounded time.
+
+Each world runs gloo CPU processes through `distributed.Runtime` (2 ranks: ATP1/ADP2, 4 ranks:
+ATP2/ADP2, the issue's layout) with a short comm timeout. The victim rank faults at its third
+collective while a `mux` epoch is in flight: `os._exit` (its connections close: survivors fail in
+about a second) or SIGSTOP (its connections stay open: survivors wait out the timeout). The parent
+SIGKILLs a stopped victim in cleanup. Survivors report the error's type, `.missing`, `.states`
+(dead or stopped ranks found in /proc), its text, and when they saw it.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+
+from tests.world import free_port
+
+TIMEOUT_S = 3.0
+FAULT_AT = 3  # the victim's n-th collective inside a mux epoch
+
+
+def _rank(rank: int, n: int, port: int, victim: int, fault: str, out, release) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n),
+                      LOCAL_RANK=str(rank))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=n, timeout=timedelta(seconds=60))
+        from megatron_rollout.comm.errors import CrossRankTimeout
+        from megatron_rollout.distributed import Runtime
+        from megatron_rollout.engine import EngineConfig, SamplingParams
+        from megatron_rollout.model.config import preset
+        from megatron_rollout.model.transformer import MoETransformer
+
+        runtime = Runtime.start(2 if n == 4 else 1, 2, "cpu", timeout_s=TIMEOUT_S)
+        model = MoETransformer(preset("tiny-moe"), comm=runtime.comm).init_weights(seed=3)
+        engine = runtime.engine(model, EngineConfig(schedule="mux", block_size=4, max_batch_tokens=8,
+                                                    mux_span="fixed:1"))
+        if rank == victim:
+            calls, waiting = [0], runtime.comm._waiting
+
+            def faulty(what, axis, phase, fn):
+                if engine.mux_busy:
+                    calls[0] += 1
+                    if calls[0] == FAULT_AT:
+                        out.put((rank, "fault", {"t": time.time(), "what": what}))
+                        time.sleep(0.2)  # let the queue's feeder thread flush
+                        if fault == "kill":
+                            os._exit(1)
+                        os.kill(os.getpid(), signal.SIGSTOP)
+                return waiting(what, axis, phase, fn)
+
+            runtime.comm._waiting = faulty
+        prompts = [[1 + i, 2 + i, 3 + i, 4 + i, 5 + i] for i in range(6)]
+        try:
+            runtime.generate(engine, prompts, SamplingParams(temperature=0.0, max_new_tokens=12))
+            out.put((rank, "finished", None))
+        except Exception as exc:  # noqa: BLE001 - its type and text are the assertion
+            out.put((rank, "error", {"t": time.time(), "type": type(exc).__name__, "text": str(exc),
+                                     "named": isinstance(exc, CrossRankTimeout),
+                                     "missing": getattr(exc, "missing", None), "states": getattr(exc, "states", None),
+                                     "elapsed_s": getattr(exc, "elapsed_s", None)}))
+    except BaseException as exc:  # noqa: BLE001
+        out.put((rank, "crashed", f"{type(exc).__name__}: {exc}"))
+    release.wait(60)
+    os._exit(0)  # no teardown: a process group with a dead peer may hang in destroy
+
+
+def _run(n: int, victim: int, fault: str) -> tuple[dict, dict[int, dict]]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out, release = ctx.Queue(), ctx.Event()
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, n, port, victim, fault, out, release), daemon=True) for r in range(n)]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[str, object]] = {}
+    fault_info = None
+    try:
+        while len(got) < n - 1 or fault_info is None:
+            rank, kind, info = out.get(timeout=120)
+            if kind == "fault":
+                fault_info = info
+            else:
+                got[rank] = (kind, info)
+    finally:
+        release.set()
+        if fault == "stop":
+            os.kill(procs[victim].pid, signal.SIGCONT)
+            procs[victim].kill()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert victim not in got, got.get(victim)
+    assert all(kind == "error" for kind, _ in got.values()), got
+    return fault_info, {r: info for r, (_, info) in got.items()}
+
+
+@pytest.mark.parametrize("n, victim", [(2, 1), (4, 2)])
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_survivors_name_the_faulty_rank_in_bounded_time(n, victim, fault):
+    fault_info, survivors = _run(n, victim, fault)
+    assert sorted(survivors) == [r for r in range(n) if r != victim]
+    state = "dead" if fault == "kill" else "stopped"
+    for rank, err in survivors.items():
+        assert err["named"], (rank, err)  # a CrossRankTimeout (or subclass), whatever wait it was in
+        assert err["states"].get(victim) == state, (rank, err)
+        assert f"rank {victim} (pid " in err["text"] and f"is {state}" in err["text"], (rank, err["text"])
+        took = err["t"] - fault_info["t"]
+        assert took < TIMEOUT_S + 5, (rank, took, err["text"])
+        assert err["elapsed_s"] is not None and 0 <= err["elapsed_s"] <= took + 0.5, (rank, err)
+        if fault == "kill":  # connections close or the process is seen gone: no need to wait out the timeout
+            assert took < TIMEOUT_S, (rank, took, err["text"])
+        else:
+            assert took >= TIMEOUT_S * 0.9 and f"within {TIMEOUT_S}s" in err["text"], (rank, took, err["text"])
