@@ -79,10 +79,10 @@ class LoadSelectedConfig:
     round_overhead_us: float = 210.0
     """Host cost that splitting P adds per turnstile round, in microseconds: its two CPU rendezvous
     (pre-D, post-D). The D enqueue is not counted: D iterates whether or not P is split. 210 =
-    2 x 104 us, the native (shared-memory) rendezvous median at 8 ranks measured with
-    `python -m megatron_rollout.bench.rendezvous --ranks 8 --json` on the 2-core CPU VM, unpinned,
-    under load (1-min load average ~28; pinned ranks: 31 us; see docs/rendezvous.md). Groups that
-    span hosts use the store rendezvous (~2.4 ms per meeting at 8 ranks there): raise it to ~5000."""
+    2 x 104 us, the native (shared-memory) rendezvous median at 8 unpinned ranks measured with
+    `python -m megatron_rollout.bench.rendezvous --ranks 8 --json` on the 2-core CPU VM (103.7 us
+    quiet, 104.5 us loaded; pinned ranks: 31-38 us; docs/rendezvous.md). Groups that span hosts use
+    the store rendezvous (1.4-2.4 ms per meeting at 8 ranks there): raise it to ~5000."""
     segment_us_per_token: float = 0.05
     """P device time of one segment per prefill token, in microseconds (one sub-layer of the
     model for one token)."""
