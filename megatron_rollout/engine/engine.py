@@ -180,7 +180,8 @@ class RolloutEngine:
             return self.schedule.step(plan, view)
         except CrossRankTimeout as exc:  # a peer is gone: say where this rank was
             epoch = getattr(getattr(self.schedule, "epoch", None), "number", None)
-            raise exc.locate(f"engine step {self.stats.steps}" + (f", mux epoch {epoch}" if epoch else ""))
+            exc.locate(f"engine step {self.stats.steps}" + (f", mux epoch {epoch}" if epoch else ""))
+            raise
 
     def _planning_state(self) -> SchedulerState:
         return self.table.planning_state(self.weights.version, epoch_in_flight=self.schedule.busy)
