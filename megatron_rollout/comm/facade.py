@@ -80,6 +80,11 @@ class Comm(abc.ABC):
     def all_gather(self, x: torch.Tensor, axis: Axis, phase: Phase) -> list[torch.Tensor]:
         """`x` from every rank of the axis, in rank order; first dims may differ between ranks."""
 
+    def all_gather_into(self, x: torch.Tensor, axis: Axis, phase: Phase) -> torch.Tensor:
+        """`x` from every rank of the axis, stacked: [size, *x.shape]; every rank passes the same shape
+        (so an implementation needs no count exchange: `DistComm` reads nothing back)."""
+        return torch.stack(self.all_gather(x, axis, phase))
+
     @abc.abstractmethod
     def all_to_all(self, chunks: list[torch.Tensor], axis: Axis, phase: Phase) -> list[torch.Tensor]:
         """Send `chunks[r]` to rank r of the axis; return what each rank sent here.

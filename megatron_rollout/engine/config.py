@@ -110,6 +110,9 @@ class RunnerConfig:
     """Priority of the D stream (lower is higher; P's stream gets 0)."""
     measure_expert_kernels: bool = True
     """Time the Triton and grouped-GEMM expert kernels at decode size once and use the faster."""
+    fused_ops: bool = True
+    """Install the fused small-op kernels (`kernels.fused.install_fused_ops`: verified once on the
+    device, skipped where they do not apply) on the CUDA runner's model."""
 
     def __post_init__(self) -> None:
         if self.kind not in RUNNER_KINDS:
