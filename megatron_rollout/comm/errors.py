@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
-_COMM_FAILURES = ("timed out", "timeout", "connection", "broken pipe", "peer", "socket", "unreachable")
+_COMM_FAILURES = ("timed out", "timeout", "connection", "broken pipe", "peer", "socket", "unreachable", "nccl")
 
 
 class Peer(NamedTuple):

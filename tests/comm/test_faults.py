@@ -121,3 +121,41 @@ def test_survivors_name_the_faulty_rank_in_bounded_time(n, victim, fault):
             assert took < TIMEOUT_S, (rank, took, err["text"])
         else:
             assert took >= TIMEOUT_S * 0.9 and f"within {TIMEOUT_S}s" in err["text"], (rank, took, err["text"])
+
+
+def test_peer_states_and_failure_kinds():
+    import socket
+    import subprocess
+    import sys
+
+    from megatron_rollout.comm import errors
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        errors.register_peers({90: errors.Peer(socket.gethostname(), child.pid),
+                               91: errors.Peer("another-host", child.pid)})
+        assert (errors.peer_state(90), errors.peer_state(91), errors.peer_state(92)) == ("alive", "unknown", "unknown")
+        child.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while errors.peer_state(90) != "stopped" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert errors.absent_processes([90, 91]) == {90: "stopped"}
+        child.kill()
+        child.wait()
+        assert errors.peer_state(90) == "dead"
+        assert errors.describe({90: "dead"}) == f"rank 90 (pid {child.pid}) is dead"
+    finally:
+        child.kill()
+        errors._peers.pop(90, None), errors._peers.pop(91, None)
+    gloo = "[/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to complete"
+    assert errors.comm_failure(RuntimeError(gloo)) == "timed out"
+    assert errors.comm_failure(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:9120")) == \
+        "connection closed"
+    assert errors.comm_failure(ValueError("split sizes do not add up")) is None
+    assert errors.comm_failure(RuntimeError("shape mismatch")) is None
+    err = errors.CrossRankTimeout.from_collective("all_reduce over ATP (P) on rank 0", [0, 1], 0, time.monotonic() - 2,
+                                                  RuntimeError(gloo), timeout_s=2.0)
+    assert str(err).startswith("all_reduce over ATP (P) on rank 0 did not complete within 2.0s: no rank of the "
+                               "group is dead or stopped on this host")
+    assert 2.0 <= err.elapsed_s < 3 and err.locate("engine step 4").position == "engine step 4"
+    assert str(err).endswith("[engine step 4]") and isinstance(err, TimeoutError)
