@@ -243,6 +243,10 @@ class Turnstile:
         t_post_d = time.time()
         max_rows = max(p[1] for p in post)
         remaining = None if ep.total_boundaries is None else ep.total_boundaries + 1 - ctl.permitted
+        if remaining is not None and remaining < 1:
+            # Every boundary is permitted and published; an asynchronous runner's P is only waiting
+            # for the device (completion polls): one more resume per round until it returns.
+            remaining = 1
         span = self.policy.span(SegmentLoad(max_rows, remaining, ep.prefill_tokens))
         permitted = ctl.advance(span)  # validates the policy's span
         self._run_segments(ep)

@@ -51,6 +51,34 @@ def test_rounds_interleave_d_before_each_segment():
     assert ts.controller.epoch is None and ts.running is None
 
 
+def polling_p(n: int, polls: int, log: list[str]):
+    """Like an asynchronous CUDA runner's P: n boundaries, then `polls` completion polls (negative
+    layer) while the device finishes, then the result."""
+    for b in range(1, n + 1):
+        log.append(f"P{b}")
+        yield BoundaryPoint(b, Site.MOE_EXCHANGE)
+    for _ in range(polls):
+        log.append("poll")
+        yield BoundaryPoint(-1, Site.MOE_DATA)
+    return n * 10
+
+
+@pytest.mark.parametrize("policy", [LoadSelected(), FixedSpan(1), FixedSpan(3)])
+def test_completion_polls_after_the_last_boundary_keep_rounds_going(policy):
+    # Seen on the H200: with total_boundaries known, a round after every boundary had been
+    # permitted asked the policy for a span with remaining_segments=0 and raised.
+    log: list[str] = []
+    ts = local_turnstile(policy)
+    out = ts.run_epoch(3, polling_p(4, 3, log), lambda: log.append("D"), lambda: 64, total_boundaries=4,
+                       prefill_tokens=4096)
+    assert out == 40
+    assert log.count("poll") == 3
+    assert all(log.index(f"P{b}") < log.index("poll") for b in range(1, 5))
+    polls = [i for i, e in enumerate(log) if e == "poll"]
+    assert all("D" in log[a:b] for a, b in zip(polls, polls[1:]))  # D keeps running while P's device work ends
+    assert ts.controller.epoch is None and ts.running is None
+
+
 def test_load_selected_runs_p_whole_without_decode_rows_and_splits_with_them():
     log: list[str] = []
     ts = local_turnstile(LoadSelected())
