@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -33,6 +34,8 @@ from megatron_rollout.bench.rollout import random_model
 from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
 from megatron_rollout.model.config import ModelConfig, preset
 from megatron_rollout.model.sharding import full_shapes
+
+log = logging.getLogger("megatron_rollout.bench.hotswap")
 
 _LAYER = "decoder.layers."
 
@@ -129,9 +132,11 @@ def run(model_name: str, device: str, repeats: int = 3, bw_bytes: int = 4 << 30)
     engine = RolloutEngine(model, EngineConfig(num_blocks=64, block_size=16, schedule="off"))
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     built_s = time.perf_counter() - start
+    log.info("model and engine built in %.1f s (%.1f GB)", built_s, model_bytes / 1e9)
     prompts, params = [[1, 2, 3], [4, 5, 6, 7]], SamplingParams(temperature=0.0, max_new_tokens=4)
     engine.generate(prompts, params)  # decode graphs captured here on a GPU
     graphs_before = _graph_ids(engine)
+    log.info("first generate done at %.1f s", time.perf_counter() - start)
     version = [engine.weight_version]
 
     def bump() -> int:
@@ -144,6 +149,7 @@ def run(model_name: str, device: str, repeats: int = 3, bw_bytes: int = 4 << 30)
     source = half_layer_state(cfg, dev, seed=1)
     times = _timed(lambda: engine.update_weights(source, bump()), dev, repeats)
     out["modes"]["copy"] = _report(times, model_bytes, copy_bw, traffic=2)
+    log.info("copy: %s (at %.1f s)", out["modes"]["copy"], time.perf_counter() - start)
     probe = "decoder.layers.0.self_attention.linear_qkv.weight"
     last = f"{_LAYER}{cfg.num_layers - 1}.input_layernorm.weight"
     verified = torch.equal(model.get_parameter(probe), source[probe]) and \
@@ -172,6 +178,7 @@ def run(model_name: str, device: str, repeats: int = 3, bw_bytes: int = 4 << 30)
         engine.update_weights(full, bump())
 
     times = _timed(reshard, dev, repeats)
+    log.info("reshard timed (at %.1f s)", time.perf_counter() - start)
     out["modes"]["reshard"] = _report(times, model_bytes, copy_bw, traffic=2)  # the copy's r+w; joins on top
     # Routed experts are whole under TP (ETP = 1): only attention, dense MLPs, shared experts,
     # embedding and output layer are joined from halves.
@@ -185,6 +192,7 @@ def run(model_name: str, device: str, repeats: int = 3, bw_bytes: int = 4 << 30)
     # (b) bind: zero-copy, last (it re-points the parameters; graphs are dropped on next use)
     local = dict(half_layer_state(cfg, dev, seed=3))
     times = _timed(lambda: engine.weights.bind(local, bump()), dev, repeats)
+    log.info("bind timed (at %.1f s)", time.perf_counter() - start)
     out["modes"]["bind"] = _report(times, model_bytes, copy_bw, traffic=1)  # validation reads only
     out["verified"] = bool(verified and model.get_parameter(probe).data_ptr() == local[probe].data_ptr())
     out["weight_version"] = engine.weight_version
@@ -201,6 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="print one JSON object (default: a summary)")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.repeats < 3:
         parser.error(f"--repeats must be >= 3 (a median of warm repeats), got {args.repeats}")
     result = run(args.model, args.device, args.repeats)
