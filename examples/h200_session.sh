@@ -7,7 +7,9 @@
 #   call 2, carry [".vb0"]:         bash /tmp/run/examples/h200_session.sh piece current
 #   call 3, carry [".vb1"]:         bash /tmp/run/examples/h200_session.sh piece prefill
 #   call 4, carry [".vb2"]:         bash /tmp/run/examples/h200_session.sh piece kernels
-#   call 5, carry [".vb3"]:         bash /tmp/run/examples/h200_session.sh piece vllm
+#   call 5, carry [".vb3"]:         bash /tmp/run/examples/h200_session.sh piece vllm hotswap
+# (2026-12-01 the tests and kernels stages ran in earlier leases of the same session, to fit the
+# 30-minute device budget: setup current / piece prefill / piece / piece / piece vllm / hotswap.)
 #
 # `.run` is `git archive HEAD` of the commit measured, plus `.whl/` (megatron-core 0.19.2, which
 # the device image lacks); it is copied to /tmp/run so later calls need not carry it. Results are
@@ -29,15 +31,17 @@ for stage in "$@"; do
       git -C /tmp/run log -1 --format=%H 2>/dev/null || cat /tmp/run/COMMIT 2>/dev/null ;;
     piece)  # this call's piece of the vLLM bundle
       for d in .vb*; do [ -d "$d" ] && mv "$d"/* /tmp/pc/; done; ls -l /tmp/pc ;;
-    tests)  # every GPU-marked test, then hot swap at full size
+    tests)  # every GPU-marked test
       cd /tmp/run
       timeout 170 python3 -m pytest -q -m gpu tests -p no:cacheprovider --timeout 120 -rf 2>&1 \
-        | tee "$OUT/gpu_tests.log" | tail -15
-      timeout 110 python3 -m megatron_rollout.bench.hotswap --model qwen3-30b-a3b --json \
+        | tee "$OUT/gpu_tests.log" | tail -15 ;;
+    hotswap)  # update_weights at full size: copy, bind, reshard
+      cd /tmp/run
+      timeout 100 python3 -m megatron_rollout.bench.hotswap --model qwen3-30b-a3b --json \
         > "$OUT/hotswap.json" 2> "$OUT/hotswap.err"; tail -c 1200 "$OUT/hotswap.json"; tail -3 "$OUT/hotswap.err" ;;
     current|prefill)  # our schedules: budget sweep, then 3 interleaved warm repeats
       cd /tmp/run
-      bench --profile "$stage" --repeats 3 --no-vllm --deadline-s 230 --out "/tmp/res/$stage" > "/tmp/res/$stage.log" 2>&1
+      bench --profile "$stage" --repeats 3 --no-vllm --deadline-s 185 --out "/tmp/res/$stage" > "/tmp/res/$stage.log" 2>&1
       tail -14 "/tmp/res/$stage.log"; cp "/tmp/res/$stage/rollout.json" "$OUT/$stage.json" ;;
     kernels)  # fused small ops and the decode step; the micro stage (prefill rate, attention, experts)
       cd /tmp/run
