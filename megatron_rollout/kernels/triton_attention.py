@@ -129,10 +129,10 @@ def _decode_reduce_kernel(PartO, PartM, PartL, Out, QStart, Seq, splits,
     dmask = d < D
     mbase = b.to(tl.int64) * stride_mb + h * stride_mh
     m = tl.load(PartM + mbase + s, mask=smask, other=_NEG)
-    l = tl.load(PartL + mbase + s, mask=smask, other=0.0)
+    lsum = tl.load(PartL + mbase + s, mask=smask, other=0.0)
     top = tl.max(m, 0)
-    w = tl.where(l > 0, tl.exp2(m - top), 0.0)
-    denom = tl.sum(w * l, 0)
+    w = tl.where(lsum > 0, tl.exp2(m - top), 0.0)
+    denom = tl.sum(w * lsum, 0)
     o = tl.load(PartO + b.to(tl.int64) * stride_ob + h * stride_oh + s[:, None] * stride_os + d[None, :],
                 mask=smask[:, None] & dmask[None, :], other=0.0)
     num = tl.sum(o * w[:, None], 0)

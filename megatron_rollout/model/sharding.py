@@ -73,10 +73,11 @@ def shard_tensor(full_name: str, full: torch.Tensor, cfg: ModelConfig, shard: Sh
         return _chunk(full, 0, r, p)  # per-group layout: a contiguous block of groups
     if full_name.endswith("self_attention.linear_proj.weight"):
         return _chunk(full, 1, r, p)
-    if full_name.endswith("mlp.linear_fc1.weight") and ".experts." not in full_name and "shared_experts" not in full_name:
+    dense = ".experts." not in full_name and "shared_experts" not in full_name
+    if full_name.endswith("mlp.linear_fc1.weight") and dense:
         gate, up = full.chunk(2, dim=0)
         return torch.cat([_chunk(gate, 0, r, p), _chunk(up, 0, r, p)])
-    if full_name.endswith("mlp.linear_fc2.weight") and ".experts." not in full_name and "shared_experts" not in full_name:
+    if full_name.endswith("mlp.linear_fc2.weight") and dense:
         return _chunk(full, 1, r, p)
     return full
 

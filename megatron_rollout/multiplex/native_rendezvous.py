@@ -29,8 +29,15 @@ import torch.distributed as dist
 
 from megatron_rollout.comm import shm_rendezvous as shm
 from megatron_rollout.comm.dist import StoreRendezvous
-from megatron_rollout.multiplex.rendezvous import (TAGS, Payload, Rendezvous, RendezvousBase, RendezvousMismatch,
-                                                   RendezvousTimeout, _check_args)
+from megatron_rollout.multiplex.rendezvous import (
+    TAGS,
+    Payload,
+    Rendezvous,
+    RendezvousBase,
+    RendezvousMismatch,
+    RendezvousTimeout,
+    _check_args,
+)
 
 logger = logging.getLogger(__name__)
 

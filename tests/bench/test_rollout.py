@@ -35,7 +35,7 @@ def test_sweep_picks_each_schedules_best_budget(run):
 def test_repeats_are_interleaved_warm_and_summarised(run):
     _, result = run
     assert list(result["schedules"]) == ["off", "chunked", "mux", "mux-epoch"]
-    for name, s in result["schedules"].items():
+    for s in result["schedules"].values():
         assert [r["repeat"] for r in s["repeats"]] == [0, 1]
         for r in s["repeats"]:
             assert r["finished"] and r["warm"], r

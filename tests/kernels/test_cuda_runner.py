@@ -131,7 +131,7 @@ def test_engine_sessions_complete_on_the_cuda_runner(schedule):
     assert isinstance(engine.runner, CudaRunner)
     gen = torch.Generator().manual_seed(3)
     sessions = [engine.open_session() for _ in range(4)]
-    for turn in range(3):
+    for _turn in range(3):
         rids = []
         for s in sessions:
             s.append(torch.randint(0, 256, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen).tolist())

@@ -7,8 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_rollout.kernels.layout import (ALIGN_ELEMS, TABLE_ALIGN, StaticDecodeLayout, build_layout, pack_aligned,
-                                             table_width)
+from megatron_rollout.kernels.layout import (
+    ALIGN_ELEMS,
+    TABLE_ALIGN,
+    StaticDecodeLayout,
+    build_layout,
+    pack_aligned,
+    table_width,
+)
 from megatron_rollout.kernels.registry import PortableAttention
 from megatron_rollout.kv.paged import SeqSpan
 

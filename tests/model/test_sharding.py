@@ -4,7 +4,14 @@ import torch
 
 from megatron_rollout.comm.facade import Shard
 from megatron_rollout.model.config import preset
-from megatron_rollout.model.sharding import full_name, full_shapes, local_name, local_shapes, shard_tensor, unshard_tensor
+from megatron_rollout.model.sharding import (
+    full_name,
+    full_shapes,
+    local_name,
+    local_shapes,
+    shard_tensor,
+    unshard_tensor,
+)
 
 CFG = preset("tiny-moe")
 

@@ -1,14 +1,21 @@
 """Segment policies pick positive spans; LoadSelected shortens spans under decode load."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_rollout.multiplex.policy import (UNBOUNDED_SPAN, FixedSpan, FixedSpanConfig, LoadSelected,
-                                               LoadSelectedConfig, SegmentLoad)
+from megatron_rollout.multiplex.policy import (
+    UNBOUNDED_SPAN,
+    FixedSpan,
+    FixedSpanConfig,
+    LoadSelected,
+    LoadSelectedConfig,
+    SegmentLoad,
+)
 
 
 def test_fixed_span():
@@ -17,7 +24,7 @@ def test_fixed_span():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="positive int"):
             FixedSpan(bad)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         FixedSpanConfig(2).span = 3  # frozen
 
 

@@ -8,9 +8,7 @@ import pytest
 import torch.distributed as dist
 
 from megatron_rollout.comm import dist as comm_dist
-
-from megatron_rollout.multiplex.rendezvous import (LocalRendezvous, Rendezvous, RendezvousMismatch,
-                                                   RendezvousTimeout)
+from megatron_rollout.multiplex.rendezvous import LocalRendezvous, Rendezvous, RendezvousMismatch, RendezvousTimeout
 
 
 def test_errors_are_comm_errors():

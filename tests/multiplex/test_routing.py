@@ -4,8 +4,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rollout.multiplex.routing import (D_ADP_ALL_GATHER, P_FULL_ALL_REDUCE, CollectiveSite, ConflictRegistry,
-                                                PhaseStreams, Router, RoutingError)
+from megatron_rollout.multiplex.routing import (
+    D_ADP_ALL_GATHER,
+    P_FULL_ALL_REDUCE,
+    CollectiveSite,
+    ConflictRegistry,
+    PhaseStreams,
+    Router,
+    RoutingError,
+)
 from megatron_rollout.types import Axis, Phase
 
 P_ATP = CollectiveSite("all_reduce", Axis.ATP)

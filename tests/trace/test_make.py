@@ -1,8 +1,16 @@
 import numpy as np
 import pytest
 
-from megatron_rollout.trace.make import (MAX_INPUT_TOKENS, MAX_OUTPUT_TOKENS, MAX_TURNS, TARGET_INPUT_TOKENS,
-                                         TARGET_OUTPUT_TOKENS, TARGET_TURNS, make_trace, write_trace)
+from megatron_rollout.trace.make import (
+    MAX_INPUT_TOKENS,
+    MAX_OUTPUT_TOKENS,
+    MAX_TURNS,
+    TARGET_INPUT_TOKENS,
+    TARGET_OUTPUT_TOKENS,
+    TARGET_TURNS,
+    make_trace,
+    write_trace,
+)
 from megatron_rollout.trace.schema import group_conversations, load_trace
 
 

@@ -6,8 +6,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megatron_rollout.trace.make import (PROFILES, TARGET_INPUT_TOKENS, TARGET_OUTPUT_TOKENS, Profile,
-                                         conversation_inputs, input_ids, make_trace, max_context)
+from megatron_rollout.trace.make import (
+    PROFILES,
+    TARGET_INPUT_TOKENS,
+    TARGET_OUTPUT_TOKENS,
+    Profile,
+    conversation_inputs,
+    input_ids,
+    make_trace,
+    max_context,
+)
 from megatron_rollout.trace.schema import group_conversations
 
 
