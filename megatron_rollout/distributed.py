@@ -89,7 +89,7 @@ class Runtime:
         router (the topology's conflict registry, CUDA phase streams on GPU) is built here, once."""
         from megatron_rollout.comm.dist import DistComm
         from megatron_rollout.comm.groups import ParallelLayout
-        from megatron_rollout.multiplex.routing import ConflictRegistry, PhaseStreams, Router
+        from megatron_rollout.multiplex.routing import PhaseStreams, Router, derive_for_exchanges
 
         if not 0 < timeout_s < float("inf"):
             raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
@@ -108,19 +108,22 @@ class Runtime:
                 raise ValueError(f"WORLD_SIZE is {os.environ['WORLD_SIZE']} but ATP {atp} x ADP {adp} = {atp * adp}: "
                                  f"launch {atp * adp} processes or change the layout")
             dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
-        streams = PhaseStreams.create(dev) if dev.type == "cuda" else None
-        router = Router(ConflictRegistry.for_topology(atp, adp), streams)
         config = dataclasses.replace(comm or CommConfig(), timeout_s=timeout_s)
+        streams = PhaseStreams.create(dev) if dev.type == "cuda" else None  # the CUDA runner rebinds its own
+        # Conflicts from what each phase's configured exchange really issues on this layout (not a
+        # fixed pair): what D issues is what P's registered collective is ordered after.
+        router = Router(derive_for_exchanges(atp, adp, config.p_exchange, config.d_exchange), streams)
         return cls(DistComm(ParallelLayout(atp, adp, atp * adp), config, device=dev, router=router), dev, timeout_s)
 
     def engine(self, model: MoETransformer, config: EngineConfig, timeline=None) -> RolloutEngine:
         """An engine whose steps are planned rank-shared; under `mux` its turnstile meets over the
         CPU group and the comm's router puts the registered conflicting P collective after D (the
         comm routes only while a turnstile engine uses it: one engine at a time per runtime)."""
-        from megatron_rollout.multiplex.rendezvous import Rendezvous
+        from megatron_rollout.multiplex.native_rendezvous import make_rendezvous
 
         self._engines += 1  # each engine's rendezvous keys live in their own namespace
-        rendezvous = Rendezvous(self.comm.cpu_group, self.timeout_s, self.rank, name=f"turnstile{self._engines}")
+        # Shared memory when every rank is on this host and the extension builds, else the store.
+        rendezvous = make_rendezvous(self.comm.cpu_group, self.timeout_s, self.rank, name=f"turnstile{self._engines}")
         turnstile = config.schedule is Schedule.MUX and config.mux.ordering == "turnstile"
         self.comm.route_collectives(turnstile)
         return RolloutEngine(model, config, timeline=timeline, rank=self.rank,
@@ -130,7 +133,7 @@ class Runtime:
     def drain(self, engine: RolloutEngine) -> list:
         """Declare this rank done and step until every rank is; returns what finished meanwhile."""
         engine.done = True
-        outs = []
+        outs = _Lockstep(engine).step()  # step first: the last view may be an earlier rollout's "all done"
         while not _finished(engine):
             outs += _Lockstep(engine).step()
         return outs

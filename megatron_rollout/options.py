@@ -88,4 +88,5 @@ def engine_config(args: argparse.Namespace, schedule: str | None = None) -> Engi
         mux=MuxConfig(span=parse_span(args.mux_span)),
         runner=RunnerConfig(kind=args.runner, attention=args.attention),
         comm=CommConfig(backend=args.comm_backend, timeout_s=args.timeout, p_exchange=args.p_exchange,
-                        d_exchange=args.d_exchange))
+                        d_exchange=args.d_exchange,  # P's padded domain must hold a whole prefill epoch
+                        p_max_tokens=max(CommConfig.p_max_tokens, args.max_batch_tokens)))
