@@ -72,22 +72,10 @@ class NativeRendezvous(RendezvousBase):
     rank if any rank cannot attach. Meetings are numbered per instance: every rank must make the
     same sequence of `meet` calls."""
 
-    _generations: dict[tuple[str, str], int] = {}  # per process, as in Rendezvous
-
     def __init__(self, group: dist.ProcessGroup | None = None, timeout_s: float = 60.0, rank: int | None = None,
                  name: str = "turnstile", store: dist.Store | None = None,
                  config: shm.ShmBarrierConfig = shm.ShmBarrierConfig()) -> None:
-        if not timeout_s > 0:
-            raise ValueError(f"rendezvous timeout must be positive, got {timeout_s}")
-        self.ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-        self.rank = dist.get_rank() if rank is None else rank
-        if self.rank not in self.ranks:
-            raise ValueError(f"rank {self.rank} is not in the rendezvous group {list(self.ranks)}")
-        self.timeout_s = timeout_s
-        members = "-".join(map(str, self.ranks))
-        generation = NativeRendezvous._generations.get((name, members), 0)
-        NativeRendezvous._generations[(name, members)] = generation + 1
-        self.prefix = f"megatron_rollout/native_rendezvous/{name}.{generation}/{members}/"
+        self.prefix = self._join(group, timeout_s, rank, name, "native_rendezvous")
         self._barrier = shm.ShmBarrier.attach(self.rank, self.ranks, timeout_s, self.prefix, store, config)
         self._meet = self._barrier.meet
         self._poisoned: str | None = None

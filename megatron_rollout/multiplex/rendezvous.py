@@ -73,6 +73,26 @@ class RendezvousBase(abc.ABC):
     def size(self) -> int:
         return len(self.ranks)
 
+    _generations: dict[tuple[str, str, str], int] = {}  # per process: (namespace, name, members) -> next
+
+    def _join(self, group: dist.ProcessGroup | None, timeout_s: float, rank: int | None, name: str,
+              namespace: str) -> str:
+        """Set `ranks`, `rank` and `timeout_s` from `group`; return this instance's key prefix: the
+        next generation of `name` over these ranks, so that a rendezvous rebuilt after a failure
+        never reads the old one's keys (every rank builds its instances in the same order)."""
+        if not timeout_s > 0:
+            raise ValueError(f"rendezvous timeout must be positive, got {timeout_s}")
+        self.ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+        self.rank = dist.get_rank() if rank is None else rank
+        if self.rank not in self.ranks:
+            raise ValueError(f"rank {self.rank} is not in the rendezvous group {list(self.ranks)}")
+        self.timeout_s = timeout_s
+        members = "-".join(map(str, self.ranks))
+        key = (namespace, name, members)
+        generation = RendezvousBase._generations.get(key, 0)
+        RendezvousBase._generations[key] = generation + 1
+        return f"megatron_rollout/{namespace}/{name}.{generation}/{members}/"
+
     @abc.abstractmethod
     def meet(self, epoch: int, boundary: int, tag: str, payload: Payload = ()) -> list[Payload]:
         """Block until every rank of the group calls `meet` (same call number, same epoch and tag);
@@ -111,21 +131,9 @@ class Rendezvous(RendezvousBase):
     report different progress that the caller wants to diagnose from the payloads); it names the
     meeting in errors."""
 
-    _generations: dict[tuple[str, str], int] = {}  # per process; see the class docstring
-
     def __init__(self, group: dist.ProcessGroup | None = None, timeout_s: float = 60.0, rank: int | None = None,
                  name: str = "turnstile", store: dist.Store | None = None) -> None:
-        if not timeout_s > 0:
-            raise ValueError(f"rendezvous timeout must be positive, got {timeout_s}")
-        self.ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-        self.rank = dist.get_rank() if rank is None else rank
-        if self.rank not in self.ranks:
-            raise ValueError(f"rank {self.rank} is not in the rendezvous group {list(self.ranks)}")
-        self.timeout_s = timeout_s
-        members = "-".join(map(str, self.ranks))
-        generation = Rendezvous._generations.get((name, members), 0)
-        Rendezvous._generations[(name, members)] = generation + 1
-        self.prefix = f"megatron_rollout/rendezvous/{name}.{generation}/{members}/"
+        self.prefix = self._join(group, timeout_s, rank, name, "rendezvous")
         self._gather = comm_dist.StoreRendezvous(self.rank, self.ranks, timeout_s, self.prefix, store)
         self._poisoned: str | None = None
 
