@@ -62,12 +62,7 @@ def filtered_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Sampled:
     """logits: [V]."""
-    row_max = float(logits.amax())
-    return _draw(logits, params, generator) if _finite(row_max) else _non_finite(row_max)
-
-
-def _finite(x: float) -> bool:
-    return math.isfinite(x)
+    return sample(logits[None], [params], [generator])[0]
 
 
 def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Sampled:
@@ -87,15 +82,19 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     non-finite row gets `Sampled(None, None, error)` and the other rows are sampled as usual."""
     if logits.shape[0] == 0:
         return []
-    row_max = logits.amax(-1).float().tolist()  # [rows]: one reduction and one sync for the batch
-    out: list[Sampled | None] = [None if _finite(m) else _non_finite(m) for m in row_max]
-    greedy = [i for i, p in enumerate(params) if p.temperature == 0.0 and out[i] is None]
-    if greedy:
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
+    row_max = logits.amax(-1).float()  # [rows]
+    if greedy:  # greedy rows' tokens travel to the host with the row maxima: one sync for the batch
         logp = logits[greedy].float().log_softmax(-1)
         tokens = logp.argmax(-1)
-        lps = logp.gather(-1, tokens[:, None]).squeeze(-1)
-        for i, t, lp in zip(greedy, tokens.tolist(), lps.tolist()):
-            out[i] = Sampled(t, lp)
+        host = torch.cat([row_max, tokens.float(), logp.gather(-1, tokens[:, None]).squeeze(-1)]).tolist()
+    else:
+        host = row_max.tolist()
+    rows = len(params)
+    out: list[Sampled | None] = [None if math.isfinite(m) else _non_finite(m) for m in host[:rows]]
+    for k, i in enumerate(greedy):
+        if out[i] is None:  # a token id below 2**24 is exact in fp32
+            out[i] = Sampled(int(host[rows + k]), host[rows + len(greedy) + k])
     for i, p in enumerate(params):
         if out[i] is None:
             out[i] = _draw(logits[i], p, generators[i])
