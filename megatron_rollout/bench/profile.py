@@ -1,0 +1,259 @@
+"""Where a forward's time goes on the GPU (issue 14), from the torch profiler.
+
+Per forward shape (eager P, eager D, the decode graph):
+- `host_ms`: wall time the host spends enqueuing the forward (until every kernel is launched, i.e.
+  until an asynchronous P forward first yields its completion poll), against `device_ms`, the
+  CUDA-event time from its first to its last kernel. host >= device means the GPU waits for the
+  host: the forward is launch-bound, and only fewer launches (fusion, graphs) shorten it.
+- `launches`: kernel launches per forward, and the profiler's op table (count, host time, device
+  time per op), top entries by host and by device time.
+- `sections`: the forward driven segment by segment (between the boundaries the model yields),
+  each segment a `record_function` range: host and device time per layer and site.
+
+`decode_idle`: the GPU's idle share of a decode-only engine replay (issue 14 wants < 5%): the
+union of kernel intervals over the window of N engine steps, all requests already decoding.
+
+Run: `python -m megatron_rollout.bench.profile --out $OUT/profile.json` (GPU only).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from megatron_rollout.bench.micro import random_inputs
+from megatron_rollout.engine.cuda_runner import COMPLETION, CudaRunner
+from megatron_rollout.engine.runner import SpanInput
+from megatron_rollout.types import Phase
+
+log = logging.getLogger(__name__)
+
+LAUNCH_OPS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
+def _device_us(evt) -> float:
+    for name in ("self_device_time_total", "self_cuda_time_total"):
+        if hasattr(evt, name):
+            return float(getattr(evt, name))
+    return 0.0
+
+
+def _total_device_us(evt) -> float:
+    for name in ("device_time_total", "cuda_time_total"):
+        if hasattr(evt, name):
+            return float(getattr(evt, name))
+    return 0.0
+
+
+def drive(runner: CudaRunner, inputs: list[SpanInput], phase: Phase, label: bool = False) -> tuple[float, float]:
+    """One eager forward; returns (host seconds to enqueue it, device seconds). With `label`, each
+    segment between two yielded boundaries runs inside a `record_function` range."""
+    stream = runner.p_stream if phase is Phase.P else runner.d_stream
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    t0 = time.perf_counter()
+    host = None
+    gen, at, i = runner._eager(inputs, phase), "embed", 0
+    while True:
+        ctx = record_function(f"seg{i:02d} {at}") if label and host is None else None
+        try:
+            if ctx is not None:
+                with ctx:
+                    point = next(gen)
+            else:
+                point = next(gen)
+        except StopIteration:
+            break
+        if point == COMPLETION and host is None:
+            host = time.perf_counter() - t0
+        at, i = f"L{point.layer}.{point.site.value}", i + 1
+    host = host if host is not None else time.perf_counter() - t0
+    end.record(stream)
+    end.synchronize()
+    return host, start.elapsed_time(end) / 1e3
+
+
+def op_table(prof, top: int = 25) -> dict[str, Any]:
+    rows = [{"name": e.key, "count": e.count, "host_us": float(e.self_cpu_time_total),
+             "device_us": _device_us(e)} for e in prof.key_averages()]
+    launches = sum(r["count"] for r in rows if r["name"] in LAUNCH_OPS)
+    by_host = sorted(rows, key=lambda r: -r["host_us"])[:top]
+    by_device = sorted(rows, key=lambda r: -r["device_us"])[:top]
+    sections = [{"name": e.key, "count": e.count, "host_us": float(e.cpu_time_total),
+                 "device_us": _total_device_us(e)} for e in prof.key_averages() if e.key.startswith("seg")]
+    return {"launches": launches, "by_host": by_host, "by_device": by_device,
+            "sections": sorted(sections, key=lambda r: r["name"])}
+
+
+def forward_profile(runner: CudaRunner, inputs: list[SpanInput], phase: Phase, reps: int = 3) -> dict[str, Any]:
+    for _ in range(2):  # warm: Triton kernels compiled, cuBLAS heuristics cached
+        drive(runner, inputs, phase)
+    times = [drive(runner, inputs, phase) for _ in range(reps)]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            drive(runner, inputs, phase, label=True)
+    table = op_table(prof)
+    for key in ("launches",):
+        table[key] = table[key] / reps
+    host = sorted(t[0] for t in times)[len(times) // 2]
+    device = sorted(t[1] for t in times)[len(times) // 2]
+    return {"host_ms": host * 1e3, "device_ms": device * 1e3, "reps": reps, **table}
+
+
+def graph_profile(runner: CudaRunner, rows: int, context: int, rng: np.random.Generator) -> dict[str, Any]:
+    cache = runner.cache
+    inputs = random_inputs([(context - 1, 1)] * rows, cache.block_size, cache.num_blocks, runner.cfg.vocab_size, rng)
+    graph = runner._graph(runner.bucket(rows))
+    graph.static.fill([i.span for i in inputs], [i.token_ids[0] for i in inputs])
+    for _ in range(3):
+        graph.graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            graph.graph.replay()
+        torch.cuda.synchronize()
+    table = op_table(prof)
+    table["launches"] /= 5
+    return {"rows": rows, "context": context, **table}
+
+
+def _busy_us(intervals: list[tuple[float, float]]) -> float:
+    busy, last = 0.0, -float("inf")
+    for s, e in sorted(intervals):
+        if e <= last:
+            continue
+        busy += e - max(s, last)
+        last = e
+    return busy
+
+
+class PhaseClock:
+    """Host seconds spent inside chosen callables, by name: each is wrapped on its owner (an
+    instance or a module) for the duration of a `with` block, then restored."""
+
+    def __init__(self, targets: dict[str, tuple[object, str]]) -> None:
+        self.targets, self.seconds = targets, {name: 0.0 for name in targets}
+        self._saved: list[tuple[object, str, object]] = []
+
+    def __enter__(self) -> "PhaseClock":
+        for name, (owner, attr) in self.targets.items():
+            fn = getattr(owner, attr)
+            self._saved.append((owner, attr, fn))
+            setattr(owner, attr, self._wrap(name, fn))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, attr, fn in reversed(self._saved):
+            setattr(owner, attr, fn)
+        self._saved.clear()
+
+    def _wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - t0
+        return timed
+
+
+def _steps(engine, steps: int) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def decode_idle(model, rows: int = 64, prompt: int = 512, steps: int = 40, seed: int = 0) -> dict[str, Any]:
+    """A decode-only engine window of `steps` steps (every request decoding): wall time per step
+    without the profiler, the host's time per phase, and the GPU's busy time from the profiler."""
+    from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams, execution
+
+    rng = np.random.default_rng(seed)
+    engine = RolloutEngine(model, EngineConfig(schedule="off", num_blocks=rows * (prompt // 16 + 32) + 64,
+                                               max_batch_tokens=rows * prompt, max_decode_rows=rows, seed=seed))
+    engine.runner.capture([engine.runner.bucket(rows)])
+    params = SamplingParams(temperature=0.0, max_new_tokens=4 * steps + 16, ignore_stop=True)
+    engine.generate([rng.integers(0, model.cfg.vocab_size, prompt).tolist() for _ in range(4)],
+                    SamplingParams(temperature=0.0, max_new_tokens=8, ignore_stop=True))  # warm
+    for _ in range(rows):
+        engine.add_request(rng.integers(0, model.cfg.vocab_size, prompt).tolist(), params)
+    for _ in range(8):  # past the prefill: every row decodes
+        engine.step()
+    ex = engine.executor if hasattr(engine, "executor") else engine.schedule.executor
+    clock = PhaseClock({"plan": (engine.coordinator, "plan"), "inputs": (ex, "inputs"),
+                        "forward (launch)": (ex.runner, "forward"), "sample (waits for the GPU)": (execution, "sample"),
+                        "complete (with sample)": (ex, "complete"), "step": (engine, "_step")})
+    plain_s = _steps(engine, steps)
+    with clock:
+        clocked_s = _steps(engine, steps)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _steps(engine, steps)
+    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
+               if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    busy_ms = _busy_us(kernels) / steps / 1e3
+    wall_ms = plain_s / steps * 1e3
+    return {"rows": rows, "steps": steps, "wall_ms_per_step": wall_ms, "clocked_wall_ms_per_step":
+            clocked_s / steps * 1e3, "host_ms_per_step": {k: v / steps * 1e3 for k, v in clock.seconds.items()},
+            "device_busy_ms_per_step": busy_ms, "idle_share": 1 - busy_ms / wall_ms,
+            "top_host_ops_per_step (profiled)": [{"name": r["name"], "host_us": r["host_us"] / steps}
+                                                 for r in op_table(prof, top=12)["by_host"]]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_rollout.bench.rollout import random_model
+    from megatron_rollout.engine.config import RunnerConfig
+    from megatron_rollout.kv.paged import PagedKVCache
+    from megatron_rollout.model.config import PRESETS
+
+    ap = argparse.ArgumentParser(prog="python -m megatron_rollout.bench.profile", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen3-30b-a3b-12l", choices=sorted(PRESETS))
+    ap.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--idle-rows", type=lambda v: [int(x) for x in v.split(",")], default=[64, 16, 1])
+    ap.add_argument("--forwards", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--out", default="runs/profile.json")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.profile needs a CUDA device")
+    cfg, device = PRESETS[args.model], torch.device("cuda")
+    model = random_model(cfg, device, seed=0)
+    cache = PagedKVCache(cfg, 20_000, 16, cfg.num_query_groups, device=device)
+    runner = CudaRunner(model, cache, RunnerConfig(fused_ops=args.fused_ops))
+    rng = np.random.default_rng(0)
+    out: dict[str, Any] = {"model": args.model, "fused_ops": runner.fused, "torch": torch.__version__,
+                           "device": torch.cuda.get_device_name()}
+    shapes = {"P 1x(0+256)": [(0, 256)], "P 1x(0+4096)": [(0, 4096)], "P 8x(2048+512)": [(2048, 512)] * 8,
+              "D eager 64x2048": [(2047, 1)] * 64}
+    for name, spec in shapes.items() if args.forwards else ():
+        phase = Phase.D if name.startswith("D") else Phase.P
+        inputs = random_inputs(spec, cache.block_size, cache.num_blocks, cfg.vocab_size, rng)
+        out[name] = forward_profile(runner, inputs, phase)
+        log.info("%s: host %.2f ms, device %.2f ms, %.0f launches", name, out[name]["host_ms"],
+                 out[name]["device_ms"], out[name]["launches"])
+    if args.forwards:
+        out["D graph 64x2048"] = graph_profile(runner, 64, 2048, rng)
+        out["D graph 1x2048"] = graph_profile(runner, 1, 2048, rng)
+    del runner, cache
+    torch.cuda.empty_cache()
+    for rows in args.idle_rows:
+        out[f"decode_idle_{rows}"] = idle = decode_idle(model, rows=rows)
+        log.info("decode-only window, %d rows: %s", rows, {k: v for k, v in idle.items() if not k.startswith("top")})
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
