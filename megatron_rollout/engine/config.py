@@ -102,6 +102,12 @@ class RunnerConfig:
     """Decode batch buckets captured as CUDA graphs; larger batches run eagerly."""
     use_graphs: bool = True
     """Replay decode from CUDA graphs (False: every forward eager, e.g. to compare)."""
+    prefill_graph_tokens: tuple[int, ...] = (64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048)
+    """Token-count buckets of P and mixed forwards replayed as piecewise CUDA graphs on one rank
+    (`engine.piecewise`); () or `use_graphs=False`: eager. Past the largest bucket a forward runs
+    eagerly (there the GPU, not the host, bounds it)."""
+    prefill_graph_rows: int = 256
+    """Sampled rows a piecewise graph holds (at most its bucket's tokens); more run eagerly."""
     attention: str = "auto"
     """Attention kernels: auto | triton | varlen | portable (see `kernels.registry`)."""
     async_prefill: bool = True
@@ -120,6 +126,11 @@ class RunnerConfig:
         sizes = self.graph_batch_sizes
         if not sizes or any(b <= 0 for b in sizes) or list(sizes) != sorted(set(sizes)):
             raise ValueError(f"graph_batch_sizes must be positive and strictly increasing, got {sizes}")
+        tokens = self.prefill_graph_tokens
+        if any(b <= 0 for b in tokens) or list(tokens) != sorted(set(tokens)):
+            raise ValueError(f"prefill_graph_tokens must be positive and strictly increasing, got {tokens}")
+        if self.prefill_graph_rows <= 0:
+            raise ValueError(f"prefill_graph_rows must be positive, got {self.prefill_graph_rows}")
 
 
 FLAT: dict[str, tuple[str, str]] = {

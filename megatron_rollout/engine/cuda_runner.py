@@ -64,6 +64,7 @@ import torch
 
 from megatron_rollout.comm.facade import LocalComm
 from megatron_rollout.engine.config import RunnerConfig
+from megatron_rollout.engine.piecewise import PiecewiseGraph
 from megatron_rollout.engine.runner import ModelRunner, Runner, SpanInput
 from megatron_rollout.forward import BoundaryPoint, Forward, Site, run_to_end
 from megatron_rollout.kernels.layout import KernelPagedBatch, StaticDecodeLayout, build_layout
@@ -198,12 +199,15 @@ class CudaRunner:
         self.expert_kernels = self._choose_expert_kernels()
         self._probe = _DomainProbe(model.comm)
         self._graphs: dict[int, _DecodeGraph] = {}
+        self._p_graphs: dict[int, PiecewiseGraph] = {}  # P / mixed forwards by token bucket (one rank)
+        self._p_pool = None  # their pool: never shared with decode graphs (see engine.piecewise)
+        self._p_failed: str | None = None
         self._captured = False  # multi-rank: the collective capture of every bucket was attempted
         self._weights_ptr = model.embedding.word_embeddings.weight.data_ptr()  # see _graphable
         self._pool = None
         self.capture_error: str | None = None
         self._cache = cache
-        self.stats = {"graph_replays": 0, "eager_forwards": 0, "completion_polls": 0}
+        self.stats = {"graph_replays": 0, "eager_forwards": 0, "piecewise_forwards": 0, "completion_polls": 0}
 
     def _install_fused_ops(self) -> dict:
         if not self.config.fused_ops:
@@ -235,6 +239,8 @@ class CudaRunner:
         if cache is not self._cache:
             self._graphs.clear()  # captured against the old tensors
             self._pool = None
+            self._p_graphs.clear()  # they hold no cache tensor, but their pool is released with the KV
+            self._p_pool = None
             self._captured = False
         self._cache = cache
         if cache is not None:
@@ -266,7 +272,11 @@ class CudaRunner:
         if self.multi_rank:
             self._captured = True
             return self._capture_collectively(sizes)
-        return all(self._try_graph(rows) is not None for rows in sorted(sizes, reverse=True))
+        decode = all(self._try_graph(rows) is not None for rows in sorted(sizes, reverse=True))
+        for tokens in sorted(self.config.prefill_graph_tokens, reverse=True):
+            if self._prefill_graph(tokens) is None:
+                break
+        return decode
 
     def bucket(self, rows: int) -> int | None:
         sizes = self.graph_sizes
@@ -281,14 +291,19 @@ class CudaRunner:
         return tuple(b for b in self.config.graph_batch_sizes if limit is None or b <= limit)
 
     # -- decode graphs ------------------------------------------------------------------------
-    def _graphable(self, inputs: list[SpanInput]) -> bool:
+    def _graphable_weights(self) -> bool:
         if self.graph_safe and self.model.embedding.word_embeddings.weight.data_ptr() != self._weights_ptr:
             # WeightStore.bind re-pointed every parameter: captured graphs would read the old
-            # tensors. Decode runs eagerly from now on (bind is meant for eager engines; it runs
+            # tensors. Forwards run eagerly from now on (bind is meant for eager engines; it runs
             # on every rank alike, so all ranks stop replaying together).
-            log.warning("parameters were re-bound (WeightStore.bind): decode graphs dropped, decode runs eagerly")
+            log.warning("parameters were re-bound (WeightStore.bind): CUDA graphs dropped, forwards run eagerly")
             self.graph_safe = False
             self._graphs.clear()
+            self._p_graphs.clear()
+        return self.graph_safe
+
+    def _graphable(self, inputs: list[SpanInput]) -> bool:
+        self._graphable_weights()
         if not (self.config.use_graphs and self.graph_safe and inputs) or self.bucket(len(inputs)) is None:
             return False
         return all(i.span.new == 1 and i.sample and len(i.span.table) <= self.table_width for i in inputs)
@@ -355,18 +370,55 @@ class CudaRunner:
         return graph.logits[:n]
         yield  # a generator with no boundary (the graph holds D's whole forward)
 
+    # -- P and mixed forwards as piecewise graphs (one rank) -----------------------------------
+    def _prefill_bucket(self, inputs: list[SpanInput]) -> int | None:
+        if not (self.config.use_graphs and self.graph_safe and not self.multi_rank and self._p_failed is None):
+            return None
+        n, r = sum(i.span.new for i in inputs), sum(1 for i in inputs if i.sample)
+        buckets = self.config.prefill_graph_tokens
+        i = bisect_left(buckets, n)
+        if i == len(buckets) or r > min(buckets[i], self.config.prefill_graph_rows):
+            return None
+        return buckets[i]
+
+    def _prefill_graph(self, tokens: int) -> PiecewiseGraph | None:
+        """The piecewise graph of `tokens` tokens, captured on first use; None (eager from now on) if
+        capture fails."""
+        graph = self._p_graphs.get(tokens)
+        if graph is not None or self._p_failed is not None or not self.graph_safe or self.multi_rank:
+            return graph
+        try:
+            if self._p_pool is None:
+                self._p_pool = torch.cuda.graph_pool_handle()
+            graph = PiecewiseGraph(tokens, min(tokens, self.config.prefill_graph_rows), self.device)
+            graph.capture(self.model, self.p_stream, self._p_pool)
+        except Exception as exc:  # P must not stop: it runs eagerly
+            log.warning("piecewise capture of %d tokens failed, P and mixed forwards run eagerly: %s", tokens, exc)
+            self._p_failed = f"{type(exc).__name__}: {exc}"
+            self._p_graphs.clear()
+            torch.cuda.synchronize(self.device)
+            return None
+        self._p_graphs[tokens] = graph
+        log.info("captured piecewise forward for %d tokens (%d pieces)", tokens, len(graph.pieces))
+        return graph
+
     # -- eager forwards (P, mixed chunked batches, decode batches past the largest bucket) ----
     def _eager(self, inputs: list[SpanInput], phase: Phase) -> Forward:
         stream = self.p_stream if phase is Phase.P else self.d_stream
         caller = torch.cuda.current_stream()
-        self.stats["eager_forwards"] += 1
+        bucket = self._prefill_bucket(inputs) if self._graphable_weights() else None
+        graph = self._prefill_graph(bucket) if bucket is not None else None
+        self.stats["piecewise_forwards" if graph is not None else "eager_forwards"] += 1
         with torch.cuda.stream(stream):
             stream.wait_stream(caller)  # weight copies and earlier host-to-device copies
             layout = build_layout([i.span for i in inputs], [i.token_ids for i in inputs], [i.sample for i in inputs],
                                   self.cache.block_size, self.kernels, self.q_heads, self.kv_heads,
                                   self.cfg.kv_channels, self.device, self.num_sms)
             attn = KernelPagedBatch(self.cache, layout, self.kernels)
-            gen = self.model.step(layout.tokens, layout.positions, attn, phase, logits_index=layout.logits_rows)
+            if graph is not None:
+                gen = graph.run(layout, attn, int(layout.tokens.shape[0]), int(layout.logits_rows.shape[0]))
+            else:
+                gen = self.model.step(layout.tokens, layout.positions, attn, phase, logits_index=layout.logits_rows)
         while True:
             # Each segment runs on the phase's stream: its kernels and its collectives (the router
             # moves the registered conflicting one to D's stream, with events both ways).

@@ -1,0 +1,159 @@
+"""Prefill and mixed forwards as CUDA graphs between attention calls (one rank).
+
+An eager forward launches ~430 kernels; at a few hundred tokens the host takes 16-26 ms to launch
+them and the GPU waits (`bench.profile`, 2026-12-01). Every P segment, every `off` prefill and
+every `chunked` mixed step paid that. Only attention depends on the spans' lengths; everything
+else depends on the token count alone. So per token-count bucket a forward is captured in pieces:
+piece 0 from the embedding to layer 0's attention inputs, piece l from layer l-1's attention
+output to layer l's inputs, the last piece to the logits. At replay each piece is one graph
+launch and attention runs eagerly between pieces on the real spans (its kernels read the paged
+layout, built per forward as before), reading the piece's q/k/v and writing the next piece's
+input in place.
+
+- **Padding.** A batch of n tokens runs in the smallest bucket >= n; rows n.. of the static
+  inputs keep earlier valid values (token ids, positions), attention writes only rows < n and
+  stores only their K/V, and rows never mix outside attention (norms, linears, experts are
+  row-wise), so padding changes no real row. Sampled rows: the first r of a static index of
+  `rows` entries.
+- **Boundaries.** The points the model yields inside a piece are yielded after that piece is
+  launched, in the same order, so a `mux` epoch still stops at every boundary of the plan. On one
+  rank a boundary has no collective behind it; many ranks keep the eager path (P's collectives
+  must be enqueued at their boundaries, DESIGN.md §6).
+- **Memory.** The pieces of every bucket share one private pool, separate from the decode graphs'
+  (a decode replay in a `mux` round between two P pieces must not reuse P's live activations);
+  forwards of different buckets never interleave, which is what sharing one pool needs.
+
+Left out: many ranks, FP8 experts (not graph-safe), more sampled rows than the bucket holds
+(eager then).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_rollout.forward import BoundaryPoint, Forward, run_to_end
+from megatron_rollout.kernels.layout import ForwardLayout, KernelPagedBatch
+from megatron_rollout.model.attention import AttentionBackend
+from megatron_rollout.types import Phase
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Piece:
+    graph: torch.cuda.CUDAGraph
+    points: list[BoundaryPoint] = field(default_factory=list)
+    """The boundaries the model yielded while this piece was captured."""
+
+
+@dataclass(frozen=True)
+class AttentionSlot:
+    """One layer's attention between two pieces: the inputs the piece before wrote, the output
+    the piece after reads (static tensors of `tokens` rows)."""
+
+    layer: int
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+
+
+class _NoAttention(AttentionBackend):
+    """Warm-up before capture: the pieces' kernels run (Triton compiles, cuBLAS chooses), no attention."""
+
+    def attend(self, layer, q, k, v):
+        return torch.zeros_like(q)
+
+
+class _Recorder(AttentionBackend):
+    """Capture: every attention call ends the current piece's graph and begins the next."""
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
+        self.pieces: list[Piece] = []
+        self.slots: list[AttentionSlot] = []
+        self.current: Piece | None = None
+
+    def begin(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.pool)
+        self.current = Piece(graph)
+
+    def end(self) -> None:
+        piece, self.current = self.current, None
+        piece.graph.capture_end()
+        self.pieces.append(piece)
+
+    def abort(self) -> None:
+        """End a capture that failed midway (the stream must leave capture mode)."""
+        if self.current is not None:
+            try:
+                self.current.graph.capture_end()
+            except Exception:  # the capture was already invalidated: nothing left to end
+                pass
+            self.current = None
+
+    def attend(self, layer, q, k, v):
+        self.end()
+        slot = AttentionSlot(layer, q, k, v, torch.zeros_like(q))
+        self.slots.append(slot)
+        self.begin()
+        return slot.out
+
+
+class PiecewiseGraph:
+    """A forward of up to `tokens` new tokens, `rows` of them sampled, as pieces between attention calls."""
+
+    def __init__(self, tokens: int, rows: int, device: torch.device) -> None:
+        self.tokens, self.rows = tokens, rows
+        self.token_ids = torch.zeros(tokens, dtype=torch.int32, device=device)
+        self.positions = torch.zeros(tokens, dtype=torch.int32, device=device)
+        self.logits_rows = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.pieces: list[Piece] = []
+        self.slots: list[AttentionSlot] = []
+        self.logits: torch.Tensor | None = None
+
+    def _forward(self, model, attn: AttentionBackend) -> Forward:
+        return model.step(self.token_ids, self.positions, attn, Phase.P, logits_index=self.logits_rows)
+
+    def capture(self, model, stream: torch.cuda.Stream, pool) -> None:
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.no_grad():
+            for _ in range(2):
+                run_to_end(self._forward(model, _NoAttention()))
+        stream.synchronize()
+        rec = _Recorder(pool)
+        with torch.cuda.stream(stream), torch.no_grad():
+            try:
+                rec.begin()
+                gen = self._forward(model, rec)
+                while True:
+                    try:
+                        rec.current.points.append(next(gen))
+                    except StopIteration as stop:
+                        self.logits = stop.value
+                        break
+                rec.end()
+            except BaseException:
+                rec.abort()
+                raise
+        self.pieces, self.slots = rec.pieces, rec.slots
+        if len(self.pieces) != len(self.slots) + 1:
+            raise RuntimeError(f"piecewise capture of {self.tokens} tokens: {len(self.pieces)} pieces for "
+                               f"{len(self.slots)} attention calls")
+
+    def run(self, layout: ForwardLayout, attn: KernelPagedBatch, n: int, r: int) -> Forward:
+        """Replay over the real layout of `n` new tokens, `r` of them sampled, on the current stream.
+        Yields the model's boundaries; returns logits [r, V] (a copy: the next replay reuses them)."""
+        self.token_ids[:n].copy_(layout.tokens)
+        self.positions[:n].copy_(layout.positions)
+        self.logits_rows[:r].copy_(layout.logits_rows)
+        for piece, slot in itertools.zip_longest(self.pieces, self.slots):
+            piece.graph.replay()
+            yield from piece.points
+            if slot is not None:
+                slot.out[:n].copy_(attn.attend(slot.layer, slot.q[:n], slot.k[:n], slot.v[:n]))
+        return self.logits[:r].clone()
