@@ -18,6 +18,7 @@ Run: `python -m megatron_rollout.bench.profile --out $OUT/profile.json` (GPU onl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import time
@@ -233,14 +234,20 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     out: dict[str, Any] = {"model": args.model, "fused_ops": runner.fused, "torch": torch.__version__,
                            "device": torch.cuda.get_device_name()}
-    shapes = {"P 1x(0+256)": [(0, 256)], "P 1x(0+4096)": [(0, 4096)], "P 8x(2048+512)": [(2048, 512)] * 8,
-              "D eager 64x2048": [(2047, 1)] * 64}
+    shapes = {"P 1x(0+256)": [(0, 256)], "P 1x(0+1024)": [(0, 1024)], "P 1x(0+2048)": [(0, 2048)],
+              "P 1x(0+4096)": [(0, 4096)], "P 8x(2048+512)": [(2048, 512)] * 8,
+              "mixed 16x(2047+1) + 1x(0+512)": [(2047, 1)] * 16 + [(0, 512)], "D eager 64x2048": [(2047, 1)] * 64}
+    piecewise, eager = runner.config, dataclasses.replace(runner.config, prefill_graph_tokens=())
     for name, spec in shapes.items() if args.forwards else ():
-        phase = Phase.D if name.startswith("D") else Phase.P
+        phase = Phase.P if name.startswith("P") else Phase.D
         inputs = random_inputs(spec, cache.block_size, cache.num_blocks, cfg.vocab_size, rng)
-        out[name] = forward_profile(runner, inputs, phase)
-        log.info("%s: host %.2f ms, device %.2f ms, %.0f launches", name, out[name]["host_ms"],
-                 out[name]["device_ms"], out[name]["launches"])
+        modes = ("eager", "piecewise") if runner._prefill_bucket(inputs) is not None else ("eager",)
+        for mode in modes:
+            runner.config = piecewise if mode == "piecewise" else eager
+            out[f"{name} {mode}"] = res = forward_profile(runner, inputs, phase)
+            log.info("%s %s: host %.2f ms, device %.2f ms, %.0f launches", name, mode, res["host_ms"],
+                     res["device_ms"], res["launches"])
+        runner.config = piecewise
     if args.forwards:
         out["D graph 64x2048"] = graph_profile(runner, 64, 2048, rng)
         out["D graph 1x2048"] = graph_profile(runner, 1, 2048, rng)
