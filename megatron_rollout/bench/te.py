@@ -1,0 +1,137 @@
+"""bf16 vs FP8 (`torch._scaled_mm`) vs FP8 (Transformer Engine, each recipe) on one random-weight
+model: graph-replayed decode step, one 4096-token prefill, and each FP8 path's logit error against
+bf16 (GPU only; TE built by examples/te_session.sh).
+
+The FP8 paths cover the same layers (attention QKV/projection and dense MLPs, `te_layers.DEFAULT_INCLUDE`),
+so the comparison is of GEMM backends, not of coverage; routed experts stay bf16 grouped GEMMs unless
+TE's device-split GroupedLinear applies (recorded per variant). Variants run one after another on one
+model and cache; decode graphs are recaptured per variant. Left out: several GPUs, FP8 KV.
+
+    python -m megatron_rollout.bench.te --out te-bench.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from megatron_rollout.bench import micro
+from megatron_rollout.bench.bounds import model_costs
+from megatron_rollout.bench.ceilings import copy_bandwidth, matmul_rate
+from megatron_rollout.model import fp8, te_layers
+from megatron_rollout.model.config import preset
+from megatron_rollout.model.layers import Linear
+
+log = logging.getLogger(__name__)
+
+
+def _reset(model: torch.nn.Module) -> None:
+    te_layers.remove_te(model)
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.fp8 = None
+
+
+def _variant(model, name: str) -> dict[str, Any]:
+    """Put the model on variant `name`: 'bf16', 'scaled_mm', or 'te_<recipe>'."""
+    _reset(model)
+    if name == "scaled_mm":
+        return {"layers": len(fp8.quantize_model_fp8(model, include=te_layers.DEFAULT_INCLUDE, backend="scaled_mm"))}
+    if name.startswith("te_"):
+        result = te_layers.apply_te(model, te_layers.TEConfig(recipe=name[3:]))
+        return {"layers": len(result.linears), "experts_on_te": len(result.experts),
+                "experts_skipped": result.experts_skipped, "versions": result.versions}
+    return {}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from megatron_rollout.bench.rollout import random_model
+    from megatron_rollout.engine.cuda_runner import CudaRunner, CudaRunnerConfig
+    from megatron_rollout.kv.paged import PagedKVCache
+
+    cfg = preset(args.model)
+    device = torch.device("cuda")
+    block = 16
+    model = random_model(cfg, device, args.seed)
+    blocks = args.rows * math.ceil(args.context / block) + math.ceil(args.prefill / block) + 64
+    cache = PagedKVCache(cfg, blocks, block, cfg.num_query_groups, device="cuda")
+    cache.k.normal_()
+    cache.v.normal_()
+    runner = CudaRunner(model, cache, CudaRunnerConfig(graph_batch_sizes=(args.rows,)))
+    costs = model_costs(cfg)
+    result: dict[str, Any] = {"model": args.model, "rows": args.rows, "context": args.context,
+                              "prefill_tokens": args.prefill, "copy_bandwidth_gb_s": copy_bandwidth() / 1e9,
+                              "bf16_matmul_tflops": matmul_rate() / 1e12, "te_missing": te_layers.te_missing(),
+                              "variants": {}}
+    bandwidth = result["copy_bandwidth_gb_s"] * 1e9
+    peak = result["bf16_matmul_tflops"] * 1e12
+    ids = torch.randint(0, cfg.vocab_size, (1, args.logit_tokens), device=device,
+                        generator=torch.Generator(device=device).manual_seed(args.seed))
+    names = ["bf16", "scaled_mm"] + ([f"te_{r}" for r in te_layers.RECIPES] if result["te_missing"] is None else [])
+    ref = None
+    for name in names:
+        entry: dict[str, Any] = {}
+        try:
+            with torch.no_grad():
+                entry.update(_variant(model, name))
+                logits = model(ids).float()
+                if ref is None:
+                    ref = logits
+                else:
+                    entry["logits_rel_err_vs_bf16"] = float((logits - ref).norm() / ref.norm())
+                    entry["top1_agreement_vs_bf16"] = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
+                runner._graphs.clear()  # captured with the previous variant's layers
+                runner._pool = None
+                rng = np.random.default_rng(args.seed)
+                entry["decode"] = micro.decode_steps(runner, costs, bandwidth, [(args.rows, args.context)], rng,
+                                                     iters=args.iters)
+                entry["prefill"] = micro.prefill(runner, costs, peak, [[(0, args.prefill)]], rng)
+        except Exception as exc:  # recorded, so one failing path does not hide the others
+            log.exception("variant %s failed", name)
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+        result["variants"][name] = entry
+        log.info("%s: %s", name, {k: v for k, v in entry.items() if k not in ("decode", "prefill", "versions")})
+    _reset(model)
+    return result
+
+
+def summary(result: dict[str, Any]) -> str:
+    lines = [f"{'variant':<14}{'decode ms':>10}{'prefill tok/s':>15}{'logit rel err':>15}{'top-1':>8}"]
+    for name, e in result["variants"].items():
+        if "error" in e:
+            lines.append(f"{name:<14}  error: {e['error'][:100]}")
+            continue
+        lines.append(f"{name:<14}{e['decode'][0]['graph_ms']:>10.3f}{e['prefill'][0]['tokens_per_s']:>15.0f}"
+                     f"{e.get('logits_rel_err_vs_bf16', 0.0):>15.4f}{e.get('top1_agreement_vs_bf16', 1.0):>8.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen3-30b-a3b-12l")
+    p.add_argument("--rows", type=int, default=64, help="decode rows (one graph bucket)")
+    p.add_argument("--context", type=int, default=2048, help="decode context per row")
+    p.add_argument("--prefill", type=int, default=4096, help="tokens of the one prefill span")
+    p.add_argument("--logit-tokens", type=int, default=256)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="JSON path")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.te needs a CUDA device")
+    result = run(args)
+    text = json.dumps(result, indent=1, default=str)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    print(summary(result))
+
+
+if __name__ == "__main__":
+    main()
