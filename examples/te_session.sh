@@ -5,7 +5,8 @@
 #
 #   calls 1-4, carry [".te0"] .. [".te3"]: bash examples/te_session.sh piece
 #   call 5,    carry [".te4"]:             bash examples/te_session.sh piece build
-#   call 6,    no carry:                   bash examples/te_session.sh check tests bench
+#   call 6,    no carry:                   bash examples/te_session.sh check tests
+#   call 7,    no carry:                   bash examples/te_session.sh bench
 #
 # Stages (each fails loudly, naming the step, and exits non-zero):
 #   piece  move this call's .teN/* to /tmp/tc
