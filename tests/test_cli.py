@@ -116,4 +116,5 @@ def test_bad_arguments_exit_non_zero_with_a_message(capsys, tmp_path):
     assert "megatron-rollout replay: error:" in capsys.readouterr().err
     proc = run_cli("generate", "--prompt-ids", "1", "--mux-span", "fixed:0", "--device", "cpu")
     assert proc.returncode == 2 and proc.stdout == ""
-    assert "mux_span must be 'load' or 'fixed:K' with K > 0, got 'fixed:0'" in proc.stderr
+    assert "mux_span must be 'load', 'fixed:K' with K > 0 or 'budget:US' with US > 0 (microseconds), got 'fixed:0'" \
+        in proc.stderr

@@ -26,12 +26,14 @@ from megatron_rollout.multiplex.policy import (
     LoadSelected,
     LoadSelectedConfig,
     SegmentPolicy,
+    WaitBudget,
+    WaitBudgetConfig,
 )
 
 DEFAULT_NUM_BLOCKS = 1024
 """KV blocks per rank when nobody says otherwise (the CLI's `--num-blocks` default too)."""
 
-SpanConfig = FixedSpanConfig | LoadSelectedConfig
+SpanConfig = FixedSpanConfig | LoadSelectedConfig | WaitBudgetConfig
 """A `mux` segment policy, as a typed config (see `multiplex.policy`)."""
 
 RUNNER_KINDS = ("auto", "eager", "cuda")
@@ -40,24 +42,33 @@ ORDERINGS = ("turnstile", "naive")
 
 def parse_span(spec: str | SpanConfig) -> SpanConfig:
     """The one parser of segment-policy strings: "load" -> LoadSelectedConfig(), "fixed:K" ->
-    FixedSpanConfig(K). A config passes through unchanged."""
-    if isinstance(spec, (FixedSpanConfig, LoadSelectedConfig)):
+    FixedSpanConfig(K), "budget:US" -> WaitBudgetConfig(budget_us=US). A config passes through."""
+    if isinstance(spec, (FixedSpanConfig, LoadSelectedConfig, WaitBudgetConfig)):
         return spec
     if spec == "load":
         return LoadSelectedConfig()
-    k = spec[6:] if isinstance(spec, str) and spec.startswith("fixed:") else ""
-    if not (k.isdigit() and int(k) > 0):
-        raise ValueError(f"mux_span must be 'load' or 'fixed:K' with K > 0, got {spec!r}")
-    return FixedSpanConfig(int(k))
+    kind, _, value = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    if kind == "fixed" and value.isdigit() and int(value) > 0:
+        return FixedSpanConfig(int(value))
+    if kind == "budget" and value.replace(".", "", 1).isdigit() and float(value) > 0:
+        return WaitBudgetConfig(budget_us=float(value))
+    raise ValueError(f"mux_span must be 'load', 'fixed:K' with K > 0 or 'budget:US' with US > 0 "
+                     f"(microseconds), got {spec!r}")
 
 
 def span_spec(span: SpanConfig) -> str:
     """The string `parse_span` reads back ("load" for any LoadSelectedConfig)."""
-    return f"fixed:{span.span}" if isinstance(span, FixedSpanConfig) else "load"
+    if isinstance(span, FixedSpanConfig):
+        return f"fixed:{span.span}"
+    if isinstance(span, WaitBudgetConfig):
+        return f"budget:{span.budget_us:g}"
+    return "load"
 
 
 def build_policy(span: SpanConfig) -> SegmentPolicy:
-    return FixedSpan(span) if isinstance(span, FixedSpanConfig) else LoadSelected(span)
+    if isinstance(span, FixedSpanConfig):
+        return FixedSpan(span)
+    return WaitBudget(span) if isinstance(span, WaitBudgetConfig) else LoadSelected(span)
 
 
 @dataclass(frozen=True)
@@ -79,8 +90,9 @@ class MuxConfig:
     """The `mux` schedule (ignored by `off` and `chunked`)."""
 
     span: SpanConfig = field(default_factory=LoadSelectedConfig)
-    """Segment policy: LoadSelectedConfig (span from decode load) or FixedSpanConfig(K). A string
-    ("load", "fixed:K") is parsed by `parse_span`."""
+    """Segment policy: LoadSelectedConfig (span from decode load), FixedSpanConfig(K) or
+    WaitBudgetConfig (span from a decode-wait budget). A string ("load", "fixed:K", "budget:US")
+    is parsed by `parse_span`."""
     ordering: str = "turnstile"
     """"turnstile" (the protocol) or "naive" (P on its own host thread, no cross-rank order: the
     unsafe baseline of the ordering experiments; never use it across ranks)."""

@@ -131,3 +131,46 @@ class LoadSelected(SegmentPolicy):
 
     def __repr__(self) -> str:
         return f"LoadSelected({self.config})"
+
+
+@dataclass(frozen=True)
+class WaitBudgetConfig:
+    """`WaitBudget`'s constants."""
+
+    budget_us: float = 8000.0
+    """Longest a decode row should wait for one round's P work, in microseconds (a per-token
+    latency bound, like a TPOT target)."""
+    segment_us_per_token: float = 0.3
+    """P device time of one segment per prefill token, in microseconds: ~0.3 on the H200 for
+    `qwen3-30b-a3b-12l` at 2,048 tokens (a 14.4 ms piecewise forward over 24 segments,
+    `python -m megatron_rollout.bench.profile`); small batches cost more per token."""
+
+    def __post_init__(self) -> None:
+        if not self.budget_us > 0 or not self.segment_us_per_token > 0:
+            raise ValueError(f"budget_us ({self.budget_us}) and segment_us_per_token "
+                             f"({self.segment_us_per_token}) must be positive")
+
+
+class WaitBudget(SegmentPolicy):
+    """As many segments per round as fit a decode-wait budget.
+
+    `LoadSelected` prices a round at its rendezvous only; on one GPU the larger price of a round
+    is the decode iteration it inserts, which every request of the epoch waits for: its TTFT
+    grows by one D iteration per round. Bounding what decode rows wait instead (span =
+    budget / segment time) keeps few rounds for small prefills (a short epoch runs whole: its
+    TTFT stays off's) and splits only the long ones, so that D still iterates every `budget_us`.
+    """
+
+    def __init__(self, config: WaitBudgetConfig | None = None) -> None:
+        self.config = config or WaitBudgetConfig()
+
+    def span(self, load: SegmentLoad) -> int:
+        remaining = load.remaining_segments if load.remaining_segments is not None else UNBOUNDED_SPAN
+        if load.decode_rows == 0:
+            return remaining
+        seg_us = max(load.prefill_tokens, 1) * self.config.segment_us_per_token
+        return max(1, min(remaining, int(self.config.budget_us // seg_us)))
+
+    def __repr__(self) -> str:
+        return f"WaitBudget({self.config})"
+

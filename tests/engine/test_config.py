@@ -4,6 +4,7 @@ and the CLI's defaults are the config's."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -11,7 +12,7 @@ from megatron_rollout.comm.dist import CommConfig
 from megatron_rollout.engine import EngineConfig, Schedule
 from megatron_rollout.engine.config import DEFAULT_NUM_BLOCKS, KVConfig, MuxConfig, RunnerConfig, parse_span, span_spec
 from megatron_rollout.engine.scheduler import SchedulerConfig
-from megatron_rollout.multiplex.policy import FixedSpanConfig, LoadSelectedConfig
+from megatron_rollout.multiplex.policy import FixedSpanConfig, LoadSelectedConfig, WaitBudgetConfig
 from megatron_rollout.options import add_engine_args, engine_config
 
 
@@ -31,8 +32,11 @@ def test_flat_keywords_set_component_fields():
 def test_span_strings_are_parsed_once():
     assert parse_span("load") == LoadSelectedConfig() and parse_span("fixed:3") == FixedSpanConfig(3)
     assert span_spec(parse_span("fixed:3")) == "fixed:3" and MuxConfig("fixed:1").span == FixedSpanConfig(1)
-    for bad in ("fixed:0", "fixed:x", "fixed", "Load", ""):
-        with pytest.raises(ValueError, match=f"mux_span must be 'load' or 'fixed:K' with K > 0, got {bad!r}"):
+    assert parse_span("budget:8000") == WaitBudgetConfig(budget_us=8000.0)
+    assert span_spec(parse_span("budget:2500.5")) == "budget:2500.5"
+    for bad in ("fixed:0", "fixed:x", "fixed", "Load", "", "budget:0", "budget:-1", "budget:"):
+        with pytest.raises(ValueError, match=f"mux_span must be 'load', 'fixed:K' with K > 0 or 'budget:US'.*"
+                                             f"got {re.escape(repr(bad))}"):
             EngineConfig(mux_span=bad)
 
 

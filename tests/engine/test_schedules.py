@@ -21,6 +21,19 @@ def test_schedules_give_the_same_tokens_in_one_engine_run(make_engine, qwen):
     assert_same(results["off"], reference(make_engine, model, batch, params))
 
 
+@pytest.mark.parametrize("span", ["budget:1", "budget:100000000", "load"])
+def test_mux_span_policies_give_off_tokens(make_engine, qwen, span):
+    """Whatever the segment policy cuts, the tokens are off's (budget:1 releases one segment per
+    round, a huge budget the whole epoch)."""
+    _, model = qwen
+    batch = prompts([3, 25, 2, 14, 9], seed=5)
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    off = make_engine(model, schedule="off", **SMALL).generate(batch, params)
+    engine = make_engine(model, schedule="mux", **{**SMALL, "mux_span": span})
+    assert_same(engine.generate(batch, params), off)
+    assert engine.mux.rounds > 0
+
+
 def test_abort_mid_mux_epoch_parks_blocks_until_the_epoch_ends(make_engine, qwen):
     _, model = qwen
     seen = {}

@@ -1,4 +1,4 @@
-"""Segment policies pick positive spans; LoadSelected shortens spans under decode load."""
+"""Segment policies pick positive spans; LoadSelected and WaitBudget shorten spans under load."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,6 +15,8 @@ from megatron_rollout.multiplex.policy import (
     LoadSelected,
     LoadSelectedConfig,
     SegmentLoad,
+    WaitBudget,
+    WaitBudgetConfig,
 )
 
 
@@ -74,3 +76,25 @@ def test_spans_positive_bounded_and_monotone(load, more_rows, more_tokens):
         assert pol.span(busier) <= s and pol.span(bigger) <= s
     else:
         assert s == (load.remaining_segments or UNBOUNDED_SPAN)
+
+
+def test_wait_budget_values():
+    pol = WaitBudget(WaitBudgetConfig(budget_us=8000.0, segment_us_per_token=0.3))
+    assert pol.span(SegmentLoad(0, 25, 5000)) == 25  # nothing waits: P runs whole
+    assert pol.span(SegmentLoad(16, 25, 500)) == 25  # 150 us segments: 53 fit, the epoch runs whole
+    assert pol.span(SegmentLoad(16, 25, 5000)) == 5  # 1,500 us segments: 5 per round
+    assert pol.span(SegmentLoad(1, 25, 100_000)) == 1  # one segment already over budget
+    assert pol.span(SegmentLoad(64, None, 5000)) == 5
+    with pytest.raises(ValueError, match="must be positive"):
+        WaitBudgetConfig(budget_us=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(loads, st.integers(1, 4096))
+def test_wait_budget_spans_positive_bounded_and_monotone(load, more_tokens):
+    pol = WaitBudget()
+    s = pol.span(load)
+    assert type(s) is int and 1 <= s <= (load.remaining_segments or UNBOUNDED_SPAN)
+    if load.decode_rows > 0:
+        bigger = SegmentLoad(load.decode_rows, load.remaining_segments, load.prefill_tokens + more_tokens)
+        assert pol.span(bigger) <= s
