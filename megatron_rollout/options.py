@@ -13,6 +13,7 @@ from megatron_rollout.comm.dist import CommConfig
 from megatron_rollout.engine.api import Schedule
 from megatron_rollout.engine.config import (
     DEFAULT_NUM_BLOCKS,
+    DEFAULT_SPAN,
     RUNNER_KINDS,
     EngineConfig,
     KVConfig,
@@ -60,7 +61,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-moe", help="preset name or Hugging Face checkpoint directory")
     p.add_argument("--schedule", default="chunked", type=schedules,
                    help="off | chunked | mux; replay also takes a list (off,chunked,mux) to compare in one run")
-    p.add_argument("--mux-span", default="load", help="mux segment policy: load | fixed:K | budget:US")
+    p.add_argument("--mux-span", default=DEFAULT_SPAN, help="mux segment policy: load | fixed:K | budget:US")
     p.add_argument("--num-blocks", type=int, default=DEFAULT_NUM_BLOCKS, help="KV blocks per rank")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-batch-tokens", type=int, default=512)

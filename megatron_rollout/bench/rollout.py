@@ -11,10 +11,12 @@ A figure counts only warm, repeated, each schedule at its best token budget, nex
    is the one with the shortest makespan. The sweep is also the warm-up: after it every kernel
    variant a replay uses is compiled (with one budget, one untimed short pass per schedule is run
    instead). Same-budget ratios come from this pass;
-3. the timed repeats: `--repeats` rounds, interleaved (off, chunked, mux, mux-epoch, off, ...),
-   each replay in a fresh engine over the same model and token ids, at the schedule's best
-   budget. `mux-epoch` is the paper's ablation: mux with one segment per epoch (whole-epoch
-   asynchronous enqueue, `mux_span="fixed:1000000000"`) at mux's budget. Decode graphs are
+3. the timed repeats: `--repeats` rounds, interleaved (off, chunked, mux, mux-epoch, mux-load,
+   off, ...), each replay in a fresh engine over the same model and token ids, at the schedule's
+   best budget. `mux` runs its default segment policy (`--mux-span`, `WaitBudget`); the paper's
+   ablation runs beside it at mux's budget: `mux-epoch`, one segment per epoch (whole-epoch
+   asynchronous enqueue, `mux_span="fixed:1000000000"`), and `mux-load`, LoadSelected's fine
+   segments. Decode graphs are
    captured when the engine is built, before the clock starts; every timed replay runs inside a
    `bench.compiles.CompileCounter`, and its Triton and torch compilations are in the JSON and
    the table (a figure with compilations is marked cold and left out of the medians);
@@ -52,6 +54,7 @@ import torch
 
 from megatron_rollout.bench.bounds import model_costs, trace_lower_bound
 from megatron_rollout.bench.compiles import CompileCounter
+from megatron_rollout.engine.config import DEFAULT_SPAN
 from megatron_rollout.model.config import PRESETS, ModelConfig
 from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.trace.make import PROFILES, make_trace, max_context
@@ -59,8 +62,9 @@ from megatron_rollout.trace.make import PROFILES, make_trace, max_context
 log = logging.getLogger("megatron_rollout.bench")
 
 BASE_SCHEDULES = ("off", "chunked", "mux")
-ABLATION = ("mux-epoch", "mux@fixed:1000000000")
-"""The paper's ablation: label and spec (one segment per prefill epoch)."""
+ABLATIONS = (("mux-epoch", "mux@fixed:1000000000"), ("mux-load", "mux@load"))
+"""The paper's ablation beside `mux` (its default policy): one segment per epoch (whole-epoch
+asynchronous enqueue) and LoadSelected's fine segments."""
 PROFILE_SIZES = {"current": (16, 0.1), "prefill": (24, 1.0), "decode": (16, 0.25)}
 """Default (conversations, scale) per profile: one timed replay takes ~5-10 s on the H200 (12 layers)."""
 SWEEP_SHARE = 0.4
@@ -103,7 +107,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-gb)")
     ap.add_argument("--max-model-len", default="auto",
                     help="int, or 'auto': the preset's, raised to cover the trace's longest context (random weights)")
-    ap.add_argument("--mux-span", default="load", help="segment policy of plain 'mux': load | fixed:K")
+    ap.add_argument("--mux-span", default=DEFAULT_SPAN,
+                    help="segment policy of plain 'mux': budget:US | load | fixed:K")
     ap.add_argument("--attention", default="auto", help="auto | triton | varlen | portable")
     ap.add_argument("--schedule-budget-s", type=float, default=120.0, help="time limit of one replay")
     ap.add_argument("--deadline-s", type=float, default=520.0, help="whole run, the peer included")
@@ -374,7 +379,8 @@ def ratios(result: dict) -> dict[str, float | None]:
     out["mux_p99_request_over_best_baseline"] = _ratio(med("mux", "p99_request_s"), med(best_base, "p99_request_s")) \
         if best_base else None
     out["mux_ttft_over_off"] = _ratio(med("mux", "mean_ttft_s"), med("off", "mean_ttft_s"))
-    out["mux_epoch_over_mux"] = _ratio(med(ABLATION[0]), med("mux"))
+    out["mux_epoch_over_mux"] = _ratio(med(ABLATIONS[0][0]), med("mux"))
+    out["mux_load_over_mux"] = _ratio(med(ABLATIONS[1][0]), med("mux"))
     out["best_over_vllm"] = _ratio(min((med(n) for n in ours), default=None), vllm) if ours else None
     out["mux_over_vllm"] = _ratio(med("mux"), vllm)
     out["mux_over_lower_bound"] = _ratio(med("mux"), (result.get("lower_bound") or {}).get("bound_s"))
@@ -455,8 +461,8 @@ def table(result: dict) -> str:
 def _specs(args) -> list[tuple[str, str]]:
     """(label, spec) of every schedule to time, the ablation after mux."""
     specs = [(s, s) for s in (x.strip() for x in args.schedules.split(",")) if s]
-    if args.ablation and any(label == "mux" for label, _ in specs) and ABLATION[0] not in dict(specs):
-        specs.append(ABLATION)
+    if args.ablation and any(label == "mux" for label, _ in specs):
+        specs += [a for a in ABLATIONS if a[0] not in dict(specs)]
     return specs
 
 

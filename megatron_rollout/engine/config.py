@@ -35,6 +35,9 @@ DEFAULT_NUM_BLOCKS = 1024
 
 SpanConfig = FixedSpanConfig | LoadSelectedConfig | WaitBudgetConfig
 """A `mux` segment policy, as a typed config (see `multiplex.policy`)."""
+DEFAULT_SPAN = "budget:8000"
+"""`mux`'s default segment policy (`WaitBudget`, 8 ms): LoadSelected's fine segments cost a decode
+iteration per round inside every epoch, 3.6-4.1x off's mean TTFT on the H200 (docs/benchmarks.md)."""
 
 RUNNER_KINDS = ("auto", "eager", "cuda")
 ORDERINGS = ("turnstile", "naive")
@@ -89,7 +92,7 @@ class KVConfig:
 class MuxConfig:
     """The `mux` schedule (ignored by `off` and `chunked`)."""
 
-    span: SpanConfig = field(default_factory=LoadSelectedConfig)
+    span: SpanConfig = field(default_factory=lambda: parse_span(DEFAULT_SPAN))
     """Segment policy: LoadSelectedConfig (span from decode load), FixedSpanConfig(K) or
     WaitBudgetConfig (span from a decode-wait budget). A string ("load", "fixed:K", "budget:US")
     is parsed by `parse_span`."""

@@ -34,7 +34,8 @@ def test_sweep_picks_each_schedules_best_budget(run):
 
 def test_repeats_are_interleaved_warm_and_summarised(run):
     _, result = run
-    assert list(result["schedules"]) == ["off", "chunked", "mux", "mux-epoch"]
+    assert list(result["schedules"]) == ["off", "chunked", "mux", "mux-epoch", "mux-load"]
+    assert result["schedules"]["mux-load"]["spec"] == "mux@load"
     for s in result["schedules"].values():
         assert [r["repeat"] for r in s["repeats"]] == [0, 1]
         for r in s["repeats"]:
@@ -52,6 +53,7 @@ def test_repeats_are_interleaved_warm_and_summarised(run):
     med = {n: s["median"]["makespan_s"] for n, s in result["schedules"].items()}
     assert ratios["mux_over_off"] == pytest.approx(med["mux"] / med["off"])
     assert ratios["mux_epoch_over_mux"] == pytest.approx(med["mux-epoch"] / med["mux"])
+    assert ratios["mux_load_over_mux"] == pytest.approx(med["mux-load"] / med["mux"])
     assert ratios["mux_over_best_baseline"] == pytest.approx(med["mux"] / min(med["off"], med["chunked"]))
     assert "mux_over_off@32" in ratios and ratios["best_over_vllm"] is None
 
