@@ -3,13 +3,14 @@
 # stays warm ~30 s, and /tmp with it). vLLM's bundle travels as five pieces, one per call
 # (../shared/peers/README.md); every call does measuring work beside its piece.
 #
-#   call 1, carry [".run", ".vb4"]: bash .run/examples/h200_session.sh setup tests
-#   call 2, carry [".vb0"]:         bash /tmp/run/examples/h200_session.sh piece current
-#   call 3, carry [".vb1"]:         bash /tmp/run/examples/h200_session.sh piece prefill
-#   call 4, carry [".vb2"]:         bash /tmp/run/examples/h200_session.sh piece kernels
-#   call 5, carry [".vb3"]:         bash /tmp/run/examples/h200_session.sh piece vllm hotswap
-# (2026-12-01 the tests and kernels stages ran in earlier leases of the same session, to fit the
-# 30-minute device budget: setup current / piece prefill / piece / piece / piece vllm / hotswap.)
+# The 2026-12-01 second-session lease (docs/benchmarks.md), six calls back to back:
+#   call 1, carry [".run", ".vb0"]: bash .run/examples/h200_session.sh setup tests
+#   call 2, carry [".vb1"]:         bash /tmp/run/examples/h200_session.sh piece current
+#   call 3, carry [".vb2"]:         bash /tmp/run/examples/h200_session.sh piece prefill
+#   call 4, carry [".vb3"]:         bash /tmp/run/examples/h200_session.sh piece p48
+#   call 5, carry [".vb4"]:         bash /tmp/run/examples/h200_session.sh piece vllm
+#   call 6, carry []:               bash /tmp/run/examples/h200_session.sh vllm48 micro
+# (`profile` and `kernels`, `hotswap` are further stages for the kernel work.)
 #
 # `.run` is `git archive HEAD` of the commit measured, plus `.whl/` (megatron-core 0.19.2, which
 # the device image lacks); it is copied to /tmp/run so later calls need not carry it. Results are
@@ -33,31 +34,49 @@ for stage in "$@"; do
       for d in .vb*; do [ -d "$d" ] && mv "$d"/* /tmp/pc/; done; ls -l /tmp/pc ;;
     tests)  # every GPU-marked test
       cd /tmp/run
-      timeout 170 python3 -m pytest -q -m gpu tests -p no:cacheprovider --timeout 120 -rf 2>&1 \
+      timeout 200 python3 -m pytest -q -m gpu tests -p no:cacheprovider --timeout 120 -rf 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -15 ;;
     hotswap)  # update_weights at full size: copy, bind, reshard
       cd /tmp/run
       timeout 100 python3 -m megatron_rollout.bench.hotswap --model qwen3-30b-a3b --json \
         > "$OUT/hotswap.json" 2> "$OUT/hotswap.err"; tail -c 1200 "$OUT/hotswap.json"; tail -3 "$OUT/hotswap.err" ;;
-    current|prefill)  # our schedules: budget sweep, then 3 interleaved warm repeats
+    current)  # our schedules: budget sweep, then 3 interleaved warm repeats
       cd /tmp/run
-      bench --profile "$stage" --repeats 3 --no-vllm --deadline-s 185 --out "/tmp/res/$stage" > "/tmp/res/$stage.log" 2>&1
-      tail -14 "/tmp/res/$stage.log"; cp "/tmp/res/$stage/rollout.json" "$OUT/$stage.json" ;;
+      bench --profile current --repeats 3 --no-vllm --deadline-s 230 --out /tmp/res/current > /tmp/res/current.log 2>&1
+      tail -16 /tmp/res/current.log; cp /tmp/res/current/rollout.json "$OUT/current.json" ;;
+    prefill)  # 16 conversations (24 did not fit 3 repeats in one call)
+      cd /tmp/run
+      bench --profile prefill --conversations 16 --repeats 3 --no-vllm --deadline-s 300 --out /tmp/res/prefill \
+        > /tmp/res/prefill.log 2>&1
+      tail -16 /tmp/res/prefill.log; cp /tmp/res/prefill/rollout.json "$OUT/prefill.json" ;;
+    p48)  # the full 48-layer preset on the prefill profile: off and mux, one budget, one repeat
+      cd /tmp/run
+      bench --model qwen3-30b-a3b --profile prefill --conversations 8 --schedules off,mux --no-ablation \
+        --budgets 2048 --repeats 1 --no-vllm --deadline-s 240 --out /tmp/res/p48 > /tmp/res/p48.log 2>&1
+      tail -8 /tmp/res/p48.log; cp /tmp/res/p48/rollout.json "$OUT/p48.json" ;;
+    profile)  # where a forward's time goes (torch profiler), eager against piecewise
+      cd /tmp/run
+      timeout 150 python3 -m megatron_rollout.bench.profile --out "$OUT/profile.json" > /tmp/res/profile.log 2>&1
+      grep __main__ /tmp/res/profile.log | cut -c1-200 ;;
     kernels)  # fused small ops and the decode step; the micro stage (prefill rate, attention, experts)
       cd /tmp/run
       timeout 90 python3 -m megatron_rollout.bench.kernels --json --out "$OUT/kernels.json" > /tmp/res/kernels.log 2>&1
       tail -22 /tmp/res/kernels.log
       timeout 100 python3 -m megatron_rollout.bench.rollout --schedules '' --micro --no-vllm --out /tmp/res/micro \
         > /tmp/res/micro.log 2>&1; tail -12 /tmp/res/micro.log; cp /tmp/res/micro/rollout.json "$OUT/micro.json" ;;
-    vllm)  # unpack the bundle, then the peer on each profile's trace, against our runs
+    vllm|vllm48)  # unpack the bundle, then the peer on each profile's trace, against our runs
       mkdir -p /tmp/pv/site
       [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.0* | xz -dc -T8 | tar -x -C /tmp/pv/site)
       cd /tmp/run
-      for p in current prefill; do  # prefill: vLLM's own budget only (each start-up costs ~1 min)
-        if [ "$p" = current ]; then b=default,best; d=250; else b=default; d=190; fi
-        bench --profile "$p" --resume "/tmp/res/$p" --vllm --vllm-site /tmp/pv/site --vllm-budgets "$b" \
+      if [ "$stage" = vllm ]; then runs="current:default,best:270 prefill:default,best:290"; else runs="p48:default:250"; fi
+      for r in $runs; do
+        IFS=: read -r p b d <<< "$r"
+        if [ "$p" = p48 ]; then
+          opts="--model qwen3-30b-a3b --profile prefill --conversations 8 --vllm-passes 1"
+        elif [ "$p" = prefill ]; then opts="--profile prefill --conversations 16"; else opts="--profile current"; fi
+        bench $opts --resume "/tmp/res/$p" --vllm --vllm-site /tmp/pv/site --vllm-budgets "$b" \
           --deadline-s "$d" --vllm-reserve-s "$d" > "/tmp/res/$p.vllm.log" 2>&1
-        tail -9 "/tmp/res/$p.vllm.log"; cp "/tmp/res/$p/rollout.json" "$OUT/$p.json"
+        tail -10 "/tmp/res/$p.vllm.log"; cp "/tmp/res/$p/rollout.json" "$OUT/$p.json"
         cp "/tmp/res/$p/vllm.log" "$OUT/$p.vllm.log" 2>/dev/null
       done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
