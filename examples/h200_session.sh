@@ -4,12 +4,12 @@
 # (../shared/peers/README.md); every call does measuring work beside its piece.
 #
 # The 2026-12-01 second-session lease (docs/benchmarks.md), six calls back to back:
-#   call 1, carry [".run", ".vb0"]: bash .run/examples/h200_session.sh setup tests
-#   call 2, carry [".vb1"]:         bash /tmp/run/examples/h200_session.sh piece current
-#   call 3, carry [".vb2"]:         bash /tmp/run/examples/h200_session.sh piece prefill
-#   call 4, carry [".vb3"]:         bash /tmp/run/examples/h200_session.sh piece p48
-#   call 5, carry [".vb4"]:         bash /tmp/run/examples/h200_session.sh piece vllm
-#   call 6, carry []:               bash /tmp/run/examples/h200_session.sh vllm48 micro
+#   call 1, carry [".run", ".vb4"]: bash .run/examples/h200_session.sh setup current
+#   call 2, carry [".vb0"]:         bash /tmp/run/examples/h200_session.sh piece prefill
+#   call 3, carry [".vb1"]:         bash /tmp/run/examples/h200_session.sh piece p48
+#   call 4, carry [".vb2"]:         bash /tmp/run/examples/h200_session.sh piece
+#   call 5, carry [".vb3"]:         bash /tmp/run/examples/h200_session.sh piece vllm
+#   call 6, carry []:               bash /tmp/run/examples/h200_session.sh vllm48 tests
 # (`profile` and `kernels`, `hotswap` are further stages for the kernel work.)
 #
 # `.run` is `git archive HEAD` of the commit measured, plus `.whl/` (megatron-core 0.19.2, which
@@ -42,7 +42,7 @@ for stage in "$@"; do
         > "$OUT/hotswap.json" 2> "$OUT/hotswap.err"; tail -c 1200 "$OUT/hotswap.json"; tail -3 "$OUT/hotswap.err" ;;
     current)  # our schedules: budget sweep, then 3 interleaved warm repeats
       cd /tmp/run
-      bench --profile current --repeats 3 --no-vllm --deadline-s 230 --out /tmp/res/current > /tmp/res/current.log 2>&1
+      bench --profile current --repeats 3 --no-vllm --deadline-s 200 --out /tmp/res/current > /tmp/res/current.log 2>&1
       tail -16 /tmp/res/current.log; cp /tmp/res/current/rollout.json "$OUT/current.json" ;;
     prefill)  # 16 conversations (24 did not fit 3 repeats in one call)
       cd /tmp/run
@@ -51,8 +51,8 @@ for stage in "$@"; do
       tail -16 /tmp/res/prefill.log; cp /tmp/res/prefill/rollout.json "$OUT/prefill.json" ;;
     p48)  # the full 48-layer preset on the prefill profile: off and mux, one budget, one repeat
       cd /tmp/run
-      bench --model qwen3-30b-a3b --profile prefill --conversations 8 --schedules off,mux --no-ablation \
-        --budgets 2048 --repeats 1 --no-vllm --deadline-s 240 --out /tmp/res/p48 > /tmp/res/p48.log 2>&1
+      bench --model qwen3-30b-a3b --profile prefill --conversations 6 --schedules off,mux --no-ablation \
+        --budgets 2048 --repeats 1 --no-vllm --deadline-s 180 --out /tmp/res/p48 > /tmp/res/p48.log 2>&1
       tail -8 /tmp/res/p48.log; cp /tmp/res/p48/rollout.json "$OUT/p48.json" ;;
     profile)  # where a forward's time goes (torch profiler), eager against piecewise
       cd /tmp/run
@@ -68,11 +68,11 @@ for stage in "$@"; do
       mkdir -p /tmp/pv/site
       [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.0* | xz -dc -T8 | tar -x -C /tmp/pv/site)
       cd /tmp/run
-      if [ "$stage" = vllm ]; then runs="current:default,best:270 prefill:default,best:290"; else runs="p48:default:250"; fi
+      if [ "$stage" = vllm ]; then runs="current:default,best:270 prefill:default,best:290"; else runs="p48:default:200"; fi
       for r in $runs; do
         IFS=: read -r p b d <<< "$r"
         if [ "$p" = p48 ]; then
-          opts="--model qwen3-30b-a3b --profile prefill --conversations 8 --vllm-passes 1"
+          opts="--model qwen3-30b-a3b --profile prefill --conversations 6 --vllm-passes 1"
         elif [ "$p" = prefill ]; then opts="--profile prefill --conversations 16"; else opts="--profile current"; fi
         bench $opts --resume "/tmp/res/$p" --vllm --vllm-site /tmp/pv/site --vllm-budgets "$b" \
           --deadline-s "$d" --vllm-reserve-s "$d" > "/tmp/res/$p.vllm.log" 2>&1
