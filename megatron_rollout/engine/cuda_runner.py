@@ -1,6 +1,6 @@
-"""The CUDA runner: decode (D) as CUDA-graph replays on a high-priority stream, prefill (P) eager
-on its own stream, over the same weights and the same paged KV, on one rank or many (DESIGN.md §3,
-§5, §6, §8).
+"""The CUDA runner: decode (D) as CUDA-graph replays on a high-priority stream, prefill (P) on its
+own stream (piecewise graphs on one rank, eager on many), over the same weights and the same paged
+KV, on one rank or many (DESIGN.md §3, §5, §6, §8).
 
 What it adds to `runner.ModelRunner` (same `forward(inputs, phase) -> Forward` contract, so the
 engine and the mux driver are unchanged):
@@ -11,6 +11,10 @@ engine and the mux driver are unchanged):
   addresses, since `update_weights` copies in place (the expert weights are stacked views,
   `Experts.restack`). Replacing `cache` (engine.release_kv / reclaim_kv) drops the graphs; they are
   captured again on next use. On one rank buckets are captured lazily, when first used.
+- **P and mixed graphs (one rank).** A P forward, or a `chunked` mixed step, of up to 2,048 new
+  tokens replays as pieces between attention calls, one CUDA graph per token bucket
+  (`engine.piecewise`, `RunnerConfig.prefill_graph_tokens`), in a pool of its own; larger ones,
+  and every P forward on many ranks, run eagerly.
 - **Many ranks.** With a `DistComm` the graphs capture D's collectives on D's own communicators:
   the ATP all-reduce, the padded ADP all-gather and the low-latency expert exchange, all of static
   shape with counts consumed on the device (`CommConfig.counts="device"`, the default on CUDA;
