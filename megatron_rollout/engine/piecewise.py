@@ -21,7 +21,11 @@ input in place.
   must be enqueued at their boundaries, DESIGN.md §6).
 - **Memory.** The pieces of every bucket share one private pool, separate from the decode graphs'
   (a decode replay in a `mux` round between two P pieces must not reuse P's live activations);
-  forwards of different buckets never interleave, which is what sharing one pool needs.
+  forwards of different buckets never interleave, which is what sharing one pool needs. Each
+  bucket keeps its static tensors: q, k, v and the attention output of every layer, and the
+  logits of its sampled rows. By their sizes that is about 2.8 GB for `qwen3-30b-a3b-12l` with
+  the ten default buckets (a computed figure, not a measured one); `engine.release_kv` frees them
+  with the decode graphs.
 
 Left out: many ranks, FP8 experts (not graph-safe), more sampled rows than the bucket holds
 (eager then).
