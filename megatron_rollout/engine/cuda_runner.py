@@ -381,7 +381,7 @@ class CudaRunner:
         n, r = sum(i.span.new for i in inputs), sum(1 for i in inputs if i.sample)
         buckets = self.config.prefill_graph_tokens
         i = bisect_left(buckets, n)
-        if i == len(buckets) or r > min(buckets[i], self.config.prefill_graph_rows):
+        if n == 0 or i == len(buckets) or r > min(buckets[i], self.config.prefill_graph_rows):
             return None
         return buckets[i]
 
