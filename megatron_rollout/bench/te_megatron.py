@@ -353,6 +353,25 @@ def train_step(gpt: nn.Module, ids: torch.Tensor, lr: float) -> float:
 
 # ---------------------------------------------------------------- the run
 
+def rollout_engine(cfg: ModelConfig, device: torch.device):
+    """A rollout engine (eager runner: the model's own forward, nothing installed on it) whose model
+    starts as NaN, so a tensor that `update_weights` misses poisons every logit; routed experts in
+    the CUDA runner's stacked layout, which `update_weights` copies into."""
+    from megatron_rollout.engine import EngineConfig, RolloutEngine
+    from megatron_rollout.engine.config import RunnerConfig
+    from megatron_rollout.model.layers import Experts
+    from megatron_rollout.model.transformer import MoETransformer
+
+    model = MoETransformer(cfg, device=device).requires_grad_(False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    for m in model.modules():
+        if isinstance(m, Experts):
+            m.restack()
+    return RolloutEngine(model, EngineConfig(num_blocks=64, runner=RunnerConfig(kind="eager")))
+
+
 def _versions() -> dict[str, str | None]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -370,10 +389,7 @@ def run(config: TEMegatronConfig) -> dict[str, Any]:
     why = missing_requirements()
     if why:
         raise RuntimeError(why)
-    from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
-    from megatron_rollout.engine.config import RunnerConfig
-    from megatron_rollout.model.layers import Experts
-    from megatron_rollout.model.transformer import MoETransformer
+    from megatron_rollout.engine import SamplingParams
 
     cfg = config.model_config()
     times: dict[str, float] = {}
@@ -407,13 +423,8 @@ def run(config: TEMegatronConfig) -> dict[str, Any]:
             result["names"] = {"rollout_tensors": len(mapped.tensors), "renamed": mapped.renamed,
                                "extra_state_skipped": mapped.skipped}
 
-            model = MoETransformer(cfg, device="cuda").requires_grad_(False)
-            for p in model.parameters():
-                p.fill_(float("nan"))  # a tensor the copy misses would poison every logit
-            for m in model.modules():
-                if isinstance(m, Experts):
-                    m.restack()  # the CUDA runner's grouped-GEMM layout, which update_weights copies into
-            engine = RolloutEngine(model, EngineConfig(num_blocks=64, runner=RunnerConfig(kind="eager")))
+            engine = rollout_engine(cfg, torch.device("cuda"))
+            model = engine.model
             timed("update_weights", lambda: engine.update_weights(mapped.tensors, 1))
             result["weight_version"] = engine.weight_version
             parity: dict[str, Any] = {"native_bf16": dataclasses.asdict(logit_parity(model(ids), ref))}

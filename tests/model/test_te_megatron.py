@@ -163,10 +163,15 @@ def test_a_te_spec_state_hot_swaps_through_update_weights(grouped):
     cfg = PRESETS["tiny-moe"]
     trained = MoETransformer(cfg).init_weights(3)
     state = te_spec_state(trained.state_dict(), cfg, grouped)
-    engine = RolloutEngine(MoETransformer(cfg).init_weights(0), EngineConfig(num_blocks=32))
+    engine = tm.rollout_engine(cfg, torch.device("cpu"))  # the script's engine: NaN until the copy
+    assert all(p.isnan().all() for p in engine.model.parameters())
     engine.update_weights(tm.te_state_to_rollout(state, cfg).tensors, 1)
     got = engine.model.state_dict()
     assert all(torch.equal(got[n], t) for n, t in trained.state_dict().items())
+    ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        parity = tm.logit_parity(engine.model(ids), trained(ids))
+    assert (parity.rel_err, parity.max_token_rel_err, parity.top1_agreement) == (0.0, 0.0, 1.0)
     params = SamplingParams(temperature=0.0, max_new_tokens=5)
     want = RolloutEngine(trained, EngineConfig(num_blocks=32)).generate([[256, 72, 105]], params)[0]
     out = engine.generate([[256, 72, 105]], params)[0]
@@ -178,6 +183,19 @@ def test_a_te_spec_state_hot_swaps_through_update_weights(grouped):
     with pytest.raises(ValueError, match=f"weight {re.escape(name)}: shape"):
         engine.update_weights(bad, 2)
     assert engine.weight_version == 1
+
+
+def test_the_te_layer_spec_takes_the_keywords_the_script_passes():
+    """megatron-core 0.16.1 (here) names them in its signature; 0.19.2 forwards them to
+    `get_gpt_layer_with_transformer_engine_submodules`, whose signature has the same three."""
+    pytest.importorskip("megatron.core")
+    import inspect
+
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    params = inspect.signature(specs.get_gpt_layer_with_transformer_engine_spec).parameters
+    assert {"num_experts", "moe_grouped_gemm", "qk_layernorm"} <= set(params)
+    assert "use_transformer_engine" in inspect.signature(specs.get_gpt_decoder_block_spec).parameters
 
 
 def test_config_validation_and_the_model_it_builds():
