@@ -2,8 +2,8 @@
 rollout through `update_weights`, and the rollout on TE (bf16) must give the trainer's logits (GPU only).
 
 Why: issue 18 asks that a Megatron TE-spec trainer feed the rollout with a copy. The rollout keeps the
-local spec's parameter names (`sharding.full_shapes`); the TE spec names four things differently,
-read from megatron-core 0.16.1 and 0.19.2 (`models/gpt/gpt_layer_specs.py`,
+local spec's parameter names (`sharding.full_shapes`); the TE spec names three tensors differently and
+adds TE's `_extra_state` entries, as read from megatron-core 0.16.1 and 0.19.2 (`models/gpt/gpt_layer_specs.py`,
 `extensions/transformer_engine_spec_provider.py`) and TE 2.20.2 (`pytorch/module/layernorm_linear.py`,
 `grouped_linear.py`):
 
