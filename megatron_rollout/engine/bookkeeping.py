@@ -286,7 +286,8 @@ class RequestTable:
         seq = req.seq
         self.pool.grow(seq.sid, len(seq.tokens))
         span = SeqSpan(tuple(self.pool.table(seq.sid)), seq.computed, 1)
-        return SpanInput(span, seq.tokens[seq.computed:], sample=True), SampleOwner(req, req.lifetime, len(seq.tokens))
+        row = SpanInput(span, seq.tokens[seq.computed:], sample=True, key=(req.rid, req.lifetime))
+        return row, SampleOwner(req, req.lifetime, len(seq.tokens))
 
     def prefill_row(self, chunk: PrefillChunk) -> tuple[SpanInput, SampleOwner | None]:
         """Reserve KV for the chunk; its input row, and its sample owner if the chunk completes

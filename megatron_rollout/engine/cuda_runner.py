@@ -366,7 +366,7 @@ class CudaRunner:
         caller = torch.cuda.current_stream()
         self.d_stream.wait_stream(caller)
         with torch.cuda.stream(self.d_stream):
-            graph.static.fill([i.span for i in inputs], [i.token_ids[0] for i in inputs])
+            graph.static.fill([i.span for i in inputs], [i.token_ids[0] for i in inputs], [i.key for i in inputs])
             graph.graph.replay()
         self._probe.after(self.d_stream)
         caller.wait_stream(self.d_stream)

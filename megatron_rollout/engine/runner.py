@@ -11,6 +11,7 @@ complete, a runner runs the deferred checks of the comm's sync-free dispatch dom
 """
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,6 +31,10 @@ class SpanInput:
     """The `span.new` tokens to run."""
     sample: bool
     """Return logits for the span's last token."""
+    key: Hashable | None = None
+    """Who the row's block table belongs to, with the promise that rows of one key have tables
+    that only grow by appending (the engine passes (request id, lifetime) for decode rows). Lets
+    a CUDA graph's static layout rewrite only a table's new entries; None promises nothing."""
 
 
 class Runner(Protocol):

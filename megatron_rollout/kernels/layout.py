@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -209,13 +209,20 @@ class StaticDecodeLayout:
     def fill_padding(self) -> None:
         """Every row padding (used while capturing)."""
         self._wait_copy()
+        self._written: list[tuple[Hashable, int] | None] = [None] * self.rows
         h, st = self.host, self.stride
         h[:4 * st] = 0
         h[2 * st:3 * st] = -1
         self._upload(0)
 
-    def fill(self, spans: Sequence[SeqSpan], tokens: Sequence[int]) -> None:
-        """Load one decode batch (`len(spans)` <= rows; one new token per span)."""
+    def fill(self, spans: Sequence[SeqSpan], tokens: Sequence[int], keys: Sequence[Hashable | None] | None = None
+             ) -> None:
+        """Load one decode batch (`len(spans)` <= rows; one new token per span). `keys` (see
+        `SpanInput.key`): a key filled last time has its table's earlier entries in the host buffer
+        already, in its old row: they are reused (in place, or by one row copy when the batch
+        shifted: rows only move up as older ones finish) and only the new entries are converted
+        from Python ints. A long context's table is thousands of entries, rewritten every step
+        otherwise."""
         n, b, bs, st = len(spans), self.rows, self.block_size, self.stride
         if n > b:
             raise ValueError(f"decode batch of {n} rows exceeds this graph's {b}")
@@ -223,10 +230,20 @@ class StaticDecodeLayout:
         h = self.host
         tables = h[4 * st:].reshape(b, self.width)
         pasts = np.fromiter((s.past for s in spans), np.int64, n)
+        before = {entry[0]: (row, entry[1]) for row, entry in enumerate(self._written) if entry is not None}
+        written: list[tuple[Hashable, int] | None] = [None] * b
         for i, s in enumerate(spans):
-            if len(s.table) > self.width:
-                raise ValueError(f"block table of {len(s.table)} blocks exceeds the graph's width {self.width}")
-            tables[i, :len(s.table)] = s.table
+            size, key = len(s.table), keys[i] if keys is not None else None
+            if size > self.width:
+                raise ValueError(f"block table of {size} blocks exceeds the graph's width {self.width}")
+            row, done = before.get(key, (None, 0)) if key is not None else (None, 0)
+            if row is None or done > size or row < i:  # rows above i hold this fill's tables already
+                done = 0
+            elif row != i:
+                tables[i, :done] = tables[row, :done]
+            tables[i, done:size] = s.table[done:]
+            written[i] = (key, size) if key is not None else None
+        self._written = written
         h[:n] = tokens
         h[n:b] = 0
         h[st:st + n] = pasts

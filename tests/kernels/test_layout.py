@@ -93,6 +93,48 @@ def test_static_decode_layout_views_are_aligned(rows):
     assert layout.tables[0, :3].tolist() == [3, 1, 4]
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_keyed_fills_give_the_tables_of_full_fills(seed):
+    """Decode batches over many steps: rows grow by appending, finish (later rows move up), join
+    at the end, and are preempted (a new lifetime: a new key, a new table). The keyed fill, which
+    rewrites only new entries, must leave in the device buffer what a full fill leaves."""
+    rng = np.random.default_rng(seed)
+    keyed = StaticDecodeLayout(8, 64, 4, PortableAttention(), 8, 4, 8, torch.device("cpu"), num_sms=4)
+    full = StaticDecodeLayout(8, 64, 4, PortableAttention(), 8, 4, 8, torch.device("cpu"), num_sms=4)
+    live: dict[tuple[int, int], list[int]] = {}
+    next_rid, next_block = 0, 0
+    for _step in range(60):
+        for key in list(live):
+            roll = rng.random()
+            if roll < 0.1:
+                del live[key]  # finished
+            elif roll < 0.15:
+                del live[key]  # preempted: the same request comes back under a new lifetime
+                live[(key[0], key[1] + 1)] = [int(b) for b in rng.integers(0, 1000, int(rng.integers(1, 5)))]
+            elif rng.random() < 0.3:
+                live[key].append(next_block)  # the row crossed into a new block
+                next_block += 1
+        while len(live) < 8 and rng.random() < 0.5:
+            live[(next_rid, 0)] = [int(b) for b in rng.integers(0, 1000, int(rng.integers(1, 20)))]
+            next_rid += 1
+        keys = sorted(live)[:8]  # oldest first, as the planner orders decode rows
+        spans = [SeqSpan(tuple(live[k]), 4 * len(live[k]) - 1, 1) for k in keys]
+        keyed.fill(spans, [1] * len(spans), keys)
+        full.fill(spans, [1] * len(spans))
+        for i, k in enumerate(keys):  # entries past a row's length are never read (its length bounds attention)
+            assert keyed.tables[i, :len(live[k])].tolist() == full.tables[i, :len(live[k])].tolist() == live[k]
+        assert torch.equal(keyed.device_buf[:4 * keyed.stride], full.device_buf[:4 * full.stride])
+
+
+def test_keyed_fill_of_a_row_that_moved_down_rewrites_it():
+    """Its old row was already overwritten by this fill: nothing of it may be reused."""
+    layout = StaticDecodeLayout(4, 16, 4, PortableAttention(), 8, 4, 8, torch.device("cpu"), num_sms=4)
+    a, b, c = (1, 2, 3), (7, 8), (9, 9, 9, 9)
+    layout.fill([SeqSpan(a, 10, 1), SeqSpan(b, 6, 1)], [1, 1], ["a", "b"])
+    layout.fill([SeqSpan(c, 14, 1), SeqSpan(a + (5,), 12, 1)], [1, 1], ["c", "a"])
+    assert layout.tables[0, :4].tolist() == list(c) and layout.tables[1, :4].tolist() == [1, 2, 3, 5]
+
+
 @pytest.mark.gpu
 def test_attention_kernels_compile_once_over_many_batch_shapes():
     """Mixed batches of varying shapes (odd and even counts, decode-only, prefill-only, several
