@@ -25,39 +25,12 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron_rollout.model.config import ModelConfig
-from megatron_rollout.model.megatron_layout import join_tp, tp_split_dim  # noqa: F401 (re-exported)
+from megatron_rollout.model.megatron_layout import join_tp, tp_split_dim, transformer_config  # noqa: F401 (re-exported)
 from megatron_rollout.model.sharding import full_shapes
 from rl.trainer import PolicyTrainer
-
-
-def transformer_config(cfg: ModelConfig, **overrides: Any):
-    """Megatron `TransformerConfig` of the same architecture as the native model."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    moe = cfg.num_moe_experts > 0
-    kwargs: dict[str, Any] = dict(
-        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_query_groups, kv_channels=cfg.kv_channels,
-        ffn_hidden_size=cfg.ffn_hidden_size or cfg.moe_ffn_hidden_size, normalization="RMSNorm",
-        layernorm_epsilon=cfg.layernorm_epsilon, qk_layernorm=cfg.qk_layernorm, gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False, params_dtype=cfg.torch_dtype,
-        bf16=cfg.dtype == "bfloat16", fp16=cfg.dtype == "float16", use_cpu_initialization=True,
-        sequence_parallel=False, hidden_dropout=0.0, attention_dropout=0.0)
-    if moe:
-        kwargs.update(
-            num_moe_experts=cfg.num_moe_experts, moe_router_topk=cfg.moe_router_topk,
-            moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
-            moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size or None,
-            moe_layer_freq=list(cfg.moe_layer_freq) if cfg.moe_layer_freq else 1,
-            # top-k of the full softmax, renormalised == softmax over the top-k logits (Megatron default)
-            moe_router_pre_softmax=not cfg.moe_renormalize_topk, moe_token_dispatcher_type="allgather",
-            moe_grouped_gemm=False, moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none")
-    kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
 
 
 def _without_te_compat() -> None:

@@ -55,6 +55,7 @@ from torch import nn
 
 from megatron_rollout.model import te_layers
 from megatron_rollout.model.config import ModelConfig, preset
+from megatron_rollout.model.megatron_layout import transformer_config
 from megatron_rollout.model.sharding import full_shapes
 
 log = logging.getLogger(__name__)
@@ -285,32 +286,6 @@ def one_rank_world(seed: int) -> Iterator[None]:
         yield
 
 
-def transformer_config(cfg: ModelConfig, grouped_gemm: bool):
-    """Megatron `TransformerConfig` of `cfg`'s architecture for a bf16 GPU build (the fields of
-    rl.megatron_trainer.transformer_config, which this layer cannot import, plus GPU init,
-    TE grouped experts and an fp32 router as the rollout's)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    kw: dict[str, Any] = dict(
-        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_query_groups, kv_channels=cfg.kv_channels,
-        ffn_hidden_size=cfg.ffn_hidden_size or cfg.moe_ffn_hidden_size, normalization="RMSNorm",
-        layernorm_epsilon=cfg.layernorm_epsilon, qk_layernorm=cfg.qk_layernorm, gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False, params_dtype=cfg.torch_dtype,
-        bf16=cfg.dtype == "bfloat16", use_cpu_initialization=False, sequence_parallel=False,
-        gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0)
-    if cfg.num_moe_experts:
-        kw.update(
-            num_moe_experts=cfg.num_moe_experts, moe_router_topk=cfg.moe_router_topk,
-            moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
-            moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size or None,
-            moe_layer_freq=list(cfg.moe_layer_freq) if cfg.moe_layer_freq else 1,
-            moe_router_pre_softmax=not cfg.moe_renormalize_topk, moe_router_dtype="fp32",
-            moe_token_dispatcher_type="allgather", moe_grouped_gemm=grouped_gemm, moe_aux_loss_coeff=0.0,
-            moe_router_load_balancing_type="none")
-    return TransformerConfig(**kw)
-
-
 def build_te_gpt(cfg: ModelConfig, grouped_gemm: bool) -> tuple[nn.Module, str]:
     """A GPTModel on the TE spec (on the current CUDA device) and the spec function used. One layer
     spec (`get_gpt_layer_with_transformer_engine_spec`, the same keywords in megatron-core 0.16 and
@@ -318,7 +293,8 @@ def build_te_gpt(cfg: ModelConfig, grouped_gemm: bool) -> tuple[nn.Module, str]:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    tcfg = transformer_config(cfg, grouped_gemm)
+    moe = dict(moe_router_dtype="fp32", moe_grouped_gemm=grouped_gemm) if cfg.num_moe_experts else {}
+    tcfg = transformer_config(cfg, use_cpu_initialization=False, gradient_accumulation_fusion=False, **moe)
     kinds = {cfg.is_moe_layer(i) for i in range(cfg.num_layers)}
     if len(kinds) == 1:
         spec = specs.get_gpt_layer_with_transformer_engine_spec(

@@ -3,11 +3,19 @@
 The rollout's own layout (`model.sharding`) splits only attention and the dense MLP over ATP and
 keeps embeddings replicated; a Megatron trainer also splits the vocabulary and the shared expert.
 Hot swap from such a trainer joins its TP slices with `join_tp` before resharding (rl's Megatron
-trainer, the hot-swap benchmark). Left out: expert tensor parallelism (ETP > 1).
+trainer, the hot-swap benchmark). `transformer_config` is the Megatron `TransformerConfig` of the
+native model's architecture, for every Megatron model built to match it (rl's trainer on the local
+spec, `bench.te_megatron` on the Transformer Engine spec). Left out: expert tensor parallelism
+(ETP > 1).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.nn.functional as F
+
+from megatron_rollout.model.config import ModelConfig
 
 
 def tp_split_dim(name: str) -> int | None:
@@ -30,3 +38,29 @@ def join_tp(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
         halves = [p.chunk(2, dim=0) for p in parts]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
     return torch.cat(parts, dim=dim)
+
+
+def transformer_config(cfg: ModelConfig, **overrides: Any):
+    """Megatron `TransformerConfig` of the same architecture as the native model."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    moe = cfg.num_moe_experts > 0
+    kwargs: dict[str, Any] = dict(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups, kv_channels=cfg.kv_channels,
+        ffn_hidden_size=cfg.ffn_hidden_size or cfg.moe_ffn_hidden_size, normalization="RMSNorm",
+        layernorm_epsilon=cfg.layernorm_epsilon, qk_layernorm=cfg.qk_layernorm, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False, params_dtype=cfg.torch_dtype,
+        bf16=cfg.dtype == "bfloat16", fp16=cfg.dtype == "float16", use_cpu_initialization=True,
+        sequence_parallel=False, hidden_dropout=0.0, attention_dropout=0.0)
+    if moe:
+        kwargs.update(
+            num_moe_experts=cfg.num_moe_experts, moe_router_topk=cfg.moe_router_topk,
+            moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
+            moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size or None,
+            moe_layer_freq=list(cfg.moe_layer_freq) if cfg.moe_layer_freq else 1,
+            # top-k of the full softmax, renormalised == softmax over the top-k logits (Megatron default)
+            moe_router_pre_softmax=not cfg.moe_renormalize_topk, moe_token_dispatcher_type="allgather",
+            moe_grouped_gemm=False, moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none")
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
