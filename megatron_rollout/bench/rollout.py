@@ -317,6 +317,7 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str) -> dict
         spec=spec, budget=budget, wall_s=wall, setup_s=setup_s, compilations=compiles.to_dict(),
         warm=compiles.total == 0, runner=type(runner).__name__,
         graph_safe=getattr(runner, "graph_safe", None), capture_error=getattr(runner, "capture_error", None),
+        prefill_capture_error=getattr(runner, "prefill_capture_error", None),
         attention_backend=getattr(getattr(runner, "kernels", None), "name", None),
         expert_small_kernel=_expert_small(run.model), runner_stats=dict(getattr(runner, "stats", {})),
         engine_stats={"steps": stats.steps, "decode_iterations": stats.decode_iterations,

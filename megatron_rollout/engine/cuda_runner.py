@@ -205,7 +205,7 @@ class CudaRunner:
         self._graphs: dict[int, _DecodeGraph] = {}
         self._p_graphs: dict[int, PiecewiseGraph] = {}  # P / mixed forwards by token bucket (one rank)
         self._p_pool = None  # their pool: never shared with decode graphs (see engine.piecewise)
-        self._p_failed: str | None = None
+        self.prefill_capture_error: str | None = None  # why piecewise P capture failed (P then runs eagerly)
         self._captured = False  # multi-rank: the collective capture of every bucket was attempted
         self._weights_ptr = model.embedding.word_embeddings.weight.data_ptr()  # see _graphable
         self._pool = None
@@ -376,7 +376,7 @@ class CudaRunner:
 
     # -- P and mixed forwards as piecewise graphs (one rank) -----------------------------------
     def _prefill_bucket(self, inputs: list[SpanInput]) -> int | None:
-        if not (self.config.use_graphs and self.graph_safe and not self.multi_rank and self._p_failed is None):
+        if not self.config.use_graphs or not self.graph_safe or self.multi_rank or self.prefill_capture_error:
             return None
         n, r = sum(i.span.new for i in inputs), sum(1 for i in inputs if i.sample)
         buckets = self.config.prefill_graph_tokens
@@ -389,7 +389,7 @@ class CudaRunner:
         """The piecewise graph of `tokens` tokens, captured on first use; None (eager from now on) if
         capture fails."""
         graph = self._p_graphs.get(tokens)
-        if graph is not None or self._p_failed is not None or not self.graph_safe or self.multi_rank:
+        if graph is not None or self.prefill_capture_error is not None or not self.graph_safe or self.multi_rank:
             return graph
         try:
             if self._p_pool is None:
@@ -398,7 +398,7 @@ class CudaRunner:
             graph.capture(self.model, self.p_stream, self._p_pool)
         except Exception as exc:  # P must not stop: it runs eagerly
             log.warning("piecewise capture of %d tokens failed, P and mixed forwards run eagerly: %s", tokens, exc)
-            self._p_failed = f"{type(exc).__name__}: {exc}"
+            self.prefill_capture_error = f"{type(exc).__name__}: {exc}"
             self._p_graphs.clear()
             torch.cuda.synchronize(self.device)
             return None
