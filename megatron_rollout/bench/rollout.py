@@ -16,8 +16,8 @@ A figure counts only warm, repeated, each schedule at its best token budget, nex
    best budget. `mux` runs its default segment policy (`--mux-span`, `WaitBudget`); the paper's
    ablation runs beside it at mux's budget: `mux-epoch`, one segment per epoch (whole-epoch
    asynchronous enqueue, `mux_span="fixed:1000000000"`), and `mux-load`, LoadSelected's fine
-   segments. Decode graphs are
-   captured when the engine is built, before the clock starts; every timed replay runs inside a
+   segments. Decode graphs and piecewise P graphs are captured when the engine is built, before
+   the clock starts; every timed replay runs inside a
    `bench.compiles.CompileCounter`, and its Triton and torch compilations are in the JSON and
    the table (a figure with compilations is marked cold and left out of the medians);
 4. per schedule: `repeats` (the reports) and `median` / `min` / `max` of every figure; ratios
