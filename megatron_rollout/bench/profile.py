@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -39,15 +40,10 @@ log = logging.getLogger(__name__)
 LAUNCH_OPS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
 
 
-def _device_us(evt) -> float:
-    for name in ("self_device_time_total", "self_cuda_time_total"):
-        if hasattr(evt, name):
-            return float(getattr(evt, name))
-    return 0.0
-
-
-def _total_device_us(evt) -> float:
-    for name in ("device_time_total", "cuda_time_total"):
+def _device_us(evt, total: bool = False) -> float:
+    """An op's device time (its own, or with its children), under either torch's name for it."""
+    for name in (("device_time_total", "cuda_time_total") if total else ("self_device_time_total",
+                                                                          "self_cuda_time_total")):
         if hasattr(evt, name):
             return float(getattr(evt, name))
     return 0.0
@@ -82,15 +78,17 @@ def drive(runner: CudaRunner, inputs: list[SpanInput], phase: Phase, label: bool
     return host, start.elapsed_time(end) / 1e3
 
 
-def op_table(prof, top: int = 25) -> dict[str, Any]:
-    rows = [{"name": e.key, "count": e.count, "host_us": float(e.self_cpu_time_total),
-             "device_us": _device_us(e)} for e in prof.key_averages()]
-    launches = sum(r["count"] for r in rows if r["name"] in LAUNCH_OPS)
-    by_host = sorted(rows, key=lambda r: -r["host_us"])[:top]
-    by_device = sorted(rows, key=lambda r: -r["device_us"])[:top]
+def op_table(prof, calls: int, top: int = 25) -> dict[str, Any]:
+    """The profiler's ops over `calls` profiled calls: launches per call, the top ops by host and by
+    device time, and the `seg*` ranges `drive` labels (totals over the calls)."""
+    events = prof.key_averages()
+    rows = [{"name": e.key, "count": e.count, "host_us": float(e.self_cpu_time_total), "device_us": _device_us(e)}
+            for e in events]
     sections = [{"name": e.key, "count": e.count, "host_us": float(e.cpu_time_total),
-                 "device_us": _total_device_us(e)} for e in prof.key_averages() if e.key.startswith("seg")]
-    return {"launches": launches, "by_host": by_host, "by_device": by_device,
+                 "device_us": _device_us(e, total=True)} for e in events if e.key.startswith("seg")]
+    return {"launches": sum(r["count"] for r in rows if r["name"] in LAUNCH_OPS) / calls,
+            "by_host": sorted(rows, key=lambda r: -r["host_us"])[:top],
+            "by_device": sorted(rows, key=lambda r: -r["device_us"])[:top],
             "sections": sorted(sections, key=lambda r: r["name"])}
 
 
@@ -101,12 +99,8 @@ def forward_profile(runner: CudaRunner, inputs: list[SpanInput], phase: Phase, r
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             drive(runner, inputs, phase, label=True)
-    table = op_table(prof)
-    for key in ("launches",):
-        table[key] = table[key] / reps
-    host = sorted(t[0] for t in times)[len(times) // 2]
-    device = sorted(t[1] for t in times)[len(times) // 2]
-    return {"host_ms": host * 1e3, "device_ms": device * 1e3, "reps": reps, **table}
+    host, device = (statistics.median(t[k] for t in times) for k in (0, 1))
+    return {"host_ms": host * 1e3, "device_ms": device * 1e3, "reps": reps, **op_table(prof, reps)}
 
 
 def graph_profile(runner: CudaRunner, rows: int, context: int, rng: np.random.Generator) -> dict[str, Any]:
@@ -121,9 +115,7 @@ def graph_profile(runner: CudaRunner, rows: int, context: int, rng: np.random.Ge
         for _ in range(5):
             graph.graph.replay()
         torch.cuda.synchronize()
-    table = op_table(prof)
-    table["launches"] /= 5
-    return {"rows": rows, "context": context, **table}
+    return {"rows": rows, "context": context, **op_table(prof, 5)}
 
 
 def _busy_us(intervals: list[tuple[float, float]]) -> float:
@@ -191,10 +183,12 @@ def decode_idle(model, rows: int = 64, prompt: int = 512, steps: int = 40, seed:
         engine.add_request(rng.integers(0, model.cfg.vocab_size, prompt).tolist(), params)
     for _ in range(8):  # past the prefill: every row decodes
         engine.step()
-    ex = engine.executor if hasattr(engine, "executor") else engine.schedule.executor
+    ex = engine.executor
+    # `runner.forward` only builds the generator; `run_to_end` runs it (the graph's refill and launch).
+    # The wait for the GPU falls inside `complete`, which samples (`sample`) and books the rows.
     clock = PhaseClock({"plan": (engine.coordinator, "plan"), "inputs": (ex, "inputs"),
-                        "forward (launch)": (ex.runner, "forward"), "sample (waits for the GPU)": (execution, "sample"),
-                        "complete (with sample)": (ex, "complete"), "step": (engine, "_step")})
+                        "forward (refill + launch)": (execution, "run_to_end"), "sample": (execution, "sample"),
+                        "complete (wait + sample + bookkeeping)": (ex, "complete"), "step": (engine, "_step")})
     plain_s = _steps(engine, steps)
     with clock:
         clocked_s = _steps(engine, steps)
@@ -208,7 +202,7 @@ def decode_idle(model, rows: int = 64, prompt: int = 512, steps: int = 40, seed:
             clocked_s / steps * 1e3, "host_ms_per_step": {k: v / steps * 1e3 for k, v in clock.seconds.items()},
             "device_busy_ms_per_step": busy_ms, "idle_share": 1 - busy_ms / wall_ms,
             "top_host_ops_per_step (profiled)": [{"name": r["name"], "host_us": r["host_us"] / steps}
-                                                 for r in op_table(prof, top=12)["by_host"]]}
+                                                 for r in op_table(prof, steps, top=12)["by_host"]]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -267,8 +267,9 @@ class CudaRunner:
         return self._eager(inputs, phase)
 
     def capture(self, batch_sizes: Sequence[int] | None = None) -> bool:
-        """Capture decode graphs now (largest first, sharing one memory pool); False if capture
-        failed (decode then runs eagerly; `capture_error` says why). On many ranks, every rank
+        """Capture decode graphs now (largest first, sharing one memory pool) and, on one rank, the
+        piecewise P graphs of every token bucket; False if decode capture failed (decode then runs
+        eagerly; `capture_error` says why; `prefill_capture_error` for P). On many ranks, every rank
         must call it at the same point (the warm-ups run collectives)."""
         if not (self.config.use_graphs and self.graph_safe):
             return False
@@ -277,7 +278,7 @@ class CudaRunner:
             self._captured = True
             return self._capture_collectively(sizes)
         decode = all(self._try_graph(rows) is not None for rows in sorted(sizes, reverse=True))
-        for tokens in sorted(self.config.prefill_graph_tokens, reverse=True):
+        for tokens in sorted(self.config.prefill_graph_tokens, reverse=True) if self.graph_safe else ():
             if self._prefill_graph(tokens) is None:
                 break
         return decode
@@ -389,7 +390,7 @@ class CudaRunner:
         """The piecewise graph of `tokens` tokens, captured on first use; None (eager from now on) if
         capture fails."""
         graph = self._p_graphs.get(tokens)
-        if graph is not None or self.prefill_capture_error is not None or not self.graph_safe or self.multi_rank:
+        if graph is not None or self.prefill_capture_error is not None:  # callers checked graph_safe, one rank
             return graph
         try:
             if self._p_pool is None:
@@ -410,7 +411,8 @@ class CudaRunner:
     def _eager(self, inputs: list[SpanInput], phase: Phase) -> Forward:
         stream = self.p_stream if phase is Phase.P else self.d_stream
         caller = torch.cuda.current_stream()
-        bucket = self._prefill_bucket(inputs) if self._graphable_weights() else None
+        self._graphable_weights()  # drops every graph if the parameters were re-bound
+        bucket = self._prefill_bucket(inputs)
         graph = self._prefill_graph(bucket) if bucket is not None else None
         self.stats["piecewise_forwards" if graph is not None else "eager_forwards"] += 1
         with torch.cuda.stream(stream):
@@ -420,7 +422,7 @@ class CudaRunner:
                                   self.cfg.kv_channels, self.device, self.num_sms)
             attn = KernelPagedBatch(self.cache, layout, self.kernels)
             if graph is not None:
-                gen = graph.run(layout, attn, int(layout.tokens.shape[0]), int(layout.logits_rows.shape[0]))
+                gen = graph.run(layout, attn)
             else:
                 gen = self.model.step(layout.tokens, layout.positions, attn, phase, logits_index=layout.logits_rows)
         while True:

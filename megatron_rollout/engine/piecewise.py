@@ -33,7 +33,6 @@ Left out: many ranks, FP8 experts (not graph-safe), more sampled rows than the b
 from __future__ import annotations
 
 import itertools
-import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -42,8 +41,6 @@ from megatron_rollout.forward import BoundaryPoint, Forward, run_to_end
 from megatron_rollout.kernels.layout import ForwardLayout, KernelPagedBatch
 from megatron_rollout.model.attention import AttentionBackend
 from megatron_rollout.types import Phase
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -144,14 +141,12 @@ class PiecewiseGraph:
             except BaseException:
                 rec.abort()
                 raise
-        self.pieces, self.slots = rec.pieces, rec.slots
-        if len(self.pieces) != len(self.slots) + 1:
-            raise RuntimeError(f"piecewise capture of {self.tokens} tokens: {len(self.pieces)} pieces for "
-                               f"{len(self.slots)} attention calls")
+        self.pieces, self.slots = rec.pieces, rec.slots  # one piece more than attention calls
 
-    def run(self, layout: ForwardLayout, attn: KernelPagedBatch, n: int, r: int) -> Forward:
-        """Replay over the real layout of `n` new tokens, `r` of them sampled, on the current stream.
+    def run(self, layout: ForwardLayout, attn: KernelPagedBatch) -> Forward:
+        """Replay over the real layout (n new tokens, r of them sampled) on the current stream.
         Yields the model's boundaries; returns logits [r, V] (a copy: the next replay reuses them)."""
+        n, r = layout.tokens.shape[0], layout.logits_rows.shape[0]
         self.token_ids[:n].copy_(layout.tokens)
         self.positions[:n].copy_(layout.positions)
         self.logits_rows[:r].copy_(layout.logits_rows)

@@ -178,15 +178,21 @@ def test_fake_te_refuses_shapes_te_cannot_run(fake_te):
 
 # ---------------------------------------------------------------- the real TE (GPU)
 
-def _gpu_model(cfg, seed=0):
+TE_MISSING = "Transformer Engine not installed (docs/te.md)"
+
+
+def _te_model(num_layers: int, seed: int = 0):
+    """Skip without TE; else a random-weight `qwen3-30b-a3b` of `num_layers` layers and 16 experts on CUDA."""
+    pytest.importorskip("transformer_engine.pytorch", reason=TE_MISSING)
     from megatron_rollout.bench.rollout import random_model
 
-    return random_model(cfg, torch.device("cuda"), seed)
+    cfg = PRESETS["qwen3-30b-a3b"].replace(num_layers=num_layers, num_moe_experts=16)
+    return cfg, random_model(cfg, torch.device("cuda"), seed)
 
 
 @pytest.mark.gpu
 def test_te_bf16_linear_matches_torch():
-    te = pytest.importorskip("transformer_engine.pytorch", reason="Transformer Engine not installed (docs/te.md)")
+    te = pytest.importorskip("transformer_engine.pytorch", reason=TE_MISSING)
     layer = te.Linear(2048, 5120, bias=False, params_dtype=torch.bfloat16, device="cuda")
     x = torch.randn(37, 2048, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
@@ -197,9 +203,7 @@ def test_te_bf16_linear_matches_torch():
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", te_layers.RECIPES)
 def test_te_fp8_logits_error_is_bounded(recipe):
-    pytest.importorskip("transformer_engine.pytorch", reason="Transformer Engine not installed (docs/te.md)")
-    cfg = PRESETS["qwen3-30b-a3b"].replace(num_layers=2, num_moe_experts=16)
-    model = _gpu_model(cfg)
+    cfg, model = _te_model(2)
     ids = torch.randint(0, cfg.vocab_size, (1, 64), device="cuda")
     with torch.no_grad():
         ref = model(ids).float()
@@ -212,9 +216,7 @@ def test_te_fp8_logits_error_is_bounded(recipe):
 
 @pytest.mark.gpu
 def test_te_update_weights_changes_outputs():
-    pytest.importorskip("transformer_engine.pytorch", reason="Transformer Engine not installed (docs/te.md)")
-    cfg = PRESETS["qwen3-30b-a3b"].replace(num_layers=1, num_moe_experts=16)
-    model = _gpu_model(cfg)
+    cfg, model = _te_model(1)
     te_layers.apply_te(model, te_layers.TEConfig(recipe="current"))
     lin = model.decoder.layers[0].self_attention.linear_qkv
     x = torch.randn(8, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -230,9 +232,7 @@ def test_te_update_weights_changes_outputs():
 
 @pytest.mark.gpu
 def test_te_decode_graph_capture_and_refresh():
-    pytest.importorskip("transformer_engine.pytorch", reason="Transformer Engine not installed (docs/te.md)")
-    cfg = PRESETS["qwen3-30b-a3b"].replace(num_layers=1, num_moe_experts=16)
-    model = _gpu_model(cfg)
+    cfg, model = _te_model(1)
     te_layers.apply_te(model, te_layers.TEConfig(recipe="current"))
     lin = model.decoder.layers[0].self_attention.linear_proj
     x = torch.randn(4, lin.weight.shape[1], device="cuda", dtype=torch.bfloat16)
