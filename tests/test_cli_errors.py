@@ -70,7 +70,9 @@ def test_torchrun_with_two_processes_and_a_one_rank_layout_is_refused():
                           capture_output=True, text=True, env=env, timeout=180, cwd=ROOT)
     assert proc.returncode != 0
     assert proc.stdout.strip() == ""  # no rank ran alone and printed its own JSON
-    assert proc.stderr.count("2 processes were launched (WORLD_SIZE=2) but --atp 1 x --adp 1 = 1") == 2
+    # Every rank refuses; torchrun stops the other rank as soon as one exits with an error, so
+    # the second message may or may not be printed before that (seen: 1 or 2).
+    assert proc.stderr.count("2 processes were launched (WORLD_SIZE=2) but --atp 1 x --adp 1 = 1") >= 1
 
 
 def _checkpoint(path: Path, poison: str) -> Path:
