@@ -47,7 +47,7 @@ EOF
 
 # Headers the extension's sources include (directly or through torch's ATen/cuda headers).
 HEADERS="cuda_runtime.h crt/host_config.h cuda.h cudaTypedefs.h cuda_fp8.h cublasLt.h cublas_v2.h cusparse.h
-cusolverDn.h cudnn.h nccl.h nvrtc.h nvtx3/nvToolsExt.h"
+cusolverDn.h cudnn.h nccl.h nvrtc.h nvtx3/nvToolsExt.h nv/target"  # nv/target: CCCL (CUDA 13 keeps it in include/cccl)
 
 probe() {  # print the toolchain and nvidia include dirs found; write the CPLUS_INCLUDE_PATH to use
   python3 - "$TE" "$HEADERS" <<'EOF'
@@ -70,6 +70,9 @@ for dist in ("nvidia-cuda-runtime", "nvidia-cuda-runtime-cu13", "nvidia-cudnn-cu
 import nvidia
 roots = [p for p in nvidia.__path__]
 dirs = sorted({d for r in roots for d in glob.glob(os.path.join(r, "*", "include"))})
+cuda = os.environ.get("CUDA_HOME", "/usr/local/cuda")  # CCCL: the wheels' include/ lacks it, the toolkit has it
+dirs += [d for r in roots for d in glob.glob(os.path.join(r, "*", "include", "cccl"))]
+dirs += [d for d in (os.path.join(cuda, "include", "cccl"), os.path.join(cuda, "include")) if os.path.isdir(d)]
 print("nvidia include dirs:", *dirs, sep="\n  ")
 fallback = os.path.join(te, "hdr", "nvidia", "cu13", "include")
 found, missing = {}, []

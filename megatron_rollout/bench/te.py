@@ -5,7 +5,9 @@ bf16 (GPU only; TE built by examples/te_session.sh).
 The FP8 paths cover the same layers (attention QKV/projection and dense MLPs, `te_layers.DEFAULT_INCLUDE`),
 so the comparison is of GEMM backends, not of coverage; routed experts stay bf16 grouped GEMMs unless
 TE's device-split GroupedLinear applies (recorded per variant). Variants run one after another on one
-model and cache; decode graphs are recaptured per variant. Left out: several GPUs, FP8 KV.
+model and cache, interleaved over `--repeats` rounds after an untimed warm round (decode graphs
+recaptured per variant and round, outside timing; compilations counted in every timed round).
+Left out: several GPUs, FP8 KV.
 
     python -m megatron_rollout.bench.te --out te-bench.json
 """
@@ -23,6 +25,7 @@ import torch
 from megatron_rollout.bench import micro
 from megatron_rollout.bench.bounds import model_costs
 from megatron_rollout.bench.ceilings import copy_bandwidth, matmul_rate
+from megatron_rollout.bench.compiles import CompileCounter
 from megatron_rollout.model import fp8, te_layers
 from megatron_rollout.model.config import preset
 from megatron_rollout.model.layers import Linear
@@ -74,40 +77,64 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         generator=torch.Generator(device=device).manual_seed(args.seed))
     names = ["bf16", "scaled_mm"] + ([f"te_{r}" for r in te_layers.RECIPES] if result["te_missing"] is None else [])
     ref = None
-    for name in names:
-        entry: dict[str, Any] = {}
-        try:
-            with torch.no_grad():
-                entry.update(_variant(model, name))
-                logits = model(ids).float()
-                if ref is None:
-                    ref = logits
-                else:
-                    entry["logits_rel_err_vs_bf16"] = float((logits - ref).norm() / ref.norm())
-                    entry["top1_agreement_vs_bf16"] = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
-                runner._graphs.clear()  # captured with the previous variant's layers
-                runner._pool = None
-                rng = np.random.default_rng(args.seed)
-                entry["decode"] = micro.decode_steps(runner, costs, bandwidth, [(args.rows, args.context)], rng,
-                                                     iters=args.iters)
-                entry["prefill"] = micro.prefill(runner, costs, peak, [[(0, args.prefill)]], rng)
-        except Exception as exc:  # recorded, so one failing path does not hide the others
-            log.exception("variant %s failed", name)
-            entry["error"] = f"{type(exc).__name__}: {exc}"
-        result["variants"][name] = entry
-        log.info("%s: %s", name, {k: v for k, v in entry.items() if k not in ("decode", "prefill", "versions")})
+    rounds: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    for r in range(args.repeats + 1):  # round 0 warms every variant (captures, Triton, TE's caches)
+        for name in names:  # interleaved: every variant once per round
+            if "error" in result["variants"].get(name, {}):
+                continue
+            entry: dict[str, Any] = result["variants"].setdefault(name, {})
+            try:
+                with torch.no_grad():
+                    setup = _variant(model, name)
+                    if r == 0:
+                        entry.update(setup)
+                        logits = model(ids).float()
+                        if ref is None:
+                            ref = logits
+                        else:
+                            entry["logits_rel_err_vs_bf16"] = float((logits - ref).norm() / ref.norm())
+                            entry["top1_agreement_vs_bf16"] = float(
+                                (logits.argmax(-1) == ref.argmax(-1)).float().mean())
+                    runner._graphs.clear()  # captured with the previous variant's layers
+                    runner._pool = None
+                    runner._graph(runner.bucket(args.rows))  # capture outside the timed region
+                    rng = np.random.default_rng(args.seed)
+                    with CompileCounter() as counter:
+                        decode = micro.decode_steps(runner, costs, bandwidth, [(args.rows, args.context)], rng,
+                                                    iters=args.iters)[0]
+                        pre = micro.prefill(runner, costs, peak, [[(0, args.prefill)]], rng)[0]
+                if r > 0:
+                    rounds[name].append({"decode_ms": decode["graph_ms"], "decode_eager_ms": decode["eager_ms"],
+                                         "roofline_ms": decode["roofline_ms"], "prefill_ms": pre["ms"],
+                                         "prefill_tokens_per_s": pre["tokens_per_s"], "compiles": counter.counts.total})
+            except Exception as exc:  # recorded, so one failing path does not hide the others
+                log.exception("variant %s failed", name)
+                entry["error"] = f"{type(exc).__name__}: {exc}"
+    for name, reps in rounds.items():
+        entry = result["variants"][name]
+        if reps:
+            entry["repeats"] = reps
+            entry["median"] = {k: float(np.median([x[k] for x in reps])) for k in reps[0]}
+            entry["min"] = {k: float(np.min([x[k] for x in reps])) for k in reps[0]}
+            entry["max"] = {k: float(np.max([x[k] for x in reps])) for k in reps[0]}
+        log.info("%s: %s", name, {k: v for k, v in entry.items() if k not in ("repeats", "min", "max", "versions")})
     _reset(model)
     return result
 
 
 def summary(result: dict[str, Any]) -> str:
-    lines = [f"{'variant':<14}{'decode ms':>10}{'prefill tok/s':>15}{'logit rel err':>15}{'top-1':>8}"]
+    """Median (min-max) over the timed rounds; compilations summed over them (must be 0)."""
+    lines = [f"{'variant':<12}{'decode ms':>22}{'prefill tok/s':>26}{'logit rel err':>15}{'top-1':>7}{'compiles':>9}"]
     for name, e in result["variants"].items():
-        if "error" in e:
-            lines.append(f"{name:<14}  error: {e['error'][:100]}")
+        if "error" in e or "median" not in e:
+            lines.append(f"{name:<12}  error: {e.get('error', 'no timed round')[:100]}")
             continue
-        lines.append(f"{name:<14}{e['decode'][0]['graph_ms']:>10.3f}{e['prefill'][0]['tokens_per_s']:>15.0f}"
-                     f"{e.get('logits_rel_err_vs_bf16', 0.0):>15.4f}{e.get('top1_agreement_vs_bf16', 1.0):>8.3f}")
+        med, lo, hi = e["median"], e["min"], e["max"]
+        dec = f"{med['decode_ms']:.3f} ({lo['decode_ms']:.3f}-{hi['decode_ms']:.3f})"
+        pre = f"{med['prefill_tokens_per_s']:.0f} ({lo['prefill_tokens_per_s']:.0f}-{hi['prefill_tokens_per_s']:.0f})"
+        compiles = sum(x["compiles"] for x in e["repeats"])
+        lines.append(f"{name:<12}{dec:>22}{pre:>26}{e.get('logits_rel_err_vs_bf16', 0.0):>15.4f}"
+                     f"{e.get('top1_agreement_vs_bf16', 1.0):>7.3f}{compiles:>9d}")
     return "\n".join(lines)
 
 
@@ -119,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill", type=int, default=4096, help="tokens of the one prefill span")
     p.add_argument("--logit-tokens", type=int, default=256)
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds, variants interleaved in each")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON path")
     args = p.parse_args(argv)
