@@ -167,14 +167,18 @@ def _steps(engine, steps: int) -> float:
     return time.perf_counter() - t0
 
 
-def decode_idle(model, rows: int = 64, prompt: int = 512, steps: int = 40, seed: int = 0) -> dict[str, Any]:
+def decode_idle(model, rows: int = 64, prompt: int = 512, steps: int = 40, seed: int = 0,
+                ahead: str = "auto") -> dict[str, Any]:
     """A decode-only engine window of `steps` steps (every request decoding): wall time per step
-    without the profiler, the host's time per phase, and the GPU's busy time from the profiler."""
+    without the profiler, the host's time per phase, and the GPU's busy time from the profiler.
+    `ahead`: the engine's `decode_ahead` (auto: the next forward is issued before the host reads
+    this one's tokens; its launch then falls outside the `forward` phase below)."""
     from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams, execution
 
     rng = np.random.default_rng(seed)
     engine = RolloutEngine(model, EngineConfig(schedule="off", num_blocks=rows * (prompt // 16 + 32) + 64,
-                                               max_batch_tokens=rows * prompt, max_decode_rows=rows, seed=seed))
+                                               max_batch_tokens=rows * prompt, max_decode_rows=rows, seed=seed,
+                                               decode_ahead=ahead))
     engine.runner.capture([engine.runner.bucket(rows)])
     params = SamplingParams(temperature=0.0, max_new_tokens=4 * steps + 16, ignore_stop=True)
     engine.generate([rng.integers(0, model.cfg.vocab_size, prompt).tolist() for _ in range(4)],
@@ -198,7 +202,8 @@ def decode_idle(model, rows: int = 64, prompt: int = 512, steps: int = 40, seed:
                if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
     busy_ms = _busy_us(kernels) / steps / 1e3
     wall_ms = plain_s / steps * 1e3
-    return {"rows": rows, "steps": steps, "wall_ms_per_step": wall_ms, "clocked_wall_ms_per_step":
+    return {"rows": rows, "steps": steps, "decode_ahead": ahead, "ahead_taken": engine.stats.ahead_taken,
+            "wall_ms_per_step": wall_ms, "clocked_wall_ms_per_step":
             clocked_s / steps * 1e3, "host_ms_per_step": {k: v / steps * 1e3 for k, v in clock.seconds.items()},
             "device_busy_ms_per_step": busy_ms, "idle_share": 1 - busy_ms / wall_ms,
             "top_host_ops_per_step (profiled)": [{"name": r["name"], "host_us": r["host_us"] / steps}
@@ -248,8 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     del runner, cache
     torch.cuda.empty_cache()
     for rows in args.idle_rows:
-        out[f"decode_idle_{rows}"] = idle = decode_idle(model, rows=rows)
-        log.info("decode-only window, %d rows: %s", rows, {k: v for k, v in idle.items() if not k.startswith("top")})
+        for ahead in ("off", "auto"):  # without, then with decode ahead (`engine.ahead`)
+            key = f"decode_idle_{rows}" + ("" if ahead == "auto" else "_no_ahead")
+            out[key] = idle = decode_idle(model, rows=rows, ahead=ahead)
+            log.info("decode-only window, %d rows, decode_ahead=%s: %s", rows, ahead,
+                     {k: v for k, v in idle.items() if not k.startswith(("top", "host"))})
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))

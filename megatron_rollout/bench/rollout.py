@@ -94,7 +94,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--trace-seed", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0, help="weights and input token ids")
     ap.add_argument("--schedules", default="off,chunked,mux",
-                    help="comma-separated; 'mux@fixed:K' runs mux with another segment policy; '' runs none")
+                    help="comma-separated; 'mux@fixed:K' runs mux with another segment policy, 'off/sync' a schedule "
+                         "without decode ahead; '' runs none")
     ap.add_argument("--ablation", action=argparse.BooleanOptionalAction, default=True,
                     help="add mux-epoch (one segment per epoch) when mux runs")
     ap.add_argument("--repeats", type=int, default=3)
@@ -110,6 +111,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--mux-span", default=DEFAULT_SPAN,
                     help="segment policy of plain 'mux': budget:US | load | fixed:K")
     ap.add_argument("--attention", default="auto", help="auto | triton | varlen | portable")
+    ap.add_argument("--decode-ahead", default="auto", choices=("auto", "on", "off"),
+                    help="issue the next decode forward before reading this one's tokens (engine.ahead)")
     ap.add_argument("--schedule-budget-s", type=float, default=120.0, help="time limit of one replay")
     ap.add_argument("--deadline-s", type=float, default=520.0, help="whole run, the peer included")
     ap.add_argument("--micro", action=argparse.BooleanOptionalAction, default=False)
@@ -193,12 +196,16 @@ class Run:
         return time.perf_counter() + need <= (self.sweep_deadline if kind == "sweep" else self.deadline)
 
 
-def _split(spec: str) -> tuple[str, str | None]:
-    schedule, _, span = spec.partition("@")
-    return schedule, span or None
+def _split(spec: str) -> tuple[str, str | None, str | None]:
+    """'schedule[@span][/sync]' -> (schedule, span, decode_ahead): '/sync' turns decode ahead off."""
+    core, _, flag = spec.partition("/")
+    if flag not in ("", "sync"):
+        raise SystemExit(f"schedule {spec!r}: the only suffix is '/sync' (decode ahead off)")
+    schedule, _, span = core.partition("@")
+    return schedule, span or None, "off" if flag else None
 
 
-def _engine_config(run: Run, schedule: str, span: str | None, budget: int):
+def _engine_config(run: Run, schedule: str, span: str | None, budget: int, ahead: str | None = None):
     from megatron_rollout.engine import EngineConfig
 
     a = run.args
@@ -208,7 +215,8 @@ def _engine_config(run: Run, schedule: str, span: str | None, budget: int):
     try:  # the typed runner config (EngineConfig.runner); older engines take no runner keyword
         from megatron_rollout.engine.config import RunnerConfig
 
-        kw["runner"] = RunnerConfig(attention=a.attention, measure_expert_kernels=run.expert_choice is None)
+        kw["runner"] = RunnerConfig(attention=a.attention, measure_expert_kernels=run.expert_choice is None,
+                                    decode_ahead=ahead or a.decode_ahead)
     except ImportError:
         pass
     return EngineConfig(**kw)
@@ -263,9 +271,9 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str) -> dict
     from megatron_rollout.trace.timeline import Timeline
 
     args, cfg = run.args, run.cfg
-    schedule, span = _split(spec)
+    schedule, span, ahead = _split(spec)
     t0 = time.perf_counter()
-    engine = RolloutEngine(run.model, _engine_config(run, schedule, span, budget), timeline=Timeline())
+    engine = RolloutEngine(run.model, _engine_config(run, schedule, span, budget, ahead), timeline=Timeline())
     runner = engine.runner
     if run.expert_choice is None and _expert_small(run.model) is not None:
         run.expert_choice = _expert_small(run.model)
@@ -322,7 +330,9 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str) -> dict
         expert_small_kernel=_expert_small(run.model), runner_stats=dict(getattr(runner, "stats", {})),
         engine_stats={"steps": stats.steps, "decode_iterations": stats.decode_iterations,
                       "prefill_tokens": stats.prefill_tokens, "decode_tokens": stats.decode_tokens,
-                      "preemptions": stats.preemptions, "mean_decode_wait_ms": stats.mean_decode_wait_ms},
+                      "preemptions": stats.preemptions, "mean_decode_wait_ms": stats.mean_decode_wait_ms,
+                      "ahead_issued": stats.ahead_issued, "ahead_taken": stats.ahead_taken,
+                      "ahead_dropped": stats.ahead_dropped},
         timeline=_window(events, seconds=3.0) if kind == "timed" else [])
     del engine, runner
     gc.collect()
@@ -383,6 +393,9 @@ def ratios(result: dict) -> dict[str, float | None]:
     out["mux_epoch_over_mux"] = _ratio(med(ABLATIONS[0][0]), med("mux"))
     out["mux_load_over_mux"] = _ratio(med(ABLATIONS[1][0]), med("mux"))
     out["best_over_vllm"] = _ratio(min((med(n) for n in ours), default=None), vllm) if ours else None
+    for n in ours:  # decode ahead's effect: a schedule against its '/sync' twin
+        if n.endswith("/sync"):
+            out[f"{n[:-5]}_over_{n[:-5]}_sync"] = _ratio(med(n[:-5]), med(n))
     out["mux_over_vllm"] = _ratio(med("mux"), vllm)
     out["mux_over_lower_bound"] = _ratio(med("mux"), (result.get("lower_bound") or {}).get("bound_s"))
     for budget, row in (result.get("sweep") or {}).items():

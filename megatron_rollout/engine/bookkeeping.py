@@ -289,6 +289,15 @@ class RequestTable:
         row = SpanInput(span, seq.tokens[seq.computed:], sample=True, key=(req.rid, req.lifetime))
         return row, SampleOwner(req, req.lifetime, len(seq.tokens))
 
+    def ahead_row(self, req: Request) -> tuple[SpanInput, SampleOwner]:
+        """The decode row `req` runs next, one position past the token being drawn now (its KV
+        grown for it); the token is a placeholder the device fills (`engine.ahead`)."""
+        seq = req.seq
+        past = len(seq.tokens)
+        self.pool.grow(seq.sid, past + 1)
+        span = SeqSpan(tuple(self.pool.table(seq.sid)), past, 1)
+        return SpanInput(span, [0], sample=True, key=(req.rid, req.lifetime)), SampleOwner(req, req.lifetime, past + 1)
+
     def prefill_row(self, chunk: PrefillChunk) -> tuple[SpanInput, SampleOwner | None]:
         """Reserve KV for the chunk; its input row, and its sample owner if the chunk completes
         the context (a partial chunk samples nothing and counts as computed at once)."""

@@ -134,6 +134,10 @@ class RunnerConfig:
     fused_ops: bool = True
     """Install the fused small-op kernels (`kernels.fused.install_fused_ops`: verified once on the
     device, skipped where they do not apply) on the CUDA runner's model."""
+    decode_ahead: str = "auto"
+    """Issue the next decode forward before the host has read this one's tokens (`engine.ahead`):
+    auto (on for the CUDA runner on one rank) | on (any single-rank runner; the portable one gains
+    nothing, it is for tests) | off."""
 
     def __post_init__(self) -> None:
         if self.kind not in RUNNER_KINDS:
@@ -146,6 +150,8 @@ class RunnerConfig:
             raise ValueError(f"prefill_graph_tokens must be positive and strictly increasing, got {tokens}")
         if self.prefill_graph_rows <= 0:
             raise ValueError(f"prefill_graph_rows must be positive, got {self.prefill_graph_rows}")
+        if self.decode_ahead not in ("auto", "on", "off"):
+            raise ValueError(f"decode_ahead must be auto, on or off, got {self.decode_ahead!r}")
 
 
 FLAT: dict[str, tuple[str, str]] = {
@@ -158,6 +164,7 @@ FLAT: dict[str, tuple[str, str]] = {
     "mux_span": ("mux", "span"),
     "mux_ordering": ("mux", "ordering"),
     "runner_kind": ("runner", "kind"),
+    "decode_ahead": ("runner", "decode_ahead"),
 }
 """Flat keyword -> (component, field): the shorthand `EngineConfig(**flat)` accepts."""
 
@@ -270,6 +277,12 @@ class EngineStats:
     preemptions: int = 0
     decode_wait_s: float = 0.0
     decode_waits: int = 0
+    ahead_issued: int = 0
+    """Decode forwards issued before the host read the previous one's tokens (`engine.ahead`)."""
+    ahead_taken: int = 0
+    """Of those, the ones a step's plan took (in whole or in part)."""
+    ahead_dropped: int = 0
+    """The ones dropped (the next plan was not among their rows; weights or KV changed first)."""
 
     @property
     def mean_decode_wait_ms(self) -> float:

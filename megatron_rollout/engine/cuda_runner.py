@@ -266,6 +266,19 @@ class CudaRunner:
                 return self._replay(graph, inputs)
         return self._eager(inputs, phase)
 
+    @property
+    def overlaps_host(self) -> bool:
+        """A forward issued ahead runs while the host works (`engine.ahead`): one rank only."""
+        return not self.multi_rank
+
+    def forward_fed(self, inputs: list[SpanInput], tokens: torch.Tensor) -> torch.Tensor | None:
+        """`Runner.forward_fed`: on one rank, a decode graph replay whose token slots are copied on
+        the device from `tokens`; None where the rows need an eager forward or many ranks."""
+        if self.multi_rank or not self._graphable(inputs):
+            return None
+        graph = self._try_graph(self.bucket(len(inputs)))
+        return None if graph is None else run_to_end(self._replay(graph, inputs, tokens))
+
     def capture(self, batch_sizes: Sequence[int] | None = None) -> bool:
         """Capture decode graphs now (largest first, sharing one memory pool) and, on one rank, the
         piecewise P graphs of every token bucket; False if decode capture failed (decode then runs
@@ -362,12 +375,14 @@ class CudaRunner:
             return False
         return True
 
-    def _replay(self, graph: _DecodeGraph, inputs: list[SpanInput]) -> Forward:
+    def _replay(self, graph: _DecodeGraph, inputs: list[SpanInput], tokens: torch.Tensor | None = None) -> Forward:
         n = len(inputs)
         caller = torch.cuda.current_stream()
-        self.d_stream.wait_stream(caller)
+        self.d_stream.wait_stream(caller)  # also: `tokens`, drawn on the caller's stream
         with torch.cuda.stream(self.d_stream):
             graph.static.fill([i.span for i in inputs], [i.token_ids[0] for i in inputs], [i.key for i in inputs])
+            if tokens is not None:
+                graph.static.tokens[:n].copy_(tokens)
             graph.graph.replay()
         self._probe.after(self.d_stream)
         caller.wait_stream(self.d_stream)

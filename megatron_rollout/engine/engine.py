@@ -14,6 +14,7 @@ from types import MappingProxyType
 import torch
 
 from megatron_rollout.comm.errors import CrossRankTimeout
+from megatron_rollout.engine.ahead import DecodeAhead
 from megatron_rollout.engine.api import FinishReason, GenerationResult, RequestError, RequestOutput, SamplingParams
 from megatron_rollout.engine.bookkeeping import Abort, AddRequest, Append, Close, Op, OpenSession, RequestTable, Submit
 from megatron_rollout.engine.config import EngineConfig, EngineStats
@@ -49,11 +50,20 @@ class RolloutEngine:
         self.runner = make_runner(model, PagedKVCache(*self._kv_shape, device=model.device), c.runner)
         self.executor = StepExecutor(self.table, self.runner, self.weights, self.stats, c.seed, timeline, rank)
         self.schedule: ScheduleDriver = make_schedule(c, self.table, self.executor, rendezvous, router)
+        if self._decode_ahead(c.runner.decode_ahead):
+            self.executor.ahead = DecodeAhead(self.table, self.runner, self.stats)
         self.timeline, self.rank = timeline, rank
         self.done = False
         """Distributed drivers set this when they will submit nothing more (see `GlobalView.all_done`)."""
         self.last_view: GlobalView | None = None
         self._mirrors: dict[int, Session] = {}  # a peer's sessions, opened by replayed ops
+
+    def _decode_ahead(self, mode: str) -> bool:
+        if mode == "on" and self.distributed:
+            raise ValueError("decode_ahead='on' needs a single-rank engine: on many ranks every rank plans "
+                             "every step from the gathered state, which a forward issued ahead would pre-empt")
+        return not self.distributed and (mode == "on" or (mode == "auto" and getattr(self.runner, "overlaps_host",
+                                                                                      False)))
 
     # -- read-only views of the parts --------------------------------------------------------
     @property
@@ -122,6 +132,8 @@ class RolloutEngine:
         if self.schedule.busy:
             raise WeightVersionError("a mux prefill epoch is in flight; update weights between steps once "
                                      "it has finished (engine.step() until not engine.mux_busy)")
+        if self.executor.ahead is not None:
+            self.executor.ahead.drop(wait=True)  # it reads the weights being copied; it ran on the old ones
         self.weights.update(named_tensors, version, final)
 
     def release_kv(self) -> None:
@@ -129,6 +141,8 @@ class RolloutEngine:
         recompute their KV on their next turn."""
         if self.table.requests:
             raise RuntimeError(f"cannot release KV with {len(self.table.requests)} requests in flight")
+        if self.executor.ahead is not None:
+            self.executor.ahead.drop(wait=True)  # it writes the K/V being freed
         self.table.evict_all()
         self.table.new_pool()  # cached prefixes point into the K/V being freed
         self.runner.cache = None

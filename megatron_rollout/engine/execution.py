@@ -15,11 +15,12 @@ from typing import NamedTuple
 
 import torch
 
+from megatron_rollout.engine.ahead import DecodeAhead
 from megatron_rollout.engine.api import FinishReason, RequestOutput
 from megatron_rollout.engine.bookkeeping import RequestTable, SampleOwner
 from megatron_rollout.engine.config import EngineStats
 from megatron_rollout.engine.runner import Runner, SpanInput
-from megatron_rollout.engine.sampler import sample
+from megatron_rollout.engine.sampler import PendingGreedy, sample
 from megatron_rollout.engine.scheduler import PrefillChunk, StepPlan
 from megatron_rollout.engine.weights import WeightStore
 from megatron_rollout.forward import Forward, run_to_end
@@ -40,6 +41,8 @@ class StepExecutor:
         self.timeline, self.rank = timeline, rank
         self.generator = torch.Generator().manual_seed(seed)
         """Draws for sampled requests without their own seed."""
+        self.ahead: DecodeAhead | None = None
+        """Set by the engine where decode ahead is on (`engine.ahead`)."""
 
     def inputs(self, decode: Iterable[int], prefill: Iterable[PrefillChunk]) -> StepInputs:
         """Grow/reserve KV for the rows and build the runner's inputs: decode rows first."""
@@ -57,28 +60,46 @@ class StepExecutor:
 
     def forward(self, rows: list[SpanInput], phase: Phase) -> Forward:
         """The runner's resumable forward over `rows` (a `mux` epoch drives it segment by segment)."""
+        if phase is Phase.D and self.ahead is not None:
+            self.ahead.drop()  # a decode forward outside `run` moves the rows past it
         return self.runner.forward(rows, phase)
 
     def run(self, plan: StepPlan, phase: Phase) -> list[RequestOutput]:
         """One forward in `phase` over the plan's rows (none: a matched no-work forward), run to its
-        end, sampled and completed."""
-        step = self.inputs(plan.decode, plan.prefill)
+        end, sampled and completed; a pure decode step takes the forward issued ahead for it, if
+        any, and issues the next one before reading its own tokens (`engine.ahead`)."""
+        taken = self.ahead.take(plan) if self.ahead is not None else None
         t0 = time.perf_counter()
+        if taken is not None:
+            rows, owners, logits = taken
+        else:
+            rows, owners = self.inputs(plan.decode, plan.prefill)
         self.table.note_decode_wait(plan.decode, t0)
         with torch.no_grad():
-            logits = run_to_end(self.runner.forward(step.rows, phase))
+            if taken is None:
+                logits = run_to_end(self.runner.forward(rows, phase))
+            draw = None
+            if self.ahead is not None and phase is Phase.D and plan.decode and not plan.prefill:
+                draw = PendingGreedy(logits) if all(o.request.params.temperature == 0.0 for o in owners) else None
+                if draw is not None:
+                    self.ahead.issue(owners, draw)
         t1 = time.perf_counter()
         if self.timeline is not None:
             self.timeline.record(self.rank, phase.value, "prefill" if phase is Phase.P else "decode", t0, t1,
                                  rows=len(plan.decode), prefill=len(plan.prefill))
-        return self.complete(step.owners, logits)
+        return self.complete(owners, logits, draw)
 
-    def complete(self, owners: list[SampleOwner], logits: torch.Tensor) -> list[RequestOutput]:
+    def complete(self, owners: list[SampleOwner], logits: torch.Tensor, draw: PendingGreedy | None = None
+                 ) -> list[RequestOutput]:
         """Sample one token per owner row and advance its request; rows of stale lifetimes are
-        dropped. A row whose logits are not finite fails its own request only."""
+        dropped. A row whose logits are not finite fails its own request only. `draw`: the rows'
+        greedy draws, issued already (then `logits` may be overwritten by a later forward)."""
         live = [(i, o) for i, o in enumerate(owners) if self.table.is_live(o)]
-        picked = sample(logits[[i for i, _ in live]], [o.request.params for _, o in live],
-                        [o.request.generator or self.generator for _, o in live])
+        if draw is not None:
+            picked = draw.result([i for i, _ in live])
+        else:
+            picked = sample(logits[[i for i, _ in live]], [o.request.params for _, o in live],
+                            [o.request.generator or self.generator for _, o in live])
         now, outs = time.perf_counter(), []
         version = self.weights.version
         for (_, owner), s in zip(live, picked):

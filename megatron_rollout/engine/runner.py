@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from megatron_rollout.comm.alltoall import check_domains
-from megatron_rollout.forward import Forward
+from megatron_rollout.forward import Forward, run_to_end
 from megatron_rollout.kv.paged import PagedBatch, PagedKVCache, SeqSpan
 from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.types import Phase
@@ -47,6 +47,12 @@ class Runner(Protocol):
         the KV blocks the spans name; returns a generator that yields at P's boundaries."""
         ...
 
+    def forward_fed(self, inputs: list[SpanInput], tokens: torch.Tensor) -> torch.Tensor | None:
+        """A D forward over one-token rows whose tokens are `tokens` [rows] on the device (drawn by
+        the previous forward, not read by the host; the rows' `token_ids` are placeholders), issued
+        now; its logits, or None where this runner cannot (the caller then waits for the host)."""
+        ...
+
 
 class ModelRunner:
     """The portable runner: the model's own `step` over a `PagedBatch`."""
@@ -66,6 +72,12 @@ class ModelRunner:
         rows = ends[[k for k, i in enumerate(inputs) if i.sample]]
         dev = self.device
         return self._checked(self.model.step(tokens.to(dev), batch.positions, batch, phase, logits_index=rows.to(dev)))
+
+    def forward_fed(self, inputs: list[SpanInput], tokens: torch.Tensor) -> torch.Tensor:
+        """Portable: reads the tokens (a host wait on a device) and runs the forward now."""
+        ids = tokens.tolist()
+        rows = [SpanInput(i.span, [t], i.sample, i.key) for i, t in zip(inputs, ids, strict=True)]
+        return run_to_end(self.forward(rows, Phase.D))
 
     def _checked(self, forward: Forward) -> Forward:
         logits = yield from forward

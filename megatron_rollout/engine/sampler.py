@@ -10,10 +10,16 @@ Rows are judged one by one: a row whose logits are not finite (NaN weights, a di
 comes back as a `Sampled` with `error` set and no token, so its caller can fail that request alone;
 argmax over NaN would silently give token 0 and `multinomial` would raise for the whole batch.
 -inf entries are allowed (a masked token), as long as some entry is finite.
+
+`PendingGreedy` is the greedy draw of a whole batch split in two: the device work and an
+asynchronous copy to pinned host memory are issued at once, the host reads them later. Its
+`tokens` stay on the device, where the next decode forward can take them as input before the
+host has seen them (`engine.ahead`). Its results equal `sample`'s for greedy rows.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -99,3 +105,34 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         if out[i] is None:
             out[i] = _draw(logits[i], p, generators[i])
     return out  # type: ignore[return-value]
+
+
+class PendingGreedy:
+    """Greedy draws of every row of `logits` [rows, V], issued now and read by `result`."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        row_max = logits.amax(-1).float()
+        logp = logits.float().log_softmax(-1)
+        self.tokens = logp.argmax(-1)
+        """[rows] int64 on the logits' device: row i's token (garbage for a non-finite row)."""
+        packed = torch.cat([row_max, self.tokens.float(), logp.gather(-1, self.tokens[:, None]).squeeze(-1)])
+        self._ready: torch.cuda.Event | None = None
+        if packed.is_cuda:
+            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = packed
+        self.rows = logits.shape[0]
+
+    def result(self, rows: Sequence[int]) -> list[Sampled]:
+        """The draws of `rows` (indices into the logits), waiting for the copy if it is in flight."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        host, n = self._host.tolist(), self.rows
+        out = []
+        for i in rows:
+            m = host[i]
+            out.append(Sampled(int(host[n + i]), host[2 * n + i]) if math.isfinite(m) else _non_finite(m))
+        return out

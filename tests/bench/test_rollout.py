@@ -162,3 +162,27 @@ def test_ratios_are_medians_over_medians_against_the_peer():
     assert r["best_over_vllm"] == pytest.approx(6 / 5) and r["mux_over_vllm"] == pytest.approx(6 / 5)
     assert r["mux_epoch_over_mux"] == pytest.approx(1.5) and r["mux_over_lower_bound"] == pytest.approx(2.0)
     assert r["mux_over_off@4096"] == pytest.approx(0.75) and r["mux_over_chunked@4096"] is None
+
+
+def test_spec_suffix_sync_turns_decode_ahead_off():
+    assert rollout._split("mux@fixed:4/sync") == ("mux", "fixed:4", "off")
+    assert rollout._split("off") == ("off", None, None)
+    with pytest.raises(SystemExit, match="only suffix is '/sync'"):
+        rollout._split("off/fast")
+    r = rollout.ratios({"schedules": {"off": {"median": {"makespan_s": 3.0}},
+                                      "off/sync": {"median": {"makespan_s": 4.0}}}})
+    assert r["off_over_off_sync"] == pytest.approx(0.75)
+
+
+def test_decode_ahead_on_against_its_sync_twin_on_cpu(tmp_path):
+    """`--decode-ahead on` forces it on the portable runner (nothing to overlap there: this checks
+    the plumbing and that both finish every request with the same output tokens)."""
+    code = rollout.main(["--model", "tiny-moe", "--device", "cpu", "--repeats", "1", "--conversations", "2",
+                         "--scale", "0.003", "--budgets", "64", "--schedules", "off,off/sync", "--no-ablation",
+                         "--decode-ahead", "on", "--out", str(tmp_path), "--no-progress"])
+    assert code == 0
+    result = json.loads((tmp_path / "rollout.json").read_text())
+    ahead, sync = (result["schedules"][n]["repeats"][0] for n in ("off", "off/sync"))
+    assert ahead["engine_stats"]["ahead_taken"] > 0 and sync["engine_stats"]["ahead_issued"] == 0
+    assert ahead["report"]["output_tokens"] == sync["report"]["output_tokens"] == result["trace"]["output_tokens"]
+    assert "off_over_off_sync" in result["ratios"]
