@@ -12,6 +12,14 @@
 #   call 6, carry []:               bash /tmp/run/examples/h200_session.sh vllm48 tests
 # (`profile` and `kernels`, `hotswap` are further stages for the kernel work.)
 #
+# The 2026-12-01 third-session lease (decode ahead), five calls (SCHEDULES, ABLATION, DEADLINE and
+# VLLM_RUNS pick what `current` and `vllm` run):
+#   call 1, carry [".whl", ".vb4"]: bash examples/h200_session.sh setup tests profile
+#   call 2, carry [".vb0"]: SCHEDULES=off,off/sync,chunked,chunked/sync,mux,mux/sync ABLATION=--no-ablation \
+#                           DEADLINE=300 bash /tmp/run/examples/h200_session.sh piece current
+#   calls 3-4, carry [".vb1"], [".vb2"]: bash /tmp/run/examples/h200_session.sh piece
+#   call 5, carry [".vb3"]: VLLM_RUNS="current:default,best:270" bash /tmp/run/examples/h200_session.sh piece vllm
+#
 # `.run` is `git archive HEAD` of the commit measured, plus `.whl/` (megatron-core 0.19.2, which
 # the device image lacks); it is copied to /tmp/run so later calls need not carry it. Results are
 # kept under /tmp/res (the vLLM stage reads our runs back with `bench.rollout --resume`) and
@@ -34,7 +42,7 @@ for stage in "$@"; do
       for d in .vb*; do [ -d "$d" ] && mv "$d"/* /tmp/pc/; done; ls -l /tmp/pc ;;
     tests)  # every GPU-marked test
       cd /tmp/run
-      timeout 200 python3 -m pytest -q -m gpu tests -p no:cacheprovider --timeout 120 -rf 2>&1 \
+      timeout 280 python3 -m pytest -q -m gpu tests -p no:cacheprovider --timeout 120 -rf 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -15 ;;
     hotswap)  # update_weights at full size: copy, bind, reshard
       cd /tmp/run
@@ -42,7 +50,8 @@ for stage in "$@"; do
         > "$OUT/hotswap.json" 2> "$OUT/hotswap.err"; tail -c 1200 "$OUT/hotswap.json"; tail -3 "$OUT/hotswap.err" ;;
     current)  # our schedules: budget sweep, then 3 interleaved warm repeats
       cd /tmp/run
-      bench --profile current --repeats 3 --no-vllm --deadline-s 200 --out /tmp/res/current > /tmp/res/current.log 2>&1
+      bench --profile current --schedules "${SCHEDULES:-off,chunked,mux}" ${ABLATION:---ablation} --repeats 3 \
+        --no-vllm --deadline-s "${DEADLINE:-200}" --out /tmp/res/current > /tmp/res/current.log 2>&1
       tail -16 /tmp/res/current.log; cp /tmp/res/current/rollout.json "$OUT/current.json" ;;
     prefill)  # 16 conversations (24 did not fit 3 repeats in one call)
       cd /tmp/run
@@ -68,7 +77,8 @@ for stage in "$@"; do
       mkdir -p /tmp/pv/site
       [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.0* | xz -dc -T8 | tar -x -C /tmp/pv/site)
       cd /tmp/run
-      if [ "$stage" = vllm ]; then runs="current:default,best:270 prefill:default,best:290"; else runs="p48:default:200"; fi
+      if [ "$stage" = vllm ]; then runs=${VLLM_RUNS:-"current:default,best:270 prefill:default,best:290"}
+      else runs="p48:default:200"; fi
       for r in $runs; do
         IFS=: read -r p b d <<< "$r"
         if [ "$p" = p48 ]; then
