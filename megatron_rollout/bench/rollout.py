@@ -416,18 +416,19 @@ def table(result: dict) -> str:
              f"{t.get('requests')} requests, {t.get('input_tokens')} in / {t.get('output_tokens')} out tokens, "
              f"max context {t.get('max_context')}, max_model_len {result.get('max_model_len')}, "
              f"{result.get('device')}"]
-    head = (f"{'schedule':<11}{'budget':>7}{'n':>3}{'makespan_s med [min-max]':>26}{'p50_req':>8}{'p99_req':>8}"
+    w = max([11] + [len(n) + 1 for n in result.get("schedules", {})])  # label column
+    head = (f"{'schedule':<{w}}{'budget':>7}{'n':>3}{'makespan_s med [min-max]':>26}{'p50_req':>8}{'p99_req':>8}"
             f"{'p99_traj':>9}{'ttft_s':>8}{'dwait_ms':>9}{'tok/s':>7}{'compiles':>9}")
     lines.append(head)
     for name, s in result.get("schedules", {}).items():
         m, lo, hi = s.get("median") or {}, s.get("min") or {}, s.get("max") or {}
         if not m or m.get("makespan_s") is None:
-            lines.append(f"{name:<11} no finished replay: {s.get('error') or s.get('stopped') or '-'}")
+            lines.append(f"{name:<{w}} no finished replay: {s.get('error') or s.get('stopped') or '-'}")
             continue
         span = (f"{_fmt(m['makespan_s'], '.2f')} "
                 f"[{_fmt(lo.get('makespan_s'), '.2f')}-{_fmt(hi.get('makespan_s'), '.2f')}]")
         cold = f" cold:{s['n_cold']}" if s.get("n_cold") else ""
-        lines.append(f"{name:<11}{_fmt(s.get('budget'), '7d')}{s.get('n', 0):>3}{span:>26}"
+        lines.append(f"{name:<{w}}{_fmt(s.get('budget'), '7d')}{s.get('n', 0):>3}{span:>26}"
                      f"{_fmt(m.get('p50_request_s'), '8.2f')}{_fmt(m.get('p99_request_s'), '8.2f')}"
                      f"{_fmt(m.get('p99_trajectory_s'), '9.2f')}{_fmt(m.get('mean_ttft_s'), '8.3f')}"
                      f"{_fmt(m.get('mean_decode_wait_ms'), '9.1f')}{_fmt(m.get('tokens_per_s'), '7.0f')}"
@@ -438,7 +439,7 @@ def table(result: dict) -> str:
         if m.get("makespan_s") is not None:
             passes = [p["makespan_s"] for p in v.get("repeats", [])]
             span = f"{_fmt(m['makespan_s'], '.2f')} [{_fmt(min(passes), '.2f')}-{_fmt(max(passes), '.2f')}]"
-            lines.append(f"{'vllm':<11}{str(v.get('best_budget')):>7}{len(passes):>3}{span:>26}"
+            lines.append(f"{'vllm':<{w}}{str(v.get('best_budget')):>7}{len(passes):>3}{span:>26}"
                          f"{_fmt(m.get('p50_request_s'), '8.2f')}{_fmt(m.get('p99_request_s'), '8.2f')}"
                          f"{_fmt(m.get('p99_trajectory_s'), '9.2f')}{_fmt(m.get('mean_ttft_s'), '8.3f')}"
                          f"{'n/a':>9}{_fmt(m.get('tokens_per_s'), '7.0f')}{'-':>9}")

@@ -177,8 +177,10 @@ def test_spec_suffix_sync_turns_decode_ahead_off():
 def test_decode_ahead_on_against_its_sync_twin_on_cpu(tmp_path):
     """`--decode-ahead on` forces it on the portable runner (nothing to overlap there: this checks
     the plumbing and that both finish every request with the same output tokens)."""
+    # scale 0.01: turns long enough that most decode steps have every request in them (at 0.003 a
+    # replay issued 3 forwards ahead, and whether any was taken depended on the tool waits' timing)
     code = rollout.main(["--model", "tiny-moe", "--device", "cpu", "--repeats", "1", "--conversations", "2",
-                         "--scale", "0.003", "--budgets", "64", "--schedules", "off,off/sync", "--no-ablation",
+                         "--scale", "0.01", "--budgets", "64", "--schedules", "off,off/sync", "--no-ablation",
                          "--decode-ahead", "on", "--out", str(tmp_path), "--no-progress"])
     assert code == 0
     result = json.loads((tmp_path / "rollout.json").read_text())
