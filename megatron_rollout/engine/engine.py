@@ -14,6 +14,7 @@ from types import MappingProxyType
 import torch
 
 from megatron_rollout.comm.errors import CrossRankTimeout
+from megatron_rollout.comm.facade import LocalComm
 from megatron_rollout.engine.ahead import DecodeAhead
 from megatron_rollout.engine.api import FinishReason, GenerationResult, RequestError, RequestOutput, SamplingParams
 from megatron_rollout.engine.bookkeeping import Abort, AddRequest, Append, Close, Op, OpenSession, RequestTable, Submit
@@ -59,11 +60,11 @@ class RolloutEngine:
         self._mirrors: dict[int, Session] = {}  # a peer's sessions, opened by replayed ops
 
     def _decode_ahead(self, mode: str) -> bool:
-        if mode == "on" and self.distributed:
+        one_rank = not self.distributed and isinstance(self.model.comm, LocalComm)
+        if mode == "on" and not one_rank:
             raise ValueError("decode_ahead='on' needs a single-rank engine: on many ranks every rank plans "
                              "every step from the gathered state, which a forward issued ahead would pre-empt")
-        return not self.distributed and (mode == "on" or (mode == "auto" and getattr(self.runner, "overlaps_host",
-                                                                                      False)))
+        return one_rank and (mode == "on" or (mode == "auto" and getattr(self.runner, "overlaps_host", False)))
 
     # -- read-only views of the parts --------------------------------------------------------
     @property

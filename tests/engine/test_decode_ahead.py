@@ -186,3 +186,17 @@ def test_decode_ahead_setting_is_checked():
     with pytest.raises(ValueError, match="decode_ahead must be auto, on or off"):
         RunnerConfig(decode_ahead="yes")
     assert EngineConfig(decode_ahead="off").runner.decode_ahead == "off"
+
+
+def test_decode_ahead_on_is_refused_on_many_ranks(qwen):
+    """A rank-shared coordinator plans from the gathered state: a forward issued ahead on one rank
+    would run collectives the others do not, so 'on' is refused there (and 'auto' stays off)."""
+    from megatron_rollout.engine import RolloutEngine
+    from megatron_rollout.engine.coordinator import RankSharedCoordinator
+
+    _, model = qwen
+    shared = RankSharedCoordinator.__new__(RankSharedCoordinator)  # the engine reads its type and `leader`
+    shared.leader = True
+    with pytest.raises(ValueError, match="single-rank engine"):
+        RolloutEngine(model, EngineConfig(decode_ahead="on"), coordinator=shared)
+    assert RolloutEngine(model, EngineConfig(decode_ahead="auto"), coordinator=shared).executor.ahead is None
