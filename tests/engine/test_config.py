@@ -74,3 +74,5 @@ def test_cli_arguments_build_the_same_config():
     assert config == EngineConfig(schedule="mux", mux_span="fixed:1", block_size=4, runner_kind="eager",
                                   comm=CommConfig(timeout_s=30, p_exchange="alltoall"))
     assert engine_config(args, "off").schedule is Schedule.OFF
+    off = engine_config(p.parse_args(["--decode-ahead", "off"]))
+    assert off.runner.decode_ahead == "off" and config.runner.decode_ahead == "auto"
