@@ -70,24 +70,27 @@ class StepExecutor:
         any, and issues the next one before reading its own tokens (`engine.ahead`)."""
         taken = self.ahead.take(plan) if self.ahead is not None else None
         t0 = time.perf_counter()
-        if taken is not None:
-            rows, owners, logits = taken
-        else:
-            rows, owners = self.inputs(plan.decode, plan.prefill)
+        rows, owners, logits = taken or (*self.inputs(plan.decode, plan.prefill), None)
         self.table.note_decode_wait(plan.decode, t0)
         with torch.no_grad():
-            if taken is None:
+            if logits is None:
                 logits = run_to_end(self.runner.forward(rows, phase))
-            draw = None
-            if self.ahead is not None and phase is Phase.D and plan.decode and not plan.prefill:
-                draw = PendingGreedy(logits) if all(o.request.params.temperature == 0.0 for o in owners) else None
-                if draw is not None:
-                    self.ahead.issue(owners, draw)
+            draw = self._issue_ahead(plan, phase, owners, logits)
         t1 = time.perf_counter()
         if self.timeline is not None:
             self.timeline.record(self.rank, phase.value, "prefill" if phase is Phase.P else "decode", t0, t1,
                                  rows=len(plan.decode), prefill=len(plan.prefill))
         return self.complete(owners, logits, draw)
+
+    def _issue_ahead(self, plan: StepPlan, phase: Phase, owners: list[SampleOwner], logits: torch.Tensor
+                     ) -> PendingGreedy | None:
+        """A pure greedy decode step's draw, issued now, then the next decode forward after it."""
+        if self.ahead is None or phase is not Phase.D or plan.prefill or not plan.decode or \
+                any(o.request.params.temperature != 0.0 for o in owners):
+            return None
+        draw = PendingGreedy(logits)
+        self.ahead.issue(owners, draw)
+        return draw
 
     def complete(self, owners: list[SampleOwner], logits: torch.Tensor, draw: PendingGreedy | None = None
                  ) -> list[RequestOutput]:
