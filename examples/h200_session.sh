@@ -12,13 +12,15 @@
 #   call 6, carry []:               bash /tmp/run/examples/h200_session.sh vllm48 tests
 # (`profile` and `kernels`, `hotswap` are further stages for the kernel work.)
 #
-# The 2026-12-01 third-session lease (decode ahead), five calls (SCHEDULES, ABLATION, DEADLINE and
+# The 2026-12-01 third-session lease (decode ahead), six calls (SCHEDULES, ABLATION, DEADLINE and
 # VLLM_RUNS pick what `current` and `vllm` run):
 #   call 1, carry [".whl", ".vb4"]: bash examples/h200_session.sh setup tests profile
 #   call 2, carry [".vb0"]: SCHEDULES=off,off/sync,chunked,chunked/sync,mux,mux/sync ABLATION=--no-ablation \
 #                           DEADLINE=300 bash /tmp/run/examples/h200_session.sh piece current
 #   calls 3-4, carry [".vb1"], [".vb2"]: bash /tmp/run/examples/h200_session.sh piece
 #   call 5, carry [".vb3"]: VLLM_RUNS="current:default,best:270" bash /tmp/run/examples/h200_session.sh piece vllm
+#   call 6, no carry: the `prefill` profile (off, chunked, mux at 2,048 and 8,192) and vLLM at its default,
+#                     by hand (the two commands are in docs/benchmarks.md, third lease)
 #
 # `.run` is `git archive HEAD` of the commit measured, plus `.whl/` (megatron-core 0.19.2, which
 # the device image lacks); it is copied to /tmp/run so later calls need not carry it. Results are
