@@ -9,6 +9,8 @@ overlapped, so it is worth timing by itself, on any machine:
 - `fill`: `StaticDecodeLayout.fill` of a decode batch, full (every table entry converted from
   Python ints each step) against keyed (`SpanInput.key`: only a table's new entries), at long
   and short contexts.
+- `sample`: `sampler.sample` of a batch of rows over a 151,936-token vocabulary (Qwen3's), greedy
+  against temperature 1, interleaved (on a GPU the draws run on the device; here on the CPU).
 
 Repeats interleave the variants; medians and [min-max] over them. Run:
 `python -m megatron_rollout.bench.host` (CPU; the figures are this machine's host, not the GPU
@@ -100,18 +102,40 @@ def fill_ms(rows: int, blocks: int, steps: int = 40, repeats: int = 5) -> dict[s
     return {m: _summary(v) for m, v in samples.items()}
 
 
+def sample_ms(rows: int, vocab: int = 151_936, repeats: int = 5) -> dict[str, dict[str, float]]:
+    """Host ms per `sample` of `rows` rows, greedy (`t0`) against temperature 1 (`t1`), interleaved."""
+    from megatron_rollout.engine import SamplingParams
+    from megatron_rollout.engine.sampler import sample
+
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    gens = [torch.Generator().manual_seed(i) for i in range(rows)]
+    params = {"t0": [SamplingParams(temperature=0.0)] * rows, "t1": [SamplingParams(temperature=1.0)] * rows}
+    for p in params.values():  # warm
+        sample(logits, p, gens)
+    samples: dict[str, list[float]] = {k: [] for k in params}
+    for _ in range(repeats):
+        for key, p in params.items():
+            t0 = time.perf_counter()
+            sample(logits, p, gens)
+            samples[key].append((time.perf_counter() - t0) * 1e3)
+    return {k: _summary(v) for k, v in samples.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megatron_rollout.bench.host", description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,16,64,256", help="decode batch sizes of the engine stage")
     ap.add_argument("--fill", default="16x1300,64x1300,64x128", help="rows x table entries of the fill stage")
+    ap.add_argument("--sample", default="1,16,64", help="batch sizes of the sample stage ('' skips it)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    out: dict[str, Any] = {"torch": torch.__version__, "engine_step_ms": {}, "fill_ms": {}}
+    out: dict[str, Any] = {"torch": torch.__version__, "engine_step_ms": {}, "fill_ms": {}, "sample_ms": {}}
     for rows in (int(r) for r in args.rows.split(",") if r):
         out["engine_step_ms"][rows] = engine_step_ms(rows)
     for spec in (s for s in args.fill.split(",") if s):
         rows, blocks = (int(v) for v in spec.split("x"))
         out["fill_ms"][spec] = fill_ms(rows, blocks)
+    for rows in (int(r) for r in args.sample.split(",") if r):
+        out["sample_ms"][rows] = sample_ms(rows)
     print(json.dumps(out, indent=1))
     return 0
 

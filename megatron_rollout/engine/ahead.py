@@ -2,8 +2,8 @@
 
 Why: a decode step's host work (reading the tokens, bookkeeping, planning the next step, its
 inputs, the graph launch) ran while the GPU waited: 17-40% of a decode-only window on the H200
-(docs/kernels.md). Here, right after a pure decode forward and its greedy draw are issued
-(`sampler.PendingGreedy`, tokens left on the device), the forward of the step after is issued
+(docs/kernels.md). Here, right after a pure decode forward and its draw are issued
+(`sampler.PendingDraw`, tokens left on the device), the forward of the step after is issued
 too, over the same rows one position further, its token slots copied on the device from the
 draw (`Runner.forward_fed`). The host then reads step k's tokens and plans step k+1 while the GPU
 runs it. When step k+1's plan arrives, `take` hands over that forward if the plan's decode rows
@@ -12,9 +12,9 @@ token or an abort in between is simply not taken); anything else drops it.
 
 When a forward is issued ahead (`issue`), all of: one rank (the plan is local), every request of
 the engine is decoding in this step (nothing waits to be admitted, so the next plan is most
-likely the same rows), every row is greedy (its token is on the device), no row finishes by
-length now (it would leave the batch), and the rows' next KV blocks are free. Its blocks are
-grown now: the same growth the next step's `decode_row` makes.
+likely the same rows), no row finishes by length now (it would leave the batch), and the rows'
+next KV blocks are free. Its blocks are grown now: the same growth the next step's `decode_row`
+makes. Greedy and sampled rows alike: both draws leave their tokens on the device.
 
 Why a dropped or partly taken forward is harmless: it only writes K/V at each row's next
 position, in the row's own blocks. A row that continues gets that position written again by the
@@ -24,7 +24,7 @@ into the caller's stream, which every later forward's stream waits on). Weight u
 release wait for it first (`drop(wait=True)`). Tokens are the same with and without: the rows'
 inputs are the same, only the time the forward is issued moves.
 
-Left out: sampled (temperature > 0) rows (their draw is on the host), many ranks, mixed steps.
+Left out: many ranks, mixed steps.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ import torch
 from megatron_rollout.engine.bookkeeping import RequestTable, SampleOwner
 from megatron_rollout.engine.config import EngineStats
 from megatron_rollout.engine.runner import Runner, SpanInput
-from megatron_rollout.engine.sampler import PendingGreedy
+from megatron_rollout.engine.sampler import PendingDraw
 from megatron_rollout.engine.scheduler import StepPlan
 
 
@@ -56,8 +56,8 @@ class DecodeAhead:
         self.table, self.runner, self.stats = table, runner, stats
         self.issued: Issued | None = None
 
-    def issue(self, owners: list[SampleOwner], draw: PendingGreedy) -> None:
-        """After a pure decode forward over `owners` whose greedy `draw` is in flight: issue the
+    def issue(self, owners: list[SampleOwner], draw: PendingDraw) -> None:
+        """After a pure decode forward over `owners` whose `draw` is in flight: issue the
         next decode forward of the same rows, fed by `draw.tokens`, where the module's rules allow."""
         table = self.table
         if len(owners) != len(table.requests) or not all(self._continues(o) for o in owners):
@@ -80,10 +80,9 @@ class DecodeAhead:
         self.stats.ahead_issued += 1
 
     def _continues(self, owner: SampleOwner) -> bool:
-        """Live, greedy, and not finished by length by the token now being drawn."""
+        """Live, and not finished by length by the token now being drawn."""
         req = owner.request
-        return (self.table.is_live(owner) and req.params.temperature == 0.0
-                and len(req.output) + 1 < req.params.max_new_tokens
+        return (self.table.is_live(owner) and len(req.output) + 1 < req.params.max_new_tokens
                 and len(req.seq.tokens) + 1 < self.table.max_model_len)
 
     def take(self, plan: StepPlan) -> tuple[list[SpanInput], list[SampleOwner], torch.Tensor] | None:

@@ -20,7 +20,7 @@ from megatron_rollout.engine.api import FinishReason, RequestOutput
 from megatron_rollout.engine.bookkeeping import RequestTable, SampleOwner
 from megatron_rollout.engine.config import EngineStats
 from megatron_rollout.engine.runner import Runner, SpanInput
-from megatron_rollout.engine.sampler import PendingGreedy, sample
+from megatron_rollout.engine.sampler import PendingDraw
 from megatron_rollout.engine.scheduler import PrefillChunk, StepPlan
 from megatron_rollout.engine.weights import WeightStore
 from megatron_rollout.forward import Forward, run_to_end
@@ -75,34 +75,31 @@ class StepExecutor:
         with torch.no_grad():
             if logits is None:
                 logits = run_to_end(self.runner.forward(rows, phase))
-            draw = self._issue_ahead(plan, phase, owners, logits)
+            draw = self.draw(owners, logits)
+            if self.ahead is not None and phase is Phase.D and plan.decode and not plan.prefill:
+                self.ahead.issue(owners, draw)  # before this step's tokens reach the host
         t1 = time.perf_counter()
         if self.timeline is not None:
             self.timeline.record(self.rank, phase.value, "prefill" if phase is Phase.P else "decode", t0, t1,
                                  rows=len(plan.decode), prefill=len(plan.prefill))
         return self.complete(owners, logits, draw)
 
-    def _issue_ahead(self, plan: StepPlan, phase: Phase, owners: list[SampleOwner], logits: torch.Tensor
-                     ) -> PendingGreedy | None:
-        """A pure greedy decode step's draw, issued now, then the next decode forward after it."""
-        if self.ahead is None or phase is not Phase.D or plan.prefill or not plan.decode or \
-                any(o.request.params.temperature != 0.0 for o in owners):
-            return None
-        draw = PendingGreedy(logits)
-        self.ahead.issue(owners, draw)
-        return draw
+    def draw(self, owners: list[SampleOwner], logits: torch.Tensor) -> PendingDraw:
+        """Every row's token, issued now (`sampler.PendingDraw`); each request's own generator."""
+        return PendingDraw(logits, [o.request.params for o in owners],
+                           [o.request.generator or self.generator for o in owners])
 
-    def complete(self, owners: list[SampleOwner], logits: torch.Tensor, draw: PendingGreedy | None = None
+    def complete(self, owners: list[SampleOwner], logits: torch.Tensor, draw: PendingDraw | None = None
                  ) -> list[RequestOutput]:
         """Sample one token per owner row and advance its request; rows of stale lifetimes are
-        dropped. A row whose logits are not finite fails its own request only. `draw`: the rows'
-        greedy draws, issued already (then `logits` may be overwritten by a later forward)."""
+        dropped (and draw nothing). A row whose logits are not finite fails its own request only.
+        `draw`: every row's draw, issued already (`logits` may be overwritten by a later forward)."""
         live = [(i, o) for i, o in enumerate(owners) if self.table.is_live(o)]
-        if draw is not None:
-            picked = draw.result([i for i, _ in live])
+        if draw is None:
+            rows = logits if len(live) == len(owners) else logits[[i for i, _ in live]]
+            picked = self.draw([o for _, o in live], rows).result(range(len(live)))
         else:
-            picked = sample(logits[[i for i, _ in live]], [o.request.params for _, o in live],
-                            [o.request.generator or self.generator for _, o in live])
+            picked = draw.result([i for i, _ in live])
         now, outs = time.perf_counter(), []
         version = self.weights.version
         for (_, owner), s in zip(live, picked):

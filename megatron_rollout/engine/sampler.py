@@ -11,15 +11,16 @@ comes back as a `Sampled` with `error` set and no token, so its caller can fail 
 argmax over NaN would silently give token 0 and `multinomial` would raise for the whole batch.
 -inf entries are allowed (a masked token), as long as some entry is finite.
 
-`PendingGreedy` is the greedy draw of a whole batch split in two: the device work and an
-asynchronous copy to pinned host memory are issued at once, the host reads them later. Its
+`PendingDraw` is a batch's draw split in two: the device work and one asynchronous copy to
+pinned host memory are issued at once, the host reads them later; `sample` is both at once. Its
 `tokens` stay on the device, where the next decode forward can take them as input before the
-host has seen them (`engine.ahead`). Its results equal `sample`'s for greedy rows.
+host has seen them (`engine.ahead`). Sampled rows draw by inverse CDF from one host uniform per
+row (from the request's own generator), so no row's probabilities cross to the host.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,20 +50,21 @@ def _non_finite(row_max: float) -> Sampled:
 
 
 def filtered_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits: [V] -> fp32 log-probabilities of the sampling distribution (-inf where filtered)."""
+    """logits: [..., V] -> fp32 log-probabilities of the sampling distribution, row by row (-inf
+    where filtered)."""
     x = logits.float()
     if params.temperature not in (0.0, 1.0):
         # Shift first: the max becomes 0, so a tiny temperature gives -inf for the rest, never inf - inf.
-        x = (x - x.max()) / params.temperature
-    if params.top_k and params.top_k < x.numel():
-        kth = torch.topk(x, params.top_k).values[-1]
+        x = (x - x.amax(-1, keepdim=True)) / params.temperature
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_x, idx = torch.sort(x, descending=True)
+        sorted_x, idx = torch.sort(x, dim=-1, descending=True)
         probs = sorted_x.softmax(-1)
         # keep tokens whose preceding mass is below top_p (the first token is always kept)
         drop = (probs.cumsum(-1) - probs) >= params.top_p
-        x = x.scatter(0, idx, sorted_x.masked_fill(drop, float("-inf")))
+        x = x.scatter(-1, idx, sorted_x.masked_fill(drop, float("-inf")))
     return x.log_softmax(-1)
 
 
@@ -71,51 +73,67 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     return sample(logits[None], [params], [generator])[0]
 
 
-def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Sampled:
-    """logits: [V], some entry finite and none NaN or +inf."""
-    if params.temperature == 0.0:
-        logp = logits.float().log_softmax(-1)
-        token = int(torch.argmax(logp))
-        return Sampled(token, float(logp[token]))
-    logp = filtered_logprobs(logits, params)
-    token = int(torch.multinomial(logp.exp().cpu(), 1, generator=generator))
-    return Sampled(token, float(logp[token]))
-
-
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> list[Sampled]:
     """logits: [rows, V]; one params and generator per row. Never raises for a row's values: a
     non-finite row gets `Sampled(None, None, error)` and the other rows are sampled as usual."""
-    if logits.shape[0] == 0:
-        return []
-    greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
-    row_max = logits.amax(-1).float()  # [rows]
-    if greedy:  # greedy rows' tokens travel to the host with the row maxima: one sync for the batch
-        logp = logits[greedy].float().log_softmax(-1)
-        tokens = logp.argmax(-1)
-        host = torch.cat([row_max, tokens.float(), logp.gather(-1, tokens[:, None]).squeeze(-1)]).tolist()
-    else:
-        host = row_max.tolist()
-    rows = len(params)
-    out: list[Sampled | None] = [None if math.isfinite(m) else _non_finite(m) for m in host[:rows]]
-    for k, i in enumerate(greedy):
-        if out[i] is None:  # a token id below 2**24 is exact in fp32
-            out[i] = Sampled(int(host[rows + k]), host[rows + len(greedy) + k])
-    for i, p in enumerate(params):
-        if out[i] is None:
-            out[i] = _draw(logits[i], p, generators[i])
-    return out  # type: ignore[return-value]
+    return PendingDraw(logits, params, generators).result(range(logits.shape[0]))
 
 
-class PendingGreedy:
-    """Greedy draws of every row of `logits` [rows, V], issued now and read by `result`."""
+def _inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of `logp` [g, V] for uniforms `u` [g] in [0, 1): the first index whose
+    cumulative probability passes u * total, never past the last token of positive probability."""
+    cdf = logp.exp().cumsum(-1)
+    total = cdf[:, -1:].contiguous()
+    picked = torch.searchsorted(cdf, u[:, None] * total, right=True)
+    last = torch.searchsorted(cdf, total, right=False)  # the first index reaching the total mass
+    # A non-finite row's cumulative sums are NaN or inf and its index may be V: kept in range, so
+    # the gather after it stays valid (its result is the row's error, not this token).
+    return torch.minimum(picked, last).squeeze(-1).clamp_(0, logp.shape[-1] - 1)
 
-    def __init__(self, logits: torch.Tensor) -> None:
-        row_max = logits.amax(-1).float()
-        logp = logits.float().log_softmax(-1)
-        self.tokens = logp.argmax(-1)
-        """[rows] int64 on the logits' device: row i's token (garbage for a non-finite row)."""
-        packed = torch.cat([row_max, self.tokens.float(), logp.gather(-1, self.tokens[:, None]).squeeze(-1)])
+
+class PendingDraw:
+    """The draws of every row of `logits` [rows, V], issued now on the logits' device, read by `result`.
+
+    Greedy rows take the argmax, with the raw softmax's logprob. A sampled row draws by inverse CDF
+    from its filtered distribution with one uniform from its own generator, drawn on the host: a
+    seeded request's stream does not depend on the device, nor on the rows beside it. Rows that
+    share sampling params are filtered together. A non-finite row gets some in-range token (its
+    result is the error, judged on the host from the row's max). A whole batch's results come back
+    in one copy, and `tokens` stays on the device, where the next decode forward can read it
+    before the host has (`engine.ahead`).
+    """
+
+    def __init__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                 generators: Sequence[torch.Generator | None]) -> None:
+        self.rows, dev = logits.shape[0], logits.device
+        row_max = logits.amax(-1).float() if self.rows else logits.new_zeros(0, dtype=torch.float32)
+        self.tokens = torch.zeros(self.rows, dtype=torch.long, device=dev)
+        """[rows] int64 on the logits' device: row i's token (meaningless for a non-finite row)."""
+        logprobs = torch.zeros(self.rows, dtype=torch.float32, device=dev)
+        groups: dict[tuple, list[int]] = {}
+        for i, p in enumerate(params):
+            key = None if p.temperature == 0.0 else (p.temperature, p.top_k, p.top_p)
+            groups.setdefault(key, []).append(i)
+        for key, members in groups.items():
+            whole = len(members) == self.rows  # one group: no row index to build or move
+            index = None if whole else torch.tensor(members, dtype=torch.long)
+            if index is not None and logits.is_cuda:
+                index = index.pin_memory().to(dev, non_blocking=True)
+            rows = logits if whole else logits[index]
+            if key is None:
+                logp = rows.float().log_softmax(-1)
+                token = logp.argmax(-1)
+            else:
+                logp = filtered_logprobs(rows, params[members[0]])
+                u = torch.cat([torch.rand(1, generator=generators[i]) for i in members])
+                token = _inverse_cdf(logp, u.pin_memory().to(dev, non_blocking=True) if logits.is_cuda else u)
+            lp = logp.gather(-1, token[:, None]).squeeze(-1)
+            if whole:
+                self.tokens, logprobs = token, lp
+            else:
+                self.tokens[index], logprobs[index] = token, lp
+        packed = torch.cat([row_max, self.tokens.float(), logprobs])
         self._ready: torch.cuda.Event | None = None
         if packed.is_cuda:
             self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -124,15 +142,14 @@ class PendingGreedy:
             self._ready.record()
         else:
             self._host = packed
-        self.rows = logits.shape[0]
 
-    def result(self, rows: Sequence[int]) -> list[Sampled]:
+    def result(self, rows: Iterable[int]) -> list[Sampled]:
         """The draws of `rows` (indices into the logits), waiting for the copy if it is in flight."""
         if self._ready is not None:
             self._ready.synchronize()
         host, n = self._host.tolist(), self.rows
         out = []
-        for i in rows:
+        for i in rows:  # a token id below 2**24 is exact in fp32
             m = host[i]
             out.append(Sampled(int(host[n + i]), host[2 * n + i]) if math.isfinite(m) else _non_finite(m))
         return out

@@ -10,23 +10,27 @@ import torch
 
 from megatron_rollout.engine import EngineConfig, FinishReason, SamplingParams
 from megatron_rollout.engine.config import RunnerConfig
-from megatron_rollout.engine.sampler import PendingGreedy, sample
+from megatron_rollout.engine.sampler import PendingDraw, sample
 
 from .common import SCHEDULES, SMALL, assert_same, drain, prompts
 
 
-def test_pending_greedy_equals_sample_including_non_finite_rows():
+def test_pending_draw_is_sample_and_its_device_tokens_are_the_results():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 40, generator=gen) * 3
     logits[1, 5] = float("nan")
     logits[3] = float("-inf")
     logits[4, 7] = float("inf")
     logits[5, :20] = float("-inf")
-    rows = [0, 1, 2, 3, 4, 5]
-    want = sample(logits, [SamplingParams(temperature=0.0)] * 6, [None] * 6)
-    assert PendingGreedy(logits).result(rows) == want
-    assert PendingGreedy(logits).result([5, 2]) == [want[5], want[2]]
-    assert [s.error for s in want].count(None) == 3
+    params = [SamplingParams(temperature=t, top_k=k) for t, k in ((0.0, 0), (1.0, 0), (0.7, 5), (0.0, 0),
+                                                                    (1.0, 3), (0.7, 5))]
+    gens = lambda: [torch.Generator().manual_seed(s) for s in range(6)]  # noqa: E731
+    want = sample(logits, params, gens())
+    draw = PendingDraw(logits, params, gens())
+    assert draw.result(range(6)) == want
+    assert draw.result([5, 2]) == [want[5], want[2]]
+    assert [s.error is None for s in want] == [True, False, True, False, False, True]
+    assert [int(t) for t, s in zip(draw.tokens, want) if s.ok] == [s.token for s in want if s.ok]
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -67,15 +71,18 @@ def test_a_row_that_stops_early_leaves_the_others_on_the_forward_issued_ahead(ma
     assert on_engine.stats.ahead_taken > 0
 
 
-def test_sampled_requests_are_not_decoded_ahead(make_engine, qwen):
+def test_sampled_requests_are_decoded_ahead_with_the_same_tokens(make_engine, qwen):
+    """A sampled row's draw leaves its token on the device too; its uniforms come from its own
+    generator in the same order either way."""
     _, model = qwen
-    batch = prompts([4, 6], seed=9)
-    params = [SamplingParams(temperature=0.0, max_new_tokens=6), SamplingParams(temperature=1.0, seed=5,
-                                                                                max_new_tokens=6)]
-    on = make_engine(model, decode_ahead="on", **SMALL)
-    off = make_engine(model, decode_ahead="off", **SMALL)
+    batch = prompts([4, 6, 5], seed=9)
+    params = [SamplingParams(temperature=0.0, max_new_tokens=8),
+              SamplingParams(temperature=1.0, seed=5, max_new_tokens=8),
+              SamplingParams(temperature=0.8, top_k=10, top_p=0.9, max_new_tokens=8)]  # the engine's generator
+    on = make_engine(model, decode_ahead="on", seed=3, **SMALL)
+    off = make_engine(model, decode_ahead="off", seed=3, **SMALL)
     assert_same(on.generate(batch, params), off.generate(batch, params))
-    assert on.stats.ahead_issued == 0
+    assert on.stats.ahead_taken > 0
 
 
 def test_abort_between_steps_keeps_the_other_rows(make_engine, qwen):
