@@ -37,6 +37,7 @@ from megatron_rollout.engine.config import EngineStats
 from megatron_rollout.engine.runner import Runner, SpanInput
 from megatron_rollout.engine.sampler import PendingDraw
 from megatron_rollout.engine.scheduler import StepPlan
+from megatron_rollout.kernels.layout import to_device
 
 
 @dataclass
@@ -98,8 +99,7 @@ class DecodeAhead:
         self.stats.ahead_taken += 1
         logits = issued.logits
         if picks != list(range(len(issued.rows))):
-            index = torch.tensor(picks, dtype=torch.long)
-            logits = logits[index.pin_memory().to(logits.device, non_blocking=True) if logits.is_cuda else index]
+            logits = logits[to_device(torch.tensor(picks, dtype=torch.long), logits.device)]
         return [issued.rows[i] for i in picks], [issued.owners[i] for i in picks], logits
 
     def _current(self, issued: Issued, i: int) -> bool:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rollout.engine.api import SamplingParams
+from megatron_rollout.kernels.layout import to_device
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,19 @@ def _inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.minimum(picked, last).squeeze(-1).clamp_(0, logp.shape[-1] - 1)
 
 
+def _draw(rows: torch.Tensor, params: SamplingParams, generators: Sequence[torch.Generator | None]
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and logprobs of `rows` [g, V] that share `params`, one generator per row."""
+    if params.temperature == 0.0:
+        logp = rows.float().log_softmax(-1)
+        token = logp.argmax(-1)
+    else:
+        logp = filtered_logprobs(rows, params)
+        u = torch.cat([torch.rand(1, generator=g) for g in generators])
+        token = _inverse_cdf(logp, to_device(u, rows.device))
+    return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+
 class PendingDraw:
     """The draws of every row of `logits` [rows, V], issued now on the logits' device, read by `result`.
 
@@ -100,48 +114,35 @@ class PendingDraw:
     seeded request's stream does not depend on the device, nor on the rows beside it. Rows that
     share sampling params are filtered together. A non-finite row gets some in-range token (its
     result is the error, judged on the host from the row's max). A whole batch's results come back
-    in one copy, and `tokens` stays on the device, where the next decode forward can read it
-    before the host has (`engine.ahead`).
+    in one copy, and `tokens` ([rows] int64, meaningless for a non-finite row) stays on the
+    device, where the next decode forward can read it before the host has (`engine.ahead`).
     """
 
     def __init__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                  generators: Sequence[torch.Generator | None]) -> None:
-        self.rows, dev = logits.shape[0], logits.device
+        self.rows = logits.shape[0]
         row_max = logits.amax(-1).float() if self.rows else logits.new_zeros(0, dtype=torch.float32)
-        self.tokens = torch.zeros(self.rows, dtype=torch.long, device=dev)
-        """[rows] int64 on the logits' device: row i's token (meaningless for a non-finite row)."""
-        logprobs = torch.zeros(self.rows, dtype=torch.float32, device=dev)
-        groups: dict[tuple, list[int]] = {}
+        groups: dict[tuple | None, list[int]] = {}  # greedy rows under None, sampled ones by their params
         for i, p in enumerate(params):
-            key = None if p.temperature == 0.0 else (p.temperature, p.top_k, p.top_p)
-            groups.setdefault(key, []).append(i)
-        for key, members in groups.items():
-            whole = len(members) == self.rows  # one group: no row index to build or move
-            index = None if whole else torch.tensor(members, dtype=torch.long)
-            if index is not None and logits.is_cuda:
-                index = index.pin_memory().to(dev, non_blocking=True)
-            rows = logits if whole else logits[index]
-            if key is None:
-                logp = rows.float().log_softmax(-1)
-                token = logp.argmax(-1)
-            else:
-                logp = filtered_logprobs(rows, params[members[0]])
-                u = torch.cat([torch.rand(1, generator=generators[i]) for i in members])
-                token = _inverse_cdf(logp, u.pin_memory().to(dev, non_blocking=True) if logits.is_cuda else u)
-            lp = logp.gather(-1, token[:, None]).squeeze(-1)
-            if whole:
-                self.tokens, logprobs = token, lp
-            else:
-                self.tokens[index], logprobs[index] = token, lp
+            groups.setdefault(None if p.temperature == 0.0 else (p.temperature, p.top_k, p.top_p), []).append(i)
+        if len(groups) == 1:  # the usual batch: no row index to build or move
+            (members,) = groups.values()
+            self.tokens, logprobs = _draw(logits, params[members[0]], generators)
+        else:
+            self.tokens = torch.zeros(self.rows, dtype=torch.long, device=logits.device)
+            logprobs = torch.zeros(self.rows, dtype=torch.float32, device=logits.device)
+            for members in groups.values():
+                index = to_device(torch.tensor(members, dtype=torch.long), logits.device)
+                self.tokens[index], logprobs[index] = _draw(logits[index], params[members[0]],
+                                                            [generators[i] for i in members])
         packed = torch.cat([row_max, self.tokens.float(), logprobs])
         self._ready: torch.cuda.Event | None = None
+        self._host = packed
         if packed.is_cuda:
             self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             self._host.copy_(packed, non_blocking=True)
             self._ready = torch.cuda.Event()
             self._ready.record()
-        else:
-            self._host = packed
 
     def result(self, rows: Iterable[int]) -> list[Sampled]:
         """The draws of `rows` (indices into the logits), waiting for the copy if it is in flight."""

@@ -79,8 +79,9 @@ def pack_aligned(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, list[tuple[in
     return packed, spans
 
 
-def _to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
-    t = torch.from_numpy(host)
+def to_device(host: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host array on `device` without a host wait (through pinned memory on CUDA)."""
+    t = torch.from_numpy(host) if isinstance(host, np.ndarray) else host
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
@@ -131,7 +132,7 @@ def build_layout(spans: Sequence[SeqSpan], token_ids: Sequence[Sequence[int]], s
 
     parts = [tokens, pos, slots, q_start, pasts, news, lens, dec, tile_seq, tile_start, rows, tables.reshape(-1)]
     packed, offsets = pack_aligned(parts)
-    dev = _to_device(packed, device)  # a fresh allocation: its start is aligned far beyond 16 bytes
+    dev = to_device(packed, device)  # a fresh allocation: its start is aligned far beyond 16 bytes
     views = [dev[off:off + size] for off, size in offsets]
     t_tok, t_pos, t_slot, t_qs, t_past, t_new, t_len, t_dec, t_tseq, t_tstart, t_rows, t_tab = views
     t_tab = t_tab.view(s_count, width)

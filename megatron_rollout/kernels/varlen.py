@@ -19,6 +19,7 @@ import math
 import numpy as np
 import torch
 
+from megatron_rollout.kernels.layout import to_device
 from megatron_rollout.kernels.registry import PrefillMeta, history_slots, register
 from megatron_rollout.kernels.triton_attention import TritonAttention
 
@@ -60,7 +61,7 @@ class VarlenAttention(TritonAttention):
         cu_q = np.concatenate([[0], np.cumsum(news)])
         cu_k = np.concatenate([[0], np.cumsum(totals)])
         host = np.concatenate([hist, rows, cu_q, cu_k]).astype(np.int64)
-        idx = torch.from_numpy(host).pin_memory().to(dev, non_blocking=True)
+        idx = to_device(host, dev)
         a, b = len(hist), len(hist) + len(rows)
         hist_t, rows_t = idx[:a], idx[a:b]
         cu_q_t, cu_k_t = idx[b:b + len(cu_q)].int(), idx[b + len(cu_q):].int()

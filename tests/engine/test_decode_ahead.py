@@ -85,6 +85,16 @@ def test_sampled_requests_are_decoded_ahead_with_the_same_tokens(make_engine, qw
     assert on.stats.ahead_taken > 0
 
 
+def _start(engine, batch, params, until) -> tuple[list[int], dict]:
+    """Submit `batch`, then step until `until(rids)`; the request ids and the outputs so far."""
+    rids = [engine.add_request(p, params) for p in batch]
+    outs: dict = {}
+    while not until(rids):
+        for out in engine.step():
+            outs[out.request_id] = out
+    return rids, outs
+
+
 def test_abort_between_steps_keeps_the_other_rows(make_engine, qwen):
     _, model = qwen
     batch = prompts([5, 3, 7], seed=10)
@@ -92,11 +102,7 @@ def test_abort_between_steps_keeps_the_other_rows(make_engine, qwen):
     results = {}
     for mode in ("off", "on"):
         engine = make_engine(model, decode_ahead=mode, **SMALL)
-        rids = [engine.add_request(p, params) for p in batch]
-        outs: dict = {}
-        while len(engine.requests[rids[1]].output) < 3:
-            for out in engine.step():
-                outs[out.request_id] = out
+        rids, outs = _start(engine, batch, params, until=lambda rids: len(engine.requests[rids[1]].output) >= 3)
         engine.abort(rids[1])
         engine.check_integrity()
         drain(engine, outs)
@@ -120,11 +126,7 @@ def test_weight_update_between_steps_waits_and_recomputes(make_engine, qwen):
         for mode in ("off", "on"):
             model.load_state_dict(state)
             engine = make_engine(model, decode_ahead=mode, **SMALL)
-            rids = [engine.add_request(p, params) for p in batch]
-            outs: dict = {}
-            while len(engine.requests[rids[0]].output) < 4:
-                for out in engine.step():
-                    outs[out.request_id] = out
+            rids, outs = _start(engine, batch, params, until=lambda rids: len(engine.requests[rids[0]].output) >= 4)
             if mode == "on":
                 assert engine.executor.ahead.issued is not None
             engine.update_weights(new, version=1)
