@@ -55,6 +55,12 @@ for stage in "$@"; do
       bench --profile current --schedules "${SCHEDULES:-off,chunked,mux}" ${ABLATION:---ablation} --repeats 3 \
         --no-vllm --deadline-s "${DEADLINE:-200}" --out /tmp/res/current > /tmp/res/current.log 2>&1
       tail -16 /tmp/res/current.log; cp /tmp/res/current/rollout.json "$OUT/current.json" ;;
+    sampled)  # temperature 1 (seeded per turn): the device draw and decode ahead on sampled rows; ours only
+      cd /tmp/run
+      bench --profile current --schedules off,off/sync,mux,mux/sync --no-ablation --budgets "${BUDGETS:-4096}" \
+        --temperature 1 --repeats 3 --no-vllm --deadline-s "${DEADLINE:-200}" --out /tmp/res/sampled \
+        > /tmp/res/sampled.log 2>&1
+      tail -16 /tmp/res/sampled.log; cp /tmp/res/sampled/rollout.json "$OUT/sampled.json" ;;
     prefill)  # 16 conversations (24 did not fit 3 repeats in one call)
       cd /tmp/run
       bench --profile prefill --conversations 16 --repeats 3 --no-vllm --deadline-s 300 --out /tmp/res/prefill \

@@ -111,6 +111,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--mux-span", default=DEFAULT_SPAN,
                     help="segment policy of plain 'mux': budget:US | load | fixed:K")
     ap.add_argument("--attention", default="auto", help="auto | triton | varlen | portable")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="of every turn (seeded per turn); > 0 times sampled decoding, ours only (no vLLM)")
     ap.add_argument("--decode-ahead", default="auto", choices=("auto", "on", "off"),
                     help="issue the next decode forward before reading this one's tokens (engine.ahead)")
     ap.add_argument("--schedule-budget-s", type=float, default=120.0, help="time limit of one replay")
@@ -308,7 +310,7 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str) -> dict
     try:
         with counter:
             report, _ = replay(engine, trace, seed=args.seed, progress=not args.no_progress, vocab_size=cfg.vocab_size,
-                               schedule=schedule)
+                               schedule=schedule, temperature=args.temperature)
             if args.device != "cpu":
                 torch.cuda.synchronize()
         result: dict[str, Any] = {"report": report.to_dict(), "finished": True}
@@ -634,6 +636,11 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     vllm_on = cuda if args.vllm is None else args.vllm
+    if args.temperature:
+        if args.vllm:
+            raise SystemExit("--temperature > 0 times our sampled decoding only: the peer's driver replays "
+                             "greedy token ids (drop --vllm)")
+        vllm_on = False
     conversations, scale = PROFILE_SIZES[args.profile]
     conversations = args.conversations or conversations
     scale = args.scale or scale

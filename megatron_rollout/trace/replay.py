@@ -61,7 +61,8 @@ def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, prog
            vocab_size: int | None = None,
            schedule: Schedule | str | None = None,
            details: dict | None = None,
-           max_model_len: int | None = None) -> tuple[ReplayReport, list[RequestOutput]]:
+           max_model_len: int | None = None,
+           temperature: float = 0.0) -> tuple[ReplayReport, list[RequestOutput]]:
     """Replay `requests` on `engine`; return the report and every finished request (finish order).
 
     Args:
@@ -78,7 +79,10 @@ def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, prog
             replays can be merged into one report.
         max_model_len: the engine's context length, to refuse lines that cannot fit before
             anything runs; None reads `engine.max_model_len` where the engine has one.
+        temperature: of every turn (0: greedy). A sampled turn's seed comes from (seed,
+            conversation index, turn), like its input ids, so a replay repeats its tokens.
     """
+    SamplingParams(temperature=temperature)  # the engine's own check of it, before anything runs
     if vocab_size is None or isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
         raise ValueError(f"vocab_size must be the model's vocabulary size (a positive int), got "
                          f"{vocab_size!r}; input ids are drawn from [0, vocab_size)")
@@ -107,7 +111,7 @@ def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, prog
             while releases and releases[0][0] <= now:
                 _, index = heapq.heappop(releases)
                 conv = conversations[index]
-                if not _submit(engine, conv, seed, vocab_size, owner, conversation_of, turn_of):
+                if not _submit(engine, conv, seed, vocab_size, owner, conversation_of, turn_of, temperature):
                     refused.append(conv.key)
                     skipped_now = _end_after_failure(conv)
                     skipped += skipped_now
@@ -148,13 +152,15 @@ def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, prog
 
 def _submit(engine: Any, conv: _Conversation, seed: int, vocab_size: int,
             owner: dict[int, _Conversation], conversation_of: dict[int, ConversationId],
-            turn_of: dict[int, TraceRequest]) -> bool:
+            turn_of: dict[int, TraceRequest], temperature: float = 0.0) -> bool:
     """Append the next turn's input and submit it; False when the engine refuses it."""
     turn = conv.turns[conv.next_turn]
     if conv.session is None:
         conv.session = engine.open_session()
     conv.session.append(_input_ids(seed, conv, turn, vocab_size))
-    params = SamplingParams(temperature=0.0, max_new_tokens=turn.output_tokens, ignore_stop=True)
+    draw_seed = int(np.random.default_rng([seed, conv.index, turn.turn, 1]).integers(2**63)) if temperature else None
+    params = SamplingParams(temperature=temperature, max_new_tokens=turn.output_tokens, ignore_stop=True,
+                            seed=draw_seed)
     try:
         request_id = conv.session.submit(params)
     except RequestError as exc:

@@ -188,3 +188,18 @@ def test_decode_ahead_on_against_its_sync_twin_on_cpu(tmp_path):
     assert ahead["engine_stats"]["ahead_taken"] > 0 and sync["engine_stats"]["ahead_issued"] == 0
     assert ahead["report"]["output_tokens"] == sync["report"]["output_tokens"] == result["trace"]["output_tokens"]
     assert "off_over_off_sync" in result["ratios"]
+
+
+def test_sampled_replays_run_every_turn_and_refuse_the_peer(tmp_path):
+    """`--temperature 1` reaches the replay (the args record it; every turn is served at its forced
+    length under both schedules); the greedy peer is refused. Per-turn seeds: tests/trace."""
+    code = rollout.main(["--model", "tiny-moe", "--device", "cpu", "--repeats", "1", "--conversations", "2",
+                         "--scale", "0.01", "--budgets", "64", "--schedules", "off,mux", "--no-ablation",
+                         "--temperature", "1", "--out", str(tmp_path), "--no-progress"])
+    assert code == 0
+    result = json.loads((tmp_path / "rollout.json").read_text())
+    assert result["args"]["temperature"] == 1.0 and result.get("vllm") is None
+    for name in ("off", "mux"):
+        assert result["schedules"][name]["repeats"][0]["report"]["output_tokens"] == result["trace"]["output_tokens"]
+    with pytest.raises(SystemExit, match="drop --vllm"):
+        rollout.main(["--model", "tiny-moe", "--device", "cpu", "--temperature", "1", "--vllm", "--out", str(tmp_path)])

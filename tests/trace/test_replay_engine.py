@@ -89,3 +89,22 @@ def test_a_line_longer_than_the_context_is_refused_with_its_line_before_any_allo
     with pytest.raises(TraceError, match=r"t\.jsonl:2: input_tokens 10000000 does not fit the context"):
         replay(engine, load_trace(path), progress=False, vocab_size=model.cfg.vocab_size)
     assert time.perf_counter() - start < 0.5 and engine.seqs == {}
+
+
+def test_sampled_replay_repeats_its_tokens_and_the_seed_changes_them(model, trace):
+    """temperature > 0: each turn draws from a seed of (seed, conversation, turn), not from the
+    engine's shared generator, so an engine seeded otherwise gives the same tokens; another replay
+    seed gives other tokens; the lengths stay forced."""
+    def tokens(seed, engine_seed):
+        engine = RolloutEngine(model, EngineConfig(schedule="off", num_blocks=256, seed=engine_seed))
+        report, outputs = replay(engine, trace, seed=seed, progress=False, vocab_size=model.cfg.vocab_size,
+                                 temperature=1.0)
+        assert report.output_tokens == sum(r.output_tokens for r in trace) and report.failed == 0
+        return sorted((o.prompt_tokens, tuple(o.result.token_ids)) for o in outputs)
+
+    first = tokens(0, engine_seed=0)
+    assert tokens(0, engine_seed=5) == first
+    assert tokens(1, engine_seed=0) != first
+    with pytest.raises(ValueError, match="temperature"):
+        replay(RolloutEngine(model, EngineConfig(num_blocks=64)), trace, progress=False,
+               vocab_size=model.cfg.vocab_size, temperature=-1.0)
