@@ -167,13 +167,29 @@ def _steps(engine, steps: int) -> float:
     return time.perf_counter() - t0
 
 
+def decode_phases(engine) -> dict[str, tuple[object, str]]:
+    """The host phases of an engine step, as `PhaseClock` targets. `runner.forward` only builds
+    the generator; `run_to_end` runs it (a graph's refill and launch). With decode ahead the next
+    step's refill and launch run in `issue`. The wait for the GPU falls inside `complete`, when it
+    reads the draw (`draw` only issues it)."""
+    from megatron_rollout.engine import execution
+
+    ex = engine.executor
+    phases = {"plan": (engine.coordinator, "plan"), "inputs": (ex, "inputs"),
+              "forward (refill + launch)": (execution, "run_to_end"), "draw (issue)": (ex, "draw"),
+              "complete (wait + bookkeeping)": (ex, "complete"), "step": (engine, "_step")}
+    if ex.ahead is not None:
+        phases["issue ahead (refill + launch)"] = (ex.ahead, "issue")
+    return phases
+
+
 def decode_idle(model, rows: int = 64, prompt: int = 512, steps: int = 40, seed: int = 0,
                 ahead: str = "auto") -> dict[str, Any]:
     """A decode-only engine window of `steps` steps (every request decoding): wall time per step
     without the profiler, the host's time per phase, and the GPU's busy time from the profiler.
     `ahead`: the engine's `decode_ahead` (auto: the next forward is issued before the host reads
-    this one's tokens; its launch then falls outside the `forward` phase below)."""
-    from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams, execution
+    this one's tokens, in the `issue ahead` phase instead of `forward`)."""
+    from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
 
     rng = np.random.default_rng(seed)
     engine = RolloutEngine(model, EngineConfig(schedule="off", num_blocks=rows * (prompt // 16 + 32) + 64,
@@ -187,12 +203,7 @@ def decode_idle(model, rows: int = 64, prompt: int = 512, steps: int = 40, seed:
         engine.add_request(rng.integers(0, model.cfg.vocab_size, prompt).tolist(), params)
     for _ in range(8):  # past the prefill: every row decodes
         engine.step()
-    ex = engine.executor
-    # `runner.forward` only builds the generator; `run_to_end` runs it (the graph's refill and launch).
-    # The wait for the GPU falls inside `complete`, which samples (`sample`) and books the rows.
-    clock = PhaseClock({"plan": (engine.coordinator, "plan"), "inputs": (ex, "inputs"),
-                        "forward (refill + launch)": (execution, "run_to_end"), "sample": (execution, "sample"),
-                        "complete (wait + sample + bookkeeping)": (ex, "complete"), "step": (engine, "_step")})
+    clock = PhaseClock(decode_phases(engine))
     plain_s = _steps(engine, steps)
     with clock:
         clocked_s = _steps(engine, steps)

@@ -40,3 +40,26 @@ def test_op_table_counts_per_call_and_keeps_the_labelled_segments():
     assert [s["name"] for s in table["sections"]] == ["seg00 embed", "seg01 L0.moe_exchange"]
     assert all(s["count"] == 2 for s in table["sections"])
     assert any(r["name"] == "aten::mm" and r["count"] == 2 for r in table["by_host"])
+
+
+@pytest.mark.parametrize("ahead", ["off", "on"])
+def test_decode_phases_name_callables_a_cpu_engine_runs(ahead):
+    """Every phase `bench.profile.decode_idle` clocks exists on the engine and is entered by a
+    decode step (a renamed method would stop the GPU bench at its last stage)."""
+    from megatron_rollout.bench.profile import decode_phases
+    from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
+    from megatron_rollout.model.config import PRESETS
+    from megatron_rollout.model.transformer import MoETransformer
+
+    engine = RolloutEngine(MoETransformer(PRESETS["tiny-moe"]).init_weights(0),
+                           EngineConfig(schedule="off", num_blocks=64, decode_ahead=ahead))
+    for prompt in ([1, 2, 3], [4, 5]):
+        engine.add_request(prompt, SamplingParams(temperature=0.0, max_new_tokens=12, ignore_stop=True))
+    engine.step()  # the prefill
+    with PhaseClock(decode_phases(engine)) as clock:
+        for _ in range(4):
+            engine.step()
+    entered = {name for name, s in clock.seconds.items() if s > 0}
+    every_step = {"plan", "draw (issue)", "complete (wait + bookkeeping)", "step"}
+    every_step |= {"issue ahead (refill + launch)"} if ahead == "on" else {"inputs", "forward (refill + launch)"}
+    assert every_step <= entered, clock.seconds
