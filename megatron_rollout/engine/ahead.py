@@ -82,9 +82,7 @@ class DecodeAhead:
 
     def _continues(self, owner: SampleOwner) -> bool:
         """Live, and not finished by length by the token now being drawn."""
-        req = owner.request
-        return (self.table.is_live(owner) and len(req.output) + 1 < req.params.max_new_tokens
-                and len(req.seq.tokens) + 1 < self.table.max_model_len)
+        return self.table.is_live(owner) and not self.table.at_length(owner.request, more=1)
 
     def take(self, plan: StepPlan) -> tuple[list[SpanInput], list[SampleOwner], torch.Tensor] | None:
         """The rows, owners and logits of the forward issued for this plan's decode rows, or None

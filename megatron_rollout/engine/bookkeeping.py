@@ -283,20 +283,18 @@ class RequestTable:
     def decode_row(self, rid: int) -> tuple[SpanInput, SampleOwner]:
         """Grow the request's KV by its pending token; its input row and sample owner."""
         req = self.requests[rid]
-        seq = req.seq
-        self.pool.grow(seq.sid, len(seq.tokens))
-        span = SeqSpan(tuple(self.pool.table(seq.sid)), seq.computed, 1)
-        row = SpanInput(span, seq.tokens[seq.computed:], sample=True, key=(req.rid, req.lifetime))
-        return row, SampleOwner(req, req.lifetime, len(seq.tokens))
+        return self._decode_row(req, req.seq.computed, req.seq.tokens[req.seq.computed:])
 
     def ahead_row(self, req: Request) -> tuple[SpanInput, SampleOwner]:
         """The decode row `req` runs next, one position past the token being drawn now (its KV
         grown for it); the token is a placeholder the device fills (`engine.ahead`)."""
-        seq = req.seq
-        past = len(seq.tokens)
-        self.pool.grow(seq.sid, past + 1)
-        span = SeqSpan(tuple(self.pool.table(seq.sid)), past, 1)
-        return SpanInput(span, [0], sample=True, key=(req.rid, req.lifetime)), SampleOwner(req, req.lifetime, past + 1)
+        return self._decode_row(req, len(req.seq.tokens), [0])
+
+    def _decode_row(self, req: Request, past: int, token: list[int]) -> tuple[SpanInput, SampleOwner]:
+        self.pool.grow(req.seq.sid, past + 1)
+        span = SeqSpan(tuple(self.pool.table(req.seq.sid)), past, 1)
+        row = SpanInput(span, token, sample=True, key=(req.rid, req.lifetime))
+        return row, SampleOwner(req, req.lifetime, past + 1)
 
     def prefill_row(self, chunk: PrefillChunk) -> tuple[SpanInput, SampleOwner | None]:
         """Reserve KV for the chunk; its input row, and its sample owner if the chunk completes
@@ -351,9 +349,11 @@ class RequestTable:
         p = req.params
         if token in p.stop_token_ids and not p.ignore_stop:
             return FinishReason.STOP
-        if len(req.output) >= p.max_new_tokens or len(req.seq.tokens) >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
+        return FinishReason.LENGTH if self.at_length(req) else None
+
+    def at_length(self, req: Request, more: int = 0) -> bool:
+        """The request has its last token by length once `more` further tokens are accepted."""
+        return len(req.output) + more >= req.params.max_new_tokens or len(req.seq.tokens) + more >= self.max_model_len
 
     def check_integrity(self) -> None:
         """KV bookkeeping is consistent and every block is owned by a live sequence (or parked)."""
