@@ -64,9 +64,7 @@ class DecodeAhead:
         if len(owners) != len(table.requests) or not all(self._continues(o) for o in owners):
             return
         pool = table.pool
-        need = sum(max(0, pool.blocks_for(len(o.request.seq.tokens) + 1) - len(pool.table(o.request.seq.sid)))
-                   for o in owners)
-        if need > pool.num_free:
+        if sum(pool.blocks_to_grow(o.request.seq.sid, len(o.request.seq.tokens) + 1) for o in owners) > pool.num_free:
             return
         rows, next_owners = zip(*(table.ahead_row(o.request) for o in owners))
         logits = self.runner.forward_fed(list(rows), draw.tokens)

@@ -72,10 +72,14 @@ class BlockPool:
         return -(-tokens // self.block_size)
 
     # -- ownership -------------------------------------------------------------------------
+    def blocks_to_grow(self, owner: int, tokens: int) -> int:
+        """Blocks `grow(owner, tokens)` would add."""
+        return max(0, self.blocks_for(tokens) - len(self.tables.get(owner, ())))
+
     def grow(self, owner: int, tokens: int) -> list[int]:
         """Make `owner`'s table cover `tokens` positions; returns the blocks added."""
         table = self.tables.setdefault(owner, [])
-        need = self.blocks_for(tokens) - len(table)
+        need = self.blocks_to_grow(owner, tokens)
         if need <= 0:
             return []
         if need > len(self._free):

@@ -150,6 +150,19 @@ def test_kv_pressure_preemption_gives_the_same_tokens(make_engine, qwen):
     assert off_engine.stats.preemptions > 0 and on_engine.stats.preemptions > 0
 
 
+def test_no_forward_is_issued_ahead_when_its_kv_blocks_are_not_free(make_engine, qwen):
+    """Two 3-token prompts in a 4-block pool of 4-token blocks: after the first decode step both
+    rows need a block for the step after the next one and none is free, so nothing is issued then
+    (growing for it would raise); the tokens are decode ahead off's."""
+    _, model = qwen
+    batch = prompts([3, 3], seed=13)
+    params = SamplingParams(temperature=0.0, max_new_tokens=9, ignore_stop=True)
+    tight = dict(block_size=4, num_blocks=4, max_batch_tokens=8)
+    on = make_engine(model, decode_ahead="on", **tight)
+    assert_same(on.generate(batch, params), make_engine(model, decode_ahead="off", **tight).generate(batch, params))
+    assert on.stats.ahead_taken > 0
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_random_multi_turn_sessions_with_aborts_and_stops(make_engine, qwen, seed):
     """Sessions whose turns start whenever the previous one ends, random stop tokens and lengths,
