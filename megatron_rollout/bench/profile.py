@@ -11,7 +11,9 @@ Per forward shape (eager P, eager D, the decode graph):
   each segment a `record_function` range: host and device time per layer and site.
 
 `decode_idle`: the GPU's idle share of a decode-only engine replay (issue 14 wants < 5%): the
-union of kernel intervals over the window of N engine steps, all requests already decoding.
+union of kernel intervals over the window of N engine steps, all requests already decoding;
+`--idle-repeats` windows per setting, with and without decode ahead interleaved, summarised by
+median, min and max (`summarize_idle`).
 
 Run: `python -m megatron_rollout.bench.profile --out $OUT/profile.json` (GPU only).
 """
@@ -221,6 +223,16 @@ def decode_idle(model, rows: int = 64, prompt: int = 512, steps: int = 40, seed:
                                                  for r in op_table(prof, steps, top=12)["by_host"]]}
 
 
+IDLE_FIGURES = ("wall_ms_per_step", "device_busy_ms_per_step", "idle_share")
+
+
+def summarize_idle(repeats: list[dict[str, Any]]) -> dict[str, Any]:
+    """Windows of one setting: each in `repeats`, and the median, min and max of its figures."""
+    pick = lambda f: {k: f([r[k] for r in repeats]) for k in IDLE_FIGURES}  # noqa: E731
+    return {"n": len(repeats), "median": pick(statistics.median), "min": pick(min), "max": pick(max),
+            "repeats": repeats}
+
+
 def main(argv: list[str] | None = None) -> int:
     from megatron_rollout.bench.rollout import random_model
     from megatron_rollout.engine.config import RunnerConfig
@@ -231,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="qwen3-30b-a3b-12l", choices=sorted(PRESETS))
     ap.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--idle-rows", type=lambda v: [int(x) for x in v.split(",")], default=[64, 16, 1])
+    ap.add_argument("--idle-repeats", type=int, default=3, help="decode-only windows per setting, interleaved")
     ap.add_argument("--forwards", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--out", default="runs/profile.json")
     args = ap.parse_args(argv)
@@ -264,11 +277,13 @@ def main(argv: list[str] | None = None) -> int:
     del runner, cache
     torch.cuda.empty_cache()
     for rows in args.idle_rows:
-        for ahead in ("off", "auto"):  # without, then with decode ahead (`engine.ahead`)
-            key = f"decode_idle_{rows}" + ("" if ahead == "auto" else "_no_ahead")
-            out[key] = idle = decode_idle(model, rows=rows, ahead=ahead)
-            log.info("decode-only window, %d rows, decode_ahead=%s: %s", rows, ahead,
-                     {k: v for k, v in idle.items() if not k.startswith(("top", "host"))})
+        runs: dict[str, list[dict[str, Any]]] = {"_no_ahead": [], "": []}
+        for _ in range(args.idle_repeats):  # interleaved: without, then with decode ahead (`engine.ahead`)
+            for suffix, ahead in (("_no_ahead", "off"), ("", "auto")):
+                runs[suffix].append(decode_idle(model, rows=rows, ahead=ahead))
+        for suffix, reps in runs.items():
+            out[f"decode_idle_{rows}{suffix}"] = idle = summarize_idle(reps)
+            log.info("decode-only window, %d rows%s: %s", rows, suffix, {k: idle[k] for k in ("median", "min", "max")})
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))

@@ -63,3 +63,14 @@ def test_decode_phases_name_callables_a_cpu_engine_runs(ahead):
     every_step = {"plan", "draw (issue)", "complete (wait + bookkeeping)", "step"}
     every_step |= {"issue ahead (refill + launch)"} if ahead == "on" else {"inputs", "forward (refill + launch)"}
     assert every_step <= entered, clock.seconds
+
+
+def test_idle_windows_are_summarised_by_median_and_range():
+    from megatron_rollout.bench.profile import summarize_idle
+
+    reps = [{"wall_ms_per_step": w, "device_busy_ms_per_step": 6.0, "idle_share": 1 - 6.0 / w, "rows": 64}
+            for w in (7.0, 6.5, 8.0)]
+    s = summarize_idle(reps)
+    assert s["n"] == 3 and s["repeats"] == reps
+    assert [s[k]["wall_ms_per_step"] for k in ("min", "median", "max")] == [6.5, 7.0, 8.0]
+    assert s["median"]["idle_share"] == pytest.approx(1 - 6.0 / 7.0)
