@@ -14,6 +14,15 @@ Four kernels replace them, one launch each:
 - `router_topk`: logits (bf16 operands, fp32 accumulation), softmax, top-k and optional
   renormalisation, per 16-token block holding all experts.
 
+Two more for the routed experts' grouped path (`kernels.moe.routed_experts`), where a prefill's
+elementwise passes over [tokens x top-k, ...] cost as much as a grouped GEMM:
+
+- `silu_mul`: the SwiGLU between the two grouped GEMMs (`Experts.activation`: silu(gate) * up
+  from the fc1 output [pairs, 2F]) in one pass instead of a silu over a strided half and a multiply;
+- `moe_combine`: the expert outputs back to token order, times the routing weights, summed over
+  the k pairs of each token (fp32 sum, one rounding) in one pass instead of a gather, a multiply
+  and a sum.
+
 Exactness against the portable path (the references below run `model.layers`' own forwards):
 every elementwise step does the reference's fp32 operation and rounds to bf16 where it does
 (round to nearest even, written out as bit arithmetic so that Triton's interpreter, whose
@@ -27,7 +36,7 @@ in the same (descending) order; on exactly equal logits it takes the lowest expe
 (~1e-6 relative) can come out in either order. NaN logits give undefined but in-range ids.
 
 `install_fused_ops(model)` replaces `forward` on module *instances* (RMSNorm, SelfAttention,
-Router, TransformerLayer) and the model's `step`, so the model code is unchanged and a model
+Router, TransformerLayer), `activation` on Experts and the model's `step`, so the model code is unchanged and a model
 without it runs as before; `uninstall_fused_ops` removes them. Backends: "triton" (these kernels;
 on CPU only under `TRITON_INTERPRET=1`) and "torch" (the same wiring over the reference ops, so the
 wiring itself is tested on CPU: bit-identical to the unfused model). Every fused op falls back to
@@ -36,7 +45,7 @@ On CUDA, installing first runs `self_check` (each kernel once at the model's siz
 reference): a kernel that does not build or disagrees on the device leaves the model portable.
 
 Left out: fp16/fp32 kernels, fusing the RoPE output into the KV store, the token permutation of
-`kernels.moe`, and backward passes (inference only).
+`kernels.moe` (the gather into expert order and the sort), and backward passes (inference only).
 """
 from __future__ import annotations
 
@@ -48,7 +57,15 @@ from typing import NamedTuple
 import torch
 
 from megatron_rollout.forward import BoundaryPoint, Forward, Site
-from megatron_rollout.model.layers import RMSNorm, Router, SelfAttention, TransformerLayer, apply_rope, rope_tables
+from megatron_rollout.model.layers import (
+    Experts,
+    RMSNorm,
+    Router,
+    SelfAttention,
+    TransformerLayer,
+    apply_rope,
+    rope_tables,
+)
 from megatron_rollout.types import Axis
 
 log = logging.getLogger(__name__)
@@ -60,7 +77,8 @@ except ImportError:  # CI and CPU-only installs: the reference ops and the "torc
     triton = None
 
 BACKENDS = ("auto", "triton", "torch")
-LAUNCHES: dict[str, int] = {"rmsnorm": 0, "add_rmsnorm": 0, "qkv_norm_rope": 0, "router_topk": 0}
+LAUNCHES: dict[str, int] = {"rmsnorm": 0, "add_rmsnorm": 0, "qkv_norm_rope": 0, "router_topk": 0, "silu_mul": 0,
+                            "moe_combine": 0}
 """Kernel launches per op (host-side count; a fallback to the reference does not count): lets a
 test see that the kernels, not the references, ran."""
 ROUTER_BLOCK_M = 16
@@ -125,6 +143,19 @@ def router_ref(x: torch.Tensor, weight: torch.Tensor, topk: int, renormalize: bo
     """`layers.Router.forward` itself."""
     ns = types.SimpleNamespace(weight=weight, topk=topk, renormalize=renormalize)
     return Routing(*Router.forward(ns, x))  # type: ignore[arg-type]
+
+
+def silu_mul_ref(h: torch.Tensor) -> torch.Tensor:
+    """`layers.Experts.activation` itself: h [n, 2F] (gate | up) -> silu(gate) * up."""
+    return Experts.activation(None, h)  # type: ignore[arg-type]
+
+
+def moe_combine_ref(ys: torch.Tensor, dest: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """What `kernels.moe.routed_experts` does after the experts: out[n] = sum_j weights[n, j] *
+    ys[dest[n, j]]. ys: [P, H] expert-sorted rows; dest, weights: [N, k]."""
+    n, k = dest.shape
+    y = ys.index_select(0, dest.reshape(-1)).view(n, k, -1)
+    return (y * weights.unsqueeze(-1).to(y.dtype)).sum(1)
 
 
 # -- Triton kernels ---------------------------------------------------------------------------
@@ -246,6 +277,34 @@ if triton is not None:
         out = r64[:, None] * TOPK + kcol[None, :]
         tl.store(Wout + out, _bf16(top_w).to(Wout.dtype.element_ty), mask=omask)
         tl.store(Ids + out, top_i.to(tl.int64), mask=omask)
+
+
+if triton is not None:
+    @triton.jit
+    def _silu_mul_kernel(H, A, stride_h, stride_a, F: tl.constexpr, BLOCK: tl.constexpr):
+        """Row r: a[r, c] = bf16(bf16(silu(gate)) * up) with gate = h[r, c], up = h[r, F + c]."""
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = c < F
+        g = tl.load(H + row * stride_h + c, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(H + row * stride_h + F + c, mask=mask, other=0.0).to(tl.float32)
+        s = _bf16(tl.math.div_rn(g, 1.0 + tl.exp(-g)))
+        tl.store(A + row * stride_a + c, _bf16(s * u).to(A.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _combine_kernel(Y, Dest, W, Out, stride_y, stride_o, K: tl.constexpr, HID: tl.constexpr,
+                        BLOCK: tl.constexpr):
+        """Token n: out[n] = bf16(sum_j bf16(ys[dest[n, j]] * w[n, j])), the sum in fp32 in j order."""
+        n = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = c < HID
+        acc = tl.zeros([BLOCK], tl.float32)
+        for j in tl.static_range(K):
+            row = tl.load(Dest + n * K + j).to(tl.int64)
+            w = tl.load(W + n * K + j).to(tl.float32)
+            y = tl.load(Y + row * stride_y + c, mask=mask, other=0.0).to(tl.float32)
+            acc += _bf16(y * w)
+        tl.store(Out + n * stride_o + c, _bf16(acc).to(Out.dtype.element_ty), mask=mask)
 
 
 def _pow2(n: int) -> int:
@@ -375,6 +434,45 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, topk: int, renormalize: b
     return Routing(w_out, ids)
 
 
+def silu_mul(h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up for h [n, 2F] = (gate | up) -> [n, F] (one launch, one read of h)."""
+    if h.dim() != 2 or h.shape[1] % 2 or not _runnable(h) or h.shape[0] == 0:
+        ref = silu_mul_ref(h)
+        return ref if out is None else out.copy_(ref)
+    if h.stride(-1) != 1:
+        h = h.contiguous()
+    ffn = h.shape[1] // 2
+    a = _empty(out, (h.shape[0], ffn), h)
+    block = min(1024, _pow2(ffn))
+    LAUNCHES["silu_mul"] += 1
+    _silu_mul_kernel[(h.shape[0], triton.cdiv(ffn, block))](h, a, h.stride(0), a.stride(0), F=ffn, BLOCK=block,
+                                                          num_warps=_norm_warps(block), enable_fp_fusion=False)
+    return a
+
+
+def moe_combine(ys: torch.Tensor, dest: torch.Tensor, weights: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """out[n] = sum_j weights[n, j] * ys[dest[n, j]] (one launch: the gather back to pair order,
+    the routing-weight products and the sum over k). ys [P, H]; dest (int), weights [N, k]."""
+    fits = (ys.dim() == 2 and dest.dim() == 2 and dest.shape == weights.shape and not dest.is_floating_point()
+            and weights.dtype == ys.dtype)
+    if not fits or not _runnable(ys, weights) or dest.shape[0] == 0:
+        ref = moe_combine_ref(ys, dest, weights)
+        return ref if out is None else out.copy_(ref)
+    n, k = dest.shape
+    hidden = ys.shape[1]
+    if ys.stride(-1) != 1:
+        ys = ys.contiguous()
+    dest, weights = dest.contiguous(), weights.contiguous()
+    y = _empty(out, (n, hidden), ys)
+    block = min(2048, _pow2(hidden))
+    LAUNCHES["moe_combine"] += 1
+    _combine_kernel[(n, triton.cdiv(hidden, block))](ys, dest, weights, y, ys.stride(0), y.stride(0), K=k,
+                                                     HID=hidden, BLOCK=block, num_warps=_norm_warps(block),
+                                                     enable_fp_fusion=False)
+    return y
+
+
 # -- backends: the four ops over model modules -------------------------------------------------
 
 class TorchOps:
@@ -395,6 +493,12 @@ class TorchOps:
     def router(self, router: Router, x: torch.Tensor) -> Routing:
         return router_ref(x, router.weight, router.topk, router.renormalize)
 
+    def silu_mul(self, h: torch.Tensor) -> torch.Tensor:
+        return silu_mul_ref(h)
+
+    def combine(self, ys: torch.Tensor, dest: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return moe_combine_ref(ys, dest, weights)
+
 
 class TritonOps(TorchOps):
     """The fused kernels; each falls back to the reference where it does not apply."""
@@ -414,6 +518,12 @@ class TritonOps(TorchOps):
     def router(self, router: Router, x: torch.Tensor) -> Routing:
         return router_topk(x, router.weight, router.topk, router.renormalize)
 
+    def silu_mul(self, h: torch.Tensor) -> torch.Tensor:
+        return silu_mul(h)
+
+    def combine(self, ys: torch.Tensor, dest: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return moe_combine(ys, dest, weights)
+
 
 def _qk_weights(attn: SelfAttention) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
     if not attn.cfg.qk_layernorm:
@@ -425,6 +535,10 @@ def _qk_weights(attn: SelfAttention) -> tuple[torch.Tensor | None, torch.Tensor 
 
 def _norm_forward(self: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     return self._fused_ops.rmsnorm(self, x)
+
+
+def _experts_activation(self: Experts, h: torch.Tensor) -> torch.Tensor:
+    return self._fused_ops.silu_mul(h)
 
 
 def _router_forward(self: Router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -477,7 +591,8 @@ def _step(self, tokens: torch.Tensor, positions: torch.Tensor, attn, phase,
 
 
 _SWAPS = ((RMSNorm, "forward", _norm_forward), (Router, "forward", _router_forward),
-          (SelfAttention, "forward", _attention_forward), (TransformerLayer, "forward", _layer_forward))
+          (SelfAttention, "forward", _attention_forward), (TransformerLayer, "forward", _layer_forward),
+          (Experts, "activation", _experts_activation))
 
 
 def _make_ops(model: torch.nn.Module, backend: str) -> tuple[TorchOps | None, str]:
@@ -527,6 +642,14 @@ def self_check(model: torch.nn.Module, ops: TorchOps, rows: int = 16, tol: float
     if router is not None:
         x = torch.randn(rows, router.weight.shape[1], device=dev, generator=gen).to(dt)
         checks.append(("router_topk", lambda o: tuple(o.router(router, x))))
+    experts = next((m for m in model.modules() if isinstance(m, Experts)), None)
+    if experts is not None:
+        ffn, hidden, k = experts.local_experts[0].linear_fc2.weight.shape[1], norm.weight.shape[0], 4
+        gu = torch.randn(rows, 2 * ffn, device=dev, generator=gen).to(dt)
+        ys = torch.randn(rows * k, hidden, device=dev, generator=gen).to(dt)
+        dest = torch.randperm(rows * k, device=dev, generator=gen).view(rows, k)
+        w = torch.rand(rows, k, device=dev, generator=gen).to(dt)
+        checks += [("silu_mul", lambda o: (o.silu_mul(gu),)), ("moe_combine", lambda o: (o.combine(ys, dest, w),))]
     with torch.no_grad():
         for name, run in checks:
             try:
@@ -587,7 +710,7 @@ def uninstall_fused_ops(model: torch.nn.Module) -> int:
     restored = 0
     for module in model.modules():
         if "_fused_ops" in module.__dict__:
-            for attr in ("forward", "step"):
+            for attr in ("forward", "step", "activation"):
                 if isinstance(module.__dict__.get(attr), types.MethodType):
                     delattr(module, attr)
             del module._fused_ops

@@ -9,7 +9,9 @@ the device:
    (small batches) or a stable argsort (large prefills), both sync-free;
 2. `Experts.grouped_offsets` runs the expert MLPs as two `torch._grouped_mm` calls over the stacked
    expert weights, with the cumulative counts as group offsets (never a Python loop over experts);
-3. results return to pair order by index and are combined with the routing weights.
+3. results return to pair order by index and are combined with the routing weights (with
+   `kernels.fused` installed: one kernel for the gather, the weights and the sum, and one for the
+   SwiGLU between the two grouped GEMMs, `Experts.activation`).
 
 The rows reach expert order in one gather (each sorted row reads its token), not a gather into
 pair order followed by a scatter: at 4,096 tokens the scatter was 2.4 of a 29 ms prefill.
@@ -64,6 +66,9 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
     source[dest] = torch.arange(n * k, device=x.device) // k  # the token of each expert-sorted row
     xs = x.index_select(0, source)  # [P, H], expert-sorted: one gather, not a gather and a scatter
     ys = experts.grouped_offsets(xs, offsets)  # [P, H]
+    ops = experts.__dict__.get("_fused_ops")  # `kernels.fused`: gather back, weigh and sum in one kernel
+    if ops is not None:
+        return ops.combine(ys, dest.view(n, k), weights)
     y = ys.index_select(0, dest).view(n, k, -1)  # back to pair order
     return (y * weights.unsqueeze(-1).to(y.dtype)).sum(1)
 

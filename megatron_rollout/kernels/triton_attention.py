@@ -142,6 +142,40 @@ def _decode_reduce_kernel(PartO, PartM, PartL, Out, QStart, Seq, splits,
     tl.store(Out + row * stride_qn + h * stride_qh + d, out.to(Out.dtype.element_ty), mask=dmask)
 
 
+@triton.jit
+def _prefill_block(q, KC, VC, table, n0, hi, qpos, m_i, l_i, acc, scale_log2, kvh, stride_cs, stride_ch, d, dmask,
+                   BLOCK_N: tl.constexpr, PAGE: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr):
+    """One key block of `_prefill_kernel`'s online softmax. MASK: the block reaches the diagonal
+    (or `hi`), so scores are masked per row; blocks wholly below the tile's first query skip it."""
+    kpos = n0 + tl.arange(0, BLOCK_N)
+    if MASK:
+        kmask = kpos < hi
+        block = tl.load(table + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
+    else:
+        block = tl.load(table + kpos // PAGE).to(tl.int64)
+    slot = block * PAGE + kpos % PAGE
+    off = slot[:, None] * stride_cs + kvh * stride_ch + d[None, :]
+    if MASK:
+        kvmask = kmask[:, None] & dmask[None, :]
+        k = tl.load(KC + off, mask=kvmask, other=0.0)
+        v = tl.load(VC + off, mask=kvmask, other=0.0)
+    elif EVEN_D:  # the common case: whole blocks of a power-of-two head dim, no mask at all
+        k = tl.load(KC + off)
+        v = tl.load(VC + off)
+    else:
+        k = tl.load(KC + off, mask=dmask[None, :], other=0.0)
+        v = tl.load(VC + off, mask=dmask[None, :], other=0.0)
+    s = tl.dot(q, tl.trans(k)) * scale_log2
+    if MASK:
+        s = tl.where(kmask[None, :] & (kpos[None, :] <= qpos[:, None]), s, _NEG)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["stride_tb"])
 def _prefill_kernel(Q, KC, VC, Out, Tables, QStart, Past, New, TileSeq, TileStart, scale_log2,
                     stride_qn, stride_qh, stride_on, stride_oh, stride_cs, stride_ch, stride_tb,
@@ -171,25 +205,14 @@ def _prefill_kernel(Q, KC, VC, Out, Tables, QStart, Past, New, TileSeq, TileStar
     l_i = tl.zeros([TOK * GROUP_P], tl.float32)
     acc = tl.zeros([TOK * GROUP_P, D_P], tl.float32)
     hi = past + tl.minimum(t0 + TOK, new)  # keys [0, hi) can be seen by some row of the tile
+    lo = (past + t0 + 1) // BLOCK_N * BLOCK_N  # key blocks below lo are seen by every row: no mask
     table = Tables + seq.to(tl.int64) * stride_tb
-    for n0 in range(0, hi, BLOCK_N):
-        kpos = n0 + tl.arange(0, BLOCK_N)
-        kmask = kpos < hi
-        block = tl.load(table + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
-        slot = block * PAGE + kpos % PAGE
-        off = slot[:, None] * stride_cs + kvh * stride_ch + d[None, :]
-        kvmask = kmask[:, None] & dmask[None, :]
-        k = tl.load(KC + off, mask=kvmask, other=0.0)
-        v = tl.load(VC + off, mask=kvmask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
-        seen = kmask[None, :] & (kpos[None, :] <= qpos[:, None])
-        s = tl.where(seen, s, _NEG)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    for n0 in range(0, lo, BLOCK_N):
+        m_i, l_i, acc = _prefill_block(q, KC, VC, table, n0, hi, qpos, m_i, l_i, acc, scale_log2, kvh,
+                                       stride_cs, stride_ch, d, dmask, BLOCK_N, PAGE, False, D == D_P)
+    for n0 in range(lo, hi, BLOCK_N):
+        m_i, l_i, acc = _prefill_block(q, KC, VC, table, n0, hi, qpos, m_i, l_i, acc, scale_log2, kvh,
+                                       stride_cs, stride_ch, d, dmask, BLOCK_N, PAGE, True, D == D_P)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(Out + qrow[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
@@ -211,6 +234,8 @@ class TritonAttention(AttentionKernels):
     decode_block_n = 64
     prefill_block_m = 128  # rows of a prefill tile = tokens x query heads of one kv head
     prefill_block_n = 64
+    prefill_stages = 2
+    prefill_warps: int | None = None  # None: 8 for tiles of 128 rows or more, else 4
 
     @classmethod
     def missing(cls, device: torch.device) -> str | None:
@@ -283,4 +308,5 @@ class TritonAttention(AttentionKernels):
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
             meta.tables.stride(0),
             GROUP=group, GROUP_P=_pow2(group), TOK=tok, D=d, D_P=_pow2(d, 16), BLOCK_N=self.prefill_block_n,
-            PAGE=meta.block_size, num_warps=8 if tok * _pow2(group) >= 128 else 4, num_stages=2)
+            PAGE=meta.block_size, num_warps=self.prefill_warps or (8 if tok * _pow2(group) >= 128 else 4),
+            num_stages=self.prefill_stages)

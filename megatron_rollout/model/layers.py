@@ -216,8 +216,13 @@ class Experts(nn.Module):
                                "model (after any WeightStore.bind)")
         fc1, fc2 = st
         h = torch._grouped_mm(x, fc1.transpose(1, 2), offs=offsets)  # [n, 2F]
+        return torch._grouped_mm(self.activation(h), fc2.transpose(1, 2), offs=offsets)  # [n, H]
+
+    def activation(self, h: torch.Tensor) -> torch.Tensor:
+        """SwiGLU between the grouped projections: h [n, 2F] (gate | up) -> silu(gate) * up [n, F].
+        `kernels.fused.install_fused_ops` replaces it on the instance by one kernel."""
         gate, up = h.chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, fc2.transpose(1, 2), offs=offsets)  # [n, H]
+        return F.silu(gate) * up
 
 
 class MoELayer(nn.Module):

@@ -199,8 +199,7 @@ class TEGroupedExperts:
             refresh = not _capturing() and self.seen != self._versions()
         with te.autocast(enabled=True, recipe=self.recipe):
             h = self.fc1(x, splits, is_first_microbatch=refresh)
-            gate, up = h.chunk(2, dim=-1)
-            y = self.fc2(F.silu(gate) * up, splits, is_first_microbatch=refresh)
+            y = self.fc2(self.experts.activation(h), splits, is_first_microbatch=refresh)
         if refresh:
             self.seen = self._versions()
         return y
@@ -294,7 +293,7 @@ def remove_te(model: nn.Module) -> int:
         if isinstance(module, Linear) and isinstance(module.fp8, TEWeight):
             module.fp8 = None
             n += 1
-        elif isinstance(module, Experts) and "grouped_offsets" in module.__dict__:
+        elif isinstance(module, Experts) and "te" in module.__dict__:
             del module.grouped_offsets
             del module.te
             n += 1

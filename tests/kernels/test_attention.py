@@ -112,6 +112,16 @@ def test_prefill_long_causal_offset(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("d", [48, 128])
+def test_prefill_unmasked_blocks_and_head_dims(device, d):
+    # spans long enough that most key blocks lie below each tile's first query (the kernel's
+    # unmasked loop) plus the diagonal blocks (its masked loop); 48 is not a power of two (masked d)
+    spec = [(130, 70), (0, 150), (64, 1)]
+    out, ref, _, _ = _case(device, spec, hq=4, hkv=2, d=d, bs=16, seed=8)
+    assert _rel(out, ref) < _tol(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_decode_long_contexts_split_k(device):
     spec = [(700, 1), (1, 1), (333, 1), (1500, 1)]
     out, ref, _, _ = _case(device, spec, hq=4, hkv=4, d=64, bs=16, seed=4)

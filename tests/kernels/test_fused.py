@@ -42,6 +42,9 @@ INTERP = pytest.param("cpu", marks=[pytest.mark.interpret,
                       id="interpret")
 
 PRESET = preset("qwen3-30b-a3b-12l")
+DECODE_OPS = ("rmsnorm", "add_rmsnorm", "qkv_norm_rope", "router_topk")
+"""The ops every fused forward launches; the MoE two run on the device exchange's grouped path
+(`test_routed_experts_with_fused_ops_match`)."""
 TINY = preset("tiny-moe")
 
 
@@ -121,6 +124,75 @@ def test_add_rmsnorm_matches_reference(device, rows, hidden):
     y = got.normed
     assert not y.isnan().any()
     assert _rel(y, ref.normed) < 2e-3 and _within_ulps(y, ref.normed, 3) and _same(y, ref.normed) >= 0.99
+
+
+# (pairs, FFN): the SwiGLU between the grouped expert GEMMs
+SILU_GPU = [(1, 768), (64 * 8, 768), (4096 * 8, 768), (5, 96), (3, 1500)]
+SILU_INTERP = [(1, 768), (9, 96), (4, 1500)]
+
+
+@pytest.mark.parametrize("device,rows,ffn", _cases(SILU_GPU, SILU_INTERP))
+def test_silu_mul_matches_reference(device, rows, ffn):
+    gen = _gen(device, rows * 3 + ffn)
+    h = _randn((rows, 2 * ffn), device, gen, 3.0)
+    out, before = _poison((rows, ffn), device), dict(fused.LAUNCHES)
+    a = fused.silu_mul(h, out=out)
+    ref = fused.silu_mul_ref(h)
+    assert _launched("silu_mul", before) == 1 and a.data_ptr() == out.data_ptr()
+    # the same two bf16 roundings as the reference; exp may differ by an fp32 ulp
+    assert _within_ulps(a, ref, 1) and _same(a, ref) >= 0.99, _same(a, ref)
+
+
+# (tokens, top-k, hidden)
+COMBINE_GPU = [(1, 8, 2048), (64, 8, 2048), (4096, 8, 2048), (5, 2, 96), (3, 4, 3000)]
+COMBINE_INTERP = [(1, 8, 2048), (5, 2, 96), (3, 4, 3000)]
+
+
+@pytest.mark.parametrize("device,tokens,k,hidden", _cases(COMBINE_GPU, COMBINE_INTERP))
+def test_moe_combine_matches_reference(device, tokens, k, hidden):
+    gen = _gen(device, tokens * 11 + k + hidden)
+    ys = _randn((tokens * k + 3, hidden), device, gen)  # 3 rows no pair reads
+    dest = torch.randperm(tokens * k + 3, device=device, generator=gen)[:tokens * k].view(tokens, k)
+    w = torch.rand(tokens, k, device=device, generator=gen).bfloat16()
+    out, before = _poison((tokens, hidden), device), dict(fused.LAUNCHES)
+    y = fused.moe_combine(ys, dest, w, out=out)
+    ref = fused.moe_combine_ref(ys, dest, w)
+    assert _launched("moe_combine", before) == 1 and y.data_ptr() == out.data_ptr()
+    assert _rel(y, ref) < 2e-3 and _within_ulps(y, ref, 2) and _same(y, ref) >= 0.98, (_rel(y, ref), _same(y, ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [64, 4096])
+def test_routed_experts_with_fused_ops_match(tokens):
+    """`kernels.moe.routed_experts` on the grouped path, with and without the fused SwiGLU and
+    combine installed: the same result within bf16 rounding, and the two kernels ran."""
+    from megatron_rollout.kernels.moe import install_device_exchange, routed_experts
+    from megatron_rollout.model.layers import MoELayer
+
+    model = MoETransformer(PRESET.replace(num_layers=2), device="cuda").init_weights(2).requires_grad_(False)
+    install_device_exchange(model)
+    layer = next(m for m in model.modules() if isinstance(m, MoELayer))
+    x = _randn((tokens, PRESET.hidden_size), "cuda", _gen("cuda", tokens))
+    with torch.no_grad():
+        w, ids = layer.router(x)
+        ref = routed_experts(x, ids, w, layer.experts)
+        fused.install_fused_ops(model, "triton")
+        before = dict(fused.LAUNCHES)
+        got = routed_experts(x, ids, w, layer.experts)
+    assert _launched("silu_mul", before) == 1 and _launched("moe_combine", before) == 1
+    assert _rel(got, ref) < 1e-2, _rel(got, ref)
+    fused.uninstall_fused_ops(model)
+    assert "activation" not in layer.experts.__dict__
+
+
+def test_moe_ops_fall_back_where_they_do_not_apply():
+    gen = _gen("cpu", 0)
+    h = torch.randn(4, 10, generator=gen)  # fp32: the reference runs, no launch
+    before = dict(fused.LAUNCHES)
+    assert torch.equal(fused.silu_mul(h), fused.silu_mul_ref(h))
+    ys, dest, w = torch.randn(6, 8, generator=gen), torch.tensor([[0, 5], [2, 3]]), torch.rand(2, 2, generator=gen)
+    assert torch.equal(fused.moe_combine(ys, dest, w), fused.moe_combine_ref(ys, dest, w))
+    assert fused.LAUNCHES == before
 
 
 # (tokens, groups, heads per group, head dim)
@@ -259,7 +331,7 @@ def _greedy_agreement(cfg: ModelConfig, device: str, seed: int, steps: int, back
 def test_fused_model_greedy_matches_on_cuda(cfg):
     got = _greedy_agreement(cfg, "cuda", 3, steps=16)
     assert got["rel"] < 1e-2 and got["ties"] <= 2 and got["equal"] >= 14, got
-    assert all(n > 0 for n in got["launches"].values()), got  # every kernel ran, not the references
+    assert all(got["launches"][k] > 0 for k in DECODE_OPS), got  # every kernel ran, not the references
 
 
 @pytest.mark.interpret
@@ -267,7 +339,7 @@ def test_fused_model_greedy_matches_on_cuda(cfg):
 def test_fused_model_greedy_matches_in_the_interpreter():
     got = _greedy_agreement(TINY.replace(dtype="bfloat16"), "cpu", 3, steps=6)
     assert got["rel"] < 1e-2 and got["ties"] <= 1 and got["equal"] >= 5, got
-    assert all(n > 0 for n in got["launches"].values()), got
+    assert all(got["launches"][k] > 0 for k in DECODE_OPS), got
 
 
 @pytest.mark.parametrize("device", [CUDA, INTERP])
@@ -324,7 +396,7 @@ def test_cuda_runner_graphs_with_fused_ops_match_the_portable_runner():
             assert b.shape == a.shape and _rel(b, a) < 3e-2  # the runner test's bound (Triton attention)
             lens = [n + 1 for n in lens]
     assert fast.stats["graph_replays"] == 3
-    assert all(fused.LAUNCHES[k] > before[k] for k in fused.LAUNCHES)
+    assert all(fused.LAUNCHES[k] > before[k] for k in DECODE_OPS)
 
 
 @pytest.mark.gpu
@@ -388,14 +460,17 @@ def test_install_is_idempotent_uninstall_restores_and_deepcopy_rebinds():
     model = MoETransformer(TINY).init_weights(0)
     first = fused.install_fused_ops(model, "torch")
     assert first["modules"] == fused.install_fused_ops(model, "torch")["modules"]
-    # 3 layers x (input, pre-MLP, q, k) norms + the final norm; 2 MoE routers; 3 attentions and layers
-    assert first["modules"] == {"RMSNorm": 13, "Router": 2, "SelfAttention": 3, "TransformerLayer": 3}
+    # 3 layers x (input, pre-MLP, q, k) norms + the final norm; 2 MoE routers and expert sets; 3 attentions
+    # and layers
+    assert first["modules"] == {"RMSNorm": 13, "Router": 2, "SelfAttention": 3, "TransformerLayer": 3,
+                                "Experts": 2}
     clone = copy.deepcopy(model)
     norm = clone.decoder.final_layernorm
     assert clone.step.__self__ is clone and norm.forward.__self__ is norm  # bound to the copy, not the original
-    assert fused.uninstall_fused_ops(model) == 1 + 13 + 2 + 3 + 3
+    assert fused.uninstall_fused_ops(model) == 1 + 13 + 2 + 3 + 3 + 2
     assert fused.installed_backend(model) is None
-    assert all("forward" not in m.__dict__ for m in model.modules()) and "step" not in model.__dict__
+    assert all("forward" not in m.__dict__ and "activation" not in m.__dict__ for m in model.modules())
+    assert "step" not in model.__dict__
     assert fused.installed_backend(clone) == "torch"
 
 
