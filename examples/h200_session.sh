@@ -75,6 +75,10 @@ for stage in "$@"; do
       cd /tmp/run
       timeout 150 python3 -m megatron_rollout.bench.profile --out "$OUT/profile.json" > /tmp/res/profile.log 2>&1
       grep __main__ /tmp/res/profile.log | cut -c1-200 ;;
+    attention)  # attention backends and the Triton prefill settings grid on the model's shapes
+      cd /tmp/run
+      timeout 200 python3 -m megatron_rollout.bench.attention --backends "${ATTN_BACKENDS:-triton,varlen}" \
+        --out "$OUT/attention.json" 2>&1 | tail -8 ;;
     kernels)  # fused small ops and the decode step; the micro stage (prefill rate, attention, experts)
       cd /tmp/run
       timeout 90 python3 -m megatron_rollout.bench.kernels --json --out "$OUT/kernels.json" > /tmp/res/kernels.log 2>&1
