@@ -110,7 +110,7 @@ def parser() -> argparse.ArgumentParser:
                     help="int, or 'auto': the preset's, raised to cover the trace's longest context (random weights)")
     ap.add_argument("--mux-span", default=DEFAULT_SPAN,
                     help="segment policy of plain 'mux': budget:US | load | fixed:K")
-    ap.add_argument("--attention", default="auto", help="auto | triton | varlen | portable")
+    ap.add_argument("--attention", default="auto", help="auto | triton | varlen | flash | portable")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="of every turn (seeded per turn); > 0 times sampled decoding, ours only (no vLLM)")
     ap.add_argument("--decode-ahead", default="auto", choices=("auto", "on", "off"),

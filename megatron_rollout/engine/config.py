@@ -124,7 +124,7 @@ class RunnerConfig:
     prefill_graph_rows: int = 256
     """Sampled rows a piecewise graph holds (at most its bucket's tokens); more run eagerly."""
     attention: str = "auto"
-    """Attention kernels: auto | triton | varlen | portable (see `kernels.registry`)."""
+    """Attention kernels: auto | triton | varlen | flash | portable (see `kernels.registry`)."""
     async_prefill: bool = True
     """Yield `COMPLETION` boundaries until P's event fires instead of blocking on it."""
     d_priority: int = -1

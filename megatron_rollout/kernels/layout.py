@@ -130,11 +130,13 @@ def build_layout(spans: Sequence[SeqSpan], token_ids: Sequence[Sequence[int]], s
     tile_start = (np.arange(t_count) - np.repeat(np.cumsum(ntiles) - ntiles, ntiles)) * tok
     rows = (q_start + news - 1)[np.asarray(sample, dtype=bool)] if s_count else np.zeros(0, np.int64)
 
-    parts = [tokens, pos, slots, q_start, pasts, news, lens, dec, tile_seq, tile_start, rows, tables.reshape(-1)]
+    cu_q = np.append(q_start, n)
+    parts = [tokens, pos, slots, q_start, pasts, news, lens, dec, tile_seq, tile_start, rows, cu_q,
+             tables.reshape(-1)]
     packed, offsets = pack_aligned(parts)
     dev = to_device(packed, device)  # a fresh allocation: its start is aligned far beyond 16 bytes
     views = [dev[off:off + size] for off, size in offsets]
-    t_tok, t_pos, t_slot, t_qs, t_past, t_new, t_len, t_dec, t_tseq, t_tstart, t_rows, t_tab = views
+    t_tok, t_pos, t_slot, t_qs, t_past, t_new, t_len, t_dec, t_tseq, t_tstart, t_rows, t_cu, t_tab = views
     t_tab = t_tab.view(s_count, width)
 
     decode = None
@@ -146,7 +148,8 @@ def build_layout(spans: Sequence[SeqSpan], token_ids: Sequence[Sequence[int]], s
     if multi.size:
         prefill = PrefillMeta(t_tab, t_qs, t_past, t_new, t_tseq, t_tstart, tok, tuple(multi.tolist()),
                               int(news[multi].max()), int(lens[multi].max()), block_size, host_tables=tables,
-                              host_q_start=q_start, host_past=pasts, host_new=news)
+                              host_q_start=q_start, host_past=pasts, host_new=news, cu_q=t_cu, lens=t_len,
+                              max_len=int(lens.max()))
     return ForwardLayout(t_tok, t_pos, t_slot, t_rows.long(), decode, prefill)
 
 
@@ -164,10 +167,7 @@ class KernelPagedBatch(AttentionBackend):
         kc, vc = self.cache.k[layer], self.cache.v[layer]  # [slots, hkv, d]
         self.kernels.store_kv(kc, vc, k, v, self.layout.slots)
         out = torch.empty_like(q)
-        if self.layout.decode is not None:
-            self.kernels.decode(q, kc, vc, self.layout.decode, out)
-        if self.layout.prefill is not None:
-            self.kernels.prefill(q, kc, vc, self.layout.prefill, out)
+        self.kernels.attend(q, kc, vc, self.layout.decode, self.layout.prefill, out)
         return out
 
 

@@ -98,19 +98,36 @@ class DeviceLocalComm(LocalComm):
         self._exchange = self.device_exchange
 
 
+TRITON_MARGIN = 0.9
+"""The Triton small-batch experts are chosen only when they take at most this fraction of the
+grouped GEMM's time: near a tie the choice would flip from one measurement to the next."""
+
+_CHOSEN: dict[tuple, dict] = {}
+"""Choices made in this process, by device and shapes: every engine built on the same model shape
+runs the same expert kernels, so their tokens agree (the two paths round differently, and two
+engines of one job compared at temperature 0 must not differ by a timing coin flip)."""
+
+
 def choose_small_kernels(model: torch.nn.Module, rows: int = 64) -> dict:
     """Time the Triton and grouped-GEMM expert paths on a decode-sized batch of the first MoE
-    layer and keep the faster for small batches. Returns the timings (ms) and the choice."""
+    layer and keep the faster for small batches (Triton only when clearly faster: `TRITON_MARGIN`).
+    The first choice for a device and shape holds for the rest of the process. Returns the timings
+    (ms) and the choice."""
     comm = getattr(model, "comm", None)
     layer = next((m for m in model.modules() if isinstance(m, MoELayer)), None)
     if not isinstance(comm, DeviceLocalComm) or layer is None or layer.experts.stacked() is None:
         return {"choice": "none"}
     from megatron_rollout.kernels import moe_triton
 
-    cfg_h = layer.experts.stacked()[0].shape[2]
-    ffn = layer.experts.stacked()[1].shape[2]
+    fc1, fc2 = layer.experts.stacked()
+    cfg_h, ffn = fc1.shape[2], fc2.shape[2]
     if not moe_triton.supported(cfg_h, ffn):
         return {"choice": "grouped_mm", "reason": f"hidden {cfg_h} / ffn {ffn} not tileable"}
+    key = (str(fc1.device), torch.cuda.get_device_name(fc1.device), tuple(fc1.shape), tuple(fc2.shape),
+           layer.router.topk, rows, "fused" if "_fused_ops" in layer.experts.__dict__ else "plain")
+    if key in _CHOSEN:
+        comm.device_exchange.small = _CHOSEN[key]["choice"]
+        return {**_CHOSEN[key], "reused": True}
     x = torch.randn(rows, cfg_h, device=layer.experts.stacked()[0].device, dtype=layer.experts.stacked()[0].dtype)
     names = ("grouped_mm", "triton")
     with torch.no_grad():
@@ -129,11 +146,12 @@ def choose_small_kernels(model: torch.nn.Module, rows: int = 64) -> dict:
         timings = {n: sorted(v)[len(v) // 2] for n, v in samples.items()}  # median of the rounds
     ref = outs["grouped_mm"].float()
     err = float((outs["triton"].float() - ref).norm() / ref.norm().clamp_min(1e-12))
-    choice = "triton" if err < 2e-2 and timings["triton"] < timings["grouped_mm"] else "grouped_mm"
+    choice = "triton" if err < 2e-2 and timings["triton"] <= TRITON_MARGIN * timings["grouped_mm"] else "grouped_mm"
     comm.device_exchange.small = choice
     log.info("small-batch experts: %s (grouped_mm %.3f ms, triton %.3f ms, rel err %.1e)", choice,
              timings["grouped_mm"], timings["triton"], err)
-    return {"choice": choice, "ms": timings, "triton_rel_err": err, "rows": rows}
+    _CHOSEN[key] = {"choice": choice, "ms": timings, "triton_rel_err": err, "rows": rows}
+    return dict(_CHOSEN[key])
 
 
 def install_device_exchange(model: torch.nn.Module) -> bool:

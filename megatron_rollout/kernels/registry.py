@@ -91,6 +91,12 @@ class PrefillMeta:
     host_q_start: np.ndarray | None = None
     host_past: np.ndarray | None = None
     host_new: np.ndarray | None = None
+    cu_q: torch.Tensor | None = None
+    """[S + 1] int32: first row of every span of the forward, then the row count (varlen libraries)."""
+    lens: torch.Tensor | None = None
+    """[S] int32: cached + new positions of every span of the forward."""
+    max_len: int = 0
+    """Most cached + new positions of any span of the forward (decode rows included)."""
 
     @property
     def tiles(self) -> int:
@@ -126,11 +132,21 @@ class AttentionKernels(abc.ABC):
                 out: torch.Tensor) -> None:
         """q, out: [N, hq, d]; writes the rows of every span in `meta.spans`."""
 
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode: DecodeMeta | None,
+               prefill: PrefillMeta | None, out: torch.Tensor) -> None:
+        """Every row of a forward (after `store_kv`): its decode rows, then its prefill spans. A
+        backend whose kernel takes both at once (a varlen library) overrides this."""
+        if decode is not None:
+            self.decode(q, k_cache, v_cache, decode, out)
+        if prefill is not None:
+            self.prefill(q, k_cache, v_cache, prefill, out)
+
 
 _BACKENDS: dict[str, type[AttentionKernels]] = {}
 _AUTO_ORDER = ("triton", "portable")
 _LAZY = {"triton": "megatron_rollout.kernels.triton_attention",
-         "varlen": "megatron_rollout.kernels.varlen"}
+         "varlen": "megatron_rollout.kernels.varlen",
+         "flash": "megatron_rollout.kernels.flash"}
 
 
 def register(cls: type[AttentionKernels]) -> type[AttentionKernels]:

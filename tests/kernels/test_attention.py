@@ -158,6 +158,31 @@ def test_varlen_backend_matches_portable():
     assert _rel(out, ref) < 2e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", [[(0, 64), (100, 37), (5, 1), (63, 65)], [(0, 300), (1200, 257)], [(40, 1), (7, 1)]],
+                         ids=["mixed", "prefill", "decode"])
+def test_flash_backend_matches_portable(spec):
+    """FA3 (vLLM's build) over every span of a forward with prefill spans; decode-only forwards
+    keep the Triton kernel. Skipped where vLLM's FA3 is not installed."""
+    try:
+        resolve_attention("flash", "cuda")
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    out, ref, cache, ref_cache = _case("cuda", spec, hq=32, hkv=4, d=128, bs=16, seed=9, backend="flash")
+    assert _rel(out, ref) < 2e-2
+    assert torch.equal(cache.k, ref_cache.k) and torch.equal(cache.v, ref_cache.v)
+
+
+def test_flash_backend_says_why_it_cannot_run_here():
+    from megatron_rollout.kernels.registry import _load
+
+    cls = _load("flash")
+    why = cls if isinstance(cls, str) else cls.missing(torch.device("cpu"))
+    assert why and ("CUDA" in why or "triton" in why)
+    with pytest.raises(RuntimeError, match="'flash' was asked for but cannot run"):
+        resolve_attention("flash", "cpu")
+
+
 # -- CPU, unconditional --------------------------------------------------------------------
 
 def test_portable_backend_matches_paged_batch_on_cpu():

@@ -116,6 +116,19 @@ def test_routed_experts_matches_portable_on_gpu(tokens):
 
 
 @pytest.mark.gpu
+def test_small_kernel_choice_holds_for_every_engine_of_a_shape():
+    """Two models of one shape get the first measurement's choice (the two expert paths round
+    differently: a timing coin flip between two engines must not change their tokens)."""
+    models = [MoETransformer(_moe_cfg(), device="cuda").init_weights(i) for i in (1, 2)]
+    for m in models:
+        install_device_exchange(m)
+    first, second = (moe.choose_small_kernels(m) for m in models)
+    assert first["choice"] in ("triton", "grouped_mm") and "reused" not in first
+    assert second["reused"] and second["choice"] == first["choice"]
+    assert models[1].comm.device_exchange.small == first["choice"]
+
+
+@pytest.mark.gpu
 def test_grouped_fast_path_matches_loop_on_gpu():
     model = MoETransformer(_moe_cfg(), device="cuda").init_weights(5)
     experts = model.decoder.layers[0].mlp.experts

@@ -1,0 +1,80 @@
+"""FlashAttention 3 over the paged KV store (backend "flash"), from vLLM's build of it.
+
+A forward with prefill spans runs as one `flash_attn_varlen_func` call over *all* its spans
+(decode rows are spans of one new token): the cache `[slots, hkv, d]` is read as FA3's paged
+layout `[blocks, block_size, hkv, d]` through the forward's block tables, `seqused_k` = cached +
+new positions, and the causal mask aligned to the end of each span's keys is exactly "cached
+prefix + new tokens". Forwards of decode rows only (the CUDA-graph decode step) and the KV store
+keep the Triton kernels, so graphs capture nothing new.
+
+Where it comes from: `vllm.vllm_flash_attn` (vLLM's wheel ships FA3 compiled for sm_90 against
+its torch; vLLM 0.26.0 pins torch 2.11). `missing` says why it cannot run: no CUDA, not a 9.x
+device, vLLM absent, or its FA3 extension not importable. The FA3 package of the flash-attention
+project (`flash_attn_interface`, a different signature) is not wired: it does not install on the
+machines here, so it could not be tested.
+
+Left out: FA3's scheduler metadata and split-KV tuning (its defaults), FP8 KV, and decode graphs
+through FA3.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatron_rollout.kernels.registry import DecodeMeta, PrefillMeta, register
+from megatron_rollout.kernels.triton_attention import TritonAttention
+
+
+def _fa3():
+    """vLLM's `flash_attn_varlen_func`, or ImportError saying why it is not there."""
+    try:
+        from vllm.vllm_flash_attn import flash_attn_interface as fa
+    except Exception as exc:  # vLLM's import can fail in many ways; all mean "not available"
+        raise ImportError(f"vllm.vllm_flash_attn does not import ({type(exc).__name__}: {exc}); "
+                          "pip install vllm (0.26.0 matches torch 2.11)") from exc
+    if not fa.FA3_AVAILABLE:
+        raise ImportError(f"vLLM's FA3 extension is missing: {fa.FA3_UNAVAILABLE_REASON}")
+    return fa.flash_attn_varlen_func
+
+
+@register
+class FlashAttention(TritonAttention):
+    """FA3 for forwards with prefill spans; Triton for decode-only forwards and the KV store."""
+
+    name = "flash"
+
+    @classmethod
+    def missing(cls, device: torch.device) -> str | None:
+        if device.type != "cuda":
+            return f"FlashAttention 3 needs a CUDA device, got {device}"
+        major, minor = torch.cuda.get_device_capability(device)
+        if major != 9:
+            return f"FlashAttention 3 runs on compute capability 9.x (Hopper), this device is {major}.{minor}"
+        try:
+            _fa3()
+        except ImportError as exc:
+            return str(exc)
+        return None
+
+    def __init__(self) -> None:
+        self._varlen = None
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode: DecodeMeta | None,
+               prefill: PrefillMeta | None, out: torch.Tensor) -> None:
+        if prefill is None:
+            return super().attend(q, k_cache, v_cache, decode, None, out)
+        self.prefill(q, k_cache, v_cache, prefill, out)  # every span, decode rows included
+
+    def prefill(self, q, k_cache, v_cache, meta: PrefillMeta, out):
+        if meta.cu_q is None or meta.lens is None:
+            raise ValueError("the flash backend needs the forward's cu_q and lens (kernels.layout.build_layout)")
+        self._check(k_cache, q, "prefill")
+        if self._varlen is None:
+            self._varlen = _fa3()
+        bs, hkv, d = meta.block_size, k_cache.shape[1], k_cache.shape[2]
+        pages = k_cache.view(-1, bs, hkv, d), v_cache.view(-1, bs, hkv, d)
+        rows = int(meta.cu_q.shape[0]) - 1
+        self._varlen(q, *pages, max_seqlen_q=max(meta.max_new, 1), cu_seqlens_q=meta.cu_q,
+                     max_seqlen_k=meta.max_len, seqused_k=meta.lens, softmax_scale=1.0 / math.sqrt(d), causal=True,
+                     block_table=meta.tables[:rows], out=out, fa_version=3)
