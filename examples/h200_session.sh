@@ -61,10 +61,10 @@ for stage in "$@"; do
         --temperature 1 --repeats 3 --no-vllm --deadline-s "${DEADLINE:-200}" --out /tmp/res/sampled \
         > /tmp/res/sampled.log 2>&1
       tail -16 /tmp/res/sampled.log; cp /tmp/res/sampled/rollout.json "$OUT/sampled.json" ;;
-    prefill)  # 16 conversations (24 did not fit 3 repeats in one call)
+    prefill)  # 16 conversations (24 did not fit 3 repeats in one call); the sweep and the ablation
       cd /tmp/run
-      bench --profile prefill --conversations 16 --repeats 3 --no-vllm --deadline-s 300 --out /tmp/res/prefill \
-        > /tmp/res/prefill.log 2>&1
+      bench --profile prefill --conversations 16 --budgets "${BUDGETS:-2048,4096,8192,16384}" ${ABLATION:---ablation} \
+        --repeats 3 --no-vllm --deadline-s "${DEADLINE:-300}" --out /tmp/res/prefill > /tmp/res/prefill.log 2>&1
       tail -16 /tmp/res/prefill.log; cp /tmp/res/prefill/rollout.json "$OUT/prefill.json" ;;
     p48)  # the full 48-layer preset on the prefill profile: off and mux, one budget, one repeat
       cd /tmp/run
@@ -79,6 +79,18 @@ for stage in "$@"; do
       cd /tmp/run
       timeout 200 python3 -m megatron_rollout.bench.attention --backends "${ATTN_BACKENDS:-triton,varlen}" \
         --out "$OUT/attention.json" 2>&1 | tail -8 ;;
+    micro)  # the micro stage alone: decode steps, prefill rate, attention, experts
+      cd /tmp/run
+      timeout 120 python3 -m megatron_rollout.bench.rollout --schedules '' --micro --no-vllm --out /tmp/res/micro \
+        > /tmp/res/micro.log 2>&1; tail -12 /tmp/res/micro.log; cp /tmp/res/micro/rollout.json "$OUT/micro.json" ;;
+    flash)  # FA3 from the unpacked vLLM bundle: the attention grid with it, then a prefill replay on it
+      cd /tmp/run
+      PYTHONPATH=/tmp/site:/tmp/run:/tmp/pv/site timeout 150 python3 -m megatron_rollout.bench.attention \
+        --backends triton,flash --block-n 128 --stages 3 --warps 8 --out "$OUT/attention-flash.json" 2>&1 | tail -8
+      PYTHONPATH=/tmp/site:/tmp/run:/tmp/pv/site bench --profile prefill --conversations 16 --attention flash \
+        --schedules "${SCHEDULES:-off,mux}" --no-ablation --budgets "${BUDGETS:-8192}" --repeats 3 --no-vllm \
+        --deadline-s "${DEADLINE:-240}" --out /tmp/res/prefill-flash > /tmp/res/prefill-flash.log 2>&1
+      tail -10 /tmp/res/prefill-flash.log; cp /tmp/res/prefill-flash/rollout.json "$OUT/prefill-flash.json" ;;
     kernels)  # fused small ops and the decode step; the micro stage (prefill rate, attention, experts)
       cd /tmp/run
       timeout 90 python3 -m megatron_rollout.bench.kernels --json --out "$OUT/kernels.json" > /tmp/res/kernels.log 2>&1
