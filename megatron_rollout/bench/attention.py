@@ -10,8 +10,9 @@ query-key pairs x query heads x head dim; decode: KV bytes read per second), the
 against the Triton default, and the Triton compilations counted inside the timed calls (a
 variant is compiled by an untimed call first; the count must be 0). Variants are timed in
 interleaved rounds (`--rounds`), so clock drift hits all alike; the JSON has every round.
-`best` names the fastest Triton setting per prefill shape: `TritonAttention`'s defaults are
-chosen from it.
+`best` names the fastest Triton setting per shape (prefill shapes cross `--block-n`, `--stages`,
+`--warps`; decode shapes cross the `--decode-*` lists when `--decode-block-n` is given):
+`TritonAttention`'s defaults are chosen from it.
 """
 from __future__ import annotations
 
@@ -51,9 +52,15 @@ def pairs(spec: list[tuple[int, int]]) -> int:
     return sum(n * p + n * (n + 1) // 2 for p, n in spec)
 
 
-def triton_settings(block_n: list[int], stages: list[int], warps: list[int]) -> list[dict[str, int]]:
-    return [{"prefill_block_n": b, "prefill_stages": s, "prefill_warps": w}
+def triton_settings(block_n: list[int], stages: list[int], warps: list[int], phase: str = "prefill",
+                    programs: list[int] | None = None) -> list[dict[str, int]]:
+    """The grid of `TritonAttention` launch settings for `phase` ("prefill" or "decode"; decode
+    also crosses `programs`, the programs per SM that set the KV splits)."""
+    grid = [{f"{phase}_block_n": b, f"{phase}_stages": s, f"{phase}_warps": w}
             for b, s, w in itertools.product(block_n, stages, warps)]
+    if phase == "decode":
+        grid = [{**g, "decode_programs_per_sm": p} for g in grid for p in (programs or [8])]
+    return grid
 
 
 def parser() -> argparse.ArgumentParser:
@@ -66,6 +73,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block-n", default="64,128", help="Triton prefill key blocks to try")
     p.add_argument("--stages", default="2,3,4", help="Triton prefill pipeline stages to try")
     p.add_argument("--warps", default="4,8", help="Triton prefill warps to try")
+    p.add_argument("--decode-block-n", default="", help="Triton decode key blocks to try ('' = no decode grid)")
+    p.add_argument("--decode-stages", default="2,3,4")
+    p.add_argument("--decode-warps", default="4,8")
+    p.add_argument("--decode-programs", default="8", help="decode programs per SM to try (sets the KV splits)")
     p.add_argument("--backends", default="triton,varlen", help="backends besides the Triton grid")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
@@ -117,20 +128,16 @@ class Case:
         return {"flops": 4.0 * pairs(self.spec) * self.hq * self.d}
 
 
-def _variants(backends: list[str], grid: list[dict[str, int]], prefill: bool) -> list[tuple[str, Any]]:
+def _variants(backends: list[str], grid: list[dict[str, int]]) -> list[tuple[str, Any]]:
     from megatron_rollout.kernels.registry import resolve_attention
+    from megatron_rollout.kernels.triton_attention import TritonAttention
 
-    out: list[tuple[str, Any]] = []
-    for name in backends:
-        out.append((name, resolve_attention(name, "cuda")))
-    if prefill:
-        from megatron_rollout.kernels.triton_attention import TritonAttention
-
-        for setting in grid:
-            k = TritonAttention()
-            for attr, value in setting.items():
-                setattr(k, attr, value)
-            out.append(("triton " + " ".join(f"{a.split('_')[-1]}={v}" for a, v in setting.items()), k))
+    out: list[tuple[str, Any]] = [(name, resolve_attention(name, "cuda")) for name in backends]
+    for setting in grid:
+        k = TritonAttention()
+        for attr, value in setting.items():
+            setattr(k, attr, value)
+        out.append(("triton " + " ".join(f"{a.split('_')[-1]}={v}" for a, v in setting.items()), k))
     return out
 
 
@@ -172,6 +179,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = np.random.default_rng(args.seed)
     backends = [b for b in args.backends.split(",") if b.strip()]
     grid = triton_settings(_ints(args.block_n), _ints(args.stages), _ints(args.warps))
+    decode_grid = (triton_settings(_ints(args.decode_block_n), _ints(args.decode_stages), _ints(args.decode_warps),
+                                   "decode", _ints(args.decode_programs)) if args.decode_block_n.strip() else [])
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                               "heads": [hq, hkv, d], "block_size": args.block_size, "iters": args.iters,
                               "rounds": args.rounds, "shapes": {}, "best": {}}
@@ -179,7 +188,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shapes += [(s, False) for s in args.decode.split(",") if s.strip()]
     for text, prefill in shapes:
         case = Case(parse_shape(text), hq, hkv, d, args.block_size, rng)
-        got = measure(case, _variants(backends, grid, prefill), args.iters, args.rounds)
+        got = measure(case, _variants(backends, grid if prefill else decode_grid), args.iters, args.rounds)
         result["shapes"][text] = got
         tri = {n: v for n, v in got["variants"].items() if n.startswith("triton ")}
         if tri:

@@ -232,6 +232,9 @@ class TritonAttention(AttentionKernels):
 
     name = "triton"
     decode_block_n = 64
+    decode_stages = 2
+    decode_warps = 4
+    decode_programs_per_sm = 8  # KV splits per row: about this many programs per SM (`layout.choose_splits`)
     prefill_block_m = 128  # rows of a prefill tile = tokens x query heads of one kv head
     prefill_block_n = 128  # block 128, 3 stages, 8 warps: the fastest or within 4% of it on every prefill
     prefill_stages = 3  # shape of `bench.attention`'s grid on the H200 (docs/kernels.md)
@@ -286,7 +289,8 @@ class TritonAttention(AttentionKernels):
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), meta.tables.stride(0),
             po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1),
             GROUP=group, GROUP_P=_pow2(group, 16), D=d, D_P=_pow2(d, 16),
-            BLOCK_N=self.decode_block_n, PAGE=meta.block_size, num_warps=4, num_stages=2)
+            BLOCK_N=self.decode_block_n, PAGE=meta.block_size, num_warps=self.decode_warps,
+            num_stages=self.decode_stages)
         _decode_reduce_kernel[(rows, hq)](
             po, pm, pl, out, meta.q_start, meta.seq, splits,
             po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1), out.stride(0), out.stride(1),

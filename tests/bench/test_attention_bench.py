@@ -19,6 +19,9 @@ def test_parse_shape_and_pairs():
 def test_settings_grid():
     grid = attention.triton_settings([64, 128], [2, 3], [8])
     assert len(grid) == 4 and {"prefill_block_n": 128, "prefill_stages": 3, "prefill_warps": 8} in grid
+    dec = attention.triton_settings([64], [2, 3], [4], "decode", [8, 16])
+    assert len(dec) == 4 and {"decode_block_n": 64, "decode_stages": 3, "decode_warps": 4,
+                              "decode_programs_per_sm": 16} in dec
 
 
 def test_main_refuses_bad_shapes_before_needing_a_gpu():
@@ -30,7 +33,8 @@ def test_main_refuses_bad_shapes_before_needing_a_gpu():
 def test_sweep_runs_and_compiles_nothing_while_timed(tmp_path):
     out = tmp_path / "a.json"
     assert attention.main(["--prefill", "2x(100+70)", "--decode", "3x(40+1)", "--block-n", "64", "--stages", "2,3",
-                           "--warps", "4", "--iters", "2", "--rounds", "1", "--out", str(out)]) == 0
+                           "--warps", "4", "--decode-block-n", "64", "--decode-stages", "2", "--decode-warps", "4",
+                           "--decode-programs", "8,16", "--iters", "2", "--rounds", "1", "--out", str(out)]) == 0
     import json
 
     got = json.loads(out.read_text())
@@ -38,4 +42,6 @@ def test_sweep_runs_and_compiles_nothing_while_timed(tmp_path):
     pre = got["shapes"]["2x(100+70)"]["variants"]
     assert len([n for n in pre if n.startswith("triton ")]) == 2
     assert all(v["rel_err_vs_first"] < 2e-2 for v in pre.values())
+    dec = got["shapes"]["3x(40+1)"]["variants"]
+    assert len([n for n in dec if n.startswith("triton ")]) == 2 and got["best"]["3x(40+1)"].startswith("triton ")
     assert torch.cuda.is_available()
