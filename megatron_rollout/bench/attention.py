@@ -4,7 +4,9 @@ the Triton prefill kernel over a grid of launch settings (key block, pipeline st
     python -m megatron_rollout.bench.attention --out attention.json
 
 For each shape (prefill spans `(cached, new)` and decode rows) and each variant: the median of
-`--iters` CUDA-event timed calls of `KernelPagedBatch.attend` on layer 0 of a random paged cache
+`--iters` CUDA-event timed calls of `KernelPagedBatch.attend` (decode shapes: replays of a CUDA
+graph of `GRAPH_CALLS` calls, per call, since an eager decode call is bound by the host's
+launches) on layer 0 of a random paged cache
 (random block tables, so pages are scattered as in a real pool), the FLOP rate (prefill: 4 x
 query-key pairs x query heads x head dim; decode: KV bytes read per second), the relative error
 against the Triton default, and the Triton compilations counted inside the timed calls (a
@@ -28,8 +30,11 @@ import numpy as np
 import torch
 
 from megatron_rollout.bench.ceilings import time_cuda
+from megatron_rollout.bench.kernels import graph_us
 from megatron_rollout.bench.compiles import CompileCounter
 
+GRAPH_CALLS = 10
+"""Decode calls per captured CUDA graph: decode shapes are timed as graph replays (per call)."""
 PREFILL = ("1x(0+4096)", "8x(2048+512)", "4x(2048+1024)", "1x(0+512)")
 DECODE = ("64x(2047+1)", "1x(2047+1)")
 
@@ -154,10 +159,15 @@ def measure(case: Case, variants: list[tuple[str, Any]], iters: int, rounds: int
             batches.pop(name, None)
     samples: dict[str, list[float]] = {n: [] for n in batches}
     compiles = {n: 0 for n in batches}
+    graphed = "kv_bytes" in work  # decode: a few us of GPU per call, under the host's launch time
     for _ in range(rounds):
         for name, batch in batches.items():
+            call = (lambda b=batch: b.attend(0, case.q, case.k, case.v))
             with CompileCounter() as counter:
-                samples[name].append(time_cuda(lambda: batch.attend(0, case.q, case.k, case.v), iters=iters))
+                if graphed:
+                    samples[name].append(graph_us([call] * GRAPH_CALLS, iters) / 1e6)
+                else:
+                    samples[name].append(time_cuda(call, iters=iters))
             compiles[name] += counter.counts.total
     ref = outputs.get(variants[0][0])
     rows = {}
