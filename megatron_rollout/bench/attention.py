@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from megatron_rollout.bench.ceilings import time_cuda
-from megatron_rollout.bench.kernels import graph_us
 from megatron_rollout.bench.compiles import CompileCounter
+from megatron_rollout.bench.kernels import graph_us
 
 GRAPH_CALLS = 10
 """Decode calls per captured CUDA graph: decode shapes are timed as graph replays (per call)."""
