@@ -162,7 +162,9 @@ def measure(case: Case, variants: list[tuple[str, Any]], iters: int, rounds: int
     graphed = "kv_bytes" in work  # decode: a few us of GPU per call, under the host's launch time
     for _ in range(rounds):
         for name, batch in batches.items():
-            call = (lambda b=batch: b.attend(0, case.q, case.k, case.v))
+            def call(b=batch):
+                return b.attend(0, case.q, case.k, case.v)
+
             with CompileCounter() as counter:
                 if graphed:
                     samples[name].append(graph_us([call] * GRAPH_CALLS, iters) / 1e6)
