@@ -68,7 +68,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runner", default=os.environ.get(RUNNER_ENV, "auto"), choices=RUNNER_KINDS,
                    help=f"auto | eager | cuda (default: ${RUNNER_ENV}, else auto)")
     p.add_argument("--attention", default="auto",
-                   help="CUDA runner attention kernels: auto | triton | varlen | portable")
+                   help="CUDA runner attention kernels: auto | triton | varlen | flash | portable")
     p.add_argument("--decode-ahead", default="auto", choices=("auto", "on", "off"),
                    help="issue the next decode step before reading this one's tokens (auto: CUDA runner, one rank)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
