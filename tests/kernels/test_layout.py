@@ -37,7 +37,8 @@ def _tensors(layout) -> dict[str, torch.Tensor]:
         out.update(seq=d.seq, tables=d.tables, lens=d.lens, q_start=d.q_start)
     if layout.prefill is not None:
         p = layout.prefill
-        out.update(past=p.past, new=p.new, tile_seq=p.tile_seq, tile_start=p.tile_start, ptables=p.tables)
+        out.update(past=p.past, new=p.new, tile_seq=p.tile_seq, tile_start=p.tile_start, ptables=p.tables,
+                   cu_q=p.cu_q, plens=p.lens)
     return out
 
 
@@ -74,6 +75,19 @@ def test_build_layout_views_are_aligned_for_any_batch(seed):
     slots = np.concatenate([[s.table[p // bs] * bs + p % bs for p in range(s.past, s.past + s.new)] for s in spans])
     assert layout.slots.tolist() == slots.tolist()
     assert layout.tokens.tolist() == [t for ts in tokens for t in ts]
+
+
+def test_prefill_meta_describes_every_span_for_varlen_libraries():
+    """cu_q / lens / max_len cover every span of the forward, decode rows included (what a varlen
+    kernel like FA3 takes for one call over the whole forward)."""
+    spans = [SeqSpan(tuple(range(0, 3)), 40, 1), SeqSpan(tuple(range(3, 5)), 5, 20), SeqSpan(tuple(range(5, 8)), 33, 1)]
+    tokens = [[1] * s.new for s in spans]
+    layout = build_layout(spans, tokens, [True] * 3, 16, PortableAttention(), 8, 4, 8, torch.device("cpu"))
+    meta = layout.prefill
+    assert meta.cu_q.tolist() == [0, 1, 21, 22]
+    assert meta.lens.tolist() == [41, 25, 34]
+    assert meta.max_len == 41 and meta.max_total == 25  # max_total: the prefill spans only
+    assert meta.spans == (1,) and meta.max_new == 20
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 16])
