@@ -74,7 +74,6 @@ class FlashAttention(TritonAttention):
             self._varlen = _fa3()
         bs, hkv, d = meta.block_size, k_cache.shape[1], k_cache.shape[2]
         pages = k_cache.view(-1, bs, hkv, d), v_cache.view(-1, bs, hkv, d)
-        rows = int(meta.cu_q.shape[0]) - 1
         self._varlen(q, *pages, max_seqlen_q=max(meta.max_new, 1), cu_seqlens_q=meta.cu_q,
                      max_seqlen_k=meta.max_len, seqused_k=meta.lens, softmax_scale=1.0 / math.sqrt(d), causal=True,
-                     block_table=meta.tables[:rows], out=out, fa_version=3)
+                     block_table=meta.tables, out=out, fa_version=3)

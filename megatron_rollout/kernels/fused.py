@@ -36,8 +36,8 @@ in the same (descending) order; on exactly equal logits it takes the lowest expe
 (~1e-6 relative) can come out in either order. NaN logits give undefined but in-range ids.
 
 `install_fused_ops(model)` replaces `forward` on module *instances* (RMSNorm, SelfAttention,
-Router, TransformerLayer), `activation` on Experts and the model's `step`, so the model code is unchanged and a model
-without it runs as before; `uninstall_fused_ops` removes them. Backends: "triton" (these kernels;
+Router, TransformerLayer), `activation` on Experts, and the model's `step`, so the model code is
+unchanged and a model without it runs as before; `uninstall_fused_ops` removes them. Backends: "triton" (these kernels;
 on CPU only under `TRITON_INTERPRET=1`) and "torch" (the same wiring over the reference ops, so the
 wiring itself is tested on CPU: bit-identical to the unfused model). Every fused op falls back to
 the reference when autograd needs it, the dtype is not bf16, or the shapes do not fit the kernels.
@@ -278,8 +278,6 @@ if triton is not None:
         tl.store(Wout + out, _bf16(top_w).to(Wout.dtype.element_ty), mask=omask)
         tl.store(Ids + out, top_i.to(tl.int64), mask=omask)
 
-
-if triton is not None:
     @triton.jit
     def _silu_mul_kernel(H, A, stride_h, stride_a, F: tl.constexpr, BLOCK: tl.constexpr):
         """Row r: a[r, c] = bf16(bf16(silu(gate)) * up) with gate = h[r, c], up = h[r, F + c]."""
@@ -473,7 +471,7 @@ def moe_combine(ys: torch.Tensor, dest: torch.Tensor, weights: torch.Tensor,
     return y
 
 
-# -- backends: the four ops over model modules -------------------------------------------------
+# -- backends: the ops over model modules ------------------------------------------------------
 
 class TorchOps:
     """The reference ops (the model's own math) behind the fused wiring."""
