@@ -22,6 +22,15 @@
 #   call 6, no carry: the `prefill` profile (off, chunked, mux at 2,048 and 8,192) and vLLM at its default,
 #                     by hand (the two commands are in docs/benchmarks.md, third lease)
 #
+# The 2026-12-01 fourth-session lease (the prefill path; docs/h200-2026-12-01e/COMMIT), calls back to back:
+#   call 1, carry [".whl"]:         bash examples/h200_session.sh setup tests attention profile   (its own machine)
+#   call 2, carry [".whl", ".vb4"]: bash examples/h200_session.sh setup tests micro
+#   call 3, carry [".vb0"]: DEADLINE=420 bash /tmp/run/examples/h200_session.sh piece prefill
+#   call 4, carry [".vb1"]: bash /tmp/run/examples/h200_session.sh piece profile
+#   call 5, carry [".vb2"]: DEADLINE=140 bash /tmp/run/examples/h200_session.sh piece sampled
+#   call 6, carry [".vb3"]: VLLM_RUNS="prefill:default,best:300" bash /tmp/run/examples/h200_session.sh piece vllm
+#   call 7, no carry:       BUDGETS=16384 SCHEDULES=off,mux DEADLINE=230 bash /tmp/run/examples/h200_session.sh flash
+#
 # `.run` is `git archive HEAD` of the commit measured, plus `.whl/` (megatron-core 0.19.2, which
 # the device image lacks); it is copied to /tmp/run so later calls need not carry it. Results are
 # kept under /tmp/res (the vLLM stage reads our runs back with `bench.rollout --resume`) and
