@@ -147,7 +147,7 @@ def router_ref(x: torch.Tensor, weight: torch.Tensor, topk: int, renormalize: bo
 
 def silu_mul_ref(h: torch.Tensor) -> torch.Tensor:
     """`layers.Experts.activation` itself: h [n, 2F] (gate | up) -> silu(gate) * up."""
-    return Experts.activation(None, h)  # type: ignore[arg-type]
+    return Experts.activation(h)
 
 
 def moe_combine_ref(ys: torch.Tensor, dest: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

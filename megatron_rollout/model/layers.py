@@ -218,7 +218,8 @@ class Experts(nn.Module):
         h = torch._grouped_mm(x, fc1.transpose(1, 2), offs=offsets)  # [n, 2F]
         return torch._grouped_mm(self.activation(h), fc2.transpose(1, 2), offs=offsets)  # [n, H]
 
-    def activation(self, h: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def activation(h: torch.Tensor) -> torch.Tensor:
         """SwiGLU between the grouped projections: h [n, 2F] (gate | up) -> silu(gate) * up [n, F].
         `kernels.fused.install_fused_ops` replaces it on the instance by one kernel."""
         gate, up = h.chunk(2, dim=-1)
