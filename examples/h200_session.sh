@@ -92,10 +92,15 @@ for stage in "$@"; do
       cd /tmp/run
       timeout 120 python3 -m megatron_rollout.bench.rollout --schedules '' --micro --no-vllm --out /tmp/res/micro \
         > /tmp/res/micro.log 2>&1; tail -12 /tmp/res/micro.log; cp /tmp/res/micro/rollout.json "$OUT/micro.json" ;;
-    flash)  # FA3 from the unpacked vLLM bundle: the attention grid with it, then a prefill replay on it
+    flash)  # FA3 from the unpacked vLLM bundle: its GPU tests, the attention grid with it (the crossover
+      # shapes too), then a prefill replay on it
       cd /tmp/run
+      PYTHONPATH=/tmp/site:/tmp/run:/tmp/pv/site timeout 120 python3 -m pytest -q -m gpu tests/kernels/test_attention.py \
+        -k flash -p no:cacheprovider -rs 2>&1 | tee "$OUT/flash_tests.log" | tail -4
       PYTHONPATH=/tmp/site:/tmp/run:/tmp/pv/site timeout 150 python3 -m megatron_rollout.bench.attention \
-        --backends triton,flash --block-n 128 --stages 3 --warps 8 --out "$OUT/attention-flash.json" 2>&1 | tail -8
+        --backends triton,flash --block-n 128 --stages 3 --warps 8 \
+        --prefill '1x(0+4096),8x(2048+512),4x(2048+1024),1x(0+512),1x(0+1024),1x(0+2048),4x(0+512)' \
+        --out "$OUT/attention-flash.json" 2>&1 | tail -8
       PYTHONPATH=/tmp/site:/tmp/run:/tmp/pv/site bench --profile prefill --conversations 16 --attention flash \
         --schedules "${SCHEDULES:-off,mux}" --no-ablation --budgets "${BUDGETS:-8192}" --repeats 3 --no-vllm \
         --deadline-s "${DEADLINE:-240}" --out /tmp/res/prefill-flash > /tmp/res/prefill-flash.log 2>&1
