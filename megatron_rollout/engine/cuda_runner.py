@@ -259,12 +259,8 @@ class CudaRunner:
         if phase is Phase.D and self.multi_rank and not self._captured and self.config.use_graphs:
             self._captured = True  # every rank's first D forward: capture every bucket together
             self._capture_collectively(self.graph_sizes)
-        if phase is Phase.D and self._graphable(inputs):
-            bucket = self.bucket(len(inputs))
-            graph = self._graphs.get(bucket) if self.multi_rank else self._try_graph(bucket)
-            if graph is not None:
-                return self._replay(graph, inputs)
-        return self._eager(inputs, phase)
+        graph = self._decode_graph(inputs) if phase is Phase.D else None
+        return self._replay(graph, inputs) if graph is not None else self._eager(inputs, phase)
 
     @property
     def overlaps_host(self) -> bool:
@@ -274,9 +270,7 @@ class CudaRunner:
     def forward_fed(self, inputs: list[SpanInput], tokens: torch.Tensor) -> torch.Tensor | None:
         """`Runner.forward_fed`: on one rank, a decode graph replay whose token slots are copied on
         the device from `tokens`; None where the rows need an eager forward or many ranks."""
-        if self.multi_rank or not self._graphable(inputs):
-            return None
-        graph = self._try_graph(self.bucket(len(inputs)))
+        graph = None if self.multi_rank else self._decode_graph(inputs)
         return None if graph is None else run_to_end(self._replay(graph, inputs, tokens))
 
     def capture(self, batch_sizes: Sequence[int] | None = None) -> bool:
@@ -325,6 +319,14 @@ class CudaRunner:
         if not (self.config.use_graphs and self.graph_safe and inputs) or self.bucket(len(inputs)) is None:
             return False
         return all(i.span.new == 1 and i.sample and len(i.span.table) <= self.table_width for i in inputs)
+
+    def _decode_graph(self, inputs: list[SpanInput]) -> _DecodeGraph | None:
+        """The decode graph these one-token rows replay in (captured on first use on one rank; on
+        many ranks only those captured together), or None: they run eagerly."""
+        if not self._graphable(inputs):
+            return None
+        bucket = self.bucket(len(inputs))
+        return self._graphs.get(bucket) if self.multi_rank else self._try_graph(bucket)
 
     def _graph(self, rows: int) -> _DecodeGraph:
         graph = self._graphs.get(rows)
