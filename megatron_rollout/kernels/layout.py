@@ -142,7 +142,7 @@ def build_layout(spans: Sequence[SeqSpan], token_ids: Sequence[Sequence[int]], s
     decode = None
     if dec.size:
         splits = choose_splits(int(dec.size), kv_heads, num_sms, int(lens[dec].max()),
-                               programs_per_sm=getattr(kernels, "decode_programs_per_sm", 8))
+                               programs_per_sm=kernels.decode_programs_per_sm)
         decode = DecodeMeta(t_dec, t_tab, t_len, t_qs, splits, block_size, host_seq=dec, host_tables=tables,
                             host_lens=lens, host_q_start=q_start)
     prefill = None
@@ -197,7 +197,7 @@ class StaticDecodeLayout:
         self.tables = d[4 * st:].view(rows, width)
         self.arange = torch.arange(rows, dtype=torch.int32, device=device)
         self.logits_rows = torch.arange(rows, dtype=torch.int64, device=device)
-        splits = choose_splits(rows, kv_heads, num_sms, programs_per_sm=getattr(kernels, "decode_programs_per_sm", 8))
+        splits = choose_splits(rows, kv_heads, num_sms, programs_per_sm=kernels.decode_programs_per_sm)
         workspace = {}
         if hasattr(kernels, "decode_block_n"):
             from megatron_rollout.kernels.triton_attention import decode_workspace

@@ -107,6 +107,8 @@ class AttentionKernels(abc.ABC):
     """One backend. Instances are stateless apart from tuning constants; thread-compatible."""
 
     name: ClassVar[str]
+    decode_programs_per_sm: int = 8
+    """KV splits of a decode row: about this many programs per SM (`layout.choose_splits`)."""
 
     @classmethod
     @abc.abstractmethod

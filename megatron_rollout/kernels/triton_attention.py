@@ -234,7 +234,6 @@ class TritonAttention(AttentionKernels):
     decode_block_n = 64
     decode_stages = 2
     decode_warps = 4
-    decode_programs_per_sm = 8  # KV splits per row: about this many programs per SM (`layout.choose_splits`)
     prefill_block_m = 128  # rows of a prefill tile = tokens x query heads of one kv head
     prefill_block_n = 128  # block 128, 3 stages, 8 warps: the fastest or within 4% of it on every prefill
     prefill_stages = 3  # shape of `bench.attention`'s grid on the H200 (docs/kernels.md)
