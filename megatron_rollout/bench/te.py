@@ -2,9 +2,12 @@
 model: graph-replayed decode step, one 4096-token prefill, and each FP8 path's logit error against
 bf16 (GPU only; TE built by examples/te_session.sh).
 
-The FP8 paths cover the same layers (attention QKV/projection and dense MLPs, `te_layers.DEFAULT_INCLUDE`),
-so the comparison is of GEMM backends, not of coverage; routed experts stay bf16 grouped GEMMs unless
-TE's device-split GroupedLinear applies (recorded per variant). Variants run one after another on one
+The GEMM-backend variants (`scaled_mm`, `te_*`) cover the same layers (attention QKV/projection and
+dense MLPs, `te_layers.DEFAULT_INCLUDE`), so they compare backends, not coverage; routed experts stay
+bf16 grouped GEMMs unless TE's device-split GroupedLinear applies (recorded per variant). The
+`fp8_experts` variants quantise the routed experts too (`model.fp8`'s default layers), per tensor
+and in 128x128 blocks: stacked e4m3 experts on the weight-only Triton kernels (`kernels.moe_triton`)
+inside the decode graph, the dense layers on `scaled_mm`. Variants run one after another on one
 model and cache, interleaved over `--repeats` rounds after an untimed warm round (decode graphs
 recaptured per variant and round, outside timing; compilations counted in every timed round).
 Left out: several GPUs, FP8 KV.
@@ -41,10 +44,13 @@ def _reset(model: torch.nn.Module) -> None:
 
 
 def _variant(model, name: str) -> dict[str, Any]:
-    """Put the model on variant `name`: 'bf16', 'scaled_mm', or 'te_<recipe>'."""
+    """Put the model on variant `name`: 'bf16', 'scaled_mm', 'fp8_experts[_block]', or 'te_<recipe>'."""
     _reset(model)
     if name == "scaled_mm":
         return {"layers": len(fp8.quantize_model_fp8(model, include=te_layers.DEFAULT_INCLUDE, backend="scaled_mm"))}
+    if name.startswith("fp8_experts"):
+        block = 128 if name.endswith("block") else None
+        return {"layers": len(fp8.quantize_model_fp8(model, block=block, backend="scaled_mm")), "block": block}
     if name.startswith("te_"):
         result = te_layers.apply_te(model, te_layers.TEConfig(recipe=name[3:]))
         return {"layers": len(result.linears), "experts_on_te": len(result.experts),
@@ -75,7 +81,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     peak = result["bf16_matmul_tflops"] * 1e12
     ids = torch.randint(0, cfg.vocab_size, (1, args.logit_tokens), device=device,
                         generator=torch.Generator(device=device).manual_seed(args.seed))
-    names = ["bf16", "scaled_mm"] + ([f"te_{r}" for r in te_layers.RECIPES] if result["te_missing"] is None else [])
+    names = ["bf16", "scaled_mm", "fp8_experts", "fp8_experts_block"]
+    names += ([f"te_{r}" for r in te_layers.RECIPES] if result["te_missing"] is None else [])
     ref = None
     rounds: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for r in range(args.repeats + 1):  # round 0 warms every variant (captures, Triton, TE's caches)
@@ -126,15 +133,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def summary(result: dict[str, Any]) -> str:
     """Median (min-max) over the timed rounds; compilations summed over them (must be 0)."""
-    lines = [f"{'variant':<12}{'decode ms':>22}{'prefill tok/s':>26}{'logit rel err':>15}{'top-1':>7}{'compiles':>9}"]
+    lines = [f"{'variant':<18}{'decode ms':>22}{'prefill tok/s':>26}{'logit rel err':>15}{'top-1':>7}{'compiles':>9}"]
     for name, e in result["variants"].items():
         if "error" in e or "median" not in e:
-            lines.append(f"{name:<12}  error: {e.get('error', 'no timed round')[:100]}")
+            lines.append(f"{name:<18}  error: {e.get('error', 'no timed round')[:100]}")
             continue
         med, lo, hi = e["median"], e["min"], e["max"]
         dec = f"{med['decode_ms']:.3f} ({lo['decode_ms']:.3f}-{hi['decode_ms']:.3f})"
         pre = f"{med['prefill_tokens_per_s']:.0f} ({lo['prefill_tokens_per_s']:.0f}-{hi['prefill_tokens_per_s']:.0f})"
-        lines.append(f"{name:<12}{dec:>22}{pre:>26}{e.get('logits_rel_err_vs_bf16', 0.0):>15.4f}"
+        lines.append(f"{name:<18}{dec:>22}{pre:>26}{e.get('logits_rel_err_vs_bf16', 0.0):>15.4f}"
                      f"{e.get('top1_agreement_vs_bf16', 1.0):>7.3f}{e['compiles']:>9d}")
     return "\n".join(lines)
 

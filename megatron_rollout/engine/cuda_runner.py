@@ -54,8 +54,9 @@ engine and the mux driver are unchanged):
 `EngineConfig.runner` (`RunnerConfig`) picks the runner (`kind`) and holds this runner's knobs.
 
 Green contexts (SM partitions for D and P) are measured by `bench.micro` and not used here: see
-docs/benchmarks.md. Left out: MTP lookahead, FP8 expert GEMMs inside graphs (such models run D
-eagerly), and piecewise graphs for P.
+docs/benchmarks.md. FP8 experts (`model.fp8`, stacked) are captured like bf16 ones on one rank
+(`kernels.moe_triton`'s weight-only kernels). Left out: MTP lookahead, and FP8 experts on several
+ranks (such models run D eagerly).
 """
 from __future__ import annotations
 
@@ -197,8 +198,8 @@ class CudaRunner:
             router.bind_streams(PhaseStreams(p=self.p_stream, d=self.d_stream))
         self.graph_safe = install_device_exchange(model)
         if not self.graph_safe:
-            log.warning("MoE layers are not graph-safe (not bf16, FP8 experts, or a multi-rank comm that reads "
-                        "counts on the host): decode runs eagerly")
+            log.warning("MoE layers are not graph-safe (experts neither stacked bf16 nor stacked FP8, FP8 experts "
+                        "on several ranks, or a multi-rank comm that reads counts on the host): decode runs eagerly")
         self.fused = self._install_fused_ops()
         self.expert_kernels = self._choose_expert_kernels()
         self._probe = _DomainProbe(model.comm)

@@ -27,8 +27,7 @@ input in place.
   the ten default buckets (a computed figure, not a measured one); `engine.release_kv` frees them
   with the decode graphs.
 
-Left out: many ranks, FP8 experts (not graph-safe), more sampled rows than the bucket holds
-(eager then).
+Left out: many ranks, more sampled rows than the bucket holds (eager then).
 """
 from __future__ import annotations
 

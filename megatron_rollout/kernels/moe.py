@@ -20,8 +20,9 @@ pair order followed by a scatter: at 4,096 tokens the scatter was 2.4 of a 29 ms
 for a single-rank model (the CUDA runner does this). A multi-rank model keeps its `DistComm`: its
 exchanges are sync-free when the comm consumes counts on the device (`CommConfig.counts`), and
 `install_device_exchange` only stacks the experts so that they run as grouped GEMMs there
-(`comm.exchange.compute_local_sync_free`). Left out: FP8 expert weights (they fall back to the
-portable exchange) and capacity factors / token dropping. `sorted_destinations` lives in
+(`comm.exchange.compute_local_sync_free`). FP8 experts (`model.fp8.stack_fp8`) run the Triton
+kernels of `kernels.moe_triton` at every batch size, sync-free too. Left out: FP8 experts on a
+multi-rank exchange, and capacity factors / token dropping. `sorted_destinations` lives in
 `comm.exchange` (the distributed exchanges use it too) and is re-exported here.
 """
 
@@ -55,6 +56,9 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
     n, k = ids.shape
     if n == 0:
         return x.new_zeros(x.shape)
+    fp8 = experts.stacked_fp8()
+    if fp8 is not None:
+        return _routed_experts_fp8(x, ids, weights, experts, fp8)
     if small == "triton" and n * k <= small_pairs:
         from megatron_rollout.kernels.moe_triton import routed_experts_triton
 
@@ -73,6 +77,28 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
     return (y * weights.unsqueeze(-1).to(y.dtype)).sum(1)
 
 
+FP8_LARGE_ROWS = 64
+"""Mean (token, expert) rows per expert from which the FP8 kernels use 64-row tiles, not 16."""
+
+
+def _routed_experts_fp8(x, ids, weights, experts: Experts, fp8) -> torch.Tensor:
+    """`routed_experts` over stacked FP8 expert weights: the Triton kernels at every batch size."""
+    from megatron_rollout.kernels.moe_triton import BLOCK_M, routed_experts_triton
+
+    fc1, fc2 = fp8
+    large = ids.numel() >= FP8_LARGE_ROWS * experts.num_local
+    return routed_experts_triton(x, ids, weights, fc1.data, fc2.data, experts.first,
+                                 (fc1.scale, fc1.group, fc2.scale, fc2.group), 64 if large else BLOCK_M)
+
+
+def expert_path(experts: Experts) -> str:
+    """Which weights the device exchange runs: 'fp8' (stacked FP8), 'bf16' (stacked), or
+    'portable' (per expert, with host syncs: not graph-safe)."""
+    if experts.stacked_fp8() is not None:
+        return "fp8"
+    return "bf16" if experts.stacked() is not None else "portable"
+
+
 class DeviceExchange(ExpertExchange):
     """Single-rank exchange: `routed_experts` when the experts are stacked, else the portable path.
 
@@ -83,7 +109,7 @@ class DeviceExchange(ExpertExchange):
         self.small, self.small_pairs = small, small_pairs
 
     def run(self, x, ids, weights, experts, layer):
-        if experts.stacked() is None:
+        if expert_path(experts) == "portable":
             return compute_local(x, ids, weights, experts)
         return routed_experts(x, ids, weights, experts, self.small, self.small_pairs)
         yield  # a generator with no boundary: nothing crosses ranks
@@ -157,8 +183,8 @@ def choose_small_kernels(model: torch.nn.Module, rows: int = 64) -> dict:
 def install_device_exchange(model: torch.nn.Module) -> bool:
     """Stack every MoE layer's expert weights; give a single-rank model the device exchange.
 
-    Returns True when every MoE layer can run sync-free (bf16 stacked weights, no FP8), which is
-    what CUDA-graph capture of a forward needs. A multi-rank model keeps its comm (its exchanges
+    Returns True when every MoE layer can run sync-free (stacked bf16 or stacked FP8 weights),
+    which is what CUDA-graph capture of a forward needs. A multi-rank model keeps its comm (its exchanges
     cross ranks); it is graph-safe when that comm consumes the exchanged counts on the device
     (`DistComm.sync_free`), else False: its exchanges read counts on the host."""
     comm = getattr(model, "comm", None)
@@ -170,7 +196,8 @@ def install_device_exchange(model: torch.nn.Module) -> bool:
     for module in model.modules():
         if isinstance(module, MoELayer):
             module.experts.restack()
-            ok = ok and module.experts.stacked() is not None
+            path = expert_path(module.experts)  # FP8 experts: single-rank exchange only
+            ok = ok and (path == "bf16" or (path == "fp8" and single))
     if single and not isinstance(comm, DeviceLocalComm):
         model.comm = DeviceLocalComm()
     return ok and (single or bool(getattr(comm, "sync_free", False)))

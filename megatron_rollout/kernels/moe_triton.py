@@ -4,22 +4,31 @@ At decode sizes a layer routes a few hundred (token, expert) pairs over ~all exp
 per expert, so the layer is bound by reading the expert weights once. `torch._grouped_mm` tiles
 each expert's rows into large M tiles; these kernels instead use 16-row tiles:
 
-1. `padded_layout` (torch, sync-free, capturable) gives every pair a row in an expert-sorted
-   layout padded to 16 rows per expert, and every 16-row block its expert (E past the end);
+1. `padded_layout` (torch, sync-free, capturable: `comm.exchange.sorted_destinations`) gives every
+   pair a row in an expert-sorted layout padded to 16 rows per expert, and every 16-row block its
+   expert (E past the end);
 2. `_fc1_swiglu_kernel`: program (block, n-tile) reads the block's token rows of x and the
    expert's gate and up rows of `linear_fc1.weight` for its n-tile, and writes silu(gate) * up;
 3. `_fc2_kernel`: program (block, n-tile) multiplies by `linear_fc2.weight` and scales each row
    by its pair's routing weight; the caller sums the k rows of each token.
 
 fp32 accumulation, bf16 in and out. Blocks past the last expert exit at once, so the grid can be
-sized from the static bound `pairs + experts * 15` (CUDA graphs). Left out: large batches
-(`torch._grouped_mm` is faster there), FP8 weights, expert parallelism.
+sized from the static bound `pairs + experts * 15` (CUDA graphs).
+
+FP8 weights (`model.fp8.StackedFP8`): the same kernels load e4m3 weights, which halves the bytes
+a decode step reads, and widen them to bf16 in registers (weight-only FP8: the activations stay
+bf16, the products run on bf16 tensor cores). Scales apply per output column once (per-tensor
+scaling) or per k-tile (128x128 block scaling). With FP8 weights these kernels also serve large
+batches (64-row tiles): there is no FP8 grouped GEMM beside them. Left out: large bf16 batches
+(`torch._grouped_mm` is faster there), FP8 activations, expert parallelism.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from megatron_rollout.comm.exchange import sorted_destinations
 
 BLOCK_M = 16
 
@@ -29,26 +38,45 @@ def padded_layout(flat: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
     pair of each row or -1, block_expert [R // block_m] int32 expert of each block or E)."""
     pairs = flat.numel()
     dev = flat.device
-    onehot = torch.zeros(num_experts, pairs, dtype=torch.int32, device=dev)
-    onehot.scatter_(0, flat[None, :], 1)
-    csum = onehot.cumsum(1, dtype=torch.int32)  # scan along the contiguous dim: one row per expert
-    counts = csum[:, -1]
-    rank = csum.gather(0, flat[None, :]).squeeze(0) - 1
+    dest, end = sorted_destinations(flat, num_experts)  # rows in the unpadded expert-sorted order
+    counts = torch.diff(end, prepend=end.new_zeros(1))
     padded = (counts + block_m - 1) // block_m * block_m
-    end = padded.cumsum(0, dtype=torch.int32)
-    dest = ((end - padded)[flat] + rank).long()
+    padded_end = padded.cumsum(0, dtype=torch.int32)
+    dest = dest + ((padded_end - padded) - (end - counts))[flat]  # each expert's rows start at its padded start
     rows = -(-(pairs + num_experts * (block_m - 1)) // block_m) * block_m
     row_pair = torch.full((rows,), -1, dtype=torch.int32, device=dev)
     row_pair[dest] = torch.arange(pairs, dtype=torch.int32, device=dev)
     starts = torch.arange(0, rows, block_m, dtype=torch.int32, device=dev)
-    block_expert = torch.searchsorted(end, starts, right=True).to(torch.int32)
+    block_expert = torch.searchsorted(padded_end, starts, right=True).to(torch.int32)
     return dest, row_pair, block_expert
 
 
 @triton.jit
-def _fc1_swiglu_kernel(X, W1, Act, RowPair, BlockExpert, num_experts,
+def _dot_tile(acc, a, w, S, srow, k0, SCALED: tl.constexpr, GK: tl.constexpr, KG: tl.constexpr):
+    """acc + a @ w.T for one k-tile; FP8 weights are widened to a's dtype, and with several scale
+    groups along k (block scaling) each tile's product is scaled by its group's column scales."""
+    if SCALED:
+        w = w.to(a.dtype)
+    part = tl.dot(a, tl.trans(w))
+    if SCALED and KG > 1:
+        part = part * tl.load(S + srow + k0 // GK)[None, :]
+    return acc + part
+
+
+@triton.jit
+def _scale_cols(acc, S, srow, SCALED: tl.constexpr, KG: tl.constexpr):
+    """One scale group along k (per-tensor scaling): scale the finished columns once."""
+    if SCALED and KG == 1:
+        acc = acc * tl.load(S + srow)[None, :]
+    return acc
+
+
+@triton.jit
+def _fc1_swiglu_kernel(X, W1, S1, Act, RowPair, BlockExpert, num_experts,
                        H: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       SCALED: tl.constexpr, GN: tl.constexpr, GK: tl.constexpr, KG: tl.constexpr,
+                       SE: tl.constexpr):
     b = tl.program_id(0)
     n = tl.program_id(1)
     e = tl.load(BlockExpert + b)
@@ -60,21 +88,27 @@ def _fc1_swiglu_kernel(X, W1, Act, RowPair, BlockExpert, num_experts,
         cols = n * BN + tl.arange(0, BN)
         k = tl.arange(0, BK)
         wbase = W1 + e.to(tl.int64) * (2 * F * H)
+        sbase = e * SE
+        srow_g = sbase + (cols // GN) * KG  # scale row of each gate / up column
+        srow_u = sbase + ((F + cols) // GN) * KG
         acc_g = tl.zeros([BM, BN], tl.float32)
         acc_u = tl.zeros([BM, BN], tl.float32)
         for k0 in range(0, H, BK):
             x = tl.load(X + tok[:, None] * H + k0 + k[None, :], mask=valid[:, None], other=0.0)
             wg = tl.load(wbase + cols[:, None] * H + k0 + k[None, :])
             wu = tl.load(wbase + (F + cols)[:, None] * H + k0 + k[None, :])
-            acc_g += tl.dot(x, tl.trans(wg))
-            acc_u += tl.dot(x, tl.trans(wu))
+            acc_g = _dot_tile(acc_g, x, wg, S1, srow_g, k0, SCALED, GK, KG)
+            acc_u = _dot_tile(acc_u, x, wu, S1, srow_u, k0, SCALED, GK, KG)
+        acc_g = _scale_cols(acc_g, S1, srow_g, SCALED, KG)
+        acc_u = _scale_cols(acc_u, S1, srow_u, SCALED, KG)
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         tl.store(Act + rows.to(tl.int64)[:, None] * F + cols[None, :], act.to(Act.dtype.element_ty))
 
 
 @triton.jit
-def _fc2_kernel(Act, W2, Y, RowPair, BlockExpert, Weights, num_experts,
-                H: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _fc2_kernel(Act, W2, S2, Y, RowPair, BlockExpert, Weights, num_experts,
+                H: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                SCALED: tl.constexpr, GN: tl.constexpr, GK: tl.constexpr, KG: tl.constexpr, SE: tl.constexpr):
     b = tl.program_id(0)
     n = tl.program_id(1)
     e = tl.load(BlockExpert + b)
@@ -85,12 +119,14 @@ def _fc2_kernel(Act, W2, Y, RowPair, BlockExpert, Weights, num_experts,
         cols = n * BN + tl.arange(0, BN)
         k = tl.arange(0, BK)
         wbase = W2 + e.to(tl.int64) * (H * F)
+        srow = e * SE + (cols // GN) * KG
         r64 = rows.to(tl.int64)
         acc = tl.zeros([BM, BN], tl.float32)
         for k0 in range(0, F, BK):
             a = tl.load(Act + r64[:, None] * F + k0 + k[None, :], mask=valid[:, None], other=0.0)
             w = tl.load(wbase + cols[:, None] * F + k0 + k[None, :])
-            acc += tl.dot(a, tl.trans(w))
+            acc = _dot_tile(acc, a, w, S2, srow, k0, SCALED, GK, KG)
+        acc = _scale_cols(acc, S2, srow, SCALED, KG)
         scale = tl.load(Weights + tl.where(valid, pair, 0), mask=valid, other=0.0).to(tl.float32)
         tl.store(Y + r64[:, None] * H + cols[None, :], (acc * scale[:, None]).to(Y.dtype.element_ty))
 
@@ -109,26 +145,47 @@ def supported(hidden: int, ffn: int) -> bool:
     return _tile(hidden, 64) is not None and _tile(ffn, 64) is not None
 
 
+def _scales(w: torch.Tensor, scale: torch.Tensor | None, group: tuple[int, int] | None, k_tile: int) -> dict:
+    """Kernel arguments for one projection's scales: the tensor [E, NG, KG], the groups' sizes
+    (GN rows, GK cols), KG and SE = NG * KG (scales per expert)."""
+    if scale is None:
+        return dict(scales=w, SCALED=False, GN=1, GK=1, KG=1, SE=1)  # any pointer: never read
+    gn, gk = group
+    rows, cols = -(-w.shape[1] // gn), -(-w.shape[2] // gk)
+    if tuple(scale.shape) != (w.shape[0], rows, cols):
+        raise ValueError(f"scales {tuple(scale.shape)} do not match weights {tuple(w.shape)} in groups of {group}")
+    if cols > 1 and gk % k_tile:
+        raise ValueError(f"scale groups of {gk} along k need k-tiles that divide them (tile {k_tile})")
+    return dict(scales=scale.float().contiguous(), SCALED=True, GN=gn, GK=gk, KG=cols, SE=rows * cols)
+
+
 def routed_experts_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fc1: torch.Tensor,
-                          fc2: torch.Tensor, first: int = 0) -> torch.Tensor:
+                          fc2: torch.Tensor, first: int = 0, fp8: tuple | None = None,
+                          block_m: int = BLOCK_M) -> torch.Tensor:
     """sum_k weights[n, k] * MLP_{ids[n, k]}(x[n]). x: [N, H] bf16; ids, weights: [N, k];
-    fc1: [E, 2F, H], fc2: [E, H, F] contiguous. Returns [N, H]."""
+    fc1: [E, 2F, H], fc2: [E, H, F] contiguous, in x's dtype, or e4m3 with `fp8` = (fc1 scale,
+    fc1 group, fc2 scale, fc2 group), as `fp8.StackedFP8` holds them (`weight[e, r, c] ~= data[e,
+    r, c] * scale[e, r // group[0], c // group[1]]`). `block_m` rows per tile (16 for decode; larger
+    amortises weight reads over prefill-sized batches). Returns [N, H]."""
     n, topk = ids.shape
     num_experts, two_f, hidden = fc1.shape
     ffn = two_f // 2
     flat = ids.reshape(-1) - first
-    dest, row_pair, block_expert = padded_layout(flat, num_experts)
+    dest, row_pair, block_expert = padded_layout(flat, num_experts, block_m)
     rows = row_pair.numel()
-    blocks = rows // BLOCK_M
+    blocks = rows // block_m
     x = x.contiguous()
+    s1, g1, s2, g2 = fp8 if fp8 is not None else (None, None, None, None)
     act = torch.empty(rows, ffn, dtype=x.dtype, device=x.device)
     bn1, bk1 = _tile(ffn, 64), _tile(hidden, 64)
-    _fc1_swiglu_kernel[(blocks, ffn // bn1)](x, fc1, act, row_pair, block_expert, num_experts,
-                                             H=hidden, F=ffn, TOPK=topk, BM=BLOCK_M, BN=bn1, BK=bk1,
+    a1 = _scales(fc1, s1, g1, bk1)
+    _fc1_swiglu_kernel[(blocks, ffn // bn1)](x, fc1, a1.pop("scales"), act, row_pair, block_expert, num_experts,
+                                             H=hidden, F=ffn, TOPK=topk, BM=block_m, BN=bn1, BK=bk1, **a1,
                                              num_warps=4, num_stages=3)
     y = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
     bn2, bk2 = _tile(hidden, 64), _tile(ffn, 64)
+    a2 = _scales(fc2, s2, g2, bk2)
     w = weights.reshape(-1).contiguous()
-    _fc2_kernel[(blocks, hidden // bn2)](act, fc2, y, row_pair, block_expert, w, num_experts,
-                                         H=hidden, F=ffn, BM=BLOCK_M, BN=bn2, BK=bk2, num_warps=4, num_stages=3)
+    _fc2_kernel[(blocks, hidden // bn2)](act, fc2, a2.pop("scales"), y, row_pair, block_expert, w, num_experts,
+                                         H=hidden, F=ffn, BM=block_m, BN=bn2, BK=bk2, **a2, num_warps=4, num_stages=3)
     return y.index_select(0, dest).view(n, topk, hidden).sum(1)

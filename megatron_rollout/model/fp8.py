@@ -12,10 +12,19 @@ call time from what the input's device offers:
   per-tensor weights (per tensor when the output is not bf16), per 1x128 group for block weights;
 - `dequant` (everywhere, the reference): `F.linear(x, dequantised weight)`.
 
-`backend="auto"` takes the first of these that can run the call; naming one explicitly makes a
-missing one an error with an install hint. Left out: FP8 checkpoints (see `checkpoint.py`), FP8
-KV cache, and gradients through FP8 GEMMs. The full-precision weight stays in `Linear.weight`:
-hot swap writes there, so re-quantise after a weight update.
+``backend="auto"` takes the first of these that can run the call; naming one explicitly makes a
+missing one an error with an install hint.
+
+Routed experts are quantised expert by expert like any `Linear`, then stacked (`stack_fp8`):
+one [E, out, in] e4m3 tensor and one [E, rows, cols] scale tensor per projection, each expert's
+`FP8Weight` a view of them. The CUDA exchange reads the stacks in one grouped Triton kernel
+(`kernels.moe_triton`, weight-only FP8: e4m3 weights widened to bf16 in registers), so an FP8
+model's decode step is graph-captured. Re-quantising a model whose experts are stacked writes
+into the same storage, so captured graphs stay valid.
+
+Left out: FP8 checkpoints (see `checkpoint.py`), FP8 KV cache, and gradients through FP8 GEMMs.
+The full-precision weight stays in `Linear.weight`: hot swap writes there, so re-quantise
+(`quantize_model_fp8` again) after a weight update.
 """
 from __future__ import annotations
 
@@ -23,6 +32,7 @@ import abc
 import fnmatch
 import functools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -122,8 +132,56 @@ def quantize_model_fp8(model: nn.Module, block: int | None = None, include: tupl
             done.append(name)
     if not done:
         raise ValueError(f"no Linear layer matches {config.include}")
+    from megatron_rollout.model.layers import Experts
+
+    for name, module in model.named_modules():  # the experts quantised here: stacked for the grouped kernels
+        if isinstance(module, Experts) and any(d.startswith(f"{name}.") for d in done):
+            module.stack_fp8()
     log.info("quantised %d Linear layers to FP8 (block=%s, backend=%s)", len(done), block, backend)
     return done
+
+
+@dataclass
+class StackedFP8:
+    """One projection of E experts in FP8: weight[e] ~= data[e] * scale[e] (per block, as `FP8Weight`)."""
+
+    data: torch.Tensor  # [E, out, in] float8_e4m3fn
+    scale: torch.Tensor  # fp32 [E, 1, 1] per tensor, or [E, ceil(out/block), ceil(in/block)]
+    block: int | None
+
+    @property
+    def group(self) -> tuple[int, int]:
+        """(rows, cols) of the weight that share one scale."""
+        return (self.block, self.block) if self.block is not None else tuple(self.data.shape[1:])
+
+    def aliased_by(self, weights: Sequence[FP8Weight]) -> bool:
+        """Every weight still reads its slice of this stack (no re-quantisation since)."""
+        return len(weights) == self.data.shape[0] and all(
+            w.data.data_ptr() == self.data[i].data_ptr() and w.scale.data_ptr() == self.scale[i].data_ptr()
+            for i, w in enumerate(weights))
+
+
+def stack_fp8(weights: Sequence[FP8Weight], into: StackedFP8 | None = None) -> StackedFP8:
+    """Stack E experts' FP8 weights of one projection; each weight's data and scale become views.
+
+    With `into` of the same shapes and block, the new values are copied into its storage (stable
+    addresses: graphs captured on it stay valid); otherwise new storage is allocated."""
+    blocks = {w.block for w in weights}
+    if len(blocks) != 1 or len({w.shape for w in weights}) != 1:
+        raise ValueError(f"experts' FP8 weights differ in block {blocks} or shape; quantise them alike")
+    block = blocks.pop()
+    data = torch.stack([w.data for w in weights])
+    scale = torch.stack([w.scale.reshape(w.scale.shape or (1, 1)) for w in weights])
+    if into is not None and (into.block, into.data.shape, into.scale.shape) == (block, data.shape, scale.shape):
+        into.data.copy_(data)
+        into.scale.copy_(scale)
+        data, scale = into.data, into.scale
+    stacked = StackedFP8(data, scale, block)
+    for i, w in enumerate(weights):
+        w.data = data[i]
+        w.scale = scale[i].reshape(()) if block is None else scale[i]
+        w.cache = None  # derived from the old scale tensor
+    return stacked
 
 
 # ---------------------------------------------------------------- backends

@@ -201,3 +201,108 @@ def test_triton_small_batch_experts_match_loop(device, tokens):
     assert torch.equal(row_pair[dest].long().cpu(), torch.arange(tokens * k))
     blocks = block_expert.cpu().tolist()
     assert blocks == sorted(blocks) and blocks[-1] == e  # experts ascending, then past-the-end blocks
+
+
+def _dequantised_reference(x, ids, w, fc1, fc2):
+    """float64 sum_k w * SwiGLU-MLP over already dequantised [E, 2F, H] / [E, H, F] weights."""
+    ref = torch.zeros(x.shape, dtype=torch.float64)
+    for n in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            ex = int(ids[n, j])
+            gate, up = (fc1[ex].double() @ x[n].double().cpu()).chunk(2)
+            ref[n] += float(w[n, j]) * (fc2[ex].double() @ (torch.nn.functional.silu(gate) * up))
+    return ref
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block", [None, 128])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_triton_fp8_experts_match_the_dequantised_weights(device, block, block_m):
+    """Weight-only FP8: the kernels widen e4m3 weights and apply per-tensor or 128x128 block scales
+    (fc1's k = 256 spans two scale groups: scaled per k-tile; fc2's k = 128 is one)."""
+    from megatron_rollout.kernels.moe_triton import routed_experts_triton
+    from megatron_rollout.model import fp8
+
+    gen = torch.Generator().manual_seed(3)
+    e, k, h, f, tokens = 4, 2, 256, 128, 7
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    stacks = []
+    for shape in ((2 * f, h), (h, f)):
+        weights = [fp8.quantize_fp8(torch.randn(*shape, generator=gen) * 0.05 * (i + 1), block) for i in range(e)]
+        stacks.append(fp8.stack_fp8(weights))
+    fc1, fc2 = stacks
+    x = torch.randn(tokens, h, generator=gen).to(device, dtype)
+    ids = torch.randint(0, e, (tokens, k), generator=gen).to(device)
+    w = torch.rand(tokens, k, generator=gen).to(device, dtype)
+    out = routed_experts_triton(x, ids, w, fc1.data.to(device), fc2.data.to(device), 0,
+                                (fc1.scale.to(device), fc1.group, fc2.scale.to(device), fc2.group), block_m)
+    deq = [torch.stack([fp8.FP8Weight(s.data[i], s.scale[i].reshape(()) if block is None else s.scale[i],
+                                      block).dequantize() for i in range(e)]) for s in stacks]
+    ref = _dequantised_reference(x.cpu(), ids.cpu(), w.cpu(), *deq)
+    assert _rel(out.cpu(), ref) < (2e-2 if device == "cuda" else 1e-5)
+
+
+def test_fp8_scales_that_do_not_fit_the_weights_are_refused():
+    _scales = pytest.importorskip("megatron_rollout.kernels.moe_triton", reason="needs triton")._scales
+
+    w = torch.zeros(4, 256, 256, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="do not match"):
+        _scales(w, torch.ones(4, 2, 1), (128, 128), 64)
+    with pytest.raises(ValueError, match="k-tiles that divide"):
+        _scales(w, torch.ones(4, 8, 8), (32, 32), 64)
+    assert _scales(w, torch.ones(4, 2, 2), (128, 128), 64)["KG"] == 2
+
+
+def _fp8_moe(device: str, block: int | None):
+    from megatron_rollout.model import fp8
+
+    model = MoETransformer(_moe_cfg(), device=device).init_weights(6)
+    fp8.quantize_model_fp8(model, block=block, backend="dequant")
+    return model
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [None, 128])
+def test_fp8_experts_run_sync_free_in_a_cuda_graph(block):
+    model = _fp8_moe("cuda", block)
+    assert install_device_exchange(model)  # FP8 experts are graph-safe on one rank
+    experts = model.decoder.layers[0].mlp.experts
+    assert moe.expert_path(experts) == "fp8"
+    x = torch.randn(24, 128, device="cuda").bfloat16()
+    ids = torch.randint(0, 16, (24, 4), device="cuda")
+    w = torch.rand(24, 4, device="cuda").bfloat16()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(stream):
+        routed_experts(x, ids, w, experts)  # warm-up (compiles)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        out = routed_experts(x, ids, w, experts)
+    for _ in range(2):  # new inputs in place, then a large batch (64-row tiles) eagerly
+        x.copy_(torch.randn_like(x))
+        ids.copy_(torch.randint(0, 16, (24, 4), device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        with torch.no_grad():  # the portable path over the experts' own (dequant-backend) FP8 weights
+            assert _rel(out, compute_local(x, ids, w, experts)) < 1e-2
+    big_x = torch.randn(1024, 128, device="cuda").bfloat16()
+    big_ids = torch.randint(0, 16, (1024, 4), device="cuda")
+    big_w = torch.rand(1024, 4, device="cuda").bfloat16()
+    with torch.no_grad():
+        big = routed_experts(big_x, big_ids, big_w, experts)
+        assert _rel(big, compute_local(big_x, big_ids, big_w, experts)) < 1e-2
+
+
+def test_fp8_experts_are_graph_safe_only_on_one_rank():
+    model = _fp8_moe("cpu", None)
+    experts = model.decoder.layers[0].mlp.experts
+    assert moe.expert_path(experts) == "fp8"
+    assert install_device_exchange(model) and isinstance(model.comm, DeviceLocalComm)
+
+    class _CrossRankComm:  # what install_device_exchange reads of a multi-rank DistComm
+        sync_free = True
+
+    model = _fp8_moe("cpu", None)
+    model.comm = _CrossRankComm()
+    assert not install_device_exchange(model)  # its exchange has no FP8 grouped path: not graph-safe
