@@ -31,6 +31,14 @@
 #   call 6, carry [".vb3"]: VLLM_RUNS="prefill:default,best:300" bash /tmp/run/examples/h200_session.sh piece vllm
 #   call 7, no carry:       BUDGETS=16384 SCHEDULES=off,mux DEADLINE=230 bash /tmp/run/examples/h200_session.sh flash
 #
+# The 2026-12-01 fifth-session lease (FP8 experts in graphs, decode attention settings), calls back to back:
+#   call 1, carry [".whl", ".vb4"]: bash examples/h200_session.sh setup tests fp8
+#   call 2, carry [".vb0"]: bash /tmp/run/examples/h200_session.sh piece kernels
+#   call 3, carry [".vb1"]: DEADLINE=250 bash /tmp/run/examples/h200_session.sh piece current
+#   call 4, carry [".vb2"]: bash /tmp/run/examples/h200_session.sh piece
+#   call 5, carry [".vb3"]: VLLM_RUNS="current:default,best:270" bash /tmp/run/examples/h200_session.sh piece vllm
+#   call 6, no carry:       FLASH_REPLAY=0 bash /tmp/run/examples/h200_session.sh flash
+#
 # `.run` is `git archive HEAD` of the commit measured, plus `.whl/` (megatron-core 0.19.2, which
 # the device image lacks); it is copied to /tmp/run so later calls need not carry it. Results are
 # kept under /tmp/res (the vLLM stage reads our runs back with `bench.rollout --resume`) and
@@ -88,6 +96,10 @@ for stage in "$@"; do
       cd /tmp/run
       timeout 200 python3 -m megatron_rollout.bench.attention --backends "${ATTN_BACKENDS:-triton,varlen}" \
         --out "$OUT/attention.json" 2>&1 | tail -8 ;;
+    fp8)  # bf16 vs FP8 (dense on scaled_mm; experts stacked e4m3 on the Triton kernels) in decode graphs
+      cd /tmp/run
+      timeout 300 python3 -m megatron_rollout.bench.te --out "$OUT/fp8-bench.json" > /tmp/res/fp8.log 2>&1
+      tail -8 /tmp/res/fp8.log ;;
     micro)  # the micro stage alone: decode steps, prefill rate, attention, experts
       cd /tmp/run
       timeout 120 python3 -m megatron_rollout.bench.rollout --schedules '' --micro --no-vllm --out /tmp/res/micro \
@@ -101,6 +113,7 @@ for stage in "$@"; do
         --backends triton,flash --block-n 128 --stages 3 --warps 8 \
         --prefill '1x(0+4096),8x(2048+512),4x(2048+1024),1x(0+512),1x(0+1024),1x(0+2048),4x(0+512)' \
         --out "$OUT/attention-flash.json" 2>&1 | tail -8
+      [ "${FLASH_REPLAY:-1}" = 0 ] && continue
       PYTHONPATH=/tmp/site:/tmp/run:/tmp/pv/site bench --profile prefill --conversations 16 --attention flash \
         --schedules "${SCHEDULES:-off,mux}" --no-ablation --budgets "${BUDGETS:-8192}" --repeats 3 --no-vllm \
         --deadline-s "${DEADLINE:-240}" --out /tmp/res/prefill-flash > /tmp/res/prefill-flash.log 2>&1

@@ -11,7 +11,10 @@ kernel saves and what the whole step gains, in one call that finishes in about a
    decode graph pays). Input sets rotate so that the graph reads more than the L2 holds where an
    op reads weights (the router's 512 KB per layer); the fused kernel's bytes over its graph time
    give its bandwidth.
-2. The whole decode step, graph-replayed (`bench.micro.decode_steps`: 1 x 2,048 and 64 x 2,048
+2. `sorted_destinations` (the expert sort of every MoE layer) both ways, the one-hot prefix sum
+   and the stable argsort, graph-timed at the preset's experts and top-k for `--destinations`
+   token counts: where the one-hot limit (`comm.exchange.ONE_HOT_LIMIT`) should sit.
+3. The whole decode step, graph-replayed (`bench.micro.decode_steps`: 1 x 2,048 and 64 x 2,048
    positions by default) with and without `install_fused_ops`, against the memory roofline.
 
 Triton compilations are counted over every timed region (`bench.compiles`); each region is
@@ -46,6 +49,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="qwen3-30b-a3b-12l", help="model preset (sizes of the ops and the step)")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="token counts of the per-op timings")
     ap.add_argument("--decode", default="1x2048,64x2048", help="decode points ROWSxCONTEXT ('' skips the step)")
+    ap.add_argument("--destinations", default="64,512,1024,2048,4096,8192",
+                    help="token counts of the expert-sort timings ('' skips them)")
     ap.add_argument("--iters", type=int, default=30, help="timed repetitions per measurement")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
@@ -226,6 +231,31 @@ def time_decode(cfg, points: list[tuple[int, int]], iters: int, seed: int, bandw
     return result
 
 
+def time_destinations(cfg, tokens_list: list[int], iters: int, seed: int) -> list[dict[str, Any]]:
+    """`sorted_destinations` by one-hot prefix sum and by stable argsort, graph-timed per call."""
+    from megatron_rollout.bench.compiles import CompileCounter
+    from megatron_rollout.comm.exchange import sorted_destinations
+
+    experts, topk = cfg.num_moe_experts, cfg.moe_router_topk
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rows = []
+    for tokens in tokens_list:
+        sets = [torch.randint(0, experts, (tokens * topk,), device="cuda", generator=gen) for _ in range(8)]
+        entry: dict[str, Any] = {"tokens": tokens, "pairs": tokens * topk, "experts": experts}
+        with CompileCounter() as counter:
+            for name, limit in (("one_hot", 1 << 62), ("argsort", 0)):
+                fns = [lambda f=f, lim=limit: sorted_destinations(f, experts, lim) for f in sets]
+                try:
+                    entry[f"{name}_graph_us"] = graph_us(fns, iters)
+                except RuntimeError as exc:  # a capture failure is a finding, not the end of the run
+                    entry[f"{name}_graph_us"] = float("inf")
+                    entry[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        entry["compiles"] = counter.counts.total
+        entry["faster"] = "one_hot" if entry["one_hot_graph_us"] <= entry["argsort_graph_us"] else "argsort"
+        rows.append(entry)
+    return rows
+
+
 # -- output -----------------------------------------------------------------------------------------
 
 def format_table(result: dict[str, Any]) -> str:
@@ -243,6 +273,9 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(f"{'':<14}{a['rows']:>5} x {a['context']:<5}{a['graph_ms']:>9.3f} -> {b['graph_ms']:<6.3f}"
                          f"{b['roofline_ms']:>9.3f}{b['graph_over_roofline']:>8.2f}"
                          f"{a['eager_ms']:>10.2f} -> {b['eager_ms']:<6.2f}")
+    for r in result.get("destinations", []):
+        lines.append(f"{'expert sort':<14}{r['tokens']:>6}  one-hot {r['one_hot_graph_us']:8.1f} us  "
+                     f"argsort {r['argsort_graph_us']:8.1f} us  -> {r['faster']}")
     lines.append(f"triton compilations in timed regions: {result.get('compiles_in_timed_regions', 'n/a')}"
                  f"   wall {result.get('wall_s', 0):.1f} s")
     return "\n".join(lines)
@@ -278,9 +311,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["copy_bandwidth_gb_s"] = copy_bandwidth() / 1e9
     result["ops"] = time_ops(cfg, rows, args.iters, args.seed)
     result["ops_wall_s"] = time.perf_counter() - t0
+    sort_tokens = [int(t) for t in args.destinations.split(",") if t.strip()]
+    if sort_tokens:
+        result["destinations"] = time_destinations(cfg, sort_tokens, args.iters, args.seed)
     if points:
         result["decode"] = time_decode(cfg, points, args.iters, args.seed, result["copy_bandwidth_gb_s"] * 1e9)
     compiles = sum(r["portable_compiles"] + r["fused_compiles"] for r in result["ops"])
+    compiles += sum(r["compiles"] for r in result.get("destinations", []))
     if points:
         compiles += result["decode"]["portable_compiles"] + result["decode"]["fused_compiles"]
     result["compiles_in_timed_regions"] = compiles

@@ -31,7 +31,10 @@ def _fake_result() -> dict:
           "fused_gb_s": 209.7, "portable_compiles": 0, "fused_compiles": 0, "fused_launched": True}
     step = {"rows": 64, "bucket": 64, "context": 2048, "graph_ms": 7.45, "eager_ms": 20.1, "roofline_ms": 4.37,
             "graph_over_roofline": 1.7, "bytes": 1e10}
-    return {"ops": [op], "decode": {"portable": [step], "fused": [dict(step, graph_ms=6.9, graph_over_roofline=1.58)]},
+    sort = {"tokens": 4096, "pairs": 32768, "experts": 128, "one_hot_graph_us": 83.0, "argsort_graph_us": 41.5,
+            "compiles": 0, "faster": "argsort"}
+    return {"ops": [op], "destinations": [sort],
+            "decode": {"portable": [step], "fused": [dict(step, graph_ms=6.9, graph_over_roofline=1.58)]},
             "compiles_in_timed_regions": 0, "wall_s": 61.0}
 
 
@@ -45,3 +48,4 @@ def test_emit_writes_one_json_object_and_a_table(tmp_path):
     table = err.getvalue()
     assert "rmsnorm" in table and "14.5" in table and "7.450 -> 6.900" in table
     assert "compilations in timed regions: 0" in table
+    assert "expert sort" in table and "83.0" in table and "-> argsort" in table
