@@ -14,7 +14,11 @@ kernel saves and what the whole step gains, in one call that finishes in about a
 2. `sorted_destinations` (the expert sort of every MoE layer) both ways, the one-hot prefix sum
    and the stable argsort, graph-timed at the preset's experts and top-k for `--destinations`
    token counts: where the one-hot limit (`comm.exchange.ONE_HOT_LIMIT`) should sit.
-3. The whole decode step, graph-replayed (`bench.micro.decode_steps`: 1 x 2,048 and 64 x 2,048
+3. FP8 experts (`kernels.moe_triton`, stacked e4m3) against the bf16 path (`kernels.moe.routed_experts`)
+   on one MoE layer at the preset's sizes, for `--fp8-experts` token counts and a small grid of
+   launch shapes (`--fp8-tiles`): graph-timed at decode sizes, eager at prefill sizes (milliseconds:
+   launch overhead is noise there). Where `moe_triton.DECODE_TILES` / `LARGE_TILES` come from.
+4. The whole decode step, graph-replayed (`bench.micro.decode_steps`: 1 x 2,048 and 64 x 2,048
    positions by default) with and without `install_fused_ops`, against the memory roofline.
 
 Triton compilations are counted over every timed region (`bench.compiles`); each region is
@@ -42,6 +46,8 @@ ROWS = (1, 16, 64, 4096)
 L2_DEFEAT_BYTES = 96 << 20
 """Bytes of distinct inputs a graph timing cycles through (over the H200's 50 MB L2)."""
 MAX_SETS = 128
+FP8_TILES = ("16/64/64/4/3,16/128/64/4/3,16/64/128/4/4,64/64/64/4/3,64/128/64/8/3,128/128/64/8/3,"
+             "128/64/64/4/3,128/128/128/8/3,64/128/128/8/4")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -51,6 +57,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode", default="1x2048,64x2048", help="decode points ROWSxCONTEXT ('' skips the step)")
     ap.add_argument("--destinations", default="64,512,1024,2048,4096,8192",
                     help="token counts of the expert-sort timings ('' skips them)")
+    ap.add_argument("--fp8-experts", default="64,1024,4096",
+                    help="token counts of the FP8-expert timings ('' skips them)")
+    ap.add_argument("--fp8-tiles", default=FP8_TILES,
+                    help="launch shapes BLOCK_M/N_CAP/K_CAP/WARPS/STAGES, comma-separated")
     ap.add_argument("--iters", type=int, default=30, help="timed repetitions per measurement")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
@@ -256,6 +266,66 @@ def time_destinations(cfg, tokens_list: list[int], iters: int, seed: int) -> lis
     return rows
 
 
+def time_fp8_experts(cfg, tokens_list: list[int], tiles_spec: str, iters: int, seed: int) -> list[dict[str, Any]]:
+    """One MoE layer's routed experts: bf16 (`routed_experts`, its grouped GEMM or Triton choice at
+    decode sizes) against the FP8 Triton kernels per launch shape. Shapes of 16-row tiles are
+    timed at decode sizes only (<= 64 rows per expert on average), larger ones at prefill sizes."""
+    from megatron_rollout.bench.compiles import CompileCounter
+    from megatron_rollout.comm.facade import Shard
+    from megatron_rollout.kernels import moe, moe_triton
+    from megatron_rollout.model import fp8
+    from megatron_rollout.model.layers import Experts
+
+    tiles = [moe_triton.Tiles(*map(int, t.split("/"))) for t in tiles_spec.split(",") if t.strip()]
+    experts = Experts(cfg, Shard(), device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, device="cuda", generator=gen) * 0.02)
+    experts.restack()
+    num, topk = experts.num_local, cfg.moe_router_topk
+    stacks = None
+    rows = []
+    for tokens in tokens_list:
+        x = _randn((tokens, cfg.hidden_size), gen)
+        ids = torch.rand(tokens, num, device="cuda", generator=gen).topk(topk, dim=-1).indices
+        w = torch.rand(tokens, topk, device="cuda", generator=gen).bfloat16()
+        large = tokens * topk >= moe.FP8_LARGE_ROWS * num
+        time = (lambda fn: eager_us(fn, max(3, iters // 3))) if large else (lambda fn: graph_us([fn], iters))
+        entry: dict[str, Any] = {"tokens": tokens, "large": large, "fp8": [], "compiles": 0}
+
+        def timed(fn, entry=entry, time=time) -> float:
+            with CompileCounter() as counter:
+                us = time(fn)
+            entry["compiles"] += counter.counts.total
+            return us
+
+        with torch.no_grad():
+            for e in experts.local_experts:  # bf16 first: the FP8 weights, once stacked, take over routed_experts
+                e.linear_fc1.fp8 = e.linear_fc2.fp8 = None
+            experts.stack_fp8()
+            ref = moe.routed_experts(x, ids, w, experts)
+            entry["bf16_us"] = timed(lambda: moe.routed_experts(x, ids, w, experts))
+            for e in experts.local_experts:
+                e.linear_fc1.fp8 = fp8.quantize_fp8(e.linear_fc1.weight)
+                e.linear_fc2.fp8 = fp8.quantize_fp8(e.linear_fc2.weight)
+            experts.stack_fp8()
+            fc1, fc2 = stacks = experts.stacked_fp8()
+            args = (x, ids, w, fc1.data, fc2.data, 0, (fc1.scale, fc1.group, fc2.scale, fc2.group))
+            for t in tiles:
+                if (t.block_m > 16) != large:
+                    continue
+                out = moe_triton.routed_experts_triton(*args, t)  # compiles, outside timing below
+                err = float((out.float() - ref.float()).norm() / ref.float().norm())
+                us = timed(lambda t=t: moe_triton.routed_experts_triton(*args, t))
+                entry["fp8"].append({"tiles": t.__dict__, "us": us, "rel_err_vs_bf16": err})
+        best = min(entry["fp8"], key=lambda r: r["us"], default=None)
+        entry["best"] = best and {**best, "over_bf16": best["us"] / entry["bf16_us"]}
+        rows.append(entry)
+    del stacks
+    return rows
+
+
 # -- output -----------------------------------------------------------------------------------------
 
 def format_table(result: dict[str, Any]) -> str:
@@ -273,6 +343,10 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(f"{'':<14}{a['rows']:>5} x {a['context']:<5}{a['graph_ms']:>9.3f} -> {b['graph_ms']:<6.3f}"
                          f"{b['roofline_ms']:>9.3f}{b['graph_over_roofline']:>8.2f}"
                          f"{a['eager_ms']:>10.2f} -> {b['eager_ms']:<6.2f}")
+    for r in result.get("fp8_experts", []):
+        b = r["best"] or {}
+        lines.append(f"{'fp8 experts':<14}{r['tokens']:>6}  bf16 {r['bf16_us']:9.1f} us  best fp8 "
+                     f"{b.get('us', float('nan')):9.1f} us {b.get('tiles', {})}")
     for r in result.get("destinations", []):
         lines.append(f"{'expert sort':<14}{r['tokens']:>6}  one-hot {r['one_hot_graph_us']:8.1f} us  "
                      f"argsort {r['argsort_graph_us']:8.1f} us  -> {r['faster']}")
@@ -311,13 +385,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["copy_bandwidth_gb_s"] = copy_bandwidth() / 1e9
     result["ops"] = time_ops(cfg, rows, args.iters, args.seed)
     result["ops_wall_s"] = time.perf_counter() - t0
+    fp8_tokens = [int(t) for t in args.fp8_experts.split(",") if t.strip()]
+    if fp8_tokens:
+        result["fp8_experts"] = time_fp8_experts(cfg, fp8_tokens, args.fp8_tiles, args.iters, args.seed)
     sort_tokens = [int(t) for t in args.destinations.split(",") if t.strip()]
     if sort_tokens:
         result["destinations"] = time_destinations(cfg, sort_tokens, args.iters, args.seed)
     if points:
         result["decode"] = time_decode(cfg, points, args.iters, args.seed, result["copy_bandwidth_gb_s"] * 1e9)
     compiles = sum(r["portable_compiles"] + r["fused_compiles"] for r in result["ops"])
-    compiles += sum(r["compiles"] for r in result.get("destinations", []))
+    compiles += sum(r["compiles"] for r in result.get("destinations", []) + result.get("fp8_experts", []))
     if points:
         compiles += result["decode"]["portable_compiles"] + result["decode"]["fused_compiles"]
     result["compiles_in_timed_regions"] = compiles

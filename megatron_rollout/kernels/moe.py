@@ -83,12 +83,13 @@ FP8_LARGE_ROWS = 64
 
 def _routed_experts_fp8(x, ids, weights, experts: Experts, fp8) -> torch.Tensor:
     """`routed_experts` over stacked FP8 expert weights: the Triton kernels at every batch size."""
-    from megatron_rollout.kernels.moe_triton import BLOCK_M, routed_experts_triton
+    from megatron_rollout.kernels import moe_triton
 
     fc1, fc2 = fp8
     large = ids.numel() >= FP8_LARGE_ROWS * experts.num_local
-    return routed_experts_triton(x, ids, weights, fc1.data, fc2.data, experts.first,
-                                 (fc1.scale, fc1.group, fc2.scale, fc2.group), 64 if large else BLOCK_M)
+    return moe_triton.routed_experts_triton(x, ids, weights, fc1.data, fc2.data, experts.first,
+                                            (fc1.scale, fc1.group, fc2.scale, fc2.group),
+                                            moe_triton.LARGE_TILES if large else moe_triton.DECODE_TILES)
 
 
 def expert_path(experts: Experts) -> str:

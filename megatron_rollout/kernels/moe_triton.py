@@ -24,6 +24,8 @@ batches (64-row tiles): there is no FP8 grouped GEMM beside them. Left out: larg
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -31,6 +33,23 @@ import triton.language as tl
 from megatron_rollout.comm.exchange import sorted_destinations
 
 BLOCK_M = 16
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Launch shape of both kernels: rows per tile (`block_m`), the caps of the n and k tiles (the
+    largest power of two <= cap that divides the dimension), warps and pipeline stages."""
+
+    block_m: int = BLOCK_M
+    n_cap: int = 64
+    k_cap: int = 64
+    warps: int = 4
+    stages: int = 3
+
+
+DECODE_TILES = Tiles()
+LARGE_TILES = Tiles(block_m=64)
+"""FP8 experts at prefill sizes (`kernels.moe.FP8_LARGE_ROWS`): 64-row tiles amortise weight reads."""
 
 
 def padded_layout(flat: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
@@ -161,31 +180,33 @@ def _scales(w: torch.Tensor, scale: torch.Tensor | None, group: tuple[int, int] 
 
 def routed_experts_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fc1: torch.Tensor,
                           fc2: torch.Tensor, first: int = 0, fp8: tuple | None = None,
-                          block_m: int = BLOCK_M) -> torch.Tensor:
+                          tiles: Tiles = DECODE_TILES) -> torch.Tensor:
     """sum_k weights[n, k] * MLP_{ids[n, k]}(x[n]). x: [N, H] bf16; ids, weights: [N, k];
     fc1: [E, 2F, H], fc2: [E, H, F] contiguous, in x's dtype, or e4m3 with `fp8` = (fc1 scale,
     fc1 group, fc2 scale, fc2 group), as `fp8.StackedFP8` holds them (`weight[e, r, c] ~= data[e,
-    r, c] * scale[e, r // group[0], c // group[1]]`). `block_m` rows per tile (16 for decode; larger
-    amortises weight reads over prefill-sized batches). Returns [N, H]."""
+    r, c] * scale[e, r // group[0], c // group[1]]`). `tiles`: the launch shape (16-row tiles for
+    decode; larger ones amortise weight reads over prefill-sized batches). Returns [N, H]."""
     n, topk = ids.shape
     num_experts, two_f, hidden = fc1.shape
     ffn = two_f // 2
     flat = ids.reshape(-1) - first
+    block_m = tiles.block_m
     dest, row_pair, block_expert = padded_layout(flat, num_experts, block_m)
     rows = row_pair.numel()
     blocks = rows // block_m
     x = x.contiguous()
     s1, g1, s2, g2 = fp8 if fp8 is not None else (None, None, None, None)
     act = torch.empty(rows, ffn, dtype=x.dtype, device=x.device)
-    bn1, bk1 = _tile(ffn, 64), _tile(hidden, 64)
+    launch = dict(num_warps=tiles.warps, num_stages=tiles.stages)
+    bn1, bk1 = _tile(ffn, tiles.n_cap), _tile(hidden, tiles.k_cap)
     a1 = _scales(fc1, s1, g1, bk1)
     _fc1_swiglu_kernel[(blocks, ffn // bn1)](x, fc1, a1.pop("scales"), act, row_pair, block_expert, num_experts,
                                              H=hidden, F=ffn, TOPK=topk, BM=block_m, BN=bn1, BK=bk1, **a1,
-                                             num_warps=4, num_stages=3)
+                                             **launch)
     y = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
-    bn2, bk2 = _tile(hidden, 64), _tile(ffn, 64)
+    bn2, bk2 = _tile(hidden, tiles.n_cap), _tile(ffn, tiles.k_cap)
     a2 = _scales(fc2, s2, g2, bk2)
     w = weights.reshape(-1).contiguous()
     _fc2_kernel[(blocks, hidden // bn2)](act, fc2, a2.pop("scales"), y, row_pair, block_expert, w, num_experts,
-                                         H=hidden, F=ffn, BM=block_m, BN=bn2, BK=bk2, **a2, num_warps=4, num_stages=3)
+                                         H=hidden, F=ffn, BM=block_m, BN=bn2, BK=bk2, **a2, **launch)
     return y.index_select(0, dest).view(n, topk, hidden).sum(1)

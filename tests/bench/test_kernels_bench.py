@@ -33,7 +33,9 @@ def _fake_result() -> dict:
             "graph_over_roofline": 1.7, "bytes": 1e10}
     sort = {"tokens": 4096, "pairs": 32768, "experts": 128, "one_hot_graph_us": 83.0, "argsort_graph_us": 41.5,
             "compiles": 0, "faster": "argsort"}
-    return {"ops": [op], "destinations": [sort],
+    fp8 = {"tokens": 4096, "large": True, "compiles": 0, "bf16_us": 2500.0,
+           "fp8": [], "best": {"us": 3100.0, "tiles": {"block_m": 128}, "over_bf16": 1.24}}
+    return {"ops": [op], "destinations": [sort], "fp8_experts": [fp8],
             "decode": {"portable": [step], "fused": [dict(step, graph_ms=6.9, graph_over_roofline=1.58)]},
             "compiles_in_timed_regions": 0, "wall_s": 61.0}
 
@@ -48,4 +50,5 @@ def test_emit_writes_one_json_object_and_a_table(tmp_path):
     table = err.getvalue()
     assert "rmsnorm" in table and "14.5" in table and "7.450 -> 6.900" in table
     assert "compilations in timed regions: 0" in table
+    assert "fp8 experts" in table and "3100.0" in table
     assert "expert sort" in table and "83.0" in table and "-> argsort" in table

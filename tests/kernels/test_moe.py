@@ -216,11 +216,11 @@ def _dequantised_reference(x, ids, w, fc1, fc2):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("block", [None, 128])
-@pytest.mark.parametrize("block_m", [16, 64])
-def test_triton_fp8_experts_match_the_dequantised_weights(device, block, block_m):
+@pytest.mark.parametrize("block_m,n_cap", [(16, 64), (64, 128)])
+def test_triton_fp8_experts_match_the_dequantised_weights(device, block, block_m, n_cap):
     """Weight-only FP8: the kernels widen e4m3 weights and apply per-tensor or 128x128 block scales
     (fc1's k = 256 spans two scale groups: scaled per k-tile; fc2's k = 128 is one)."""
-    from megatron_rollout.kernels.moe_triton import routed_experts_triton
+    from megatron_rollout.kernels.moe_triton import Tiles, routed_experts_triton
     from megatron_rollout.model import fp8
 
     gen = torch.Generator().manual_seed(3)
@@ -235,7 +235,8 @@ def test_triton_fp8_experts_match_the_dequantised_weights(device, block, block_m
     ids = torch.randint(0, e, (tokens, k), generator=gen).to(device)
     w = torch.rand(tokens, k, generator=gen).to(device, dtype)
     out = routed_experts_triton(x, ids, w, fc1.data.to(device), fc2.data.to(device), 0,
-                                (fc1.scale.to(device), fc1.group, fc2.scale.to(device), fc2.group), block_m)
+                                (fc1.scale.to(device), fc1.group, fc2.scale.to(device), fc2.group),
+                                Tiles(block_m=block_m, n_cap=n_cap, k_cap=64 if block_m == 16 else 128))
     deq = [torch.stack([fp8.FP8Weight(s.data[i], s.scale[i].reshape(()) if block is None else s.scale[i],
                                       block).dequantize() for i in range(e)]) for s in stacks]
     ref = _dequantised_reference(x.cpu(), ids.cpu(), w.cpu(), *deq)
