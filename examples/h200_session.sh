@@ -120,8 +120,8 @@ for stage in "$@"; do
       tail -10 /tmp/res/prefill-flash.log; cp /tmp/res/prefill-flash/rollout.json "$OUT/prefill-flash.json" ;;
     kernels)  # fused small ops and the decode step; the micro stage (prefill rate, attention, experts)
       cd /tmp/run
-      timeout 90 python3 -m megatron_rollout.bench.kernels --json --out "$OUT/kernels.json" > /tmp/res/kernels.log 2>&1
-      tail -22 /tmp/res/kernels.log
+      timeout 240 python3 -m megatron_rollout.bench.kernels --json --out "$OUT/kernels.json" > /tmp/res/kernels.log 2>&1
+      tail -40 /tmp/res/kernels.log | cut -c1-220
       timeout 100 python3 -m megatron_rollout.bench.rollout --schedules '' --micro --no-vllm --out /tmp/res/micro \
         > /tmp/res/micro.log 2>&1; tail -12 /tmp/res/micro.log; cp /tmp/res/micro/rollout.json "$OUT/micro.json" ;;
     vllm|vllm48)  # unpack the bundle, then the peer on each profile's trace, against our runs
