@@ -31,13 +31,15 @@
 #   call 6, carry [".vb3"]: VLLM_RUNS="prefill:default,best:300" bash /tmp/run/examples/h200_session.sh piece vllm
 #   call 7, no carry:       BUDGETS=16384 SCHEDULES=off,mux DEADLINE=230 bash /tmp/run/examples/h200_session.sh flash
 #
-# The 2026-12-01 fifth-session lease (FP8 experts in graphs, decode attention settings), calls back to back:
+# The 2026-12-01 fifth-session lease (FP8 experts in graphs, decode attention settings). The bundle
+# was re-split into five 49.6 MB pieces (cat .vb*/vllm026.txz.0* | split -d -b 49600000): a 58 MiB
+# piece and the working tree no longer fit one carry. Calls:
 #   call 1, carry [".whl", ".vb4"]: bash examples/h200_session.sh setup tests fp8   (its own machine)
-#   call 2, carry [".whl", ".vb4"]: bash examples/h200_session.sh setup kernels   (FP8-expert tiles, expert sort)
-#   call 3, carry [".vb0"]: DEADLINE=250 bash /tmp/run/examples/h200_session.sh piece current
-#   calls 4-5, carry [".vb1"], [".vb2"]: bash /tmp/run/examples/h200_session.sh piece
-#   call 6, carry [".vb3"]: VLLM_RUNS="current:default,best:270" bash /tmp/run/examples/h200_session.sh piece vllm
-#   call 7, carry [".whl"]: FLASH_REPLAY=0 bash examples/h200_session.sh setup flash fp8
+#   call 2, carry [".whl", ".vb4"]: bash examples/h200_session.sh setup kernels     (FP8-expert tiles, expert sort)
+#   call 3, carry [".whl", ".vb0"]: DEADLINE=250 bash examples/h200_session.sh setup piece current
+#   calls 4-6, carry [".vb1"], [".vb2"], [".vb3"]: bash /tmp/run/examples/h200_session.sh piece
+#   call 7, carry [".vb4"]: VLLM_RUNS="current:default,best:270" bash /tmp/run/examples/h200_session.sh piece vllm
+#   call 8, carry [".whl"]: FLASH_REPLAY=0 bash examples/h200_session.sh setup flash fp8
 #
 # `.run` is `git archive HEAD` of the commit measured, plus `.whl/` (megatron-core 0.19.2, which
 # the device image lacks); it is copied to /tmp/run so later calls need not carry it. Results are
