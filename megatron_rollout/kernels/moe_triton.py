@@ -4,9 +4,10 @@ At decode sizes a layer routes a few hundred (token, expert) pairs over ~all exp
 per expert, so the layer is bound by reading the expert weights once. `torch._grouped_mm` tiles
 each expert's rows into large M tiles; these kernels instead use 16-row tiles:
 
-1. `padded_layout` (torch, sync-free, capturable: `comm.exchange.sorted_destinations`) gives every
-   pair a row in an expert-sorted layout padded to 16 rows per expert, and every 16-row block its
-   expert (E past the end);
+1. `padded_layout` (torch, sync-free, capturable: a one-hot prefix sum at decode sizes, the stable
+   argsort of `comm.exchange.sorted_destinations` at prefill sizes) gives every pair a row in an
+   expert-sorted layout padded to 16 rows per expert, and every 16-row block its expert (E past
+   the end);
 2. `_fc1_swiglu_kernel`: program (block, n-tile) reads the block's token rows of x and the
    expert's gate and up rows of `linear_fc1.weight` for its n-tile, and writes silu(gate) * up;
 3. `_fc2_kernel`: program (block, n-tile) multiplies by `linear_fc2.weight` and scales each row
@@ -30,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_rollout.comm.exchange import sorted_destinations
+from megatron_rollout.comm.exchange import ONE_HOT_LIMIT, sorted_destinations
 
 BLOCK_M = 16
 
@@ -62,16 +63,24 @@ def padded_layout(flat: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
     pair of each row or -1, block_expert [R // block_m] int32 expert of each block or E)."""
     pairs = flat.numel()
     dev = flat.device
-    dest, end = sorted_destinations(flat, num_experts)  # rows in the unpadded expert-sorted order
-    counts = torch.diff(end, prepend=end.new_zeros(1))
+    if pairs * num_experts <= ONE_HOT_LIMIT:  # decode sizes: the fewest kernels (the expert choice times them eagerly)
+        onehot = torch.zeros(num_experts, pairs, dtype=torch.int32, device=dev)
+        onehot.scatter_(0, flat[None, :], 1)
+        csum = onehot.cumsum(1, dtype=torch.int32)  # scan along the contiguous dim: one row per expert
+        counts = csum[:, -1]
+        rank = csum.gather(0, flat[None, :]).squeeze(0) - 1
+    else:  # prefill sizes (FP8 experts): the stable argsort, not a [E, P] scan
+        dest, end = sorted_destinations(flat, num_experts, 0)
+        counts = torch.diff(end, prepend=end.new_zeros(1))
+        rank = dest - (end - counts)[flat]
     padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0, dtype=torch.int32)
-    dest = dest + ((padded_end - padded) - (end - counts))[flat]  # each expert's rows start at its padded start
+    end = padded.cumsum(0, dtype=torch.int32)
+    dest = ((end - padded)[flat] + rank).long()
     rows = -(-(pairs + num_experts * (block_m - 1)) // block_m) * block_m
     row_pair = torch.full((rows,), -1, dtype=torch.int32, device=dev)
     row_pair[dest] = torch.arange(pairs, dtype=torch.int32, device=dev)
     starts = torch.arange(0, rows, block_m, dtype=torch.int32, device=dev)
-    block_expert = torch.searchsorted(padded_end, starts, right=True).to(torch.int32)
+    block_expert = torch.searchsorted(end, starts, right=True).to(torch.int32)
     return dest, row_pair, block_expert
 
 

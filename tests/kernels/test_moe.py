@@ -178,7 +178,8 @@ DEVICES = [
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tokens", [1, 5, 40])
-def test_triton_small_batch_experts_match_loop(device, tokens):
+def test_triton_small_batch_experts_match_loop(device, tokens, monkeypatch):
+    from megatron_rollout.kernels import moe_triton
     from megatron_rollout.kernels.moe_triton import padded_layout, routed_experts_triton
 
     gen = torch.Generator().manual_seed(tokens)
@@ -201,6 +202,9 @@ def test_triton_small_batch_experts_match_loop(device, tokens):
     assert torch.equal(row_pair[dest].long().cpu(), torch.arange(tokens * k))
     blocks = block_expert.cpu().tolist()
     assert blocks == sorted(blocks) and blocks[-1] == e  # experts ascending, then past-the-end blocks
+    monkeypatch.setattr(moe_triton, "ONE_HOT_LIMIT", 0)  # the argsort branch (prefill sizes) lays out alike
+    for a, b in zip(padded_layout(ids.reshape(-1), e), (dest, row_pair, block_expert)):
+        assert torch.equal(a, b)
 
 
 def _dequantised_reference(x, ids, w, fc1, fc2):
