@@ -129,6 +129,13 @@ TRITON_MARGIN = 0.9
 """The Triton small-batch experts are chosen only when they take at most this fraction of the
 grouped GEMM's time: near a tie the choice would flip from one measurement to the next."""
 
+HOLD_CYCLES = 40_000_000
+"""GPU cycles (~20 ms) a spin kernel holds the stream before each timed round of the choice, so that
+the host has queued the round's launches when its start event runs. Without it the eager timing
+measured the host's launch rate: on slow-host machines (fifth lease) Triton's extra small launches
+made it look no faster and the grouped GEMM was chosen, though Triton is faster inside the
+decode graphs where small batches run."""
+
 _CHOSEN: dict[tuple, dict] = {}
 """Choices made in this process, by device and shapes: every engine built on the same model shape
 runs the same expert kernels, so their tokens agree (the two paths round differently, and two
@@ -137,7 +144,8 @@ engines of one job compared at temperature 0 must not differ by a timing coin fl
 
 def choose_small_kernels(model: torch.nn.Module, rows: int = 64) -> dict:
     """Time the Triton and grouped-GEMM expert paths on a decode-sized batch of the first MoE
-    layer and keep the faster for small batches (Triton only when clearly faster: `TRITON_MARGIN`).
+    layer (device time: `HOLD_CYCLES`) and keep the faster for small batches (Triton only when
+    clearly faster: `TRITON_MARGIN`).
     The first choice for a device and shape holds for the rest of the process. Returns the timings
     (ms) and the choice."""
     comm = getattr(model, "comm", None)
@@ -164,6 +172,7 @@ def choose_small_kernels(model: torch.nn.Module, rows: int = 64) -> dict:
         for _ in range(5):  # interleaved rounds: clock ramp-up and noise hit both alike
             for name in names:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(HOLD_CYCLES)  # the launches queue behind it: the events time the GPU alone
                 start.record()
                 for _ in range(5):
                     routed_experts(x, ids, w, layer.experts, name, 1 << 30)
