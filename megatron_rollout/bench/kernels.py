@@ -303,14 +303,14 @@ def time_fp8_experts(cfg, tokens_list: list[int], tiles_spec: str, iters: int, s
         with torch.no_grad():
             for e in experts.local_experts:  # bf16 first: the FP8 weights, once stacked, take over routed_experts
                 e.linear_fc1.fp8 = e.linear_fc2.fp8 = None
-            experts.stack_fp8()
+            fp8.stack_experts_fp8(experts)
             ref = moe.routed_experts(x, ids, w, experts)
             entry["bf16_us"] = timed(lambda: moe.routed_experts(x, ids, w, experts))
             for e in experts.local_experts:
                 e.linear_fc1.fp8 = fp8.quantize_fp8(e.linear_fc1.weight)
                 e.linear_fc2.fp8 = fp8.quantize_fp8(e.linear_fc2.weight)
-            experts.stack_fp8()
-            fc1, fc2 = stacks = experts.stacked_fp8()
+            fp8.stack_experts_fp8(experts)
+            fc1, fc2 = stacks = fp8.stacked_experts_fp8(experts)
             args = (x, ids, w, fc1.data, fc2.data, 0, (fc1.scale, fc1.group, fc2.scale, fc2.group))
             for t in tiles:
                 if (t.block_m > 16) != large:

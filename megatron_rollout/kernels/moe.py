@@ -20,7 +20,7 @@ pair order followed by a scatter: at 4,096 tokens the scatter was 2.4 of a 29 ms
 for a single-rank model (the CUDA runner does this). A multi-rank model keeps its `DistComm`: its
 exchanges are sync-free when the comm consumes counts on the device (`CommConfig.counts`), and
 `install_device_exchange` only stacks the experts so that they run as grouped GEMMs there
-(`comm.exchange.compute_local_sync_free`). FP8 experts (`model.fp8.stack_fp8`) run the Triton
+(`comm.exchange.compute_local_sync_free`). FP8 experts (`model.fp8.stack_experts_fp8`) run the Triton
 kernels of `kernels.moe_triton` at every batch size, sync-free too. Left out: FP8 experts on a
 multi-rank exchange, and capacity factors / token dropping. `sorted_destinations` lives in
 `comm.exchange` (the distributed exchanges use it too) and is re-exported here.
@@ -35,6 +35,7 @@ import torch
 from megatron_rollout.comm import exchange as _exchange
 from megatron_rollout.comm.exchange import ExpertExchange, compute_local
 from megatron_rollout.comm.facade import LocalComm
+from megatron_rollout.model.fp8 import stacked_experts_fp8
 from megatron_rollout.model.layers import Experts, MoELayer
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
     n, k = ids.shape
     if n == 0:
         return x.new_zeros(x.shape)
-    fp8 = experts.stacked_fp8()
+    fp8 = stacked_experts_fp8(experts)
     if fp8 is not None:
         return _routed_experts_fp8(x, ids, weights, experts, fp8)
     if small == "triton" and n * k <= small_pairs:
@@ -95,7 +96,7 @@ def _routed_experts_fp8(x, ids, weights, experts: Experts, fp8) -> torch.Tensor:
 def expert_path(experts: Experts) -> str:
     """Which weights the device exchange runs: 'fp8' (stacked FP8), 'bf16' (stacked), or
     'portable' (per expert, with host syncs: not graph-safe)."""
-    if experts.stacked_fp8() is not None:
+    if stacked_experts_fp8(experts) is not None:
         return "fp8"
     return "bf16" if experts.stacked() is not None else "portable"
 

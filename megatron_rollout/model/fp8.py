@@ -15,7 +15,7 @@ call time from what the input's device offers:
 ``backend="auto"` takes the first of these that can run the call; naming one explicitly makes a
 missing one an error with an install hint.
 
-Routed experts are quantised expert by expert like any `Linear`, then stacked (`stack_fp8`):
+Routed experts are quantised expert by expert like any `Linear`, then stacked (`stack_experts_fp8`):
 one [E, out, in] e4m3 tensor and one [E, rows, cols] scale tensor per projection, each expert's
 `FP8Weight` a view of them. The CUDA exchange reads the stacks in one grouped Triton kernel
 (`kernels.moe_triton`, weight-only FP8: e4m3 weights widened to bf16 in registers), so an FP8
@@ -136,7 +136,7 @@ def quantize_model_fp8(model: nn.Module, block: int | None = None, include: tupl
 
     for name, module in model.named_modules():  # the experts quantised here: stacked for the grouped kernels
         if isinstance(module, Experts) and any(d.startswith(f"{name}.") for d in done):
-            module.stack_fp8()
+            stack_experts_fp8(module)
     log.info("quantised %d Linear layers to FP8 (block=%s, backend=%s)", len(done), block, backend)
     return done
 
@@ -182,6 +182,33 @@ def stack_fp8(weights: Sequence[FP8Weight], into: StackedFP8 | None = None) -> S
         w.scale = scale[i].reshape(()) if block is None else scale[i]
         w.cache = None  # derived from the old scale tensor
     return stacked
+
+
+def _expert_weights(experts: nn.Module) -> tuple[list, list]:
+    return ([e.linear_fc1.fp8 for e in experts.local_experts], [e.linear_fc2.fp8 for e in experts.local_experts])
+
+
+def stack_experts_fp8(experts: nn.Module) -> None:
+    """Stack a `layers.Experts`' FP8 weights per projection (`stack_fp8`, in place when already
+    stacked) when every expert's fc1 and fc2 hold one; `quantize_model_fp8` calls this."""
+    fc1, fc2 = _expert_weights(experts)
+    if not all(isinstance(w, FP8Weight) for w in fc1 + fc2):
+        experts._stacked_fp8 = None
+        return
+    old = experts._stacked_fp8 or (None, None)
+    experts._stacked_fp8 = (stack_fp8(fc1, old[0]), stack_fp8(fc2, old[1]))
+
+
+def stacked_experts_fp8(experts: nn.Module) -> tuple[StackedFP8, StackedFP8] | None:
+    """The stacked FP8 weights (fc1, fc2) of a `layers.Experts` when every expert's FP8 weight
+    still reads them (no re-quantisation of one expert alone since)."""
+    st = getattr(experts, "_stacked_fp8", None)
+    if st is None:
+        return None
+    fc1, fc2 = _expert_weights(experts)
+    if not all(isinstance(w, FP8Weight) for w in fc1 + fc2) or not (st[0].aliased_by(fc1) and st[1].aliased_by(fc2)):
+        return None
+    return st
 
 
 # ---------------------------------------------------------------- backends

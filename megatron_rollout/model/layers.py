@@ -23,7 +23,6 @@ from megatron_rollout.comm.facade import Comm, Shard
 from megatron_rollout.forward import BoundaryPoint, Forward, Site, run_to_end  # noqa: F401 (re-exported)
 from megatron_rollout.model.attention import AttentionBackend
 from megatron_rollout.model.config import ModelConfig
-from megatron_rollout.model.fp8 import FP8Weight, StackedFP8, stack_fp8
 from megatron_rollout.types import Axis, Phase
 
 
@@ -170,7 +169,7 @@ class Experts(nn.Module):
             MLP(cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.torch_dtype, device=device)
             for _ in range(self.num_local))
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # see restack()
-        self._stacked_fp8: tuple[StackedFP8, StackedFP8] | None = None  # see stack_fp8()
+        self._stacked_fp8 = None  # `fp8.stack_experts_fp8`: the experts' FP8 weights, stacked
 
     def grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x: [n, H] sorted by local expert, `counts[K]` rows for expert K. Returns [n, H]."""
@@ -206,29 +205,6 @@ class Experts(nn.Module):
         if (first.linear_fc1.fp8 is not None or first.linear_fc2.fp8 is not None
                 or first.linear_fc1.weight.data_ptr() != st[0].data_ptr()
                 or last.linear_fc2.weight.data_ptr() != st[1][-1].data_ptr()):
-            return None
-        return st
-
-    def stack_fp8(self) -> None:
-        """Stack the experts' FP8 weights (`fp8.stack_fp8`, in place when already stacked), when
-        every expert's fc1 and fc2 hold one (`fp8.quantize_model_fp8` calls this)."""
-        fc1 = [e.linear_fc1.fp8 for e in self.local_experts]
-        fc2 = [e.linear_fc2.fp8 for e in self.local_experts]
-        if not all(isinstance(w, FP8Weight) for w in fc1 + fc2):
-            self._stacked_fp8 = None
-            return
-        old = self._stacked_fp8 or (None, None)
-        self._stacked_fp8 = (stack_fp8(fc1, old[0]), stack_fp8(fc2, old[1]))
-
-    def stacked_fp8(self) -> tuple[StackedFP8, StackedFP8] | None:
-        """The stacked FP8 weights (fc1, fc2) when every expert's FP8 weight still reads them."""
-        st = self._stacked_fp8
-        if st is None:
-            return None
-        fc1 = [e.linear_fc1.fp8 for e in self.local_experts]
-        fc2 = [e.linear_fc2.fp8 for e in self.local_experts]
-        if not all(isinstance(w, FP8Weight) for w in fc1 + fc2) or not (st[0].aliased_by(fc1)
-                                                                         and st[1].aliased_by(fc2)):
             return None
         return st
 

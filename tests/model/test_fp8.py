@@ -135,7 +135,7 @@ def test_quantised_experts_are_stacked_views(block):
     model = MoETransformer(CFG).init_weights(seed=0)
     fp8.quantize_model_fp8(model, block=block)
     experts = model.decoder.layers[1].mlp.experts
-    fc1, fc2 = experts.stacked_fp8()
+    fc1, fc2 = fp8.stacked_experts_fp8(experts)
     assert fc1.data.shape == (8, 2 * CFG.moe_ffn_hidden_size, CFG.hidden_size) and fc1.block == block
     assert fc1.group == ((block, block) if block else tuple(fc1.data.shape[1:]))
     for i, e in enumerate(experts.local_experts):
@@ -149,13 +149,13 @@ def test_requantising_stacked_experts_keeps_their_storage():
     model = MoETransformer(CFG).init_weights(seed=0)
     fp8.quantize_model_fp8(model, block=16)
     experts = model.decoder.layers[1].mlp.experts
-    fc1, fc2 = experts.stacked_fp8()
+    fc1, fc2 = fp8.stacked_experts_fp8(experts)
     ptrs = (fc1.data.data_ptr(), fc1.scale.data_ptr(), fc2.data.data_ptr(), fc2.scale.data_ptr())
     with torch.no_grad():
         for e in experts.local_experts:  # a weight update lands in the full-precision weights
             e.linear_fc1.weight.mul_(3.0)
     fp8.quantize_model_fp8(model, block=16)
-    new1, new2 = experts.stacked_fp8()
+    new1, new2 = fp8.stacked_experts_fp8(experts)
     assert (new1.data.data_ptr(), new1.scale.data_ptr(), new2.data.data_ptr(), new2.scale.data_ptr()) == ptrs
     w = experts.local_experts[3].linear_fc1.weight
     assert torch.equal(new1.data[3].float() * new1.scale[3].repeat_interleave(16, 0).repeat_interleave(16, 1),
@@ -167,9 +167,9 @@ def test_stacked_experts_are_dropped_when_an_expert_changes():
     fp8.quantize_model_fp8(model)
     experts = model.decoder.layers[1].mlp.experts
     experts.local_experts[2].linear_fc2.fp8 = fp8.quantize_fp8(experts.local_experts[2].linear_fc2.weight)
-    assert experts.stacked_fp8() is None  # no longer a view of the stack: the exchange must not read it
+    assert fp8.stacked_experts_fp8(experts) is None  # no longer a view of the stack: the exchange must not read it
     experts.local_experts[2].linear_fc2.fp8 = fp8.quantize_fp8(experts.local_experts[2].linear_fc2.weight, 16)
     with pytest.raises(ValueError, match="differ in block"):
-        experts.stack_fp8()
+        fp8.stack_experts_fp8(experts)
     fp8.quantize_model_fp8(model, include=("*self_attention*",))
-    assert experts.stacked_fp8() is None  # experts outside the patterns: their old FP8 stays, unstacked
+    assert fp8.stacked_experts_fp8(experts) is None  # experts outside the patterns: their old FP8 stays, unstacked
