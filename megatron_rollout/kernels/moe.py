@@ -79,7 +79,7 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
 
 
 FP8_LARGE_ROWS = 64
-"""Mean (token, expert) rows per expert from which the FP8 kernels use 64-row tiles, not 16."""
+"""Mean (token, expert) rows per expert from which the FP8 kernels use `moe_triton.LARGE_TILES`."""
 
 
 def _routed_experts_fp8(x, ids, weights, experts: Experts, fp8) -> torch.Tensor:

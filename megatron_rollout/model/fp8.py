@@ -12,7 +12,7 @@ call time from what the input's device offers:
   per-tensor weights (per tensor when the output is not bf16), per 1x128 group for block weights;
 - `dequant` (everywhere, the reference): `F.linear(x, dequantised weight)`.
 
-``backend="auto"` takes the first of these that can run the call; naming one explicitly makes a
+`backend="auto"` takes the first of these that can run the call; naming one explicitly makes a
 missing one an error with an install hint.
 
 Routed experts are quantised expert by expert like any `Linear`, then stacked (`stack_experts_fp8`):
@@ -154,11 +154,11 @@ class StackedFP8:
         """(rows, cols) of the weight that share one scale."""
         return (self.block, self.block) if self.block is not None else tuple(self.data.shape[1:])
 
-    def aliased_by(self, weights: Sequence[FP8Weight]) -> bool:
-        """Every weight still reads its slice of this stack (no re-quantisation since)."""
-        return len(weights) == self.data.shape[0] and all(
-            w.data.data_ptr() == self.data[i].data_ptr() and w.scale.data_ptr() == self.scale[i].data_ptr()
-            for i, w in enumerate(weights))
+    def aliased_by(self, first: object, last: object) -> bool:
+        """The first and last experts' FP8 weights still read their slices of this stack (checked
+        at the two ends, as `Experts.stacked` checks its bf16 stack: not a loop over every expert)."""
+        return all(isinstance(w, FP8Weight) and w.data.data_ptr() == self.data[i].data_ptr()
+                   and w.scale.data_ptr() == self.scale[i].data_ptr() for i, w in ((0, first), (-1, last)))
 
 
 def stack_fp8(weights: Sequence[FP8Weight], into: StackedFP8 | None = None) -> StackedFP8:
@@ -195,20 +195,21 @@ def stack_experts_fp8(experts: nn.Module) -> None:
     if not all(isinstance(w, FP8Weight) for w in fc1 + fc2):
         experts._stacked_fp8 = None
         return
-    old = experts._stacked_fp8 or (None, None)
+    old = getattr(experts, "_stacked_fp8", None) or (None, None)
     experts._stacked_fp8 = (stack_fp8(fc1, old[0]), stack_fp8(fc2, old[1]))
 
 
 def stacked_experts_fp8(experts: nn.Module) -> tuple[StackedFP8, StackedFP8] | None:
-    """The stacked FP8 weights (fc1, fc2) of a `layers.Experts` when every expert's FP8 weight
-    still reads them (no re-quantisation of one expert alone since)."""
+    """The stacked FP8 weights (fc1, fc2) of a `layers.Experts` while its experts' FP8 weights
+    still read them (checked on the first and last expert, every call: cheap). Re-quantise through
+    `quantize_model_fp8`, which restacks; an FP8 weight set on one expert by hand is not seen."""
     st = getattr(experts, "_stacked_fp8", None)
     if st is None:
         return None
-    fc1, fc2 = _expert_weights(experts)
-    if not all(isinstance(w, FP8Weight) for w in fc1 + fc2) or not (st[0].aliased_by(fc1) and st[1].aliased_by(fc2)):
-        return None
-    return st
+    first, last = experts.local_experts[0], experts.local_experts[-1]
+    aliased = (st[0].aliased_by(first.linear_fc1.fp8, last.linear_fc1.fp8)
+               and st[1].aliased_by(first.linear_fc2.fp8, last.linear_fc2.fp8))
+    return st if aliased else None
 
 
 # ---------------------------------------------------------------- backends
