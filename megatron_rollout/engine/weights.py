@@ -11,7 +11,8 @@ leaves the serving version intact, bit for bit. A version may arrive in several 
 to host memory, since the caller may reuse its buffers), and the final chunk copies staged and
 final tensors in place only once the version is complete. Until then the engine refuses to step,
 so no token is sampled while a version is half-received. A version sent whole (one `final=True`
-call) is validated, then copied in place: no staging copy. Left out: staging in device memory
+call) is validated, then copied in place: no staging copy. FP8 copies of the weights
+(`model.fp8`) are re-rounded from the new values in place after every update. Left out: staging in device memory
 (it would hold a second model where chunking exists to bound memory) and rollback of a copy that
 fails half-way on the device itself.
 """
@@ -26,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from megatron_rollout.comm.facade import Shard
+from megatron_rollout.model import fp8
 from megatron_rollout.model.config import ModelConfig
 from megatron_rollout.model.sharding import full_name, full_shapes, local_name, shard_tensor, unshard_tensor
 from megatron_rollout.model.transformer import MoETransformer
@@ -105,6 +107,7 @@ class WeightStore:
             for t in incoming:
                 if t.param is not None:
                     t.param.copy_(t.value)
+        fp8.requantize_model_fp8(self.model)  # FP8 copies follow their full-precision weights
         self.version, self._pending, self._staged = version, None, {}
 
     def bind(self, params: Mapping[str, torch.Tensor], version: int) -> None:
@@ -126,6 +129,7 @@ class WeightStore:
         _check_values(list(params.items()), version)
         for name, t in params.items():
             own[name].data = t.detach()
+        fp8.requantize_model_fp8(self.model)
         self.version = version
 
     # -- validation -----------------------------------------------------------------------------

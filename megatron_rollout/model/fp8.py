@@ -22,9 +22,10 @@ one [E, out, in] e4m3 tensor and one [E, rows, cols] scale tensor per projection
 model's decode step is graph-captured. Re-quantising a model whose experts are stacked writes
 into the same storage, so captured graphs stay valid.
 
-Left out: FP8 checkpoints (see `checkpoint.py`), FP8 KV cache, and gradients through FP8 GEMMs.
-The full-precision weight stays in `Linear.weight`: hot swap writes there, so re-quantise
-(`quantize_model_fp8` again) after a weight update.
+The full-precision weight stays in `Linear.weight`: hot swap writes there, and the weight store
+then re-rounds every FP8 weight from it in place (`requantize_model_fp8`), so FP8 rollouts follow
+weight updates and graphs captured on the FP8 tensors stay valid. Left out: FP8 checkpoints (see
+`checkpoint.py`), FP8 KV cache, and gradients through FP8 GEMMs.
 """
 from __future__ import annotations
 
@@ -128,7 +129,12 @@ def quantize_model_fp8(model: nn.Module, block: int | None = None, include: tupl
     done = []
     for name, module in model.named_modules():
         if isinstance(module, Linear) and any(fnmatch.fnmatchcase(name, p) for p in config.include):
-            module.fp8 = quantize_fp8(module.weight, config.block, config.backend)
+            old = module.fp8
+            if isinstance(old, FP8Weight) and (old.block, old.shape) == (config.block, tuple(module.weight.shape)):
+                old.backend = config.backend
+                requantize_(old, module.weight)  # same storage: graphs captured on it read the new values
+            else:
+                module.fp8 = quantize_fp8(module.weight, config.block, config.backend)
             done.append(name)
     if not done:
         raise ValueError(f"no Linear layer matches {config.include}")
@@ -139,6 +145,31 @@ def quantize_model_fp8(model: nn.Module, block: int | None = None, include: tupl
             stack_experts_fp8(module)
     log.info("quantised %d Linear layers to FP8 (block=%s, backend=%s)", len(done), block, backend)
     return done
+
+
+def requantize_(w: FP8Weight, weight: torch.Tensor) -> None:
+    """Round `weight` again into `w`'s own storage (same shape and block), and refresh in place
+    what its backends derived from the old scales: every tensor a captured graph reads keeps its
+    address and gets the new values."""
+    new = quantize_fp8(weight, w.block, w.backend)
+    w.data.copy_(new.data)
+    w.scale.copy_(new.scale)
+    for name in list(w.cache or {}):
+        BACKENDS[name].refresh(w)
+
+
+def requantize_model_fp8(model: nn.Module) -> int:
+    """Re-round every FP8 weight of the model from its `Linear`'s current full-precision weight, in
+    place (`requantize_`); the weight store calls this after every update. Returns how many."""
+    from megatron_rollout.model.layers import Linear
+
+    count = 0
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, Linear) and isinstance(module.fp8, FP8Weight):
+                requantize_(module.fp8, module.weight)
+                count += 1
+    return count
 
 
 @dataclass
@@ -231,6 +262,10 @@ class FP8Backend(abc.ABC):
     @abc.abstractmethod
     def matmul(cls, w: FP8Weight, x: torch.Tensor) -> torch.Tensor: ...
 
+    @classmethod
+    def refresh(cls, w: FP8Weight) -> None:
+        """Bring `w.cache[cls.name]` up to date with `w`'s data and scale, in place."""
+
 
 BACKENDS: dict[str, type[FP8Backend]] = {}
 AUTO_ORDER = ("transformer_engine", "scaled_mm", "dequant")
@@ -314,7 +349,7 @@ class ScaledMMBackend(FP8Backend):
             qa = _to_e4m3((groups / sa[..., None]).view_as(a))
             w.cache = w.cache or {}
             if cls.name not in w.cache:
-                w.cache[cls.name] = F.pad(w.scale, (0, -w.scale.shape[1] % 4)).t()  # [K4/128, N/128]
+                w.cache[cls.name] = cls._padded_scale(w)
             y = F.scaled_mm(qa, w.data.t(), sa.t().contiguous().t(), F.ScalingType.BlockWise1x128,
                             w.cache[cls.name], F.ScalingType.BlockWise128x128, output_dtype=x.dtype)[:m]
         elif x.dtype == torch.bfloat16:  # row-wise scaling (bf16 output only): one scale per token
@@ -325,6 +360,16 @@ class ScaledMMBackend(FP8Backend):
             sa = (a.abs().amax() / E4M3_MAX).clamp(min=_TINY)
             y = torch._scaled_mm(_to_e4m3(a / sa), w.data.t(), scale_a=sa, scale_b=w.scale, out_dtype=x.dtype)
         return y.view(*lead, w.shape[0])
+
+    @staticmethod
+    def _padded_scale(w: FP8Weight) -> torch.Tensor:
+        """Block scales as cuBLAS takes them: [K4/128, N/128], K padded to a multiple of 4 blocks."""
+        return F.pad(w.scale, (0, -w.scale.shape[1] % 4)).t()
+
+    @classmethod
+    def refresh(cls, w):
+        if w.block is not None:
+            w.cache[cls.name].copy_(cls._padded_scale(w))
 
 
 @functools.lru_cache(maxsize=None)
@@ -367,3 +412,9 @@ class TransformerEngineBackend(FP8Backend):
             w.cache[cls.name] = layer
         with te.fp8_autocast(enabled=True):
             return layer(x)
+
+    @classmethod
+    def refresh(cls, w):
+        layer = w.cache[cls.name]
+        with torch.no_grad():
+            layer.weight.copy_(w.dequantize(layer.weight.dtype))

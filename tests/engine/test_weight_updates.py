@@ -168,3 +168,29 @@ def test_updates_that_are_not_tensors_name_what_is_wrong(served):
     with pytest.raises(ValueError, match="holds NaN"):
         engine.weights.bind(nan, 2)
     _assert_serving(engine, weights, 1, tokens)
+
+
+@pytest.mark.parametrize("block", [None, 16])
+def test_fp8_weights_follow_a_weight_update_in_place(make_engine, qwen, block):
+    """An FP8 engine re-rounds its FP8 weights from every update, in the same storage (graphs
+    captured on them stay valid), and then generates what a model quantised from the new weights
+    generates."""
+    from megatron_rollout.model import fp8
+
+    _, base = qwen
+    engine = make_engine(copy.deepcopy(base), **SMALL)
+    fp8.quantize_model_fp8(engine.model, block=block)
+    ptrs = {n: (m.fp8.data.data_ptr(), m.fp8.scale.data_ptr()) for n, m in engine.model.named_modules()
+            if getattr(m, "fp8", None) is not None}
+    new = _perturbed(base, 3)
+    engine.update_weights(new, version=1)
+    assert {n: (m.fp8.data.data_ptr(), m.fp8.scale.data_ptr()) for n, m in engine.model.named_modules()
+            if getattr(m, "fp8", None) is not None} == ptrs
+    fresh = copy.deepcopy(base)
+    fresh.load_state_dict(new)
+    fp8.quantize_model_fp8(fresh, block=block)
+    for name, m in fresh.named_modules():
+        if getattr(m, "fp8", None) is not None:
+            assert torch.equal(engine.model.get_submodule(name).fp8.dequantize(), m.fp8.dequantize()), name
+    expected = [r.token_ids for r in make_engine(fresh, **SMALL).generate(PROMPTS, GREEDY)]
+    assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == expected

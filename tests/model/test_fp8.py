@@ -174,3 +174,17 @@ def test_stacked_experts_are_dropped_when_an_expert_changes():
         fp8.stack_experts_fp8(experts)
     fp8.quantize_model_fp8(model, include=("*self_attention*",))
     assert fp8.stacked_experts_fp8(experts) is None  # experts outside the patterns: their old FP8 stays, unstacked
+
+
+def test_requantising_refreshes_derived_scales_in_place():
+    """The block scales `_scaled_mm` derives (padded, transposed) are what a captured graph reads:
+    re-rounding updates them in their own storage."""
+    w = torch.randn(256, 384)
+    q = fp8.quantize_fp8(w, 128)
+    q.cache = {"scaled_mm": fp8.ScaledMMBackend._padded_scale(q)}
+    derived = q.cache["scaled_mm"]
+    ptrs = (q.data.data_ptr(), q.scale.data_ptr(), derived.data_ptr())
+    fp8.requantize_(q, w * 5.0)
+    assert (q.data.data_ptr(), q.scale.data_ptr(), q.cache["scaled_mm"].data_ptr()) == ptrs
+    assert torch.equal(q.dequantize(), fp8.quantize_fp8(w * 5.0, 128).dequantize())
+    assert torch.equal(derived, fp8.ScaledMMBackend._padded_scale(q))
