@@ -188,3 +188,32 @@ def test_fp8_model_decodes_through_graphs(block):
             assert _rel(b, a) < 3e-2
             lens = [n + 1 for n in lens]
     assert fast.stats["graph_replays"] == 3
+
+
+@pytest.mark.gpu
+def test_fp8_weight_update_reaches_captured_graphs():
+    """What the weight store does after an update (copies, then `requantize_model_fp8`) reaches a
+    decode graph captured on an FP8 model."""
+    from megatron_rollout.model import fp8
+
+    gen = torch.Generator().manual_seed(5)
+    ref, fast = _pair(5)
+    for model in (ref.model, fast.model):
+        fp8.quantize_model_fp8(model, block=128, backend="dequant")
+    fast = CudaRunner(fast.model, fast.cache, CudaRunnerConfig(graph_batch_sizes=(1, 2, 4, 8)))
+    tables = [tuple(range(i * 8, (i + 1) * 8)) for i in range(2)]
+    with torch.no_grad():
+        inputs = _inputs([(0, 6), (0, 3)], tables, gen)
+        run_to_end(ref.forward(inputs, Phase.P))
+        run_to_end(fast.forward(inputs, Phase.P))
+        step = _inputs([(6, 1), (3, 1)], tables, gen)
+        run_to_end(fast.forward(step, Phase.D))  # captures the graph for bucket 2
+        other = MoETransformer(fast.model.cfg).init_weights(8)
+        for name, p in other.named_parameters():
+            fast.model.get_parameter(name).copy_(p.to("cuda"))
+            ref.model.get_parameter(name).copy_(p.to("cuda"))
+        for model in (ref.model, fast.model):
+            fp8.requantize_model_fp8(model)
+        a = run_to_end(ref.forward(step, Phase.D))
+        b = run_to_end(fast.forward(step, Phase.D))
+    assert fast.stats["graph_replays"] == 2 and _rel(b, a) < 3e-2
