@@ -71,6 +71,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA runner attention kernels: auto | triton | varlen | flash | portable")
     p.add_argument("--decode-ahead", default="auto", choices=("auto", "on", "off"),
                    help="issue the next decode step before reading this one's tokens (auto: CUDA runner, one rank)")
+    p.add_argument("--fp8", default="off", choices=("off", "tensor", "block"),
+                   help="FP8 weights for the linears and experts: off | tensor (per-tensor scales) | block (128x128)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--timeline", default=None, help="write a Chrome/Perfetto trace of P and D work here")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -89,7 +91,7 @@ def engine_config(args: argparse.Namespace, schedule: str | None = None) -> Engi
         scheduler=SchedulerConfig(Schedule(schedule or args.schedule), args.block_size, args.max_batch_tokens),
         kv=KVConfig(num_blocks=args.num_blocks),
         mux=MuxConfig(span=parse_span(args.mux_span)),
-        runner=RunnerConfig(kind=args.runner, attention=args.attention, decode_ahead=args.decode_ahead),
+        runner=RunnerConfig(kind=args.runner, attention=args.attention, decode_ahead=args.decode_ahead, fp8=args.fp8),
         comm=CommConfig(backend=args.comm_backend, timeout_s=args.timeout, p_exchange=args.p_exchange,
                         d_exchange=args.d_exchange,  # P's padded domain must hold a whole prefill epoch
                         p_max_tokens=max(CommConfig.p_max_tokens, args.max_batch_tokens)))

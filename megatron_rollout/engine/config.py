@@ -138,8 +138,15 @@ class RunnerConfig:
     """Issue the next decode forward before the host has read this one's tokens (`engine.ahead`):
     auto (on for the CUDA runner on one rank) | on (any single-rank runner; the portable one gains
     nothing, it is for tests) | off."""
+    fp8: str = "off"
+    """FP8 (e4m3) weights for the attention linears, dense MLPs and routed experts (`model.fp8`):
+    off | tensor (one scale per weight) | block (one per 128 x 128 block). The engine quantises its
+    model once at construction; weight updates are re-rounded in place. On CUDA the experts run in
+    the decode graphs (`kernels.moe_triton`), elsewhere every FP8 matmul dequantises."""
 
     def __post_init__(self) -> None:
+        if self.fp8 not in FP8_MODES:
+            raise ValueError(f"fp8 must be one of {sorted(FP8_MODES)}, got {self.fp8!r}")
         if self.kind not in RUNNER_KINDS:
             raise ValueError(f"the runner kind must be auto, eager or cuda, got {self.kind!r}")
         sizes = self.graph_batch_sizes
@@ -154,6 +161,9 @@ class RunnerConfig:
             raise ValueError(f"decode_ahead must be auto, on or off, got {self.decode_ahead!r}")
 
 
+FP8_MODES: dict[str, int | None] = {"off": None, "tensor": None, "block": 128}
+"""`RunnerConfig.fp8` -> the block size of `model.fp8.quantize_model_fp8` (None: per tensor)."""
+
 FLAT: dict[str, tuple[str, str]] = {
     "schedule": ("scheduler", "schedule"),
     "block_size": ("scheduler", "block_size"),
@@ -165,6 +175,7 @@ FLAT: dict[str, tuple[str, str]] = {
     "mux_ordering": ("mux", "ordering"),
     "runner_kind": ("runner", "kind"),
     "decode_ahead": ("runner", "decode_ahead"),
+    "fp8": ("runner", "fp8"),
 }
 """Flat keyword -> (component, field): the shorthand `EngineConfig(**flat)` accepts."""
 

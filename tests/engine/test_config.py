@@ -76,3 +76,10 @@ def test_cli_arguments_build_the_same_config():
     assert engine_config(args, "off").schedule is Schedule.OFF
     off = engine_config(p.parse_args(["--decode-ahead", "off"]))
     assert off.runner.decode_ahead == "off" and config.runner.decode_ahead == "auto"
+    assert engine_config(p.parse_args(["--fp8", "block"])).runner.fp8 == "block" and config.runner.fp8 == "off"
+
+
+def test_fp8_mode_is_checked():
+    assert EngineConfig(fp8="tensor").runner.fp8 == "tensor"
+    with pytest.raises(ValueError, match="fp8 must be one of .*got 'e5m2'"):
+        RunnerConfig(fp8="e5m2")

@@ -194,3 +194,21 @@ def test_fp8_weights_follow_a_weight_update_in_place(make_engine, qwen, block):
             assert torch.equal(engine.model.get_submodule(name).fp8.dequantize(), m.fp8.dequantize()), name
     expected = [r.token_ids for r in make_engine(fresh, **SMALL).generate(PROMPTS, GREEDY)]
     assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == expected
+
+
+def test_an_fp8_engine_quantises_its_model_once_and_generates(make_engine, qwen):
+    """`EngineConfig(fp8="block")`: every matching linear and the experts hold FP8 weights (the
+    experts stacked), and the engine generates what an engine on a model quantised by hand does."""
+    from megatron_rollout.model import fp8
+    from megatron_rollout.model.layers import Experts
+
+    _, base = qwen
+    engine = make_engine(copy.deepcopy(base), fp8="block", **SMALL)
+    experts = [m for m in engine.model.modules() if isinstance(m, Experts)]
+    assert experts and all(fp8.stacked_experts_fp8(m) is not None for m in experts)
+    assert all(s.block == 128 for m in experts for s in fp8.stacked_experts_fp8(m))
+    by_hand = copy.deepcopy(base)
+    fp8.quantize_model_fp8(by_hand, block=128)
+    expected = [r.token_ids for r in make_engine(by_hand, **SMALL).generate(PROMPTS, GREEDY)]
+    assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == expected
+    assert engine.model.decoder.layers[0].self_attention.linear_qkv.fp8 is not None
