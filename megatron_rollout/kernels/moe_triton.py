@@ -20,7 +20,7 @@ FP8 weights (`model.fp8.StackedFP8`): the same kernels load e4m3 weights, which 
 a decode step reads, and widen them to bf16 in registers (weight-only FP8: the activations stay
 bf16, the products run on bf16 tensor cores). Scales apply per output column once (per-tensor
 scaling) or per k-tile (128x128 block scaling). With FP8 weights these kernels also serve large
-batches (64-row tiles): there is no FP8 grouped GEMM beside them. Left out: large bf16 batches
+batches (`LARGE_TILES`: 128-row tiles): there is no FP8 grouped GEMM beside them. Left out: large bf16 batches
 (`torch._grouped_mm` is faster there), FP8 activations, expert parallelism.
 """
 from __future__ import annotations
