@@ -83,6 +83,26 @@ def load_extension() -> ModuleType:
     return _loaded
 
 
+STALE_LOCK_S = 180.0
+"""Age past which a build lock is a killed build's (a build takes well under a minute)."""
+
+
+def _wait_for_build_lock(lock: Path) -> None:
+    """Wait for another process's build to release `lock`, at most until the lock is `STALE_LOCK_S`
+    old; then remove it. torch's `cpp_extension` waits on the lock with no bound, and a build that
+    was killed leaves it behind: every later start would hang."""
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > STALE_LOCK_S:
+            logger.warning("removing the build lock %s, %.0f s old: the build that took it is gone", lock, age)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(0.5)
+
+
 def _build() -> ModuleType:
     from torch.utils import cpp_extension
 
@@ -90,6 +110,7 @@ def _build() -> ModuleType:
         raise FileNotFoundError(f"{SOURCE} is missing (the package was installed without its csrc/ data)")
     build_dir = extension_dir()
     build_dir.mkdir(parents=True, exist_ok=True)
+    _wait_for_build_lock(build_dir / "lock")
     t0 = time.perf_counter()
     module = cpp_extension.load(name=_NAME, sources=[str(SOURCE)], build_directory=str(build_dir),
                                 extra_cflags=["-O2", "-std=c++17"], with_cuda=False, verbose=False)

@@ -159,6 +159,25 @@ def test_build_is_cached():
     assert list(shm.extension_dir().glob("*.so")) == so and so[0].stat().st_mtime < time.time() - 1
 
 
+def test_a_killed_builds_lock_does_not_hang_the_next_start(tmp_path):
+    """A build killed half-way leaves `lock` in the build directory; torch would wait on it forever."""
+    import shutil
+
+    cached = shm.extension_dir()
+    assert list(cached.glob("*.so")), "built by the tests above"
+    target = tmp_path / cached.parent.name / cached.name
+    shutil.copytree(cached, target, ignore=shutil.ignore_patterns("lock"))
+    lock = target / "lock"
+    lock.touch()
+    old = time.time() - shm.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    code = "from megatron_rollout.comm import shm_rendezvous as s; s.load_extension(); print('loaded')"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, shm.DIR_ENV: str(tmp_path)})
+    assert res.stdout.strip() == "loaded", res.stdout + res.stderr
+    assert "removing the build lock" in res.stderr and not lock.exists()
+
+
 def test_failed_or_disabled_build_is_unavailable_with_reason(tmp_path):
     """A cold cache and a compiler that fails: the reason says so; the env switch is checked first."""
     code = ("import os; from megatron_rollout.comm import shm_rendezvous as s\n"
