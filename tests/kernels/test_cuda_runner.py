@@ -67,6 +67,19 @@ def _inputs(spec, tables, gen, vocab=256, sample=True):
             for i, (past, new) in enumerate(spec)]
 
 
+def _captured_step(ref, fast, gen):
+    """Two sequences prefilled on both runners, then one decode step on `fast`, which captures its
+    bucket-2 graph. Returns that step's inputs, to replay after a weight change."""
+    tables = [tuple(range(i * 8, (i + 1) * 8)) for i in range(2)]
+    with torch.no_grad():
+        inputs = _inputs([(0, 6), (0, 3)], tables, gen)
+        run_to_end(ref.forward(inputs, Phase.P))
+        run_to_end(fast.forward(inputs, Phase.P))
+        step = _inputs([(6, 1), (3, 1)], tables, gen)
+        run_to_end(fast.forward(step, Phase.D))
+    return step
+
+
 @pytest.mark.gpu
 def test_cuda_runner_matches_portable_runner():
     gen = torch.Generator().manual_seed(0)
@@ -102,13 +115,8 @@ def test_weight_update_reaches_captured_graphs():
     gen = torch.Generator().manual_seed(1)
     ref, fast = _pair(1)
     model = fast.model
-    tables = [tuple(range(i * 8, (i + 1) * 8)) for i in range(2)]
-    inputs = _inputs([(0, 6), (0, 3)], tables, gen)
+    step = _captured_step(ref, fast, gen)
     with torch.no_grad():
-        run_to_end(ref.forward(inputs, Phase.P))
-        run_to_end(fast.forward(inputs, Phase.P))
-        step = _inputs([(6, 1), (3, 1)], tables, gen)
-        run_to_end(fast.forward(step, Phase.D))  # captures the graph for bucket 2
         other = MoETransformer(model.cfg).init_weights(7)
         with torch.no_grad():
             for name, p in other.named_parameters():  # what update_weights does: in-place copies
@@ -145,13 +153,8 @@ def test_bind_drops_graphs_and_stays_correct():
 
     gen = torch.Generator().manual_seed(4)
     ref, fast = _pair(4)
-    tables = [tuple(range(i * 8, (i + 1) * 8)) for i in range(2)]
+    step = _captured_step(ref, fast, gen)
     with torch.no_grad():
-        inputs = _inputs([(0, 6), (0, 3)], tables, gen)
-        run_to_end(ref.forward(inputs, Phase.P))
-        run_to_end(fast.forward(inputs, Phase.P))
-        step = _inputs([(6, 1), (3, 1)], tables, gen)
-        run_to_end(fast.forward(step, Phase.D))  # captured
         other = MoETransformer(ref.model.cfg, device="cuda").init_weights(9)
         params = {n: p.detach().clone() for n, p in other.named_parameters()}
         WeightStore(fast.model).bind(params, version=1)
@@ -201,13 +204,8 @@ def test_fp8_weight_update_reaches_captured_graphs():
     for model in (ref.model, fast.model):
         fp8.quantize_model_fp8(model, block=128, backend="dequant")
     fast = CudaRunner(fast.model, fast.cache, CudaRunnerConfig(graph_batch_sizes=(1, 2, 4, 8)))
-    tables = [tuple(range(i * 8, (i + 1) * 8)) for i in range(2)]
+    step = _captured_step(ref, fast, gen)
     with torch.no_grad():
-        inputs = _inputs([(0, 6), (0, 3)], tables, gen)
-        run_to_end(ref.forward(inputs, Phase.P))
-        run_to_end(fast.forward(inputs, Phase.P))
-        step = _inputs([(6, 1), (3, 1)], tables, gen)
-        run_to_end(fast.forward(step, Phase.D))  # captures the graph for bucket 2
         other = MoETransformer(fast.model.cfg).init_weights(8)
         for name, p in other.named_parameters():
             fast.model.get_parameter(name).copy_(p.to("cuda"))

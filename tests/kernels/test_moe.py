@@ -141,22 +141,29 @@ def test_grouped_fast_path_matches_loop_on_gpu():
     assert _rel(fast, loop) < 1e-2
 
 
-@pytest.mark.gpu
-def test_routed_experts_in_a_cuda_graph():
-    model = MoETransformer(_moe_cfg(), device="cuda").init_weights(6)
-    experts = model.decoder.layers[0].mlp.experts
-    experts.restack()
+def _captured_routing(experts):
+    """Static inputs (24 tokens, top-4 of 16 experts) and a CUDA graph of `routed_experts` on them,
+    warmed (and compiled) on a side stream first: (x, ids, weights, graph, out)."""
     x = torch.randn(24, 128, device="cuda").bfloat16()
     ids = torch.randint(0, 16, (24, 4), device="cuda")
     w = torch.rand(24, 4, device="cuda").bfloat16()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.no_grad(), torch.cuda.stream(stream):
-        routed_experts(x, ids, w, experts)  # warm-up
+        routed_experts(x, ids, w, experts)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.no_grad(), torch.cuda.graph(graph):
         out = routed_experts(x, ids, w, experts)
+    return x, ids, w, graph, out
+
+
+@pytest.mark.gpu
+def test_routed_experts_in_a_cuda_graph():
+    model = MoETransformer(_moe_cfg(), device="cuda").init_weights(6)
+    experts = model.decoder.layers[0].mlp.experts
+    experts.restack()
+    x, ids, w, graph, out = _captured_routing(experts)
     x.copy_(torch.randn_like(x))
     ids.copy_(torch.randint(0, 16, (24, 4), device="cuda"))
     graph.replay()
@@ -273,17 +280,7 @@ def test_fp8_experts_run_sync_free_in_a_cuda_graph(block):
     assert install_device_exchange(model)  # FP8 experts are graph-safe on one rank
     experts = model.decoder.layers[0].mlp.experts
     assert moe.expert_path(experts) == "fp8"
-    x = torch.randn(24, 128, device="cuda").bfloat16()
-    ids = torch.randint(0, 16, (24, 4), device="cuda")
-    w = torch.rand(24, 4, device="cuda").bfloat16()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.no_grad(), torch.cuda.stream(stream):
-        routed_experts(x, ids, w, experts)  # warm-up (compiles)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(graph):
-        out = routed_experts(x, ids, w, experts)
+    x, ids, w, graph, out = _captured_routing(experts)
     for _ in range(2):  # new inputs in place, then a large batch (64-row tiles) eagerly
         x.copy_(torch.randn_like(x))
         ids.copy_(torch.randint(0, 16, (24, 4), device="cuda"))
