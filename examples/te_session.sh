@@ -17,12 +17,20 @@
 #   check  import transformer_engine.pytorch, te.Linear bf16 and under each FP8 recipe: $OUT/te-check.json
 #   tests  the GPU tests of tests/model/test_te_layers.py: $OUT/te-tests.log
 #   bench  python -m megatron_rollout.bench.te: $OUT/te-bench.json
+#   cublas (prepared 2026-12-01, not yet run) move this call's .cbN/* (nvidia-cublas 13.4.3.11's
+#          libraries, xz pieces of 49.6 MB) to /tmp/cc; once the last piece is there, unpack them to
+#          /tmp/cublas and print cuBLASLt's version. Every later stage of the session then preloads
+#          them (LD_PRELOAD below): TE's grouped experts need cuBLASLt >= 13.4, the image has 13.1.
+#          Pieces: pip download --no-deps nvidia-cublas==13.4.3.11, unzip, then
+#          tar -C <unzipped> -cf - . | xz -6 -T2 | split -b 49600000 -d - cublas134.txz. (one per .cbN/)
 set -uo pipefail
 OUT=${OUT:-/tmp/te-out}
 TE=/tmp/te
 SITE=$TE/site
 VERSION=2.20.2
-mkdir -p "$OUT" /tmp/tc "$TE"
+mkdir -p "$OUT" /tmp/tc /tmp/cc "$TE"
+CUBLAS=/tmp/cublas/nvidia/cu13/lib
+[ -f "$CUBLAS/libcublasLt.so.13" ] && export LD_PRELOAD=$CUBLAS/libcublasLt.so.13:$CUBLAS/libcublas.so.13${LD_PRELOAD:+:$LD_PRELOAD}
 export PYTHONUNBUFFERED=1 PATH=$TE/tools/bin:$PATH
 export PYTHONPATH=$SITE:$TE/deps:$TE/tools:$PWD${PYTHONPATH:+:$PYTHONPATH}
 TIMES=$OUT/te-build.json
@@ -199,6 +207,15 @@ EOF
         | tee "$OUT/te-megatron.log" | tail -12
       timeout 200 python3 -m pytest -q -m gpu tests/model/test_te_megatron.py -p no:cacheprovider --timeout 180 -rA -s \
         2>&1 | tee "$OUT/te-megatron-tests.log" | tail -15 ;;
+    cublas)
+      for d in .cb[0-9]*; do [ -d "$d" ] && mv "$d"/* /tmp/cc/; done
+      ls -l /tmp/cc
+      if [ "${CUBLAS_LAST:-0}" = 1 ]; then
+        mkdir -p /tmp/cublas && cat /tmp/cc/cublas134.txz.* | xz -dc -T8 | tar -x -C /tmp/cublas \
+          || fail "cublas: unpacking /tmp/cc"
+        LD_PRELOAD=$CUBLAS/libcublasLt.so.13 python3 -c "import ctypes; lt = ctypes.CDLL('libcublasLt.so.13'); \
+print('cuBLASLt', lt.cublasLtGetVersion())" || fail "cublas: loading $CUBLAS/libcublasLt.so.13"
+      fi ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
