@@ -284,7 +284,6 @@ def time_fp8_experts(cfg, tokens_list: list[int], tiles_spec: str, iters: int, s
             p.copy_(torch.randn(p.shape, device="cuda", generator=gen) * 0.02)
     experts.restack()
     num, topk = experts.num_local, cfg.moe_router_topk
-    stacks = None
     rows = []
     for tokens in tokens_list:
         x = _randn((tokens, cfg.hidden_size), gen)
@@ -310,8 +309,7 @@ def time_fp8_experts(cfg, tokens_list: list[int], tiles_spec: str, iters: int, s
                 e.linear_fc1.fp8 = fp8.quantize_fp8(e.linear_fc1.weight)
                 e.linear_fc2.fp8 = fp8.quantize_fp8(e.linear_fc2.weight)
             fp8.stack_experts_fp8(experts)
-            fc1, fc2 = stacks = fp8.stacked_experts_fp8(experts)
-            args = (x, ids, w, fc1.data, fc2.data, 0, (fc1.scale, fc1.group, fc2.scale, fc2.group))
+            args = (x, ids, w, *fp8.stacked_experts_fp8(experts), 0)
             for t in tiles:
                 if (t.block_m > 16) != large:
                     continue
@@ -322,7 +320,6 @@ def time_fp8_experts(cfg, tokens_list: list[int], tiles_spec: str, iters: int, s
         best = min(entry["fp8"], key=lambda r: r["us"], default=None)
         entry["best"] = best and {**best, "over_bf16": best["us"] / entry["bf16_us"]}
         rows.append(entry)
-    del stacks
     return rows
 
 

@@ -55,6 +55,21 @@ H200 at 128 experts and top-8 it is faster up to 2,048 tokens (67.8 against 91.4
 argsort from 4,096 (85.0 against 117.3 us; `bench.kernels`' expert sort, docs/kernels.md)."""
 
 
+def one_hot_ranks(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """flat: [P] expert of each pair. Returns (counts [E] int32 pairs per expert, rank [P] int32 the
+    pair's position among the pairs of its expert), from a one-hot prefix sum: few kernels, no
+    host synchronisation, [E, P] int32 of scratch."""
+    pairs = flat.numel()
+    if pairs == 0:
+        return torch.zeros(num_experts, dtype=torch.int32, device=flat.device), flat.new_empty(0, dtype=torch.int32)
+    # [E, P]: the scan runs along the contiguous dim (a scan along dim 0 of [P, E] is a serial loop
+    # per column in torch, ~P dependent steps: 0.25 ms per layer at decode sizes)
+    onehot = torch.zeros(num_experts, pairs, dtype=torch.int32, device=flat.device)
+    onehot.scatter_(0, flat[None, :], 1)
+    csum = onehot.cumsum(1, dtype=torch.int32)
+    return csum[:, -1], csum.gather(0, flat[None, :]).squeeze(0) - 1
+
+
 def sorted_destinations(flat: torch.Tensor, num_experts: int, one_hot_limit: int | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """flat: [P] expert id of each pair, in [0, num_experts). Returns (dest [P] int64: the pair's row
@@ -62,16 +77,9 @@ def sorted_destinations(flat: torch.Tensor, num_experts: int, one_hot_limit: int
     No host synchronisation. `one_hot_limit` (default `ONE_HOT_LIMIT`) picks the method."""
     pairs = flat.numel()
     if pairs * num_experts <= (ONE_HOT_LIMIT if one_hot_limit is None else one_hot_limit):
-        # [E, P]: the scan runs along the contiguous dim (a scan along dim 0 of [P, E] is a serial
-        # loop per column in torch, ~P dependent steps: 0.25 ms per layer at decode sizes)
-        onehot = torch.zeros(num_experts, pairs, dtype=torch.int32, device=flat.device)
-        onehot.scatter_(0, flat[None, :], 1)
-        csum = onehot.cumsum(1, dtype=torch.int32)
-        counts = csum[:, -1] if pairs else torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+        counts, rank = one_hot_ranks(flat, num_experts)
         offsets = counts.cumsum(0, dtype=torch.int32)
-        rank = csum.gather(0, flat[None, :]).squeeze(0) - 1  # position among pairs of the same expert
-        dest = (offsets - counts)[flat] + rank
-        return dest.long(), offsets
+        return ((offsets - counts)[flat] + rank).long(), offsets
     order = torch.argsort(flat, stable=True)
     dest = torch.empty_like(order)
     dest[order] = torch.arange(pairs, device=flat.device)

@@ -88,8 +88,7 @@ def _routed_experts_fp8(x, ids, weights, experts: Experts, fp8) -> torch.Tensor:
 
     fc1, fc2 = fp8
     large = ids.numel() >= FP8_LARGE_ROWS * experts.num_local
-    return moe_triton.routed_experts_triton(x, ids, weights, fc1.data, fc2.data, experts.first,
-                                            (fc1.scale, fc1.group, fc2.scale, fc2.group),
+    return moe_triton.routed_experts_triton(x, ids, weights, fc1, fc2, experts.first,
                                             moe_triton.LARGE_TILES if large else moe_triton.FP8_DECODE_TILES)
 
 

@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_rollout.comm.exchange import ONE_HOT_LIMIT, sorted_destinations
+from megatron_rollout.comm.exchange import ONE_HOT_LIMIT, one_hot_ranks, sorted_destinations
+from megatron_rollout.model.fp8 import StackedFP8
 
 BLOCK_M = 16
 
@@ -63,12 +64,8 @@ def padded_layout(flat: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
     pair of each row or -1, block_expert [R // block_m] int32 expert of each block or E)."""
     pairs = flat.numel()
     dev = flat.device
-    if pairs * num_experts <= ONE_HOT_LIMIT:  # decode sizes: the fewest kernels (the expert choice times them eagerly)
-        onehot = torch.zeros(num_experts, pairs, dtype=torch.int32, device=dev)
-        onehot.scatter_(0, flat[None, :], 1)
-        csum = onehot.cumsum(1, dtype=torch.int32)  # scan along the contiguous dim: one row per expert
-        counts = csum[:, -1]
-        rank = csum.gather(0, flat[None, :]).squeeze(0) - 1
+    if pairs * num_experts <= ONE_HOT_LIMIT:  # decode sizes: the fewest kernels
+        counts, rank = one_hot_ranks(flat, num_experts)
     else:  # prefill sizes (FP8 experts): the stable argsort, not a [E, P] scan
         dest, end = sorted_destinations(flat, num_experts, 0)
         counts = torch.diff(end, prepend=end.new_zeros(1))
@@ -178,30 +175,29 @@ def supported(hidden: int, ffn: int) -> bool:
     return _tile(hidden, 64) is not None and _tile(ffn, 64) is not None
 
 
-def _scales(w: torch.Tensor, scale: torch.Tensor | None, group: tuple[int, int] | None, k_tile: int) -> dict:
-    """Kernel arguments for one projection's scales: the tensor [E, NG, KG], the groups' sizes
-    (GN rows, GK cols), KG and SE = NG * KG (scales per expert)."""
-    if scale is None:
-        return dict(scales=w, SCALED=False, GN=1, GK=1, KG=1, SE=1)  # any pointer: never read
-    gn, gk = group
+def _operand(fc: "torch.Tensor | StackedFP8", k_tile: int) -> tuple[torch.Tensor, dict]:
+    """One projection's weights for the kernels: the [E, N, K] tensor, and the scale arguments
+    (the [E, NG, KG] scales, the groups' sizes GN x GK, KG and SE = NG * KG scales per expert)."""
+    if not isinstance(fc, StackedFP8):
+        return fc, dict(scales=fc, SCALED=False, GN=1, GK=1, KG=1, SE=1)  # any pointer: never read
+    (gn, gk), w, scale = fc.group, fc.data, fc.scale
     rows, cols = -(-w.shape[1] // gn), -(-w.shape[2] // gk)
     if tuple(scale.shape) != (w.shape[0], rows, cols):
-        raise ValueError(f"scales {tuple(scale.shape)} do not match weights {tuple(w.shape)} in groups of {group}")
+        raise ValueError(f"scales {tuple(scale.shape)} do not match weights {tuple(w.shape)} in groups of {fc.group}")
     if cols > 1 and gk % k_tile:
         raise ValueError(f"scale groups of {gk} along k need k-tiles that divide them (tile {k_tile})")
-    return dict(scales=scale.float().contiguous(), SCALED=True, GN=gn, GK=gk, KG=cols, SE=rows * cols)
+    return w, dict(scales=scale.float().contiguous(), SCALED=True, GN=gn, GK=gk, KG=cols, SE=rows * cols)
 
 
-def routed_experts_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fc1: torch.Tensor,
-                          fc2: torch.Tensor, first: int = 0, fp8: tuple | None = None,
+def routed_experts_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                          fc1: "torch.Tensor | StackedFP8", fc2: "torch.Tensor | StackedFP8", first: int = 0,
                           tiles: Tiles = DECODE_TILES) -> torch.Tensor:
     """sum_k weights[n, k] * MLP_{ids[n, k]}(x[n]). x: [N, H] bf16; ids, weights: [N, k];
-    fc1: [E, 2F, H], fc2: [E, H, F] contiguous, in x's dtype, or e4m3 with `fp8` = (fc1 scale,
-    fc1 group, fc2 scale, fc2 group), as `fp8.StackedFP8` holds them (`weight[e, r, c] ~= data[e,
-    r, c] * scale[e, r // group[0], c // group[1]]`). `tiles`: the launch shape (16-row tiles for
-    decode; larger ones amortise weight reads over prefill-sized batches). Returns [N, H]."""
+    fc1: [E, 2F, H], fc2: [E, H, F], contiguous tensors in x's dtype or stacked FP8 experts
+    (`model.fp8.StackedFP8`). `tiles`: the launch shape (16-row tiles for decode; larger ones
+    amortise weight reads over prefill-sized batches). Returns [N, H]."""
     n, topk = ids.shape
-    num_experts, two_f, hidden = fc1.shape
+    num_experts, two_f, hidden = (fc1.data if isinstance(fc1, StackedFP8) else fc1).shape
     ffn = two_f // 2
     flat = ids.reshape(-1) - first
     block_m = tiles.block_m
@@ -209,18 +205,17 @@ def routed_experts_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Ten
     rows = row_pair.numel()
     blocks = rows // block_m
     x = x.contiguous()
-    s1, g1, s2, g2 = fp8 if fp8 is not None else (None, None, None, None)
-    act = torch.empty(rows, ffn, dtype=x.dtype, device=x.device)
     launch = dict(num_warps=tiles.warps, num_stages=tiles.stages)
+    act = torch.empty(rows, ffn, dtype=x.dtype, device=x.device)
     bn1, bk1 = _tile(ffn, tiles.n_cap), _tile(hidden, tiles.k_cap)
-    a1 = _scales(fc1, s1, g1, bk1)
-    _fc1_swiglu_kernel[(blocks, ffn // bn1)](x, fc1, a1.pop("scales"), act, row_pair, block_expert, num_experts,
+    w1, a1 = _operand(fc1, bk1)
+    _fc1_swiglu_kernel[(blocks, ffn // bn1)](x, w1, a1.pop("scales"), act, row_pair, block_expert, num_experts,
                                              H=hidden, F=ffn, TOPK=topk, BM=block_m, BN=bn1, BK=bk1, **a1,
                                              **launch)
     y = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
     bn2, bk2 = _tile(hidden, tiles.n_cap), _tile(ffn, tiles.k_cap)
-    a2 = _scales(fc2, s2, g2, bk2)
+    w2, a2 = _operand(fc2, bk2)
     w = weights.reshape(-1).contiguous()
-    _fc2_kernel[(blocks, hidden // bn2)](act, fc2, a2.pop("scales"), y, row_pair, block_expert, w, num_experts,
+    _fc2_kernel[(blocks, hidden // bn2)](act, w2, a2.pop("scales"), y, row_pair, block_expert, w, num_experts,
                                          H=hidden, F=ffn, BM=block_m, BN=bn2, BK=bk2, **a2, **launch)
     return y.index_select(0, dest).view(n, topk, hidden).sum(1)

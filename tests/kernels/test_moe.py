@@ -245,9 +245,9 @@ def test_triton_fp8_experts_match_the_dequantised_weights(device, block, block_m
     x = torch.randn(tokens, h, generator=gen).to(device, dtype)
     ids = torch.randint(0, e, (tokens, k), generator=gen).to(device)
     w = torch.rand(tokens, k, generator=gen).to(device, dtype)
-    out = routed_experts_triton(x, ids, w, fc1.data.to(device), fc2.data.to(device), 0,
-                                (fc1.scale.to(device), fc1.group, fc2.scale.to(device), fc2.group),
-                                Tiles(block_m=block_m, n_cap=n_cap, k_cap=64 if block_m == 16 else 128))
+    on = [fp8.StackedFP8(s.data.to(device), s.scale.to(device), s.block) for s in stacks]
+    tiles = Tiles(block_m=block_m, n_cap=n_cap, k_cap=64 if block_m == 16 else 128)
+    out = routed_experts_triton(x, ids, w, *on, 0, tiles)
     deq = [torch.stack([fp8.FP8Weight(s.data[i], s.scale[i].reshape(()) if block is None else s.scale[i],
                                       block).dequantize() for i in range(e)]) for s in stacks]
     ref = _dequantised_reference(x.cpu(), ids.cpu(), w.cpu(), *deq)
@@ -255,14 +255,15 @@ def test_triton_fp8_experts_match_the_dequantised_weights(device, block, block_m
 
 
 def test_fp8_scales_that_do_not_fit_the_weights_are_refused():
-    _scales = pytest.importorskip("megatron_rollout.kernels.moe_triton", reason="needs triton")._scales
+    _operand = pytest.importorskip("megatron_rollout.kernels.moe_triton", reason="needs triton")._operand
+    from megatron_rollout.model.fp8 import StackedFP8
 
     w = torch.zeros(4, 256, 256, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="do not match"):
-        _scales(w, torch.ones(4, 2, 1), (128, 128), 64)
+        _operand(StackedFP8(w, torch.ones(4, 2, 1), 128), 64)
     with pytest.raises(ValueError, match="k-tiles that divide"):
-        _scales(w, torch.ones(4, 8, 8), (32, 32), 64)
-    assert _scales(w, torch.ones(4, 2, 2), (128, 128), 64)["KG"] == 2
+        _operand(StackedFP8(w, torch.ones(4, 8, 8), 32), 64)
+    assert _operand(StackedFP8(w, torch.ones(4, 2, 2), 128), 64)[1]["KG"] == 2
 
 
 def _fp8_moe(device: str, block: int | None):
@@ -294,6 +295,28 @@ def test_fp8_experts_run_sync_free_in_a_cuda_graph(block):
     with torch.no_grad():
         big = routed_experts(big_x, big_ids, big_w, experts)
         assert _rel(big, compute_local(big_x, big_ids, big_w, experts)) < 1e-2
+
+
+@pytest.mark.parametrize("tokens,one_hot", [(24, True), (1024, False)])  # FP8_DECODE_TILES; LARGE_TILES, argsort
+@pytest.mark.skipif(not _INTERPRET, reason="needs TRITON_INTERPRET=1 and triton")
+def test_routed_experts_on_fp8_experts_match_the_portable_path_in_the_interpreter(tokens, one_hot, monkeypatch):
+    """`routed_experts` dispatches stacked FP8 experts to the Triton kernels; the portable path
+    (`compute_local`, each expert's own dequant-backend FP8 weight) is the reference."""
+    from megatron_rollout.kernels import moe_triton
+    from megatron_rollout.model import fp8
+
+    if not one_hot:
+        monkeypatch.setattr(moe_triton, "ONE_HOT_LIMIT", 0)
+
+    model = MoETransformer(_moe_cfg(dtype="float32")).init_weights(6)
+    fp8.quantize_model_fp8(model, block=None, backend="dequant")
+    experts = model.decoder.layers[0].mlp.experts
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 128, generator=gen)
+    ids = torch.rand(tokens, 16, generator=gen).topk(4, dim=-1).indices
+    w = torch.rand(tokens, 4, generator=gen)
+    with torch.no_grad():
+        assert _rel(routed_experts(x, ids, w, experts), compute_local(x, ids, w, experts)) < 1e-5
 
 
 def test_fp8_experts_are_graph_safe_only_on_one_rank():
