@@ -222,6 +222,8 @@ def _expert_weights(experts: nn.Module) -> tuple[list, list]:
 def stack_experts_fp8(experts: nn.Module) -> None:
     """Stack a `layers.Experts`' FP8 weights per projection (`stack_fp8`, in place when already
     stacked) when every expert's fc1 and fc2 hold one; `quantize_model_fp8` calls this."""
+    if stacked_experts_fp8(experts) is not None:
+        return  # re-quantised in place (`requantize_`): the weights are still views of the stack
     fc1, fc2 = _expert_weights(experts)
     if not all(isinstance(w, FP8Weight) for w in fc1 + fc2):
         experts._stacked_fp8 = None
