@@ -32,6 +32,7 @@ import argparse
 import json
 import logging
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -62,6 +63,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--fp8-tiles", default=FP8_TILES,
                     help="launch shapes BLOCK_M/N_CAP/K_CAP/WARPS/STAGES, comma-separated")
     ap.add_argument("--iters", type=int, default=30, help="timed repetitions per measurement")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="interleaved rounds of the expert-sort and FP8-expert timings (median, min, max over them)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
     ap.add_argument("--out", default=None, help="also write the JSON object to this file")
@@ -241,9 +244,35 @@ def time_decode(cfg, points: list[tuple[int, int]], iters: int, seed: int, bandw
     return result
 
 
-def time_destinations(cfg, tokens_list: list[int], iters: int, seed: int) -> list[dict[str, Any]]:
-    """`sorted_destinations` by one-hot prefix sum and by stable argsort, graph-timed per call."""
+def interleaved_us(variants: dict[str, Callable[[], float]], rounds: int) -> tuple[dict[str, dict], int]:
+    """Run each variant's timing (microseconds) once per round, every variant in every round, and
+    summarise each by median, min and max over the rounds. A timing that raises (a capture that
+    fails) is recorded as the variant's error. Returns (summaries, compilations in the timings)."""
     from megatron_rollout.bench.compiles import CompileCounter
+
+    samples: dict[str, list[float]] = {n: [] for n in variants}
+    errors: dict[str, str] = {}
+    compiles = 0
+    for _ in range(rounds):
+        for name, time_us in variants.items():
+            if name in errors:
+                continue
+            with CompileCounter() as counter:
+                try:
+                    samples[name].append(time_us())
+                except RuntimeError as exc:  # a finding, not the end of the run
+                    errors[name] = f"{type(exc).__name__}: {exc}"[:300]
+            compiles += counter.counts.total
+    out = {}
+    for name, v in samples.items():
+        out[name] = ({"error": errors[name], "us": float("inf")} if name in errors else
+                     {"us": statistics.median(v), "min_us": min(v), "max_us": max(v), "n": len(v)})
+    return out, compiles
+
+
+def time_destinations(cfg, tokens_list: list[int], iters: int, seed: int, rounds: int) -> list[dict[str, Any]]:
+    """`sorted_destinations` by one-hot prefix sum and by stable argsort, graph-timed per call, in
+    interleaved rounds."""
     from megatron_rollout.comm.exchange import sorted_destinations
 
     experts, topk = cfg.num_moe_experts, cfg.moe_router_topk
@@ -251,72 +280,65 @@ def time_destinations(cfg, tokens_list: list[int], iters: int, seed: int) -> lis
     rows = []
     for tokens in tokens_list:
         sets = [torch.randint(0, experts, (tokens * topk,), device="cuda", generator=gen) for _ in range(8)]
-        entry: dict[str, Any] = {"tokens": tokens, "pairs": tokens * topk, "experts": experts}
-        with CompileCounter() as counter:
-            for name, limit in (("one_hot", 1 << 62), ("argsort", 0)):
-                fns = [lambda f=f, lim=limit: sorted_destinations(f, experts, lim) for f in sets]
-                try:
-                    entry[f"{name}_graph_us"] = graph_us(fns, iters)
-                except RuntimeError as exc:  # a capture failure is a finding, not the end of the run
-                    entry[f"{name}_graph_us"] = float("inf")
-                    entry[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
-        entry["compiles"] = counter.counts.total
-        entry["faster"] = "one_hot" if entry["one_hot_graph_us"] <= entry["argsort_graph_us"] else "argsort"
-        rows.append(entry)
+        variants = {name: (lambda lim=limit: graph_us([lambda f=f: sorted_destinations(f, experts, lim)
+                                                        for f in sets], iters))
+                    for name, limit in (("one_hot", 1 << 62), ("argsort", 0))}
+        timed, compiles = interleaved_us(variants, rounds)
+        rows.append({"tokens": tokens, "pairs": tokens * topk, "experts": experts, **timed, "compiles": compiles,
+                     "faster": min(timed, key=lambda n: timed[n]["us"])})
     return rows
 
 
-def time_fp8_experts(cfg, tokens_list: list[int], tiles_spec: str, iters: int, seed: int) -> list[dict[str, Any]]:
-    """One MoE layer's routed experts: bf16 (`routed_experts`, its grouped GEMM or Triton choice at
-    decode sizes) against the FP8 Triton kernels per launch shape. Shapes of 16-row tiles are
-    timed at decode sizes only (<= 64 rows per expert on average), larger ones at prefill sizes."""
-    from megatron_rollout.bench.compiles import CompileCounter
+def time_fp8_experts(cfg, tokens_list: list[int], tiles_spec: str, iters: int, seed: int,
+                     rounds: int) -> list[dict[str, Any]]:
+    """One MoE layer's routed experts: bf16 (`routed_experts`: its grouped GEMM at every size)
+    against the FP8 Triton kernels per launch shape, on two copies of the same random experts (one
+    left bf16, one quantised per tensor and stacked), in interleaved rounds. Shapes of 16-row tiles
+    are timed at decode sizes only (under `moe.FP8_LARGE_ROWS` rows per expert), larger ones at
+    prefill sizes."""
     from megatron_rollout.comm.facade import Shard
     from megatron_rollout.kernels import moe, moe_triton
     from megatron_rollout.model import fp8
     from megatron_rollout.model.layers import Experts
 
     tiles = [moe_triton.Tiles(*map(int, t.split("/"))) for t in tiles_spec.split(",") if t.strip()]
-    experts = Experts(cfg, Shard(), device="cuda")
+    bf16 = Experts(cfg, Shard(), device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(seed)
     with torch.no_grad():
-        for p in experts.parameters():
+        for p in bf16.parameters():
             p.copy_(torch.randn(p.shape, device="cuda", generator=gen) * 0.02)
-    experts.restack()
-    num, topk = experts.num_local, cfg.moe_router_topk
+    bf16.restack()
+    quantised = Experts(cfg, Shard(), device="cuda")
+    quantised.load_state_dict(bf16.state_dict())
+    for e in quantised.local_experts:
+        e.linear_fc1.fp8 = fp8.quantize_fp8(e.linear_fc1.weight)
+        e.linear_fc2.fp8 = fp8.quantize_fp8(e.linear_fc2.weight)
+    fp8.stack_experts_fp8(quantised)
+    stacks = fp8.stacked_experts_fp8(quantised)
+    num, topk = bf16.num_local, cfg.moe_router_topk
     rows = []
     for tokens in tokens_list:
         x = _randn((tokens, cfg.hidden_size), gen)
         ids = torch.rand(tokens, num, device="cuda", generator=gen).topk(topk, dim=-1).indices
         w = torch.rand(tokens, topk, device="cuda", generator=gen).bfloat16()
         large = tokens * topk >= moe.FP8_LARGE_ROWS * num
-        time = (lambda fn: eager_us(fn, max(3, iters // 3))) if large else (lambda fn: graph_us([fn], iters))
-        entry: dict[str, Any] = {"tokens": tokens, "large": large, "fp8": [], "compiles": 0}
-
-        def timed(fn, entry=entry, time=time) -> float:
-            with CompileCounter() as counter:
-                us = time(fn)
-            entry["compiles"] += counter.counts.total
-            return us
-
+        time_us = (lambda fn: eager_us(fn, max(3, iters // 3))) if large else (lambda fn: graph_us([fn], iters))
+        shapes = [t for t in tiles if (t.block_m > 16) == large]
         with torch.no_grad():
-            for e in experts.local_experts:  # bf16 first: the FP8 weights, once stacked, take over routed_experts
-                e.linear_fc1.fp8 = e.linear_fc2.fp8 = None
-            fp8.stack_experts_fp8(experts)
-            ref = moe.routed_experts(x, ids, w, experts)
-            entry["bf16_us"] = timed(lambda: moe.routed_experts(x, ids, w, experts))
-            for e in experts.local_experts:
-                e.linear_fc1.fp8 = fp8.quantize_fp8(e.linear_fc1.weight)
-                e.linear_fc2.fp8 = fp8.quantize_fp8(e.linear_fc2.weight)
-            fp8.stack_experts_fp8(experts)
-            args = (x, ids, w, *fp8.stacked_experts_fp8(experts), 0)
-            for t in tiles:
-                if (t.block_m > 16) != large:
-                    continue
-                out = moe_triton.routed_experts_triton(*args, t)  # compiles, outside timing below
-                err = float((out.float() - ref.float()).norm() / ref.float().norm())
-                us = timed(lambda t=t: moe_triton.routed_experts_triton(*args, t))
-                entry["fp8"].append({"tiles": t.__dict__, "us": us, "rel_err_vs_bf16": err})
+            ref = moe.routed_experts(x, ids, w, bf16).float()
+            errs = {}
+            for t in shapes:  # the first call of each shape compiles it, outside the timings
+                out = moe_triton.routed_experts_triton(x, ids, w, *stacks, 0, t).float()
+                errs[t] = float((out - ref).norm() / ref.norm())
+            fp8_call = moe_triton.routed_experts_triton
+            variants = {"bf16": lambda: time_us(lambda: moe.routed_experts(x, ids, w, bf16))}
+            variants.update({t: (lambda t=t: time_us(lambda: fp8_call(x, ids, w, *stacks, 0, t))) for t in shapes})
+            timed, compiles = interleaved_us(variants, rounds)
+        bf = timed.pop("bf16")
+        entry: dict[str, Any] = {"tokens": tokens, "large": large, "compiles": compiles, "bf16_us": bf["us"],
+                                 "bf16_min_us": bf.get("min_us"), "bf16_max_us": bf.get("max_us"),
+                                 "fp8": [{"tiles": t.__dict__, **r, "rel_err_vs_bf16": errs[t]}
+                                         for t, r in timed.items()]}
         best = min(entry["fp8"], key=lambda r: r["us"], default=None)
         entry["best"] = best and {**best, "over_bf16": best["us"] / entry["bf16_us"]}
         rows.append(entry)
@@ -345,8 +367,8 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"{'fp8 experts':<14}{r['tokens']:>6}  bf16 {r['bf16_us']:9.1f} us  best fp8 "
                      f"{b.get('us', float('nan')):9.1f} us {b.get('tiles', {})}")
     for r in result.get("destinations", []):
-        lines.append(f"{'expert sort':<14}{r['tokens']:>6}  one-hot {r['one_hot_graph_us']:8.1f} us  "
-                     f"argsort {r['argsort_graph_us']:8.1f} us  -> {r['faster']}")
+        lines.append(f"{'expert sort':<14}{r['tokens']:>6}  one-hot {r['one_hot']['us']:8.1f} us  "
+                     f"argsort {r['argsort']['us']:8.1f} us  -> {r['faster']}")
     lines.append(f"triton compilations in timed regions: {result.get('compiles_in_timed_regions', 'n/a')}"
                  f"   wall {result.get('wall_s', 0):.1f} s")
     return "\n".join(lines)
@@ -384,10 +406,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["ops_wall_s"] = time.perf_counter() - t0
     fp8_tokens = [int(t) for t in args.fp8_experts.split(",") if t.strip()]
     if fp8_tokens:
-        result["fp8_experts"] = time_fp8_experts(cfg, fp8_tokens, args.fp8_tiles, args.iters, args.seed)
+        result["fp8_experts"] = time_fp8_experts(cfg, fp8_tokens, args.fp8_tiles, args.iters, args.seed, args.rounds)
     sort_tokens = [int(t) for t in args.destinations.split(",") if t.strip()]
     if sort_tokens:
-        result["destinations"] = time_destinations(cfg, sort_tokens, args.iters, args.seed)
+        result["destinations"] = time_destinations(cfg, sort_tokens, args.iters, args.seed, args.rounds)
     if points:
         result["decode"] = time_decode(cfg, points, args.iters, args.seed, result["copy_bandwidth_gb_s"] * 1e9)
     compiles = sum(r["portable_compiles"] + r["fused_compiles"] for r in result["ops"])

@@ -235,7 +235,8 @@ def stack_experts_fp8(experts: nn.Module) -> None:
 def stacked_experts_fp8(experts: nn.Module) -> tuple[StackedFP8, StackedFP8] | None:
     """The stacked FP8 weights (fc1, fc2) of a `layers.Experts` while its experts' FP8 weights
     still read them (checked on the first and last expert, every call: cheap). Re-quantise through
-    `quantize_model_fp8`, which restacks; an FP8 weight set on one expert by hand is not seen."""
+    `quantize_model_fp8` or `requantize_model_fp8`, which write into the stack; an FP8 weight set
+    on one middle expert by hand is not seen."""
     st = getattr(experts, "_stacked_fp8", None)
     if st is None:
         return None

@@ -31,13 +31,33 @@ def _fake_result() -> dict:
           "fused_gb_s": 209.7, "portable_compiles": 0, "fused_compiles": 0, "fused_launched": True}
     step = {"rows": 64, "bucket": 64, "context": 2048, "graph_ms": 7.45, "eager_ms": 20.1, "roofline_ms": 4.37,
             "graph_over_roofline": 1.7, "bytes": 1e10}
-    sort = {"tokens": 4096, "pairs": 32768, "experts": 128, "one_hot_graph_us": 83.0, "argsort_graph_us": 41.5,
-            "compiles": 0, "faster": "argsort"}
+    sort = {"tokens": 4096, "pairs": 32768, "experts": 128, "one_hot": {"us": 83.0, "min_us": 82.0, "max_us": 84.0},
+            "argsort": {"us": 41.5, "min_us": 41.0, "max_us": 42.0}, "compiles": 0, "faster": "argsort"}
     fp8 = {"tokens": 4096, "large": True, "compiles": 0, "bf16_us": 2500.0,
            "fp8": [], "best": {"us": 3100.0, "tiles": {"block_m": 128}, "over_bf16": 1.24}}
     return {"ops": [op], "destinations": [sort], "fp8_experts": [fp8],
             "decode": {"portable": [step], "fused": [dict(step, graph_ms=6.9, graph_over_roofline=1.58)]},
             "compiles_in_timed_regions": 0, "wall_s": 61.0}
+
+
+def test_interleaved_rounds_alternate_variants_and_keep_errors():
+    """Every round runs every variant once, in order; a variant that raises is recorded and skipped."""
+    calls = []
+
+    def variant(name, value):
+        def time_us():
+            calls.append(name)
+            if value is None:
+                raise RuntimeError("capture failed")
+            return value
+        return time_us
+
+    timed, compiles = kernels.interleaved_us({"a": variant("a", 2.0), "b": variant("b", None),
+                                              "c": variant("c", 5.0)}, rounds=3)
+    assert calls == ["a", "b", "c", "a", "c", "a", "c"]
+    assert timed["a"] == {"us": 2.0, "min_us": 2.0, "max_us": 2.0, "n": 3} and timed["c"]["n"] == 3
+    assert timed["b"]["error"] == "RuntimeError: capture failed" and timed["b"]["us"] == float("inf")
+    assert compiles == 0
 
 
 def test_emit_writes_one_json_object_and_a_table(tmp_path):
