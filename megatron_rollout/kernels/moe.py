@@ -52,19 +52,23 @@ def sorted_destinations(flat: torch.Tensor, num_experts: int) -> tuple[torch.Ten
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts,
                    small: str = "grouped_mm", small_pairs: int = 0) -> torch.Tensor:
     """sum_k weights[n, k] * expert_{ids[n, k]}(x[n]) for a rank holding every expert. x: [N, H];
-    ids, weights: [N, k]. Returns [N, H] in x's dtype. Batches of at most `small_pairs` pairs use
-    the `small` kernels ("triton": `kernels.moe_triton`; "grouped_mm": the grouped GEMM)."""
+    ids, weights: [N, k]. Returns [N, H] in x's dtype. Stacked FP8 experts run `kernels.moe_triton`;
+    stacked bf16 experts run grouped GEMMs, and batches of at most `small_pairs` pairs the `small`
+    kernels ("triton": `kernels.moe_triton`; "grouped_mm": the grouped GEMM); unstacked experts
+    the portable exchange (`compute_local`: host syncs)."""
     n, k = ids.shape
     if n == 0:
         return x.new_zeros(x.shape)
     fp8 = stacked_experts_fp8(experts)
     if fp8 is not None:
         return _routed_experts_fp8(x, ids, weights, experts, fp8)
+    stacked = experts.stacked()
+    if stacked is None:
+        return compute_local(x, ids, weights, experts)
     if small == "triton" and n * k <= small_pairs:
         from megatron_rollout.kernels.moe_triton import routed_experts_triton
 
-        fc1, fc2 = experts.stacked()
-        return routed_experts_triton(x, ids, weights, fc1, fc2, experts.first)
+        return routed_experts_triton(x, ids, weights, *stacked, experts.first)
     flat = ids.reshape(-1) - experts.first
     dest, offsets = sorted_destinations(flat, experts.num_local)
     source = torch.empty_like(dest)
@@ -101,7 +105,7 @@ def expert_path(experts: Experts) -> str:
 
 
 class DeviceExchange(ExpertExchange):
-    """Single-rank exchange: `routed_experts` when the experts are stacked, else the portable path.
+    """Single-rank exchange: `routed_experts` (stacked experts sync-free, else the portable path).
 
     `small` / `small_pairs` pick the kernels of small batches (see `routed_experts`); the CUDA
     runner sets them from a measurement (`choose_small_kernels`)."""
@@ -110,8 +114,6 @@ class DeviceExchange(ExpertExchange):
         self.small, self.small_pairs = small, small_pairs
 
     def run(self, x, ids, weights, experts, layer):
-        if expert_path(experts) == "portable":
-            return compute_local(x, ids, weights, experts)
         return routed_experts(x, ids, weights, experts, self.small, self.small_pairs)
         yield  # a generator with no boundary: nothing crosses ranks
 
