@@ -134,9 +134,9 @@ grouped GEMM's time: near a tie the choice would flip from one measurement to th
 HOLD_CYCLES = 40_000_000
 """GPU cycles (~20 ms) a spin kernel holds the stream before each timed round of the choice, so that
 the host has queued the round's launches when its start event runs. Without it the eager timing
-measured the host's launch rate: on slow-host machines (fifth lease) Triton's extra small launches
-made it look no faster and the grouped GEMM was chosen, though Triton is faster inside the
-decode graphs where small batches run."""
+measured the host's launch rate as well: the same kernels took 0.45-0.53 ms on one machine and
+0.85 ms on another (fifth lease), where the grouped GEMM was then chosen and decode steps were
+~1 ms slower than on the machine that chose Triton (docs/kernels.md; across machines)."""
 
 _CHOSEN: dict[tuple, dict] = {}
 """Choices made in this process, by device and shapes: every engine built on the same model shape
