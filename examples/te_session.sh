@@ -1,28 +1,30 @@
 #!/usr/bin/env bash
 # Transformer Engine on the H200, in stages, each in a `device` call made right after the previous
 # one (the machine stays warm ~30 s idle, and /tmp with it). The bundle comes from
-# examples/te_bundle.sh as pieces .te0/ ... .te4/, one per call (docs/te.md):
+# examples/te_bundle.sh as pieces .cb0/ .. .cb6/ (cuBLAS 13.6's libraries) and .te0/ .. .te5/ (TE),
+# one per call (docs/te.md):
 #
-#   calls 1-4, carry [".te0"] .. [".te3"]: bash examples/te_session.sh piece
-#   call 5,    carry [".te4"]:             bash examples/te_session.sh piece build
-#   call 6,    no carry:                   bash examples/te_session.sh check tests
-#   call 7,    no carry:                   bash examples/te_session.sh bench
+#   calls 1-12, carry [".cb0"] .. [".cb6"], then [".te0"] .. [".te4"]: bash examples/te_session.sh piece
+#   call 13,    carry [".te5"]:  bash examples/te_session.sh piece build check
+#   call 14,    no carry:        bash examples/te_session.sh tests bench
+#   (call 15,   carry [".whl"]:  bash examples/te_session.sh megatron)
 #
 # Stages (each fails loudly, naming the step, and exits non-zero):
-#   piece  move this call's .teN/* to /tmp/tc
+#   piece  move this call's .teN/* to /tmp/tc and .cbN/* to /tmp/cc. Once /tmp/cc holds every byte
+#          that .cb0/cublas.manifest names, check the sha256 and unpack the cuBLAS libraries to
+#          /tmp/cublas; from then on every stage preloads them (LD_PRELOAD below): TE's grouped experts
+#          need cuBLASLt >= 13.4 (bf16) / 13.5 (FP8 current) / 13.6 (FP8 block) on Hopper, torch 2.11
+#          brings 13.1. Without the .cbN pieces TE still runs, with the routed experts off TE.
 #   build  reassemble /tmp/tc into /tmp/te, verify checksums, install ninja and the missing small deps,
 #          build transformer-engine-torch from its sdist tree against the device's torch and nvidia
 #          headers, install core + meta + built wheel into /tmp/te/site. Log: $OUT/te-build.log,
 #          wall time per step: $OUT/te-build.json
-#   check  import transformer_engine.pytorch, te.Linear bf16 and under each FP8 recipe: $OUT/te-check.json
+#   check  import transformer_engine.pytorch, te.Linear bf16 and under each FP8 recipe, the cuBLASLt
+#          version TE sees and which recipes GroupedLinear's device-split path takes: $OUT/te-check.json
 #   tests  the GPU tests of tests/model/test_te_layers.py: $OUT/te-tests.log
 #   bench  python -m megatron_rollout.bench.te: $OUT/te-bench.json
-#   cublas (prepared 2026-12-01, not yet run) move this call's .cbN/* (nvidia-cublas 13.4.3.11's
-#          libraries, xz pieces of 49.6 MB) to /tmp/cc; once the last piece is there, unpack them to
-#          /tmp/cublas and print cuBLASLt's version. Every later stage of the session then preloads
-#          them (LD_PRELOAD below): TE's grouped experts need cuBLASLt >= 13.4, the image has 13.1.
-#          Pieces: pip download --no-deps nvidia-cublas==13.4.3.11, unzip, then
-#          tar -C <unzipped> -cf - . | xz -6 -T2 | split -b 49600000 -d - cublas134.txz. (one per .cbN/)
+#   megatron  carry [".whl"]: a Megatron TE-spec GPTModel's training step, then update_weights into
+#          the rollout and logits parity: $OUT/te-megatron.json
 set -uo pipefail
 OUT=${OUT:-/tmp/te-out}
 TE=/tmp/te
@@ -30,7 +32,8 @@ SITE=$TE/site
 VERSION=2.20.2
 mkdir -p "$OUT" /tmp/tc /tmp/cc "$TE"
 CUBLAS=/tmp/cublas/nvidia/cu13/lib
-[ -f "$CUBLAS/libcublasLt.so.13" ] && export LD_PRELOAD=$CUBLAS/libcublasLt.so.13:$CUBLAS/libcublas.so.13${LD_PRELOAD:+:$LD_PRELOAD}
+preload_cublas() { [ -f "$CUBLAS/libcublasLt.so.13" ] && export LD_PRELOAD=$CUBLAS/libcublasLt.so.13:$CUBLAS/libcublas.so.13; true; }
+preload_cublas
 export PYTHONUNBUFFERED=1 PATH=$TE/tools/bin:$PATH
 export PYTHONPATH=$SITE:$TE/deps:$TE/tools:$PWD${PYTHONPATH:+:$PYTHONPATH}
 TIMES=$OUT/te-build.json
@@ -115,6 +118,21 @@ install_missing_deps() {  # the bundle's small deps, only those this python cann
   [ ${#want[@]} = 0 ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$TE/deps" "${want[@]}"
 }
 
+unpack_cublas() {  # once every piece named by cublas.manifest is in /tmp/cc: verify, unpack, preload
+  local m=/tmp/cc/cublas.manifest name version size sha have
+  [ -f "$m" ] && [ ! -f "$CUBLAS/libcublasLt.so.13" ] || return 0
+  read -r name version size sha < "$m"
+  have=$(cat /tmp/cc/cublas.txz.[0-9]* 2>/dev/null | wc -c)
+  [ "$have" = "$size" ] || { echo "cublas: $have of $size bytes here; waiting for more pieces"; return 0; }
+  cat /tmp/cc/cublas.txz.[0-9]* > /tmp/cc/cublas.txz && rm -f /tmp/cc/cublas.txz.[0-9]*
+  echo "$sha  /tmp/cc/cublas.txz" | sha256sum -c --quiet || fail "cublas: sha256 of the reassembled pieces"
+  mkdir -p /tmp/cublas && xz -dc -T8 /tmp/cc/cublas.txz | tar -x -C /tmp/cublas || fail "cublas: unpacking"
+  rm -f /tmp/cc/cublas.txz
+  preload_cublas
+  python3 -c "import ctypes; print('$name $version: cuBLASLt', ctypes.CDLL('libcublasLt.so.13').cublasLtGetVersion())" \
+    || fail "cublas: loading $CUBLAS/libcublasLt.so.13"
+}
+
 build_wheel() {
   local src=$TE/b/te/src/transformer_engine_torch-$VERSION
   rm -rf "$TE/build" "$TE/whl" && cp -r "$src" "$TE/build"  # setup.py deletes its own headers after a build
@@ -128,9 +146,14 @@ for stage in "$@"; do
   case "$stage" in
     piece)
       n=0
-      for d in .te[0-9]*; do [ -d "$d" ] && mv "$d"/* /tmp/tc/ && n=$((n + 1)); done
-      [ "$n" -gt 0 ] || fail "piece: no .teN folder in this call's carry"
-      ls -l /tmp/tc ;;
+      for d in .te[0-9]* .cb[0-9]*; do
+        [ -d "$d" ] || continue
+        case "$d" in .te*) mv "$d"/* /tmp/tc/ ;; *) mv "$d"/* /tmp/cc/ ;; esac
+        n=$((n + 1))
+      done
+      [ "$n" -gt 0 ] || fail "piece: no .teN or .cbN folder in this call's carry"
+      ls -l /tmp/tc /tmp/cc
+      unpack_cublas ;;
     build)
       : > "$OUT/te-build.log"
       if [ ! -f "$TE/b/te/MANIFEST.sha256" ]; then
@@ -187,6 +210,10 @@ for name, make in recipes.items():
         with torch.no_grad(), te.autocast(enabled=True, recipe=make()):
             lin(x); return {"rel_err": rel(lin(x))}
     step(f"linear_fp8_{name}", run)
+from transformer_engine.pytorch.module import grouped_linear as gl
+out["grouped_tensor_path"] = {name: bool(gl.is_module_grouped_tensor_path_supported(make(), torch.bfloat16))
+                              for name, make in recipes.items()}
+out["grouped_tensor_path"]["bf16"] = bool(gl.is_module_grouped_tensor_path_supported(None, torch.bfloat16))
 out["fp8_available"] = te.is_fp8_available(return_reason=True)
 out["block_available"] = te.is_fp8_block_scaling_available(return_reason=True)
 json.dump(out, open(sys.argv[1], "w"), indent=1, default=str)
@@ -207,15 +234,6 @@ EOF
         | tee "$OUT/te-megatron.log" | tail -12
       timeout 200 python3 -m pytest -q -m gpu tests/model/test_te_megatron.py -p no:cacheprovider --timeout 180 -rA -s \
         2>&1 | tee "$OUT/te-megatron-tests.log" | tail -15 ;;
-    cublas)
-      for d in .cb[0-9]*; do [ -d "$d" ] && mv "$d"/* /tmp/cc/; done
-      ls -l /tmp/cc
-      if [ "${CUBLAS_LAST:-0}" = 1 ]; then
-        mkdir -p /tmp/cublas && cat /tmp/cc/cublas134.txz.* | xz -dc -T8 | tar -x -C /tmp/cublas \
-          || fail "cublas: unpacking /tmp/cc"
-        LD_PRELOAD=$CUBLAS/libcublasLt.so.13 python3 -c "import ctypes; lt = ctypes.CDLL('libcublasLt.so.13'); \
-print('cuBLASLt', lt.cublasLtGetVersion())" || fail "cublas: loading $CUBLAS/libcublasLt.so.13"
-      fi ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -54,8 +54,9 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
     """sum_k weights[n, k] * expert_{ids[n, k]}(x[n]) for a rank holding every expert. x: [N, H];
     ids, weights: [N, k]. Returns [N, H] in x's dtype. Stacked FP8 experts run `kernels.moe_triton`;
     stacked bf16 experts run grouped GEMMs, and batches of at most `small_pairs` pairs the `small`
-    kernels ("triton": `kernels.moe_triton`; "grouped_mm": the grouped GEMM); unstacked experts
-    the portable exchange (`compute_local`: host syncs)."""
+    kernels ("triton": `kernels.moe_triton`; "grouped_mm": the grouped GEMM) unless the experts are
+    on Transformer Engine (`model.te_layers`: its grouped GEMM at every size); unstacked experts the
+    portable exchange (`compute_local`: host syncs)."""
     n, k = ids.shape
     if n == 0:
         return x.new_zeros(x.shape)
@@ -65,7 +66,7 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
     stacked = experts.stacked()
     if stacked is None:
         return compute_local(x, ids, weights, experts)
-    if small == "triton" and n * k <= small_pairs:
+    if small == "triton" and n * k <= small_pairs and "te" not in experts.__dict__:
         from megatron_rollout.kernels.moe_triton import routed_experts_triton
 
         return routed_experts_triton(x, ids, weights, *stacked, experts.first)
@@ -97,10 +98,13 @@ def _routed_experts_fp8(x, ids, weights, experts: Experts, fp8) -> torch.Tensor:
 
 
 def expert_path(experts: Experts) -> str:
-    """Which weights the device exchange runs: 'fp8' (stacked FP8), 'bf16' (stacked), or
-    'portable' (per expert, with host syncs: not graph-safe)."""
+    """Which weights the device exchange runs: 'fp8' (stacked FP8), 'te' (Transformer Engine's
+    GroupedLinear over the bf16 stack), 'bf16' (stacked), or 'portable' (per expert, with host syncs:
+    not graph-safe)."""
     if stacked_experts_fp8(experts) is not None:
         return "fp8"
+    if "te" in experts.__dict__ and experts.stacked() is not None:
+        return "te"
     return "bf16" if experts.stacked() is not None else "portable"
 
 
@@ -195,7 +199,7 @@ def choose_small_kernels(model: torch.nn.Module, rows: int = 64) -> dict:
 def install_device_exchange(model: torch.nn.Module) -> bool:
     """Stack every MoE layer's expert weights; give a single-rank model the device exchange.
 
-    Returns True when every MoE layer can run sync-free (stacked bf16 or stacked FP8 weights),
+    Returns True when every MoE layer can run sync-free (stacked bf16 weights, on TE or not, or stacked FP8),
     which is what CUDA-graph capture of a forward needs. A multi-rank model keeps its comm (its exchanges
     cross ranks); it is graph-safe when that comm consumes the exchanged counts on the device
     (`DistComm.sync_free`), else False: its exchanges read counts on the host."""
@@ -209,7 +213,7 @@ def install_device_exchange(model: torch.nn.Module) -> bool:
         if isinstance(module, MoELayer):
             module.experts.restack()
             path = expert_path(module.experts)  # FP8 experts: single-rank exchange only
-            ok = ok and (path == "bf16" or (path == "fp8" and single))
+            ok = ok and (path in ("bf16", "te") or (path == "fp8" and single))
     if single and not isinstance(comm, DeviceLocalComm):
         model.comm = DeviceLocalComm()
     return ok and (single or bool(getattr(comm, "sync_free", False)))

@@ -168,6 +168,29 @@ def test_fake_te_experts_on_grouped_linear_when_the_device_split_path_applies(fa
     assert te_layers.remove_te(model) == 8 + 2 and "grouped_offsets" not in experts.__dict__
 
 
+def test_fake_te_experts_are_not_bypassed_by_the_small_batch_kernels(fake_te):
+    """The runner may pick `moe_triton` for small batches; experts on TE keep TE's grouped GEMM (the
+    Triton kernels cannot run on CPU, so reaching them here would raise)."""
+    from megatron_rollout.kernels import moe
+
+    fake_te["grouped_ok"] = True
+    model = MoETransformer(CFG.replace(dtype="bfloat16")).init_weights(seed=0)
+    experts: Experts = model.decoder.layers[1].mlp.experts
+    te_layers.apply_te(model)
+    assert moe.expert_path(experts) == "te"
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, CFG.hidden_size, dtype=torch.bfloat16, generator=g)
+    ids = torch.stack([torch.randperm(CFG.num_moe_experts, generator=g)[:2] for _ in range(5)])
+    weights = torch.rand(5, 2, generator=g).softmax(-1)
+    with torch.no_grad():
+        got = moe.routed_experts(x, ids, weights, experts, small="triton", small_pairs=1 << 20)
+        want = sum(weights[:, j, None] * torch.stack([experts.local_experts[int(e)](x[n]) for n, e in
+                                                      enumerate(ids[:, j])]) for j in range(2))
+    torch.testing.assert_close(got, want.to(got.dtype), rtol=2e-2, atol=2e-2)
+    te_layers.remove_te(model)
+    assert moe.expert_path(experts) == "bf16"
+
+
 def test_fake_te_refuses_shapes_te_cannot_run(fake_te):
     model = MoETransformer(CFG.replace(vocab_size=260)).init_weights(seed=0)
     with pytest.raises(ValueError, match=r"output_layer: weight shape \(260, 64\) is not a multiple of 16"):
@@ -254,3 +277,55 @@ def test_te_decode_graph_capture_and_refresh():
         graph.replay()
         torch.cuda.synchronize()
     torch.testing.assert_close(out, -eager, rtol=0.05, atol=0.05)
+
+
+def _routing(cfg, tokens: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(tokens, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, generator=g)
+    scores = torch.rand(tokens, cfg.num_moe_experts, device="cuda", generator=g)
+    weights, ids = scores.topk(cfg.moe_router_topk, dim=-1)
+    return x, ids, weights.softmax(-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["current", "block"])
+def test_te_grouped_experts_match_bf16_and_replay_in_a_graph(recipe):
+    """Routed experts on TE's GroupedLinear (device splits, where cuBLASLt allows it) against the
+    bf16 grouped GEMM on the same weights; then captured in a CUDA graph, replayed, and refreshed in
+    place after a weight update. Tolerance: FP8 e4m3 rounding of weights and activations, 0.1 rel."""
+    from megatron_rollout.kernels import moe
+
+    cfg, model = _te_model(1)
+    why = te_layers.experts_unsupported(te_layers.TEConfig(recipe=recipe), torch.bfloat16)
+    if why:
+        pytest.skip(why)
+    experts = model.decoder.layers[0].mlp.experts
+    experts.restack()
+    x, ids, weights = _routing(cfg, 48, seed=1)
+    rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
+    with torch.no_grad():
+        ref = moe.routed_experts(x, ids, weights, experts)
+        result = te_layers.apply_te(model, te_layers.TEConfig(recipe=recipe))
+        assert result.experts and moe.expert_path(experts) == "te"
+        eager = moe.routed_experts(x, ids, weights, experts, small="triton", small_pairs=1 << 20)
+        print(f"TE {recipe} experts: rel err vs bf16 {rel(eager, ref):.4f}")
+        assert 0 < rel(eager, ref) < 0.1
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            moe.routed_experts(x, ids, weights, experts)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe.routed_experts(x, ids, weights, experts)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel(out, eager) < 1e-2
+        fc1, _ = experts._stacked
+        fc1.mul_(-1.0)  # the gate and up halves flip sign: silu(-g) * -u differs from silu(g) * u
+        assert te_layers.refresh_te(model) > 0
+        graph.replay()
+        torch.cuda.synchronize()
+        te_layers.remove_te(model)
+        want = moe.routed_experts(x, ids, weights, experts)
+    assert rel(out, want) < 0.1 and rel(out, eager) > 0.5
