@@ -4,10 +4,12 @@
 # examples/te_bundle.sh as pieces .cb0/ .. .cb6/ (cuBLAS 13.6's libraries) and .te0/ .. .te5/ (TE),
 # one per call (docs/te.md):
 #
-#   calls 1-12, carry [".cb0"] .. [".cb6"], then [".te0"] .. [".te4"]: bash examples/te_session.sh piece
-#   call 13,    carry [".te5"]:  bash examples/te_session.sh piece build check
-#   call 14,    no carry:        bash examples/te_session.sh tests bench
-#   (call 15,   carry [".whl"]:  bash examples/te_session.sh megatron)
+#   calls 1-6,  carry [".cb0"] .. [".cb5"]:  bash examples/te_session.sh piece
+#   call 7,     carry [".cb6", ".te5"]:      bash examples/te_session.sh piece   (the last two are small)
+#   calls 8-11, carry [".te0"] .. [".te3"]:  bash examples/te_session.sh piece
+#   call 12,    carry [".te4"]:  bash examples/te_session.sh piece build check
+#   call 13,    no carry:        bash examples/te_session.sh tests bench
+#   (call 14,   carry [".whl"]:  bash examples/te_session.sh megatron)
 #
 # Stages (each fails loudly, naming the step, and exits non-zero):
 #   piece  move this call's .teN/* to /tmp/tc and .cbN/* to /tmp/cc. Once /tmp/cc holds every byte
