@@ -16,9 +16,13 @@ update and before replaying graphs captured earlier.
 
 Experts: `te.pytorch.GroupedLinear` is used only when its native grouped-tensor path applies (device
 `m_splits`, no host sync; TE 2.20 needs Hopper and cuBLASLt >= 13.4 for bf16, 13.5 for current
-scaling, 13.6 for block scaling, and has no delayed scaling there). Otherwise TE falls back to a
-path that reads the splits on the host, which breaks sync-free decode and graphs, and per-expert
-`te.Linear` is too slow, so the experts stay on their existing path and `TEResult` says why.
+scaling, 13.6 for block scaling, and has no delayed scaling there; torch 2.11's wheels bring 13.1,
+examples/te_session.sh carries 13.6). Of the FP8 recipes that leaves current scaling: block
+scaling's grouped quantize needs every expert's rows to be a multiple of 128. A grouped GEMM takes
+at most `TE_MAX_GROUPS` experts, so larger layers run in chunks (`TEGroupedExperts`). Otherwise TE
+falls back to a path that reads the splits on the host, which breaks sync-free decode and graphs,
+and per-expert `te.Linear` is too slow, so the experts stay on their existing path and `TEResult`
+says why.
 
 Left out: gradients through TE (rollout is inference), tensor-parallel TE modules (ATP > 1 here is
 the model's own collectives around local shards), MXFP8/NVFP4 recipes (Blackwell).
@@ -166,23 +170,60 @@ class TEWeight:
         self.matmul(torch.zeros(_ROW_MULTIPLE, w.shape[1], dtype=w.dtype, device=w.device), refresh=True)
 
 
-class TEGroupedExperts:
-    """Routed experts' two projections as `GroupedLinear`s over the stacked expert weights."""
+TE_MAX_GROUPS = 64
+"""Experts per `GroupedLinear` call: TE 2.20's cuBLASLt grouped GEMM takes at most 64 groups
+(`kMaxGroups`, seen on the H200 with 128 experts). More experts run as several chunks."""
 
-    def __init__(self, experts: nn.Module, recipe, fc1: nn.Module, fc2: nn.Module) -> None:
-        self.experts, self.recipe, self.fc1, self.fc2 = experts, recipe, fc1, fc2
+
+@dataclass
+class _Chunk:
+    """Experts [first, stop) of one layer as two `GroupedLinear`s (fc1: H -> 2F, fc2: F -> H)."""
+
+    first: int
+    stop: int
+    fc1: nn.Module
+    fc2: nn.Module
+
+
+class TEGroupedExperts:
+    """Routed experts' two projections as `GroupedLinear`s over the stacked expert weights, in
+    chunks of at most `TE_MAX_GROUPS` experts.
+
+    A chunk after the first starts at a row only the device knows (the expert-sorted offsets), so
+    its rows are rotated to the front with one gather (TE reads the first sum(splits) rows of its
+    input and leaves the rest), and its output rotated back and kept where the rows are its own:
+    no host sync, so decode graphs capture it."""
+
+    def __init__(self, experts: nn.Module, recipe, chunks: list[_Chunk]) -> None:
+        self.experts, self.recipe, self.chunks = experts, recipe, chunks
         self.seen = (-1, -1)
         self.bind()
+
+    @classmethod
+    def build(cls, experts: nn.Module, recipe, te) -> TEGroupedExperts:
+        experts.restack()
+        fc1, fc2 = experts._stacked
+        e, two_f, h = fc1.shape
+        chunks = []
+        for first in range(0, e, TE_MAX_GROUPS):
+            n = min(TE_MAX_GROUPS, e - first)
+            g1 = te.GroupedLinear(n, h, two_f, bias=False, params_dtype=fc1.dtype, device=fc1.device,
+                                  use_grouped_tensor=True)
+            g2 = te.GroupedLinear(n, fc2.shape[2], h, bias=False, params_dtype=fc2.dtype, device=fc2.device,
+                                  use_grouped_tensor=True)
+            chunks.append(_Chunk(first, first + n, g1, g2))
+        return cls(experts, recipe, chunks)
 
     def bind(self) -> None:
         st = self.experts.stacked()
         if st is None:
             raise RuntimeError("TE experts need stacked bf16 expert weights: call Experts.restack() first")
-        for grouped, stacked in ((self.fc1, st[0]), (self.fc2, st[1])):
-            for i in range(stacked.shape[0]):
-                p = getattr(grouped, f"weight{i}")
-                p.data = stacked[i]
-                p.requires_grad_(False)
+        for c in self.chunks:
+            for grouped, stacked in ((c.fc1, st[0]), (c.fc2, st[1])):
+                for i in range(c.stop - c.first):
+                    p = getattr(grouped, f"weight{i}")
+                    p.data = stacked[c.first + i]
+                    p.requires_grad_(False)
         self.seen = (-1, -1)
 
     def _versions(self) -> tuple[int, int]:
@@ -192,17 +233,32 @@ class TEGroupedExperts:
     def grouped_offsets(self, x: torch.Tensor, offsets: torch.Tensor, refresh: bool | None = None) -> torch.Tensor:
         """`Experts.grouped_offsets` on TE: x [n, H] expert-sorted, offsets [E] cumulative (device)."""
         te = _te()
-        if self.experts.stacked() is None or self.fc1.weight0.data_ptr() != self.experts._stacked[0].data_ptr():
+        st = self.experts.stacked()
+        if st is None or self.chunks[0].fc1.weight0.data_ptr() != st[0].data_ptr():
             self.bind()
-        splits = torch.diff(offsets.to(torch.int64), prepend=offsets.new_zeros(1, dtype=torch.int64))
+        ends = offsets.to(torch.int64)
+        splits = torch.diff(ends, prepend=ends.new_zeros(1))
         if refresh is None:
             refresh = not _capturing() and self.seen != self._versions()
         with te.autocast(enabled=True, recipe=self.recipe):
-            h = self.fc1(x, splits, is_first_microbatch=refresh)
-            y = self.fc2(self.experts.activation(h), splits, is_first_microbatch=refresh)
+            if len(self.chunks) == 1:
+                out = self._project(self.chunks[0], x, splits, refresh)
+            else:
+                n = x.shape[0]
+                rows = torch.arange(n, device=x.device)
+                out = torch.zeros_like(x)
+                for c in self.chunks:
+                    start = ends[c.first - 1] if c.first else ends.new_zeros(())
+                    xs = x.index_select(0, (rows + start) % n)  # this chunk's rows first
+                    y = self._project(c, xs, splits[c.first:c.stop], refresh).index_select(0, (rows - start) % n)
+                    out = torch.where(((rows >= start) & (rows < ends[c.stop - 1])).unsqueeze(1), y, out)
         if refresh:
             self.seen = self._versions()
-        return y
+        return out
+
+    def _project(self, c: _Chunk, x: torch.Tensor, splits: torch.Tensor, refresh: bool) -> torch.Tensor:
+        h = c.fc1(x, splits, is_first_microbatch=refresh)
+        return c.fc2(self.experts.activation(h), splits, is_first_microbatch=refresh)
 
     def refresh(self) -> None:
         st = self.experts._stacked
@@ -217,6 +273,10 @@ def experts_unsupported(cfg: TEConfig, dtype: torch.dtype) -> str | None:
     _te()
     from transformer_engine.pytorch.module import grouped_linear as gl
 
+    if cfg.recipe == "block":
+        return ("TE 2.20's grouped FP8 block-scaling quantize needs every expert's row count to be a multiple "
+                "of 128 (seen on the H200: NaN otherwise), which routed batches are not: experts stay on their "
+                "existing path")
     recipe = make_recipe(cfg)
     if gl.is_module_grouped_tensor_path_supported(recipe, dtype):
         return None
@@ -266,14 +326,7 @@ def apply_te(model: nn.Module, cfg: TEConfig = TEConfig()) -> TEResult:
         skipped = experts_unsupported(cfg, moe[0][1].local_experts[0].linear_fc1.weight.dtype)
         if skipped is None:
             for name, ex in moe:
-                ex.restack()
-                fc1, fc2 = ex._stacked
-                e, two_f, h = fc1.shape
-                g1 = te.GroupedLinear(e, h, two_f, bias=False, params_dtype=fc1.dtype, device=fc1.device,
-                                      use_grouped_tensor=True)
-                g2 = te.GroupedLinear(e, fc2.shape[2], h, bias=False, params_dtype=fc2.dtype, device=fc2.device,
-                                      use_grouped_tensor=True)
-                ex.te = TEGroupedExperts(ex, recipe, g1, g2)
+                ex.te = TEGroupedExperts.build(ex, recipe, te)
                 ex.grouped_offsets = ex.te.grouped_offsets  # instance attribute: the CUDA paths call this
                 experts.append(name)
     elif moe:

@@ -69,8 +69,12 @@ class _FakeGrouped(nn.Module):
                                                                            dtype=params_dtype, device=device)))
 
     def forward(self, x, m_splits, is_first_microbatch=None):
-        parts = x[: int(m_splits.sum())].split(m_splits.tolist())
-        return torch.cat([F.linear(p, getattr(self, f"weight{i}")) for i, p in enumerate(parts)])
+        """As TE's device-split path: the first sum(m_splits) rows are the groups', the rest left out
+        (zeros here; TE leaves them unwritten); the output has x's rows."""
+        assert len(m_splits) <= te_layers.TE_MAX_GROUPS
+        n = int(m_splits.sum())
+        y = torch.cat([F.linear(p, getattr(self, f"weight{i}")) for i, p in enumerate(x[:n].split(m_splits.tolist()))])
+        return torch.cat([y, y.new_zeros(x.shape[0] - n, y.shape[1])])
 
 
 @pytest.fixture
@@ -118,7 +122,7 @@ def test_fake_te_swaps_attention_and_dense_mlp_only_and_keeps_names(fake_te):
     assert all(n.endswith(("linear_qkv", "linear_proj")) or n.startswith("decoder.layers.0.mlp.")
                for n in result.linears)
     assert list(model.state_dict()) == keys  # TE modules are not registered: Megatron's names only
-    assert "cuBLASLt 130000" in result.experts_skipped and result.experts == ()
+    assert "multiple of 128" in result.experts_skipped and result.experts == ()
     torch.testing.assert_close(after, before)  # the fake computes F.linear on the shared storage
     qkv = model.get_submodule(result.linears[0])
     assert isinstance(qkv.fp8, te_layers.TEWeight) and qkv.fp8.recipe.kw == {"fp8_format": "E4M3"}
@@ -156,8 +160,9 @@ def test_fake_te_experts_on_grouped_linear_when_the_device_split_path_applies(fa
     assert result.experts == ("decoder.layers.1.mlp.experts", "decoder.layers.2.mlp.experts")
     assert result.experts_skipped is None
     fc1, fc2 = experts._stacked
-    assert experts.te.fc1.weight3.data_ptr() == fc1[3].data_ptr()
-    assert experts.te.fc2.weight7.data_ptr() == fc2[7].data_ptr()
+    assert len(experts.te.chunks) == 1
+    assert experts.te.chunks[0].fc1.weight3.data_ptr() == fc1[3].data_ptr()
+    assert experts.te.chunks[0].fc2.weight7.data_ptr() == fc2[7].data_ptr()
     counts = [3, 0, 2, 1, 0, 4, 1, 5]
     x = torch.randn(sum(counts), CFG.hidden_size, dtype=torch.bfloat16)
     offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
@@ -166,6 +171,25 @@ def test_fake_te_experts_on_grouped_linear_when_the_device_split_path_applies(fa
         want = torch.cat([experts.local_experts[k](p) for k, p in enumerate(x.split(counts)) if counts[k]])
     torch.testing.assert_close(got, want)
     assert te_layers.remove_te(model) == 8 + 2 and "grouped_offsets" not in experts.__dict__
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 2, 1, 0, 4, 1, 5], [0, 0, 0, 6, 0, 0, 0, 0], [0] * 7 + [2]])
+def test_fake_te_experts_run_in_chunks_of_at_most_the_grouped_gemm_limit(fake_te, monkeypatch, counts):
+    """More experts than one grouped GEMM takes: chunks of `TE_MAX_GROUPS` (3 here: 3 + 3 + 2), each
+    chunk's rows rotated to the front by device offsets, the rows of the others left as they were."""
+    fake_te["grouped_ok"] = True
+    monkeypatch.setattr(te_layers, "TE_MAX_GROUPS", 3)
+    model = MoETransformer(CFG.replace(dtype="bfloat16")).init_weights(seed=0)
+    experts: Experts = model.decoder.layers[1].mlp.experts
+    te_layers.apply_te(model, te_layers.TEConfig(recipe="current"))
+    assert [(c.first, c.stop) for c in experts.te.chunks] == [(0, 3), (3, 6), (6, 8)]
+    assert experts.te.chunks[2].fc2.weight1.data_ptr() == experts._stacked[1][7].data_ptr()
+    x = torch.randn(sum(counts), CFG.hidden_size, dtype=torch.bfloat16)
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    with torch.no_grad():
+        got = experts.grouped_offsets(x, offsets)
+        want = torch.cat([experts.local_experts[k](p) for k, p in enumerate(x.split(counts)) if counts[k]])
+    torch.testing.assert_close(got, want)
 
 
 def test_fake_te_experts_are_not_bypassed_by_the_small_batch_kernels(fake_te):
@@ -204,12 +228,12 @@ def test_fake_te_refuses_shapes_te_cannot_run(fake_te):
 TE_MISSING = "Transformer Engine not installed (docs/te.md)"
 
 
-def _te_model(num_layers: int, seed: int = 0):
-    """Skip without TE; else a random-weight `qwen3-30b-a3b` of `num_layers` layers and 16 experts on CUDA."""
+def _te_model(num_layers: int, seed: int = 0, experts: int = 16):
+    """Skip without TE; else a random-weight `qwen3-30b-a3b` of `num_layers` layers and `experts` experts on CUDA."""
     pytest.importorskip("transformer_engine.pytorch", reason=TE_MISSING)
     from megatron_rollout.bench.rollout import random_model
 
-    cfg = PRESETS["qwen3-30b-a3b"].replace(num_layers=num_layers, num_moe_experts=16)
+    cfg = PRESETS["qwen3-30b-a3b"].replace(num_layers=num_layers, num_moe_experts=experts)
     return cfg, random_model(cfg, torch.device("cuda"), seed)
 
 
@@ -288,44 +312,46 @@ def _routing(cfg, tokens: int, seed: int):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", ["current", "block"])
-def test_te_grouped_experts_match_bf16_and_replay_in_a_graph(recipe):
-    """Routed experts on TE's GroupedLinear (device splits, where cuBLASLt allows it) against the
-    bf16 grouped GEMM on the same weights; then captured in a CUDA graph, replayed, and refreshed in
-    place after a weight update. Tolerance: FP8 e4m3 rounding of weights and activations, 0.1 rel."""
+@pytest.mark.parametrize("recipe,experts", [("current", 16), ("current", 128), ("block", 16)])
+def test_te_grouped_experts_match_bf16_and_replay_in_a_graph(recipe, experts):
+    """Routed experts on TE's GroupedLinear (device splits, where cuBLASLt allows it; 128 experts run
+    as two chunks of 64) against the bf16 grouped GEMM on the same weights; then captured in a CUDA
+    graph, replayed, and refreshed in place after a weight update. Tolerance: FP8 e4m3 rounding of
+    weights and activations, 0.1 relative."""
     from megatron_rollout.kernels import moe
 
-    cfg, model = _te_model(1)
+    cfg, model = _te_model(1, experts=experts)
     why = te_layers.experts_unsupported(te_layers.TEConfig(recipe=recipe), torch.bfloat16)
     if why:
         pytest.skip(why)
-    experts = model.decoder.layers[0].mlp.experts
-    experts.restack()
+    layer = model.decoder.layers[0].mlp.experts
+    layer.restack()
     x, ids, weights = _routing(cfg, 48, seed=1)
     rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
     with torch.no_grad():
-        ref = moe.routed_experts(x, ids, weights, experts)
+        ref = moe.routed_experts(x, ids, weights, layer)
         result = te_layers.apply_te(model, te_layers.TEConfig(recipe=recipe))
-        assert result.experts and moe.expert_path(experts) == "te"
-        eager = moe.routed_experts(x, ids, weights, experts, small="triton", small_pairs=1 << 20)
+        assert result.experts and moe.expert_path(layer) == "te"
+        assert len(layer.te.chunks) == -(-experts // te_layers.TE_MAX_GROUPS)
+        eager = moe.routed_experts(x, ids, weights, layer, small="triton", small_pairs=1 << 20)
         print(f"TE {recipe} experts: rel err vs bf16 {rel(eager, ref):.4f}")
         assert 0 < rel(eager, ref) < 0.1
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            moe.routed_experts(x, ids, weights, experts)
+            moe.routed_experts(x, ids, weights, layer)
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = moe.routed_experts(x, ids, weights, experts)
+            out = moe.routed_experts(x, ids, weights, layer)
         graph.replay()
         torch.cuda.synchronize()
         assert rel(out, eager) < 1e-2
-        fc1, _ = experts._stacked
+        fc1, _ = layer._stacked
         fc1.mul_(-1.0)  # the gate and up halves flip sign: silu(-g) * -u differs from silu(g) * u
         assert te_layers.refresh_te(model) > 0
         graph.replay()
         torch.cuda.synchronize()
         te_layers.remove_te(model)
-        want = moe.routed_experts(x, ids, weights, experts)
+        want = moe.routed_experts(x, ids, weights, layer)
     assert rel(out, want) < 0.1 and rel(out, eager) > 0.5
