@@ -71,8 +71,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA runner attention kernels: auto | triton | varlen | flash | portable")
     p.add_argument("--decode-ahead", default="auto", choices=("auto", "on", "off"),
                    help="issue the next decode step before reading this one's tokens (auto: CUDA runner, one rank)")
-    p.add_argument("--fp8", default="off", choices=("off", "tensor", "block"),
-                   help="FP8 weights for the linears and experts: off | tensor (per-tensor scales) | block (128x128)")
+    p.add_argument("--fp8", default="off", choices=("off", "tensor", "block", "te-delayed", "te-current", "te-block"),
+                   help="FP8 weights for the linears and experts: off | tensor (per-tensor scales) | block (128x128) "
+                        "| te-<recipe> (Transformer Engine's FP8 layers, where TE is installed)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--timeline", default=None, help="write a Chrome/Perfetto trace of P and D work here")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")

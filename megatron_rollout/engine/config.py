@@ -142,11 +142,14 @@ class RunnerConfig:
     """FP8 (e4m3) weights for the attention linears, dense MLPs and routed experts (`model.fp8`):
     off | tensor (one scale per weight) | block (one per 128 x 128 block). The engine quantises its
     model once at construction; weight updates are re-rounded in place. On CUDA the experts run in
-    the decode graphs (`kernels.moe_triton`), elsewhere every FP8 matmul dequantises."""
+    the decode graphs (`kernels.moe_triton`), elsewhere every FP8 matmul dequantises.
+    Or Transformer Engine's FP8 layers (`model.te_layers`, where TE is installed): te-delayed |
+    te-current | te-block, TE's recipe of that name on the attention linears and dense MLPs, and on
+    the routed experts where TE's grouped GEMM runs the recipe (te-current, cuBLASLt >= 13.5)."""
 
     def __post_init__(self) -> None:
-        if self.fp8 not in FP8_MODES:
-            raise ValueError(f"fp8 must be one of {sorted(FP8_MODES)}, got {self.fp8!r}")
+        if self.fp8 not in FP8_MODES and self.fp8 not in TE_FP8_MODES:
+            raise ValueError(f"fp8 must be one of {[*FP8_MODES, *TE_FP8_MODES]}, got {self.fp8!r}")
         if self.kind not in RUNNER_KINDS:
             raise ValueError(f"the runner kind must be auto, eager or cuda, got {self.kind!r}")
         sizes = self.graph_batch_sizes
@@ -163,6 +166,8 @@ class RunnerConfig:
 
 FP8_MODES: dict[str, int | None] = {"off": None, "tensor": None, "block": 128}
 """`RunnerConfig.fp8` -> the block size of `model.fp8.quantize_model_fp8` (None: per tensor)."""
+TE_FP8_MODES: dict[str, str] = {"te-delayed": "delayed", "te-current": "current", "te-block": "block"}
+"""`RunnerConfig.fp8` -> the `te_layers.TEConfig` recipe."""
 
 FLAT: dict[str, tuple[str, str]] = {
     "schedule": ("scheduler", "schedule"),

@@ -18,7 +18,7 @@ from megatron_rollout.comm.facade import LocalComm
 from megatron_rollout.engine.ahead import DecodeAhead
 from megatron_rollout.engine.api import FinishReason, GenerationResult, RequestError, RequestOutput, SamplingParams
 from megatron_rollout.engine.bookkeeping import Abort, AddRequest, Append, Close, Op, OpenSession, RequestTable, Submit
-from megatron_rollout.engine.config import FP8_MODES, EngineConfig, EngineStats
+from megatron_rollout.engine.config import FP8_MODES, TE_FP8_MODES, EngineConfig, EngineStats
 from megatron_rollout.engine.coordinator import GlobalView, LocalCoordinator, RankSharedCoordinator
 from megatron_rollout.engine.cuda_runner import make_runner
 from megatron_rollout.engine.execution import StepExecutor
@@ -30,7 +30,7 @@ from megatron_rollout.engine.session import Session
 from megatron_rollout.engine.weights import WeightStore, WeightVersionError
 from megatron_rollout.kv.block_pool import BlockPool
 from megatron_rollout.kv.paged import PagedKVCache
-from megatron_rollout.model import fp8
+from megatron_rollout.model import fp8, te_layers
 from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.types import Axis
 
@@ -49,7 +49,9 @@ class RolloutEngine:
         self.table = RequestTable(c.num_blocks, c.block_size, c.prefix_caching, self.max_model_len, cfg.vocab_size,
                                   self.stats, recording=self.distributed and self.coordinator.leader)
         self._kv_shape = (cfg, c.num_blocks, c.block_size, cfg.num_query_groups // model.comm.size(Axis.ATP))
-        if c.runner.fp8 != "off":  # before the runner: it stacks the FP8 experts for its graphs
+        if c.runner.fp8 in TE_FP8_MODES:  # before the runner: its graphs capture the TE modules
+            te_layers.apply_te(model, te_layers.TEConfig(recipe=TE_FP8_MODES[c.runner.fp8]))
+        elif c.runner.fp8 != "off":  # before the runner: it stacks the FP8 experts for its graphs
             fp8.quantize_model_fp8(model, block=FP8_MODES[c.runner.fp8])
         self.runner = make_runner(model, PagedKVCache(*self._kv_shape, device=model.device), c.runner)
         self.executor = StepExecutor(self.table, self.runner, self.weights, self.stats, c.seed, timeline, rank)

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from megatron_rollout.comm.facade import Shard
-from megatron_rollout.model import fp8
+from megatron_rollout.model import fp8, te_layers
 from megatron_rollout.model.config import ModelConfig
 from megatron_rollout.model.sharding import full_name, full_shapes, local_name, shard_tensor, unshard_tensor
 from megatron_rollout.model.transformer import MoETransformer
@@ -51,6 +51,14 @@ class _Incoming(NamedTuple):
     name: str
     param: torch.nn.Parameter | None
     value: torch.Tensor | None
+
+
+def _follow_weights(model: MoETransformer) -> None:
+    """What is derived from the full-precision weights follows them, in place (so captured graphs
+    read it): `model.fp8`'s FP8 copies and Transformer Engine's FP8 weight caches (`model.te_layers`;
+    a decode graph replays TE's cache and would never rebuild it itself)."""
+    fp8.requantize_model_fp8(model)
+    te_layers.refresh_te(model)
 
 
 class WeightStore:
@@ -107,7 +115,7 @@ class WeightStore:
             for t in incoming:
                 if t.param is not None:
                     t.param.copy_(t.value)
-        fp8.requantize_model_fp8(self.model)  # FP8 copies follow their full-precision weights
+        _follow_weights(self.model)
         self.version, self._pending, self._staged = version, None, {}
 
     def bind(self, params: Mapping[str, torch.Tensor], version: int) -> None:
@@ -129,7 +137,7 @@ class WeightStore:
         _check_values(list(params.items()), version)
         for name, t in params.items():
             own[name].data = t.detach()
-        fp8.requantize_model_fp8(self.model)
+        _follow_weights(self.model)
         self.version = version
 
     # -- validation -----------------------------------------------------------------------------

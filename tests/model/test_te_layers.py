@@ -215,6 +215,29 @@ def test_fake_te_experts_are_not_bypassed_by_the_small_batch_kernels(fake_te):
     assert moe.expert_path(experts) == "bf16"
 
 
+def test_fake_te_engine_mode_puts_the_model_on_te_and_updates_refresh_its_caches(fake_te):
+    """`EngineConfig(fp8="te-current")` puts the engine's model on TE when the engine is built, and
+    every weight update re-quantises TE's caches in place (a decode graph replays them and would
+    never rebuild them itself): the TE module's next call after `update_weights` is a refresh."""
+    from megatron_rollout.engine import RolloutEngine, SamplingParams
+    from megatron_rollout.engine.config import EngineConfig
+
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=4)
+    prompts = [[5, 17, 33, 2, 9], [40, 41, 3]]
+    base = MoETransformer(CFG).init_weights(seed=0)
+    want = [r.token_ids for r in RolloutEngine(base, EngineConfig()).generate(prompts, greedy)]
+    model = MoETransformer(CFG).init_weights(seed=0)
+    engine = RolloutEngine(model, EngineConfig(fp8="te-current"))
+    qkv = model.decoder.layers[0].self_attention.linear_qkv
+    assert isinstance(qkv.fp8, te_layers.TEWeight) and type(qkv.fp8.recipe).__name__ == "Float8CurrentScaling"
+    assert [r.token_ids for r in engine.generate(prompts, greedy)] == want  # the fake TE computes exactly
+    qkv.fp8.module.calls.clear()
+    engine.update_weights({k: v * 1.01 for k, v in model.state_dict().items()}, version=1)
+    assert qkv.fp8.module.calls == [((16, CFG.hidden_size), True)]  # refreshed by the update itself
+    with pytest.raises(ValueError, match="fp8 must be one of .*te-current.*got 'te-fast'"):
+        EngineConfig(fp8="te-fast")
+
+
 def test_fake_te_refuses_shapes_te_cannot_run(fake_te):
     model = MoETransformer(CFG.replace(vocab_size=260)).init_weights(seed=0)
     with pytest.raises(ValueError, match=r"output_layer: weight shape \(260, 64\) is not a multiple of 16"):
@@ -355,3 +378,28 @@ def test_te_grouped_experts_match_bf16_and_replay_in_a_graph(recipe, experts):
         te_layers.remove_te(model)
         want = moe.routed_experts(x, ids, weights, layer)
     assert rel(out, want) < 0.1 and rel(out, eager) > 0.5
+
+
+@pytest.mark.gpu
+def test_te_engine_decodes_in_graphs_and_follows_weight_updates():
+    """A CUDA engine with `fp8="te-current"` (TE linears, and TE experts where cuBLASLt allows)
+    replays decode graphs; after `update_weights` it generates what a fresh TE engine built on the
+    new weights generates (TE's caches were refreshed in place, under the captured graphs)."""
+    from megatron_rollout.engine import RolloutEngine, SamplingParams
+    from megatron_rollout.engine.config import EngineConfig
+
+    cfg, model = _te_model(2)
+    config = EngineConfig(fp8="te-current", num_blocks=256, block_size=16, max_batch_tokens=512)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    prompts = [list(range(3, 40)), list(range(100, 117))]
+    new = {k: v + 0.02 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    engine = RolloutEngine(model, config)
+    engine.generate(prompts, greedy)  # captures the decode graphs on the old weights
+    engine.update_weights(new, version=1)
+    replays = engine.runner.stats["graph_replays"]
+    got = [r.token_ids for r in engine.generate(prompts, greedy)]
+    assert engine.runner.stats["graph_replays"] > replays > 0
+    _, fresh = _te_model(2)
+    fresh.load_state_dict(new)
+    want = [r.token_ids for r in RolloutEngine(fresh, config).generate(prompts, greedy)]
+    assert got == want
