@@ -83,12 +83,6 @@ LAUNCHES: dict[str, int] = {"rmsnorm": 0, "add_rmsnorm": 0, "qkv_norm_rope": 0, 
 test see that the kernels, not the references, ran."""
 ROUTER_BLOCK_M = 16
 """Tokens per router program (tl.dot's minimum M)."""
-ROUTER_SPLIT_K = 256
-"""Columns of x (and of the router weight) per router-logits program. The programs' fp32 partial
-logits are summed in column order by a second kernel, which does the softmax and top-k: no atomics,
-and the split depends on the hidden size alone, so a row's logits do not depend on its batch. One
-program per 16 rows reading the whole 128 x 2,048 weight took 13.5 us per layer at batch 1
-(fourth lease's profile, `_router_kernel`); the copy bandwidth would read it in 0.12 us."""
 
 
 class AddNorm(NamedTuple):
@@ -240,20 +234,19 @@ if triton is not None:
         tl.store(V + n * (GROUPS * D) + g * D + c, tl.load(kb + D + c))
 
     @triton.jit(do_not_specialize=["n_rows"])
-    def _router_logits_kernel(X, W, Part, n_rows, stride_x,
-                              H: tl.constexpr, E: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr,
-                              BK: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr):
-        """Program (m, s): fp32 logits of rows [m BM, (m+1) BM) over columns [s SPLIT, (s+1) SPLIT)
-        of x and the router weight, stored to Part[s]."""
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        split = tl.program_id(1)
+    def _router_kernel(X, W, Wout, Ids, n_rows, stride_x,
+                       H: tl.constexpr, E: tl.constexpr, E_P: tl.constexpr, TOPK: tl.constexpr,
+                       TOPK_P: tl.constexpr, RENORM: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                       DOT_FP32: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid * BM + tl.arange(0, BM)
         rmask = rows < n_rows
         r64 = rows.to(tl.int64)
         e = tl.arange(0, E_P)
         emask = e < E
         kk = tl.arange(0, BK)
         acc = tl.zeros([BM, E_P], tl.float32)
-        for k0 in range(split * SPLIT, split * SPLIT + SPLIT, BK):
+        for k0 in range(0, H, BK):
             kmask = (k0 + kk) < H
             x = tl.load(X + r64[:, None] * stride_x + k0 + kk[None, :], mask=rmask[:, None] & kmask[None, :],
                         other=0.0)
@@ -262,21 +255,6 @@ if triton is not None:
                 acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
             else:  # bf16 products are exact in fp32; the tensor cores accumulate in fp32
                 acc += tl.dot(x, tl.trans(w))
-        out = (split.to(tl.int64) * n_rows + r64)[:, None] * E_P + e[None, :]
-        tl.store(Part + out, acc, mask=rmask[:, None])
-
-    @triton.jit(do_not_specialize=["n_rows"])
-    def _router_topk_kernel(Part, Wout, Ids, n_rows, E: tl.constexpr, E_P: tl.constexpr, SPLITS: tl.constexpr,
-                            TOPK: tl.constexpr, TOPK_P: tl.constexpr, RENORM: tl.constexpr, BM: tl.constexpr):
-        """Rows [m BM, (m+1) BM): the partial logits summed in split order, softmax, top-k."""
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        rmask = rows < n_rows
-        r64 = rows.to(tl.int64)
-        e = tl.arange(0, E_P)
-        emask = e < E
-        acc = tl.zeros([BM, E_P], tl.float32)
-        for s in tl.static_range(SPLITS):
-            acc += tl.load(Part + (s * n_rows + r64)[:, None] * E_P + e[None, :], mask=rmask[:, None], other=0.0)
         logits = tl.where(emask[None, :], acc, _NEG_INF)
         m = tl.max(logits, axis=1)
         p = tl.exp(logits - m[:, None])
@@ -432,9 +410,8 @@ def qkv_norm_rope(qkv: torch.Tensor, groups: int, per_group: int, head_dim: int,
 
 def router_topk(x: torch.Tensor, weight: torch.Tensor, topk: int, renormalize: bool,
                 out: Routing | None = None) -> Routing:
-    """Softmax over `weight @ x` (fp32), top-k, optional renormalisation (two launches: split-K
-    partial logits, then their ordered sum, softmax and top-k; `ROUTER_SPLIT_K`). x: [N, H] bf16,
-    weight: [E, H]. Returns weights [N, k] (x's dtype) and ids [N, k] int64."""
+    """Softmax over `weight @ x` (fp32), top-k, optional renormalisation (one launch). x: [N, H]
+    bf16, weight: [E, H]. Returns weights [N, k] (x's dtype) and ids [N, k] int64."""
     experts, hidden = weight.shape[0], x.shape[-1]
     fits = x.dim() == 2 and weight.shape == (experts, hidden) and 0 < topk <= experts <= 256 and hidden >= 16
     if not fits or not _runnable(x, weight) or x.shape[0] == 0:
@@ -447,17 +424,11 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, topk: int, renormalize: b
     w_out = _empty(out.weights if out else None, (n, topk), x)
     ids = _empty(out.ids if out else None, (n, topk), x, torch.int64)
     bk = min(128, _pow2(hidden))
-    split = max(bk, ROUTER_SPLIT_K // bk * bk)
-    splits = triton.cdiv(hidden, split)
-    e_p = max(16, _pow2(experts))
-    part = torch.empty((splits, n, e_p), dtype=torch.float32, device=x.device)
-    rows = triton.cdiv(n, ROUTER_BLOCK_M)
     LAUNCHES["router_topk"] += 1
-    _router_logits_kernel[(rows, splits)](x, weight, part, n, x.stride(0), H=hidden, E=experts, E_P=e_p,
-                                          BM=ROUTER_BLOCK_M, BK=bk, SPLIT=split, DOT_FP32=interpreting(),
-                                          num_warps=4, num_stages=3)
-    _router_topk_kernel[(rows,)](part, w_out, ids, n, E=experts, E_P=e_p, SPLITS=splits, TOPK=topk,
-                                 TOPK_P=_pow2(topk), RENORM=bool(renormalize), BM=ROUTER_BLOCK_M, num_warps=4)
+    _router_kernel[(triton.cdiv(n, ROUTER_BLOCK_M),)](
+        x, weight, w_out, ids, n, x.stride(0), H=hidden, E=experts, E_P=max(16, _pow2(experts)), TOPK=topk,
+        TOPK_P=_pow2(topk), RENORM=bool(renormalize), BM=ROUTER_BLOCK_M, BK=bk, DOT_FP32=interpreting(),
+        num_warps=4, num_stages=4)
     return Routing(w_out, ids)
 
 
