@@ -41,6 +41,11 @@
 #   call 7, carry [".vb4"]: VLLM_RUNS="current:default,best:270" bash /tmp/run/examples/h200_session.sh piece vllm
 #   call 8, carry [".whl"]: FLASH_REPLAY=0 bash examples/h200_session.sh setup flash fp8
 #
+# The 2026-12-01 sixth-session lease (docs/h200-2026-12-01g/COMMIT): call 1, carry [".whl"]:
+#   bash examples/h200_session.sh setup tests kernels; then examples/te_session.sh's thirteen calls
+#   (docs/te.md section 2), then on the same machine `DEADLINE=230 bash /tmp/run/examples/h200_session.sh
+#   current` and `BUDGETS=8192,16384 DEADLINE=200 bash /tmp/run/examples/h200_session.sh prefill`.
+#
 # `.run` is `git archive HEAD` of the commit measured, plus `.whl/` (megatron-core 0.19.2, which
 # the device image lacks); it is copied to /tmp/run so later calls need not carry it. Results are
 # kept under /tmp/res (the vLLM stage reads our runs back with `bench.rollout --resume`) and

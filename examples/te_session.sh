@@ -149,7 +149,7 @@ for stage in "$@"; do
     piece)
       n=0
       for d in .te[0-9]* .cb[0-9]*; do
-        [ -d "$d" ] || continue
+        [ -d "$d" ] && [ -n "$(ls -A "$d")" ] || continue  # emptied by an earlier call of this machine
         case "$d" in .te*) mv "$d"/* /tmp/tc/ ;; *) mv "$d"/* /tmp/cc/ ;; esac
         n=$((n + 1))
       done
