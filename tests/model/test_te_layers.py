@@ -152,6 +152,17 @@ def test_fake_te_weight_update_reaches_the_te_module_and_refreshes_its_cache(fak
     assert te_layers.remove_te(model) == 8 and lin.fp8 is None
 
 
+def _assert_grouped_matches_experts(experts: Experts, counts: list[int]) -> None:
+    """`experts.grouped_offsets` on expert-sorted rows (`counts[k]` rows for expert k) equals each
+    expert's own MLP on its rows."""
+    x = torch.randn(sum(counts), CFG.hidden_size, dtype=torch.bfloat16)
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    with torch.no_grad():
+        got = experts.grouped_offsets(x, offsets)
+        want = torch.cat([experts.local_experts[k](p) for k, p in enumerate(x.split(counts)) if counts[k]])
+    torch.testing.assert_close(got, want)
+
+
 def test_fake_te_experts_on_grouped_linear_when_the_device_split_path_applies(fake_te):
     fake_te["grouped_ok"] = True
     model = MoETransformer(CFG.replace(dtype="bfloat16")).init_weights(seed=0)
@@ -163,13 +174,7 @@ def test_fake_te_experts_on_grouped_linear_when_the_device_split_path_applies(fa
     assert len(experts.te.chunks) == 1
     assert experts.te.chunks[0].fc1.weight3.data_ptr() == fc1[3].data_ptr()
     assert experts.te.chunks[0].fc2.weight7.data_ptr() == fc2[7].data_ptr()
-    counts = [3, 0, 2, 1, 0, 4, 1, 5]
-    x = torch.randn(sum(counts), CFG.hidden_size, dtype=torch.bfloat16)
-    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
-    with torch.no_grad():
-        got = experts.grouped_offsets(x, offsets)
-        want = torch.cat([experts.local_experts[k](p) for k, p in enumerate(x.split(counts)) if counts[k]])
-    torch.testing.assert_close(got, want)
+    _assert_grouped_matches_experts(experts, [3, 0, 2, 1, 0, 4, 1, 5])
     assert te_layers.remove_te(model) == 8 + 2 and "grouped_offsets" not in experts.__dict__
 
 
@@ -184,12 +189,7 @@ def test_fake_te_experts_run_in_chunks_of_at_most_the_grouped_gemm_limit(fake_te
     te_layers.apply_te(model, te_layers.TEConfig(recipe="current"))
     assert [(c.first, c.stop) for c in experts.te.chunks] == [(0, 3), (3, 6), (6, 8)]
     assert experts.te.chunks[2].fc2.weight1.data_ptr() == experts._stacked[1][7].data_ptr()
-    x = torch.randn(sum(counts), CFG.hidden_size, dtype=torch.bfloat16)
-    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
-    with torch.no_grad():
-        got = experts.grouped_offsets(x, offsets)
-        want = torch.cat([experts.local_experts[k](p) for k, p in enumerate(x.split(counts)) if counts[k]])
-    torch.testing.assert_close(got, want)
+    _assert_grouped_matches_experts(experts, counts)
 
 
 def test_fake_te_experts_are_not_bypassed_by_the_small_batch_kernels(fake_te):
