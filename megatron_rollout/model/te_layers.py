@@ -192,9 +192,7 @@ class TEGroupedExperts:
     A chunk after the first starts at a row only the device knows (the expert-sorted offsets), so
     its rows are rotated to the front with one gather (TE reads the first sum(splits) rows of its
     input and leaves the rest), and its output rotated back and kept where the rows are its own:
-    no host sync, so decode graphs capture it. The first chunk's output is the start: its rows
-    come first, and later chunks own every row after them up to the last offset (rows past it stay
-    unwritten, as in one TE call)."""
+    no host sync, so decode graphs capture it."""
 
     def __init__(self, experts: nn.Module, recipe, chunks: list[_Chunk]) -> None:
         self.experts, self.recipe, self.chunks = experts, recipe, chunks
@@ -245,12 +243,12 @@ class TEGroupedExperts:
         with te.autocast(enabled=True, recipe=self.recipe):
             if len(self.chunks) == 1:
                 out = self._project(self.chunks[0], x, splits, refresh)
-            else:  # the first chunk's rows start at row 0, later chunks own the rows up to the last offset
+            else:
                 n = x.shape[0]
                 rows = torch.arange(n, device=x.device)
-                out = self._project(self.chunks[0], x, splits[:self.chunks[0].stop], refresh)
-                for c in self.chunks[1:]:
-                    start = ends[c.first - 1]
+                out = torch.zeros_like(x)
+                for c in self.chunks:
+                    start = ends[c.first - 1] if c.first else ends.new_zeros(())
                     xs = x.index_select(0, (rows + start) % n)  # this chunk's rows first
                     y = self._project(c, xs, splits[c.first:c.stop], refresh).index_select(0, (rows - start) % n)
                     out = torch.where(((rows >= start) & (rows < ends[c.stop - 1])).unsqueeze(1), y, out)
