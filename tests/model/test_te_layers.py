@@ -43,6 +43,11 @@ def test_missing_te_names_the_install_commands(monkeypatch):
         assert why is not None and "examples/te_bundle.sh" in why and "te_session.sh piece build check" in why
         with pytest.raises(RuntimeError, match="te_session.sh"):
             te_layers.apply_te(MoETransformer(CFG), te_layers.TEConfig())
+        from megatron_rollout.engine import RolloutEngine
+        from megatron_rollout.engine.config import EngineConfig
+
+        with pytest.raises(RuntimeError, match="Transformer Engine is not importable"):  # at construction
+            RolloutEngine(MoETransformer(CFG), EngineConfig(fp8="te-current"))
     finally:
         te_layers.te_missing.cache_clear()
 
