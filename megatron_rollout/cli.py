@@ -61,13 +61,14 @@ def main(argv: list[str] | None = None) -> int:
         write_trace(args.out, trace)
         return 0
     from megatron_rollout.launch import run_generate, run_replay
+    from megatron_rollout.model.te_layers import TEUnavailable
 
     if args.command == "generate" and "," in args.schedule:
         print("megatron-rollout generate: error: --schedule takes one schedule", file=sys.stderr)
         return 2
     try:
         report = run_generate(args) if args.command == "generate" else run_replay(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, TEUnavailable) as exc:
         print(f"megatron-rollout {args.command}: error: {exc}", file=sys.stderr)
         return 2
     if report is not None:  # rank 0

@@ -117,3 +117,18 @@ def test_replay_json_stays_json_when_every_request_fails(capsys, tmp_path):
     report = _strict_json(capsys.readouterr().out)
     # The first turn of each conversation fails; the second is never submitted.
     assert (report["failed"], report["skipped"], report["output_tokens"]) == (2, 2, 0)
+
+
+def test_te_fp8_without_transformer_engine_is_an_error_not_a_traceback(capsys, monkeypatch):
+    from megatron_rollout.model import te_layers
+
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", None)
+    te_layers.te_missing.cache_clear()
+    try:
+        assert cli.main(["generate", "--prompt-ids", "1,2", "--device", "cpu", "--fp8", "te-current"]) == 2
+    finally:
+        te_layers.te_missing.cache_clear()
+    err = capsys.readouterr().err
+    assert err.startswith("megatron-rollout generate: error: Transformer Engine is not importable")
+    assert "te_session.sh" in err and "Traceback" not in err

@@ -80,6 +80,11 @@ class TEResult:
     versions: dict = field(default_factory=dict)
 
 
+class TEUnavailable(RuntimeError):
+    """Transformer Engine (or the FP8 recipe asked for) is not available here; the message says why
+    and how to get it."""
+
+
 @functools.lru_cache(maxsize=None)
 def te_missing() -> str | None:
     """None when `transformer_engine.pytorch` imports; otherwise why not and how to fix it."""
@@ -93,7 +98,7 @@ def te_missing() -> str | None:
 def _te():
     why = te_missing()
     if why:
-        raise RuntimeError(why)
+        raise TEUnavailable(why)
     import transformer_engine.pytorch as te
 
     return te
@@ -306,7 +311,7 @@ def apply_te(model: nn.Module, cfg: TEConfig = TEConfig()) -> TEResult:
     te = _te()
     why = recipe_unavailable(cfg)
     if why:
-        raise RuntimeError(why)
+        raise TEUnavailable(why)
     recipe = make_recipe(cfg)
     linears = []
     for name, module in model.named_modules():
