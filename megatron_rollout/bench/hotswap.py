@@ -2,6 +2,7 @@
 
     python -m megatron_rollout.bench.hotswap --model qwen3-30b-a3b --json      # one H200, < 3 min
     python -m megatron_rollout.bench.hotswap --model tiny-moe --device cpu --json   # smoke
+    python -m megatron_rollout.bench.hotswap --model qwen3-30b-a3b --narrow --device cpu   # host work
 
 - copy: `engine.update_weights(full_state)` from a second full-size state on the same device
   (validation of every tensor, then a copy into the engine's persistent buffers);
@@ -17,6 +18,9 @@ the median of `--repeats` warm repeats (one untimed warm-up first), weight GB/s 
 time), and the share of the device's copy bandwidth that the copy's read+write traffic reaches.
 Decode graphs are captured before the copies and must be the same objects after them (a copy
 keeps addresses, so nothing is recaptured); bind re-points parameters, so it runs last.
+`--narrow` keeps the preset's layers, experts and so every one of its tensors (12,627 for
+`qwen3-30b-a3b`) but shrinks their sizes (`NARROW`), so the per-tensor host work of an update
+(validation, name mapping, one copy launch per tensor) dominates: it runs on a CPU in seconds.
 Left out: host-to-device sources (a trainer on another device), multi-rank reshards (NCCL).
 """
 from __future__ import annotations
@@ -123,9 +127,17 @@ def _graph_ids(engine: RolloutEngine) -> dict[int, int] | None:
     return None if graphs is None else {rows: id(g) for rows, g in graphs.items()}
 
 
-def run(model_name: str, device: str, repeats: int = 3, bw_bytes: int = 4 << 30) -> dict:
+NARROW = dict(hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16, ffn_hidden_size=64,
+              moe_ffn_hidden_size=32, vocab_size=512)
+"""`--narrow`: the sizes that replace the preset's (counts of layers and experts stay)."""
+
+
+def run(model_name: str, device: str, repeats: int = 3, bw_bytes: int = 4 << 30, narrow: bool = False) -> dict:
     dev = torch.device(device)
     cfg = preset(model_name)
+    if narrow:
+        cfg = cfg.replace(**{k: v for k, v in NARROW.items() if getattr(cfg, k)},
+                          moe_shared_expert_intermediate_size=32 if cfg.moe_shared_expert_intermediate_size else 0)
     copy_bw = copy_bandwidth(dev, bw_bytes if dev.type == "cuda" else 64 << 20)
     start = time.perf_counter()
     model = random_model(cfg, dev, seed=0)  # drawn on the device: init_weights draws on the host (minutes at 30B)
@@ -143,7 +155,8 @@ def run(model_name: str, device: str, repeats: int = 3, bw_bytes: int = 4 << 30)
         version[0] += 1
         return version[0]
 
-    out: dict = {"model": model_name, "device": str(dev), "model_bytes": model_bytes, "repeats": repeats,
+    out: dict = {"model": model_name, "narrow": narrow, "tensors": len(full_shapes(cfg)), "device": str(dev),
+                 "model_bytes": model_bytes, "repeats": repeats,
                  "copy_bandwidth_gbps": copy_bw / 1e9, "build_s": built_s, "modes": {}}
     # (a) copy from a second full-size state on the device
     source = half_layer_state(cfg, dev, seed=1)
@@ -208,14 +221,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="print one JSON object (default: a summary)")
+    parser.add_argument("--narrow", action="store_true",
+                        help="every tensor of the preset at tiny sizes: the per-tensor host work of an update")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.repeats < 3:
         parser.error(f"--repeats must be >= 3 (a median of warm repeats), got {args.repeats}")
-    result = run(args.model, args.device, args.repeats)
+    result = run(args.model, args.device, args.repeats, narrow=args.narrow)
     if args.json:
         print(json.dumps(result))
         return
+    print(f"{result['tensors']} tensors, {result['model_bytes'] / 1e9:.3f} GB, median of {result['repeats']}")
     for mode, r in result["modes"].items():
         print(f"{mode:8s} {r['median_s'] * 1e3:9.1f} ms  {r['weight_gbps']:8.1f} GB/s of weights  "
               f"{100 * r['fraction_of_copy_bandwidth']:5.1f}% of copy bandwidth")

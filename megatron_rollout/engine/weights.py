@@ -56,9 +56,10 @@ class _Incoming(NamedTuple):
 def _follow_weights(model: MoETransformer) -> None:
     """What is derived from the full-precision weights follows them, in place (so captured graphs
     read it): `model.fp8`'s FP8 copies and Transformer Engine's FP8 weight caches (`model.te_layers`;
-    a decode graph replays TE's cache and would never rebuild it itself)."""
-    fp8.requantize_model_fp8(model)
-    te_layers.refresh_te(model)
+    a decode graph replays TE's cache and would never rebuild it itself). One walk over the modules."""
+    with torch.no_grad():
+        for module in model.modules():
+            fp8.requantize_module(module) or te_layers.refresh_module(module)
 
 
 class WeightStore:
@@ -89,8 +90,9 @@ class WeightStore:
         version = self._check_version(version)
         if self._pending is not None and version != self._pending:
             raise WeightVersionError(f"version {self._pending} is half-applied; got a chunk of version {version}")
+        params = dict(self.model.named_parameters())  # one walk, not one `get_parameter` walk per tensor
         try:
-            incoming = self._validate(named, version)
+            incoming = self._validate(named, version, params)
             if final:
                 missing = sorted(set(self._shapes) - set(self._staged) - {t.name for t in incoming})
                 if missing:
@@ -106,7 +108,6 @@ class WeightStore:
                 self._staged[t.name] = None if t.value is None else t.value.detach().to("cpu", copy=True)
             self._pending = version
             return
-        params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, value in self._staged.items():
                 local = local_name(name, self.model.cfg, self.model.comm.shard)
@@ -154,7 +155,7 @@ class WeightStore:
                         version, len(self._staged), self.version)
             self._pending, self._staged = None, {}
 
-    def _validate(self, named: object, version: int) -> list[_Incoming]:
+    def _validate(self, named: object, version: int, params: dict[str, torch.nn.Parameter]) -> list[_Incoming]:
         """Every tensor of one chunk checked (nothing copied yet): names, types, shapes, dtypes, values."""
         if isinstance(named, Mapping):
             pairs = list(named.items())
@@ -186,9 +187,9 @@ class WeightStore:
             if local is None:
                 out.append(_Incoming(name, None, None))
             else:
-                out.append(_Incoming(name, self.model.get_parameter(local), shard_tensor(name, tensor, cfg, shard)))
+                out.append(_Incoming(name, params[local], shard_tensor(name, tensor, cfg, shard)))
         # The whole tensor, not this rank's slice: every rank refuses the same update.
-        _check_values([(name, tensor) for name, tensor in pairs], version, self.model.cfg.torch_dtype)
+        _check_values(pairs, version, self.model.cfg.torch_dtype)
         return out
 
 

@@ -158,18 +158,22 @@ def requantize_(w: FP8Weight, weight: torch.Tensor) -> None:
         BACKENDS[name].refresh(w)
 
 
+def requantize_module(module: nn.Module) -> bool:
+    """Re-round `module`'s FP8 weight from its full-precision weight, in place, if it is a `Linear`
+    holding one (call under `torch.no_grad()`). A dict lookup for every other module: the weight
+    store runs this over every module of the model after every update."""
+    w = module.__dict__.get("fp8")  # `Linear.fp8`; no other module has the slot
+    if not isinstance(w, FP8Weight):
+        return False
+    requantize_(w, module.weight)
+    return True
+
+
 def requantize_model_fp8(model: nn.Module) -> int:
     """Re-round every FP8 weight of the model from its `Linear`'s current full-precision weight, in
-    place (`requantize_`); the weight store calls this after every update. Returns how many."""
-    from megatron_rollout.model.layers import Linear
-
-    count = 0
+    place (`requantize_module`). Returns how many."""
     with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, Linear) and isinstance(module.fp8, FP8Weight):
-                requantize_(module.fp8, module.weight)
-                count += 1
-    return count
+        return sum(requantize_module(m) for m in model.modules())
 
 
 @dataclass

@@ -358,18 +358,19 @@ def remove_te(model: nn.Module) -> int:
     return n
 
 
+def refresh_module(module: nn.Module) -> bool:
+    """Re-quantise `module`'s TE weight cache in place if it has one (a `Linear` on TE, or routed
+    experts on `GroupedLinear`; call under `torch.no_grad()`). Dict lookups for every other module."""
+    on_te = module.__dict__.get("fp8"), module.__dict__.get("te")
+    for slot in on_te:
+        if isinstance(slot, (TEWeight, TEGroupedExperts)):
+            slot.refresh()
+            return True
+    return False
+
+
 def refresh_te(model: nn.Module) -> int:
     """Re-quantise every TE weight cache from the current weights (after `update_weights`, before
-    replaying graphs captured earlier). Returns the number of caches refreshed."""
-    from megatron_rollout.model.layers import Experts, Linear
-
-    n = 0
+    replaying graphs captured earlier; the weight store does it). Returns the number refreshed."""
     with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, Linear) and isinstance(module.fp8, TEWeight):
-                module.fp8.refresh()
-                n += 1
-            elif isinstance(module, Experts) and isinstance(getattr(module, "te", None), TEGroupedExperts):
-                module.te.refresh()
-                n += 1
-    return n
+        return sum(refresh_module(m) for m in model.modules())
