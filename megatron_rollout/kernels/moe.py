@@ -66,7 +66,7 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
     stacked = experts.stacked()
     if stacked is None:
         return compute_local(x, ids, weights, experts)
-    if small == "triton" and n * k <= small_pairs and "te" not in experts.__dict__:
+    if small == "triton" and n * k <= small_pairs and not _on_te(experts):
         from megatron_rollout.kernels.moe_triton import routed_experts_triton
 
         return routed_experts_triton(x, ids, weights, *stacked, experts.first)
@@ -97,13 +97,18 @@ def _routed_experts_fp8(x, ids, weights, experts: Experts, fp8) -> torch.Tensor:
                                             moe_triton.LARGE_TILES if large else moe_triton.FP8_DECODE_TILES)
 
 
+def _on_te(experts: Experts) -> bool:
+    """`model.te_layers.apply_te` put these experts on TE's GroupedLinear (its `grouped_offsets`)."""
+    return "te" in experts.__dict__
+
+
 def expert_path(experts: Experts) -> str:
     """Which weights the device exchange runs: 'fp8' (stacked FP8), 'te' (Transformer Engine's
     GroupedLinear over the bf16 stack), 'bf16' (stacked), or 'portable' (per expert, with host syncs:
     not graph-safe)."""
     if stacked_experts_fp8(experts) is not None:
         return "fp8"
-    if "te" in experts.__dict__ and experts.stacked() is not None:
+    if _on_te(experts) and experts.stacked() is not None:
         return "te"
     return "bf16" if experts.stacked() is not None else "portable"
 

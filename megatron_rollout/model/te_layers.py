@@ -361,12 +361,11 @@ def remove_te(model: nn.Module) -> int:
 def refresh_module(module: nn.Module) -> bool:
     """Re-quantise `module`'s TE weight cache in place if it has one (a `Linear` on TE, or routed
     experts on `GroupedLinear`; call under `torch.no_grad()`). Dict lookups for every other module."""
-    on_te = module.__dict__.get("fp8"), module.__dict__.get("te")
-    for slot in on_te:
-        if isinstance(slot, (TEWeight, TEGroupedExperts)):
-            slot.refresh()
-            return True
-    return False
+    slot = module.__dict__.get("fp8") or module.__dict__.get("te")  # `Linear.fp8`, or `Experts.te`
+    if not isinstance(slot, (TEWeight, TEGroupedExperts)):
+        return False
+    slot.refresh()
+    return True
 
 
 def refresh_te(model: nn.Module) -> int:
