@@ -11,9 +11,12 @@ kernel saves and what the whole step gains, in one call that finishes in about a
    decode graph pays). Input sets rotate so that the graph reads more than the L2 holds where an
    op reads weights (the router's 512 KB per layer); the fused kernel's bytes over its graph time
    give its bandwidth.
-2. `sorted_destinations` (the expert sort of every MoE layer) both ways, the one-hot prefix sum
-   and the stable argsort, graph-timed at the preset's experts and top-k for `--destinations`
-   token counts: where the one-hot limit (`comm.exchange.ONE_HOT_LIMIT`) should sit.
+2. The expert sort of every MoE layer: `sorted_destinations` both ways (the one-hot prefix sum and
+   the stable argsort) and, at decode sizes, `kernels.expert_sort`'s single launch (unpadded, and
+   padded as the Triton experts need it, beside the torch padded layout), graph-timed at the
+   preset's experts and top-k for `--destinations` token counts: where the one-hot limit
+   (`comm.exchange.ONE_HOT_LIMIT`) should sit and what the single launch saves.
+   The router's launch shapes (`--router-tiles`, each also at top-1) at `--router-rows` tokens.
 3. FP8 experts (`kernels.moe_triton`, stacked e4m3) against the bf16 path (`kernels.moe.routed_experts`)
    on one MoE layer at the preset's sizes, for `--fp8-experts` token counts and a small grid of
    launch shapes (`--fp8-tiles`): graph-timed at decode sizes, eager at prefill sizes (milliseconds:
@@ -51,6 +54,9 @@ FP8_TILES = ("16/64/64/4/3,16/128/64/4/3,16/64/128/4/4,64/64/64/4/3,64/128/64/8/
              "128/64/64/4/3,128/128/128/8/3,64/128/128/8/4")
 
 
+ROUTER_TILES = "128/4/4,128/1/4,128/2/4,128/8/4,64/4/4,64/2/6,256/8/3,128/4/2"
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m megatron_rollout.bench.kernels", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3-30b-a3b-12l", help="model preset (sizes of the ops and the step)")
@@ -62,6 +68,9 @@ def parser() -> argparse.ArgumentParser:
                     help="token counts of the FP8-expert timings ('' skips them)")
     ap.add_argument("--fp8-tiles", default=FP8_TILES,
                     help="launch shapes BLOCK_M/N_CAP/K_CAP/WARPS/STAGES, comma-separated")
+    ap.add_argument("--router-tiles", default=ROUTER_TILES,
+                    help="router launch shapes BLOCK_K/WARPS/STAGES, comma-separated ('' skips the grid)")
+    ap.add_argument("--router-rows", default="1,64", help="token counts of the router grid")
     ap.add_argument("--iters", type=int, default=30, help="timed repetitions per measurement")
     ap.add_argument("--rounds", type=int, default=3,
                     help="interleaved rounds of the expert-sort and FP8-expert timings (median, min, max over them)")
@@ -270,23 +279,78 @@ def interleaved_us(variants: dict[str, Callable[[], float]], rounds: int) -> tup
     return out, compiles
 
 
+SORT_VARIANTS = ("one_hot", "argsort", "triton", "padded_torch", "padded_triton")
+
+
 def time_destinations(cfg, tokens_list: list[int], iters: int, seed: int, rounds: int) -> list[dict[str, Any]]:
-    """`sorted_destinations` by one-hot prefix sum and by stable argsort, graph-timed per call, in
-    interleaved rounds."""
+    """The expert sort, graph-timed per call, in interleaved rounds: `sorted_destinations` by
+    one-hot prefix sum and by stable argsort; where one program fits (`kernels.expert_sort`), its
+    launch (`triton`, which also gives each row's token, as the grouped path needs), and the padded
+    layout of the Triton experts (`moe_triton.padded_layout`, 16-row blocks) in torch and in one
+    launch. `faster` compares the unpadded sorts."""
     from megatron_rollout.comm.exchange import sorted_destinations
+    from megatron_rollout.kernels import expert_sort, moe_triton
 
     experts, topk = cfg.num_moe_experts, cfg.moe_router_topk
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rows = []
+
+    def timing(call):
+        call(sets[0])  # compiles outside the timed rounds
+        return lambda: graph_us([lambda f=f: call(f) for f in sets], iters)
+
+    def torch_padded(f):
+        runnable, expert_sort.runnable = expert_sort.runnable, lambda *a: False  # the torch branch
+        try:
+            return moe_triton.padded_layout(f, experts, moe_triton.BLOCK_M)
+        finally:
+            expert_sort.runnable = runnable
+
     for tokens in tokens_list:
         sets = [torch.randint(0, experts, (tokens * topk,), device="cuda", generator=gen) for _ in range(8)]
-        variants = {name: (lambda lim=limit: graph_us([lambda f=f: sorted_destinations(f, experts, lim)
-                                                        for f in sets], iters))
-                    for name, limit in (("one_hot", 1 << 62), ("argsort", 0))}
+        variants = {"one_hot": timing(lambda f: sorted_destinations(f, experts, 1 << 62)),
+                    "argsort": timing(lambda f: sorted_destinations(f, experts, 0))}
+        if expert_sort.runnable(sets[0], experts):
+            variants["triton"] = timing(lambda f: expert_sort.expert_layout(f, experts, 1, div=topk))
+            variants["padded_torch"] = timing(torch_padded)
+            variants["padded_triton"] = timing(lambda f: expert_sort.expert_layout(f, experts, moe_triton.BLOCK_M))
         timed, compiles = interleaved_us(variants, rounds)
+        unpadded = [n for n in timed if not n.startswith("padded")]
         rows.append({"tokens": tokens, "pairs": tokens * topk, "experts": experts, **timed, "compiles": compiles,
-                     "faster": min(timed, key=lambda n: timed[n]["us"])})
+                     "faster": min(unpadded, key=lambda n: timed[n]["us"])})
     return rows
+
+
+def time_router_tiles(cfg, rows_list: list[int], tiles_spec: str, iters: int, seed: int,
+                      rounds: int) -> list[dict[str, Any]]:
+    """`fused.router_topk` over a grid of launch shapes, graph-timed per call on inputs that
+    defeat the L2 (as `time_ops`), in interleaved rounds; each shape also with top-1, whose
+    difference from top-k is the cost of the top-k loop."""
+    from megatron_rollout.kernels import fused
+
+    experts, topk, renorm = cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_renormalize_topk
+    grid = [fused.RouterTiles(*(int(v) for v in spec.split("/"))) for spec in tiles_spec.split(",") if spec.strip()]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    out = []
+    for rows in rows_list:
+        case = op_cases(cfg, rows, gen)["router_topk"]
+        first = case["make"]()
+        count = max(1, min(MAX_SETS, math.ceil(L2_DEFEAT_BYTES / sum(t.numel() * t.element_size() for t in first))))
+        sets = [first] + [case["make"]() for _ in range(count - 1)]
+        variants = {}
+        for tiles in grid:
+            for k in (topk, 1):
+                name = f"{tiles.block_k}/{tiles.warps}/{tiles.stages}" + ("" if k == topk else " top-1")
+                def fn(x, w, t=tiles, k=k):
+                    return fused.router_topk(x, w, k, renorm and k > 1, tiles=t)
+
+                fn(*first)  # compiles outside the timed rounds
+                variants[name] = (lambda f=fn: graph_us([lambda a=s: f(*a) for s in sets], iters))
+        torch.cuda.synchronize()
+        timed, compiles = interleaved_us(variants, rounds)
+        out.append({"rows": rows, "experts": experts, "topk": topk, "variants": timed, "compiles": compiles,
+                    "fastest": min((n for n in timed if "top-1" not in n), key=lambda n: timed[n]["us"])})
+    return out
 
 
 def time_fp8_experts(cfg, tokens_list: list[int], tiles_spec: str, iters: int, seed: int,
@@ -366,9 +430,12 @@ def format_table(result: dict[str, Any]) -> str:
         b = r["best"] or {}
         lines.append(f"{'fp8 experts':<14}{r['tokens']:>6}  bf16 {r['bf16_us']:9.1f} us  best fp8 "
                      f"{b.get('us', float('nan')):9.1f} us {b.get('tiles', {})}")
+    for r in result.get("router_tiles", []):
+        cells = "  ".join(f"{n} {v['us']:.1f}" for n, v in r["variants"].items())
+        lines.append(f"{'router tiles':<14}{r['rows']:>6}  {cells}  -> {r['fastest']}")
     for r in result.get("destinations", []):
-        lines.append(f"{'expert sort':<14}{r['tokens']:>6}  one-hot {r['one_hot']['us']:8.1f} us  "
-                     f"argsort {r['argsort']['us']:8.1f} us  -> {r['faster']}")
+        cells = "  ".join(f"{n} {r[n]['us']:.1f} us" for n in SORT_VARIANTS if n in r)
+        lines.append(f"{'expert sort':<14}{r['tokens']:>6}  {cells}  -> {r['faster']}")
     lines.append(f"triton compilations in timed regions: {result.get('compiles_in_timed_regions', 'n/a')}"
                  f"   wall {result.get('wall_s', 0):.1f} s")
     return "\n".join(lines)
@@ -407,13 +474,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     fp8_tokens = [int(t) for t in args.fp8_experts.split(",") if t.strip()]
     if fp8_tokens:
         result["fp8_experts"] = time_fp8_experts(cfg, fp8_tokens, args.fp8_tiles, args.iters, args.seed, args.rounds)
+    router_rows = [int(t) for t in args.router_rows.split(",") if t.strip()]
+    if args.router_tiles and router_rows and cfg.num_moe_experts:
+        result["router_tiles"] = time_router_tiles(cfg, router_rows, args.router_tiles, args.iters, args.seed,
+                                                   args.rounds)
     sort_tokens = [int(t) for t in args.destinations.split(",") if t.strip()]
     if sort_tokens:
         result["destinations"] = time_destinations(cfg, sort_tokens, args.iters, args.seed, args.rounds)
     if points:
         result["decode"] = time_decode(cfg, points, args.iters, args.seed, result["copy_bandwidth_gb_s"] * 1e9)
     compiles = sum(r["portable_compiles"] + r["fused_compiles"] for r in result["ops"])
-    compiles += sum(r["compiles"] for r in result.get("destinations", []) + result.get("fp8_experts", []))
+    compiles += sum(r["compiles"] for r in result.get("destinations", []) + result.get("fp8_experts", [])
+                    + result.get("router_tiles", []))
     if points:
         compiles += result["decode"]["portable_compiles"] + result["decode"]["fused_compiles"]
     result["compiles_in_timed_regions"] = compiles

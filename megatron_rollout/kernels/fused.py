@@ -85,6 +85,17 @@ ROUTER_BLOCK_M = 16
 """Tokens per router program (tl.dot's minimum M)."""
 
 
+class RouterTiles(NamedTuple):
+    """Launch shape of the router kernel: the k-tile cap (hidden columns per step), warps, stages."""
+
+    block_k: int = 128
+    warps: int = 4
+    stages: int = 4
+
+
+ROUTER_TILES = RouterTiles()
+
+
 class AddNorm(NamedTuple):
     h: torch.Tensor  # h + delta, [N, H]
     normed: torch.Tensor  # rmsnorm(h + delta), [N, H]
@@ -409,9 +420,10 @@ def qkv_norm_rope(qkv: torch.Tensor, groups: int, per_group: int, head_dim: int,
 
 
 def router_topk(x: torch.Tensor, weight: torch.Tensor, topk: int, renormalize: bool,
-                out: Routing | None = None) -> Routing:
+                out: Routing | None = None, tiles: RouterTiles = ROUTER_TILES) -> Routing:
     """Softmax over `weight @ x` (fp32), top-k, optional renormalisation (one launch). x: [N, H]
-    bf16, weight: [E, H]. Returns weights [N, k] (x's dtype) and ids [N, k] int64."""
+    bf16, weight: [E, H]. Returns weights [N, k] (x's dtype) and ids [N, k] int64. `tiles`: the
+    launch shape (`bench.kernels --router-tiles` times a grid of them)."""
     experts, hidden = weight.shape[0], x.shape[-1]
     fits = x.dim() == 2 and weight.shape == (experts, hidden) and 0 < topk <= experts <= 256 and hidden >= 16
     if not fits or not _runnable(x, weight) or x.shape[0] == 0:
@@ -423,12 +435,12 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, topk: int, renormalize: b
     weight = weight.contiguous()
     w_out = _empty(out.weights if out else None, (n, topk), x)
     ids = _empty(out.ids if out else None, (n, topk), x, torch.int64)
-    bk = min(128, _pow2(hidden))
+    bk = min(tiles.block_k, _pow2(hidden))
     LAUNCHES["router_topk"] += 1
     _router_kernel[(triton.cdiv(n, ROUTER_BLOCK_M),)](
         x, weight, w_out, ids, n, x.stride(0), H=hidden, E=experts, E_P=max(16, _pow2(experts)), TOPK=topk,
         TOPK_P=_pow2(topk), RENORM=bool(renormalize), BM=ROUTER_BLOCK_M, BK=bk, DOT_FP32=interpreting(),
-        num_warps=4, num_stages=4)
+        num_warps=tiles.warps, num_stages=tiles.stages)
     return Routing(w_out, ids)
 
 

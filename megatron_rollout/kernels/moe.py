@@ -5,8 +5,9 @@ The portable exchange (`comm.exchange.compute_local`) sorts token/expert pairs w
 stalls the host behind the GPU (so P could not be enqueued ahead of D). Here every step stays on
 the device:
 
-1. each (token, slot) pair gets its destination in expert-sorted order from a one-hot prefix sum
-   (small batches) or a stable argsort (large prefills), both sync-free;
+1. each (token, slot) pair gets its destination in expert-sorted order from one Triton launch
+   (`kernels.expert_sort`, decode sizes), a one-hot prefix sum (mid-sized batches) or a stable
+   argsort (large prefills), all sync-free;
 2. `Experts.grouped_offsets` runs the expert MLPs as two `torch._grouped_mm` calls over the stacked
    expert weights, with the cumulative counts as group offsets (never a Python loop over experts);
 3. results return to pair order by index and are combined with the routing weights (with
@@ -35,6 +36,7 @@ import torch
 from megatron_rollout.comm import exchange as _exchange
 from megatron_rollout.comm.exchange import ExpertExchange, compute_local
 from megatron_rollout.comm.facade import LocalComm
+from megatron_rollout.kernels import expert_sort
 from megatron_rollout.model.fp8 import stacked_experts_fp8
 from megatron_rollout.model.layers import Experts, MoELayer
 
@@ -71,9 +73,12 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
 
         return routed_experts_triton(x, ids, weights, *stacked, experts.first)
     flat = ids.reshape(-1) - experts.first
-    dest, offsets = sorted_destinations(flat, experts.num_local)
-    source = torch.empty_like(dest)
-    source[dest] = torch.arange(n * k, device=x.device) // k  # the token of each expert-sorted row
+    if expert_sort.runnable(flat, experts.num_local):  # decode sizes: the sort in one launch
+        dest, source, _, offsets = expert_sort.expert_layout(flat, experts.num_local, 1, div=k)
+    else:
+        dest, offsets = sorted_destinations(flat, experts.num_local)
+        source = torch.empty_like(dest)
+        source[dest] = torch.arange(n * k, device=x.device) // k  # the token of each expert-sorted row
     xs = x.index_select(0, source)  # [P, H], expert-sorted: one gather, not a gather and a scatter
     ys = experts.grouped_offsets(xs, offsets)  # [P, H]
     ops = experts.__dict__.get("_fused_ops")  # `kernels.fused`: gather back, weigh and sum in one kernel

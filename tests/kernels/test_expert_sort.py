@@ -1,0 +1,71 @@
+"""`kernels.expert_sort` against the torch layouts it replaces, bit for bit.
+
+The references are the torch branches of `moe_triton.padded_layout` (the one-hot prefix sum) and
+`comm.exchange.sorted_destinations` (the stable argsort). CPU runs need TRITON_INTERPRET=1 and
+Triton; the GPU case is marked.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rollout.comm.exchange import sorted_destinations
+from megatron_rollout.kernels import expert_sort
+from megatron_rollout.kernels.fused import interpreting, triton_available
+
+_INTERPRET = interpreting() and triton_available()
+DEVICES = [
+    pytest.param("cuda", marks=pytest.mark.gpu, id="cuda"),
+    pytest.param("cpu", marks=pytest.mark.skipif(not _INTERPRET, reason="needs TRITON_INTERPRET=1 and triton"),
+                 id="interpret"),
+]
+CASES = [  # (pairs, experts): one pair, a chunk and a bit, E not a power of two, the preset's 64 rows
+    (1, 8), (65, 8), (200, 9), (512, 128)]
+
+
+def _ids(pairs: int, experts: int, device: str, same: bool = False) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(pairs * 1000 + experts)
+    flat = torch.zeros(pairs, dtype=torch.int64) if same else torch.randint(0, experts, (pairs,), generator=gen)
+    return flat.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pairs,experts", CASES)
+@pytest.mark.parametrize("same", [False, True], ids=["random", "one-expert"])
+def test_padded_layout_matches_the_torch_layout(device, pairs, experts, same, monkeypatch):
+    from megatron_rollout.kernels import moe_triton
+
+    flat = _ids(pairs, experts, device, same)
+    assert expert_sort.runnable(flat, experts)
+    got = expert_sort.expert_layout(flat, experts, 16)
+    monkeypatch.setattr(expert_sort, "runnable", lambda *a: False)
+    dest, row_pair, block_expert = moe_triton.padded_layout(flat, experts, 16)
+    assert torch.equal(got.dest, dest) and got.dest.dtype == torch.int64
+    assert torch.equal(got.row_source, row_pair)
+    assert torch.equal(got.block_expert, block_expert)
+    counts = torch.bincount(flat.cpu(), minlength=experts)
+    assert got.ends.cpu().tolist() == ((counts + 15) // 16 * 16).cumsum(0).tolist()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pairs,experts", CASES)
+def test_unpadded_layout_is_the_stable_expert_sort(device, pairs, experts):
+    topk = 4
+    flat = _ids(pairs, experts, device)
+    got = expert_sort.expert_layout(flat, experts, 1, div=topk)
+    dest, offsets = sorted_destinations(flat, experts, 0)  # the argsort branch
+    assert torch.equal(got.dest, dest)
+    assert torch.equal(got.ends, offsets)
+    source = torch.empty_like(dest)
+    source[dest] = torch.arange(pairs, device=flat.device) // topk
+    assert torch.equal(got.row_source.long(), source)
+    assert got.block_expert.numel() == 0
+
+
+def test_sizes_past_one_program_are_refused():
+    flat = torch.zeros(expert_sort.MAX_PAIRS + 1, dtype=torch.int64)
+    assert not expert_sort.runnable(flat, 8)
+    assert not expert_sort.runnable(flat[:0], 8)
+    assert not expert_sort.runnable(flat[:8], expert_sort.MAX_EXPERTS + 1)
+    with pytest.raises(ValueError, match="block_m and div must be positive"):
+        expert_sort.expert_layout(flat[:8], 8, 0)
