@@ -244,7 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--idle-rows", type=lambda v: [int(x) for x in v.split(",")], default=[64, 16, 1])
     ap.add_argument("--idle-repeats", type=int, default=3, help="decode-only windows per setting, interleaved")
-    ap.add_argument("--forwards", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--forwards", action=argparse.BooleanOptionalAction, default=True,
+                    help="profile the eager and piecewise P, mixed and D forwards")
+    ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="profile the decode graphs (64 x 2,048 and 1 x 2,048)")
     ap.add_argument("--out", default="runs/profile.json")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -271,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             log.info("%s %s: host %.2f ms, device %.2f ms, %.0f launches", name, mode, res["host_ms"],
                      res["device_ms"], res["launches"])
         runner.config = piecewise
-    if args.forwards:
+    if args.graphs:
         out["D graph 64x2048"] = graph_profile(runner, 64, 2048, rng)
         out["D graph 1x2048"] = graph_profile(runner, 1, 2048, rng)
     del runner, cache
