@@ -12,7 +12,10 @@ Modules:
 - `varlen`: prefill through `torch.nn.attention.varlen.varlen_attn` on gathered K/V;
 - `layout`: host-side index building for one forward (block tables, slots, tiles) and the
   `AttentionBackend` that the model calls;
-- `moe`: a single-rank expert exchange with no host synchronisation (CUDA-graph safe).
+- `moe`: a single-rank expert exchange with no host synchronisation (CUDA-graph safe);
+- `moe_triton`: Triton expert MLPs for small batches and FP8 weights;
+- `expert_sort`: the expert sort of a decode batch in one Triton launch;
+- `fused`: Triton kernels for a decode step's small operations.
 
 Left out: FP8 attention / FP8 KV, multi-rank graph capture (collectives inside graphs), and any
 backward pass: these paths serve inference only.

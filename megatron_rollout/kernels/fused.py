@@ -44,8 +44,8 @@ the reference when autograd needs it, the dtype is not bf16, or the shapes do no
 On CUDA, installing first runs `self_check` (each kernel once at the model's sizes against its
 reference): a kernel that does not build or disagrees on the device leaves the model portable.
 
-Left out: fp16/fp32 kernels, fusing the RoPE output into the KV store, the token permutation of
-`kernels.moe` (the gather into expert order and the sort), and backward passes (inference only).
+Left out: fp16/fp32 kernels, fusing the RoPE output into the KV store, the gather into expert
+order (the sort of a decode batch is `kernels.expert_sort`), and backward passes (inference only).
 """
 from __future__ import annotations
 
