@@ -5,7 +5,9 @@ A forward with prefill spans runs as one `flash_attn_varlen_func` call over *all
 layout `[blocks, block_size, hkv, d]` through the forward's block tables, `seqused_k` = cached +
 new positions, and the causal mask aligned to the end of each span's keys is exactly "cached
 prefix + new tokens". Forwards of decode rows only (the CUDA-graph decode step) and the KV store
-keep the Triton kernels, so graphs capture nothing new.
+keep the Triton kernels, so graphs capture nothing new. Asked for by name (`--attention flash`)
+FA3 runs every prefill; under `auto` only forwards of `AUTO_MIN_PREFILL_TOKENS` prefill tokens
+or more (below that the Triton kernel was as fast or faster).
 
 Where it comes from: `vllm.vllm_flash_attn` (vLLM's wheel ships FA3 compiled for sm_90 against
 its torch; vLLM 0.26.0 pins torch 2.11). `missing` says why it cannot run: no CUDA, not a 9.x
@@ -38,11 +40,23 @@ def _fa3():
     return fa.flash_attn_varlen_func
 
 
+AUTO_MIN_PREFILL_TOKENS = 1024
+"""Prefill tokens of a forward from which `auto` runs FA3: on the H200 it was 1.13x faster than the
+Triton kernel at 1 x 1,024 new tokens, 1.08x at 4 x 512, 1.5x at 4,096, and 0.94x at 1 x 512
+(`bench.attention`, fifth lease, docs/kernels.md)."""
+
+
 @register
 class FlashAttention(TritonAttention):
-    """FA3 for forwards with prefill spans; Triton for decode-only forwards and the KV store."""
+    """FA3 for forwards with at least `min_prefill_tokens` prefill tokens; Triton for the others,
+    for decode-only forwards and for the KV store. The choice depends only on the forward's spans,
+    so two schedules that form the same forwards (`off`, `mux`) run the same kernels."""
 
     name = "flash"
+
+    @classmethod
+    def for_auto(cls) -> "FlashAttention":
+        return cls(AUTO_MIN_PREFILL_TOKENS)
 
     @classmethod
     def missing(cls, device: torch.device) -> str | None:
@@ -57,16 +71,24 @@ class FlashAttention(TritonAttention):
             return str(exc)
         return None
 
-    def __init__(self) -> None:
+    def __init__(self, min_prefill_tokens: int = 0) -> None:
+        if min_prefill_tokens < 0:
+            raise ValueError(f"min_prefill_tokens must be >= 0, got {min_prefill_tokens}")
+        self.min_prefill_tokens = min_prefill_tokens
         self._varlen = None
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode: DecodeMeta | None,
                prefill: PrefillMeta | None, out: torch.Tensor) -> None:
-        if prefill is None:
-            return super().attend(q, k_cache, v_cache, decode, None, out)
+        if prefill is None or prefill.tokens < self.min_prefill_tokens:
+            return TritonAttention.attend(self, q, k_cache, v_cache, decode, prefill, out)
         self.prefill(q, k_cache, v_cache, prefill, out)  # every span, decode rows included
 
     def prefill(self, q, k_cache, v_cache, meta: PrefillMeta, out):
+        if meta.tokens < self.min_prefill_tokens:
+            return TritonAttention.prefill(self, q, k_cache, v_cache, meta, out)
+        self._flash(q, k_cache, v_cache, meta, out)
+
+    def _flash(self, q, k_cache, v_cache, meta: PrefillMeta, out):
         if meta.cu_q is None or meta.lens is None:
             raise ValueError("the flash backend needs the forward's cu_q and lens (kernels.layout.build_layout)")
         self._check(k_cache, q, "prefill")

@@ -150,7 +150,7 @@ def build_layout(spans: Sequence[SeqSpan], token_ids: Sequence[Sequence[int]], s
         prefill = PrefillMeta(t_tab, t_qs, t_past, t_new, t_tseq, t_tstart, tok, tuple(multi.tolist()),
                               int(news[multi].max()), int(lens[multi].max()), block_size, host_tables=tables,
                               host_q_start=q_start, host_past=pasts, host_new=news, cu_q=t_cu, lens=t_len,
-                              max_len=int(lens.max()))
+                              max_len=int(lens.max()), tokens=int(news[multi].sum()))
     return ForwardLayout(t_tok, t_pos, t_slot, t_rows.long(), decode, prefill)
 
 

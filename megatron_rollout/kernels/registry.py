@@ -11,7 +11,8 @@ A forward over paged KV needs three operations per layer, all on one layer's cac
 
 Index tensors come in `DecodeMeta` / `PrefillMeta` (built by `kernels.layout`); every index is
 int32 on the cache's device. Backends register by name; `resolve_attention("auto", device)` picks
-the first that can run there (`triton` on CUDA when Triton imports, else `portable`). Asking for
+the first that can run there (`flash` where vLLM's FA3 imports on a Hopper GPU, for large prefills
+only; `triton` on CUDA when Triton imports; else `portable`). Asking for
 a backend by name that cannot run raises with the reason and an install hint.
 
 The portable backend is the reference: plain PyTorch, one sequence at a time, on any device. It
@@ -97,6 +98,8 @@ class PrefillMeta:
     """[S] int32: cached + new positions of every span of the forward."""
     max_len: int = 0
     """Most cached + new positions of any span of the forward (decode rows included)."""
+    tokens: int = 0
+    """New positions of the covered spans, summed (what a backend may choose its kernel by)."""
 
     @property
     def tiles(self) -> int:
@@ -114,6 +117,11 @@ class AttentionKernels(abc.ABC):
     @abc.abstractmethod
     def missing(cls, device: torch.device) -> str | None:
         """None when the backend can run on `device`; otherwise why not and how to fix it."""
+
+    @classmethod
+    def for_auto(cls) -> "AttentionKernels":
+        """The instance `resolve_attention("auto", ...)` returns (asked for by name: `cls()`)."""
+        return cls()
 
     def tile_tokens(self, group: int) -> int:
         """Query tokens per prefill tile for `group` query heads per kv head."""
@@ -145,7 +153,9 @@ class AttentionKernels(abc.ABC):
 
 
 _BACKENDS: dict[str, type[AttentionKernels]] = {}
-_AUTO_ORDER = ("triton", "portable")
+_AUTO_ORDER = ("flash", "triton", "portable")
+"""`auto` takes the first that runs: FA3 where vLLM's build of it imports (on Hopper; its prefill
+only from `flash.AUTO_MIN_PREFILL_TOKENS`, Triton below and for decode), else Triton, else torch."""
 _LAZY = {"triton": "megatron_rollout.kernels.triton_attention",
          "varlen": "megatron_rollout.kernels.varlen",
          "flash": "megatron_rollout.kernels.flash"}
@@ -175,7 +185,8 @@ def _load(name: str) -> type[AttentionKernels] | str:
 
 
 def resolve_attention(name: str, device: torch.device | str) -> AttentionKernels:
-    """An instance of backend `name` ('auto' = first of triton, portable that runs on `device`)."""
+    """An instance of backend `name` ('auto' = the first of `_AUTO_ORDER` that runs on `device`,
+    as its `for_auto` instance)."""
     device = torch.device(device)
     if name != "auto":
         cls = _load(name)
@@ -190,7 +201,7 @@ def resolve_attention(name: str, device: torch.device | str) -> AttentionKernels
             continue
         why = cls.missing(device)
         if why is None:
-            return cls()
+            return cls.for_auto()
         log.info("attention backend %s cannot run on %s: %s", candidate, device, why)
     raise AssertionError("the portable attention backend always runs")
 

@@ -217,6 +217,60 @@ def test_flash_backend_hands_the_library_every_span(device, monkeypatch):
     assert calls == [len(spec)] and _rel(out, ref) < _tol(device)  # decode only: no library call
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_flash_backend_leaves_small_prefills_to_triton(device, monkeypatch):
+    """Below `min_prefill_tokens` (auto's threshold) a forward runs Triton's kernels, not the library."""
+    from megatron_rollout.kernels import flash
+
+    calls = []
+
+    def fake():
+        def run(*args, **kw):
+            calls.append(kw["cu_seqlens_q"].numel() - 1)
+            return _varlen_reference(*args, **kw)
+        return run
+
+    monkeypatch.setattr(flash, "_fa3", fake)
+    spec = [(5, 1), (0, 7), (9, 13)]  # 20 prefill tokens
+    for threshold, library_calls in ((21, []), (20, [len(spec)])):
+        calls.clear()
+        kernels = flash.FlashAttention(min_prefill_tokens=threshold)
+        out, ref, cache, ref_cache = _case(device, spec, hq=8, hkv=2, d=32, bs=4, seed=13, kernels=kernels)
+        assert calls == library_calls and _rel(out, ref) < _tol(device)
+        assert torch.equal(cache.k, ref_cache.k)
+
+
+def test_auto_takes_flash_first_as_its_auto_instance(monkeypatch):
+    from megatron_rollout.kernels import registry
+
+    class FakeFlash(PortableAttention):
+        name = "flash"
+        made: list[str] = []
+
+        @classmethod
+        def missing(cls, device):
+            return None
+
+        @classmethod
+        def for_auto(cls):
+            cls.made.append("auto")
+            return cls()
+
+    monkeypatch.setitem(registry._BACKENDS, "flash", FakeFlash)
+    assert isinstance(resolve_attention("auto", "cpu"), FakeFlash) and FakeFlash.made == ["auto"]
+    assert isinstance(resolve_attention("flash", "cpu"), FakeFlash) and FakeFlash.made == ["auto"]
+
+
+def test_flash_for_auto_holds_small_prefills_back():
+    pytest.importorskip("triton")
+    from megatron_rollout.kernels import flash
+
+    assert flash.FlashAttention.for_auto().min_prefill_tokens == flash.AUTO_MIN_PREFILL_TOKENS
+    assert flash.FlashAttention().min_prefill_tokens == 0  # asked for by name: every prefill
+    with pytest.raises(ValueError, match="min_prefill_tokens must be >= 0"):
+        flash.FlashAttention(-1)
+
+
 def test_flash_backend_says_why_it_cannot_run_here():
     from megatron_rollout.kernels.registry import _load
 
