@@ -12,10 +12,10 @@ kernel saves and what the whole step gains, in one call that finishes in about a
    op reads weights (the router's 512 KB per layer); the fused kernel's bytes over its graph time
    give its bandwidth.
 2. The expert sort of every MoE layer: `sorted_destinations` both ways (the one-hot prefix sum and
-   the stable argsort) and, at decode sizes, `kernels.expert_sort`'s single launch (unpadded, and
-   padded as the Triton experts need it, beside the torch padded layout), graph-timed at the
-   preset's experts and top-k for `--destinations` token counts: where the one-hot limit
-   (`comm.exchange.ONE_HOT_LIMIT`) should sit and what the single launch saves.
+   the stable argsort) and `kernels.expert_sort`'s kernels (unpadded, and padded as the Triton
+   experts need it, beside the torch padded layout), graph-timed at the preset's experts and
+   top-k for `--destinations` token counts: where `expert_sort.MAX_PAIRS` and the one-hot limit
+   (`comm.exchange.ONE_HOT_LIMIT`) should sit, and what the Triton sort saves.
    The router's launch shapes (`--router-tiles`, each also at top-1) at `--router-rows` tokens.
 3. FP8 experts (`kernels.moe_triton`, stacked e4m3) against the bf16 path (`kernels.moe.routed_experts`)
    on one MoE layer at the preset's sizes, for `--fp8-experts` token counts and a small grid of
@@ -284,10 +284,10 @@ SORT_VARIANTS = ("one_hot", "argsort", "triton", "padded_torch", "padded_triton"
 
 def time_destinations(cfg, tokens_list: list[int], iters: int, seed: int, rounds: int) -> list[dict[str, Any]]:
     """The expert sort, graph-timed per call, in interleaved rounds: `sorted_destinations` by
-    one-hot prefix sum and by stable argsort; where one program fits (`kernels.expert_sort`), its
-    launch (`triton`, which also gives each row's token, as the grouped path needs), and the padded
-    layout of the Triton experts (`moe_triton.padded_layout`, 16-row blocks) in torch and in one
-    launch. `faster` compares the unpadded sorts."""
+    one-hot prefix sum and by stable argsort; `kernels.expert_sort` (`triton`: one launch up to
+    `MAX_PAIRS` pairs, three past it; it also gives each row's token, as the grouped path needs);
+    and the padded layout of the Triton experts (`moe_triton.padded_layout`, 16-row blocks) in
+    torch and in Triton. `faster` compares the unpadded sorts."""
     from megatron_rollout.comm.exchange import sorted_destinations
     from megatron_rollout.kernels import expert_sort, moe_triton
 

@@ -1,10 +1,11 @@
-"""The expert sort of a decode-sized batch in one Triton launch: counts, stable ranks, padded rows.
+"""The expert sort in Triton: one launch for a decode batch, three for larger ones; stable, sync-free.
 
 Why: before its expert GEMMs every MoE layer lays its (token, expert) pairs out in expert order.
 In torch that is a one-hot prefix sum and a dozen small kernels (scatter, scan, gathers, the
 padding arithmetic, a fill, an index_put, a searchsorted), each 1.5-3 us inside a CUDA graph:
 29 us per layer at 64 rows on the H200 (`bench.kernels`' expert sort), more than the decode
-attention of the layer. Here one program does all of it, on pairs that fit a decode batch:
+attention of the layer; past 2,048 tokens a stable argsort, 84-94 us per layer. Up to
+`MAX_PAIRS` pairs one program does all of it:
 
 1. counts per expert (a one-hot sum over chunks of pairs held in registers);
 2. each expert's rows padded to a multiple of `block_m`, their end rows by a prefix sum;
@@ -14,11 +15,18 @@ attention of the layer. Here one program does all of it, on pairs that fit a dec
 4. the inverse (each row's pair, or -1 on padding) and every `block_m`-row block's expert (E past
    the last expert), as `kernels.moe_triton.padded_layout` returns them.
 
+Past `MAX_PAIRS`, where one program walking every pair is slower than torch, three launches
+split the same work over chunks of `CHUNKED` pairs: each chunk's counts per expert; one program
+turning them into every chunk's first row per expert (a prefix sum over chunks, then over
+experts), the ends and the padding; each chunk's pairs to their rows. Same rows, bit for bit.
+
 `block_m` = 1 gives the unpadded layout of the grouped-GEMM path (`kernels.moe.routed_experts`):
 the ends are the group offsets, and with `div` = top-k each row holds the token it reads.
 
-Left out: batches past `MAX_PAIRS` (one program walks every pair in series: the torch sorts stay
-there), ids outside [0, E) (callers pass local expert ids), and CPU without Triton's interpreter.
+Left out: ids outside [0, E) (callers pass local expert ids: the distributed exchanges, whose
+foreign pairs go to a sentinel expert, keep `comm.exchange.sorted_destinations`), and CPU
+without Triton's interpreter. The three-launch path has not run on a GPU yet: its speed against
+the torch sorts is what `bench.kernels`' `destinations` table will show.
 """
 from __future__ import annotations
 
@@ -35,9 +43,13 @@ except ImportError:  # CPU-only installs: callers keep the torch layout
     triton = None
 
 MAX_PAIRS = 512
-"""Most pairs one program lays out (64 decode rows at top-8); more stay on the torch path. The one
+"""Most pairs one program lays out (64 decode rows at top-8); more take three launches. The one
 program walks its pairs in series: at 512 pairs it took 18.2 us against the one-hot sort's 28.7
 (padded: 22.6 against 41.6), at 4,096 pairs 135.7 against 44.1 (H200, `bench.kernels`)."""
+CHUNKED = 128
+"""Pairs per program of the three-launch path (64 past 128 experts)."""
+FILL = 1024
+"""Rows one store of the -1 fill covers (one program fills up to pairs + E * (block_m - 1) rows)."""
 MAX_EXPERTS = 256
 CHUNK = 64
 """Pairs per register tile: [CHUNK, experts] int32 one-hot."""
@@ -57,71 +69,149 @@ def padded_rows(pairs: int, num_experts: int, block_m: int) -> int:
 
 
 def runnable(flat: torch.Tensor, num_experts: int) -> bool:
-    """The kernel can lay out these pairs: Triton present, on CUDA (or interpreting), a decode batch."""
-    return (triton is not None and (flat.is_cuda or interpreting()) and 0 < flat.numel() <= MAX_PAIRS
+    """The kernels can lay out these pairs: Triton present, on CUDA (or interpreting), some pairs,
+    at most `MAX_EXPERTS` experts."""
+    return (triton is not None and (flat.is_cuda or interpreting()) and flat.numel() > 0
             and 0 < num_experts <= MAX_EXPERTS)
 
 
 def expert_layout(flat: torch.Tensor, num_experts: int, block_m: int, div: int = 1) -> ExpertLayout:
-    """flat: [P] expert of each pair, in [0, num_experts). One launch; see the module docstring.
-    `div`: rows hold pair // div (top-k: the token a row reads). Callers check `runnable` first."""
+    """flat: [P] expert of each pair, in [0, num_experts). One launch up to `MAX_PAIRS` pairs, three
+    past it (see the module docstring). `div`: rows hold pair // div (top-k: the token a row
+    reads). Callers check `runnable` first."""
     if block_m < 1 or div < 1:
         raise ValueError(f"block_m and div must be positive, got {block_m} and {div}")
     pairs = flat.numel()
     rows = padded_rows(pairs, num_experts, block_m)
     blocks = rows // block_m if block_m > 1 else 0
     dev = flat.device
+    flat = flat.contiguous()
     dest = torch.empty(pairs, dtype=torch.int64, device=dev)
     row_source = torch.empty(rows, dtype=torch.int32, device=dev)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=dev)
     ends = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    _layout_kernel[(1,)](flat.contiguous(), dest, row_source, block_expert, ends, pairs, rows, blocks,
-                         E=num_experts, E_P=max(16, triton.next_power_of_2(num_experts)), BM=block_m, DIV=div,
-                         C=CHUNK, num_warps=4)
+    e_p = max(16, triton.next_power_of_2(num_experts))
+    shape = dict(E=num_experts, E_P=e_p, BM=block_m, FILL=FILL)
+    if pairs <= MAX_PAIRS:
+        _layout_kernel[(1,)](flat, dest, row_source, block_expert, ends, pairs, rows, blocks, **shape, DIV=div,
+                             C=CHUNK, num_warps=4)
+    else:
+        chunk = CHUNKED if e_p <= 128 else CHUNKED // 2  # [chunk, E_P] int32 in registers
+        chunks = triton.cdiv(pairs, chunk)
+        base = torch.empty(chunks, e_p, dtype=torch.int32, device=dev)  # counts, then each chunk's first rows
+        _count_kernel[(chunks,)](flat, base, pairs, E_P=e_p, C=chunk, num_warps=4)
+        _scan_kernel[(1,)](base, ends, row_source, block_expert, chunks, rows, blocks, **shape, C=CHUNK,
+                           num_warps=4)
+        _rank_kernel[(chunks,)](flat, base, dest, row_source, pairs, E_P=e_p, DIV=div, C=chunk, num_warps=4)
     return ExpertLayout(dest, row_source, block_expert, ends)
 
 
 if triton is not None:
+    # `while`, not `range`, over runtime sizes: Triton's interpreter cannot bound a range by them.
+
+    @triton.jit
+    def _hits(Flat, p, valid, e):
+        """[C, E_P] int32 one-hot of the pairs p (0 rows where not valid)."""
+        f = tl.load(Flat + p, mask=valid, other=-1).to(tl.int32)
+        return (f[:, None] == e[None, :]).to(tl.int32)
+
+    @triton.jit
+    def _place(hit, first, p, valid, Dest, RowSource, DIV: tl.constexpr):
+        """Each pair's row: `first` (its expert's next row for this chunk) + the pairs of its expert
+        before it in the chunk (an exclusive prefix sum: the stable order)."""
+        earlier = tl.cumsum(hit, axis=0) - hit
+        row = tl.sum(hit * (earlier + first[None, :]), axis=1)
+        tl.store(Dest + p, row.to(tl.int64), mask=valid)
+        tl.store(RowSource + row, p // DIV, mask=valid)
+
+    @triton.jit
+    def _ends(counts, e, emask, Ends, BM: tl.constexpr):
+        """Padded end row of every expert (stored), and its first row."""
+        padded = (counts + BM - 1) // BM * BM
+        end = tl.cumsum(padded, axis=0)
+        tl.store(Ends + e, end, mask=emask)
+        return end, end - padded
+
+    @triton.jit
+    def _pad(end, emask, RowSource, BlockExpert, rows, blocks, BM: tl.constexpr, C: tl.constexpr,
+             FILL: tl.constexpr):
+        """Padding rows -1, and each block's expert: the experts whose rows end at or before its first
+        row, counted (E past the last expert)."""
+        r = tl.arange(0, FILL)
+        r0 = 0
+        while r0 < rows:
+            tl.store(RowSource + r0 + r, tl.full([FILL], -1, tl.int32), mask=r0 + r < rows)
+            r0 += FILL
+        c = tl.arange(0, C)
+        b0 = 0
+        while b0 < blocks:
+            first_row = (b0 + c) * BM
+            before = (end[None, :] <= first_row[:, None]) & emask[None, :]
+            tl.store(BlockExpert + b0 + c, tl.sum(before.to(tl.int32), axis=1), mask=b0 + c < blocks)
+            b0 += C
 
     @triton.jit(do_not_specialize=["pairs", "rows", "blocks"])
     def _layout_kernel(Flat, Dest, RowSource, BlockExpert, Ends, pairs, rows, blocks,
-                       E: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, DIV: tl.constexpr, C: tl.constexpr):
+                       E: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, DIV: tl.constexpr, C: tl.constexpr,
+                       FILL: tl.constexpr):
+        """Everything in one program: counts, ends, padding, then every chunk's rows in order."""
         e = tl.arange(0, E_P)
         emask = e < E
         c = tl.arange(0, C)
-        # `while`, not `range`, over the runtime sizes: Triton's interpreter cannot bound a range by them
         counts = tl.zeros([E_P], tl.int32)
         c0 = 0
         while c0 < pairs:
-            f = tl.load(Flat + c0 + c, mask=c0 + c < pairs, other=-1).to(tl.int32)
-            counts += tl.sum((f[:, None] == e[None, :]).to(tl.int32), axis=0)
+            counts += tl.sum(_hits(Flat, c0 + c, c0 + c < pairs, e), axis=0)
             c0 += C
-        padded = (counts + BM - 1) // BM * BM
-        end = tl.cumsum(padded, axis=0)
-        start = end - padded
-        tl.store(Ends + e, end, mask=emask)
-        if BM > 1:  # padding rows exist: fill them with -1, and give each block its expert
-            r0 = 0
-            while r0 < rows:
-                tl.store(RowSource + r0 + c, tl.full([C], -1, tl.int32), mask=r0 + c < rows)
-                r0 += C
-            b0 = 0
-            while b0 < blocks:
-                first_row = (b0 + c) * BM  # a block's expert: the experts whose rows end at or before it, counted
-                before = (end[None, :] <= first_row[:, None]) & emask[None, :]
-                tl.store(BlockExpert + b0 + c, tl.sum(before.to(tl.int32), axis=1), mask=b0 + c < blocks)
-                b0 += C
+        end, start = _ends(counts, e, emask, Ends, BM)
+        if BM > 1:
+            _pad(end, emask, RowSource, BlockExpert, rows, blocks, BM, C, FILL)
             tl.debug_barrier()  # the -1 fill is in memory before any pair's row overwrites it
-        seen = start
+        first = start
         c0 = 0
         while c0 < pairs:
             p = c0 + c
-            valid = p < pairs
-            f = tl.load(Flat + p, mask=valid, other=-1).to(tl.int32)
-            hit = (f[:, None] == e[None, :]).to(tl.int32)  # [C, E_P]
-            earlier = tl.cumsum(hit, axis=0) - hit  # pairs of the same expert before this one in the chunk
-            row = tl.sum(hit * (earlier + seen[None, :]), axis=1)
-            tl.store(Dest + p, row.to(tl.int64), mask=valid)
-            tl.store(RowSource + row, p // DIV, mask=valid)
-            seen += tl.sum(hit, axis=0)
+            hit = _hits(Flat, p, p < pairs, e)
+            _place(hit, first, p, p < pairs, Dest, RowSource, DIV)
+            first += tl.sum(hit, axis=0)
             c0 += C
+
+    @triton.jit(do_not_specialize=["pairs"])
+    def _count_kernel(Flat, Counts, pairs, E_P: tl.constexpr, C: tl.constexpr):
+        """Chunk i's pairs per expert -> Counts[i]."""
+        i = tl.program_id(0)
+        p = i * C + tl.arange(0, C)
+        tl.store(Counts + i * E_P + tl.arange(0, E_P), tl.sum(_hits(Flat, p, p < pairs, tl.arange(0, E_P)), axis=0))
+
+    @triton.jit(do_not_specialize=["chunks", "rows", "blocks"])
+    def _scan_kernel(Base, Ends, RowSource, BlockExpert, chunks, rows, blocks,
+                     E: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, C: tl.constexpr, FILL: tl.constexpr):
+        """Counts [chunks, E_P] -> each chunk's first row per expert, in place; the ends; the padding."""
+        e = tl.arange(0, E_P)
+        emask = e < E
+        c = tl.arange(0, C)
+        counts = tl.zeros([E_P], tl.int32)
+        c0 = 0
+        while c0 < chunks:
+            at = Base + (c0 + c)[:, None] * E_P + e[None, :]
+            counts += tl.sum(tl.load(at, mask=(c0 + c < chunks)[:, None], other=0), axis=0)
+            c0 += C
+        end, first = _ends(counts, e, emask, Ends, BM)
+        if BM > 1:
+            _pad(end, emask, RowSource, BlockExpert, rows, blocks, BM, C, FILL)
+        c0 = 0
+        while c0 < chunks:
+            at = Base + (c0 + c)[:, None] * E_P + e[None, :]
+            live = (c0 + c < chunks)[:, None]
+            n = tl.load(at, mask=live, other=0)
+            tl.store(at, tl.cumsum(n, axis=0) - n + first[None, :], mask=live)
+            first += tl.sum(n, axis=0)
+            c0 += C
+
+    @triton.jit(do_not_specialize=["pairs"])
+    def _rank_kernel(Flat, Base, Dest, RowSource, pairs, E_P: tl.constexpr, DIV: tl.constexpr, C: tl.constexpr):
+        """Chunk i's pairs to their rows, from the chunk's first rows per expert."""
+        i = tl.program_id(0)
+        p = i * C + tl.arange(0, C)
+        e = tl.arange(0, E_P)
+        _place(_hits(Flat, p, p < pairs, e), tl.load(Base + i * E_P + e), p, p < pairs, Dest, RowSource, DIV)

@@ -19,8 +19,9 @@ DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(not _INTERPRET, reason="needs TRITON_INTERPRET=1 and triton"),
                  id="interpret"),
 ]
-CASES = [  # (pairs, experts): one pair, a chunk and a bit, E not a power of two, the preset's 64 rows
-    (1, 8), (65, 8), (200, 9), (512, 128)]
+CASES = [  # (pairs, experts): one pair, a chunk and a bit, E not a power of two, the preset's 64 rows;
+    # past MAX_PAIRS (three launches): one pair more, chunks and a bit, over 128 experts (chunks of 64)
+    (1, 8), (65, 8), (200, 9), (512, 128), (513, 128), (3001, 128), (1500, 200)]
 
 
 def _ids(pairs: int, experts: int, device: str, same: bool = False) -> torch.Tensor:
@@ -32,19 +33,20 @@ def _ids(pairs: int, experts: int, device: str, same: bool = False) -> torch.Ten
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("pairs,experts", CASES)
 @pytest.mark.parametrize("same", [False, True], ids=["random", "one-expert"])
-def test_padded_layout_matches_the_torch_layout(device, pairs, experts, same, monkeypatch):
+@pytest.mark.parametrize("block_m", [16, 128])
+def test_padded_layout_matches_the_torch_layout(device, pairs, experts, same, block_m, monkeypatch):
     from megatron_rollout.kernels import moe_triton
 
     flat = _ids(pairs, experts, device, same)
     assert expert_sort.runnable(flat, experts)
-    got = expert_sort.expert_layout(flat, experts, 16)
+    got = expert_sort.expert_layout(flat, experts, block_m)
     monkeypatch.setattr(expert_sort, "runnable", lambda *a: False)
-    dest, row_pair, block_expert = moe_triton.padded_layout(flat, experts, 16)
+    dest, row_pair, block_expert = moe_triton.padded_layout(flat, experts, block_m)
     assert torch.equal(got.dest, dest) and got.dest.dtype == torch.int64
     assert torch.equal(got.row_source, row_pair)
     assert torch.equal(got.block_expert, block_expert)
     counts = torch.bincount(flat.cpu(), minlength=experts)
-    assert got.ends.cpu().tolist() == ((counts + 15) // 16 * 16).cumsum(0).tolist()
+    assert got.ends.cpu().tolist() == ((counts + block_m - 1) // block_m * block_m).cumsum(0).tolist()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -62,10 +64,11 @@ def test_unpadded_layout_is_the_stable_expert_sort(device, pairs, experts):
     assert got.block_expert.numel() == 0
 
 
-def test_sizes_past_one_program_are_refused():
-    flat = torch.zeros(expert_sort.MAX_PAIRS + 1, dtype=torch.int64)
-    assert not expert_sort.runnable(flat, 8)
-    assert not expert_sort.runnable(flat[:0], 8)
-    assert not expert_sort.runnable(flat[:8], expert_sort.MAX_EXPERTS + 1)
+def test_what_the_kernels_cannot_lay_out_is_refused():
+    flat = torch.zeros(8, dtype=torch.int64)
+    assert not expert_sort.runnable(flat[:0], 8)  # no pairs
+    assert not expert_sort.runnable(flat, expert_sort.MAX_EXPERTS + 1)
+    if not _INTERPRET:
+        assert not expert_sort.runnable(flat, 8)  # a CPU tensor, no interpreter
     with pytest.raises(ValueError, match="block_m and div must be positive"):
-        expert_sort.expert_layout(flat[:8], 8, 0)
+        expert_sort.expert_layout(flat, 8, 0)
