@@ -54,7 +54,9 @@ FP8_TILES = ("16/64/64/4/3,16/128/64/4/3,16/64/128/4/4,64/64/64/4/3,64/128/64/8/
              "128/64/64/4/3,128/128/128/8/3,64/128/128/8/4")
 
 
-ROUTER_TILES = "128/4/4,128/1/4,128/2/4,128/8/4,64/4/4,64/2/6,256/8/3,128/4/2"
+ROUTER_TILES = "128/4/4,128/4/4/2,128/4/4/4,128/4/4/8,128/2/4/8,64/4/4/8,128/8/4,256/8/3"
+"""BLOCK_K/WARPS/STAGES[/SPLIT]: the default, the split kernel at 2-8 programs per row block, and the
+best two others of the seventh lease's grid (docs/kernels.md)."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -69,7 +71,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--fp8-tiles", default=FP8_TILES,
                     help="launch shapes BLOCK_M/N_CAP/K_CAP/WARPS/STAGES, comma-separated")
     ap.add_argument("--router-tiles", default=ROUTER_TILES,
-                    help="router launch shapes BLOCK_K/WARPS/STAGES, comma-separated ('' skips the grid)")
+                    help="router launch shapes BLOCK_K/WARPS/STAGES[/SPLIT], comma-separated ('' skips the grid)")
     ap.add_argument("--router-rows", default="1,64", help="token counts of the router grid")
     ap.add_argument("--iters", type=int, default=30, help="timed repetitions per measurement")
     ap.add_argument("--rounds", type=int, default=3,
@@ -340,7 +342,7 @@ def time_router_tiles(cfg, rows_list: list[int], tiles_spec: str, iters: int, se
         variants = {}
         for tiles in grid:
             for k in (topk, 1):
-                name = f"{tiles.block_k}/{tiles.warps}/{tiles.stages}" + ("" if k == topk else " top-1")
+                name = "/".join(map(str, tiles if tiles.split > 1 else tiles[:3])) + ("" if k == topk else " top-1")
                 def fn(x, w, t=tiles, k=k):
                     return fused.router_topk(x, w, k, renorm and k > 1, tiles=t)
 

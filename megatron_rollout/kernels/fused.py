@@ -86,11 +86,14 @@ ROUTER_BLOCK_M = 16
 
 
 class RouterTiles(NamedTuple):
-    """Launch shape of the router kernel: the k-tile cap (hidden columns per step), warps, stages."""
+    """Launch shape of the router kernel: the k-tile cap (hidden columns per step), warps, stages,
+    and `split`: programs per 16-row block, each reading 1/split of the weight (1: one program
+    reads all of it; more: `_router_split_kernel`, whose last program per block routes)."""
 
     block_k: int = 128
     warps: int = 4
     stages: int = 4
+    split: int = 1
 
 
 ROUTER_TILES = RouterTiles()
@@ -244,29 +247,30 @@ if triton is not None:
         # its value head, copied
         tl.store(V + n * (GROUPS * D) + g * D + c, tl.load(kb + D + c))
 
-    @triton.jit(do_not_specialize=["n_rows"])
-    def _router_kernel(X, W, Wout, Ids, n_rows, stride_x,
-                       H: tl.constexpr, E: tl.constexpr, E_P: tl.constexpr, TOPK: tl.constexpr,
-                       TOPK_P: tl.constexpr, RENORM: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                       DOT_FP32: tl.constexpr):
-        pid = tl.program_id(0)
-        rows = pid * BM + tl.arange(0, BM)
-        rmask = rows < n_rows
-        r64 = rows.to(tl.int64)
-        e = tl.arange(0, E_P)
-        emask = e < E
+    @triton.jit
+    def _router_logits(X, W, rows, rmask, r64, stride_x, cols, cmask, H: tl.constexpr, BM: tl.constexpr,
+                       N: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr):
+        """[BM, N] fp32 logits of `rows` for the experts `cols`, k-tile by k-tile in order."""
         kk = tl.arange(0, BK)
-        acc = tl.zeros([BM, E_P], tl.float32)
+        acc = tl.zeros([BM, N], tl.float32)
         for k0 in range(0, H, BK):
             kmask = (k0 + kk) < H
             x = tl.load(X + r64[:, None] * stride_x + k0 + kk[None, :], mask=rmask[:, None] & kmask[None, :],
                         other=0.0)
-            w = tl.load(W + e[:, None] * H + k0 + kk[None, :], mask=emask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(W + cols[:, None] * H + k0 + kk[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
             if DOT_FP32:  # the interpreter's tl.dot misreads bf16 operands: multiply their fp32 values
                 acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
             else:  # bf16 products are exact in fp32; the tensor cores accumulate in fp32
                 acc += tl.dot(x, tl.trans(w))
-        logits = tl.where(emask[None, :], acc, _NEG_INF)
+        return acc
+
+    @triton.jit
+    def _route(logits, r64, rmask, Wout, Ids, E: tl.constexpr, E_P: tl.constexpr, TOPK: tl.constexpr,
+               TOPK_P: tl.constexpr, RENORM: tl.constexpr, BM: tl.constexpr):
+        """Softmax, top-k and renormalisation of [BM, E_P] logits; stores weights and ids."""
+        e = tl.arange(0, E_P)
+        emask = e < E
+        logits = tl.where(emask[None, :], logits, _NEG_INF)
         m = tl.max(logits, axis=1)
         p = tl.exp(logits - m[:, None])
         probs = tl.math.div_rn(p, tl.sum(p, axis=1)[:, None])  # IEEE division, as torch's softmax
@@ -288,6 +292,40 @@ if triton is not None:
         out = r64[:, None] * TOPK + kcol[None, :]
         tl.store(Wout + out, _bf16(top_w).to(Wout.dtype.element_ty), mask=omask)
         tl.store(Ids + out, top_i.to(tl.int64), mask=omask)
+
+    @triton.jit(do_not_specialize=["n_rows"])
+    def _router_kernel(X, W, Wout, Ids, n_rows, stride_x,
+                       H: tl.constexpr, E: tl.constexpr, E_P: tl.constexpr, TOPK: tl.constexpr,
+                       TOPK_P: tl.constexpr, RENORM: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                       DOT_FP32: tl.constexpr):
+        """One program per BM rows: every expert's logits, then the routing."""
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        rmask = rows < n_rows
+        r64 = rows.to(tl.int64)
+        e = tl.arange(0, E_P)
+        logits = _router_logits(X, W, rows, rmask, r64, stride_x, e, e < E, H, BM, E_P, BK, DOT_FP32)
+        _route(logits, r64, rmask, Wout, Ids, E, E_P, TOPK, TOPK_P, RENORM, BM)
+
+    @triton.jit(do_not_specialize=["n_rows"])
+    def _router_split_kernel(X, W, Logits, Arrived, Wout, Ids, n_rows, stride_x,
+                             H: tl.constexpr, E: tl.constexpr, E_P: tl.constexpr, ES: tl.constexpr,
+                             TOPK: tl.constexpr, TOPK_P: tl.constexpr, RENORM: tl.constexpr, BM: tl.constexpr,
+                             BK: tl.constexpr, DOT_FP32: tl.constexpr):
+        """Program (b, s): the logits of row block b for experts s*ES.. (a slice of the weight), to
+        fp32 scratch; the block's last program to arrive (a counter per block) routes its rows."""
+        b = tl.program_id(0)
+        rows = b * BM + tl.arange(0, BM)
+        rmask = rows < n_rows
+        r64 = rows.to(tl.int64)
+        cols = tl.program_id(1) * ES + tl.arange(0, ES)
+        part = _router_logits(X, W, rows, rmask, r64, stride_x, cols, cols < E, H, BM, ES, BK, DOT_FP32)
+        tl.store(Logits + r64[:, None] * E_P + cols[None, :], part)  # scratch rows cover whole blocks
+        tl.debug_barrier()  # every thread's logits are written before the counter says so
+        arrived = tl.atomic_add(Arrived + b, 1, sem="acq_rel", scope="gpu")
+        if arrived == E_P // ES - 1:
+            e = tl.arange(0, E_P)
+            logits = tl.load(Logits + r64[:, None] * E_P + e[None, :], cache_modifier=".cg")
+            _route(logits, r64, rmask, Wout, Ids, E, E_P, TOPK, TOPK_P, RENORM, BM)
 
     @triton.jit
     def _silu_mul_kernel(H, A, stride_h, stride_a, F: tl.constexpr, BLOCK: tl.constexpr):
@@ -436,11 +474,19 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, topk: int, renormalize: b
     w_out = _empty(out.weights if out else None, (n, topk), x)
     ids = _empty(out.ids if out else None, (n, topk), x, torch.int64)
     bk = min(tiles.block_k, _pow2(hidden))
+    e_p = max(16, _pow2(experts))
+    split = min(_pow2(max(1, tiles.split)), e_p // 16)  # slices of at least 16 experts (tl.dot's minimum)
+    blocks = triton.cdiv(n, ROUTER_BLOCK_M)
+    shape = dict(H=hidden, E=experts, E_P=e_p, TOPK=topk, TOPK_P=_pow2(topk), RENORM=bool(renormalize),
+                 BM=ROUTER_BLOCK_M, BK=bk, DOT_FP32=interpreting(), num_warps=tiles.warps, num_stages=tiles.stages)
     LAUNCHES["router_topk"] += 1
-    _router_kernel[(triton.cdiv(n, ROUTER_BLOCK_M),)](
-        x, weight, w_out, ids, n, x.stride(0), H=hidden, E=experts, E_P=max(16, _pow2(experts)), TOPK=topk,
-        TOPK_P=_pow2(topk), RENORM=bool(renormalize), BM=ROUTER_BLOCK_M, BK=bk, DOT_FP32=interpreting(),
-        num_warps=tiles.warps, num_stages=tiles.stages)
+    if split == 1:
+        _router_kernel[(blocks,)](x, weight, w_out, ids, n, x.stride(0), **shape)
+    else:
+        logits = torch.empty(blocks * ROUTER_BLOCK_M, e_p, dtype=torch.float32, device=x.device)
+        arrived = torch.zeros(blocks, dtype=torch.int32, device=x.device)  # per call: P and D may route at once
+        _router_split_kernel[(blocks, split)](x, weight, logits, arrived, w_out, ids, n, x.stride(0),
+                                             ES=e_p // split, **shape)
     return Routing(w_out, ids)
 
 

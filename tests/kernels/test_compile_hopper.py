@@ -1,4 +1,7 @@
-"""`kernels.expert_sort`'s kernels compile for the H200 (sm_90) without a GPU, with no spills.
+"""Kernels not yet run on a GPU compile for the H200 (sm_90) without one, with no spills.
+
+`kernels.expert_sort`'s kernels, the split router (`fused._router_split_kernel`) and the router
+kernel on the helpers it now shares with it.
 
 Why: the interpreter runs the kernels' logic on CPU but not Triton's compiler, which is stricter
 (globals must be constexpr, layouts must convert, registers must fit). Where Triton, `ptxas` and
@@ -17,7 +20,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from megatron_rollout.kernels import expert_sort  # noqa: E402
+from megatron_rollout.kernels import expert_sort, fused  # noqa: E402
 
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 CUOBJDUMP = shutil.which("cuobjdump") or (str(_BIN / "cuobjdump") if (_BIN / "cuobjdump").exists() else None)
@@ -29,25 +32,39 @@ SCAN = {"Base": "*i32", "Ends": "*i32", "RowSource": "*i32", "BlockExpert": "*i3
         "blocks": "i32"}
 RANK = {"Flat": "*i64", "Base": "*i32", "Dest": "*i64", "RowSource": "*i32", "pairs": "i32"}
 COUNT = {"Flat": "*i64", "Counts": "*i32", "pairs": "i32"}
-CASES = [  # (kernel, pointer/int signature, constexprs): the preset's 128 experts, 256 experts' halved chunks
-    ("_layout_kernel", LAYOUT, dict(E=128, E_P=128, BM=16, DIV=1, C=expert_sort.CHUNK, FILL=expert_sort.FILL)),
-    ("_layout_kernel", LAYOUT, dict(E=128, E_P=128, BM=1, DIV=8, C=expert_sort.CHUNK, FILL=expert_sort.FILL)),
-    ("_count_kernel", COUNT, dict(E_P=128, C=expert_sort.CHUNKED)),
-    ("_scan_kernel", SCAN, dict(E=128, E_P=128, BM=128, C=expert_sort.CHUNK, FILL=expert_sort.FILL)),
-    ("_rank_kernel", RANK, dict(E_P=128, DIV=8, C=expert_sort.CHUNKED)),
-    ("_rank_kernel", RANK, dict(E_P=256, DIV=8, C=expert_sort.CHUNKED // 2)),
+ROUTER = {"X": "*bf16", "W": "*bf16", "Logits": "*fp32", "Arrived": "*i32", "Wout": "*bf16", "Ids": "*i64",
+          "n_rows": "i32", "stride_x": "i32"}
+SORT = dict(num_warps=4)
+CASES = [  # (module, kernel, pointer/int signature, constexprs, options): the preset's sizes
+    (expert_sort, "_layout_kernel", LAYOUT, dict(E=128, E_P=128, BM=16, DIV=1, C=expert_sort.CHUNK,
+                                                 FILL=expert_sort.FILL), SORT),
+    (expert_sort, "_layout_kernel", LAYOUT, dict(E=128, E_P=128, BM=1, DIV=8, C=expert_sort.CHUNK,
+                                                 FILL=expert_sort.FILL), SORT),
+    (expert_sort, "_count_kernel", COUNT, dict(E_P=128, C=expert_sort.CHUNKED), SORT),
+    (expert_sort, "_scan_kernel", SCAN, dict(E=128, E_P=128, BM=128, C=expert_sort.CHUNK, FILL=expert_sort.FILL),
+     SORT),
+    (expert_sort, "_rank_kernel", RANK, dict(E_P=128, DIV=8, C=expert_sort.CHUNKED), SORT),
+    (expert_sort, "_rank_kernel", RANK, dict(E_P=256, DIV=8, C=expert_sort.CHUNKED // 2), SORT),  # 256 experts
+    (fused, "_router_split_kernel", ROUTER, dict(H=2048, E=128, E_P=128, ES=16, TOPK=8, TOPK_P=8, RENORM=True,
+                                                 BM=fused.ROUTER_BLOCK_M, BK=128, DOT_FP32=False),
+     dict(num_warps=4, num_stages=4)),
+    (fused, "_router_kernel", {k: v for k, v in ROUTER.items() if k not in ("Logits", "Arrived")},
+     dict(H=2048, E=128, E_P=128, TOPK=8, TOPK_P=8, RENORM=True, BM=fused.ROUTER_BLOCK_M, BK=128, DOT_FP32=False),
+     dict(num_warps=4, num_stages=4)),  # the one-program kernel, on the helpers it now shares
 ]
 
 
-@pytest.mark.parametrize("name,signature,constexprs", CASES, ids=lambda v: v if isinstance(v, str) else None)
-def test_expert_sort_kernels_compile_for_sm90_without_spills(name, signature, constexprs, tmp_path, monkeypatch):
+@pytest.mark.parametrize("module,name,signature,constexprs,options", CASES,
+                         ids=[f"{c[1]}-{i}" for i, c in enumerate(CASES)])
+def test_kernels_compile_for_sm90_without_spills(module, name, signature, constexprs, options, tmp_path,
+                                                 monkeypatch):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     sig = {**signature, **{k: "constexpr" for k in constexprs}}
     monkeypatch.setenv("PATH", f"{os.environ.get('PATH', '')}:{_BIN}")
-    kernel = triton.compile(ASTSource(fn=getattr(expert_sort, name), signature=sig, constexprs=constexprs),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    kernel = triton.compile(ASTSource(fn=getattr(module, name), signature=sig, constexprs=constexprs),
+                            target=GPUTarget("cuda", 90, 32), options=options)
     cubin = tmp_path / f"{name}.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
     usage = subprocess.run([CUOBJDUMP, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout

@@ -248,15 +248,18 @@ def _check_routing(got: fused.Routing, ref: fused.Routing, x: torch.Tensor, w: t
     assert _rel(gw, rw) < 1e-2 and _same(gw, rw) >= 0.98, (_rel(gw, rw), _same(gw, rw))
 
 
+@pytest.mark.parametrize("split", [1, 8], ids=["one-program", "split"])
 @pytest.mark.parametrize("renormalize", [True, False], ids=["renorm", "plain"])
 @pytest.mark.parametrize("device,tokens,experts,hidden,topk", _cases(ROUTER_GPU, ROUTER_INTERP))
-def test_router_matches_reference(device, tokens, experts, hidden, topk, renormalize):
+def test_router_matches_reference(device, tokens, experts, hidden, topk, renormalize, split):
+    """Both kernels (`RouterTiles.split`: the weight read by one program per row block, or by
+    `split` programs whose last routes); a split past experts / 16 is clamped."""
     gen = _gen(device, tokens * 13 + experts + hidden + topk)
     x = _randn((tokens, hidden), device, gen)
     w = _randn((experts, hidden), device, gen, 0.02)  # the benchmark's init scale
     out = fused.Routing(_poison((tokens, topk), device), _poison((tokens, topk), device, torch.int64))
     before = dict(fused.LAUNCHES)
-    got = fused.router_topk(x, w, topk, renormalize, out=out)
+    got = fused.router_topk(x, w, topk, renormalize, out=out, tiles=fused.RouterTiles(split=split))
     assert _launched("router_topk", before) == 1
     _check_routing(got, fused.router_ref(x, w, topk, renormalize), x, w, experts)
     if renormalize:
@@ -397,6 +400,25 @@ def test_cuda_runner_graphs_with_fused_ops_match_the_portable_runner():
             lens = [n + 1 for n in lens]
     assert fast.stats["graph_replays"] == 3
     assert all(fused.LAUNCHES[k] > before[k] for k in DECODE_OPS)
+
+
+@pytest.mark.gpu
+def test_split_router_replays_in_a_graph():
+    """The split router's per-call counters and scratch are captured with it: replays on new
+    inputs route as the reference does (its counters restart at 0 every replay)."""
+    gen = _gen("cuda", 21)
+    w = _randn((128, 2048), "cuda", gen, 0.02)
+    x = _randn((64, 2048), "cuda", gen)
+    split = fused.RouterTiles(split=8)
+    fused.router_topk(x, w, 8, True, tiles=split)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = fused.router_topk(x, w, 8, True, tiles=split)
+    for _ in range(3):
+        x.copy_(_randn((64, 2048), "cuda", gen))
+        graph.replay()
+        _check_routing(got, fused.router_ref(x, w, 8, True), x, w, 128)
 
 
 @pytest.mark.gpu
