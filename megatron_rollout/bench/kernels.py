@@ -281,15 +281,15 @@ def interleaved_us(variants: dict[str, Callable[[], float]], rounds: int) -> tup
     return out, compiles
 
 
-SORT_VARIANTS = ("one_hot", "argsort", "triton", "padded_torch", "padded_triton")
+SORT_VARIANTS = ("one_hot", "argsort", "torch", "triton", "padded_torch", "padded_triton")
 
 
 def time_destinations(cfg, tokens_list: list[int], iters: int, seed: int, rounds: int) -> list[dict[str, Any]]:
     """The expert sort, graph-timed per call, in interleaved rounds: `sorted_destinations` by
-    one-hot prefix sum and by stable argsort; `kernels.expert_sort` (`triton`: one launch up to
-    `MAX_PAIRS` pairs, three past it; it also gives each row's token, as the grouped path needs);
-    and the padded layout of the Triton experts (`moe_triton.padded_layout`, 16-row blocks) in
-    torch and in Triton. `faster` compares the unpadded sorts."""
+    one-hot prefix sum and by stable argsort; the grouped path's whole layout (with each row's
+    token) in torch (`torch`: `expert_sort.torch_layout`) and in Triton (`triton`: one launch up to
+    `expert_sort.MAX_PAIRS` pairs, three past it); and the padded layout of the Triton experts
+    (16-row blocks) both ways. `faster` compares the unpadded variants."""
     from megatron_rollout.comm.exchange import sorted_destinations
     from megatron_rollout.kernels import expert_sort, moe_triton
 
@@ -301,20 +301,14 @@ def time_destinations(cfg, tokens_list: list[int], iters: int, seed: int, rounds
         call(sets[0])  # compiles outside the timed rounds
         return lambda: graph_us([lambda f=f: call(f) for f in sets], iters)
 
-    def torch_padded(f):
-        runnable, expert_sort.runnable = expert_sort.runnable, lambda *a: False  # the torch branch
-        try:
-            return moe_triton.padded_layout(f, experts, moe_triton.BLOCK_M)
-        finally:
-            expert_sort.runnable = runnable
-
     for tokens in tokens_list:
         sets = [torch.randint(0, experts, (tokens * topk,), device="cuda", generator=gen) for _ in range(8)]
         variants = {"one_hot": timing(lambda f: sorted_destinations(f, experts, 1 << 62)),
                     "argsort": timing(lambda f: sorted_destinations(f, experts, 0))}
         if expert_sort.runnable(sets[0], experts):
+            variants["torch"] = timing(lambda f: expert_sort.torch_layout(f, experts, 1, div=topk))
             variants["triton"] = timing(lambda f: expert_sort.expert_layout(f, experts, 1, div=topk))
-            variants["padded_torch"] = timing(torch_padded)
+            variants["padded_torch"] = timing(lambda f: expert_sort.torch_layout(f, experts, moe_triton.BLOCK_M))
             variants["padded_triton"] = timing(lambda f: expert_sort.expert_layout(f, experts, moe_triton.BLOCK_M))
         timed, compiles = interleaved_us(variants, rounds)
         unpadded = [n for n in timed if not n.startswith("padded")]

@@ -30,10 +30,12 @@ the torch sorts is what `bench.kernels`' `destinations` table will show.
 """
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import torch
 
+from megatron_rollout.comm.exchange import ONE_HOT_LIMIT, one_hot_ranks, sorted_destinations
 from megatron_rollout.kernels.fused import interpreting
 
 try:
@@ -41,6 +43,8 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs: callers keep the torch layout
     triton = None
+
+log = logging.getLogger(__name__)
 
 MAX_PAIRS = 512
 """Most pairs one program lays out (64 decode rows at top-8); more take three launches. The one
@@ -68,17 +72,79 @@ def padded_rows(pairs: int, num_experts: int, block_m: int) -> int:
     return -(-(pairs + num_experts * (block_m - 1)) // block_m) * block_m
 
 
+_REFUSED: dict[str, str] = {}
+"""Devices (by `str(device)`) whose `self_check` failed, and why: the torch layout serves them."""
+_CHECKED: set[tuple[str, int, int]] = set()
+"""(device, experts, top-k) that `self_check` passed in this process."""
+
+
 def runnable(flat: torch.Tensor, num_experts: int) -> bool:
     """The kernels can lay out these pairs: Triton present, on CUDA (or interpreting), some pairs,
-    at most `MAX_EXPERTS` experts."""
+    at most `MAX_EXPERTS` experts, a device whose `self_check` did not fail."""
     return (triton is not None and (flat.is_cuda or interpreting()) and flat.numel() > 0
-            and 0 < num_experts <= MAX_EXPERTS)
+            and 0 < num_experts <= MAX_EXPERTS and str(flat.device) not in _REFUSED)
+
+
+def layout(flat: torch.Tensor, num_experts: int, block_m: int, div: int = 1) -> ExpertLayout:
+    """The expert layout of `expert_layout`, by the Triton kernels where they run, else in torch."""
+    if runnable(flat, num_experts):
+        return expert_layout(flat, num_experts, block_m, div)
+    return torch_layout(flat, num_experts, block_m, div)
+
+
+def torch_layout(flat: torch.Tensor, num_experts: int, block_m: int, div: int = 1) -> ExpertLayout:
+    """The same layout from torch ops (sync-free, capturable): a one-hot prefix sum up to
+    `comm.exchange.ONE_HOT_LIMIT` pairs x experts, the stable argsort past it. The reference of the
+    kernels, and the path of CPU-only installs."""
+    pairs, dev = flat.numel(), flat.device
+    if pairs * num_experts <= ONE_HOT_LIMIT:
+        counts, rank = one_hot_ranks(flat, num_experts)
+    else:
+        dest, end = sorted_destinations(flat, num_experts, 0)
+        counts = torch.diff(end, prepend=end.new_zeros(1))
+        rank = dest - (end - counts)[flat]
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0, dtype=torch.int32)
+    dest = ((ends - padded)[flat] + rank).long()
+    rows = padded_rows(pairs, num_experts, block_m)
+    row_source = torch.full((rows,), -1, dtype=torch.int32, device=dev)
+    row_source[dest] = torch.arange(pairs, dtype=torch.int32, device=dev) // div
+    if block_m > 1:
+        starts = torch.arange(0, rows, block_m, dtype=torch.int32, device=dev)
+        block_expert = torch.searchsorted(ends, starts, right=True).to(torch.int32)
+    else:
+        block_expert = torch.empty(0, dtype=torch.int32, device=dev)
+    return ExpertLayout(dest, row_source, block_expert, ends)
+
+
+def self_check(device: torch.device, num_experts: int, topk: int = 8) -> str | None:
+    """Lay out random pairs both ways on `device` (one launch and three; padded and not) and
+    compare bit for bit. On a mismatch or a kernel that does not build, the device is refused
+    (`runnable` is False there: the torch layout serves it) and the reason returned; else None."""
+    key = (str(device), num_experts, topk)
+    if triton is None or not 0 < num_experts <= MAX_EXPERTS or key in _CHECKED:
+        return _REFUSED.get(str(device))
+    gen = torch.Generator(device=device).manual_seed(0)
+    try:
+        for pairs in (MAX_PAIRS, 8 * MAX_PAIRS + 3):
+            flat = torch.randint(0, num_experts, (pairs,), device=device, generator=gen)
+            for block_m, div in ((1, topk), (16, 1)):
+                got, ref = expert_layout(flat, num_experts, block_m, div), torch_layout(flat, num_experts, block_m, div)
+                for name, a, b in zip(ExpertLayout._fields, got, ref):
+                    if not torch.equal(a, b):
+                        raise ValueError(f"{name} differs from the torch layout at {pairs} pairs, block_m {block_m}")
+    except Exception as exc:  # any failure means: do not use the kernels on this device
+        _REFUSED[str(device)] = f"{type(exc).__name__}: {exc}"
+        log.warning("expert sort kernels refused on %s: %s", device, _REFUSED[str(device)])
+        return _REFUSED[str(device)]
+    _CHECKED.add(key)
+    return None
 
 
 def expert_layout(flat: torch.Tensor, num_experts: int, block_m: int, div: int = 1) -> ExpertLayout:
     """flat: [P] expert of each pair, in [0, num_experts). One launch up to `MAX_PAIRS` pairs, three
     past it (see the module docstring). `div`: rows hold pair // div (top-k: the token a row
-    reads). Callers check `runnable` first."""
+    reads). Callers check `runnable` first (or call `layout`)."""
     if block_m < 1 or div < 1:
         raise ValueError(f"block_m and div must be positive, got {block_m} and {div}")
     pairs = flat.numel()

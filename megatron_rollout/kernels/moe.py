@@ -73,12 +73,7 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
 
         return routed_experts_triton(x, ids, weights, *stacked, experts.first)
     flat = ids.reshape(-1) - experts.first
-    if expert_sort.runnable(flat, experts.num_local):  # decode sizes: the sort in one launch
-        dest, source, _, offsets = expert_sort.expert_layout(flat, experts.num_local, 1, div=k)
-    else:
-        dest, offsets = sorted_destinations(flat, experts.num_local)
-        source = torch.empty_like(dest)
-        source[dest] = torch.arange(n * k, device=x.device) // k  # the token of each expert-sorted row
+    dest, source, _, offsets = expert_sort.layout(flat, experts.num_local, 1, div=k)  # source: each row's token
     xs = x.index_select(0, source)  # [P, H], expert-sorted: one gather, not a gather and a scatter
     ys = experts.grouped_offsets(xs, offsets)  # [P, H]
     ops = experts.__dict__.get("_fused_ops")  # `kernels.fused`: gather back, weigh and sum in one kernel
@@ -226,4 +221,8 @@ def install_device_exchange(model: torch.nn.Module) -> bool:
             ok = ok and (path in ("bf16", "te") or (path == "fp8" and single))
     if single and not isinstance(comm, DeviceLocalComm):
         model.comm = DeviceLocalComm()
+    layer = next((m for m in model.modules() if isinstance(m, MoELayer)), None)
+    device = next(layer.experts.parameters()).device if layer is not None else None
+    if device is not None and device.type == "cuda":  # the Triton expert sort, checked once per device
+        expert_sort.self_check(device, layer.experts.num_local, layer.router.topk)
     return ok and (single or bool(getattr(comm, "sync_free", False)))

@@ -4,10 +4,9 @@ At decode sizes a layer routes a few hundred (token, expert) pairs over ~all exp
 per expert, so the layer is bound by reading the expert weights once. `torch._grouped_mm` tiles
 each expert's rows into large M tiles; these kernels instead use 16-row tiles:
 
-1. `padded_layout` (sync-free, capturable: one launch of `kernels.expert_sort` at decode sizes,
-   the stable argsort of `comm.exchange.sorted_destinations` at prefill sizes, a one-hot prefix
-   sum in between) gives every pair a row in an expert-sorted layout padded to 16 rows per
-   expert, and every 16-row block its expert (E past the end);
+1. `padded_layout` (`kernels.expert_sort`: sync-free, capturable; one Triton launch at decode
+   sizes, three past them) gives every pair a row in an expert-sorted layout padded to 16 rows
+   per expert, and every 16-row block its expert (E past the end);
 2. `_fc1_swiglu_kernel`: program (block, n-tile) reads the block's token rows of x and the
    expert's gate and up rows of `linear_fc1.weight` for its n-tile, and writes silu(gate) * up;
 3. `_fc2_kernel`: program (block, n-tile) multiplies by `linear_fc2.weight` and scales each row
@@ -31,7 +30,6 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_rollout.comm.exchange import ONE_HOT_LIMIT, one_hot_ranks, sorted_destinations
 from megatron_rollout.kernels import expert_sort
 from megatron_rollout.model.fp8 import StackedFP8
 
@@ -63,26 +61,9 @@ GEMM; the next two shapes within 5%, not separated by repeated rounds yet)."""
 
 def padded_layout(flat: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
     """flat: [P] expert of each pair. Returns (dest [P] int64 row of each pair, row_pair [R] int32
-    pair of each row or -1, block_expert [R // block_m] int32 expert of each block or E)."""
-    if expert_sort.runnable(flat, num_experts):  # decode sizes: one launch
-        dest, row_pair, block_expert, _ = expert_sort.expert_layout(flat, num_experts, block_m)
-        return dest, row_pair, block_expert
-    pairs = flat.numel()
-    dev = flat.device
-    if pairs * num_experts <= ONE_HOT_LIMIT:
-        counts, rank = one_hot_ranks(flat, num_experts)
-    else:  # prefill sizes (FP8 experts): the stable argsort, not a [E, P] scan
-        dest, end = sorted_destinations(flat, num_experts, 0)
-        counts = torch.diff(end, prepend=end.new_zeros(1))
-        rank = dest - (end - counts)[flat]
-    padded = (counts + block_m - 1) // block_m * block_m
-    end = padded.cumsum(0, dtype=torch.int32)
-    dest = ((end - padded)[flat] + rank).long()
-    rows = expert_sort.padded_rows(pairs, num_experts, block_m)
-    row_pair = torch.full((rows,), -1, dtype=torch.int32, device=dev)
-    row_pair[dest] = torch.arange(pairs, dtype=torch.int32, device=dev)
-    starts = torch.arange(0, rows, block_m, dtype=torch.int32, device=dev)
-    block_expert = torch.searchsorted(end, starts, right=True).to(torch.int32)
+    pair of each row or -1, block_expert [R // block_m] int32 expert of each block or E), from
+    `kernels.expert_sort` (its Triton kernels, or torch where they do not run)."""
+    dest, row_pair, block_expert, _ = expert_sort.layout(flat, num_experts, block_m)
     return dest, row_pair, block_expert
 
 

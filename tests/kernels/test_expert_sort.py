@@ -1,8 +1,8 @@
-"""`kernels.expert_sort` against the torch layouts it replaces, bit for bit.
+"""`kernels.expert_sort` against the torch layouts it replaces, bit for bit, and its self-check.
 
-The references are the torch branches of `moe_triton.padded_layout` (the one-hot prefix sum) and
-`comm.exchange.sorted_destinations` (the stable argsort). CPU runs need TRITON_INTERPRET=1 and
-Triton; the GPU case is marked.
+The references are `expert_sort.torch_layout` (the one-hot prefix sum or the argsort, which
+`moe_triton.padded_layout` ran before) and `comm.exchange.sorted_destinations` (the stable
+argsort). CPU runs need TRITON_INTERPRET=1 and Triton; the GPU case is marked.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_padded_layout_matches_the_torch_layout(device, pairs, experts, same, bl
     flat = _ids(pairs, experts, device, same)
     assert expert_sort.runnable(flat, experts)
     got = expert_sort.expert_layout(flat, experts, block_m)
-    monkeypatch.setattr(expert_sort, "runnable", lambda *a: False)
+    monkeypatch.setattr(expert_sort, "runnable", lambda *a: False)  # padded_layout's torch path
     dest, row_pair, block_expert = moe_triton.padded_layout(flat, experts, block_m)
     assert torch.equal(got.dest, dest) and got.dest.dtype == torch.int64
     assert torch.equal(got.row_source, row_pair)
@@ -72,3 +72,27 @@ def test_what_the_kernels_cannot_lay_out_is_refused():
         assert not expert_sort.runnable(flat, 8)  # a CPU tensor, no interpreter
     with pytest.raises(ValueError, match="block_m and div must be positive"):
         expert_sort.expert_layout(flat, 8, 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_device_whose_kernels_disagree_is_refused(device, monkeypatch):
+    """`self_check` passes on the real kernels; a kernel that lays out wrongly gets its device
+    refused, and `layout` then serves the torch layout there."""
+    monkeypatch.setattr(expert_sort, "_REFUSED", {})
+    monkeypatch.setattr(expert_sort, "_CHECKED", set())
+    dev = torch.device(device)
+    assert expert_sort.self_check(dev, 128) is None
+    good = expert_sort.expert_layout
+
+    def wrong(flat, experts, block_m, div=1):
+        out = good(flat, experts, block_m, div)
+        return out._replace(dest=out.dest.flip(0))
+
+    monkeypatch.setattr(expert_sort, "expert_layout", wrong)
+    monkeypatch.setattr(expert_sort, "_CHECKED", set())
+    why = expert_sort.self_check(dev, 128)
+    assert why and "dest differs from the torch layout" in why
+    flat = _ids(40, 128, device)
+    assert not expert_sort.runnable(flat, 128)
+    got, ref = expert_sort.layout(flat, 128, 16), expert_sort.torch_layout(flat, 128, 16)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))

@@ -14,6 +14,7 @@ import torch
 import megatron_rollout.kernels.moe as moe
 from megatron_rollout.comm.exchange import compute_local
 from megatron_rollout.comm.facade import LocalComm
+from megatron_rollout.kernels import expert_sort
 from megatron_rollout.kernels.moe import DeviceLocalComm, install_device_exchange, routed_experts, sorted_destinations
 from megatron_rollout.model.config import ModelConfig
 from megatron_rollout.model.transformer import MoETransformer
@@ -209,9 +210,10 @@ def test_triton_small_batch_experts_match_loop(device, tokens, monkeypatch):
     assert torch.equal(row_pair[dest].long().cpu(), torch.arange(tokens * k))
     blocks = block_expert.cpu().tolist()
     assert blocks == sorted(blocks) and blocks[-1] == e  # experts ascending, then past-the-end blocks
-    monkeypatch.setattr(moe_triton, "ONE_HOT_LIMIT", 0)  # the argsort branch (prefill sizes) lays out alike
-    for a, b in zip(padded_layout(ids.reshape(-1), e), (dest, row_pair, block_expert)):
-        assert torch.equal(a, b)
+    for limit in (1 << 30, 0):  # the torch layout, by its one-hot and its argsort branch, lays out alike
+        monkeypatch.setattr(expert_sort, "ONE_HOT_LIMIT", limit)
+        torch_layout = expert_sort.torch_layout(ids.reshape(-1), e, moe_triton.BLOCK_M)
+        assert all(torch.equal(a, b) for a, b in zip(torch_layout, (dest, row_pair, block_expert)))
 
 
 def _dequantised_reference(x, ids, w, fc1, fc2):
@@ -302,11 +304,10 @@ def test_fp8_experts_run_sync_free_in_a_cuda_graph(block):
 def test_routed_experts_on_fp8_experts_match_the_portable_path_in_the_interpreter(tokens, one_hot, monkeypatch):
     """`routed_experts` dispatches stacked FP8 experts to the Triton kernels; the portable path
     (`compute_local`, each expert's own dequant-backend FP8 weight) is the reference."""
-    from megatron_rollout.kernels import moe_triton
     from megatron_rollout.model import fp8
 
     if not one_hot:
-        monkeypatch.setattr(moe_triton, "ONE_HOT_LIMIT", 0)
+        monkeypatch.setattr(expert_sort, "ONE_HOT_LIMIT", 0)  # where the Triton sort does not run
 
     model = MoETransformer(_moe_cfg(dtype="float32")).init_weights(6)
     fp8.quantize_model_fp8(model, block=None, backend="dequant")
