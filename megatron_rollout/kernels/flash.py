@@ -6,8 +6,11 @@ layout `[blocks, block_size, hkv, d]` through the forward's block tables, `sequs
 new positions, and the causal mask aligned to the end of each span's keys is exactly "cached
 prefix + new tokens". Forwards of decode rows only (the CUDA-graph decode step) and the KV store
 keep the Triton kernels, so graphs capture nothing new. Asked for by name (`--attention flash`)
-FA3 runs every prefill; under `auto` only forwards of `AUTO_MIN_PREFILL_TOKENS` prefill tokens
-or more (below that the Triton kernel was as fast or faster).
+FA3 runs every prefill. `auto` takes it only in a process that has imported vLLM already: `import
+vllm` sets NCCL_CUMEM_ENABLE, PYTORCH_NVML_BASED_CUDA_CHECK and inductor's compile threads for the
+whole process (`vllm/env_override.py`), which a trainer embedding the rollout must not get unasked.
+There it runs forwards of `AUTO_MIN_PREFILL_TOKENS` prefill tokens or more (below that the Triton
+kernel was as fast or faster).
 
 Where it comes from: `vllm.vllm_flash_attn` (vLLM's wheel ships FA3 compiled for sm_90 against
 its torch; vLLM 0.26.0 pins torch 2.11). `missing` says why it cannot run: no CUDA, not a 9.x
@@ -21,6 +24,7 @@ through FA3.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -57,6 +61,12 @@ class FlashAttention(TritonAttention):
     @classmethod
     def for_auto(cls) -> "FlashAttention":
         return cls(AUTO_MIN_PREFILL_TOKENS)
+
+    @classmethod
+    def auto_missing(cls, device: torch.device) -> str | None:
+        if "vllm" not in sys.modules:  # importing vLLM overrides NCCL and inductor settings process-wide
+            return "vLLM is not imported in this process, and auto does not import it (--attention flash does)"
+        return cls.missing(device)
 
     @classmethod
     def missing(cls, device: torch.device) -> str | None:

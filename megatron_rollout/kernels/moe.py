@@ -5,9 +5,9 @@ The portable exchange (`comm.exchange.compute_local`) sorts token/expert pairs w
 stalls the host behind the GPU (so P could not be enqueued ahead of D). Here every step stays on
 the device:
 
-1. each (token, slot) pair gets its destination in expert-sorted order from one Triton launch
-   (`kernels.expert_sort`, decode sizes), a one-hot prefix sum (mid-sized batches) or a stable
-   argsort (large prefills), all sync-free;
+1. each (token, slot) pair gets its row in expert-sorted order, and each row its token, from
+   `kernels.expert_sort` (Triton: one launch at decode sizes, three past them; torch's one-hot
+   prefix sum or stable argsort where Triton does not run), all sync-free;
 2. `Experts.grouped_offsets` runs the expert MLPs as two `torch._grouped_mm` calls over the stacked
    expert weights, with the cumulative counts as group offsets (never a Python loop over experts);
 3. results return to pair order by index and are combined with the routing weights (with

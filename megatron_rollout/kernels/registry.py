@@ -11,8 +11,8 @@ A forward over paged KV needs three operations per layer, all on one layer's cac
 
 Index tensors come in `DecodeMeta` / `PrefillMeta` (built by `kernels.layout`); every index is
 int32 on the cache's device. Backends register by name; `resolve_attention("auto", device)` picks
-the first that can run there (`flash` where vLLM's FA3 imports on a Hopper GPU, for large prefills
-only; `triton` on CUDA when Triton imports; else `portable`). Asking for
+the first that can run there (`flash` on a Hopper GPU in a process that has imported vLLM, for
+large prefills only; `triton` on CUDA when Triton imports; else `portable`). Asking for
 a backend by name that cannot run raises with the reason and an install hint.
 
 The portable backend is the reference: plain PyTorch, one sequence at a time, on any device. It
@@ -119,6 +119,12 @@ class AttentionKernels(abc.ABC):
         """None when the backend can run on `device`; otherwise why not and how to fix it."""
 
     @classmethod
+    def auto_missing(cls, device: torch.device) -> str | None:
+        """As `missing`, for `resolve_attention("auto", ...)`: a backend may decline to be picked
+        unasked where it could run when asked for by name."""
+        return cls.missing(device)
+
+    @classmethod
     def for_auto(cls) -> "AttentionKernels":
         """The instance `resolve_attention("auto", ...)` returns (asked for by name: `cls()`)."""
         return cls()
@@ -154,8 +160,9 @@ class AttentionKernels(abc.ABC):
 
 _BACKENDS: dict[str, type[AttentionKernels]] = {}
 _AUTO_ORDER = ("flash", "triton", "portable")
-"""`auto` takes the first that runs: FA3 where vLLM's build of it imports (on Hopper; its prefill
-only from `flash.AUTO_MIN_PREFILL_TOKENS`, Triton below and for decode), else Triton, else torch."""
+"""`auto` takes the first that runs: FA3 where the process has imported vLLM and its FA3 build
+loads (on Hopper; its prefill only from `flash.AUTO_MIN_PREFILL_TOKENS`, Triton below and for
+decode), else Triton, else torch."""
 _LAZY = {"triton": "megatron_rollout.kernels.triton_attention",
          "varlen": "megatron_rollout.kernels.varlen",
          "flash": "megatron_rollout.kernels.flash"}
@@ -199,7 +206,7 @@ def resolve_attention(name: str, device: torch.device | str) -> AttentionKernels
         if isinstance(cls, str):
             log.info("attention backend %s unavailable: %s", candidate, cls)
             continue
-        why = cls.missing(device)
+        why = cls.auto_missing(device)
         if why is None:
             return cls.for_auto()
         log.info("attention backend %s cannot run on %s: %s", candidate, device, why)

@@ -261,10 +261,18 @@ def test_auto_takes_flash_first_as_its_auto_instance(monkeypatch):
     assert isinstance(resolve_attention("flash", "cpu"), FakeFlash) and FakeFlash.made == ["auto"]
 
 
-def test_flash_for_auto_holds_small_prefills_back():
+def test_flash_for_auto_holds_small_prefills_back(monkeypatch):
     pytest.importorskip("triton")
+    import sys
+
     from megatron_rollout.kernels import flash
 
+    monkeypatch.setattr(flash.FlashAttention, "missing", classmethod(lambda cls, device: None))
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    why = flash.FlashAttention.auto_missing(torch.device("cuda"))
+    assert why and "auto does not import it" in why  # vLLM's import would reset NCCL settings unasked
+    monkeypatch.setitem(sys.modules, "vllm", object())
+    assert flash.FlashAttention.auto_missing(torch.device("cuda")) is None
     assert flash.FlashAttention.for_auto().min_prefill_tokens == flash.AUTO_MIN_PREFILL_TOKENS
     assert flash.FlashAttention().min_prefill_tokens == 0  # asked for by name: every prefill
     with pytest.raises(ValueError, match="min_prefill_tokens must be >= 0"):
