@@ -107,7 +107,8 @@ def torch_layout(flat: torch.Tensor, num_experts: int, block_m: int, div: int = 
     ends = padded.cumsum(0, dtype=torch.int32)
     dest = ((ends - padded)[flat] + rank).long()
     rows = padded_rows(pairs, num_experts, block_m)
-    row_source = torch.full((rows,), -1, dtype=torch.int32, device=dev)
+    row_source = (torch.full((rows,), -1, dtype=torch.int32, device=dev) if block_m > 1  # padding rows
+                  else torch.empty(rows, dtype=torch.int32, device=dev))  # every row holds a pair
     row_source[dest] = torch.arange(pairs, dtype=torch.int32, device=dev) // div
     if block_m > 1:
         starts = torch.arange(0, rows, block_m, dtype=torch.int32, device=dev)
