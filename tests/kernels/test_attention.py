@@ -192,14 +192,12 @@ def _varlen_reference(q, k_pages, v_pages, *, max_seqlen_q, cu_seqlens_q, max_se
         out[a:b] = got
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_flash_backend_hands_the_library_every_span(device, monkeypatch):
-    """The flash backend's arguments, checked on any device against FA3's documented semantics
-    (a torch stand-in for the library): every span in one call, decode rows included, through the
-    block tables; a decode-only forward stays on Triton's kernel."""
+def _fake_fa3(monkeypatch) -> list[int]:
+    """Stand `_varlen_reference` in for FA3 in the flash backend; returns the list that records each
+    library call's span count."""
     from megatron_rollout.kernels import flash
 
-    calls = []
+    calls: list[int] = []
 
     def fake():
         def run(*args, **kw):
@@ -208,6 +206,17 @@ def test_flash_backend_hands_the_library_every_span(device, monkeypatch):
         return run
 
     monkeypatch.setattr(flash, "_fa3", fake)
+    return calls
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flash_backend_hands_the_library_every_span(device, monkeypatch):
+    """The flash backend's arguments, checked on any device against FA3's documented semantics
+    (a torch stand-in for the library): every span in one call, decode rows included, through the
+    block tables; a decode-only forward stays on Triton's kernel."""
+    from megatron_rollout.kernels import flash
+
+    calls = _fake_fa3(monkeypatch)
     kernels = flash.FlashAttention()
     spec = [(5, 1), (0, 7), (9, 13), (30, 1), (17, 40)]
     out, ref, cache, ref_cache = _case(device, spec, hq=8, hkv=2, d=32, bs=4, seed=11, kernels=kernels)
@@ -222,15 +231,7 @@ def test_flash_backend_leaves_small_prefills_to_triton(device, monkeypatch):
     """Below `min_prefill_tokens` (auto's threshold) a forward runs Triton's kernels, not the library."""
     from megatron_rollout.kernels import flash
 
-    calls = []
-
-    def fake():
-        def run(*args, **kw):
-            calls.append(kw["cu_seqlens_q"].numel() - 1)
-            return _varlen_reference(*args, **kw)
-        return run
-
-    monkeypatch.setattr(flash, "_fa3", fake)
+    calls = _fake_fa3(monkeypatch)
     spec = [(5, 1), (0, 7), (9, 13)]  # 20 prefill tokens
     for threshold, library_calls in ((21, []), (20, [len(spec)])):
         calls.clear()
