@@ -16,7 +16,8 @@ kernel saves and what the whole step gains, in one call that finishes in about a
    experts need it, beside the torch padded layout), graph-timed at the preset's experts and
    top-k for `--destinations` token counts: where `expert_sort.MAX_PAIRS` and the one-hot limit
    (`comm.exchange.ONE_HOT_LIMIT`) should sit, and what the Triton sort saves.
-   The router's launch shapes (`--router-tiles`, each also at top-1) at `--router-rows` tokens.
+   The router's launch shapes (`--router-tiles`, each also at top-1) at `--router-rows` tokens,
+   and the bf16 Triton experts' launch shapes (`--bf16-tiles`) at `--bf16-experts` tokens.
 3. FP8 experts (`kernels.moe_triton`, stacked e4m3) against the bf16 path (`kernels.moe.routed_experts`)
    on one MoE layer at the preset's sizes, for `--fp8-experts` token counts and a small grid of
    launch shapes (`--fp8-tiles`): graph-timed at decode sizes, eager at prefill sizes (milliseconds:
@@ -54,6 +55,9 @@ FP8_TILES = ("16/64/64/4/3,16/128/64/4/3,16/64/128/4/4,64/64/64/4/3,64/128/64/8/
              "128/64/64/4/3,128/128/128/8/3,64/128/128/8/4")
 
 
+BF16_TILES = "16/64/64/4/3,16/32/64/4/3,16/16/64/4/3,16/32/128/4/4,16/64/128/4/4,16/32/64/2/3"
+"""`moe_triton.DECODE_TILES` first, then smaller n-tiles (more programs when few experts are active)
+and longer k-tiles."""
 ROUTER_TILES = "128/4/4,128/4/4/2,128/4/4/4,128/4/4/8,128/2/4/8,64/4/4/8,128/8/4,256/8/3"
 """BLOCK_K/WARPS/STAGES[/SPLIT]: the default, the split kernel at 2-8 programs per row block, and the
 best two others of the seventh lease's grid (docs/kernels.md)."""
@@ -70,6 +74,10 @@ def parser() -> argparse.ArgumentParser:
                     help="token counts of the FP8-expert timings ('' skips them)")
     ap.add_argument("--fp8-tiles", default=FP8_TILES,
                     help="launch shapes BLOCK_M/N_CAP/K_CAP/WARPS/STAGES, comma-separated")
+    ap.add_argument("--bf16-experts", default="1,16,64",
+                    help="token counts of the bf16 Triton-expert tile grid ('' skips it)")
+    ap.add_argument("--bf16-tiles", default=BF16_TILES,
+                    help="its launch shapes BLOCK_M/N_CAP/K_CAP/WARPS/STAGES, comma-separated (the first: the default)")
     ap.add_argument("--router-tiles", default=ROUTER_TILES,
                     help="router launch shapes BLOCK_K/WARPS/STAGES[/SPLIT], comma-separated ('' skips the grid)")
     ap.add_argument("--router-rows", default="1,64", help="token counts of the router grid")
@@ -349,6 +357,60 @@ def time_router_tiles(cfg, rows_list: list[int], tiles_spec: str, iters: int, se
     return out
 
 
+def _tiles(spec: str) -> list:
+    from megatron_rollout.kernels import moe_triton
+
+    return [moe_triton.Tiles(*map(int, t.split("/"))) for t in spec.split(",") if t.strip()]
+
+
+def _random_experts(cfg, gen: torch.Generator):
+    """One MoE layer's experts at the preset's sizes, random bf16 weights (scale 0.02), stacked."""
+    from megatron_rollout.comm.facade import Shard
+    from megatron_rollout.model.layers import Experts
+
+    experts = Experts(cfg, Shard(), device="cuda")
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, device="cuda", generator=gen) * 0.02)
+    experts.restack()
+    return experts
+
+
+def _routing(cfg, tokens: int, num: int, gen: torch.Generator):
+    """Random inputs, distinct expert ids per token, and routing weights for `tokens` tokens."""
+    x = _randn((tokens, cfg.hidden_size), gen)
+    ids = torch.rand(tokens, num, device="cuda", generator=gen).topk(cfg.moe_router_topk, dim=-1).indices
+    return x, ids, torch.rand(tokens, cfg.moe_router_topk, device="cuda", generator=gen).bfloat16()
+
+
+def time_bf16_tiles(cfg, tokens_list: list[int], tiles_spec: str, iters: int, seed: int,
+                    rounds: int) -> list[dict[str, Any]]:
+    """The bf16 Triton experts (`moe_triton.routed_experts_triton`, what decode graphs run when
+    `choose_small_kernels` picks Triton) per launch shape at decode sizes, graph-timed, in
+    interleaved rounds: at a few rows only a few experts are active, so smaller n-tiles give more
+    programs to read their weights."""
+    from megatron_rollout.kernels import moe_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    experts = _random_experts(cfg, gen)
+    fc1, fc2 = experts.stacked()
+    rows = []
+    for tokens in tokens_list:
+        x, ids, w = _routing(cfg, tokens, experts.num_local, gen)
+        shapes = _tiles(tiles_spec)
+        with torch.no_grad():
+            outs = {t: moe_triton.routed_experts_triton(x, ids, w, fc1, fc2, 0, t).float() for t in shapes}  # compiles
+            ref = outs[shapes[0]]
+            variants = {t: (lambda t=t: graph_us([lambda: moe_triton.routed_experts_triton(x, ids, w, fc1, fc2, 0, t)],
+                                                 iters)) for t in shapes}
+            timed, compiles = interleaved_us(variants, rounds)
+        entry = [{"tiles": t.__dict__, **r, "rel_err_vs_first": float((outs[t] - ref).norm() / ref.norm())}
+                 for t, r in timed.items()]
+        rows.append({"tokens": tokens, "compiles": compiles, "shapes": entry,
+                     "best": min(entry, key=lambda r: r["us"])})
+    return rows
+
+
 def time_fp8_experts(cfg, tokens_list: list[int], tiles_spec: str, iters: int, seed: int,
                      rounds: int) -> list[dict[str, Any]]:
     """One MoE layer's routed experts: bf16 (`routed_experts`: its grouped GEMM at every size)
@@ -361,13 +423,9 @@ def time_fp8_experts(cfg, tokens_list: list[int], tiles_spec: str, iters: int, s
     from megatron_rollout.model import fp8
     from megatron_rollout.model.layers import Experts
 
-    tiles = [moe_triton.Tiles(*map(int, t.split("/"))) for t in tiles_spec.split(",") if t.strip()]
-    bf16 = Experts(cfg, Shard(), device="cuda")
+    tiles = _tiles(tiles_spec)
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    with torch.no_grad():
-        for p in bf16.parameters():
-            p.copy_(torch.randn(p.shape, device="cuda", generator=gen) * 0.02)
-    bf16.restack()
+    bf16 = _random_experts(cfg, gen)
     quantised = Experts(cfg, Shard(), device="cuda")
     quantised.load_state_dict(bf16.state_dict())
     for e in quantised.local_experts:
@@ -378,9 +436,7 @@ def time_fp8_experts(cfg, tokens_list: list[int], tiles_spec: str, iters: int, s
     num, topk = bf16.num_local, cfg.moe_router_topk
     rows = []
     for tokens in tokens_list:
-        x = _randn((tokens, cfg.hidden_size), gen)
-        ids = torch.rand(tokens, num, device="cuda", generator=gen).topk(topk, dim=-1).indices
-        w = torch.rand(tokens, topk, device="cuda", generator=gen).bfloat16()
+        x, ids, w = _routing(cfg, tokens, num, gen)
         large = tokens * topk >= moe.FP8_LARGE_ROWS * num
         time_us = (lambda fn: eager_us(fn, max(3, iters // 3))) if large else (lambda fn: graph_us([fn], iters))
         shapes = [t for t in tiles if (t.block_m > 16) == large]
@@ -426,6 +482,10 @@ def format_table(result: dict[str, Any]) -> str:
         b = r["best"] or {}
         lines.append(f"{'fp8 experts':<14}{r['tokens']:>6}  bf16 {r['bf16_us']:9.1f} us  best fp8 "
                      f"{b.get('us', float('nan')):9.1f} us {b.get('tiles', {})}")
+    for r in result.get("bf16_experts", []):
+        cells = "  ".join("{block_m}/{n_cap}/{k_cap}/{warps}/{stages}".format(**v["tiles"]) + f" {v['us']:.1f}"
+                          for v in r["shapes"])
+        lines.append(f"{'bf16 experts':<14}{r['tokens']:>6}  {cells}")
     for r in result.get("router_tiles", []):
         cells = "  ".join(f"{n} {v['us']:.1f}" for n, v in r["variants"].items())
         lines.append(f"{'router tiles':<14}{r['rows']:>6}  {cells}  -> {r['fastest']}")
@@ -470,6 +530,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     fp8_tokens = [int(t) for t in args.fp8_experts.split(",") if t.strip()]
     if fp8_tokens:
         result["fp8_experts"] = time_fp8_experts(cfg, fp8_tokens, args.fp8_tiles, args.iters, args.seed, args.rounds)
+    bf16_tokens = [int(t) for t in args.bf16_experts.split(",") if t.strip()]
+    if bf16_tokens and args.bf16_tiles and cfg.num_moe_experts:
+        result["bf16_experts"] = time_bf16_tiles(cfg, bf16_tokens, args.bf16_tiles, args.iters, args.seed, args.rounds)
     router_rows = [int(t) for t in args.router_rows.split(",") if t.strip()]
     if args.router_tiles and router_rows and cfg.num_moe_experts:
         result["router_tiles"] = time_router_tiles(cfg, router_rows, args.router_tiles, args.iters, args.seed,
@@ -481,7 +544,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["decode"] = time_decode(cfg, points, args.iters, args.seed, result["copy_bandwidth_gb_s"] * 1e9)
     compiles = sum(r["portable_compiles"] + r["fused_compiles"] for r in result["ops"])
     compiles += sum(r["compiles"] for r in result.get("destinations", []) + result.get("fp8_experts", [])
-                    + result.get("router_tiles", []))
+                    + result.get("router_tiles", []) + result.get("bf16_experts", []))
     if points:
         compiles += result["decode"]["portable_compiles"] + result["decode"]["fused_compiles"]
     result["compiles_in_timed_regions"] = compiles

@@ -35,7 +35,12 @@ def _fake_result() -> dict:
             "argsort": {"us": 41.5, "min_us": 41.0, "max_us": 42.0}, "compiles": 0, "faster": "argsort"}
     fp8 = {"tokens": 4096, "large": True, "compiles": 0, "bf16_us": 2500.0,
            "fp8": [], "best": {"us": 3100.0, "tiles": {"block_m": 128}, "over_bf16": 1.24}}
-    return {"ops": [op], "destinations": [sort], "fp8_experts": [fp8],
+    tiles = {"block_m": 16, "n_cap": 32, "k_cap": 64, "warps": 4, "stages": 3}
+    bf16 = {"tokens": 1, "compiles": 0, "shapes": [{"tiles": tiles, "us": 21.5, "rel_err_vs_first": 0.0}],
+            "best": {"tiles": tiles, "us": 21.5}}
+    router = {"rows": 1, "experts": 128, "topk": 8, "compiles": 0, "fastest": "128/4/4/8",
+              "variants": {"128/4/4": {"us": 13.5}, "128/4/4/8": {"us": 7.25}, "128/4/4 top-1": {"us": 11.2}}}
+    return {"ops": [op], "destinations": [sort], "fp8_experts": [fp8], "bf16_experts": [bf16], "router_tiles": [router],
             "decode": {"portable": [step], "fused": [dict(step, graph_ms=6.9, graph_over_roofline=1.58)]},
             "compiles_in_timed_regions": 0, "wall_s": 61.0}
 
@@ -72,3 +77,5 @@ def test_emit_writes_one_json_object_and_a_table(tmp_path):
     assert "compilations in timed regions: 0" in table
     assert "fp8 experts" in table and "3100.0" in table
     assert "expert sort" in table and "83.0" in table and "-> argsort" in table
+    assert "bf16 experts" in table and "16/32/64/4/3 21.5" in table
+    assert "router tiles" in table and "128/4/4/8 7.2" in table and "-> 128/4/4/8" in table
