@@ -71,14 +71,14 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
     if small == "triton" and n * k <= small_pairs and not _on_te(experts):
         from megatron_rollout.kernels.moe_triton import routed_experts_triton
 
-        return routed_experts_triton(x, ids, weights, *stacked, experts.first)
+        return routed_experts_triton(x, ids, weights, *stacked, experts.first, combine=_combine(experts))
     flat = ids.reshape(-1) - experts.first
     dest, source, _, offsets = expert_sort.layout(flat, experts.num_local, 1, div=k)  # source: each row's token
     xs = x.index_select(0, source)  # [P, H], expert-sorted: one gather, not a gather and a scatter
     ys = experts.grouped_offsets(xs, offsets)  # [P, H]
-    ops = experts.__dict__.get("_fused_ops")  # `kernels.fused`: gather back, weigh and sum in one kernel
-    if ops is not None:
-        return ops.combine(ys, dest.view(n, k), weights)
+    combine = _combine(experts)  # `kernels.fused`: gather back, weigh and sum in one kernel
+    if combine is not None:
+        return combine(ys, dest.view(n, k), weights)
     y = ys.index_select(0, dest).view(n, k, -1)  # back to pair order
     return (y * weights.unsqueeze(-1).to(y.dtype)).sum(1)
 
@@ -94,7 +94,14 @@ def _routed_experts_fp8(x, ids, weights, experts: Experts, fp8) -> torch.Tensor:
     fc1, fc2 = fp8
     large = ids.numel() >= FP8_LARGE_ROWS * experts.num_local
     return moe_triton.routed_experts_triton(x, ids, weights, fc1, fc2, experts.first,
-                                            moe_triton.LARGE_TILES if large else moe_triton.FP8_DECODE_TILES)
+                                            moe_triton.LARGE_TILES if large else moe_triton.FP8_DECODE_TILES,
+                                            combine=_combine(experts))
+
+
+def _combine(experts: Experts):
+    """The fused ops' combine (`kernels.fused.install_fused_ops`), or None where not installed."""
+    ops = experts.__dict__.get("_fused_ops")
+    return ops.combine if ops is not None else None
 
 
 def _on_te(experts: Experts) -> bool:

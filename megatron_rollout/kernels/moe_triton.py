@@ -9,8 +9,9 @@ each expert's rows into large M tiles; these kernels instead use 16-row tiles:
    per expert, and every 16-row block its expert (E past the end);
 2. `_fc1_swiglu_kernel`: program (block, n-tile) reads the block's token rows of x and the
    expert's gate and up rows of `linear_fc1.weight` for its n-tile, and writes silu(gate) * up;
-3. `_fc2_kernel`: program (block, n-tile) multiplies by `linear_fc2.weight` and scales each row
-   by its pair's routing weight; the caller sums the k rows of each token.
+3. `_fc2_kernel`: program (block, n-tile) multiplies by `linear_fc2.weight`; then the fused ops'
+   combine (where installed) weighs the rows and sums each token's k rows in one launch, or fc2
+   scales each row by its routing weight and torch sums them.
 
 fp32 accumulation, bf16 in and out. Blocks past the last expert exit at once, so the grid can be
 sized from the static bound `pairs + experts * 15` (CUDA graphs).
@@ -124,7 +125,8 @@ def _fc1_swiglu_kernel(X, W1, S1, Act, RowPair, BlockExpert, num_experts,
 @triton.jit
 def _fc2_kernel(Act, W2, S2, Y, RowPair, BlockExpert, Weights, num_experts,
                 H: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                SCALED: tl.constexpr, GN: tl.constexpr, GK: tl.constexpr, KG: tl.constexpr, SE: tl.constexpr):
+                SCALED: tl.constexpr, GN: tl.constexpr, GK: tl.constexpr, KG: tl.constexpr, SE: tl.constexpr,
+                WEIGHTED: tl.constexpr):
     b = tl.program_id(0)
     n = tl.program_id(1)
     e = tl.load(BlockExpert + b)
@@ -143,8 +145,9 @@ def _fc2_kernel(Act, W2, S2, Y, RowPair, BlockExpert, Weights, num_experts,
             w = tl.load(wbase + cols[:, None] * F + k0 + k[None, :])
             acc = _dot_tile(acc, a, w, S2, srow, k0, SCALED, GK, KG)
         acc = _scale_cols(acc, S2, srow, SCALED, KG)
-        scale = tl.load(Weights + tl.where(valid, pair, 0), mask=valid, other=0.0).to(tl.float32)
-        tl.store(Y + r64[:, None] * H + cols[None, :], (acc * scale[:, None]).to(Y.dtype.element_ty))
+        if WEIGHTED:  # else the caller's combine applies the routing weights
+            acc = acc * tl.load(Weights + tl.where(valid, pair, 0), mask=valid, other=0.0).to(tl.float32)[:, None]
+        tl.store(Y + r64[:, None] * H + cols[None, :], acc.to(Y.dtype.element_ty))
 
 
 def _tile(n: int, cap: int) -> int | None:
@@ -177,11 +180,14 @@ def _operand(fc: "torch.Tensor | StackedFP8", k_tile: int) -> tuple[torch.Tensor
 
 def routed_experts_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                           fc1: "torch.Tensor | StackedFP8", fc2: "torch.Tensor | StackedFP8", first: int = 0,
-                          tiles: Tiles = DECODE_TILES) -> torch.Tensor:
+                          tiles: Tiles = DECODE_TILES, combine=None) -> torch.Tensor:
     """sum_k weights[n, k] * MLP_{ids[n, k]}(x[n]). x: [N, H] bf16; ids, weights: [N, k];
     fc1: [E, 2F, H], fc2: [E, H, F], contiguous tensors in x's dtype or stacked FP8 experts
     (`model.fp8.StackedFP8`). `tiles`: the launch shape (16-row tiles for decode; larger ones
-    amortise weight reads over prefill-sized batches). Returns [N, H]."""
+    amortise weight reads over prefill-sized batches). `combine(ys, dest, weights)` (the fused
+    ops' `moe_combine`, where installed): the rows back to token order, weighted and summed in one
+    launch, as the grouped path does; else fc2 weighs its rows and torch gathers and sums them.
+    Returns [N, H]."""
     n, topk = ids.shape
     num_experts, two_f, hidden = (fc1.data if isinstance(fc1, StackedFP8) else fc1).shape
     ffn = two_f // 2
@@ -203,5 +209,8 @@ def routed_experts_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Ten
     w2, a2 = _operand(fc2, bk2)
     w = weights.reshape(-1).contiguous()
     _fc2_kernel[(blocks, hidden // bn2)](act, w2, a2.pop("scales"), y, row_pair, block_expert, w, num_experts,
-                                         H=hidden, F=ffn, BM=block_m, BN=bn2, BK=bk2, **a2, **launch)
+                                         H=hidden, F=ffn, BM=block_m, BN=bn2, BK=bk2, **a2,
+                                         WEIGHTED=combine is None, **launch)
+    if combine is not None:
+        return combine(y, dest.view(n, topk), weights)
     return y.index_select(0, dest).view(n, topk, hidden).sum(1)

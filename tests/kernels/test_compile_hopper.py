@@ -1,7 +1,7 @@
 """Kernels not yet run on a GPU compile for the H200 (sm_90) without one, with no spills.
 
-`kernels.expert_sort`'s kernels, the split router (`fused._router_split_kernel`) and the router
-kernel on the helpers it now shares with it.
+`kernels.expert_sort`'s kernels, the split router (`fused._router_split_kernel`), the router
+kernel on the helpers it now shares with it, and the Triton experts' fc2 without the weights.
 
 Why: the interpreter runs the kernels' logic on CPU but not Triton's compiler, which is stricter
 (globals must be constexpr, layouts must convert, registers must fit). Where Triton, `ptxas` and
@@ -20,7 +20,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from megatron_rollout.kernels import expert_sort, fused  # noqa: E402
+from megatron_rollout.kernels import expert_sort, fused, moe_triton  # noqa: E402
 
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 CUOBJDUMP = shutil.which("cuobjdump") or (str(_BIN / "cuobjdump") if (_BIN / "cuobjdump").exists() else None)
@@ -34,6 +34,8 @@ RANK = {"Flat": "*i64", "Base": "*i32", "Dest": "*i64", "RowSource": "*i32", "pa
 COUNT = {"Flat": "*i64", "Counts": "*i32", "pairs": "i32"}
 ROUTER = {"X": "*bf16", "W": "*bf16", "Logits": "*fp32", "Arrived": "*i32", "Wout": "*bf16", "Ids": "*i64",
           "n_rows": "i32", "stride_x": "i32"}
+FC2 = {"Act": "*bf16", "W2": "*bf16", "S2": "*bf16", "Y": "*bf16", "RowPair": "*i32", "BlockExpert": "*i32",
+       "Weights": "*bf16", "num_experts": "i32"}
 SORT = dict(num_warps=4)
 CASES = [  # (module, kernel, pointer/int signature, constexprs, options): the preset's sizes
     (expert_sort, "_layout_kernel", LAYOUT, dict(E=128, E_P=128, BM=16, DIV=1, C=expert_sort.CHUNK,
@@ -51,6 +53,8 @@ CASES = [  # (module, kernel, pointer/int signature, constexprs, options): the p
     (fused, "_router_kernel", {k: v for k, v in ROUTER.items() if k not in ("Logits", "Arrived")},
      dict(H=2048, E=128, E_P=128, TOPK=8, TOPK_P=8, RENORM=True, BM=fused.ROUTER_BLOCK_M, BK=128, DOT_FP32=False),
      dict(num_warps=4, num_stages=4)),  # the one-program kernel, on the helpers it now shares
+    (moe_triton, "_fc2_kernel", FC2, dict(H=2048, F=768, BM=16, BN=64, BK=64, SCALED=False, GN=1, GK=1, KG=1, SE=1,
+                                          WEIGHTED=False), dict(num_warps=4, num_stages=3)),  # weights by the combine
 ]
 
 

@@ -206,6 +206,10 @@ def test_triton_small_batch_experts_match_loop(device, tokens, monkeypatch):
             gate, up = (fc1[ex].double().cpu() @ x[n].double().cpu()).chunk(2)
             ref[n] += float(w[n, j]) * (fc2[ex].double().cpu() @ (torch.nn.functional.silu(gate) * up))
     assert _rel(out.cpu(), ref) < (2e-2 if device == "cuda" else 1e-5)
+    from megatron_rollout.kernels import fused
+
+    combined = routed_experts_triton(x, ids, w, fc1, fc2, combine=fused.moe_combine)  # weights applied by it
+    assert _rel(combined.cpu(), ref) < (2e-2 if device == "cuda" else 1e-5)
     dest, row_pair, block_expert = padded_layout(ids.reshape(-1), e)
     assert torch.equal(row_pair[dest].long().cpu(), torch.arange(tokens * k))
     blocks = block_expert.cpu().tolist()
