@@ -62,6 +62,9 @@ from megatron_rollout.trace.make import PROFILES, make_trace, max_context
 log = logging.getLogger("megatron_rollout.bench")
 
 BASE_SCHEDULES = ("off", "chunked", "mux")
+MICRO_PARTS = ("decode", "prefill", "attention", "experts", "overlap")
+"""`bench.micro`'s parts; `overlap` times decode replays while a prefill runs on the other stream
+(D at high priority, at equal priority, on green-context SM partitions)."""
 ABLATIONS = (("mux-epoch", "mux@fixed:1000000000"), ("mux-load", "mux@load"))
 """The paper's ablation beside `mux` (its default policy): one segment per epoch (whole-epoch
 asynchronous enqueue) and LoadSelected's fine segments."""
@@ -118,6 +121,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--schedule-budget-s", type=float, default=120.0, help="time limit of one replay")
     ap.add_argument("--deadline-s", type=float, default=520.0, help="whole run, the peer included")
     ap.add_argument("--micro", action=argparse.BooleanOptionalAction, default=False)
+    ap.add_argument("--micro-parts", default=",".join(MICRO_PARTS),
+                    help=f"which micro-benchmarks --micro runs, comma-separated, of {','.join(MICRO_PARTS)}")
     ap.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=None, help="default: on CUDA")
     ap.add_argument("--vllm-site", default="/tmp/pv/site", help="where the vLLM bundle was unpacked")
     ap.add_argument("--vllm-budgets", default="default,best",
@@ -224,13 +229,21 @@ def _engine_config(run: Run, schedule: str, span: str | None, budget: int, ahead
     return EngineConfig(**kw)
 
 
+def _micro_parts(spec: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in spec.split(",") if n.strip())
+    unknown = [n for n in names if n not in MICRO_PARTS]
+    if unknown:
+        raise SystemExit(f"--micro-parts: unknown part(s) {unknown}; choose from {list(MICRO_PARTS)}")
+    return names
+
+
 def _expert_small(model) -> str | None:
     exchange = getattr(getattr(model, "comm", None), "device_exchange", None)
     return getattr(exchange, "small", None)
 
 
 def run_micro(model: MoETransformer, cfg: ModelConfig, args, costs, bandwidth: float, peak: float,
-              names: tuple[str, ...] = ("decode", "prefill", "attention", "experts")) -> dict:
+              names: tuple[str, ...] = MICRO_PARTS) -> dict:
     from megatron_rollout.bench import micro
     from megatron_rollout.engine.cuda_runner import CudaRunner, CudaRunnerConfig
     from megatron_rollout.kv.paged import PagedKVCache
@@ -629,6 +642,7 @@ def _max_model_len(args, cfg: ModelConfig, trace: list) -> int:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parser().parse_args(argv)
+    micro_parts = _micro_parts(args.micro_parts)  # a typo fails here, not after the model is built
     t_start = time.perf_counter()
     deadline_total = t_start + args.deadline_s
     out = Path(os.path.expandvars(args.out))
@@ -686,7 +700,7 @@ def main(argv: list[str] | None = None) -> int:
         result["model_build_s"] = time.perf_counter() - t0
     _write(out, result)
     if args.micro and cuda:
-        result["micro"] = run_micro(run.model, cfg, args, costs, bandwidth, peak)
+        result["micro"] = run_micro(run.model, cfg, args, costs, bandwidth, peak, micro_parts)
         gc.collect()
         torch.cuda.empty_cache()
         _write(out, result)

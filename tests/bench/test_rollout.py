@@ -203,3 +203,11 @@ def test_sampled_replays_run_every_turn_and_refuse_the_peer(tmp_path):
         assert result["schedules"][name]["repeats"][0]["report"]["output_tokens"] == result["trace"]["output_tokens"]
     with pytest.raises(SystemExit, match="drop --vllm"):
         rollout.main(["--model", "tiny-moe", "--device", "cpu", "--temperature", "1", "--vllm", "--out", str(tmp_path)])
+
+
+def test_unknown_micro_parts_are_named_before_any_work(tmp_path):
+    with pytest.raises(SystemExit, match=r"--micro-parts: unknown part\(s\) \['overlapp'\]"):
+        rollout.main(["--model", "tiny-moe", "--device", "cpu", "--micro", "--micro-parts", "decode,overlapp",
+                      "--out", str(tmp_path)])
+    assert rollout._micro_parts("decode, overlap") == ("decode", "overlap")
+    assert "overlap" in rollout.MICRO_PARTS
