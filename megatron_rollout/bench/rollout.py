@@ -73,7 +73,7 @@ PROFILE_SIZES = {"current": (16, 0.1), "prefill": (24, 1.0), "decode": (16, 0.25
 SWEEP_SHARE = 0.4
 """Most of our stages' time the budget sweep may take."""
 REPORT_FIGURES = ("makespan_s", "p50_request_s", "p99_request_s", "p99_trajectory_s", "mean_ttft_s", "p99_ttft_s",
-                  "mean_decode_wait_ms", "tokens_per_s")
+                  "mean_queue_s", "mean_prefill_s", "mean_decode_wait_ms", "tokens_per_s")
 TARGETS = {
     "current": {"best_over_vllm": 1.0},
     "prefill": {"mux_over_best_baseline": 0.85, "mux_over_vllm": 0.8, "mux_p99_request_over_best_baseline": 0.7,

@@ -120,6 +120,8 @@ class RequestTimes:
     arrival: float
     first_token: float | None
     finish: float
+    admitted: float | None = None
+    """When its prefill was first planned (the scheduler admitted it); None where not recorded."""
 
 
 @dataclass(frozen=True)

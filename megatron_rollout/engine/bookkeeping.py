@@ -302,6 +302,7 @@ class RequestTable:
         req = self.requests[chunk.rid]
         seq = req.seq
         req.stage = Stage.PREFILL
+        req.admitted = req.admitted or time.perf_counter()
         self.pool.reserve(seq.sid, seq.computed + chunk.tokens)
         span = SeqSpan(tuple(self.pool.table(seq.sid)), seq.computed, chunk.tokens)
         row = SpanInput(span, seq.tokens[seq.computed:seq.computed + chunk.tokens], chunk.completes)

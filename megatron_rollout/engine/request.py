@@ -60,10 +60,12 @@ class Request:
     generator: torch.Generator | None = None
     arrival: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
+    admitted: float | None = None
+    """When its first prefill row was built (admission); TTFT = queue (admitted - arrival) + the rest."""
     ready_at: float | None = None
     """When its pending token was sampled (decode wait is measured from here)."""
 
     def finish(self, reason: FinishReason, error: str | None = None) -> RequestOutput:
         result = GenerationResult(list(self.output), list(self.logprobs), reason, list(self.versions), error)
-        times = RequestTimes(self.arrival, self.first_token, time.perf_counter())
+        times = RequestTimes(self.arrival, self.first_token, time.perf_counter(), self.admitted)
         return RequestOutput(self.rid, result, times, self.prompt_tokens)

@@ -9,8 +9,10 @@ and the engine's mean decode wait. Definitions:
 - trajectory completion = last finish - first arrival of a conversation, over conversations none
   of whose requests failed (a cut trajectory would look short);
 - makespan = last finish of any request - replay start; tokens/s = output tokens / makespan;
-- TTFT = first_token - arrival; percentiles are numpy's default (linear interpolation between
-  the two closest ranks, `np.percentile(..., method="linear")`).
+- TTFT = first_token - arrival, split in its means into the queue (admitted - arrival, admitted
+  = when the scheduler first planned the request's prefill) and the prefill (first_token -
+  admitted); percentiles are numpy's default (linear interpolation between the two closest
+  ranks, `np.percentile(..., method="linear")`).
 
 Latency and token figures count completed requests only: those that generated every token the
 trace asked for. A request that stopped short (finish `length` because the context was full:
@@ -69,6 +71,12 @@ class ReplayReport:
     """Trajectory completion (last finish - first arrival) p99, over unfailed conversations."""
     mean_ttft_s: float
     p99_ttft_s: float
+    mean_queue_s: float
+    """Mean admitted - arrival: how long a request waited for the scheduler to admit its prefill
+    (under `off` and `mux` for the epoch in flight to end). NaN where admission was not recorded."""
+    mean_prefill_s: float
+    """Mean first_token - admitted: the rest of TTFT, its prefill (stretched under `mux` by the
+    decode iterations between its segments)."""
     mean_decode_wait_ms: float
     """As the engine measured it (time a ready decode row waited for its iteration)."""
     tokens_per_s: float
@@ -90,7 +98,8 @@ class ReplayReport:
                 f"makespan {self.makespan_s:.3f} s, {self.tokens_per_s:.1f} tok/s; request p50 "
                 f"{self.p50_request_s:.3f} s p99 {self.p99_request_s:.3f} s; trajectory p99 "
                 f"{self.p99_trajectory_s:.3f} s; TTFT mean {self.mean_ttft_s:.3f} s p99 "
-                f"{self.p99_ttft_s:.3f} s; decode wait {self.mean_decode_wait_ms:.2f} ms")
+                f"{self.p99_ttft_s:.3f} s (queue {self.mean_queue_s:.3f} s, prefill {self.mean_prefill_s:.3f} s); "
+                f"decode wait {self.mean_decode_wait_ms:.2f} ms")
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -149,6 +158,7 @@ def build_report(outputs: Sequence[RequestOutput], conversation_of: Mapping[int,
     makespan = max((o.times.finish for o in outputs), default=start) - start
     output_tokens = sum(len(o.result.token_ids) for o in done)
     ttfts = [o.times.first_token - o.times.arrival for o in done if o.times.first_token is not None]
+    admitted = [o.times for o in done if o.times.first_token is not None and o.times.admitted is not None]
     completions = [o.times.finish - o.times.arrival for o in done]
     sched = schedule.value if isinstance(schedule, Schedule) else (schedule or "")
     return ReplayReport(
@@ -166,6 +176,8 @@ def build_report(outputs: Sequence[RequestOutput], conversation_of: Mapping[int,
         p99_trajectory_s=_percentile([last - first for first, last in spans.values()], 99),
         mean_ttft_s=_mean(ttfts),
         p99_ttft_s=_percentile(ttfts, 99),
+        mean_queue_s=_mean([t.admitted - t.arrival for t in admitted]),
+        mean_prefill_s=_mean([t.first_token - t.admitted for t in admitted]),
         mean_decode_wait_ms=float(mean_decode_wait_ms),
         tokens_per_s=output_tokens / makespan if makespan > 0 else math.nan,
     )

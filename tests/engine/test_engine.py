@@ -136,3 +136,16 @@ def test_release_and_reclaim_kv(make_engine, qwen):
     assert engine.stats.prefill_tokens - before == len(full_context)
     assert_same([out.result], reference(make_engine, model, [full_context], params))
     session.close()
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_requests_record_their_admission_between_arrival_and_first_token(make_engine, qwen, schedule):
+    """`RequestTimes.admitted` (what splits TTFT into queue and prefill in the replay report)."""
+    _, model = qwen
+    engine = make_engine(model, schedule=schedule, **SMALL)
+    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_new_tokens=3)) for p in prompts([9, 4, 14], 3)]
+    outs = drain(engine)
+    assert sorted(outs) == sorted(ids)
+    for out in outs.values():
+        t = out.times
+        assert t.admitted is not None and t.arrival <= t.admitted <= t.first_token <= t.finish

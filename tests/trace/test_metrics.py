@@ -7,12 +7,24 @@ from megatron_rollout.engine.api import FinishReason, GenerationResult, RequestO
 from megatron_rollout.trace.metrics import build_report
 
 
-def _out(rid, arrival, first, finish, n_out=2, prompt=10, error=False):
+def _out(rid, arrival, first, finish, n_out=2, prompt=10, error=False, admitted=None):
     reason = FinishReason.ERROR if error else FinishReason.LENGTH
     tokens = [] if error else [1] * n_out
     result = GenerationResult(tokens, [0.0] * len(tokens), reason, [0] * len(tokens),
                               error="too long" if error else None)
-    return RequestOutput(rid, result, RequestTimes(arrival, first, finish), prompt)
+    return RequestOutput(rid, result, RequestTimes(arrival, first, finish, admitted), prompt)
+
+
+def test_ttft_splits_into_queue_and_prefill_where_admission_was_recorded():
+    outputs = [_out(0, 10.0, 10.5, 11.0, admitted=10.2),  # queue 0.2, prefill 0.3
+               _out(1, 10.0, 11.0, 12.0, admitted=10.6),  # queue 0.6, prefill 0.4
+               _out(2, 10.0, 10.4, 12.0)]  # no admission mark (a peer's request): TTFT only
+    report = build_report(outputs, {0: "a", 1: "b", 2: "c"}, start=10.0, mean_decode_wait_ms=0.0)
+    assert report.mean_ttft_s == pytest.approx((0.5 + 1.0 + 0.4) / 3)
+    assert report.mean_queue_s == pytest.approx(0.4)
+    assert report.mean_prefill_s == pytest.approx(0.35)
+    none = build_report(outputs[2:], {2: "c"}, start=10.0, mean_decode_wait_ms=0.0).to_dict()
+    assert none["mean_queue_s"] is None and none["mean_prefill_s"] is None
 
 
 def test_report_values_by_hand():
