@@ -405,6 +405,8 @@ def ratios(result: dict) -> dict[str, float | None]:
     out["mux_p99_request_over_best_baseline"] = _ratio(med("mux", "p99_request_s"), med(best_base, "p99_request_s")) \
         if best_base else None
     out["mux_ttft_over_off"] = _ratio(med("mux", "mean_ttft_s"), med("off", "mean_ttft_s"))
+    for half in ("queue", "prefill"):  # which half of TTFT grew (the request's admission splits it)
+        out[f"mux_{half}_over_off"] = _ratio(med("mux", f"mean_{half}_s"), med("off", f"mean_{half}_s"))
     out["mux_epoch_over_mux"] = _ratio(med(ABLATIONS[0][0]), med("mux"))
     out["mux_load_over_mux"] = _ratio(med(ABLATIONS[1][0]), med("mux"))
     out["best_over_vllm"] = _ratio(min((med(n) for n in ours), default=None), vllm) if ours else None

@@ -159,6 +159,11 @@ def test_ratios_are_medians_over_medians_against_the_peer():
     assert r["mux_over_best_baseline"] == pytest.approx(6 / 8)
     assert r["mux_p99_request_over_best_baseline"] == pytest.approx(1 / 4)  # chunked is the best baseline
     assert r["mux_ttft_over_off"] == pytest.approx(3.0)
+    assert r["mux_queue_over_off"] is None  # no admission marks in these medians
+    result["schedules"]["off"]["median"].update(mean_queue_s=0.04, mean_prefill_s=0.06)
+    result["schedules"]["mux"]["median"].update(mean_queue_s=0.08, mean_prefill_s=0.22)
+    r = rollout.ratios(result)
+    assert r["mux_queue_over_off"] == pytest.approx(2.0) and r["mux_prefill_over_off"] == pytest.approx(0.22 / 0.06)
     assert r["best_over_vllm"] == pytest.approx(6 / 5) and r["mux_over_vllm"] == pytest.approx(6 / 5)
     assert r["mux_epoch_over_mux"] == pytest.approx(1.5) and r["mux_over_lower_bound"] == pytest.approx(2.0)
     assert r["mux_over_off@4096"] == pytest.approx(0.75) and r["mux_over_chunked@4096"] is None
