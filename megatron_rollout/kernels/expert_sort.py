@@ -55,6 +55,7 @@ CHUNKED = 128
 FILL = 1024
 """Rows one store of the -1 fill covers (one program fills up to pairs + E * (block_m - 1) rows)."""
 MAX_EXPERTS = 256
+"""Most experts the kernels hold in registers ([chunk, experts] one-hot); more keep the torch layout."""
 CHUNK = 64
 """Pairs per register tile: [CHUNK, experts] int32 one-hot."""
 

@@ -23,8 +23,8 @@ exchanges are sync-free when the comm consumes counts on the device (`CommConfig
 `install_device_exchange` only stacks the experts so that they run as grouped GEMMs there
 (`comm.exchange.compute_local_sync_free`). FP8 experts (`model.fp8.stack_experts_fp8`) run the Triton
 kernels of `kernels.moe_triton` at every batch size, sync-free too. Left out: FP8 experts on a
-multi-rank exchange, and capacity factors / token dropping. `sorted_destinations` lives in
-`comm.exchange` (the distributed exchanges use it too) and is re-exported here.
+multi-rank exchange, and capacity factors / token dropping. The expert sort is
+`kernels.expert_sort`; the distributed exchanges use `comm.exchange.sorted_destinations`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import logging
 
 import torch
 
-from megatron_rollout.comm import exchange as _exchange
 from megatron_rollout.comm.exchange import ExpertExchange, compute_local
 from megatron_rollout.comm.facade import LocalComm
 from megatron_rollout.kernels import expert_sort
@@ -41,15 +40,6 @@ from megatron_rollout.model.fp8 import stacked_experts_fp8
 from megatron_rollout.model.layers import Experts, MoELayer
 
 log = logging.getLogger(__name__)
-
-ONE_HOT_LIMIT = _exchange.ONE_HOT_LIMIT
-"""Pairs x experts up to which `sorted_destinations` uses the one-hot prefix sum (capturable, a few MB)."""
-
-
-def sorted_destinations(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`comm.exchange.sorted_destinations` with this module's `ONE_HOT_LIMIT`."""
-    return _exchange.sorted_destinations(flat, num_experts, ONE_HOT_LIMIT)
-
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts,
                    small: str = "grouped_mm", small_pairs: int = 0) -> torch.Tensor:

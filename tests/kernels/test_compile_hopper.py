@@ -24,8 +24,8 @@ from megatron_rollout.kernels import expert_sort, fused, moe_triton  # noqa: E40
 
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 CUOBJDUMP = shutil.which("cuobjdump") or (str(_BIN / "cuobjdump") if (_BIN / "cuobjdump").exists() else None)
-pytestmark = pytest.mark.skipif(CUOBJDUMP is None or shutil.which("ptxas") is None and not (_BIN / "ptxas").exists(),
-                                reason="needs ptxas and cuobjdump")
+PTXAS = shutil.which("ptxas") or (_BIN / "ptxas").exists()
+pytestmark = pytest.mark.skipif(CUOBJDUMP is None or not PTXAS, reason="needs ptxas and cuobjdump")
 LAYOUT = {"Flat": "*i64", "Dest": "*i64", "RowSource": "*i32", "BlockExpert": "*i32", "Ends": "*i32", "pairs": "i32",
           "rows": "i32", "blocks": "i32"}
 SCAN = {"Base": "*i32", "Ends": "*i32", "RowSource": "*i32", "BlockExpert": "*i32", "chunks": "i32", "rows": "i32",

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import megatron_rollout.kernels.moe as moe
-from megatron_rollout.comm.exchange import compute_local
+from megatron_rollout.comm.exchange import compute_local, sorted_destinations
 from megatron_rollout.comm.facade import LocalComm
 from megatron_rollout.kernels import expert_sort
-from megatron_rollout.kernels.moe import DeviceLocalComm, install_device_exchange, routed_experts, sorted_destinations
+from megatron_rollout.kernels.moe import DeviceLocalComm, install_device_exchange, routed_experts
 from megatron_rollout.model.config import ModelConfig
 from megatron_rollout.model.transformer import MoETransformer
 
@@ -31,11 +31,10 @@ def _moe_cfg(**kw) -> ModelConfig:
 
 
 @pytest.mark.parametrize("one_hot", [True, False])
-def test_sorted_destinations_is_a_stable_expert_sort(monkeypatch, one_hot):
-    monkeypatch.setattr(moe, "ONE_HOT_LIMIT", 1 << 30 if one_hot else 0)
+def test_sorted_destinations_is_a_stable_expert_sort(one_hot):
     gen = torch.Generator().manual_seed(0)
     flat = torch.randint(0, 7, (200,), generator=gen)
-    dest, offsets = sorted_destinations(flat, 9)
+    dest, offsets = sorted_destinations(flat, 9, 1 << 30 if one_hot else 0)
     order = torch.argsort(flat, stable=True)
     expect = torch.empty_like(order)
     expect[order] = torch.arange(200)
