@@ -55,12 +55,12 @@ FP8_TILES = ("16/64/64/4/3,16/128/64/4/3,16/64/128/4/4,64/64/64/4/3,64/128/64/8/
              "128/64/64/4/3,128/128/128/8/3,64/128/128/8/4")
 
 
-BF16_TILES = "16/64/64/4/3,16/32/64/4/3,16/16/64/4/3,16/32/128/4/4,16/64/128/4/4,16/32/64/2/3"
-"""`moe_triton.DECODE_TILES` first, then smaller n-tiles (more programs when few experts are active)
-and longer k-tiles."""
-ROUTER_TILES = "128/4/4,128/4/4/2,128/4/4/4,128/4/4/8,128/2/4/8,64/4/4/8,128/8/4,256/8/3"
-"""BLOCK_K/WARPS/STAGES[/SPLIT]: the default, the split kernel at 2-8 programs per row block, and the
-best two others of the seventh lease's grid (docs/kernels.md)."""
+BF16_TILES = "16/64/128/4/4,16/64/64/4/3,16/32/128/4/4,16/64/256/4/4,16/128/128/4/4,16/64/128/8/4,16/64/128/4/5"
+"""`moe_triton.DECODE_TILES` first, then the previous default, and neighbours in each dimension
+(seventh lease's grid, docs/kernels.md)."""
+ROUTER_TILES = "128/4/4/8,128/4/4/1,128/4/4/4,128/2/4/8,64/4/4/8,256/4/4/8"
+"""BLOCK_K/WARPS/STAGES[/SPLIT]: the default (8 programs per row block), one program reading the
+whole weight, 4, and neighbours of the default in the other dimensions."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -68,7 +68,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="qwen3-30b-a3b-12l", help="model preset (sizes of the ops and the step)")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="token counts of the per-op timings")
     ap.add_argument("--decode", default="1x2048,64x2048", help="decode points ROWSxCONTEXT ('' skips the step)")
-    ap.add_argument("--destinations", default="64,512,1024,2048,4096,8192",
+    ap.add_argument("--destinations", default="1,8,16,32,64,512,1024,2048,4096,8192",
                     help="token counts of the expert-sort timings ('' skips them)")
     ap.add_argument("--fp8-experts", default="64,1024,4096",
                     help="token counts of the FP8-expert timings ('' skips them)")
@@ -289,7 +289,8 @@ def interleaved_us(variants: dict[str, Callable[[], float]], rounds: int) -> tup
     return out, compiles
 
 
-SORT_VARIANTS = ("one_hot", "argsort", "torch", "triton", "padded_torch", "padded_triton")
+SORT_VARIANTS = ("one_hot", "argsort", "torch", "triton", "padded_torch", "padded_triton", "padded_one",
+                 "padded_three")
 
 
 def time_destinations(cfg, tokens_list: list[int], iters: int, seed: int, rounds: int) -> list[dict[str, Any]]:
@@ -297,7 +298,8 @@ def time_destinations(cfg, tokens_list: list[int], iters: int, seed: int, rounds
     one-hot prefix sum and by stable argsort; the grouped path's whole layout (with each row's
     token) in torch (`torch`: `expert_sort.torch_layout`) and in Triton (`triton`: one launch up to
     `expert_sort.MAX_PAIRS` pairs, three past it); and the padded layout of the Triton experts
-    (16-row blocks) both ways. `faster` compares the unpadded variants."""
+    (16-row blocks) both ways, and with each Triton path forced (`padded_one`, `padded_three`) up
+    to 4 x `MAX_PAIRS` pairs. `faster` compares the unpadded variants."""
     from megatron_rollout.comm.exchange import sorted_destinations
     from megatron_rollout.kernels import expert_sort, moe_triton
 
@@ -318,6 +320,10 @@ def time_destinations(cfg, tokens_list: list[int], iters: int, seed: int, rounds
             variants["triton"] = timing(lambda f: expert_sort.expert_layout(f, experts, 1, div=topk))
             variants["padded_torch"] = timing(lambda f: expert_sort.torch_layout(f, experts, moe_triton.BLOCK_M))
             variants["padded_triton"] = timing(lambda f: expert_sort.expert_layout(f, experts, moe_triton.BLOCK_M))
+            if tokens * topk <= 4 * expert_sort.MAX_PAIRS:  # where MAX_PAIRS is decided: each path forced
+                for name, cap in (("padded_one", 1 << 62), ("padded_three", 0)):
+                    variants[name] = timing(lambda f, cap=cap: expert_sort.expert_layout(
+                        f, experts, moe_triton.BLOCK_M, max_pairs=cap))
         timed, compiles = interleaved_us(variants, rounds)
         unpadded = [n for n in timed if not n.startswith("padded")]
         rows.append({"tokens": tokens, "pairs": tokens * topk, "experts": experts, **timed, "compiles": compiles,

@@ -73,8 +73,25 @@ def padded_rows(pairs: int, num_experts: int, block_m: int) -> int:
     return -(-(pairs + num_experts * (block_m - 1)) // block_m) * block_m
 
 
+def active_blocks(pairs: int, num_experts: int, block_m: int) -> int:
+    """A static bound on the blocks that hold pairs, the programs worth launching: the padded
+    layout puts them first, and each of the at most min(pairs, E) experts present pads at most
+    block_m - 1 rows. At 1 decode row (8 pairs) that is 8 blocks of `padded_rows`' 121; from a few
+    rows on, the two bounds meet."""
+    used = pairs + (block_m - 1) * min(pairs, num_experts)
+    return min(-(-used // block_m), padded_rows(pairs, num_experts, block_m) // block_m)
+
+
+def _device_key(device: torch.device | str) -> str:
+    """One name per physical device: `cuda` and `cuda:0` (the current device) are the same key."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
+
+
 _REFUSED: dict[str, str] = {}
-"""Devices (by `str(device)`) whose `self_check` failed, and why: the torch layout serves them."""
+"""Devices (by `_device_key`) whose `self_check` failed, and why: the torch layout serves them."""
 _CHECKED: set[tuple[str, int, int]] = set()
 """(device, experts, top-k) that `self_check` passed in this process."""
 
@@ -83,7 +100,7 @@ def runnable(flat: torch.Tensor, num_experts: int) -> bool:
     """The kernels can lay out these pairs: Triton present, on CUDA (or interpreting), some pairs,
     at most `MAX_EXPERTS` experts, a device whose `self_check` did not fail."""
     return (triton is not None and (flat.is_cuda or interpreting()) and flat.numel() > 0
-            and 0 < num_experts <= MAX_EXPERTS and str(flat.device) not in _REFUSED)
+            and 0 < num_experts <= MAX_EXPERTS and _device_key(flat.device) not in _REFUSED)
 
 
 def layout(flat: torch.Tensor, num_experts: int, block_m: int, div: int = 1) -> ExpertLayout:
@@ -123,30 +140,32 @@ def self_check(device: torch.device, num_experts: int, topk: int = 8) -> str | N
     """Lay out random pairs both ways on `device` (one launch and three; padded and not) and
     compare bit for bit. On a mismatch or a kernel that does not build, the device is refused
     (`runnable` is False there: the torch layout serves it) and the reason returned; else None."""
-    key = (str(device), num_experts, topk)
+    name = _device_key(device)
+    key = (name, num_experts, topk)
     if triton is None or not 0 < num_experts <= MAX_EXPERTS or key in _CHECKED:
-        return _REFUSED.get(str(device))
+        return _REFUSED.get(name)
     gen = torch.Generator(device=device).manual_seed(0)
     try:
         for pairs in (MAX_PAIRS, 8 * MAX_PAIRS + 3):
             flat = torch.randint(0, num_experts, (pairs,), device=device, generator=gen)
             for block_m, div in ((1, topk), (16, 1)):
                 got, ref = expert_layout(flat, num_experts, block_m, div), torch_layout(flat, num_experts, block_m, div)
-                for name, a, b in zip(ExpertLayout._fields, got, ref):
+                for field, a, b in zip(ExpertLayout._fields, got, ref):
                     if not torch.equal(a, b):
-                        raise ValueError(f"{name} differs from the torch layout at {pairs} pairs, block_m {block_m}")
+                        raise ValueError(f"{field} differs from the torch layout at {pairs} pairs, block_m {block_m}")
     except Exception as exc:  # any failure means: do not use the kernels on this device
-        _REFUSED[str(device)] = f"{type(exc).__name__}: {exc}"
-        log.warning("expert sort kernels refused on %s: %s", device, _REFUSED[str(device)])
-        return _REFUSED[str(device)]
+        _REFUSED[name] = f"{type(exc).__name__}: {exc}"
+        log.warning("expert sort kernels refused on %s: %s", name, _REFUSED[name])
+        return _REFUSED[name]
     _CHECKED.add(key)
     return None
 
 
-def expert_layout(flat: torch.Tensor, num_experts: int, block_m: int, div: int = 1) -> ExpertLayout:
-    """flat: [P] expert of each pair, in [0, num_experts). One launch up to `MAX_PAIRS` pairs, three
-    past it (see the module docstring). `div`: rows hold pair // div (top-k: the token a row
-    reads). Callers check `runnable` first (or call `layout`)."""
+def expert_layout(flat: torch.Tensor, num_experts: int, block_m: int, div: int = 1,
+                  max_pairs: int = MAX_PAIRS) -> ExpertLayout:
+    """flat: [P] expert of each pair, in [0, num_experts). One launch up to `max_pairs` pairs, three
+    past it (see the module docstring; `bench.kernels` forces each path). `div`: rows hold
+    pair // div (top-k: the token a row reads). Callers check `runnable` first (or call `layout`)."""
     if block_m < 1 or div < 1:
         raise ValueError(f"block_m and div must be positive, got {block_m} and {div}")
     pairs = flat.numel()
@@ -160,7 +179,7 @@ def expert_layout(flat: torch.Tensor, num_experts: int, block_m: int, div: int =
     ends = torch.empty(num_experts, dtype=torch.int32, device=dev)
     e_p = max(16, triton.next_power_of_2(num_experts))
     shape = dict(E=num_experts, E_P=e_p, BM=block_m, FILL=FILL)
-    if pairs <= MAX_PAIRS:
+    if pairs <= max_pairs:
         _layout_kernel[(1,)](flat, dest, row_source, block_expert, ends, pairs, rows, blocks, **shape, DIV=div,
                              C=CHUNK, num_warps=4)
     else:

@@ -93,10 +93,12 @@ class RouterTiles(NamedTuple):
     block_k: int = 128
     warps: int = 4
     stages: int = 4
-    split: int = 1
+    split: int = 8
 
 
 ROUTER_TILES = RouterTiles()
+"""Eight programs per row block: 11.6 / 11.9 us at 1 / 64 rows against 13.8 / 13.6 for one program
+reading the whole weight (H200, `bench.kernels`' router grid, commit a5b1293; docs/kernels.md)."""
 
 
 class AddNorm(NamedTuple):

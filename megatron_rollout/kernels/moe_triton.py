@@ -49,8 +49,10 @@ class Tiles:
     stages: int = 3
 
 
-DECODE_TILES = Tiles()
-"""bf16 weights at decode sizes."""
+DECODE_TILES = Tiles(k_cap=128, stages=4)
+"""bf16 weights at decode sizes: 52.5 / 222.2 / 325.3 us per layer at 1 / 16 / 64 tokens against
+59.4 / 230.9 / 335.0 for 64-wide k-tiles in 3 stages, the best or within 1% of it at each size
+(H200, `bench.kernels`' bf16 grid, commit a5b1293; docs/kernels.md)."""
 FP8_DECODE_TILES = Tiles(k_cap=128, stages=4)
 """FP8 weights at decode sizes: 279 us per layer at 64 rows against 321 us for `DECODE_TILES` and
 485 us for the bf16 grouped GEMM (H200, `bench.kernels`' FP8 grid; docs/kernels.md)."""
@@ -194,8 +196,8 @@ def routed_experts_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Ten
     flat = ids.reshape(-1) - first
     block_m = tiles.block_m
     dest, row_pair, block_expert = padded_layout(flat, num_experts, block_m)
-    rows = row_pair.numel()
-    blocks = rows // block_m
+    blocks = expert_sort.active_blocks(flat.numel(), num_experts, block_m)
+    rows = blocks * block_m
     x = x.contiguous()
     launch = dict(num_warps=tiles.warps, num_stages=tiles.stages)
     act = torch.empty(rows, ffn, dtype=x.dtype, device=x.device)

@@ -6,7 +6,8 @@ kernel on the helpers it now shares with it, and the Triton experts' fc2 without
 Why: the interpreter runs the kernels' logic on CPU but not Triton's compiler, which is stricter
 (globals must be constexpr, layouts must convert, registers must fit). Where Triton, `ptxas` and
 `cuobjdump` (shipped with Triton) are present, each kernel is compiled at the launch shapes the
-module uses and its register use is read from the cubin. Skipped elsewhere (CI has no Triton).
+module uses and its register use is read from the cubin. Skipped elsewhere (CI has no Triton) and
+under `TRITON_INTERPRET=1`, where kernels are not compiled.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from megatron_rollout.kernels import expert_sort, fused, moe_triton  # noqa: E40
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 CUOBJDUMP = shutil.which("cuobjdump") or (str(_BIN / "cuobjdump") if (_BIN / "cuobjdump").exists() else None)
 PTXAS = shutil.which("ptxas") or (_BIN / "ptxas").exists()
-pytestmark = pytest.mark.skipif(CUOBJDUMP is None or not PTXAS, reason="needs ptxas and cuobjdump")
+pytestmark = [pytest.mark.skipif(CUOBJDUMP is None or not PTXAS, reason="needs ptxas and cuobjdump"),
+              pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles: not under the interpreter")]
 LAYOUT = {"Flat": "*i64", "Dest": "*i64", "RowSource": "*i32", "BlockExpert": "*i32", "Ends": "*i32", "pairs": "i32",
           "rows": "i32", "blocks": "i32"}
 SCAN = {"Base": "*i32", "Ends": "*i32", "RowSource": "*i32", "BlockExpert": "*i32", "chunks": "i32", "rows": "i32",

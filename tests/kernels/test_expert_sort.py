@@ -96,3 +96,22 @@ def test_a_device_whose_kernels_disagree_is_refused(device, monkeypatch):
     assert not expert_sort.runnable(flat, 128)
     got, ref = expert_sort.layout(flat, 128, 16), expert_sort.torch_layout(flat, 128, 16)
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+@pytest.mark.parametrize("pairs,experts,same", [(1, 128, False), (8, 128, False), (8, 128, True), (37, 16, False),
+                                                (128, 128, False), (512, 128, False), (8, 4, False)])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_blocks_past_the_active_bound_hold_no_pair(pairs, experts, same, block_m):
+    """`active_blocks` bounds the blocks the Triton experts launch: every block holding a pair lies
+    below it, so the programs past it would only have exited (checked on the torch layout)."""
+    flat = _ids(pairs, experts, "cpu", same)
+    if pairs <= experts and not same:  # the worst case: every pair opens an expert of its own
+        flat = torch.randperm(experts)[:pairs]
+    out = expert_sort.torch_layout(flat, experts, block_m)
+    bound = expert_sort.active_blocks(pairs, experts, block_m)
+    assert bound <= out.block_expert.numel()
+    assert int(out.ends[-1]) <= bound * block_m
+    assert bool((out.block_expert[bound:] == experts).all())
+    assert bool((out.row_source[bound * block_m:] == -1).all())
+    if pairs <= experts and not same:
+        assert int(out.ends[-1]) == bound * block_m  # the bound is tight there
