@@ -46,6 +46,15 @@
 #   (docs/te.md section 2), then on the same machine `DEADLINE=230 bash /tmp/run/examples/h200_session.sh
 #   current` and `BUDGETS=8192,16384 DEADLINE=200 bash /tmp/run/examples/h200_session.sh prefill`.
 #
+# The 2026-12-01 eighth-session lease (docs/h200-2026-12-01i/COMMIT), calls back to back:
+#   call 1, carry [".whl"]:          bash examples/h200_session.sh setup tests kernels
+#   call 2, carry [".whl", ".vb4"]:  bash examples/h200_session.sh setup kernels   (the decode tiles it chose)
+#   call 3, carry [".vb0"]: BUDGETS=8192,16384 ABLATION=--no-ablation DEADLINE=230 bash /tmp/run/examples/h200_session.sh piece prefill
+#   call 4, carry [".vb1"]: bash /tmp/run/examples/h200_session.sh piece idle
+#   call 5, carry [".vb2"]: bash /tmp/run/examples/h200_session.sh piece
+#   call 6, carry [".vb3"]: bash /tmp/run/examples/h200_session.sh piece flashmicro
+#   call 7, no carry: VLLM_RUNS="prefill:default,best:250" bash /tmp/run/examples/h200_session.sh vllm
+#
 # `.run` is `git archive HEAD` of the commit measured, plus `.whl/` (megatron-core 0.19.2, which
 # the device image lacks); it is copied to /tmp/run so later calls need not carry it. Results are
 # kept under /tmp/res (the vLLM stage reads our runs back with `bench.rollout --resume`) and
@@ -131,6 +140,18 @@ for stage in "$@"; do
       tail -40 /tmp/res/kernels.log | cut -c1-220
       timeout 100 python3 -m megatron_rollout.bench.rollout --schedules '' --micro --no-vllm --out /tmp/res/micro \
         > /tmp/res/micro.log 2>&1; tail -12 /tmp/res/micro.log; cp /tmp/res/micro/rollout.json "$OUT/micro.json" ;;
+    idle)  # the GPU's idle share of decode-only windows, 3 interleaved repeats, with and without decode ahead
+      cd /tmp/run
+      timeout 150 python3 -m megatron_rollout.bench.profile --no-forwards --no-graphs --idle-rows "${IDLE_ROWS:-1,64}" \
+        --idle-repeats 3 --out "$OUT/idle.json" > /tmp/res/idle.log 2>&1; grep -i "window" /tmp/res/idle.log | cut -c1-240 ;;
+    flashmicro)  # the micro stage's decode and prefill with FA3 (the unpacked bundle) on every prefill
+      mkdir -p /tmp/pv/site
+      [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.0* | xz -dc -T8 | tar -x -C /tmp/pv/site)
+      cd /tmp/run
+      PYTHONPATH=/tmp/site:/tmp/run:/tmp/pv/site timeout 150 python3 -m megatron_rollout.bench.rollout --schedules '' \
+        --micro --micro-parts decode,prefill --attention flash --no-vllm --out /tmp/res/micro-flash \
+        > /tmp/res/micro-flash.log 2>&1; tail -12 /tmp/res/micro-flash.log | cut -c1-200
+      cp /tmp/res/micro-flash/rollout.json "$OUT/micro-flash.json" ;;
     vllm|vllm48)  # unpack the bundle, then the peer on each profile's trace, against our runs
       mkdir -p /tmp/pv/site
       [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.0* | xz -dc -T8 | tar -x -C /tmp/pv/site)

@@ -46,10 +46,11 @@ except ImportError:  # CPU-only installs: callers keep the torch layout
 
 log = logging.getLogger(__name__)
 
-MAX_PAIRS = 512
-"""Most pairs one program lays out (64 decode rows at top-8); more take three launches. The one
-program walks its pairs in series: at 512 pairs it took 18.2 us against the one-hot sort's 28.7
-(padded: 22.6 against 41.6), at 4,096 pairs 135.7 against 44.1 (H200, `bench.kernels`)."""
+MAX_PAIRS = 256
+"""Most pairs one program lays out (32 decode rows at top-8); more take three launches. The one
+program walks its pairs in series: padded, 6.7 us at 64 pairs and 14.3 at 256 against the three
+launches' 12.6 and 14.1, then 22.6 at 512 against 14.1 (H200, `bench.kernels`' forced paths,
+commit 77fa576)."""
 CHUNKED = 128
 """Pairs per program of the three-launch path (64 past 128 experts)."""
 FILL = 1024

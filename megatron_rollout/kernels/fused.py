@@ -88,7 +88,8 @@ ROUTER_BLOCK_M = 16
 class RouterTiles(NamedTuple):
     """Launch shape of the router kernel: the k-tile cap (hidden columns per step), warps, stages,
     and `split`: programs per 16-row block, each reading 1/split of the weight (1: one program
-    reads all of it; more: `_router_split_kernel`, whose last program per block routes)."""
+    reads all of it; more: `_router_split_kernel`, whose last program per block routes; up to
+    `SPLIT_MAX_ROWS` rows)."""
 
     block_k: int = 128
     warps: int = 4
@@ -99,6 +100,10 @@ class RouterTiles(NamedTuple):
 ROUTER_TILES = RouterTiles()
 """Eight programs per row block: 11.6 / 11.9 us at 1 / 64 rows against 13.8 / 13.6 for one program
 reading the whole weight (H200, `bench.kernels`' router grid, commit a5b1293; docs/kernels.md)."""
+SPLIT_MAX_ROWS = 64
+"""Most rows the split router serves; more take one program per block whatever `split` says: at
+4,096 rows the split took 50.5 us against 21.6 (the blocks alone fill the GPU, and the logits
+round trip costs; H200, `bench.kernels`, commit 77fa576)."""
 
 
 class AddNorm(NamedTuple):
@@ -477,7 +482,7 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, topk: int, renormalize: b
     ids = _empty(out.ids if out else None, (n, topk), x, torch.int64)
     bk = min(tiles.block_k, _pow2(hidden))
     e_p = max(16, _pow2(experts))
-    split = min(_pow2(max(1, tiles.split)), e_p // 16)  # slices of at least 16 experts (tl.dot's minimum)
+    split = min(_pow2(max(1, tiles.split)), e_p // 16) if n <= SPLIT_MAX_ROWS else 1  # >= 16 experts a slice
     blocks = triton.cdiv(n, ROUTER_BLOCK_M)
     shape = dict(H=hidden, E=experts, E_P=e_p, TOPK=topk, TOPK_P=_pow2(topk), RENORM=bool(renormalize),
                  BM=ROUTER_BLOCK_M, BK=bk, DOT_FP32=interpreting(), num_warps=tiles.warps, num_stages=tiles.stages)

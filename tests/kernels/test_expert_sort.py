@@ -19,9 +19,9 @@ DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(not _INTERPRET, reason="needs TRITON_INTERPRET=1 and triton"),
                  id="interpret"),
 ]
-CASES = [  # (pairs, experts): one pair, a chunk and a bit, E not a power of two, the preset's 64 rows;
-    # past MAX_PAIRS (three launches): one pair more, chunks and a bit, over 128 experts (chunks of 64)
-    (1, 8), (65, 8), (200, 9), (512, 128), (513, 128), (3001, 128), (1500, 200)]
+CASES = [  # (pairs, experts): one pair, a chunk and a bit, E not a power of two, MAX_PAIRS (32 rows);
+    # past it (three launches): one pair more, the preset's 64 rows, chunks and a bit, over 128 experts
+    (1, 8), (65, 8), (200, 9), (256, 128), (257, 128), (512, 128), (3001, 128), (1500, 200)]
 
 
 def _ids(pairs: int, experts: int, device: str, same: bool = False) -> torch.Tensor:
