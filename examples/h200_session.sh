@@ -46,14 +46,16 @@
 #   (docs/te.md section 2), then on the same machine `DEADLINE=230 bash /tmp/run/examples/h200_session.sh
 #   current` and `BUDGETS=8192,16384 DEADLINE=200 bash /tmp/run/examples/h200_session.sh prefill`.
 #
-# The 2026-12-01 eighth-session lease (docs/h200-2026-12-01i/COMMIT), calls back to back:
-#   call 1, carry [".whl"]:          bash examples/h200_session.sh setup tests kernels
-#   call 2, carry [".whl", ".vb4"]:  bash examples/h200_session.sh setup kernels   (the decode tiles it chose)
-#   call 3, carry [".vb0"]: BUDGETS=8192,16384 ABLATION=--no-ablation DEADLINE=230 bash /tmp/run/examples/h200_session.sh piece prefill
-#   call 4, carry [".vb1"]: bash /tmp/run/examples/h200_session.sh piece idle
-#   call 5, carry [".vb2"]: bash /tmp/run/examples/h200_session.sh piece
-#   call 6, carry [".vb3"]: bash /tmp/run/examples/h200_session.sh piece flashmicro
-#   call 7, no carry: VLLM_RUNS="prefill:default,best:250" bash /tmp/run/examples/h200_session.sh vllm
+# The 2026-12-01 eighth-session lease (docs/h200-2026-12-01i/COMMIT), as it ran:
+#   call 1, carry [".whl"]: bash examples/h200_session.sh setup tests kernels   (its own machine)
+#   call 3, carry [".whl"]: setup, the kernel/engine GPU tests, then `kernels`   (a new machine, kept warm to call 10)
+#   call 4, carry [".vb0"]: BUDGETS=8192,16384 ABLATION=--no-ablation DEADLINE=230 bash /tmp/run/examples/h200_session.sh piece prefill
+#   call 5, carry [".vb1"]: bash /tmp/run/examples/h200_session.sh piece idle
+#   calls 6-7, carry [".vb2"], [".vb3"]: bash /tmp/run/examples/h200_session.sh piece
+#   call 8, carry [".vb4"]: bash /tmp/run/examples/h200_session.sh piece flashmicro
+#   call 9, no carry: VLLM_RUNS="prefill:default,best:260" bash /tmp/run/examples/h200_session.sh vllm
+#   call 10, no carry: DEADLINE=190 bash /tmp/run/examples/h200_session.sh current, then
+#                      VLLM_RUNS="current:default,best:230" bash /tmp/run/examples/h200_session.sh vllm
 #
 # `.run` is `git archive HEAD` of the commit measured, plus `.whl/` (megatron-core 0.19.2, which
 # the device image lacks); it is copied to /tmp/run so later calls need not carry it. Results are
