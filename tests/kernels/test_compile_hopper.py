@@ -27,7 +27,8 @@ _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 CUOBJDUMP = shutil.which("cuobjdump") or (str(_BIN / "cuobjdump") if (_BIN / "cuobjdump").exists() else None)
 PTXAS = shutil.which("ptxas") or (_BIN / "ptxas").exists()
 pytestmark = [pytest.mark.skipif(CUOBJDUMP is None or not PTXAS, reason="needs ptxas and cuobjdump"),
-              pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles: not under the interpreter")]
+              pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                                 reason="compiles: not under the interpreter")]
 LAYOUT = {"Flat": "*i64", "Dest": "*i64", "RowSource": "*i32", "BlockExpert": "*i32", "Ends": "*i32", "pairs": "i32",
           "rows": "i32", "blocks": "i32"}
 SCAN = {"Base": "*i32", "Ends": "*i32", "RowSource": "*i32", "BlockExpert": "*i32", "chunks": "i32", "rows": "i32",
