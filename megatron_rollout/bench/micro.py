@@ -10,7 +10,9 @@
   high priority, at equal priority, and (if they work here) with green-context SM partitions.
 
 Inputs are random (token ids, block tables as a shuffled permutation, KV filled with noise).
-Left out: anything multi-rank.
+`decode_steps` and `prefill` count the compilations during their timed calls (`timed`; warm-up
+calls run before the counted region) and report them per row (`compiles`). Left out: anything
+multi-rank, and compile counts for the other parts.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 
 from megatron_rollout.bench.bounds import ModelCosts, decode_roofline_s, prefill_flops
 from megatron_rollout.bench.ceilings import time_cuda
+from megatron_rollout.bench.compiles import CompileCounter
 from megatron_rollout.engine.cuda_runner import CudaRunner
 from megatron_rollout.engine.runner import SpanInput
 from megatron_rollout.kernels.layout import KernelPagedBatch, build_layout
@@ -48,6 +51,16 @@ def random_inputs(spec: list[tuple[int, int]], block_size: int, num_blocks: int,
     return inputs
 
 
+def timed(fn, iters: int, warmup: int = 1, stream: torch.cuda.Stream | None = None) -> tuple[float, int]:
+    """`time_cuda` with its warm-up calls outside the counted region: (median seconds, Triton and
+    torch compilations during the timed calls, which must be 0)."""
+    if warmup:
+        time_cuda(fn, iters=1, warmup=warmup - 1, stream=stream)
+    with CompileCounter() as counter:
+        seconds = time_cuda(fn, iters=iters, warmup=0, stream=stream)
+    return seconds, counter.counts.total
+
+
 def decode_steps(runner: CudaRunner, costs: ModelCosts, bandwidth: float, points: list[tuple[int, int]],
                  rng: np.random.Generator, iters: int = 30) -> list[dict[str, Any]]:
     """Graph-replayed (and eager) decode step time for each (rows, context) point."""
@@ -58,12 +71,12 @@ def decode_steps(runner: CudaRunner, costs: ModelCosts, bandwidth: float, points
                                runner.cfg.vocab_size, rng)
         graph = runner._graph(runner.bucket(rows))
         graph.static.fill([i.span for i in inputs], [i.token_ids[0] for i in inputs])
-        graph_s = time_cuda(graph.graph.replay, iters=iters, stream=runner.d_stream)
-        eager_s = time_cuda(lambda: run_to_end(runner._eager(inputs, Phase.D)), iters=5, warmup=1)
+        graph_s, graph_compiles = timed(graph.graph.replay, iters=iters, warmup=3, stream=runner.d_stream)
+        eager_s, eager_compiles = timed(lambda: run_to_end(runner._eager(inputs, Phase.D)), iters=5)
         roof = decode_roofline_s(costs, rows, rows * context, bandwidth)
         out.append({"rows": rows, "bucket": graph.rows, "context": context, "graph_ms": graph_s * 1e3,
                     "eager_ms": eager_s * 1e3, "roofline_ms": roof * 1e3, "graph_over_roofline": graph_s / roof,
-                    "bytes": costs.decode_bytes(rows, rows * context)})
+                    "bytes": costs.decode_bytes(rows, rows * context), "compiles": graph_compiles + eager_compiles})
         log.info("decode rows=%d ctx=%d: %.2f ms (roofline %.2f ms)", rows, context, graph_s * 1e3, roof * 1e3)
     return out
 
@@ -75,11 +88,12 @@ def prefill(runner: CudaRunner, costs: ModelCosts, peak: float, specs: list[list
     cache = runner.cache
     for spec in specs:
         inputs = random_inputs(spec, cache.block_size, cache.num_blocks, runner.cfg.vocab_size, rng)
-        seconds = time_cuda(lambda: run_to_end(runner.forward(inputs, Phase.P)), iters=iters, warmup=1)
+        seconds, compiles = timed(lambda: run_to_end(runner.forward(inputs, Phase.P)), iters=iters)
         flops = prefill_flops(costs, spec)
         tokens = sum(n for _, n in spec)
         out.append({"spans": spec, "tokens": tokens, "ms": seconds * 1e3, "tokens_per_s": tokens / seconds,
-                    "tflops": flops / seconds / 1e12, "fraction_of_matmul_peak": flops / seconds / peak})
+                    "tflops": flops / seconds / 1e12, "fraction_of_matmul_peak": flops / seconds / peak,
+                    "compiles": compiles})
         log.info("prefill %d tokens: %.1f ms, %.0f TFLOP/s", tokens, seconds * 1e3, flops / seconds / 1e12)
     return out
 

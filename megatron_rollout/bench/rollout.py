@@ -276,6 +276,9 @@ def run_micro(model: MoETransformer, cfg: ModelConfig, args, costs, bandwidth: f
             out[name] = {"error": f"{type(exc).__name__}: {exc}"}
         out[f"{name}_wall_s"] = time.perf_counter() - t0
     stages.clear()  # the closures hold the runner and its cache
+    timed = [r for name in ("decode", "prefill") if isinstance(out.get(name), list) for r in out[name]]
+    if timed:  # compilations during the timed calls of the decode and prefill parts: must be 0
+        out["compiles_in_timed_regions"] = sum(r.get("compiles", 0) for r in timed)
     return out
 
 

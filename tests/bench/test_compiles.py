@@ -75,3 +75,30 @@ def test_counts_dynamo_frames(monkeypatch):
         counters["frames"]["ok"] += 2
         counters["stats"]["unique_graphs"] += 1
     assert (counter.counts.dynamo_frames, counter.counts.dynamo_graphs, counter.counts.total) == (2, 1, 2)
+
+
+@pytest.mark.timeout(60)
+def test_micro_timed_counts_only_the_timed_calls(monkeypatch):
+    """`bench.micro.timed` runs its warm-up before the counted region: a kernel that compiles on
+    its first call reports 0, one that compiles on every call reports one per timed call."""
+    from megatron_rollout.bench import micro
+
+    runtime = _fake_triton(monkeypatch)
+
+    def fake_time_cuda(fn, iters=20, warmup=3, stream=None):  # the CUDA-event timer, without CUDA
+        for _ in range(warmup + iters):
+            fn()
+        return 0.001
+
+    monkeypatch.setattr(micro, "time_cuda", fake_time_cuda)
+    calls = []
+
+    def first_call_compiles():
+        if not calls:
+            _compile(runtime, "_prefill_kernel")
+        calls.append(1)
+
+    assert micro.timed(first_call_compiles, iters=5) == (0.001, 0)
+    assert micro.timed(lambda: _compile(runtime, "_recompiled"), iters=4, warmup=2) == (0.001, 4)
+    calls.clear()
+    assert micro.timed(first_call_compiles, iters=3, warmup=0) == (0.001, 1)  # no warm-up: counted
