@@ -13,8 +13,9 @@ each expert's rows into large M tiles; these kernels instead use 16-row tiles:
    combine (where installed) weighs the rows and sums each token's k rows in one launch, or fc2
    scales each row by its routing weight and torch sums them.
 
-fp32 accumulation, bf16 in and out. Blocks past the last expert exit at once, so the grid can be
-sized from the static bound `pairs + experts * 15` (CUDA graphs).
+fp32 accumulation, bf16 in and out. The grid is sized from a static bound (CUDA graphs):
+`expert_sort.active_blocks`, the blocks that can hold pairs (at most min(pairs, E) experts each
+padding at most 15 rows); blocks past the last expert exit at once.
 
 FP8 weights (`model.fp8.StackedFP8`): the same kernels load e4m3 weights, which halves the bytes
 a decode step reads, and widen them to bf16 in registers (weight-only FP8: the activations stay
@@ -54,8 +55,9 @@ DECODE_TILES = Tiles(k_cap=128, stages=4)
 59.4 / 230.9 / 335.0 for 64-wide k-tiles in 3 stages, the best or within 1% of it at each size
 (H200, `bench.kernels`' bf16 grid, commit a5b1293; docs/kernels.md)."""
 FP8_DECODE_TILES = Tiles(k_cap=128, stages=4)
-"""FP8 weights at decode sizes: 279 us per layer at 64 rows against 321 us for `DECODE_TILES` and
-485 us for the bf16 grouped GEMM (H200, `bench.kernels`' FP8 grid; docs/kernels.md)."""
+"""FP8 weights at decode sizes (the same shape as `DECODE_TILES`, chosen by its own grid): 279 us
+per layer at 64 rows against 321 us for 64-wide k-tiles in 3 stages and 485 us for the bf16
+grouped GEMM (H200, `bench.kernels`' FP8 grid, fifth lease; docs/kernels.md)."""
 LARGE_TILES = Tiles(block_m=128)
 """FP8 weights at prefill sizes (`kernels.moe.FP8_LARGE_ROWS`): 128-row tiles amortise weight reads;
 the fastest of one pass over the grid at 4,096 tokens (2.17 ms per layer, 1.30x the bf16 grouped
