@@ -78,6 +78,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block-n", default="64,128", help="Triton prefill key blocks to try")
     p.add_argument("--stages", default="2,3,4", help="Triton prefill pipeline stages to try")
     p.add_argument("--warps", default="4,8", help="Triton prefill warps to try")
+    p.add_argument("--tile-order", default="heavy", help="Triton prefill tile orders to try: heavy (heaviest "
+                   "first, the default) and/or span (span by span, ascending)")
     p.add_argument("--decode-block-n", default="", help="Triton decode key blocks to try ('' = no decode grid)")
     p.add_argument("--decode-stages", default="2,3,4")
     p.add_argument("--decode-warps", default="4,8")
@@ -191,6 +193,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = np.random.default_rng(args.seed)
     backends = [b for b in args.backends.split(",") if b.strip()]
     grid = triton_settings(_ints(args.block_n), _ints(args.stages), _ints(args.warps))
+    orders = [o.strip() for o in args.tile_order.split(",") if o.strip()]
+    if not orders or set(orders) - {"heavy", "span"}:
+        raise SystemExit(f"--tile-order takes heavy and/or span, got {args.tile_order!r}")
+    if orders != ["heavy"]:
+        grid = [{**g, "prefill_heavy_first": o == "heavy"} for g in grid for o in orders]
     decode_grid = (triton_settings(_ints(args.decode_block_n), _ints(args.decode_stages), _ints(args.decode_warps),
                                    "decode", _ints(args.decode_programs)) if args.decode_block_n.strip() else [])
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,

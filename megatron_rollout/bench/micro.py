@@ -82,19 +82,28 @@ def decode_steps(runner: CudaRunner, costs: ModelCosts, bandwidth: float, points
 
 
 def prefill(runner: CudaRunner, costs: ModelCosts, peak: float, specs: list[list[tuple[int, int]]],
-            rng: np.random.Generator, iters: int = 5) -> list[dict[str, Any]]:
-    """Time of one P forward for each batch spec [(past, new), ...]."""
+            rng: np.random.Generator, iters: int = 10) -> list[dict[str, Any]]:
+    """Time of one P forward for each batch spec [(past, new), ...], as the runner runs it
+    (`mode`: piecewise graphs where a bucket holds the tokens, else eager), and eagerly beside it
+    where that differs (`eager_ms`)."""
     out = []
     cache = runner.cache
     for spec in specs:
         inputs = random_inputs(spec, cache.block_size, cache.num_blocks, runner.cfg.vocab_size, rng)
-        seconds, compiles = timed(lambda: run_to_end(runner.forward(inputs, Phase.P)), iters=iters)
+        mode = "piecewise" if runner._prefill_bucket(inputs) is not None else "eager"
+        seconds, compiles = timed(lambda: run_to_end(runner.forward(inputs, Phase.P)), iters=iters, warmup=2)
         flops = prefill_flops(costs, spec)
         tokens = sum(n for _, n in spec)
-        out.append({"spans": spec, "tokens": tokens, "ms": seconds * 1e3, "tokens_per_s": tokens / seconds,
-                    "tflops": flops / seconds / 1e12, "fraction_of_matmul_peak": flops / seconds / peak,
-                    "compiles": compiles})
-        log.info("prefill %d tokens: %.1f ms, %.0f TFLOP/s", tokens, seconds * 1e3, flops / seconds / 1e12)
+        row = {"spans": spec, "tokens": tokens, "mode": mode, "ms": seconds * 1e3, "tokens_per_s": tokens / seconds,
+               "tflops": flops / seconds / 1e12, "fraction_of_matmul_peak": flops / seconds / peak,
+               "compiles": compiles}
+        if mode == "piecewise":
+            eager_s, eager_compiles = timed(lambda: run_to_end(runner._eager(inputs, Phase.P)), iters=iters)
+            row.update(eager_ms=eager_s * 1e3, eager_fraction_of_matmul_peak=flops / eager_s / peak,
+                       compiles=compiles + eager_compiles)
+        out.append(row)
+        log.info("prefill %d tokens (%s): %.2f ms, %.0f TFLOP/s%s", tokens, mode, seconds * 1e3,
+                 flops / seconds / 1e12, f"; eager {row['eager_ms']:.2f} ms" if "eager_ms" in row else "")
     return out
 
 

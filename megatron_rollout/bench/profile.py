@@ -13,7 +13,11 @@ Per forward shape (eager P, eager D, the decode graph):
 `decode_idle`: the GPU's idle share of a decode-only engine replay (issue 14 wants < 5%): the
 union of kernel intervals over the window of N engine steps, all requests already decoding;
 `--idle-repeats` windows per setting, with and without decode ahead interleaved, summarised by
-median, min and max (`summarize_idle`).
+median, min and max (`summarize_idle`). Split in two: `graph_only`, the same decode graph
+replayed back to back with no host between replays (`graph_idle`: the gaps between a graph's own
+kernels), and `host_idle_share`, the rest: the time the GPU waits for the host between steps,
+idle_share - graph_only's idle share x busy / (1 - graph_only's idle share) / wall (the
+in-graph gaps scale with the kernels' busy time).
 
 Run: `python -m megatron_rollout.bench.profile --out $OUT/profile.json` (GPU only).
 """
@@ -215,15 +219,45 @@ def decode_idle(model, rows: int = 64, prompt: int = 512, steps: int = 40, seed:
                if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
     busy_ms = _busy_us(kernels) / steps / 1e3
     wall_ms = plain_s / steps * 1e3
+    floor = graph_idle(engine.runner, rows, steps)
     return {"rows": rows, "steps": steps, "decode_ahead": ahead, "ahead_taken": engine.stats.ahead_taken,
-            "wall_ms_per_step": wall_ms, "clocked_wall_ms_per_step":
+            "wall_ms_per_step": wall_ms, "graph_only": floor,
+            "host_idle_share": host_idle_share(wall_ms, busy_ms, floor["idle_share"]), "clocked_wall_ms_per_step":
             clocked_s / steps * 1e3, "host_ms_per_step": {k: v / steps * 1e3 for k, v in clock.seconds.items()},
             "device_busy_ms_per_step": busy_ms, "idle_share": 1 - busy_ms / wall_ms,
             "top_host_ops_per_step (profiled)": [{"name": r["name"], "host_us": r["host_us"] / steps}
                                                  for r in op_table(prof, steps, top=12)["by_host"]]}
 
 
-IDLE_FIGURES = ("wall_ms_per_step", "device_busy_ms_per_step", "idle_share")
+def graph_idle(runner: CudaRunner, rows: int, replays: int) -> dict[str, float]:
+    """The idle share no host can remove: the decode graph of `rows` replayed `replays` times back
+    to back (no host work between them), the span from its first kernel's start to its last's end
+    against the union of its kernels. What is idle there is the gaps between a graph's own kernels
+    (about 300 per step); an engine window's idle beyond that share is the host's."""
+    graph = runner._graph(runner.bucket(rows))
+    for _ in range(3):
+        graph.graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.graph.replay()
+        torch.cuda.synchronize()
+    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
+               if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    span = max(e for _, e in kernels) - min(s for s, _ in kernels)
+    busy = _busy_us(kernels)
+    return {"replays": replays, "span_ms_per_replay": span / replays / 1e3, "busy_ms_per_replay": busy / replays / 1e3,
+            "idle_share": 1 - busy / span}
+
+
+def host_idle_share(wall: float, busy: float, graph_idle_share: float) -> float:
+    """The share of `wall` the GPU waits for the host: its idle time less the gaps inside the
+    graphs, which come at `graph_idle_share` of a graph's span, i.e. busy x f / (1 - f)."""
+    in_graph = busy * graph_idle_share / (1 - graph_idle_share)
+    return (wall - busy - in_graph) / wall
+
+
+IDLE_FIGURES = ("wall_ms_per_step", "device_busy_ms_per_step", "idle_share", "host_idle_share")
 
 
 def summarize_idle(repeats: list[dict[str, Any]]) -> dict[str, Any]:

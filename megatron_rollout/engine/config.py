@@ -117,10 +117,12 @@ class RunnerConfig:
     """Decode batch buckets captured as CUDA graphs; larger batches run eagerly."""
     use_graphs: bool = True
     """Replay decode from CUDA graphs (False: every forward eager, e.g. to compare)."""
-    prefill_graph_tokens: tuple[int, ...] = (64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048)
+    prefill_graph_tokens: tuple[int, ...] = (64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3072,
+                                             3584, 4096)
     """Token-count buckets of P and mixed forwards replayed as piecewise CUDA graphs on one rank
     (`engine.piecewise`); () or `use_graphs=False`: eager. Past the largest bucket a forward runs
-    eagerly (there the GPU, not the host, bounds it)."""
+    eagerly: its ~250 launches take the host about as long as the GPU's work at 4,096 tokens
+    (`bench.profile`), so larger forwards bound by the GPU."""
     prefill_graph_rows: int = 256
     """Sampled rows a piecewise graph holds (at most its bucket's tokens); more run eagerly."""
     attention: str = "auto"

@@ -69,7 +69,7 @@ import torch
 
 from megatron_rollout.comm.facade import LocalComm
 from megatron_rollout.engine.config import RunnerConfig
-from megatron_rollout.engine.piecewise import PiecewiseGraph
+from megatron_rollout.engine.piecewise import PiecewiseGraph, SharedOutputs
 from megatron_rollout.engine.runner import ModelRunner, Runner, SpanInput
 from megatron_rollout.forward import BoundaryPoint, Forward, Site, run_to_end
 from megatron_rollout.kernels.layout import KernelPagedBatch, StaticDecodeLayout, build_layout
@@ -206,6 +206,7 @@ class CudaRunner:
         self._graphs: dict[int, _DecodeGraph] = {}
         self._p_graphs: dict[int, PiecewiseGraph] = {}  # P / mixed forwards by token bucket (one rank)
         self._p_pool = None  # their pool: never shared with decode graphs (see engine.piecewise)
+        self._p_outputs = SharedOutputs()  # their attention outputs, shared by the buckets
         self.prefill_capture_error: str | None = None  # why piecewise P capture failed (P then runs eagerly)
         self._captured = False  # multi-rank: the collective capture of every bucket was attempted
         self._weights_ptr = model.embedding.word_embeddings.weight.data_ptr()  # see _graphable
@@ -245,7 +246,7 @@ class CudaRunner:
             self._graphs.clear()  # captured against the old tensors
             self._pool = None
             self._p_graphs.clear()  # they hold no cache tensor, but their pool is released with the KV
-            self._p_pool = None
+            self._p_pool, self._p_outputs = None, SharedOutputs()
             self._captured = False
         self._cache = cache
         if cache is not None:
@@ -313,6 +314,7 @@ class CudaRunner:
             self.graph_safe = False
             self._graphs.clear()
             self._p_graphs.clear()
+            self._p_outputs = SharedOutputs()
         return self.graph_safe
 
     def _graphable(self, inputs: list[SpanInput]) -> bool:
@@ -414,7 +416,7 @@ class CudaRunner:
             if self._p_pool is None:
                 self._p_pool = torch.cuda.graph_pool_handle()
             graph = PiecewiseGraph(tokens, min(tokens, self.config.prefill_graph_rows), self.device)
-            graph.capture(self.model, self.p_stream, self._p_pool)
+            graph.capture(self.model, self.p_stream, self._p_pool, self._p_outputs)
         except Exception as exc:  # P must not stop: it runs eagerly
             log.warning("piecewise capture of %d tokens failed, P and mixed forwards run eagerly: %s", tokens, exc)
             self.prefill_capture_error = f"{type(exc).__name__}: {exc}"

@@ -22,10 +22,12 @@ input in place.
 - **Memory.** The pieces of every bucket share one private pool, separate from the decode graphs'
   (a decode replay in a `mux` round between two P pieces must not reuse P's live activations);
   forwards of different buckets never interleave, which is what sharing one pool needs. Each
-  bucket keeps its static tensors: q, k, v and the attention output of every layer, and the
-  logits of its sampled rows. By their sizes that is about 2.8 GB for `qwen3-30b-a3b-12l` with
-  the ten default buckets (a computed figure, not a measured one); `engine.release_kv` frees them
-  with the decode graphs.
+  bucket keeps its static tensors: q, k and v of every layer and the logits of its sampled rows;
+  the attention outputs, written between pieces, are one buffer per layer for all buckets
+  (`SharedOutputs`). By their sizes that is about 3.7 GB for `qwen3-30b-a3b-12l` with the
+  fourteen default buckets up to 4,096 tokens (q, k, v: 10 KB per token and layer, summed over the
+  buckets; outputs: 8 KB per token and layer of the largest; a computed figure, not a measured
+  one); `engine.release_kv` frees them with the decode graphs.
 
 Left out: many ranks, more sampled rows than the bucket holds (eager then).
 """
@@ -68,11 +70,27 @@ class _NoAttention(AttentionBackend):
         return torch.zeros_like(q)
 
 
+class SharedOutputs:
+    """Each layer's attention output, one buffer shared by every bucket: a bucket's slot is the
+    first `tokens` rows of it. Forwards of different buckets never interleave, so they never need
+    two layers' worth at once; a bucket larger than the buffer gets a new one (the graphs captured
+    on the old one keep it alive through their views)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def out(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        buf = self.buffers.get(layer)
+        if buf is None or buf.shape[0] < q.shape[0] or buf.shape[1:] != q.shape[1:] or buf.dtype != q.dtype:
+            buf = self.buffers[layer] = torch.zeros_like(q)
+        return buf[:q.shape[0]]
+
+
 class _Recorder(AttentionBackend):
     """Capture: every attention call ends the current piece's graph and begins the next."""
 
-    def __init__(self, pool) -> None:
-        self.pool = pool
+    def __init__(self, pool, outputs: SharedOutputs) -> None:
+        self.pool, self.outputs = pool, outputs
         self.pieces: list[Piece] = []
         self.slots: list[AttentionSlot] = []
         self.current: Piece | None = None
@@ -98,7 +116,7 @@ class _Recorder(AttentionBackend):
 
     def attend(self, layer, q, k, v):
         self.end()
-        slot = AttentionSlot(layer, q, k, v, torch.zeros_like(q))
+        slot = AttentionSlot(layer, q, k, v, self.outputs.out(layer, q))
         self.slots.append(slot)
         self.begin()
         return slot.out
@@ -119,13 +137,13 @@ class PiecewiseGraph:
     def _forward(self, model, attn: AttentionBackend) -> Forward:
         return model.step(self.token_ids, self.positions, attn, Phase.P, logits_index=self.logits_rows)
 
-    def capture(self, model, stream: torch.cuda.Stream, pool) -> None:
+    def capture(self, model, stream: torch.cuda.Stream, pool, outputs: SharedOutputs | None = None) -> None:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.no_grad():
             for _ in range(2):
                 run_to_end(self._forward(model, _NoAttention()))
         stream.synchronize()
-        rec = _Recorder(pool)
+        rec = _Recorder(pool, outputs or SharedOutputs())
         with torch.cuda.stream(stream), torch.no_grad():
             try:
                 rec.begin()

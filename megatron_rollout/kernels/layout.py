@@ -128,6 +128,9 @@ def build_layout(spans: Sequence[SeqSpan], token_ids: Sequence[Sequence[int]], s
     t_count = int(ntiles.sum())
     tile_seq = np.repeat(multi, ntiles)
     tile_start = (np.arange(t_count) - np.repeat(np.cumsum(ntiles) - ntiles, ntiles)) * tok
+    if kernels.prefill_heavy_first:  # the tiles that see the most keys launch first
+        order = np.argsort(-(pasts[tile_seq] + tile_start), kind="stable")
+        tile_seq, tile_start = tile_seq[order], tile_start[order]
     rows = (q_start + news - 1)[np.asarray(sample, dtype=bool)] if s_count else np.zeros(0, np.int64)
 
     cu_q = np.append(q_start, n)

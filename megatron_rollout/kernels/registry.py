@@ -112,6 +112,10 @@ class AttentionKernels(abc.ABC):
     name: ClassVar[str]
     decode_programs_per_sm: int = 8
     """KV splits of a decode row: about this many programs per SM (`layout.choose_splits`)."""
+    prefill_heavy_first: bool = True
+    """Query tiles in decreasing causal work (cached + earlier new keys), not span order: the GPU
+    hands programs out in grid order, so the last wave holds the cheapest tiles instead of the
+    dearest (longest-first scheduling; `layout.build_layout`). The order changes no result."""
 
     @classmethod
     @abc.abstractmethod

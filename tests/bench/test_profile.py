@@ -68,9 +68,19 @@ def test_decode_phases_name_callables_a_cpu_engine_runs(ahead):
 def test_idle_windows_are_summarised_by_median_and_range():
     from megatron_rollout.bench.profile import summarize_idle
 
-    reps = [{"wall_ms_per_step": w, "device_busy_ms_per_step": 6.0, "idle_share": 1 - 6.0 / w, "rows": 64}
-            for w in (7.0, 6.5, 8.0)]
+    reps = [{"wall_ms_per_step": w, "device_busy_ms_per_step": 6.0, "idle_share": 1 - 6.0 / w,
+             "host_idle_share": 0.01 * w, "rows": 64} for w in (7.0, 6.5, 8.0)]
     s = summarize_idle(reps)
     assert s["n"] == 3 and s["repeats"] == reps
     assert [s[k]["wall_ms_per_step"] for k in ("min", "median", "max")] == [6.5, 7.0, 8.0]
     assert s["median"]["idle_share"] == pytest.approx(1 - 6.0 / 7.0)
+
+
+def test_host_idle_is_the_idle_time_less_the_gaps_inside_the_graphs():
+    from megatron_rollout.bench.profile import host_idle_share
+
+    # a step of 1.0 ms wall, 0.8 ms of kernels; back to back the graph idles 1/9 of its span,
+    # i.e. 0.1 ms of gaps per 0.8 ms of kernels: the host left the GPU waiting 0.1 ms
+    assert host_idle_share(1.0, 0.8, 1 / 9) == pytest.approx(0.1)
+    assert host_idle_share(1.0, 0.8, 0.0) == pytest.approx(0.2)  # no gaps in the graph: all the host's
+    assert host_idle_share(0.9, 0.8, 1 / 9) == pytest.approx(0.0, abs=1e-12)

@@ -195,3 +195,24 @@ def test_attention_kernels_compile_once_over_many_batch_shapes():
             run(spec)
         torch.cuda.synchronize()
     assert counter.counts.triton == 0, counter.counts
+
+
+@pytest.mark.parametrize("heavy_first", [True, False])
+def test_prefill_tiles_cover_every_query_once_in_the_chosen_order(heavy_first):
+    """Heavy first: tiles in decreasing causal work (past + first token), each query token in
+    exactly one tile either way; off: span by span, ascending (the order before)."""
+    spans = [SeqSpan(tuple(range(0, 4)), 10, 40), SeqSpan(tuple(range(4, 6)), 3, 1),
+             SeqSpan(tuple(range(6, 14)), 60, 65), SeqSpan(tuple(range(14, 15)), 0, 9)]
+    kernels = PortableAttention()
+    kernels.prefill_heavy_first = heavy_first
+    layout = build_layout(spans, [[1] * s.new for s in spans], [True] * 4, 16, kernels, 8, 4, 8, torch.device("cpu"))
+    meta = layout.prefill
+    seq, start = meta.tile_seq.tolist(), meta.tile_start.tolist()
+    tok = meta.tile_tokens
+    covered = sorted((s, t) for s, t0 in zip(seq, start) for t in range(t0, min(t0 + tok, spans[s].new)))
+    assert covered == [(s, t) for s in (0, 2, 3) for t in range(spans[s].new)]
+    work = [spans[s].past + t0 for s, t0 in zip(seq, start)]
+    if heavy_first:
+        assert work == sorted(work, reverse=True)
+    else:
+        assert list(zip(seq, start)) == sorted(zip(seq, start))
