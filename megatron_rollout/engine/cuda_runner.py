@@ -11,7 +11,7 @@ engine and the mux driver are unchanged):
   addresses, since `update_weights` copies in place (the expert weights are stacked views,
   `Experts.restack`). Replacing `cache` (engine.release_kv / reclaim_kv) drops the graphs; they are
   captured again on next use. On one rank buckets are captured lazily, when first used.
-- **P and mixed graphs (one rank).** A P forward, or a `chunked` mixed step, of up to 2,048 new
+- **P and mixed graphs (one rank).** A P forward, or a `chunked` mixed step, of up to 4,096 new
   tokens replays as pieces between attention calls, one CUDA graph per token bucket
   (`engine.piecewise`, `RunnerConfig.prefill_graph_tokens`), in a pool of its own; larger ones,
   and every P forward on many ranks, run eagerly.
