@@ -14,8 +14,13 @@ import torch
 
 
 def time_cuda(fn: Callable[[], object], iters: int = 20, warmup: int = 3,
-              stream: torch.cuda.Stream | None = None) -> float:
-    """Median seconds of `fn` on `stream` (default: current), timed with CUDA events."""
+              stream: torch.cuda.Stream | None = None, hold_cycles: int = 0) -> float:
+    """Median seconds of `fn` on `stream` (default: current), timed with CUDA events.
+
+    `hold_cycles` > 0: before each start event a spin kernel holds the stream for that many GPU
+    cycles, so that the host has enqueued `fn`'s work by the time the start event runs: the
+    events then time the device alone, not the host's time to its first launch (which must fit in
+    the hold)."""
     stream = stream or torch.cuda.current_stream()
     with torch.cuda.stream(stream):
         for _ in range(warmup):
@@ -24,6 +29,8 @@ def time_cuda(fn: Callable[[], object], iters: int = 20, warmup: int = 3,
         times = []
         for _ in range(iters):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if hold_cycles:
+                torch.cuda._sleep(hold_cycles)
             start.record(stream)
             fn()
             end.record(stream)

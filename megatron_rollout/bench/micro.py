@@ -16,6 +16,7 @@ multi-rank, and compile counts for the other parts.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Any
@@ -51,14 +52,21 @@ def random_inputs(spec: list[tuple[int, int]], block_size: int, num_blocks: int,
     return inputs
 
 
-def timed(fn, iters: int, warmup: int = 1, stream: torch.cuda.Stream | None = None) -> tuple[float, int]:
+def timed(fn, iters: int, warmup: int = 1, stream: torch.cuda.Stream | None = None,
+          hold_cycles: int = 0) -> tuple[float, int]:
     """`time_cuda` with its warm-up calls outside the counted region: (median seconds, Triton and
     torch compilations during the timed calls, which must be 0)."""
     if warmup:
         time_cuda(fn, iters=1, warmup=warmup - 1, stream=stream)
     with CompileCounter() as counter:
-        seconds = time_cuda(fn, iters=iters, warmup=0, stream=stream)
+        seconds = time_cuda(fn, iters=iters, warmup=0, stream=stream, hold_cycles=hold_cycles)
     return seconds, counter.counts.total
+
+
+PREFILL_HOLD_CYCLES = 60_000_000
+"""GPU cycles (~30 ms at the H200's 1.98 GHz) a spin kernel holds the stream before each held
+prefill timing: longer than the host takes to enqueue an eager 4,096-token forward (12.6 ms,
+`bench.profile`, 2026-12-02), so the held figure is the GPU's time alone."""
 
 
 def decode_steps(runner: CudaRunner, costs: ModelCosts, bandwidth: float, points: list[tuple[int, int]],
@@ -84,26 +92,40 @@ def decode_steps(runner: CudaRunner, costs: ModelCosts, bandwidth: float, points
 def prefill(runner: CudaRunner, costs: ModelCosts, peak: float, specs: list[list[tuple[int, int]]],
             rng: np.random.Generator, iters: int = 10) -> list[dict[str, Any]]:
     """Time of one P forward for each batch spec [(past, new), ...], as the runner runs it
-    (`mode`: piecewise graphs where a bucket holds the tokens, else eager), and eagerly beside it
-    where that differs (`eager_ms`)."""
+    (`mode`: piecewise graphs where a bucket holds the tokens, else eager).
+
+    Per spec, interleaved in this order: `ms` from the call's start (the host's layout and first
+    launches included, as an engine step pays them when nothing runs before it); `device_ms`, the
+    GPU's time alone (`PREFILL_HOLD_CYCLES`: the host has enqueued the forward before the start
+    event runs); where the runner runs piecewise graphs, `eager_ms`, the same forward with the
+    buckets switched off (held like `device_ms`). Rates are given for each."""
     out = []
     cache = runner.cache
+    piecewise, eager = runner.config, dataclasses.replace(runner.config, prefill_graph_tokens=())
     for spec in specs:
         inputs = random_inputs(spec, cache.block_size, cache.num_blocks, runner.cfg.vocab_size, rng)
         mode = "piecewise" if runner._prefill_bucket(inputs) is not None else "eager"
-        seconds, compiles = timed(lambda: run_to_end(runner.forward(inputs, Phase.P)), iters=iters, warmup=2)
+        call = lambda: run_to_end(runner.forward(inputs, Phase.P))  # noqa: E731
+        seconds, compiles = timed(call, iters=iters, warmup=2)
+        device_s, device_compiles = timed(call, iters=iters, warmup=0, hold_cycles=PREFILL_HOLD_CYCLES)
         flops = prefill_flops(costs, spec)
         tokens = sum(n for _, n in spec)
         row = {"spans": spec, "tokens": tokens, "mode": mode, "ms": seconds * 1e3, "tokens_per_s": tokens / seconds,
                "tflops": flops / seconds / 1e12, "fraction_of_matmul_peak": flops / seconds / peak,
-               "compiles": compiles}
+               "device_ms": device_s * 1e3, "device_fraction_of_matmul_peak": flops / device_s / peak,
+               "compiles": compiles + device_compiles}
         if mode == "piecewise":
-            eager_s, eager_compiles = timed(lambda: run_to_end(runner._eager(inputs, Phase.P)), iters=iters)
+            runner.config = eager
+            try:
+                eager_s, eager_compiles = timed(call, iters=iters, warmup=1, hold_cycles=PREFILL_HOLD_CYCLES)
+            finally:
+                runner.config = piecewise
             row.update(eager_ms=eager_s * 1e3, eager_fraction_of_matmul_peak=flops / eager_s / peak,
-                       compiles=compiles + eager_compiles)
+                       compiles=row["compiles"] + eager_compiles)
         out.append(row)
-        log.info("prefill %d tokens (%s): %.2f ms, %.0f TFLOP/s%s", tokens, mode, seconds * 1e3,
-                 flops / seconds / 1e12, f"; eager {row['eager_ms']:.2f} ms" if "eager_ms" in row else "")
+        log.info("prefill %d tokens (%s): %.2f ms, device %.2f ms (%.1f%% of the matmul rate)%s", tokens, mode,
+                 seconds * 1e3, device_s * 1e3, 100 * flops / device_s / peak,
+                 f"; eager device {row['eager_ms']:.2f} ms" if "eager_ms" in row else "")
     return out
 
 

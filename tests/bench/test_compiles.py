@@ -85,7 +85,7 @@ def test_micro_timed_counts_only_the_timed_calls(monkeypatch):
 
     runtime = _fake_triton(monkeypatch)
 
-    def fake_time_cuda(fn, iters=20, warmup=3, stream=None):  # the CUDA-event timer, without CUDA
+    def fake_time_cuda(fn, iters=20, warmup=3, stream=None, hold_cycles=0):  # the CUDA-event timer, no CUDA
         for _ in range(warmup + iters):
             fn()
         return 0.001
