@@ -4,6 +4,8 @@
   against the memory roofline (bytes it must read / measured copy bandwidth), and the same step
   run eagerly (what the graph saves).
 - `prefill`: one prefill forward, FLOP/s against the measured matmul rate.
+- `segment_gap`: one prefill forward as piecewise graphs, eager, and as one whole CUDA graph: the
+  launch cost left per forward and per P segment (issue 14's "eager-vs-graph P segment gap").
 - `attention`: the paged decode and prefill kernels alone (achieved bandwidth; Triton vs varlen).
 - `experts`: grouped-GEMM experts vs the per-expert loop at decode and prefill sizes.
 - `overlap`: a decode replay while a long prefill runs on the other stream, with the D stream at
@@ -126,6 +128,53 @@ def prefill(runner: CudaRunner, costs: ModelCosts, peak: float, specs: list[list
         log.info("prefill %d tokens (%s): %.2f ms, device %.2f ms (%.1f%% of the matmul rate)%s", tokens, mode,
                  seconds * 1e3, device_s * 1e3, 100 * flops / device_s / peak,
                  f"; eager device {row['eager_ms']:.2f} ms" if "eager_ms" in row else "")
+    return out
+
+
+def segment_gap(runner: CudaRunner, rng: np.random.Generator, token_counts: tuple[int, ...] = (256, 1024, 2048),
+                iters: int = 10) -> list[dict[str, Any]]:
+    """What launches still cost a P forward: the same one-sequence prefill as the runner runs it
+    (piecewise graphs), eagerly (buckets off), and captured whole as one CUDA graph on its fixed
+    layout (attention included: no launch between kernels is left to pay). All three held
+    (`PREFILL_HOLD_CYCLES`, device time). `gap_ms` = piecewise - whole graph, per forward and per
+    P segment (between two boundaries, what a `mux` round resumes)."""
+    out = []
+    cache, stream = runner.cache, runner.p_stream
+    piecewise, eager = runner.config, dataclasses.replace(runner.config, prefill_graph_tokens=())
+    for n in token_counts:
+        inputs = random_inputs([(0, n)], cache.block_size, cache.num_blocks, runner.cfg.vocab_size, rng)
+        call = lambda: run_to_end(runner.forward(inputs, Phase.P))  # noqa: E731
+        piece_s, compiles = timed(call, iters=iters, warmup=2, hold_cycles=PREFILL_HOLD_CYCLES)
+        runner.config = eager
+        try:
+            eager_s, eager_compiles = timed(call, iters=iters, warmup=1, hold_cycles=PREFILL_HOLD_CYCLES)
+        finally:
+            runner.config = piecewise
+        layout = build_layout([i.span for i in inputs], [i.token_ids for i in inputs], [True], cache.block_size,
+                              runner.kernels, runner.q_heads, runner.kv_heads, runner.cfg.kv_channels, runner.device,
+                              runner.num_sms)
+        attn = KernelPagedBatch(cache, layout, runner.kernels)
+        step = lambda: runner.model.step(layout.tokens, layout.positions, attn, Phase.P,  # noqa: E731
+                                         logits_index=layout.logits_rows)
+        segments = 1
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.stream(stream):
+            for _ in step():  # warm on this layout; count the boundaries the forward yields
+                segments += 1
+            stream.synchronize()
+            with torch.cuda.graph(graph, stream=stream):
+                run_to_end(step())
+        whole_s, whole_compiles = timed(graph.replay, iters=iters, warmup=2, stream=stream,
+                                        hold_cycles=PREFILL_HOLD_CYCLES)
+        del graph
+        row = {"tokens": n, "segments": segments, "piecewise_ms": piece_s * 1e3, "eager_ms": eager_s * 1e3,
+               "whole_graph_ms": whole_s * 1e3, "gap_ms": (piece_s - whole_s) * 1e3,
+               "gap_ms_per_segment": (piece_s - whole_s) * 1e3 / segments,
+               "eager_gap_ms": (eager_s - whole_s) * 1e3, "compiles": compiles + eager_compiles + whole_compiles}
+        out.append(row)
+        log.info("P %d tokens: piecewise %.2f, eager %.2f, whole graph %.2f ms (gap %.2f ms, %.3f per segment)", n,
+                 row["piecewise_ms"], row["eager_ms"], row["whole_graph_ms"], row["gap_ms"], row["gap_ms_per_segment"])
+    torch.cuda.empty_cache()
     return out
 
 

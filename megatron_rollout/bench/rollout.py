@@ -62,8 +62,9 @@ from megatron_rollout.trace.make import PROFILES, make_trace, max_context
 log = logging.getLogger("megatron_rollout.bench")
 
 BASE_SCHEDULES = ("off", "chunked", "mux")
-MICRO_PARTS = ("decode", "prefill", "attention", "experts", "overlap")
-"""`bench.micro`'s parts; `overlap` times decode replays while a prefill runs on the other stream
+MICRO_PARTS = ("decode", "prefill", "attention", "experts", "overlap", "gap")
+"""`bench.micro`'s parts; `gap` times a P forward piecewise, eager and as one whole graph
+(`micro.segment_gap`); `overlap` times decode replays while a prefill runs on the other stream
 (D at high priority, at equal priority, on green-context SM partitions)."""
 ABLATIONS = (("mux-epoch", "mux@fixed:1000000000"), ("mux-load", "mux@load"))
 """The paper's ablation beside `mux` (its default policy): one segment per epoch (whole-epoch
@@ -264,6 +265,7 @@ def run_micro(model: MoETransformer, cfg: ModelConfig, args, costs, bandwidth: f
         ("attention", lambda: micro.attention(runner, rng)),
         ("experts", lambda: micro.experts(runner, rng)),
         ("overlap", lambda: micro.overlap(runner, rng)),
+        ("gap", lambda: micro.segment_gap(runner, rng)),  # last: it captures a graph of its own
     ]
     for name, fn in stages:
         if name not in names:
@@ -276,8 +278,8 @@ def run_micro(model: MoETransformer, cfg: ModelConfig, args, costs, bandwidth: f
             out[name] = {"error": f"{type(exc).__name__}: {exc}"}
         out[f"{name}_wall_s"] = time.perf_counter() - t0
     stages.clear()  # the closures hold the runner and its cache
-    timed = [r for name in ("decode", "prefill") if isinstance(out.get(name), list) for r in out[name]]
-    if timed:  # compilations during the timed calls of the decode and prefill parts: must be 0
+    timed = [r for name in ("decode", "prefill", "gap") if isinstance(out.get(name), list) for r in out[name]]
+    if timed:  # compilations during the timed calls of the decode, prefill and gap parts: must be 0
         out["compiles_in_timed_regions"] = sum(r.get("compiles", 0) for r in timed)
     return out
 
