@@ -57,6 +57,17 @@
 #   call 10, no carry: DEADLINE=190 bash /tmp/run/examples/h200_session.sh current, then
 #                      VLLM_RUNS="current:default,best:230" bash /tmp/run/examples/h200_session.sh vllm
 #
+# The 2026-12-02 ninth-session lease (docs/h200-2026-12-02/COMMIT), as it ran (vLLM at two settings
+# per profile fitted: its runs take ~250-280 s for both, so give each its own call):
+#   call 1, carry [".whl"]: bash examples/h200_session.sh setup tests, then bench.profile --no-graphs
+#   call 2, carry [".whl"]: setup, GPU tests of the changes, micro (decode,prefill), bench.attention, bench.profile
+#   call 3, carry [".whl", ".vb0"]: DEADLINE=200 bash examples/h200_session.sh setup current   (kept warm to call 10)
+#   calls 4-6, carry [".vb1"], [".vb2"], [".vb3"]: bash /tmp/run/examples/h200_session.sh piece
+#   call 7, carry [".vb4"]: bash /tmp/run/examples/h200_session.sh piece flashmicro
+#   call 8, no carry: VLLM_RUNS="current:default,best:420" bash /tmp/run/examples/h200_session.sh vllm
+#   call 9, no carry: BUDGETS=8192,16384 ABLATION=--no-ablation DEADLINE=225 bash /tmp/run/examples/h200_session.sh prefill
+#   call 10, no carry: VLLM_RUNS="prefill:default,best:370" bash /tmp/run/examples/h200_session.sh vllm
+#
 # `.run` is `git archive HEAD` of the commit measured, plus `.whl/` (megatron-core 0.19.2, which
 # the device image lacks); it is copied to /tmp/run so later calls need not carry it. Results are
 # kept under /tmp/res (the vLLM stage reads our runs back with `bench.rollout --resume`) and

@@ -18,6 +18,7 @@ multi-rank, and compile counts for the other parts.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -65,6 +66,17 @@ def timed(fn, iters: int, warmup: int = 1, stream: torch.cuda.Stream | None = No
     return seconds, counter.counts.total
 
 
+@contextlib.contextmanager
+def buckets_off(runner: CudaRunner):
+    """Inside the block the runner's P and mixed forwards run eagerly (no piecewise graphs)."""
+    saved = runner.config
+    runner.config = dataclasses.replace(saved, prefill_graph_tokens=())
+    try:
+        yield
+    finally:
+        runner.config = saved
+
+
 PREFILL_HOLD_CYCLES = 60_000_000
 """GPU cycles (~30 ms at the H200's 1.98 GHz) a spin kernel holds the stream before each held
 prefill timing: longer than the host takes to enqueue an eager 4,096-token forward (12.6 ms,
@@ -96,14 +108,13 @@ def prefill(runner: CudaRunner, costs: ModelCosts, peak: float, specs: list[list
     """Time of one P forward for each batch spec [(past, new), ...], as the runner runs it
     (`mode`: piecewise graphs where a bucket holds the tokens, else eager).
 
-    Per spec, interleaved in this order: `ms` from the call's start (the host's layout and first
+    Per spec, one after the other: `ms` from the call's start (the host's layout and first
     launches included, as an engine step pays them when nothing runs before it); `device_ms`, the
     GPU's time alone (`PREFILL_HOLD_CYCLES`: the host has enqueued the forward before the start
     event runs); where the runner runs piecewise graphs, `eager_ms`, the same forward with the
     buckets switched off (held like `device_ms`). Rates are given for each."""
     out = []
     cache = runner.cache
-    piecewise, eager = runner.config, dataclasses.replace(runner.config, prefill_graph_tokens=())
     for spec in specs:
         inputs = random_inputs(spec, cache.block_size, cache.num_blocks, runner.cfg.vocab_size, rng)
         mode = "piecewise" if runner._prefill_bucket(inputs) is not None else "eager"
@@ -117,11 +128,8 @@ def prefill(runner: CudaRunner, costs: ModelCosts, peak: float, specs: list[list
                "device_ms": device_s * 1e3, "device_fraction_of_matmul_peak": flops / device_s / peak,
                "compiles": compiles + device_compiles}
         if mode == "piecewise":
-            runner.config = eager
-            try:
+            with buckets_off(runner):
                 eager_s, eager_compiles = timed(call, iters=iters, warmup=1, hold_cycles=PREFILL_HOLD_CYCLES)
-            finally:
-                runner.config = piecewise
             row.update(eager_ms=eager_s * 1e3, eager_fraction_of_matmul_peak=flops / eager_s / peak,
                        compiles=row["compiles"] + eager_compiles)
         out.append(row)
@@ -140,16 +148,12 @@ def segment_gap(runner: CudaRunner, rng: np.random.Generator, token_counts: tupl
     P segment (between two boundaries, what a `mux` round resumes)."""
     out = []
     cache, stream = runner.cache, runner.p_stream
-    piecewise, eager = runner.config, dataclasses.replace(runner.config, prefill_graph_tokens=())
     for n in token_counts:
         inputs = random_inputs([(0, n)], cache.block_size, cache.num_blocks, runner.cfg.vocab_size, rng)
         call = lambda: run_to_end(runner.forward(inputs, Phase.P))  # noqa: E731
         piece_s, compiles = timed(call, iters=iters, warmup=2, hold_cycles=PREFILL_HOLD_CYCLES)
-        runner.config = eager
-        try:
+        with buckets_off(runner):
             eager_s, eager_compiles = timed(call, iters=iters, warmup=1, hold_cycles=PREFILL_HOLD_CYCLES)
-        finally:
-            runner.config = piecewise
         layout = build_layout([i.span for i in inputs], [i.token_ids for i in inputs], [True], cache.block_size,
                               runner.kernels, runner.q_heads, runner.kv_heads, runner.cfg.kv_channels, runner.device,
                               runner.num_sms)

@@ -232,8 +232,8 @@ def decode_idle(model, rows: int = 64, prompt: int = 512, steps: int = 40, seed:
 def graph_idle(runner: CudaRunner, rows: int, replays: int) -> dict[str, float]:
     """The idle share no host can remove: the decode graph of `rows` replayed `replays` times back
     to back (no host work between them), the span from its first kernel's start to its last's end
-    against the union of its kernels. What is idle there is the gaps between a graph's own kernels
-    (about 300 per step); an engine window's idle beyond that share is the host's."""
+    against the union of its kernels. What is idle there is the gaps between a graph's own kernels;
+    an engine window's idle beyond that share is the host's."""
     graph = runner._graph(runner.bucket(rows))
     for _ in range(3):
         graph.graph.replay()

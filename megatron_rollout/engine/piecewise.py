@@ -24,10 +24,13 @@ input in place.
   forwards of different buckets never interleave, which is what sharing one pool needs. Each
   bucket keeps its static tensors: q, k and v of every layer and the logits of its sampled rows;
   the attention outputs, written between pieces, are one buffer per layer for all buckets
-  (`SharedOutputs`). By their sizes that is about 3.7 GB for `qwen3-30b-a3b-12l` with the
-  fourteen default buckets up to 4,096 tokens (q, k, v: 10 KB per token and layer, summed over the
-  buckets; outputs: 8 KB per token and layer of the largest; a computed figure, not a measured
-  one); `engine.release_kv` frees them with the decode graphs.
+  (`SharedOutputs`). By their sizes that is about 4.2 GB for `qwen3-30b-a3b-12l` with the
+  fourteen default buckets up to 4,096 tokens: q, k, v 2.8 GB (10 KB per token and layer, summed
+  over the buckets), outputs 0.4 GB (8 KB per token and layer of the largest bucket), bf16 logits
+  of up to 256 sampled rows per bucket 1.0 GB (a computed figure, not a measured one; the ten
+  buckets up to 2,048 tokens with unshared outputs came to 2.8 GB; the 48-layer preset needs about
+  four times as much). `engine.release_kv` frees
+  them with the decode graphs.
 
 Left out: many ranks, more sampled rows than the bucket holds (eager then).
 """
