@@ -216,43 +216,51 @@ if triton is not None:
 
     @triton.jit
     def _rope(x, xr, cos, sin, first):
-        """x * cos + cat(-x2, x1) * sin, each product and the sum rounded to bf16 as torch does."""
-        a = _bf16(x * cos[None, :])
-        b = _bf16(xr * sin[None, :])
+        """x * cos + cat(-x2, x1) * sin, each product and the sum rounded to bf16 as torch does
+        (cos, sin: one row per row of x)."""
+        a = _bf16(x * cos)
+        b = _bf16(xr * sin)
         return _bf16(a + tl.where(first[None, :], -b, b))
 
     @triton.jit
-    def _qkv_rope_kernel(QKV_, Q, K, V, Cos, Sin, QW, KW, eps, inv_d, stride_qkv, stride_cos, stride_sin,
+    def _qkv_rope_kernel(QKV_, Q, K, V, Cos, Sin, QW, KW, eps, inv_d, n_tokens, stride_qkv, stride_cos, stride_sin,
                          GROUPS: tl.constexpr, PER: tl.constexpr, PER_P: tl.constexpr, D: tl.constexpr,
-                         NORM: tl.constexpr):
-        n = tl.program_id(0).to(tl.int64)
+                         NORM: tl.constexpr, TOK: tl.constexpr):
+        """Program (token block, group): TOK tokens' query heads of one group as [TOK * PER_P, D]
+        rows, then their key heads [TOK, D], then their value heads copied."""
         g = tl.program_id(1)
         c = tl.arange(0, D)
         rot = (c + D // 2) % D
         first = c < D // 2
-        cos = tl.load(Cos + n * stride_cos + c).to(tl.float32)
-        sin = tl.load(Sin + n * stride_sin + c).to(tl.float32)
-        base = QKV_ + n * stride_qkv + g * ((PER + 2) * D)
-        # this group's query heads: [PER_P, D]
-        h = tl.arange(0, PER_P)
-        hmask = (h < PER)[:, None]
-        x = tl.load(base + h[:, None] * D + c[None, :], mask=hmask, other=0.0).to(tl.float32)
-        xr = tl.load(base + h[:, None] * D + rot[None, :], mask=hmask, other=0.0).to(tl.float32)
+        r = tl.arange(0, TOK * PER_P)
+        n = tl.program_id(0).to(tl.int64) * TOK + r // PER_P
+        h = r % PER_P
+        qmask = ((h < PER) & (n < n_tokens))[:, None]
+        cos = tl.load(Cos + n[:, None] * stride_cos + c[None, :], mask=qmask, other=0.0).to(tl.float32)
+        sin = tl.load(Sin + n[:, None] * stride_sin + c[None, :], mask=qmask, other=0.0).to(tl.float32)
+        base = QKV_ + n[:, None] * stride_qkv + g * ((PER + 2) * D)
+        x = tl.load(base + h[:, None] * D + c[None, :], mask=qmask, other=0.0).to(tl.float32)
+        xr = tl.load(base + h[:, None] * D + rot[None, :], mask=qmask, other=0.0).to(tl.float32)
         if NORM:
             x, xr = _head_norm(x, xr, QW, c, rot, eps, inv_d)
         q = _rope(x, xr, cos, sin, first)
-        tl.store(Q + n * (GROUPS * PER * D) + (g * PER + h)[:, None] * D + c[None, :], q.to(Q.dtype.element_ty),
-                 mask=hmask)
-        # its key head: [1, D]
-        kb = base + PER * D
-        x = tl.load(kb + c[None, :]).to(tl.float32)
-        xr = tl.load(kb + rot[None, :]).to(tl.float32)
+        tl.store(Q + n[:, None] * (GROUPS * PER * D) + (g * PER + h)[:, None] * D + c[None, :],
+                 q.to(Q.dtype.element_ty), mask=qmask)
+        # their key heads: [TOK, D]
+        t = tl.program_id(0).to(tl.int64) * TOK + tl.arange(0, TOK)
+        kmask = (t < n_tokens)[:, None]
+        kb = QKV_ + t[:, None] * stride_qkv + g * ((PER + 2) * D) + PER * D
+        cos = tl.load(Cos + t[:, None] * stride_cos + c[None, :], mask=kmask, other=0.0).to(tl.float32)
+        sin = tl.load(Sin + t[:, None] * stride_sin + c[None, :], mask=kmask, other=0.0).to(tl.float32)
+        x = tl.load(kb + c[None, :], mask=kmask, other=0.0).to(tl.float32)
+        xr = tl.load(kb + rot[None, :], mask=kmask, other=0.0).to(tl.float32)
         if NORM:
             x, xr = _head_norm(x, xr, KW, c, rot, eps, inv_d)
         k = _rope(x, xr, cos, sin, first)
-        tl.store(K + n * (GROUPS * D) + g * D + c[None, :], k.to(K.dtype.element_ty))
-        # its value head, copied
-        tl.store(V + n * (GROUPS * D) + g * D + c, tl.load(kb + D + c))
+        tl.store(K + t[:, None] * (GROUPS * D) + g * D + c[None, :], k.to(K.dtype.element_ty), mask=kmask)
+        # their value heads, copied
+        tl.store(V + t[:, None] * (GROUPS * D) + g * D + c[None, :], tl.load(kb + D + c[None, :], mask=kmask),
+                 mask=kmask)
 
     @triton.jit
     def _router_logits(X, W, rows, rmask, r64, stride_x, cols, cmask, H: tl.constexpr, BM: tl.constexpr,
@@ -436,6 +444,14 @@ def add_rmsnorm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps:
     return AddNorm(hs, y)
 
 
+QKV_BLOCK_TOKENS = 8
+"""Tokens per `_qkv_rope_kernel` program from `QKV_BLOCK_MIN_ROWS` tokens: at 4,096 tokens one
+program per token and group ran 16,384 programs of 2.5 KB each, at about 1.5 TB/s (57 us per
+layer, `bench.profile`, 2026-12-02). Below, one token per program keeps decode batches spread
+over the SMs."""
+QKV_BLOCK_MIN_ROWS = 256
+
+
 def qkv_norm_rope(qkv: torch.Tensor, groups: int, per_group: int, head_dim: int, cos: torch.Tensor,
                   sin: torch.Tensor, q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
                   eps: float = 1e-6, out: QKV | None = None) -> QKV:
@@ -457,10 +473,12 @@ def qkv_norm_rope(qkv: torch.Tensor, groups: int, per_group: int, head_dim: int,
     norm = q_weight is not None
     qw, kw = (q_weight, k_weight) if norm else (cos, cos)  # unused pointers when NORM is off
     LAUNCHES["qkv_norm_rope"] += 1
-    _qkv_rope_kernel[(n, groups)](qkv, q, k, v, cos, sin, qw, kw, eps, 1.0 / d, qkv.stride(0), cos.stride(0),
-                                  sin.stride(0), GROUPS=groups, PER=per_group, PER_P=_pow2(per_group), D=d,
-                                  NORM=norm, num_warps=4 if d * _pow2(per_group) >= 1024 else 1,
-                                  enable_fp_fusion=False)
+    tok = QKV_BLOCK_TOKENS if n >= QKV_BLOCK_MIN_ROWS else 1
+    rows = tok * _pow2(per_group)
+    _qkv_rope_kernel[(triton.cdiv(n, tok), groups)](
+        qkv, q, k, v, cos, sin, qw, kw, eps, 1.0 / d, n, qkv.stride(0), cos.stride(0), sin.stride(0), GROUPS=groups,
+        PER=per_group, PER_P=_pow2(per_group), D=d, NORM=norm, TOK=tok,
+        num_warps=max(1, min(8, d * rows // 256)) if d * rows >= 1024 else 1, enable_fp_fusion=False)
     return QKV(q, k, v)
 
 

@@ -1,7 +1,8 @@
 """Kernels not yet run on a GPU compile for the H200 (sm_90) without one, with no spills.
 
 `kernels.expert_sort`'s kernels, the split router (`fused._router_split_kernel`), the router
-kernel on the helpers it now shares with it, and the Triton experts' fc2 without the weights.
+kernel on the helpers it now shares with it, the QKV norm + RoPE kernel at one token and at a
+block of tokens per program, and the Triton experts' fc2 without the weights.
 
 Why: the interpreter runs the kernels' logic on CPU but not Triton's compiler, which is stricter
 (globals must be constexpr, layouts must convert, registers must fit). Where Triton, `ptxas` and
@@ -39,6 +40,9 @@ ROUTER = {"X": "*bf16", "W": "*bf16", "Logits": "*fp32", "Arrived": "*i32", "Wou
           "n_rows": "i32", "stride_x": "i32"}
 FC2 = {"Act": "*bf16", "W2": "*bf16", "S2": "*bf16", "Y": "*bf16", "RowPair": "*i32", "BlockExpert": "*i32",
        "Weights": "*bf16", "num_experts": "i32"}
+QKV = {"QKV_": "*bf16", "Q": "*bf16", "K": "*bf16", "V": "*bf16", "Cos": "*bf16", "Sin": "*bf16", "QW": "*bf16",
+       "KW": "*bf16", "eps": "fp32", "inv_d": "fp32", "n_tokens": "i32", "stride_qkv": "i32", "stride_cos": "i32",
+       "stride_sin": "i32"}
 SORT = dict(num_warps=4)
 CASES = [  # (module, kernel, pointer/int signature, constexprs, options): the preset's sizes
     (expert_sort, "_layout_kernel", LAYOUT, dict(E=128, E_P=128, BM=16, DIV=1, C=expert_sort.CHUNK,
@@ -56,6 +60,10 @@ CASES = [  # (module, kernel, pointer/int signature, constexprs, options): the p
     (fused, "_router_kernel", {k: v for k, v in ROUTER.items() if k not in ("Logits", "Arrived")},
      dict(H=2048, E=128, E_P=128, TOPK=8, TOPK_P=8, RENORM=True, BM=fused.ROUTER_BLOCK_M, BK=128, DOT_FP32=False),
      dict(num_warps=4, num_stages=4)),  # the one-program kernel, on the helpers it now shares
+    (fused, "_qkv_rope_kernel", QKV, dict(GROUPS=4, PER=8, PER_P=8, D=128, NORM=True, TOK=1),
+     dict(num_warps=4)),  # decode: one token per program
+    (fused, "_qkv_rope_kernel", QKV, dict(GROUPS=4, PER=8, PER_P=8, D=128, NORM=True, TOK=fused.QKV_BLOCK_TOKENS),
+     dict(num_warps=8)),  # prefill: a block of tokens per program
     (moe_triton, "_fc2_kernel", FC2, dict(H=2048, F=768, BM=16, BN=64, BK=64, SCALED=False, GN=1, GK=1, KG=1, SE=1,
                                           WEIGHTED=False), dict(num_warps=4, num_stages=3)),  # weights by the combine
 ]

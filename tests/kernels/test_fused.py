@@ -196,9 +196,10 @@ def test_moe_ops_fall_back_where_they_do_not_apply():
 
 
 # (tokens, groups, heads per group, head dim)
-QKV_GPU = [(1, 4, 8, 128), (7, 4, 8, 128), (64, 4, 8, 128), (4096, 4, 8, 128), (1, 4, 2, 8), (7, 4, 2, 8),
-           (64, 4, 2, 8), (4096, 4, 2, 8), (5, 2, 3, 64)]
-QKV_INTERP = [(1, 4, 8, 128), (2, 4, 2, 8), (2, 2, 3, 64)]
+QKV_GPU = [(1, 4, 8, 128), (7, 4, 8, 128), (64, 4, 8, 128), (4096, 4, 8, 128), (4093, 4, 8, 128), (1, 4, 2, 8),
+           (7, 4, 2, 8), (64, 4, 2, 8), (4096, 4, 2, 8), (5, 2, 3, 64), (300, 2, 3, 64)]
+QKV_INTERP = [(1, 4, 8, 128), (2, 4, 2, 8), (2, 2, 3, 64), (300, 2, 3, 16), (257, 4, 2, 8)]  # past
+# QKV_BLOCK_MIN_ROWS: blocks of tokens per program, the last one partial
 
 
 @pytest.mark.parametrize("norm", [True, False], ids=["qknorm", "nonorm"])
