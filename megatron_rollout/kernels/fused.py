@@ -192,19 +192,22 @@ if triton is not None:
         return b.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _rmsnorm_kernel(X, Dlt, W, Y, Hout, eps, inv_n, stride_x, stride_d, stride_y, stride_h,
-                        N_COLS: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
+    def _rmsnorm_kernel(X, Dlt, W, Y, Hout, eps, inv_n, n_rows, stride_x, stride_d, stride_y, stride_h,
+                        N_COLS: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, ROWS: tl.constexpr):
+        """Program i: rows [i * ROWS, (i + 1) * ROWS) of X, each normalised on its own."""
+        row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
-        mask = cols < N_COLS
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        cmask = cols < N_COLS
+        mask = (row < n_rows)[:, None] & cmask[None, :]
+        x = tl.load(X + row[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_DELTA:
-            x = _bf16(x + tl.load(Dlt + row * stride_d + cols, mask=mask, other=0.0).to(tl.float32))
-            tl.store(Hout + row * stride_h + cols, x.to(Hout.dtype.element_ty), mask=mask)
-        r = tl.math.rsqrt(tl.sum(x * x, axis=0) * inv_n + eps)
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+            d = tl.load(Dlt + row[:, None] * stride_d + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = _bf16(x + d)
+            tl.store(Hout + row[:, None] * stride_h + cols[None, :], x.to(Hout.dtype.element_ty), mask=mask)
+        r = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_n + eps)[:, None]
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         y = _bf16(w * _bf16(x * r))
-        tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + row[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _head_norm(x, xr, W, c, rot, eps, inv_d):
@@ -400,6 +403,18 @@ def _norm_warps(block: int) -> int:
     return max(1, min(8, block // 256))
 
 
+BLOCK_MIN_ROWS = 256
+"""From this many rows (tokens) the norm and the QKV norm + RoPE kernels give each program a block
+of rows; below, one row per program keeps decode batches spread over the SMs."""
+NORM_BLOCK_ROWS = 4
+"""Rows per `_rmsnorm_kernel` program from `BLOCK_MIN_ROWS` rows: at 4,096 rows one 4 KB row per
+program ran at about 2 TB/s (16 us per call, `bench.profile`, 2026-12-02)."""
+
+
+def _norm_rows(n: int) -> int:
+    return NORM_BLOCK_ROWS if n >= BLOCK_MIN_ROWS else 1
+
+
 # -- kernel wrappers (fall back to the references where the kernels do not apply) --------------
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -412,11 +427,12 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     y = _empty(out, x.shape, x)
-    block = _pow2(hidden)
+    block, rows = _pow2(hidden), _norm_rows(x2.shape[0])
     LAUNCHES["rmsnorm"] += 1
-    _rmsnorm_kernel[(x2.shape[0],)](x2, x2, weight, y, y, eps, 1.0 / hidden, x2.stride(0), x2.stride(0), hidden,
-                                    hidden, N_COLS=hidden, BLOCK=block, HAS_DELTA=False,
-                                    num_warps=_norm_warps(block), enable_fp_fusion=False)
+    _rmsnorm_kernel[(triton.cdiv(x2.shape[0], rows),)](
+        x2, x2, weight, y, y, eps, 1.0 / hidden, x2.shape[0], x2.stride(0), x2.stride(0), hidden, hidden,
+        N_COLS=hidden, BLOCK=block, HAS_DELTA=False, ROWS=rows, num_warps=_norm_warps(block * rows),
+        enable_fp_fusion=False)
     return y
 
 
@@ -436,20 +452,19 @@ def add_rmsnorm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps:
     if delta.stride(-1) != 1:
         delta = delta.contiguous()
     hs, y = _empty(out_h, h.shape, h), _empty(out, h.shape, h)
-    block = _pow2(hidden)
+    block, rows = _pow2(hidden), _norm_rows(h.shape[0])
     LAUNCHES["add_rmsnorm"] += 1
-    _rmsnorm_kernel[(h.shape[0],)](h, delta, weight, y, hs, eps, 1.0 / hidden, h.stride(0), delta.stride(0), hidden,
-                                   hidden, N_COLS=hidden, BLOCK=block, HAS_DELTA=True,
-                                   num_warps=_norm_warps(block), enable_fp_fusion=False)
+    _rmsnorm_kernel[(triton.cdiv(h.shape[0], rows),)](
+        h, delta, weight, y, hs, eps, 1.0 / hidden, h.shape[0], h.stride(0), delta.stride(0), hidden, hidden,
+        N_COLS=hidden, BLOCK=block, HAS_DELTA=True, ROWS=rows, num_warps=_norm_warps(block * rows),
+        enable_fp_fusion=False)
     return AddNorm(hs, y)
 
 
 QKV_BLOCK_TOKENS = 8
-"""Tokens per `_qkv_rope_kernel` program from `QKV_BLOCK_MIN_ROWS` tokens: at 4,096 tokens one
+"""Tokens per `_qkv_rope_kernel` program from `BLOCK_MIN_ROWS` tokens: at 4,096 tokens one
 program per token and group ran 16,384 programs of 2.5 KB each, at about 1.5 TB/s (57 us per
-layer, `bench.profile`, 2026-12-02). Below, one token per program keeps decode batches spread
-over the SMs."""
-QKV_BLOCK_MIN_ROWS = 256
+layer, `bench.profile`, 2026-12-02)."""
 
 
 def qkv_norm_rope(qkv: torch.Tensor, groups: int, per_group: int, head_dim: int, cos: torch.Tensor,
@@ -473,7 +488,7 @@ def qkv_norm_rope(qkv: torch.Tensor, groups: int, per_group: int, head_dim: int,
     norm = q_weight is not None
     qw, kw = (q_weight, k_weight) if norm else (cos, cos)  # unused pointers when NORM is off
     LAUNCHES["qkv_norm_rope"] += 1
-    tok = QKV_BLOCK_TOKENS if n >= QKV_BLOCK_MIN_ROWS else 1
+    tok = QKV_BLOCK_TOKENS if n >= BLOCK_MIN_ROWS else 1
     rows = tok * _pow2(per_group)
     _qkv_rope_kernel[(triton.cdiv(n, tok), groups)](
         qkv, q, k, v, cos, sin, qw, kw, eps, 1.0 / d, n, qkv.stride(0), cos.stride(0), sin.stride(0), GROUPS=groups,

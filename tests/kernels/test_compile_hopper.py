@@ -1,8 +1,8 @@
 """Kernels not yet run on a GPU compile for the H200 (sm_90) without one, with no spills.
 
 `kernels.expert_sort`'s kernels, the split router (`fused._router_split_kernel`), the router
-kernel on the helpers it now shares with it, the QKV norm + RoPE kernel at one token and at a
-block of tokens per program, and the Triton experts' fc2 without the weights.
+kernel on the helpers it now shares with it, the norm and QKV norm + RoPE kernels at one row and
+at a block of rows per program, and the Triton experts' fc2 without the weights.
 
 Why: the interpreter runs the kernels' logic on CPU but not Triton's compiler, which is stricter
 (globals must be constexpr, layouts must convert, registers must fit). Where Triton, `ptxas` and
@@ -43,6 +43,8 @@ FC2 = {"Act": "*bf16", "W2": "*bf16", "S2": "*bf16", "Y": "*bf16", "RowPair": "*
 QKV = {"QKV_": "*bf16", "Q": "*bf16", "K": "*bf16", "V": "*bf16", "Cos": "*bf16", "Sin": "*bf16", "QW": "*bf16",
        "KW": "*bf16", "eps": "fp32", "inv_d": "fp32", "n_tokens": "i32", "stride_qkv": "i32", "stride_cos": "i32",
        "stride_sin": "i32"}
+NORM = {"X": "*bf16", "Dlt": "*bf16", "W": "*bf16", "Y": "*bf16", "Hout": "*bf16", "eps": "fp32", "inv_n": "fp32",
+        "n_rows": "i32", "stride_x": "i32", "stride_d": "i32", "stride_y": "i32", "stride_h": "i32"}
 SORT = dict(num_warps=4)
 CASES = [  # (module, kernel, pointer/int signature, constexprs, options): the preset's sizes
     (expert_sort, "_layout_kernel", LAYOUT, dict(E=128, E_P=128, BM=16, DIV=1, C=expert_sort.CHUNK,
@@ -60,6 +62,9 @@ CASES = [  # (module, kernel, pointer/int signature, constexprs, options): the p
     (fused, "_router_kernel", {k: v for k, v in ROUTER.items() if k not in ("Logits", "Arrived")},
      dict(H=2048, E=128, E_P=128, TOPK=8, TOPK_P=8, RENORM=True, BM=fused.ROUTER_BLOCK_M, BK=128, DOT_FP32=False),
      dict(num_warps=4, num_stages=4)),  # the one-program kernel, on the helpers it now shares
+    (fused, "_rmsnorm_kernel", NORM, dict(N_COLS=2048, BLOCK=2048, HAS_DELTA=True, ROWS=1), dict(num_warps=8)),
+    (fused, "_rmsnorm_kernel", NORM, dict(N_COLS=2048, BLOCK=2048, HAS_DELTA=True, ROWS=fused.NORM_BLOCK_ROWS),
+     dict(num_warps=8)),
     (fused, "_qkv_rope_kernel", QKV, dict(GROUPS=4, PER=8, PER_P=8, D=128, NORM=True, TOK=1),
      dict(num_warps=4)),  # decode: one token per program
     (fused, "_qkv_rope_kernel", QKV, dict(GROUPS=4, PER=8, PER_P=8, D=128, NORM=True, TOK=fused.QKV_BLOCK_TOKENS),

@@ -91,9 +91,9 @@ def _launched(name: str, before: dict) -> int:
 
 # -- kernels against references -----------------------------------------------------------------
 
-NORM_GPU = [(1, 2048), (7, 2048), (64, 2048), (4096, 2048), (1, 64), (7, 64), (64, 64), (4096, 64), (5, 128),
-            (3, 96)]
-NORM_INTERP = [(1, 2048), (7, 64), (16, 2048), (3, 96)]
+NORM_GPU = [(1, 2048), (7, 2048), (64, 2048), (4096, 2048), (4095, 2048), (1, 64), (7, 64), (64, 64), (4096, 64),
+            (5, 128), (3, 96), (300, 96)]
+NORM_INTERP = [(1, 2048), (7, 64), (16, 2048), (3, 96), (258, 64)]  # 258: blocks of rows, the last partial
 
 
 @pytest.mark.parametrize("device,rows,hidden", _cases(NORM_GPU, NORM_INTERP))
@@ -199,7 +199,7 @@ def test_moe_ops_fall_back_where_they_do_not_apply():
 QKV_GPU = [(1, 4, 8, 128), (7, 4, 8, 128), (64, 4, 8, 128), (4096, 4, 8, 128), (4093, 4, 8, 128), (1, 4, 2, 8),
            (7, 4, 2, 8), (64, 4, 2, 8), (4096, 4, 2, 8), (5, 2, 3, 64), (300, 2, 3, 64)]
 QKV_INTERP = [(1, 4, 8, 128), (2, 4, 2, 8), (2, 2, 3, 64), (300, 2, 3, 16), (257, 4, 2, 8)]  # past
-# QKV_BLOCK_MIN_ROWS: blocks of tokens per program, the last one partial
+# BLOCK_MIN_ROWS: blocks of tokens per program, the last one partial
 
 
 @pytest.mark.parametrize("norm", [True, False], ids=["qknorm", "nonorm"])
