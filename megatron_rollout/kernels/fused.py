@@ -191,7 +191,7 @@ if triton is not None:
         b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
         return b.to(tl.float32, bitcast=True)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows"])  # one variant per shape, whatever the batch
     def _rmsnorm_kernel(X, Dlt, W, Y, Hout, eps, inv_n, n_rows, stride_x, stride_d, stride_y, stride_h,
                         N_COLS: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, ROWS: tl.constexpr):
         """Program i: rows [i * ROWS, (i + 1) * ROWS) of X, each normalised on its own."""
@@ -225,7 +225,7 @@ if triton is not None:
         b = _bf16(xr * sin)
         return _bf16(a + tl.where(first[None, :], -b, b))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_tokens"])
     def _qkv_rope_kernel(QKV_, Q, K, V, Cos, Sin, QW, KW, eps, inv_d, n_tokens, stride_qkv, stride_cos, stride_sin,
                          GROUPS: tl.constexpr, PER: tl.constexpr, PER_P: tl.constexpr, D: tl.constexpr,
                          NORM: tl.constexpr, TOK: tl.constexpr):
