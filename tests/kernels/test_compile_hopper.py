@@ -1,8 +1,8 @@
 """Kernels not yet run on a GPU compile for the H200 (sm_90) without one, with no spills.
 
 `kernels.expert_sort`'s kernels, the split router (`fused._router_split_kernel`), the router
-kernel on the helpers it now shares with it, the norm and QKV norm + RoPE kernels at one row and
-at a block of rows per program, and the Triton experts' fc2 without the weights.
+kernel on the helpers it now shares with it, the norm, SwiGLU and QKV norm + RoPE kernels at one
+row and at a block of rows per program, and the Triton experts' fc2 without the weights.
 
 Why: the interpreter runs the kernels' logic on CPU but not Triton's compiler, which is stricter
 (globals must be constexpr, layouts must convert, registers must fit). Where Triton, `ptxas` and
@@ -45,6 +45,7 @@ QKV = {"QKV_": "*bf16", "Q": "*bf16", "K": "*bf16", "V": "*bf16", "Cos": "*bf16"
        "stride_sin": "i32"}
 NORM = {"X": "*bf16", "Dlt": "*bf16", "W": "*bf16", "Y": "*bf16", "Hout": "*bf16", "eps": "fp32", "inv_n": "fp32",
         "n_rows": "i32", "stride_x": "i32", "stride_d": "i32", "stride_y": "i32", "stride_h": "i32"}
+SILU = {"H": "*bf16", "A": "*bf16", "n_rows": "i32", "stride_h": "i32", "stride_a": "i32"}
 SORT = dict(num_warps=4)
 CASES = [  # (module, kernel, pointer/int signature, constexprs, options): the preset's sizes
     (expert_sort, "_layout_kernel", LAYOUT, dict(E=128, E_P=128, BM=16, DIV=1, C=expert_sort.CHUNK,
@@ -65,6 +66,8 @@ CASES = [  # (module, kernel, pointer/int signature, constexprs, options): the p
     (fused, "_rmsnorm_kernel", NORM, dict(N_COLS=2048, BLOCK=2048, HAS_DELTA=True, ROWS=1), dict(num_warps=8)),
     (fused, "_rmsnorm_kernel", NORM, dict(N_COLS=2048, BLOCK=2048, HAS_DELTA=True, ROWS=fused.NORM_BLOCK_ROWS),
      dict(num_warps=8)),
+    (fused, "_silu_mul_kernel", SILU, dict(F=768, BLOCK=1024, ROWS=1), dict(num_warps=4)),
+    (fused, "_silu_mul_kernel", SILU, dict(F=768, BLOCK=1024, ROWS=fused.SILU_BLOCK_ROWS), dict(num_warps=8)),
     (fused, "_qkv_rope_kernel", QKV, dict(GROUPS=4, PER=8, PER_P=8, D=128, NORM=True, TOK=1),
      dict(num_warps=4)),  # decode: one token per program
     (fused, "_qkv_rope_kernel", QKV, dict(GROUPS=4, PER=8, PER_P=8, D=128, NORM=True, TOK=fused.QKV_BLOCK_TOKENS),

@@ -127,8 +127,8 @@ def test_add_rmsnorm_matches_reference(device, rows, hidden):
 
 
 # (pairs, FFN): the SwiGLU between the grouped expert GEMMs
-SILU_GPU = [(1, 768), (64 * 8, 768), (4096 * 8, 768), (5, 96), (3, 1500)]
-SILU_INTERP = [(1, 768), (9, 96), (4, 1500)]
+SILU_GPU = [(1, 768), (64 * 8, 768), (4096 * 8, 768), (4096 * 8 - 3, 768), (5, 96), (3, 1500), (5000, 1500)]
+SILU_INTERP = [(1, 768), (9, 96), (4, 1500), (4098, 16)]  # 4,098: blocks of rows, the last partial
 
 
 @pytest.mark.parametrize("device,rows,ffn", _cases(SILU_GPU, SILU_INTERP))
