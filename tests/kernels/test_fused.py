@@ -440,6 +440,7 @@ def test_no_triton_compilation_after_warm_up():
         fused.qkv_norm_rope(_randn((n, 4 * 10 * 128), "cuda", gen), 4, 8, 128, cos, sin, qw, qw, 1e-6)
 
     run(1)
+    run(4096)  # the smallest and the largest batch: every launch shape the ops choose by size
     torch.cuda.synchronize()
     with CompileCounter() as counter:
         for n in (1, 7, 16, 64, 333, 4096):
