@@ -4,8 +4,9 @@ Why a benchmark of its own: the decode step's gap to its memory roofline at smal
 mostly small kernels (issue 14), and `kernels.fused` replaces them; this measures what each fused
 kernel saves and what the whole step gains, in one call that finishes in about a minute.
 
-1. Per op (`rmsnorm`, `add_rmsnorm`, `qkv_norm_rope`, `router_topk`) at the model preset's sizes
-   and 1, 16, 64 and 4,096 tokens: the portable ops (the model's own code) and the fused kernel,
+1. Per op (`rmsnorm`, `add_rmsnorm`, `qkv_norm_rope`, `router_topk`, and the experts' SwiGLU
+   `silu_mul` on the tokens' top-k rows) at the model preset's sizes and 1, 16, 64 and 4,096
+   tokens: the portable ops (the model's own code) and the fused kernel,
    each timed two ways: eager (median of CUDA-event timed calls: includes launch overhead) and
    inside a CUDA graph (one captured call per input set, replayed; the time per call is what a
    decode graph pays). Input sets rotate so that the graph reads more than the L2 holds where an
@@ -173,10 +174,12 @@ def op_cases(cfg, rows: int, gen: torch.Generator) -> dict[str, dict[str, Any]]:
             fused=lambda x, c, s, qw, kw: fused.qkv_norm_rope(x, groups, per, d, c, s, qw, kw, eps)),
     }
     if experts:
-        renorm = cfg.moe_renormalize_topk
+        renorm, ffn, pairs = cfg.moe_renormalize_topk, cfg.moe_ffn_hidden_size, rows * topk
         cases["router_topk"] = dict(make=router_set, bytes=2 * (experts * h + rows * h) + rows * topk * (2 + 8),
                                     portable=lambda x, w: fused.router_ref(x, w, topk, renorm),
                                     fused=lambda x, w: fused.router_topk(x, w, topk, renorm))
+        cases["silu_mul"] = dict(make=lambda: (_randn((pairs, 2 * ffn), gen),), bytes=2 * 3 * pairs * ffn,
+                                 portable=fused.silu_mul_ref, fused=fused.silu_mul)  # the experts' (token, k) rows
     return cases
 
 
