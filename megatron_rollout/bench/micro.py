@@ -22,6 +22,8 @@ import contextlib
 import dataclasses
 import logging
 import math
+import statistics
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -94,7 +96,8 @@ def decode_steps(runner: CudaRunner, costs: ModelCosts, bandwidth: float, points
         graph = runner._graph(runner.bucket(rows))
         graph.static.fill([i.span for i in inputs], [i.token_ids[0] for i in inputs])
         graph_s, graph_compiles = timed(graph.graph.replay, iters=iters, warmup=3, stream=runner.d_stream)
-        eager_s, eager_compiles = timed(lambda: run_to_end(runner._eager(inputs, Phase.D)), iters=5)
+        with buckets_off(runner):  # else a bucket's piecewise graphs would serve the "eager" step
+            eager_s, eager_compiles = timed(lambda: run_to_end(runner._eager(inputs, Phase.D)), iters=5)
         roof = decode_roofline_s(costs, rows, rows * context, bandwidth)
         out.append({"rows": rows, "bucket": graph.rows, "context": context, "graph_ms": graph_s * 1e3,
                     "eager_ms": eager_s * 1e3, "roofline_ms": roof * 1e3, "graph_over_roofline": graph_s / roof,
@@ -103,57 +106,87 @@ def decode_steps(runner: CudaRunner, costs: ModelCosts, bandwidth: float, points
     return out
 
 
+def interleaved(variants: dict[str, Callable[[], tuple[float, int]]], rounds: int) -> tuple[dict, int]:
+    """Run each variant's timing (seconds, compilations) once per round, the variants in turn:
+    {name: (median, min, max) seconds over the rounds} and the compilations over all of them."""
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    compiles = 0
+    for _ in range(rounds):
+        for name, run in variants.items():
+            seconds, count = run()
+            samples[name].append(seconds)
+            compiles += count
+    return {name: (statistics.median(v), min(v), max(v)) for name, v in samples.items()}, compiles
+
+
+def _forward_variants(runner: CudaRunner, inputs: list[SpanInput], iters: int,
+                      free: bool) -> dict[str, Callable[[], tuple[float, int]]]:
+    """The P forward's timings, each warmed first (compilation and capture outside them): `device`
+    as the runner runs it, held; `eager`, the buckets off, held where the runner would take a
+    bucket; `free` (if asked), as run and not held."""
+    call = lambda: run_to_end(runner.forward(inputs, Phase.P))  # noqa: E731
+
+    def eager_call():
+        with buckets_off(runner):
+            return call()
+
+    variants = {"device": lambda: timed(call, iters, warmup=0, hold_cycles=PREFILL_HOLD_CYCLES)}
+    if free:
+        variants["free"] = lambda: timed(call, iters, warmup=0)
+    if runner._prefill_bucket(inputs) is not None:
+        variants["eager"] = lambda: timed(eager_call, iters, warmup=0, hold_cycles=PREFILL_HOLD_CYCLES)
+    for fn in (call, eager_call) if "eager" in variants else (call,):
+        fn(), fn()
+    return variants
+
+
 def prefill(runner: CudaRunner, costs: ModelCosts, peak: float, specs: list[list[tuple[int, int]]],
-            rng: np.random.Generator, iters: int = 10) -> list[dict[str, Any]]:
+            rng: np.random.Generator, iters: int = 4, rounds: int = 3) -> list[dict[str, Any]]:
     """Time of one P forward for each batch spec [(past, new), ...], as the runner runs it
     (`mode`: piecewise graphs where a bucket holds the tokens, else eager).
 
-    Per spec, one after the other: `ms` from the call's start (the host's layout and first
-    launches included, as an engine step pays them when nothing runs before it); `device_ms`, the
-    GPU's time alone (`PREFILL_HOLD_CYCLES`: the host has enqueued the forward before the start
-    event runs); where the runner runs piecewise graphs, `eager_ms`, the same forward with the
-    buckets switched off (held like `device_ms`). Rates are given for each."""
+    Three figures per spec, timed in `rounds` interleaved rounds of `iters` forwards each (median of
+    the rounds' medians, `*_range` their min and max): `ms` from the call's start (the host's layout
+    and first launches included, as an engine step pays them when nothing runs before it);
+    `device_ms`, the GPU's time alone (`PREFILL_HOLD_CYCLES`: the host has enqueued the forward
+    before the start event runs); where the runner runs piecewise graphs, `eager_ms`, the same
+    forward with the buckets switched off (held like `device_ms`). Rates are given for each."""
     out = []
     cache = runner.cache
     for spec in specs:
         inputs = random_inputs(spec, cache.block_size, cache.num_blocks, runner.cfg.vocab_size, rng)
         mode = "piecewise" if runner._prefill_bucket(inputs) is not None else "eager"
-        call = lambda: run_to_end(runner.forward(inputs, Phase.P))  # noqa: E731
-        seconds, compiles = timed(call, iters=iters, warmup=2)
-        device_s, device_compiles = timed(call, iters=iters, warmup=0, hold_cycles=PREFILL_HOLD_CYCLES)
+        times, compiles = interleaved(_forward_variants(runner, inputs, iters, free=True), rounds)
         flops = prefill_flops(costs, spec)
         tokens = sum(n for _, n in spec)
-        row = {"spans": spec, "tokens": tokens, "mode": mode, "ms": seconds * 1e3, "tokens_per_s": tokens / seconds,
-               "tflops": flops / seconds / 1e12, "fraction_of_matmul_peak": flops / seconds / peak,
-               "device_ms": device_s * 1e3, "device_fraction_of_matmul_peak": flops / device_s / peak,
-               "compiles": compiles + device_compiles}
-        if mode == "piecewise":
-            with buckets_off(runner):
-                eager_s, eager_compiles = timed(call, iters=iters, warmup=1, hold_cycles=PREFILL_HOLD_CYCLES)
-            row.update(eager_ms=eager_s * 1e3, eager_fraction_of_matmul_peak=flops / eager_s / peak,
-                       compiles=row["compiles"] + eager_compiles)
+        row: dict[str, Any] = {"spans": spec, "tokens": tokens, "mode": mode, "rounds": rounds, "compiles": compiles}
+        for key, name in (("free", "ms"), ("device", "device_ms"), ("eager", "eager_ms")):
+            if key in times:
+                med, lo, hi = times[key]
+                frac = "fraction_of_matmul_peak" if key == "free" else name.replace("_ms", "_fraction_of_matmul_peak")
+                row.update({name: med * 1e3, f"{name}_range": [lo * 1e3, hi * 1e3], frac: flops / med / peak})
+        seconds = times["free"][0]
+        row.update(tokens_per_s=tokens / seconds, tflops=flops / seconds / 1e12)
         out.append(row)
         log.info("prefill %d tokens (%s): %.2f ms, device %.2f ms (%.1f%% of the matmul rate)%s", tokens, mode,
-                 seconds * 1e3, device_s * 1e3, 100 * flops / device_s / peak,
+                 row["ms"], row["device_ms"], 100 * row["device_fraction_of_matmul_peak"],
                  f"; eager device {row['eager_ms']:.2f} ms" if "eager_ms" in row else "")
     return out
 
 
 def segment_gap(runner: CudaRunner, rng: np.random.Generator, token_counts: tuple[int, ...] = (256, 1024, 2048),
-                iters: int = 10) -> list[dict[str, Any]]:
+                iters: int = 4, rounds: int = 3) -> list[dict[str, Any]]:
     """What launches still cost a P forward: the same one-sequence prefill as the runner runs it
     (piecewise graphs), eagerly (buckets off), and captured whole as one CUDA graph on its fixed
     layout (attention included: no launch between kernels is left to pay). All three held
-    (`PREFILL_HOLD_CYCLES`, device time). `gap_ms` = piecewise - whole graph, per forward and per
-    P segment (between two boundaries, what a `mux` round resumes)."""
+    (`PREFILL_HOLD_CYCLES`, device time) and interleaved over `rounds`. `gap_ms` = piecewise -
+    whole graph, per forward and per P segment (between two boundaries, what a `mux` round
+    resumes)."""
     out = []
     cache, stream = runner.cache, runner.p_stream
     for n in token_counts:
         inputs = random_inputs([(0, n)], cache.block_size, cache.num_blocks, runner.cfg.vocab_size, rng)
-        call = lambda: run_to_end(runner.forward(inputs, Phase.P))  # noqa: E731
-        piece_s, compiles = timed(call, iters=iters, warmup=2, hold_cycles=PREFILL_HOLD_CYCLES)
-        with buckets_off(runner):
-            eager_s, eager_compiles = timed(call, iters=iters, warmup=1, hold_cycles=PREFILL_HOLD_CYCLES)
+        variants = _forward_variants(runner, inputs, iters, free=False)
         layout = build_layout([i.span for i in inputs], [i.token_ids for i in inputs], [True], cache.block_size,
                               runner.kernels, runner.q_heads, runner.kv_heads, runner.cfg.kv_channels, runner.device,
                               runner.num_sms)
@@ -168,13 +201,21 @@ def segment_gap(runner: CudaRunner, rng: np.random.Generator, token_counts: tupl
             stream.synchronize()
             with torch.cuda.graph(graph, stream=stream):
                 run_to_end(step())
-        whole_s, whole_compiles = timed(graph.replay, iters=iters, warmup=2, stream=stream,
-                                        hold_cycles=PREFILL_HOLD_CYCLES)
-        del graph
-        row = {"tokens": n, "segments": segments, "piecewise_ms": piece_s * 1e3, "eager_ms": eager_s * 1e3,
-               "whole_graph_ms": whole_s * 1e3, "gap_ms": (piece_s - whole_s) * 1e3,
-               "gap_ms_per_segment": (piece_s - whole_s) * 1e3 / segments,
-               "eager_gap_ms": (eager_s - whole_s) * 1e3, "compiles": compiles + eager_compiles + whole_compiles}
+        graph.replay()
+        variants["whole"] = lambda replay=graph.replay: timed(replay, iters, warmup=0, stream=stream,
+                                                               hold_cycles=PREFILL_HOLD_CYCLES)
+        times, compiles = interleaved(variants, rounds)
+        variants.clear()  # the graph and its pool go with the last reference
+        piece, whole = times["device"][0], times["whole"][0]
+        row = {"tokens": n, "segments": segments, "rounds": rounds,
+               **{f"{k}_ms": v[0] * 1e3 for k, v in (("piecewise", times["device"]), ("whole_graph", times["whole"]),
+                                                     ("eager", times.get("eager", (float("nan"),))))},
+               **{f"{k}_ms_range": [v[1] * 1e3, v[2] * 1e3] for k, v in (("piecewise", times["device"]),
+                                                                         ("whole_graph", times["whole"]))},
+               "gap_ms": (piece - whole) * 1e3, "gap_ms_per_segment": (piece - whole) * 1e3 / segments,
+               "compiles": compiles}
+        if "eager" in times:
+            row["eager_gap_ms"] = (times["eager"][0] - whole) * 1e3
         out.append(row)
         log.info("P %d tokens: piecewise %.2f, eager %.2f, whole graph %.2f ms (gap %.2f ms, %.3f per segment)", n,
                  row["piecewise_ms"], row["eager_ms"], row["whole_graph_ms"], row["gap_ms"], row["gap_ms_per_segment"])

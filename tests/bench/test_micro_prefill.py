@@ -30,25 +30,29 @@ class FakeRunner:
         return iter(())
 
 
-def test_eager_figure_runs_without_buckets_and_the_device_figure_is_held(monkeypatch):
-    holds = []
+def test_figures_interleave_and_the_eager_one_runs_without_buckets(monkeypatch):
+    timings = []  # (hold, buckets the runner had during the timed calls) per timing
 
     def fake_time_cuda(fn, iters=20, warmup=3, stream=None, hold_cycles=0):
+        start = len(runner.runs)
         for _ in range(warmup + iters):
             fn()
-        holds.append(hold_cycles)
-        return 0.002 if hold_cycles else 0.003
+        timings.append((hold_cycles, set(runner.runs[start:])))
+        return {0: 0.003, micro.PREFILL_HOLD_CYCLES: 0.002}[hold_cycles] + 0.001 * (() in runner.runs[start:])
 
     monkeypatch.setattr(micro, "time_cuda", fake_time_cuda)
     runner = FakeRunner()
     costs = model_costs(runner.cfg)
-    rows = micro.prefill(runner, costs, 1e12, [[(0, 4096)], [(0, 8192)]], np.random.default_rng(0), iters=3)
+    rows = micro.prefill(runner, costs, 1e12, [[(0, 4096)], [(0, 8192)]], np.random.default_rng(0), iters=2,
+                         rounds=3)
     piecewise, eager = rows
     assert piecewise["mode"] == "piecewise" and eager["mode"] == "eager"
     assert piecewise["ms"] == pytest.approx(3.0) and piecewise["device_ms"] == pytest.approx(2.0)
-    assert piecewise["eager_ms"] == pytest.approx(2.0) and "eager_ms" not in eager
+    assert piecewise["eager_ms"] == pytest.approx(3.0) and "eager_ms" not in eager  # buckets off: the slower path
+    assert piecewise["device_ms_range"] == pytest.approx([2.0, 2.0]) and piecewise["rounds"] == 3
     assert piecewise["compiles"] == 0
-    # the eager figure ran with the buckets off, and the runner got its buckets back
-    assert () in runner.runs and runner.config.prefill_graph_tokens == (64, 4096)
-    h = micro.PREFILL_HOLD_CYCLES  # per spec: warm-up, as run, held; piecewise: eager warm-up, eager held
-    assert holds == [0, 0, h, 0, h, 0, 0, h]
+    h, buckets = micro.PREFILL_HOLD_CYCLES, (64, 4096)
+    # rounds interleave the variants: held as run, free as run, held with the buckets off; then the
+    # eager-only spec: held, free
+    assert timings == [(h, {buckets}), (0, {buckets}), (h, {()})] * 3 + [(h, {buckets}), (0, {buckets})] * 3
+    assert runner.config.prefill_graph_tokens == buckets  # the runner got its buckets back
