@@ -235,12 +235,17 @@ if triton is not None:
         c = tl.arange(0, D)
         rot = (c + D // 2) % D
         first = c < D // 2
+        # each token's cos and sin, read once: [TOK, D], then one row per query head
+        t = tl.program_id(0).to(tl.int64) * TOK + tl.arange(0, TOK)
+        kmask = (t < n_tokens)[:, None]
+        cos_t = tl.load(Cos + t[:, None] * stride_cos + c[None, :], mask=kmask, other=0.0).to(tl.float32)
+        sin_t = tl.load(Sin + t[:, None] * stride_sin + c[None, :], mask=kmask, other=0.0).to(tl.float32)
+        cos = tl.reshape(tl.broadcast_to(cos_t[:, None, :], (TOK, PER_P, D)), (TOK * PER_P, D))
+        sin = tl.reshape(tl.broadcast_to(sin_t[:, None, :], (TOK, PER_P, D)), (TOK * PER_P, D))
         r = tl.arange(0, TOK * PER_P)
         n = tl.program_id(0).to(tl.int64) * TOK + r // PER_P
         h = r % PER_P
         qmask = ((h < PER) & (n < n_tokens))[:, None]
-        cos = tl.load(Cos + n[:, None] * stride_cos + c[None, :], mask=qmask, other=0.0).to(tl.float32)
-        sin = tl.load(Sin + n[:, None] * stride_sin + c[None, :], mask=qmask, other=0.0).to(tl.float32)
         base = QKV_ + n[:, None] * stride_qkv + g * ((PER + 2) * D)
         x = tl.load(base + h[:, None] * D + c[None, :], mask=qmask, other=0.0).to(tl.float32)
         xr = tl.load(base + h[:, None] * D + rot[None, :], mask=qmask, other=0.0).to(tl.float32)
@@ -250,16 +255,12 @@ if triton is not None:
         tl.store(Q + n[:, None] * (GROUPS * PER * D) + (g * PER + h)[:, None] * D + c[None, :],
                  q.to(Q.dtype.element_ty), mask=qmask)
         # their key heads: [TOK, D]
-        t = tl.program_id(0).to(tl.int64) * TOK + tl.arange(0, TOK)
-        kmask = (t < n_tokens)[:, None]
         kb = QKV_ + t[:, None] * stride_qkv + g * ((PER + 2) * D) + PER * D
-        cos = tl.load(Cos + t[:, None] * stride_cos + c[None, :], mask=kmask, other=0.0).to(tl.float32)
-        sin = tl.load(Sin + t[:, None] * stride_sin + c[None, :], mask=kmask, other=0.0).to(tl.float32)
         x = tl.load(kb + c[None, :], mask=kmask, other=0.0).to(tl.float32)
         xr = tl.load(kb + rot[None, :], mask=kmask, other=0.0).to(tl.float32)
         if NORM:
             x, xr = _head_norm(x, xr, KW, c, rot, eps, inv_d)
-        k = _rope(x, xr, cos, sin, first)
+        k = _rope(x, xr, cos_t, sin_t, first)
         tl.store(K + t[:, None] * (GROUPS * D) + g * D + c[None, :], k.to(K.dtype.element_ty), mask=kmask)
         # their value heads, copied
         tl.store(V + t[:, None] * (GROUPS * D) + g * D + c[None, :], tl.load(kb + D + c[None, :], mask=kmask),
