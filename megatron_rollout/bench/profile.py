@@ -5,6 +5,8 @@ Per forward shape (eager P, eager D, the decode graph):
   until an asynchronous P forward first yields its completion poll), against `device_ms`, the
   CUDA-event time from its first to its last kernel. host >= device means the GPU waits for the
   host: the forward is launch-bound, and only fewer launches (fusion, graphs) shorten it.
+  The modes of one shape (eager, and piecewise where a bucket holds it) are timed interleaved:
+  medians of 3 forwards each, in turn (`forward_profiles`).
 - `launches`: kernel launches per forward, and the profiler's op table (count, host time, device
   time per op), top entries by host and by device time.
 - `sections`: the forward driven segment by segment (between the boundaries the model yields),
@@ -98,15 +100,33 @@ def op_table(prof, calls: int, top: int = 25) -> dict[str, Any]:
             "sections": sorted(sections, key=lambda r: r["name"])}
 
 
-def forward_profile(runner: CudaRunner, inputs: list[SpanInput], phase: Phase, reps: int = 3) -> dict[str, Any]:
-    for _ in range(2):  # warm: Triton kernels compiled, cuBLAS heuristics cached
-        drive(runner, inputs, phase)
-    times = [drive(runner, inputs, phase) for _ in range(reps)]
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            drive(runner, inputs, phase, label=True)
-    host, device = (statistics.median(t[k] for t in times) for k in (0, 1))
-    return {"host_ms": host * 1e3, "device_ms": device * 1e3, "reps": reps, **op_table(prof, reps)}
+def forward_profiles(runner: CudaRunner, inputs: list[SpanInput], phase: Phase, configs: dict[str, Any],
+                     reps: int = 3) -> dict[str, dict[str, Any]]:
+    """Per mode (`configs`: name -> RunnerConfig): host and device time, median of `reps` forwards
+    with the modes interleaved (after 2 warm-up forwards each), then the profiler's op table."""
+    saved = runner.config
+
+    def run(name: str, label: bool = False) -> tuple[float, float]:
+        runner.config = configs[name]
+        try:
+            return drive(runner, inputs, phase, label=label)
+        finally:
+            runner.config = saved
+
+    for name in configs:  # warm: Triton kernels compiled, cuBLAS heuristics cached, graphs captured
+        run(name), run(name)
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
+    for _ in range(reps):
+        for name in configs:
+            times[name].append(run(name))
+    out = {}
+    for name in configs:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                run(name, label=True)
+        host, device = (statistics.median(t[k] for t in times[name]) for k in (0, 1))
+        out[name] = {"host_ms": host * 1e3, "device_ms": device * 1e3, "reps": reps, **op_table(prof, reps)}
+    return out
 
 
 def graph_profile(runner: CudaRunner, rows: int, context: int, rng: np.random.Generator) -> dict[str, Any]:
@@ -301,13 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, spec in shapes.items() if args.forwards else ():
         phase = Phase.P if name.startswith("P") else Phase.D
         inputs = random_inputs(spec, cache.block_size, cache.num_blocks, cfg.vocab_size, rng)
-        modes = ("eager", "piecewise") if runner._prefill_bucket(inputs) is not None else ("eager",)
-        for mode in modes:
-            runner.config = piecewise if mode == "piecewise" else eager
-            out[f"{name} {mode}"] = res = forward_profile(runner, inputs, phase)
+        configs = {"eager": eager, **({"piecewise": piecewise} if runner._prefill_bucket(inputs) is not None else {})}
+        for mode, res in forward_profiles(runner, inputs, phase, configs).items():
+            out[f"{name} {mode}"] = res
             log.info("%s %s: host %.2f ms, device %.2f ms, %.0f launches", name, mode, res["host_ms"],
                      res["device_ms"], res["launches"])
-        runner.config = piecewise
     if args.graphs:
         out["D graph 64x2048"] = graph_profile(runner, 64, 2048, rng)
         out["D graph 1x2048"] = graph_profile(runner, 1, 2048, rng)

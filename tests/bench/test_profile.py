@@ -84,3 +84,22 @@ def test_host_idle_is_the_idle_time_less_the_gaps_inside_the_graphs():
     assert host_idle_share(1.0, 0.8, 1 / 9) == pytest.approx(0.1)
     assert host_idle_share(1.0, 0.8, 0.0) == pytest.approx(0.2)  # no gaps in the graph: all the host's
     assert host_idle_share(0.9, 0.8, 1 / 9) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_forward_modes_are_timed_interleaved_and_the_config_comes_back(monkeypatch):
+    from megatron_rollout.bench import profile as prof
+
+    seen = []
+
+    def fake_drive(runner, inputs, phase, label=False):
+        seen.append((runner.config, label))
+        return (0.001, 0.002 if runner.config == "eager" else 0.001)
+
+    monkeypatch.setattr(prof, "drive", fake_drive)
+    runner = types.SimpleNamespace(config="default")
+    out = prof.forward_profiles(runner, [], None, {"eager": "eager", "piecewise": "piecewise"}, reps=3)
+    assert runner.config == "default"
+    timed = [c for c, label in seen[4:4 + 6]]  # after 2 warm-ups per mode
+    assert timed == ["eager", "piecewise"] * 3
+    assert out["eager"]["device_ms"] == pytest.approx(2.0) and out["piecewise"]["device_ms"] == pytest.approx(1.0)
+    assert [c for c, label in seen if label] == ["eager"] * 3 + ["piecewise"] * 3
