@@ -11,7 +11,10 @@ kernel saves and what the whole step gains, in one call that finishes in about a
    inside a CUDA graph (one captured call per input set, replayed; the time per call is what a
    decode graph pays). Input sets rotate so that the graph reads more than the L2 holds where an
    op reads weights (the router's 512 KB per layer); the fused kernel's bytes over its graph time
-   give its bandwidth.
+   give its bandwidth. `--row-blocks 1,2,4,8`: the norm, QKV and SwiGLU kernels again at
+   `--block-rows` tokens with each number of rows per program (the QKV kernel also with its
+   loads in program order), interleaved: where `fused.NORM_BLOCK_ROWS`, `QKV_BLOCK_TOKENS`,
+   `SILU_BLOCK_ROWS` and `QKV_LOADS_FIRST` come from.
 2. The expert sort of every MoE layer: `sorted_destinations` both ways (the one-hot prefix sum and
    the stable argsort) and `kernels.expert_sort`'s kernels (unpadded, and padded as the Triton
    experts need it, beside the torch padded layout), graph-timed at the preset's experts and
@@ -34,6 +37,7 @@ breakdown of the whole step and multi-GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -82,6 +86,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--router-tiles", default=ROUTER_TILES,
                     help="router launch shapes BLOCK_K/WARPS/STAGES[/SPLIT], comma-separated ('' skips the grid)")
     ap.add_argument("--router-rows", default="1,64", help="token counts of the router grid")
+    ap.add_argument("--row-blocks", default="",
+                    help="rows per program to compare for the norm, QKV and SwiGLU kernels, e.g. 1,2,4,8 "
+                         "(at --block-rows tokens; '' skips the sweep)")
+    ap.add_argument("--block-rows", default="256,1024,4096", help="token counts of the --row-blocks sweep")
     ap.add_argument("--iters", type=int, default=30, help="timed repetitions per measurement")
     ap.add_argument("--rounds", type=int, default=3,
                     help="interleaved rounds of the expert-sort and FP8-expert timings (median, min, max over them)")
@@ -292,6 +300,74 @@ def interleaved_us(variants: dict[str, Callable[[], float]], rounds: int) -> tup
     return out, compiles
 
 
+BLOCKED_OPS = {"rmsnorm": ("NORM_BLOCK_ROWS", "BLOCK_MIN_ROWS"), "add_rmsnorm": ("NORM_BLOCK_ROWS", "BLOCK_MIN_ROWS"),
+               "qkv_norm_rope": ("QKV_BLOCK_TOKENS", "BLOCK_MIN_ROWS"),
+               "silu_mul": ("SILU_BLOCK_ROWS", "SILU_BLOCK_MIN_ROWS")}
+"""The fused ops that give a program a block of rows past a row count: (block constant, threshold)."""
+
+
+@contextlib.contextmanager
+def row_blocks(op: str, rows: int, loads_first: bool | None = None):
+    """`kernels.fused` launching `op` with `rows` rows per program at every batch size (and, for the
+    QKV kernel, with its loads first or not), restored on exit."""
+    from megatron_rollout.kernels import fused
+
+    block, threshold = BLOCKED_OPS[op]
+    names = {block: rows, threshold: 0}
+    if loads_first is not None:
+        names["QKV_LOADS_FIRST"] = loads_first
+    saved = {n: getattr(fused, n) for n in names}
+    try:
+        for n, v in names.items():
+            setattr(fused, n, v)
+        yield
+    finally:
+        for n, v in saved.items():
+            setattr(fused, n, v)
+
+
+def time_row_blocks(cfg, tokens_list: list[int], blocks: list[int], iters: int, seed: int,
+                    rounds: int) -> list[dict[str, Any]]:
+    """Graph time per call of each blocked op at each rows-per-program value (the QKV kernel also
+    with its loads in program order), interleaved over `rounds`, on the same input sets."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    out = []
+    for tokens in tokens_list:
+        cases = op_cases(cfg, tokens, gen)
+        for op in BLOCKED_OPS:
+            if op not in cases:
+                continue
+            case = cases[op]
+            first = case["make"]()
+            set_bytes = sum(t.numel() * t.element_size() for t in first)
+            sets = [first] + [case["make"]() for _ in range(max(1, min(MAX_SETS, math.ceil(L2_DEFEAT_BYTES / set_bytes)))
+                                                         - 1)]
+            settings = [(b, None) for b in blocks]
+            if op == "qkv_norm_rope":
+                settings = [(b, early) for b in blocks for early in (True, False)]
+            variants = {}
+            for b, early in settings:
+                name = f"{b}" if early is None else f"{b}{'' if early else '/in-order'}"
+                with row_blocks(op, b, early):
+                    case["fused"](*first)  # compiles outside the timed rounds
+                variants[name] = (lambda b=b, early=early: _graph_us_with(op, b, early, case["fused"], sets, iters))
+            torch.cuda.synchronize()
+            timings, compiles = interleaved_us(variants, rounds)
+            best = min(timings, key=lambda n: timings[n]["us"])
+            row = {"op": op, "tokens": tokens, "sets": len(sets), "min_bytes": case["bytes"], "variants": timings,
+                   "fastest": best, "compiles": compiles}
+            out.append(row)
+            log.info("row blocks %s at %d tokens: %s", op, tokens,
+                     ", ".join(f"{n} {v['us']:.1f} us" for n, v in timings.items()))
+    torch.cuda.empty_cache()
+    return out
+
+
+def _graph_us_with(op: str, rows: int, loads_first: bool | None, fn, sets, iters: int) -> float:
+    with row_blocks(op, rows, loads_first):  # the launch shape is fixed when the graph is captured
+        return graph_us([lambda a=s: fn(*a) for s in sets], iters)
+
+
 SORT_VARIANTS = ("one_hot", "argsort", "torch", "triton", "padded_torch", "padded_triton", "padded_one",
                  "padded_three")
 
@@ -498,6 +574,9 @@ def format_table(result: dict[str, Any]) -> str:
     for r in result.get("router_tiles", []):
         cells = "  ".join(f"{n} {v['us']:.1f}" for n, v in r["variants"].items())
         lines.append(f"{'router tiles':<14}{r['rows']:>6}  {cells}  -> {r['fastest']}")
+    for r in result.get("row_blocks", []):
+        cells = "  ".join(f"{n} {v['us']:.1f}" for n, v in r["variants"].items())
+        lines.append(f"{'row blocks':<14}{r['tokens']:>6}  {r['op']:<14} {cells}  -> {r['fastest']}")
     for r in result.get("destinations", []):
         cells = "  ".join(f"{n} {r[n]['us']:.1f} us" for n in SORT_VARIANTS if n in r)
         lines.append(f"{'expert sort':<14}{r['tokens']:>6}  {cells}  -> {r['faster']}")
@@ -546,6 +625,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.router_tiles and router_rows and cfg.num_moe_experts:
         result["router_tiles"] = time_router_tiles(cfg, router_rows, args.router_tiles, args.iters, args.seed,
                                                    args.rounds)
+    blocks = [int(b) for b in args.row_blocks.split(",") if b.strip()]
+    if blocks:
+        block_tokens = [int(t) for t in args.block_rows.split(",") if t.strip()]
+        result["row_blocks"] = time_row_blocks(cfg, block_tokens, blocks, args.iters, args.seed, args.rounds)
     sort_tokens = [int(t) for t in args.destinations.split(",") if t.strip()]
     if sort_tokens:
         result["destinations"] = time_destinations(cfg, sort_tokens, args.iters, args.seed, args.rounds)
@@ -553,7 +636,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["decode"] = time_decode(cfg, points, args.iters, args.seed, result["copy_bandwidth_gb_s"] * 1e9)
     compiles = sum(r["portable_compiles"] + r["fused_compiles"] for r in result["ops"])
     compiles += sum(r["compiles"] for r in result.get("destinations", []) + result.get("fp8_experts", [])
-                    + result.get("router_tiles", []) + result.get("bf16_experts", []))
+                    + result.get("router_tiles", []) + result.get("bf16_experts", []) + result.get("row_blocks", []))
     if points:
         compiles += result["decode"]["portable_compiles"] + result["decode"]["fused_compiles"]
     result["compiles_in_timed_regions"] = compiles

@@ -174,5 +174,5 @@ class PiecewiseGraph:
             piece.graph.replay()
             yield from piece.points
             if slot is not None:
-                slot.out[:n].copy_(attn.attend(slot.layer, slot.q[:n], slot.k[:n], slot.v[:n]))
+                attn.attend(slot.layer, slot.q[:n], slot.k[:n], slot.v[:n], out=slot.out[:n])  # in place
         return self.logits[:r].clone()

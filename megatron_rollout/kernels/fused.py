@@ -228,9 +228,10 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n_tokens"])
     def _qkv_rope_kernel(QKV_, Q, K, V, Cos, Sin, QW, KW, eps, inv_d, n_tokens, stride_qkv, stride_cos, stride_sin,
                          GROUPS: tl.constexpr, PER: tl.constexpr, PER_P: tl.constexpr, D: tl.constexpr,
-                         NORM: tl.constexpr, TOK: tl.constexpr):
+                         NORM: tl.constexpr, TOK: tl.constexpr, EARLY: tl.constexpr):
         """Program (token block, group): TOK tokens' query heads of one group as [TOK * PER_P, D]
-        rows, then their key heads [TOK, D], then their value heads copied."""
+        rows, then their key heads [TOK, D], then their value heads copied. EARLY: every load is
+        issued before the first store (a load after a store to another tensor must wait for it)."""
         g = tl.program_id(1)
         c = tl.arange(0, D)
         rot = (c + D // 2) % D
@@ -247,24 +248,30 @@ if triton is not None:
         h = r % PER_P
         qmask = ((h < PER) & (n < n_tokens))[:, None]
         base = QKV_ + n[:, None] * stride_qkv + g * ((PER + 2) * D)
+        kb = QKV_ + t[:, None] * stride_qkv + g * ((PER + 2) * D) + PER * D
         x = tl.load(base + h[:, None] * D + c[None, :], mask=qmask, other=0.0).to(tl.float32)
         xr = tl.load(base + h[:, None] * D + rot[None, :], mask=qmask, other=0.0).to(tl.float32)
+        if EARLY:
+            kx = tl.load(kb + c[None, :], mask=kmask, other=0.0).to(tl.float32)
+            kxr = tl.load(kb + rot[None, :], mask=kmask, other=0.0).to(tl.float32)
+            vx = tl.load(kb + D + c[None, :], mask=kmask)
         if NORM:
             x, xr = _head_norm(x, xr, QW, c, rot, eps, inv_d)
         q = _rope(x, xr, cos, sin, first)
         tl.store(Q + n[:, None] * (GROUPS * PER * D) + (g * PER + h)[:, None] * D + c[None, :],
                  q.to(Q.dtype.element_ty), mask=qmask)
         # their key heads: [TOK, D]
-        kb = QKV_ + t[:, None] * stride_qkv + g * ((PER + 2) * D) + PER * D
-        x = tl.load(kb + c[None, :], mask=kmask, other=0.0).to(tl.float32)
-        xr = tl.load(kb + rot[None, :], mask=kmask, other=0.0).to(tl.float32)
+        if not EARLY:
+            kx = tl.load(kb + c[None, :], mask=kmask, other=0.0).to(tl.float32)
+            kxr = tl.load(kb + rot[None, :], mask=kmask, other=0.0).to(tl.float32)
         if NORM:
-            x, xr = _head_norm(x, xr, KW, c, rot, eps, inv_d)
-        k = _rope(x, xr, cos_t, sin_t, first)
+            kx, kxr = _head_norm(kx, kxr, KW, c, rot, eps, inv_d)
+        k = _rope(kx, kxr, cos_t, sin_t, first)
         tl.store(K + t[:, None] * (GROUPS * D) + g * D + c[None, :], k.to(K.dtype.element_ty), mask=kmask)
         # their value heads, copied
-        tl.store(V + t[:, None] * (GROUPS * D) + g * D + c[None, :], tl.load(kb + D + c[None, :], mask=kmask),
-                 mask=kmask)
+        if not EARLY:
+            vx = tl.load(kb + D + c[None, :], mask=kmask)
+        tl.store(V + t[:, None] * (GROUPS * D) + g * D + c[None, :], vx, mask=kmask)
 
     @triton.jit
     def _router_logits(X, W, rows, rmask, r64, stride_x, cols, cmask, H: tl.constexpr, BM: tl.constexpr,
@@ -470,6 +477,10 @@ program per token and group ran 16,384 programs of 2.5 KB each, at about 1.5 TB/
 layer, `bench.profile`, 2026-12-02)."""
 
 
+QKV_LOADS_FIRST = True
+"""`_qkv_rope_kernel` issues its key and value loads before it stores the queries."""
+
+
 def qkv_norm_rope(qkv: torch.Tensor, groups: int, per_group: int, head_dim: int, cos: torch.Tensor,
                   sin: torch.Tensor, q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
                   eps: float = 1e-6, out: QKV | None = None) -> QKV:
@@ -495,7 +506,7 @@ def qkv_norm_rope(qkv: torch.Tensor, groups: int, per_group: int, head_dim: int,
     rows = tok * _pow2(per_group)
     _qkv_rope_kernel[(triton.cdiv(n, tok), groups)](
         qkv, q, k, v, cos, sin, qw, kw, eps, 1.0 / d, n, qkv.stride(0), cos.stride(0), sin.stride(0), GROUPS=groups,
-        PER=per_group, PER_P=_pow2(per_group), D=d, NORM=norm, TOK=tok,
+        PER=per_group, PER_P=_pow2(per_group), D=d, NORM=norm, TOK=tok, EARLY=QKV_LOADS_FIRST,
         num_warps=max(1, min(8, d * rows // 256)) if d * rows >= 1024 else 1, enable_fp_fusion=False)
     return QKV(q, k, v)
 

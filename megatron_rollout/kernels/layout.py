@@ -167,10 +167,17 @@ class KernelPagedBatch(AttentionBackend):
     def positions(self) -> torch.Tensor:
         return self.layout.positions
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """As `AttentionBackend.attend`; `out` (optional, q's shape and dtype, last dim contiguous):
+        where the result goes (a piecewise graph's static buffer, so nothing is copied after)."""
         kc, vc = self.cache.k[layer], self.cache.v[layer]  # [slots, hkv, d]
         self.kernels.store_kv(kc, vc, k, v, self.layout.slots)
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
+        elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+            raise ValueError(f"attention out must be a {q.dtype} tensor of shape {tuple(q.shape)} with a contiguous "
+                             f"last dim, got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
         self.kernels.attend(q, kc, vc, self.layout.decode, self.layout.prefill, out)
         return out
 
