@@ -340,8 +340,8 @@ def time_row_blocks(cfg, tokens_list: list[int], blocks: list[int], iters: int, 
             case = cases[op]
             first = case["make"]()
             set_bytes = sum(t.numel() * t.element_size() for t in first)
-            sets = [first] + [case["make"]() for _ in range(max(1, min(MAX_SETS, math.ceil(L2_DEFEAT_BYTES / set_bytes)))
-                                                         - 1)]
+            count = max(1, min(MAX_SETS, math.ceil(L2_DEFEAT_BYTES / set_bytes)))
+            sets = [first] + [case["make"]() for _ in range(count - 1)]
             settings = [(b, None) for b in blocks]
             if op == "qkv_norm_rope":
                 settings = [(b, early) for b in blocks for early in (True, False)]
