@@ -415,10 +415,12 @@ def _norm_warps(block: int) -> int:
 
 BLOCK_MIN_ROWS = 256
 """From this many rows (tokens) the norm and the QKV norm + RoPE kernels give each program a block
-of rows; below, one row per program keeps decode batches spread over the SMs."""
-NORM_BLOCK_ROWS = 4
-"""Rows per `_rmsnorm_kernel` program from `BLOCK_MIN_ROWS` rows: at 4,096 rows one 4 KB row per
-program ran at about 2 TB/s (16 us per call, `bench.profile`, 2026-12-02)."""
+of rows (`NORM_BLOCK_ROWS`, `QKV_BLOCK_TOKENS`: one, since the sweep below, like every decode size)."""
+NORM_BLOCK_ROWS = 1
+"""Rows per `_rmsnorm_kernel` program from `BLOCK_MIN_ROWS` rows. One: blocks of 2, 4 and 8 rows
+were slower or within 5% at 256, 1,024 and 4,096 rows (`bench.kernels --row-blocks 1,2,4,8`, H200,
+2026-12-02, graph us per call at 4,096 rows: rmsnorm 11.3 / 10.8 / 11.6 / 12.9, add_rmsnorm
+19.9 / 20.7 / 21.0 / 23.0)."""
 
 
 def _norm_rows(n: int) -> int:
@@ -471,14 +473,15 @@ def add_rmsnorm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps:
     return AddNorm(hs, y)
 
 
-QKV_BLOCK_TOKENS = 8
-"""Tokens per `_qkv_rope_kernel` program from `BLOCK_MIN_ROWS` tokens: at 4,096 tokens one
-program per token and group ran 16,384 programs of 2.5 KB each, at about 1.5 TB/s (57 us per
-layer, `bench.profile`, 2026-12-02)."""
+QKV_BLOCK_TOKENS = 1
+"""Tokens per `_qkv_rope_kernel` program from `BLOCK_MIN_ROWS` tokens. One: at 4,096 tokens 1, 2,
+4 and 8 tokens took 56.5 / 61.3 / 55.5 / 57.3 us, at 256 tokens 5.7 / 5.8 / 5.9 / 6.0
+(`bench.kernels --row-blocks`, 2026-12-02)."""
 
 
 QKV_LOADS_FIRST = True
-"""`_qkv_rope_kernel` issues its key and value loads before it stores the queries."""
+"""`_qkv_rope_kernel` issues its key and value loads before it stores the queries: 5.7 against
+6.7 us at 256 tokens, 56.5 against 57.1 at 4,096 (`bench.kernels --row-blocks`, 2026-12-02)."""
 
 
 def qkv_norm_rope(qkv: torch.Tensor, groups: int, per_group: int, head_dim: int, cos: torch.Tensor,
@@ -544,10 +547,10 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, topk: int, renormalize: b
     return Routing(w_out, ids)
 
 
-SILU_BLOCK_ROWS = 4
-"""(token, expert) rows per `_silu_mul_kernel` program from `SILU_BLOCK_MIN_ROWS` rows: at 4,096
-tokens (32,768 rows) one 3 KB row per program ran at about 2.9 TB/s (52 us per layer,
-`bench.profile`, 2026-12-02)."""
+SILU_BLOCK_ROWS = 1
+"""(token, expert) rows per `_silu_mul_kernel` program from `SILU_BLOCK_MIN_ROWS` rows. One: at
+4,096 tokens (32,768 rows) 1, 2, 4 and 8 rows took 54.4 / 62.7 / 67.6 / 108.8 us
+(`bench.kernels --row-blocks`, 2026-12-02)."""
 SILU_BLOCK_MIN_ROWS = 4096
 """Past every decode graph's rows (256 rows x top-8 = 2,048): decode keeps one row per program."""
 
