@@ -181,6 +181,16 @@ for stage in "$@"; do
         tail -10 "/tmp/res/$p.vllm.log"; cp "/tmp/res/$p/rollout.json" "$OUT/$p.json"
         cp "/tmp/res/$p/vllm.log" "$OUT/$p.vllm.log" 2>/dev/null
       done ;;
+    pdl)  # programmatic dependent launch (kernels.pdl): GPU tests with it on, then the 1-row decode idle
+      # windows with it off and on, alternating processes (off, on, off, on)
+      cd /tmp/run
+      MEGATRON_ROLLOUT_PDL=1 timeout 100 python3 -m pytest -q -m gpu tests/kernels/test_cuda_runner.py \
+        tests/kernels/test_pdl.py -p no:cacheprovider -x 2>&1 | tee "$OUT/pdl_tests.log" | tail -3
+      for i in 1 2; do for v in 0 1; do
+        MEGATRON_ROLLOUT_PDL=$v timeout 60 python3 -m megatron_rollout.bench.profile --no-forwards --no-graphs \
+          --idle-rows "${IDLE_ROWS:-1}" --idle-repeats 1 --out "$OUT/idle-pdl$v-$i.json" > "$OUT/idle-pdl$v-$i.log" 2>&1
+        echo "PDL=$v round $i"; grep -i "window" "$OUT/idle-pdl$v-$i.log" | cut -c30-330
+      done; done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch
 
 from megatron_rollout.comm.exchange import ONE_HOT_LIMIT, one_hot_ranks, sorted_destinations
+from megatron_rollout.kernels import pdl
 from megatron_rollout.kernels.fused import interpreting
 
 try:
@@ -181,21 +182,25 @@ def expert_layout(flat: torch.Tensor, num_experts: int, block_m: int, div: int =
     ends = torch.empty(num_experts, dtype=torch.int32, device=dev)
     e_p = max(16, triton.next_power_of_2(num_experts))
     shape = dict(E=num_experts, E_P=e_p, BM=block_m, FILL=FILL)
+    launch = pdl.options(dev)
     if pairs <= max_pairs:
         _layout_kernel[(1,)](flat, dest, row_source, block_expert, ends, pairs, rows, blocks, **shape, DIV=div,
-                             C=CHUNK, num_warps=4)
+                             C=CHUNK, num_warps=4, **launch)
     else:
         chunk = CHUNKED if e_p <= 128 else CHUNKED // 2  # [chunk, E_P] int32 in registers
         chunks = triton.cdiv(pairs, chunk)
         base = torch.empty(chunks, e_p, dtype=torch.int32, device=dev)  # counts, then each chunk's first rows
-        _count_kernel[(chunks,)](flat, base, pairs, E_P=e_p, C=chunk, num_warps=4)
+        _count_kernel[(chunks,)](flat, base, pairs, E_P=e_p, C=chunk, num_warps=4, **launch)
         _scan_kernel[(1,)](base, ends, row_source, block_expert, chunks, rows, blocks, **shape, C=CHUNK,
-                           num_warps=4)
-        _rank_kernel[(chunks,)](flat, base, dest, row_source, pairs, E_P=e_p, DIV=div, C=chunk, num_warps=4)
+                           num_warps=4, **launch)
+        _rank_kernel[(chunks,)](flat, base, dest, row_source, pairs, E_P=e_p, DIV=div, C=chunk, num_warps=4,
+                                **launch)
     return ExpertLayout(dest, row_source, block_expert, ends)
 
 
 if triton is not None:
+    from megatron_rollout.kernels.pdl import entry as pdl_entry
+
     # `while`, not `range`, over runtime sizes: Triton's interpreter cannot bound a range by them.
 
     @triton.jit
@@ -242,8 +247,9 @@ if triton is not None:
     @triton.jit(do_not_specialize=["pairs", "rows", "blocks"])
     def _layout_kernel(Flat, Dest, RowSource, BlockExpert, Ends, pairs, rows, blocks,
                        E: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, DIV: tl.constexpr, C: tl.constexpr,
-                       FILL: tl.constexpr):
+                       FILL: tl.constexpr, PDL: tl.constexpr = False):
         """Everything in one program: counts, ends, padding, then every chunk's rows in order."""
+        pdl_entry(PDL)
         e = tl.arange(0, E_P)
         emask = e < E
         c = tl.arange(0, C)
@@ -266,16 +272,19 @@ if triton is not None:
             c0 += C
 
     @triton.jit(do_not_specialize=["pairs"])
-    def _count_kernel(Flat, Counts, pairs, E_P: tl.constexpr, C: tl.constexpr):
+    def _count_kernel(Flat, Counts, pairs, E_P: tl.constexpr, C: tl.constexpr, PDL: tl.constexpr = False):
         """Chunk i's pairs per expert -> Counts[i]."""
+        pdl_entry(PDL)
         i = tl.program_id(0)
         p = i * C + tl.arange(0, C)
         tl.store(Counts + i * E_P + tl.arange(0, E_P), tl.sum(_hits(Flat, p, p < pairs, tl.arange(0, E_P)), axis=0))
 
     @triton.jit(do_not_specialize=["chunks", "rows", "blocks"])
     def _scan_kernel(Base, Ends, RowSource, BlockExpert, chunks, rows, blocks,
-                     E: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, C: tl.constexpr, FILL: tl.constexpr):
+                     E: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, C: tl.constexpr, FILL: tl.constexpr,
+                     PDL: tl.constexpr = False):
         """Counts [chunks, E_P] -> each chunk's first row per expert, in place; the ends; the padding."""
+        pdl_entry(PDL)
         e = tl.arange(0, E_P)
         emask = e < E
         c = tl.arange(0, C)
@@ -298,8 +307,10 @@ if triton is not None:
             c0 += C
 
     @triton.jit(do_not_specialize=["pairs"])
-    def _rank_kernel(Flat, Base, Dest, RowSource, pairs, E_P: tl.constexpr, DIV: tl.constexpr, C: tl.constexpr):
+    def _rank_kernel(Flat, Base, Dest, RowSource, pairs, E_P: tl.constexpr, DIV: tl.constexpr, C: tl.constexpr,
+                     PDL: tl.constexpr = False):
         """Chunk i's pairs to their rows, from the chunk's first rows per expert."""
+        pdl_entry(PDL)
         i = tl.program_id(0)
         p = i * C + tl.arange(0, C)
         e = tl.arange(0, E_P)

@@ -57,6 +57,7 @@ from typing import NamedTuple
 import torch
 
 from megatron_rollout.forward import BoundaryPoint, Forward, Site
+from megatron_rollout.kernels import pdl
 from megatron_rollout.model.layers import (
     Experts,
     RMSNorm,
@@ -182,6 +183,8 @@ def moe_combine_ref(ys: torch.Tensor, dest: torch.Tensor, weights: torch.Tensor)
 # -- Triton kernels ---------------------------------------------------------------------------
 
 if triton is not None:
+    from megatron_rollout.kernels.pdl import entry as pdl_entry
+
     _NEG_INF = tl.constexpr(float("-inf"))
 
     @triton.jit
@@ -193,8 +196,10 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["n_rows"])  # one variant per shape, whatever the batch
     def _rmsnorm_kernel(X, Dlt, W, Y, Hout, eps, inv_n, n_rows, stride_x, stride_d, stride_y, stride_h,
-                        N_COLS: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, ROWS: tl.constexpr):
+                        N_COLS: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, ROWS: tl.constexpr,
+                        PDL: tl.constexpr = False):
         """Program i: rows [i * ROWS, (i + 1) * ROWS) of X, each normalised on its own."""
+        pdl_entry(PDL)
         row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
         cmask = cols < N_COLS
@@ -228,10 +233,11 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n_tokens"])
     def _qkv_rope_kernel(QKV_, Q, K, V, Cos, Sin, QW, KW, eps, inv_d, n_tokens, stride_qkv, stride_cos, stride_sin,
                          GROUPS: tl.constexpr, PER: tl.constexpr, PER_P: tl.constexpr, D: tl.constexpr,
-                         NORM: tl.constexpr, TOK: tl.constexpr, EARLY: tl.constexpr):
+                         NORM: tl.constexpr, TOK: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr = False):
         """Program (token block, group): TOK tokens' query heads of one group as [TOK * PER_P, D]
         rows, then their key heads [TOK, D], then their value heads copied. EARLY: every load is
         issued before the first store (a load after a store to another tensor must wait for it)."""
+        pdl_entry(PDL)
         g = tl.program_id(1)
         c = tl.arange(0, D)
         rot = (c + D // 2) % D
@@ -323,8 +329,9 @@ if triton is not None:
     def _router_kernel(X, W, Wout, Ids, n_rows, stride_x,
                        H: tl.constexpr, E: tl.constexpr, E_P: tl.constexpr, TOPK: tl.constexpr,
                        TOPK_P: tl.constexpr, RENORM: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                       DOT_FP32: tl.constexpr):
+                       DOT_FP32: tl.constexpr, PDL: tl.constexpr = False):
         """One program per BM rows: every expert's logits, then the routing."""
+        pdl_entry(PDL)
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         rmask = rows < n_rows
         r64 = rows.to(tl.int64)
@@ -336,9 +343,10 @@ if triton is not None:
     def _router_split_kernel(X, W, Logits, Arrived, Wout, Ids, n_rows, stride_x,
                              H: tl.constexpr, E: tl.constexpr, E_P: tl.constexpr, ES: tl.constexpr,
                              TOPK: tl.constexpr, TOPK_P: tl.constexpr, RENORM: tl.constexpr, BM: tl.constexpr,
-                             BK: tl.constexpr, DOT_FP32: tl.constexpr):
+                             BK: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr = False):
         """Program (b, s): the logits of row block b for experts s*ES.. (a slice of the weight), to
         fp32 scratch; the block's last program to arrive (a counter per block) routes its rows."""
+        pdl_entry(PDL)
         b = tl.program_id(0)
         rows = b * BM + tl.arange(0, BM)
         rmask = rows < n_rows
@@ -355,9 +363,10 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["n_rows"])
     def _silu_mul_kernel(H, A, n_rows, stride_h, stride_a, F: tl.constexpr, BLOCK: tl.constexpr,
-                         ROWS: tl.constexpr):
+                         ROWS: tl.constexpr, PDL: tl.constexpr = False):
         """Rows r of program i's block: a[r, c] = bf16(bf16(silu(gate)) * up) with gate = h[r, c],
         up = h[r, F + c]."""
+        pdl_entry(PDL)
         row = (tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS))[:, None]
         c = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
         mask = (row < n_rows) & (c < F)
@@ -368,8 +377,9 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(Y, Dest, W, Out, stride_y, stride_o, K: tl.constexpr, HID: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """Token n: out[n] = bf16(sum_j bf16(ys[dest[n, j]] * w[n, j])), the sum in fp32 in j order."""
+        pdl_entry(PDL)
         n = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = c < HID
@@ -444,7 +454,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor
     _rmsnorm_kernel[(triton.cdiv(x2.shape[0], rows),)](
         x2, x2, weight, y, y, eps, 1.0 / hidden, x2.shape[0], x2.stride(0), x2.stride(0), hidden, hidden,
         N_COLS=hidden, BLOCK=block, HAS_DELTA=False, ROWS=rows, num_warps=_norm_warps(block * rows),
-        enable_fp_fusion=False)
+        enable_fp_fusion=False, **pdl.options(x.device))
     return y
 
 
@@ -469,7 +479,7 @@ def add_rmsnorm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps:
     _rmsnorm_kernel[(triton.cdiv(h.shape[0], rows),)](
         h, delta, weight, y, hs, eps, 1.0 / hidden, h.shape[0], h.stride(0), delta.stride(0), hidden, hidden,
         N_COLS=hidden, BLOCK=block, HAS_DELTA=True, ROWS=rows, num_warps=_norm_warps(block * rows),
-        enable_fp_fusion=False)
+        enable_fp_fusion=False, **pdl.options(h.device))
     return AddNorm(hs, y)
 
 
@@ -510,7 +520,8 @@ def qkv_norm_rope(qkv: torch.Tensor, groups: int, per_group: int, head_dim: int,
     _qkv_rope_kernel[(triton.cdiv(n, tok), groups)](
         qkv, q, k, v, cos, sin, qw, kw, eps, 1.0 / d, n, qkv.stride(0), cos.stride(0), sin.stride(0), GROUPS=groups,
         PER=per_group, PER_P=_pow2(per_group), D=d, NORM=norm, TOK=tok, EARLY=QKV_LOADS_FIRST,
-        num_warps=max(1, min(8, d * rows // 256)) if d * rows >= 1024 else 1, enable_fp_fusion=False)
+        num_warps=max(1, min(8, d * rows // 256)) if d * rows >= 1024 else 1, enable_fp_fusion=False,
+        **pdl.options(qkv.device))
     return QKV(q, k, v)
 
 
@@ -535,7 +546,8 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, topk: int, renormalize: b
     split = min(_pow2(max(1, tiles.split)), e_p // 16) if n <= SPLIT_MAX_ROWS else 1  # >= 16 experts a slice
     blocks = triton.cdiv(n, ROUTER_BLOCK_M)
     shape = dict(H=hidden, E=experts, E_P=e_p, TOPK=topk, TOPK_P=_pow2(topk), RENORM=bool(renormalize),
-                 BM=ROUTER_BLOCK_M, BK=bk, DOT_FP32=interpreting(), num_warps=tiles.warps, num_stages=tiles.stages)
+                 BM=ROUTER_BLOCK_M, BK=bk, DOT_FP32=interpreting(), num_warps=tiles.warps, num_stages=tiles.stages,
+                 **pdl.options(x.device))
     LAUNCHES["router_topk"] += 1
     if split == 1:
         _router_kernel[(blocks,)](x, weight, w_out, ids, n, x.stride(0), **shape)
@@ -570,7 +582,7 @@ def silu_mul(h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     LAUNCHES["silu_mul"] += 1
     _silu_mul_kernel[(triton.cdiv(n, rows), triton.cdiv(ffn, block))](
         h, a, n, h.stride(0), a.stride(0), F=ffn, BLOCK=block, ROWS=rows, num_warps=_norm_warps(block * rows),
-        enable_fp_fusion=False)
+        enable_fp_fusion=False, **pdl.options(h.device))
     return a
 
 
@@ -593,7 +605,7 @@ def moe_combine(ys: torch.Tensor, dest: torch.Tensor, weights: torch.Tensor,
     LAUNCHES["moe_combine"] += 1
     _combine_kernel[(n, triton.cdiv(hidden, block))](ys, dest, weights, y, ys.stride(0), y.stride(0), K=k,
                                                      HID=hidden, BLOCK=block, num_warps=_norm_warps(block),
-                                                     enable_fp_fusion=False)
+                                                     enable_fp_fusion=False, **pdl.options(ys.device))
     return y
 
 

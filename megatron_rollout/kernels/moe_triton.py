@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_rollout.kernels import expert_sort
+from megatron_rollout.kernels import expert_sort, pdl
+from megatron_rollout.kernels.pdl import entry as pdl_entry
 from megatron_rollout.model.fp8 import StackedFP8
 
 BLOCK_M = 16
@@ -97,7 +98,8 @@ def _fc1_swiglu_kernel(X, W1, S1, Act, RowPair, BlockExpert, num_experts,
                        H: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        SCALED: tl.constexpr, GN: tl.constexpr, GK: tl.constexpr, KG: tl.constexpr,
-                       SE: tl.constexpr):
+                       SE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_entry(PDL)
     b = tl.program_id(0)
     n = tl.program_id(1)
     e = tl.load(BlockExpert + b)
@@ -130,7 +132,8 @@ def _fc1_swiglu_kernel(X, W1, S1, Act, RowPair, BlockExpert, num_experts,
 def _fc2_kernel(Act, W2, S2, Y, RowPair, BlockExpert, Weights, num_experts,
                 H: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                 SCALED: tl.constexpr, GN: tl.constexpr, GK: tl.constexpr, KG: tl.constexpr, SE: tl.constexpr,
-                WEIGHTED: tl.constexpr):
+                WEIGHTED: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_entry(PDL)
     b = tl.program_id(0)
     n = tl.program_id(1)
     e = tl.load(BlockExpert + b)
@@ -201,7 +204,7 @@ def routed_experts_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Ten
     blocks = expert_sort.active_blocks(flat.numel(), num_experts, block_m)
     rows = blocks * block_m
     x = x.contiguous()
-    launch = dict(num_warps=tiles.warps, num_stages=tiles.stages)
+    launch = dict(num_warps=tiles.warps, num_stages=tiles.stages, **pdl.options(x.device))
     act = torch.empty(rows, ffn, dtype=x.dtype, device=x.device)
     bn1, bk1 = _tile(ffn, tiles.n_cap), _tile(hidden, tiles.k_cap)
     w1, a1 = _operand(fc1, bk1)

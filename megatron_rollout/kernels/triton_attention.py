@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_rollout.kernels import pdl
+from megatron_rollout.kernels.pdl import entry as pdl_entry
 from megatron_rollout.kernels.registry import AttentionKernels, DecodeMeta, PrefillMeta, register
 
 LOG2E = 1.4426950408889634
@@ -50,7 +52,9 @@ def _pow2(n: int, floor: int = 1) -> int:
 @triton.jit
 def _store_kv_kernel(K, V, KC, VC, Slots,
                      stride_kn, stride_kh, stride_vn, stride_vh, stride_cs, stride_ch,
-                     HKV: tl.constexpr, HKV_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr):
+                     HKV: tl.constexpr, HKV_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl_entry(PDL)
     n = tl.program_id(0)
     slot = tl.load(Slots + n).to(tl.int64)
     if slot >= 0:
@@ -68,7 +72,8 @@ def _decode_partial_kernel(Q, KC, VC, Tables, Lens, QStart, Seq, PartO, PartM, P
                            stride_qn, stride_qh, stride_cs, stride_ch, stride_tb,
                            stride_ob, stride_oh, stride_os, stride_mb, stride_mh,
                            GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
-                           BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+                           BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_entry(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -120,7 +125,8 @@ def _decode_partial_kernel(Q, KC, VC, Tables, Lens, QStart, Seq, PartO, PartM, P
 @triton.jit(do_not_specialize=["splits", "stride_mb", "stride_mh"])
 def _decode_reduce_kernel(PartO, PartM, PartL, Out, QStart, Seq, splits,
                           stride_ob, stride_oh, stride_os, stride_mb, stride_mh, stride_qn, stride_qh,
-                          SPLITS_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr):
+                          SPLITS_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_entry(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_P)
@@ -180,7 +186,8 @@ def _prefill_block(q, KC, VC, table, n0, hi, qpos, m_i, l_i, acc, scale_log2, kv
 def _prefill_kernel(Q, KC, VC, Out, Tables, QStart, Past, New, TileSeq, TileStart, scale_log2,
                     stride_qn, stride_qh, stride_on, stride_oh, stride_cs, stride_ch, stride_tb,
                     GROUP: tl.constexpr, GROUP_P: tl.constexpr, TOK: tl.constexpr, D: tl.constexpr,
-                    D_P: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+                    D_P: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_entry(PDL)
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     seq = tl.load(TileSeq + tile)
@@ -266,7 +273,8 @@ class TritonAttention(AttentionKernels):
         hkv, d = k.shape[1], k.shape[2]
         _store_kv_kernel[(n,)](k, v, k_cache, v_cache, slots,
                                k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0),
-                               k_cache.stride(1), HKV=hkv, HKV_P=_pow2(hkv), D=d, D_P=_pow2(d), num_warps=1)
+                               k_cache.stride(1), HKV=hkv, HKV_P=_pow2(hkv), D=d, D_P=_pow2(d), num_warps=1,
+                               **pdl.options(k.device))
 
     def decode(self, q, k_cache, v_cache, meta: DecodeMeta, out):
         rows = meta.rows
@@ -290,11 +298,11 @@ class TritonAttention(AttentionKernels):
             po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1),
             GROUP=group, GROUP_P=_pow2(group, 16), D=d, D_P=_pow2(d, 16),
             BLOCK_N=self.decode_block_n, PAGE=meta.block_size, num_warps=self.decode_warps,
-            num_stages=self.decode_stages)
+            num_stages=self.decode_stages, **pdl.options(q.device))
         _decode_reduce_kernel[(rows, hq)](
             po, pm, pl, out, meta.q_start, meta.seq, splits,
             po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1), out.stride(0), out.stride(1),
-            SPLITS_P=MAX_SPLITS, D=d, D_P=_pow2(d, 16), num_warps=4)
+            SPLITS_P=MAX_SPLITS, D=d, D_P=_pow2(d, 16), num_warps=4, **pdl.options(q.device))
 
     def prefill(self, q, k_cache, v_cache, meta: PrefillMeta, out):
         if meta.tiles == 0:
@@ -313,4 +321,4 @@ class TritonAttention(AttentionKernels):
             meta.tables.stride(0),
             GROUP=group, GROUP_P=_pow2(group), TOK=tok, D=d, D_P=_pow2(d, 16), BLOCK_N=self.prefill_block_n,
             PAGE=meta.block_size, num_warps=self.prefill_warps or (8 if tok * _pow2(group) >= 128 else 4),
-            num_stages=self.prefill_stages)
+            num_stages=self.prefill_stages, **pdl.options(q.device))

@@ -94,3 +94,34 @@ def test_kernels_compile_for_sm90_without_spills(module, name, signature, conste
     regs = [int(r) for r in re.findall(r"REG:(\d+)", usage)]
     local = [int(r) for r in re.findall(r"LOCAL:(\d+)", usage)]
     assert regs and max(regs) <= 255 and local and max(local) == 0, usage  # no spill to local memory
+
+
+PDL_CASES = [c for c in CASES if c[1] in ("_rmsnorm_kernel", "_qkv_rope_kernel", "_router_split_kernel",
+                                         "_layout_kernel", "_fc2_kernel")][::2]
+
+
+@pytest.mark.parametrize("pdl_on", [True, False])
+@pytest.mark.parametrize("module,name,signature,constexprs,options", PDL_CASES,
+                         ids=[c[1] for c in PDL_CASES])
+def test_pdl_entry_waits_then_triggers_only_when_asked(module, name, signature, constexprs, options, pdl_on,
+                                                       monkeypatch):
+    """With PDL the kernel's first global instructions are `griddepcontrol.wait` then
+    `launch_dependents` (kernels.pdl's protocol: no memory access before the wait); without it
+    neither is emitted, so the default kernels are the ones measured before."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    constexprs = {**constexprs, "PDL": pdl_on}
+    sig = {**signature, **{k: "constexpr" for k in constexprs}}
+    monkeypatch.setenv("PATH", f"{os.environ.get('PATH', '')}:{_BIN}")
+    kernel = triton.compile(ASTSource(fn=getattr(module, name), signature=sig, constexprs=constexprs),
+                            target=GPUTarget("cuda", 90, 32), options={**options, "launch_pdl": pdl_on})
+    ptx = kernel.asm["ptx"]
+    if not pdl_on:
+        assert "griddepcontrol" not in ptx
+        return
+    wait, trigger = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
+    first_memory = min((ptx.index(op) for op in ("ld.global", "st.global", "atom.global") if op in ptx),
+                       default=len(ptx))
+    assert wait < trigger < first_memory
+    assert kernel.metadata.launch_pdl

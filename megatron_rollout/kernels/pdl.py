@@ -1,0 +1,58 @@
+"""Programmatic dependent launch (PDL) for the Triton kernels of a decode step; opt-in.
+
+Why: a batch-1 decode graph of `qwen3-30b-a3b-12l` replayed back to back idles 8.7-8.8% of its
+span (`bench.profile`, docs/kernels.md): about 160 kernels a step, each waiting for the one before
+it to finish, drain and flush before its own blocks are scheduled. With PDL
+(`CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`, sm_90 and later, kept by CUDA-graph
+capture as programmatic edges) a kernel's blocks may be scheduled while the kernel before it is
+still finishing.
+
+The protocol here is the safe one: every kernel launched with PDL first waits for its predecessor
+to complete with its memory visible (`griddepcontrol.wait`), then lets its own successor launch
+(`griddepcontrol.launch_dependents`). Nothing reads or writes global memory before the wait, so
+no kernel sees a partial result of another, transitively (a kernel starts only after its
+predecessor's wait, which followed the kernel before that). What overlaps is a launch and its
+blocks' scheduling with the predecessor's tail. Kernels of other libraries (cuBLAS) keep ordinary
+stream order on both sides.
+
+`MEGATRON_ROLLOUT_PDL=1` turns it on, for kernels launched (and graphs captured) after that, on
+devices of compute capability 9.0 or more; never under Triton's interpreter. Off by default:
+measured once (docs/kernels.md), not yet chosen.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # CPU without Triton: no kernel calls `entry`
+    triton = None
+
+ENV = "MEGATRON_ROLLOUT_PDL"
+
+
+def enabled(device: torch.device) -> bool:
+    """PDL for kernels launched on `device` now."""
+    if os.environ.get(ENV, "0") != "1" or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def options(device: torch.device) -> dict:
+    """Launch keywords for a kernel that calls `entry(PDL)` first: its `PDL` constexpr and, when on,
+    Triton's `launch_pdl` option."""
+    return {"PDL": True, "launch_pdl": True} if enabled(device) else {"PDL": False}
+
+
+if triton is not None:
+    @triton.jit
+    def entry(PDL: tl.constexpr):
+        """The first statement of a kernel launched with `options`: wait for the kernel before, then
+        let the kernel after launch."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()

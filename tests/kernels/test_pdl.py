@@ -1,0 +1,32 @@
+"""`kernels.pdl`: opt-in, and never where it cannot run (CPU, the interpreter, before sm_90)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rollout.kernels import pdl
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_off_by_default_and_on_cpu(monkeypatch):
+    monkeypatch.delenv(pdl.ENV, raising=False)
+    assert pdl.options(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setenv(pdl.ENV, "1")
+    assert not pdl.enabled(torch.device("cpu"))  # asked for, but no CUDA device
+
+
+def test_never_under_the_interpreter(monkeypatch):
+    monkeypatch.setenv(pdl.ENV, "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert pdl.options(torch.device("cuda", 0)) == {"PDL": False}  # decided before asking the device
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_where_asked_on_hopper(monkeypatch):
+    monkeypatch.setenv(pdl.ENV, "1")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    dev = torch.device("cuda", 0)
+    hopper = torch.cuda.get_device_capability(dev)[0] >= 9
+    assert pdl.options(dev) == ({"PDL": True, "launch_pdl": True} if hopper else {"PDL": False})
