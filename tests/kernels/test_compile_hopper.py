@@ -2,7 +2,8 @@
 
 `kernels.expert_sort`'s kernels, the split router (`fused._router_split_kernel`), the router
 kernel on the helpers it now shares with it, the norm, SwiGLU and QKV norm + RoPE kernels at one
-row and at a block of rows per program, and the Triton experts' fc2 without the weights.
+row and at a block of rows per program, and the Triton experts' fc2 without the weights; and, with
+programmatic dependent launch (`kernels.pdl`), the order of its two instructions.
 
 Why: the interpreter runs the kernels' logic on CPU but not Triton's compiler, which is stricter
 (globals must be constexpr, layouts must convert, registers must fit). Where Triton, `ptxas` and
