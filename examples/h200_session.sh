@@ -68,6 +68,18 @@
 #   call 9, no carry: BUDGETS=8192,16384 ABLATION=--no-ablation DEADLINE=225 bash /tmp/run/examples/h200_session.sh prefill
 #   call 10, no carry: VLLM_RUNS="prefill:default,best:370" bash /tmp/run/examples/h200_session.sh vllm
 #
+# The 2026-12-02 tenth-session lease (docs/h200-2026-12-02b/COMMIT), as it ran:
+#   call 1, carry [".whl"]: bash examples/h200_session.sh setup tests, then bench.kernels
+#   call 2, no carry: the micro stage (--micro-parts decode,prefill,gap), then `idle` (rows 1,64)
+#   call 3, carry [".whl"]: setup, GPU tests of the changes, bench.kernels --row-blocks 1,2,4,8, micro prefill
+#   call 4, carry [".whl", ".vb0"]: setup, fused/piecewise GPU tests, bench.kernels   (kept warm to call 10)
+#   call 5, carry [".vb1"]: piece, micro (decode,prefill,gap), idle
+#   call 6, carry [".vb2"]: piece, `fp8`;  call 7, carry [".vb3"]: piece, bench.profile
+#   call 8, carry [".vb4"]: piece, unpack, FA3 GPU tests, micro (prefill,gap) with --attention flash
+#   call 9, no carry: `prefill` on FA3 at 8,192 (off, chunked, mux; commands in docs/benchmarks.md)
+#   call 10, no carry: vLLM on it at two settings (--resume)
+#   call 11, carry [".whl"]: bash examples/h200_session.sh setup pdl   (its own machine)
+#
 # `.run` is `git archive HEAD` of the commit measured, plus `.whl/` (megatron-core 0.19.2, which
 # the device image lacks); it is copied to /tmp/run so later calls need not carry it. Results are
 # kept under /tmp/res (the vLLM stage reads our runs back with `bench.rollout --resume`) and
