@@ -336,3 +336,29 @@ def test_choose_splits_covers_sms_and_respects_length():
     assert choose_splits(rows=64, kv_heads=4, num_sms=132) == 8
     assert choose_splits(rows=1, kv_heads=4, num_sms=132, max_len=300) == 2  # >= 256 positions a split
     assert choose_splits(rows=512, kv_heads=8, num_sms=132) == 1
+
+
+def test_attend_into_a_given_output_writes_every_row_and_checks_it():
+    """`KernelPagedBatch.attend(..., out=)` (a piecewise graph's static buffer): the same values as
+    a fresh output, every row written (the buffer starts as NaN), and a wrong buffer named."""
+    gen = torch.Generator().manual_seed(5)
+    cfg = _cfg(8, 2, 16, "float32")
+    spans = _spans(MIXED, 4, 64, gen)
+    n = sum(new for _, new in MIXED)
+    q = torch.randn(n, 8, 16, generator=gen)
+    k, v = torch.randn(n, 2, 16, generator=gen), torch.randn(n, 2, 16, generator=gen)
+    kernels = PortableAttention()
+    results = []
+    for out in (None, torch.full((n, 8, 16), float("nan"))):
+        cache = PagedKVCache(cfg, 64, 4, 2, device="cpu")
+        cache.k.copy_(torch.randn(cache.k.shape, generator=torch.Generator().manual_seed(6)))
+        cache.v.copy_(torch.randn(cache.v.shape, generator=torch.Generator().manual_seed(7)))
+        layout = build_layout(spans, [[0] * s.new for s in spans], [True] * len(spans), 4, kernels, 8, 2, 16,
+                              torch.device("cpu"), num_sms=132)
+        batch = KernelPagedBatch(cache, layout, kernels)
+        got = batch.attend(1, q, k, v, out=out)
+        assert out is None or got is out
+        results.append(got)
+    assert torch.equal(results[0], results[1])
+    with pytest.raises(ValueError, match="attention out must be"):
+        batch.attend(1, q, k, v, out=torch.empty(n, 8, 8))
