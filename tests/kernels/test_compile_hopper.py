@@ -65,14 +65,14 @@ CASES = [  # (module, kernel, pointer/int signature, constexprs, options): the p
      dict(H=2048, E=128, E_P=128, TOPK=8, TOPK_P=8, RENORM=True, BM=fused.ROUTER_BLOCK_M, BK=128, DOT_FP32=False),
      dict(num_warps=4, num_stages=4)),  # the one-program kernel, on the helpers it now shares
     (fused, "_rmsnorm_kernel", NORM, dict(N_COLS=2048, BLOCK=2048, HAS_DELTA=True, ROWS=1), dict(num_warps=8)),
-    (fused, "_rmsnorm_kernel", NORM, dict(N_COLS=2048, BLOCK=2048, HAS_DELTA=True, ROWS=fused.NORM_BLOCK_ROWS),
+    (fused, "_rmsnorm_kernel", NORM, dict(N_COLS=2048, BLOCK=2048, HAS_DELTA=True, ROWS=4),
      dict(num_warps=8)),
     (fused, "_silu_mul_kernel", SILU, dict(F=768, BLOCK=1024, ROWS=1), dict(num_warps=4)),
-    (fused, "_silu_mul_kernel", SILU, dict(F=768, BLOCK=1024, ROWS=fused.SILU_BLOCK_ROWS), dict(num_warps=8)),
+    (fused, "_silu_mul_kernel", SILU, dict(F=768, BLOCK=1024, ROWS=4), dict(num_warps=8)),  # --row-blocks
     (fused, "_qkv_rope_kernel", QKV, dict(GROUPS=4, PER=8, PER_P=8, D=128, NORM=True, TOK=1),
      dict(num_warps=4)),  # decode: one token per program
-    (fused, "_qkv_rope_kernel", QKV, dict(GROUPS=4, PER=8, PER_P=8, D=128, NORM=True, TOK=fused.QKV_BLOCK_TOKENS),
-     dict(num_warps=8)),  # prefill: a block of tokens per program
+    (fused, "_qkv_rope_kernel", QKV, dict(GROUPS=4, PER=8, PER_P=8, D=128, NORM=True, TOK=8),
+     dict(num_warps=8)),  # a block of tokens per program (bench.kernels --row-blocks)
     (moe_triton, "_fc2_kernel", FC2, dict(H=2048, F=768, BM=16, BN=64, BK=64, SCALED=False, GN=1, GK=1, KG=1, SE=1,
                                           WEIGHTED=False), dict(num_warps=4, num_stages=3)),  # weights by the combine
 ]

@@ -93,7 +93,7 @@ def _launched(name: str, before: dict) -> int:
 
 NORM_GPU = [(1, 2048), (7, 2048), (64, 2048), (4096, 2048), (4095, 2048), (1, 64), (7, 64), (64, 64), (4096, 64),
             (5, 128), (3, 96), (300, 96)]
-NORM_INTERP = [(1, 2048), (7, 64), (16, 2048), (3, 96), (258, 64)]  # 258: blocks of rows, the last partial
+NORM_INTERP = [(1, 2048), (7, 64), (16, 2048), (3, 96), (258, 64)]
 
 
 @pytest.mark.parametrize("device,rows,hidden", _cases(NORM_GPU, NORM_INTERP))
@@ -128,7 +128,7 @@ def test_add_rmsnorm_matches_reference(device, rows, hidden):
 
 # (pairs, FFN): the SwiGLU between the grouped expert GEMMs
 SILU_GPU = [(1, 768), (64 * 8, 768), (4096 * 8, 768), (4096 * 8 - 3, 768), (5, 96), (3, 1500), (5000, 1500)]
-SILU_INTERP = [(1, 768), (9, 96), (4, 1500), (4098, 16)]  # 4,098: blocks of rows, the last partial
+SILU_INTERP = [(1, 768), (9, 96), (4, 1500), (4098, 16)]
 
 
 @pytest.mark.parametrize("device,rows,ffn", _cases(SILU_GPU, SILU_INTERP))
@@ -198,8 +198,7 @@ def test_moe_ops_fall_back_where_they_do_not_apply():
 # (tokens, groups, heads per group, head dim)
 QKV_GPU = [(1, 4, 8, 128), (7, 4, 8, 128), (64, 4, 8, 128), (4096, 4, 8, 128), (4093, 4, 8, 128), (1, 4, 2, 8),
            (7, 4, 2, 8), (64, 4, 2, 8), (4096, 4, 2, 8), (5, 2, 3, 64), (300, 2, 3, 64)]
-QKV_INTERP = [(1, 4, 8, 128), (2, 4, 2, 8), (2, 2, 3, 64), (300, 2, 3, 16), (257, 4, 2, 8)]  # past
-# BLOCK_MIN_ROWS: blocks of tokens per program, the last one partial
+QKV_INTERP = [(1, 4, 8, 128), (2, 4, 2, 8), (2, 2, 3, 64), (300, 2, 3, 16), (257, 4, 2, 8)]
 
 
 @pytest.mark.parametrize("norm", [True, False], ids=["qknorm", "nonorm"])
@@ -225,6 +224,23 @@ def test_qkv_norm_rope_matches_reference(device, tokens, groups, per, d, norm):
             assert _rel(g, r) < 2e-3 and _same(g, r) >= 0.99, (_rel(g, r), _same(g, r))
         else:  # RoPE alone is elementwise: the reference's roundings exactly
             assert torch.equal(g, r)
+
+
+@pytest.mark.parametrize("device,rows", _cases([(4095,), (300,)], [(258,)]))
+def test_the_sweeps_blocks_of_rows_match_reference(device, rows, monkeypatch):
+    """One row per program is the default at every size; `bench.kernels --row-blocks` launches
+    blocks of rows (4 for the norms and the SwiGLU, 8 tokens of QKV), the last one partial here:
+    the same checks as above hold for them."""
+    monkeypatch.setattr(fused, "NORM_BLOCK_ROWS", 4)
+    monkeypatch.setattr(fused, "QKV_BLOCK_TOKENS", 8)
+    monkeypatch.setattr(fused, "SILU_BLOCK_ROWS", 4)
+    monkeypatch.setattr(fused, "SILU_BLOCK_MIN_ROWS", 256)
+    hidden, ffn = (2048, 768) if device == "cuda" else (64, 16)
+    test_rmsnorm_matches_reference(device, rows, hidden)
+    test_add_rmsnorm_matches_reference(device, rows, hidden)
+    test_silu_mul_matches_reference(device, rows, ffn)
+    test_qkv_norm_rope_matches_reference(device, rows, 4, 8 if device == "cuda" else 2, 128 if device == "cuda" else 8,
+                                         True)
 
 
 # (tokens, experts, hidden, top-k)
