@@ -23,6 +23,7 @@ and whole rollouts have not been timed with it.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -38,10 +39,16 @@ ENV = "MEGATRON_ROLLOUT_PDL"
 
 
 def enabled(device: torch.device) -> bool:
-    """PDL for kernels launched on `device` now."""
+    """PDL for kernels launched on `device` now (the switch is read at every launch, the device's
+    capability once)."""
     if os.environ.get(ENV, "0") != "1" or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return _hopper_or_later(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_or_later(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def options(device: torch.device) -> dict:
