@@ -206,7 +206,7 @@ class CudaRunner:
         self._graphs: dict[int, _DecodeGraph] = {}
         self._p_graphs: dict[int, PiecewiseGraph] = {}  # P / mixed forwards by token bucket (one rank)
         self._p_pool = None  # their pool: never shared with decode graphs (see engine.piecewise)
-        self._p_outputs = SharedOutputs()  # their attention outputs, shared by the buckets
+        self._p_outputs = self._shared_outputs()  # their attention outputs, shared by the buckets
         self.prefill_capture_error: str | None = None  # why piecewise P capture failed (P then runs eagerly)
         self._captured = False  # multi-rank: the collective capture of every bucket was attempted
         self._weights_ptr = model.embedding.word_embeddings.weight.data_ptr()  # see _graphable
@@ -246,7 +246,7 @@ class CudaRunner:
             self._graphs.clear()  # captured against the old tensors
             self._pool = None
             self._p_graphs.clear()  # they hold no cache tensor, but their pool is released with the KV
-            self._p_pool, self._p_outputs = None, SharedOutputs()
+            self._p_pool, self._p_outputs = None, self._shared_outputs()
             self._captured = False
         self._cache = cache
         if cache is not None:
@@ -292,6 +292,9 @@ class CudaRunner:
                 break
         return decode
 
+    def _shared_outputs(self) -> SharedOutputs:
+        return SharedOutputs(max(self.config.prefill_graph_tokens, default=0))
+
     def bucket(self, rows: int) -> int | None:
         sizes = self.graph_sizes
         i = bisect_left(sizes, rows)
@@ -314,7 +317,7 @@ class CudaRunner:
             self.graph_safe = False
             self._graphs.clear()
             self._p_graphs.clear()
-            self._p_outputs = SharedOutputs()
+            self._p_outputs = self._shared_outputs()
         return self.graph_safe
 
     def _graphable(self, inputs: list[SpanInput]) -> bool:

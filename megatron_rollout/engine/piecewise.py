@@ -76,16 +76,18 @@ class _NoAttention(AttentionBackend):
 class SharedOutputs:
     """Each layer's attention output, one buffer shared by every bucket: a bucket's slot is the
     first `tokens` rows of it. Forwards of different buckets never interleave, so they never need
-    two layers' worth at once; a bucket larger than the buffer gets a new one (the graphs captured
-    on the old one keep it alive through their views)."""
+    two layers' worth at once. A buffer is allocated for `rows` tokens (the largest bucket), so the
+    order buckets are captured in (lazily, as traffic first needs them) does not matter; a bucket
+    larger still gets a new one (the graphs captured on the old one keep it alive through their views)."""
 
-    def __init__(self) -> None:
+    def __init__(self, rows: int = 0) -> None:
+        self.rows = rows
         self.buffers: dict[int, torch.Tensor] = {}
 
     def out(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         buf = self.buffers.get(layer)
         if buf is None or buf.shape[0] < q.shape[0] or buf.shape[1:] != q.shape[1:] or buf.dtype != q.dtype:
-            buf = self.buffers[layer] = torch.zeros_like(q)
+            buf = self.buffers[layer] = q.new_zeros(max(self.rows, q.shape[0]), *q.shape[1:])
         return buf[:q.shape[0]]
 
 

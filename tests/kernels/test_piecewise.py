@@ -49,6 +49,17 @@ def test_shared_outputs_are_views_of_one_buffer_per_layer():
     assert shared.out(0, torch.ones(16, 2, 8)).shape == (16, 2, 8)  # another head shape: its own
 
 
+def test_shared_outputs_sized_for_the_largest_bucket_share_whatever_the_capture_order():
+    """Buckets are captured lazily, smallest first when traffic grows: with the largest bucket's
+    rows given, every bucket still gets a view of the same buffer."""
+    from megatron_rollout.engine.piecewise import SharedOutputs
+
+    shared = SharedOutputs(rows=128)
+    first = shared.out(0, torch.ones(16, 4, 8))
+    assert shared.buffers[0].shape == (128, 4, 8) and first.shape == (16, 4, 8)
+    assert shared.out(0, torch.ones(128, 4, 8)).data_ptr() == first.data_ptr()
+
+
 # -- GPU -----------------------------------------------------------------------------------
 BUCKETS = (16, 64, 128)
 
