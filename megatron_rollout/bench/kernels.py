@@ -12,9 +12,8 @@ kernel saves and what the whole step gains, in one call that finishes in about a
    decode graph pays). Input sets rotate so that the graph reads more than the L2 holds where an
    op reads weights (the router's 512 KB per layer); the fused kernel's bytes over its graph time
    give its bandwidth. `--row-blocks 1,2,4,8`: the norm, QKV and SwiGLU kernels again at
-   `--block-rows` tokens with each number of rows per program (the QKV kernel also with its
-   loads in program order), interleaved: where `fused.NORM_BLOCK_ROWS`, `QKV_BLOCK_TOKENS`,
-   `SILU_BLOCK_ROWS` and `QKV_LOADS_FIRST` come from.
+   `--block-rows` tokens with each number of rows per program, interleaved: where
+   `fused.NORM_BLOCK_ROWS`, `QKV_BLOCK_TOKENS` and `SILU_BLOCK_ROWS` come from.
 2. The expert sort of every MoE layer: `sorted_destinations` both ways (the one-hot prefix sum and
    the stable argsort) and `kernels.expert_sort`'s kernels (unpadded, and padded as the Triton
    experts need it, beside the torch padded layout), graph-timed at the preset's experts and
@@ -307,15 +306,13 @@ BLOCKED_OPS = {"rmsnorm": ("NORM_BLOCK_ROWS", "BLOCK_MIN_ROWS"), "add_rmsnorm": 
 
 
 @contextlib.contextmanager
-def row_blocks(op: str, rows: int, loads_first: bool | None = None):
-    """`kernels.fused` launching `op` with `rows` rows per program at every batch size (and, for the
-    QKV kernel, with its loads first or not), restored on exit."""
+def row_blocks(op: str, rows: int):
+    """`kernels.fused` launching `op` with `rows` rows per program at every batch size, restored on
+    exit."""
     from megatron_rollout.kernels import fused
 
     block, threshold = BLOCKED_OPS[op]
     names = {block: rows, threshold: 0}
-    if loads_first is not None:
-        names["QKV_LOADS_FIRST"] = loads_first
     saved = {n: getattr(fused, n) for n in names}
     try:
         for n, v in names.items():
@@ -328,8 +325,8 @@ def row_blocks(op: str, rows: int, loads_first: bool | None = None):
 
 def time_row_blocks(cfg, tokens_list: list[int], blocks: list[int], iters: int, seed: int,
                     rounds: int) -> list[dict[str, Any]]:
-    """Graph time per call of each blocked op at each rows-per-program value (the QKV kernel also
-    with its loads in program order), interleaved over `rounds`, on the same input sets."""
+    """Graph time per call of each blocked op at each rows-per-program value, interleaved over
+    `rounds`, on the same input sets."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     out = []
     for tokens in tokens_list:
@@ -342,15 +339,11 @@ def time_row_blocks(cfg, tokens_list: list[int], blocks: list[int], iters: int, 
             set_bytes = sum(t.numel() * t.element_size() for t in first)
             count = max(1, min(MAX_SETS, math.ceil(L2_DEFEAT_BYTES / set_bytes)))
             sets = [first] + [case["make"]() for _ in range(count - 1)]
-            settings = [(b, None) for b in blocks]
-            if op == "qkv_norm_rope":
-                settings = [(b, early) for b in blocks for early in (True, False)]
             variants = {}
-            for b, early in settings:
-                name = f"{b}" if early is None else f"{b}{'' if early else '/in-order'}"
-                with row_blocks(op, b, early):
+            for b in blocks:
+                with row_blocks(op, b):
                     case["fused"](*first)  # compiles outside the timed rounds
-                variants[name] = (lambda b=b, early=early: _graph_us_with(op, b, early, case["fused"], sets, iters))
+                variants[str(b)] = lambda b=b: _graph_us_with(op, b, case["fused"], sets, iters)
             torch.cuda.synchronize()
             timings, compiles = interleaved_us(variants, rounds)
             best = min(timings, key=lambda n: timings[n]["us"])
@@ -363,8 +356,8 @@ def time_row_blocks(cfg, tokens_list: list[int], blocks: list[int], iters: int, 
     return out
 
 
-def _graph_us_with(op: str, rows: int, loads_first: bool | None, fn, sets, iters: int) -> float:
-    with row_blocks(op, rows, loads_first):  # the launch shape is fixed when the graph is captured
+def _graph_us_with(op: str, rows: int, fn, sets, iters: int) -> float:
+    with row_blocks(op, rows):  # the launch shape is fixed when the graph is captured
         return graph_us([lambda a=s: fn(*a) for s in sets], iters)
 
 
