@@ -32,6 +32,7 @@ import torch
 from megatron_rollout.bench.bounds import ModelCosts, decode_roofline_s, prefill_flops
 from megatron_rollout.bench.ceilings import time_cuda
 from megatron_rollout.bench.compiles import CompileCounter
+from megatron_rollout.engine.config import RunnerConfig
 from megatron_rollout.engine.cuda_runner import CudaRunner
 from megatron_rollout.engine.runner import SpanInput
 from megatron_rollout.kernels.layout import KernelPagedBatch, build_layout
@@ -69,14 +70,18 @@ def timed(fn, iters: int, warmup: int = 1, stream: torch.cuda.Stream | None = No
 
 
 @contextlib.contextmanager
-def buckets_off(runner: CudaRunner):
-    """Inside the block the runner's P and mixed forwards run eagerly (no piecewise graphs)."""
-    saved = runner.config
-    runner.config = dataclasses.replace(saved, prefill_graph_tokens=())
+def runner_config(runner: CudaRunner, config: RunnerConfig):
+    """Inside the block the runner runs with `config`; its own is restored after."""
+    saved, runner.config = runner.config, config
     try:
         yield
     finally:
         runner.config = saved
+
+
+def buckets_off(runner: CudaRunner):
+    """Inside the block the runner's P and mixed forwards run eagerly (no piecewise graphs)."""
+    return runner_config(runner, dataclasses.replace(runner.config, prefill_graph_tokens=()))
 
 
 PREFILL_HOLD_CYCLES = 60_000_000

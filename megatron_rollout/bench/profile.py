@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from megatron_rollout.bench.micro import random_inputs
+from megatron_rollout.bench.micro import random_inputs, runner_config
 from megatron_rollout.engine.cuda_runner import COMPLETION, CudaRunner
 from megatron_rollout.engine.runner import SpanInput
 from megatron_rollout.types import Phase
@@ -104,14 +104,9 @@ def forward_profiles(runner: CudaRunner, inputs: list[SpanInput], phase: Phase, 
                      reps: int = 3) -> dict[str, dict[str, Any]]:
     """Per mode (`configs`: name -> RunnerConfig): host and device time, median of `reps` forwards
     with the modes interleaved (after 2 warm-up forwards each), then the profiler's op table."""
-    saved = runner.config
-
     def run(name: str, label: bool = False) -> tuple[float, float]:
-        runner.config = configs[name]
-        try:
+        with runner_config(runner, configs[name]):
             return drive(runner, inputs, phase, label=label)
-        finally:
-            runner.config = saved
 
     for name in configs:  # warm: Triton kernels compiled, cuBLAS heuristics cached, graphs captured
         run(name), run(name)
