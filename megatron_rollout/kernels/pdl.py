@@ -15,8 +15,9 @@ predecessor's wait, which followed the kernel before that). What overlaps is a l
 blocks' scheduling with the predecessor's tail. Kernels of other libraries (cuBLAS) keep ordinary
 stream order on both sides.
 
-`MEGATRON_ROLLOUT_PDL=1` turns it on, for kernels launched (and graphs captured) after that, on
-devices of compute capability 9.0 or more; never under Triton's interpreter. Off by default: on
+`MEGATRON_ROLLOUT_PDL=1` in the environment when this module is imported (or `ENABLED = True`
+later) turns it on, for kernels launched (and graphs captured) after that, on devices of compute
+capability 9.0 or more; never under Triton's interpreter. Off, a launch pays one attribute test. Off by default: on
 the H200 it took the batch-1 decode graph from 1.212 to 1.150 ms per replay (idle 9.1% to 4.9%;
 two processes each way, alternating, docs/kernels.md, tenth lease), but larger batches, prefill
 and whole rollouts have not been timed with it.
@@ -36,12 +37,15 @@ except ImportError:  # CPU without Triton: no kernel calls `entry`
     triton = None
 
 ENV = "MEGATRON_ROLLOUT_PDL"
+ENABLED = os.environ.get(ENV, "0") == "1"
+"""The switch, read from `ENV` once, at import (launches are on the eager hot path)."""
+_OFF = {"PDL": False}
+_ON = {"PDL": True, "launch_pdl": True}
 
 
 def enabled(device: torch.device) -> bool:
-    """PDL for kernels launched on `device` now (the switch is read at every launch, the device's
-    capability once)."""
-    if os.environ.get(ENV, "0") != "1" or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    """PDL for kernels launched on `device` now."""
+    if not ENABLED or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return _hopper_or_later(torch.cuda.current_device() if device.index is None else device.index)
 
@@ -54,7 +58,7 @@ def _hopper_or_later(index: int) -> bool:
 def options(device: torch.device) -> dict:
     """Launch keywords for a kernel that calls `entry(PDL)` first: its `PDL` constexpr and, when on,
     Triton's `launch_pdl` option."""
-    return {"PDL": True, "launch_pdl": True} if enabled(device) else {"PDL": False}
+    return _ON if ENABLED and enabled(device) else _OFF
 
 
 if triton is not None:

@@ -10,14 +10,21 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_off_by_default_and_on_cpu(monkeypatch):
-    monkeypatch.delenv(pdl.ENV, raising=False)
-    assert pdl.options(torch.device("cpu")) == {"PDL": False}
+    import importlib
+    import os
+
+    assert pdl.ENABLED == (os.environ.get(pdl.ENV) == "1")  # read from the environment at import
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    assert pdl.options(torch.device("cuda", 0)) == {"PDL": False}  # off: decided before asking the device
     monkeypatch.setenv(pdl.ENV, "1")
+    assert importlib.reload(pdl).ENABLED
     assert not pdl.enabled(torch.device("cpu"))  # asked for, but no CUDA device
+    monkeypatch.delenv(pdl.ENV)
+    assert not importlib.reload(pdl).ENABLED
 
 
 def test_never_under_the_interpreter(monkeypatch):
-    monkeypatch.setenv(pdl.ENV, "1")
+    monkeypatch.setattr(pdl, "ENABLED", True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert pdl.options(torch.device("cuda", 0)) == {"PDL": False}  # decided before asking the device
 
@@ -25,7 +32,7 @@ def test_never_under_the_interpreter(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_where_asked_on_hopper(monkeypatch):
-    monkeypatch.setenv(pdl.ENV, "1")
+    monkeypatch.setattr(pdl, "ENABLED", True)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     dev = torch.device("cuda", 0)
     hopper = torch.cuda.get_device_capability(dev)[0] >= 9
