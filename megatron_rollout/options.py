@@ -14,15 +14,14 @@ from megatron_rollout.engine.api import Schedule
 from megatron_rollout.engine.config import (
     DEFAULT_NUM_BLOCKS,
     DEFAULT_SPAN,
-    RUNNER_KINDS,
     EngineConfig,
     KVConfig,
     MuxConfig,
-    RunnerConfig,
     parse_span,
 )
-from megatron_rollout.engine.cuda_runner import RUNNER_ENV
 from megatron_rollout.engine.scheduler import SchedulerConfig
+from megatron_rollout.runner.config import RUNNER_KINDS, RunnerConfig
+from megatron_rollout.runner.cuda import RUNNER_ENV
 
 
 def schedules(text: str) -> str:

@@ -24,7 +24,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("megatron_rollout.model",),  # the native MoE transformer (calls only the comm facade)
     ("megatron_rollout.kv",),  # paged KV store and block pool (an AttentionBackend of the model)
     ("megatron_rollout.kernels", "megatron_rollout.multiplex"),  # device fast paths | turnstile, routing
-    ("megatron_rollout.engine",),  # planner, bookkeeping, execution, schedules, runners
+    ("megatron_rollout.runner",),  # device execution: the runner contract, the portable and CUDA runners
+    ("megatron_rollout.engine",),  # planner, bookkeeping, execution, schedules
     ("megatron_rollout.trace",),  # trace replay and reports over the engine's public API
     ("megatron_rollout.bench", "megatron_rollout.distributed", "megatron_rollout.options"),
     ("megatron_rollout.launch",),  # what the CLI runs

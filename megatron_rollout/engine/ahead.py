@@ -34,10 +34,10 @@ import torch
 
 from megatron_rollout.engine.bookkeeping import RequestTable, SampleOwner
 from megatron_rollout.engine.config import EngineStats
-from megatron_rollout.engine.runner import Runner, SpanInput
 from megatron_rollout.engine.sampler import PendingDraw
 from megatron_rollout.engine.scheduler import StepPlan
 from megatron_rollout.kernels.layout import to_device
+from megatron_rollout.runner.base import Runner, SpanInput
 
 
 @dataclass

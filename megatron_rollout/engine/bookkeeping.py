@@ -26,10 +26,10 @@ from megatron_rollout.engine.api import FinishReason, RequestError, RequestOutpu
 from megatron_rollout.engine.config import EngineStats
 from megatron_rollout.engine.prefix import PrefixCache
 from megatron_rollout.engine.request import Request, Seq
-from megatron_rollout.engine.runner import SpanInput
 from megatron_rollout.engine.scheduler import PrefillChunk, SchedulerState, SeqView, Stage
 from megatron_rollout.kv.block_pool import BlockPool
 from megatron_rollout.kv.paged import SeqSpan
+from megatron_rollout.runner.base import SpanInput
 
 
 class SampleOwner(NamedTuple):

@@ -18,9 +18,8 @@ from megatron_rollout.comm.facade import LocalComm
 from megatron_rollout.engine.ahead import DecodeAhead
 from megatron_rollout.engine.api import FinishReason, GenerationResult, RequestError, RequestOutput, SamplingParams
 from megatron_rollout.engine.bookkeeping import Abort, AddRequest, Append, Close, Op, OpenSession, RequestTable, Submit
-from megatron_rollout.engine.config import FP8_MODES, TE_FP8_MODES, EngineConfig, EngineStats
+from megatron_rollout.engine.config import EngineConfig, EngineStats
 from megatron_rollout.engine.coordinator import GlobalView, LocalCoordinator, RankSharedCoordinator
-from megatron_rollout.engine.cuda_runner import make_runner
 from megatron_rollout.engine.execution import StepExecutor
 from megatron_rollout.engine.prefix import PrefixCache
 from megatron_rollout.engine.request import Request, Seq
@@ -32,6 +31,8 @@ from megatron_rollout.kv.block_pool import BlockPool
 from megatron_rollout.kv.paged import PagedKVCache
 from megatron_rollout.model import fp8, te_layers
 from megatron_rollout.model.transformer import MoETransformer
+from megatron_rollout.runner.config import FP8_MODES, TE_FP8_MODES
+from megatron_rollout.runner.cuda import make_runner
 from megatron_rollout.types import Axis
 
 

@@ -262,7 +262,7 @@ class Turnstile:
         A publish the controller rejects does not stop P here: this rank keeps resuming as often
         as its peers do in this round (so the collectives after each boundary still pair up) and
         reports the rejection at the next pre-D rendezvous, where every rank raises it. A yield
-        with a negative layer (an asynchronous runner's completion poll, `cuda_runner.COMPLETION`)
+        with a negative layer (an asynchronous runner's completion poll, `runner.cuda.COMPLETION`)
         is not a boundary: it ends this round's P so D can run while the device finishes P."""
         ctl, total = self.controller, ep.total_boundaries
         if ep.finished:

@@ -1,4 +1,4 @@
-"""The CUDA runner (`engine/cuda_runner.py`) against the portable runner on the same model and KV.
+"""The CUDA runner (`runner/cuda.py`) against the portable runner on the same model and KV.
 
 Kept under tests/kernels because the runner is the kernels' only caller. CPU: `make_runner`
 picks the portable runner off CUDA and honours the environment override. GPU: logits and KV of
@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
-from megatron_rollout.engine.cuda_runner import RUNNER_ENV, CudaRunner, CudaRunnerConfig, make_runner
-from megatron_rollout.engine.runner import ModelRunner, SpanInput
 from megatron_rollout.kv.paged import PagedKVCache, SeqSpan
 from megatron_rollout.model.config import preset
 from megatron_rollout.model.layers import run_to_end
 from megatron_rollout.model.transformer import MoETransformer
+from megatron_rollout.runner.base import ModelRunner, SpanInput
+from megatron_rollout.runner.cuda import RUNNER_ENV, CudaRunner, CudaRunnerConfig, make_runner
 from megatron_rollout.types import Phase
 
 from .kv_check import kv_rel

@@ -116,8 +116,8 @@ def test_nccl_collectives_are_captured_and_replayed(nccl_world):
 
 
 def _inputs(spec, tables, tokens):
-    from megatron_rollout.engine.runner import SpanInput
     from megatron_rollout.kv.paged import SeqSpan
+    from megatron_rollout.runner.base import SpanInput
 
     return [SpanInput(SeqSpan(tables[i], past, new), tokens[i], True) for i, (past, new) in enumerate(spec)]
 
@@ -127,10 +127,10 @@ def test_multirank_runner_matches_single_rank_and_eager(nccl_world, p_exchange, 
     """Prefill, then eight graph-replayed decode steps teacher-forced with the eager runner's
     greedy tokens: the same logits (bf16 tolerance) and greedy tokens as the single-rank
     CudaRunner and the eager ModelRunner; P's FULL all-reduce went through the router."""
-    from megatron_rollout.engine.cuda_runner import CudaRunner, CudaRunnerConfig
-    from megatron_rollout.engine.runner import ModelRunner
     from megatron_rollout.forward import run_to_end
     from megatron_rollout.kv.paged import PagedKVCache
+    from megatron_rollout.runner.base import ModelRunner
+    from megatron_rollout.runner.cuda import CudaRunner, CudaRunnerConfig
 
     comm = _dist_comm(p_exchange, d_exchange)
     try:
@@ -191,8 +191,8 @@ def test_multirank_engine_completes_like_the_single_rank_engine(nccl_world, sche
     CUDA engine's (bf16 kernels differ slightly, so near-ties may flip: at least 80% agree)."""
     from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
     from megatron_rollout.engine.coordinator import RankSharedCoordinator
-    from megatron_rollout.engine.cuda_runner import CudaRunner
     from megatron_rollout.multiplex.rendezvous import Rendezvous
+    from megatron_rollout.runner.cuda import CudaRunner
 
     comm = _dist_comm("allgather", "alltoall")
     try:

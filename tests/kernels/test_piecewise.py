@@ -1,4 +1,4 @@
-"""Piecewise CUDA graphs of P and mixed forwards (`engine/piecewise.py`) against the eager forward.
+"""Piecewise CUDA graphs of P and mixed forwards (`runner/piecewise.py`) against the eager forward.
 
 CPU: the runner config validates the buckets. GPU: on the same weights and the same paged KV, a
 piecewise replay gives the eager forward's logits, stores the same K/V, yields the same
@@ -13,11 +13,11 @@ import torch
 
 from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
 from megatron_rollout.engine.config import RunnerConfig
-from megatron_rollout.engine.cuda_runner import CudaRunner
-from megatron_rollout.engine.runner import SpanInput
 from megatron_rollout.kv.paged import PagedKVCache, SeqSpan
 from megatron_rollout.model.config import preset
 from megatron_rollout.model.transformer import MoETransformer
+from megatron_rollout.runner.base import SpanInput
+from megatron_rollout.runner.cuda import CudaRunner
 from megatron_rollout.types import Phase
 
 from .kv_check import kv_rel
@@ -36,7 +36,7 @@ def test_config_rejects_bad_prefill_buckets():
 
 
 def test_shared_outputs_are_views_of_one_buffer_per_layer():
-    from megatron_rollout.engine.piecewise import SharedOutputs
+    from megatron_rollout.runner.piecewise import SharedOutputs
 
     shared = SharedOutputs()
     big = shared.out(0, torch.ones(64, 4, 8))
@@ -52,7 +52,7 @@ def test_shared_outputs_are_views_of_one_buffer_per_layer():
 def test_shared_outputs_sized_for_the_largest_bucket_share_whatever_the_capture_order():
     """Buckets are captured lazily, smallest first when traffic grows: with the largest bucket's
     rows given, every bucket still gets a view of the same buffer."""
-    from megatron_rollout.engine.piecewise import SharedOutputs
+    from megatron_rollout.runner.piecewise import SharedOutputs
 
     shared = SharedOutputs(rows=128)
     first = shared.out(0, torch.ones(16, 4, 8))

@@ -4,8 +4,8 @@ A runner holds tensors and never decides anything: the engine tells it which spa
 which phase, and which rows to return logits for. `forward` returns the model's generator, so the
 caller chooses whether to run it to the end (decode, `off`, `chunked`) or segment by segment
 (`mux` prefill). `Runner` is the protocol; `ModelRunner` (portable, any device, any rank count)
-and `cuda_runner.CudaRunner` (CUDA, one rank or many: decode graphs, phase streams) implement it,
-and `cuda_runner.make_runner` picks one from `EngineConfig.runner`. After a forward's result is
+and `cuda.CudaRunner` (CUDA, one rank or many: decode graphs, phase streams) implement it,
+and `cuda.make_runner` picks one from `EngineConfig.runner`. After a forward's result is
 complete, a runner runs the deferred checks of the comm's sync-free dispatch domains
 (`comm.alltoall.check_domains`): they read the device, so never inside a forward.
 """

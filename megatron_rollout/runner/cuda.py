@@ -2,7 +2,7 @@
 own stream (piecewise graphs on one rank, eager on many), over the same weights and the same paged
 KV, on one rank or many (DESIGN.md §3, §5, §6, §8).
 
-What it adds to `runner.ModelRunner` (same `forward(inputs, phase) -> Forward` contract, so the
+What it adds to `base.ModelRunner` (same `forward(inputs, phase) -> Forward` contract, so the
 engine and the mux driver are unchanged):
 
 - **D graphs.** A pure decode batch (one new token per span) is padded to the next bucket size
@@ -13,7 +13,7 @@ engine and the mux driver are unchanged):
   captured again on next use. On one rank buckets are captured lazily, when first used.
 - **P and mixed graphs (one rank).** A P forward, or a `chunked` mixed step, of up to 4,096 new
   tokens replays as pieces between attention calls, one CUDA graph per token bucket
-  (`engine.piecewise`, `RunnerConfig.prefill_graph_tokens`), in a pool of its own; larger ones,
+  (`runner.piecewise`, `RunnerConfig.prefill_graph_tokens`), in a pool of its own; larger ones,
   and every P forward on many ranks, run eagerly.
 - **Many ranks.** With a `DistComm` the graphs capture D's collectives on D's own communicators:
   the ATP all-reduce, the padded ADP all-gather and the low-latency expert exchange, all of static
@@ -68,9 +68,6 @@ from collections.abc import Sequence
 import torch
 
 from megatron_rollout.comm.facade import LocalComm
-from megatron_rollout.engine.config import RunnerConfig
-from megatron_rollout.engine.piecewise import PiecewiseGraph, SharedOutputs
-from megatron_rollout.engine.runner import ModelRunner, Runner, SpanInput
 from megatron_rollout.forward import BoundaryPoint, Forward, Site, run_to_end
 from megatron_rollout.kernels.layout import KernelPagedBatch, StaticDecodeLayout, build_layout
 from megatron_rollout.kernels.moe import DeviceLocalComm, install_device_exchange
@@ -78,6 +75,9 @@ from megatron_rollout.kernels.registry import resolve_attention
 from megatron_rollout.kv.paged import PagedKVCache
 from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.multiplex.routing import PhaseStreams
+from megatron_rollout.runner.base import ModelRunner, Runner, SpanInput
+from megatron_rollout.runner.config import RunnerConfig
+from megatron_rollout.runner.piecewise import PiecewiseGraph, SharedOutputs
 from megatron_rollout.types import Phase
 
 log = logging.getLogger(__name__)
@@ -205,7 +205,7 @@ class CudaRunner:
         self._probe = _DomainProbe(model.comm)
         self._graphs: dict[int, _DecodeGraph] = {}
         self._p_graphs: dict[int, PiecewiseGraph] = {}  # P / mixed forwards by token bucket (one rank)
-        self._p_pool = None  # their pool: never shared with decode graphs (see engine.piecewise)
+        self._p_pool = None  # their pool: never shared with decode graphs (see runner.piecewise)
         self._p_outputs = self._shared_outputs()  # their attention outputs, shared by the buckets
         self.prefill_capture_error: str | None = None  # why piecewise P capture failed (P then runs eagerly)
         self._captured = False  # multi-rank: the collective capture of every bucket was attempted

@@ -1,0 +1,72 @@
+"""Which runner executes forwards, and the CUDA runner's knobs (`RunnerConfig`, `EngineConfig.runner`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RUNNER_KINDS = ("auto", "eager", "cuda")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """Which runner executes forwards, and the CUDA runner's knobs (`runner.cuda`)."""
+
+    kind: str = "auto"
+    """auto (CudaRunner for a single-rank model on CUDA, else the portable ModelRunner) | eager
+    (always ModelRunner) | cuda (CudaRunner, or an error saying why it cannot run)."""
+    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256)
+    """Decode batch buckets captured as CUDA graphs; larger batches run eagerly."""
+    use_graphs: bool = True
+    """Replay decode from CUDA graphs (False: every forward eager, e.g. to compare)."""
+    prefill_graph_tokens: tuple[int, ...] = (64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3072,
+                                             3584, 4096)
+    """Token-count buckets of P and mixed forwards replayed as piecewise CUDA graphs on one rank
+    (`runner.piecewise`); () or `use_graphs=False`: eager. Past the largest bucket a forward runs
+    eagerly: its ~250 launches take the host about as long as the GPU's work at 4,096 tokens
+    (`bench.profile`), so larger forwards bound by the GPU."""
+    prefill_graph_rows: int = 256
+    """Sampled rows a piecewise graph holds (at most its bucket's tokens); more run eagerly."""
+    attention: str = "auto"
+    """Attention kernels: auto | triton | varlen | flash | portable (see `kernels.registry`)."""
+    async_prefill: bool = True
+    """Yield `COMPLETION` boundaries until P's event fires instead of blocking on it."""
+    d_priority: int = -1
+    """Priority of the D stream (lower is higher; P's stream gets 0)."""
+    measure_expert_kernels: bool = True
+    """Time the Triton and grouped-GEMM expert kernels at decode size once and use the faster."""
+    fused_ops: bool = True
+    """Install the fused small-op kernels (`kernels.fused.install_fused_ops`: verified once on the
+    device, skipped where they do not apply) on the CUDA runner's model."""
+    decode_ahead: str = "auto"
+    """Issue the next decode forward before the host has read this one's tokens (`engine.ahead`):
+    auto (on for the CUDA runner on one rank) | on (any single-rank runner; the portable one gains
+    nothing, it is for tests) | off."""
+    fp8: str = "off"
+    """FP8 (e4m3) weights for the attention linears, dense MLPs and routed experts (`model.fp8`):
+    off | tensor (one scale per weight) | block (one per 128 x 128 block). The engine quantises its
+    model once at construction; weight updates are re-rounded in place. On CUDA the experts run in
+    the decode graphs (`kernels.moe_triton`), elsewhere every FP8 matmul dequantises.
+    Or Transformer Engine's FP8 layers (`model.te_layers`, where TE is installed): te-delayed |
+    te-current | te-block, TE's recipe of that name on the attention linears and dense MLPs, and on
+    the routed experts where TE's grouped GEMM runs the recipe (te-current, cuBLASLt >= 13.5)."""
+
+    def __post_init__(self) -> None:
+        if self.fp8 not in FP8_MODES and self.fp8 not in TE_FP8_MODES:
+            raise ValueError(f"fp8 must be one of {[*FP8_MODES, *TE_FP8_MODES]}, got {self.fp8!r}")
+        if self.kind not in RUNNER_KINDS:
+            raise ValueError(f"the runner kind must be auto, eager or cuda, got {self.kind!r}")
+        sizes = self.graph_batch_sizes
+        if not sizes or any(b <= 0 for b in sizes) or list(sizes) != sorted(set(sizes)):
+            raise ValueError(f"graph_batch_sizes must be positive and strictly increasing, got {sizes}")
+        tokens = self.prefill_graph_tokens
+        if any(b <= 0 for b in tokens) or list(tokens) != sorted(set(tokens)):
+            raise ValueError(f"prefill_graph_tokens must be positive and strictly increasing, got {tokens}")
+        if self.prefill_graph_rows <= 0:
+            raise ValueError(f"prefill_graph_rows must be positive, got {self.prefill_graph_rows}")
+        if self.decode_ahead not in ("auto", "on", "off"):
+            raise ValueError(f"decode_ahead must be auto, on or off, got {self.decode_ahead!r}")
+
+
+FP8_MODES: dict[str, int | None] = {"off": None, "tensor": None, "block": 128}
+"""`RunnerConfig.fp8` -> the block size of `model.fp8.quantize_model_fp8` (None: per tensor)."""
+TE_FP8_MODES: dict[str, str] = {"te-delayed": "delayed", "te-current": "current", "te-block": "block"}
+"""`RunnerConfig.fp8` -> the `te_layers.TEConfig` recipe."""
