@@ -59,8 +59,11 @@ class SchedulerConfig:
     """Decode rows per iteration."""
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0 or self.max_batch_tokens <= 0 or self.max_decode_rows <= 0:
-            raise ValueError(f"SchedulerConfig values must be positive: {self}")
+        object.__setattr__(self, "schedule", Schedule(self.schedule))
+        for name in ("block_size", "max_batch_tokens", "max_decode_rows"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:  # bool, float (2.5, inf) and numpy scalars refused
+                raise ValueError(f"SchedulerConfig.{name} must be a positive int, got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -55,15 +55,19 @@ class RunnerConfig:
         if self.kind not in RUNNER_KINDS:
             raise ValueError(f"the runner kind must be auto, eager or cuda, got {self.kind!r}")
         sizes = self.graph_batch_sizes
-        if not sizes or any(b <= 0 for b in sizes) or list(sizes) != sorted(set(sizes)):
-            raise ValueError(f"graph_batch_sizes must be positive and strictly increasing, got {sizes}")
+        if not sizes or not _positive_ints(sizes) or list(sizes) != sorted(set(sizes)):
+            raise ValueError(f"graph_batch_sizes must be positive ints, strictly increasing, got {sizes!r}")
         tokens = self.prefill_graph_tokens
-        if any(b <= 0 for b in tokens) or list(tokens) != sorted(set(tokens)):
-            raise ValueError(f"prefill_graph_tokens must be positive and strictly increasing, got {tokens}")
-        if self.prefill_graph_rows <= 0:
-            raise ValueError(f"prefill_graph_rows must be positive, got {self.prefill_graph_rows}")
+        if not _positive_ints(tokens) or list(tokens) != sorted(set(tokens)):
+            raise ValueError(f"prefill_graph_tokens must be positive ints, strictly increasing, got {tokens!r}")
+        if not _positive_ints((self.prefill_graph_rows,)):
+            raise ValueError(f"prefill_graph_rows must be a positive int, got {self.prefill_graph_rows!r}")
         if self.decode_ahead not in ("auto", "on", "off"):
             raise ValueError(f"decode_ahead must be auto, on or off, got {self.decode_ahead!r}")
+
+
+def _positive_ints(values) -> bool:
+    return isinstance(values, tuple) and all(type(v) is int and v > 0 for v in values)  # not bool, not float
 
 
 FP8_MODES: dict[str, int | None] = {"off": None, "tensor": None, "block": 128}

@@ -43,7 +43,7 @@ def test_span_strings_are_parsed_once():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(schedule="fast"), "'fast' is not a valid Schedule"),
     (dict(num_blocks=0), "num_blocks must be a positive int, got 0"),
-    (dict(block_size=0), "SchedulerConfig values must be positive"),
+    (dict(block_size=0), r"SchedulerConfig\.block_size must be a positive int, got 0"),
     (dict(mux_ordering="fifo"), "mux_ordering must be 'turnstile' or 'naive', got 'fifo'"),
     (dict(runner_kind="fast"), "the runner kind must be auto, eager or cuda, got 'fast'"),
     (dict(max_model_len=0), "max_model_len must be a positive int or None, got 0"),
@@ -56,7 +56,7 @@ def test_bad_values_are_refused_with_the_value(kwargs, message):
 def test_bad_component_values_are_refused():
     with pytest.raises(ValueError, match="CommConfig.backend must be one of"):
         CommConfig(backend="nccl")
-    with pytest.raises(ValueError, match="graph_batch_sizes must be positive and strictly increasing"):
+    with pytest.raises(ValueError, match="graph_batch_sizes must be positive ints, strictly increasing"):
         RunnerConfig(graph_batch_sizes=(2, 2))
     with pytest.raises(TypeError, match=r"unknown keywords \['num_block'\]"):
         EngineConfig(num_block=8)
@@ -83,3 +83,24 @@ def test_fp8_mode_is_checked():
     assert EngineConfig(fp8="tensor").runner.fp8 == "tensor"
     with pytest.raises(ValueError, match="fp8 must be one of .*got 'e5m2'"):
         RunnerConfig(fp8="e5m2")
+
+
+@pytest.mark.parametrize("field, value", [
+    ("block_size", True), ("block_size", 2.5), ("max_batch_tokens", float("inf")), ("max_batch_tokens", 512.5),
+    ("max_decode_rows", 1.5), ("max_batch_tokens", False), ("block_size", -16),
+])
+def test_token_budgets_and_block_size_must_be_positive_ints(field, value):
+    with pytest.raises(ValueError, match=rf"SchedulerConfig\.{field} must be a positive int, got {re.escape(repr(value))}"):
+        SchedulerConfig(**{field: value})
+
+
+def test_a_fractional_block_size_is_refused_before_torch_allocates():
+    with pytest.raises(ValueError, match=r"SchedulerConfig\.block_size must be a positive int, got 2\.5"):
+        EngineConfig(scheduler=SchedulerConfig(block_size=2.5))  # torch's allocation used to raise a TypeError
+
+
+@pytest.mark.parametrize("kwargs", [dict(graph_batch_sizes=(1, 2.5)), dict(graph_batch_sizes=(True, 2)),
+                                    dict(prefill_graph_tokens=(64, float("inf"))), dict(prefill_graph_rows=1.5)])
+def test_runner_buckets_must_be_positive_ints(kwargs):
+    with pytest.raises(ValueError, match="must be (positive ints|a positive int)"):
+        RunnerConfig(**kwargs)

@@ -28,7 +28,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_config_rejects_bad_prefill_buckets():
-    with pytest.raises(ValueError, match="prefill_graph_tokens must be positive and strictly increasing"):
+    with pytest.raises(ValueError, match="prefill_graph_tokens must be positive ints, strictly increasing"):
         RunnerConfig(prefill_graph_tokens=(128, 64))
     with pytest.raises(ValueError, match="prefill_graph_rows must be positive"):
         RunnerConfig(prefill_graph_rows=0)
