@@ -90,7 +90,8 @@ def test_fp8_mode_is_checked():
     ("max_decode_rows", 1.5), ("max_batch_tokens", False), ("block_size", -16),
 ])
 def test_token_budgets_and_block_size_must_be_positive_ints(field, value):
-    with pytest.raises(ValueError, match=rf"SchedulerConfig\.{field} must be a positive int, got {re.escape(repr(value))}"):
+    message = rf"SchedulerConfig\.{field} must be a positive int, got {re.escape(repr(value))}"
+    with pytest.raises(ValueError, match=message):
         SchedulerConfig(**{field: value})
 
 

@@ -30,7 +30,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_config_rejects_bad_prefill_buckets():
     with pytest.raises(ValueError, match="prefill_graph_tokens must be positive ints, strictly increasing"):
         RunnerConfig(prefill_graph_tokens=(128, 64))
-    with pytest.raises(ValueError, match="prefill_graph_rows must be positive"):
+    with pytest.raises(ValueError, match="prefill_graph_rows must be a positive int, got 0"):
         RunnerConfig(prefill_graph_rows=0)
     assert RunnerConfig(prefill_graph_tokens=()).prefill_graph_tokens == ()
 
