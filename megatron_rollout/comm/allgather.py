@@ -44,6 +44,7 @@ class AllGatherExchange(ExpertExchange):
     """ADP all-gather -> local experts on every replica's tokens -> FULL all-reduce -> own rows."""
 
     data_boundary = True
+    kind = "allgather"
 
     def __init__(self, comm: "Comm", phase: Phase, capacity: int | None = None) -> None:
         if capacity is not None and capacity < 1:

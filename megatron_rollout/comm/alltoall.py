@@ -277,6 +277,7 @@ class AllToAllExchange(ExpertExchange):
     """The model's expert exchange over one phase's dispatch domain (split-phase)."""
 
     data_boundary = True
+    kind = "alltoall"
 
     def __init__(self, comm: "Comm", phase: Phase, domain: DispatchDomain) -> None:
         self.comm, self.phase, self.domain = comm, phase, domain

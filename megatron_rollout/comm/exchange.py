@@ -134,6 +134,9 @@ class ExpertExchange(abc.ABC):
     data_boundary: bool = False
     """`run` yields `BoundaryPoint(layer, MOE_DATA)` once per call (split-phase exchanges); the mux
     schedule's boundary plan reads this instead of guessing from the exchange's type."""
+    kind: str | None = None
+    """The `CommConfig.p_exchange` / `d_exchange` kind whose collectives it issues ("allgather",
+    "alltoall": `multiplex.routing.EXCHANGE_PATHS`); None for an exchange that crosses no rank."""
 
     @abc.abstractmethod
     def run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: "Experts",

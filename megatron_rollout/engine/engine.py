@@ -56,7 +56,7 @@ class RolloutEngine:
             fp8.quantize_model_fp8(model, block=FP8_MODES[c.runner.fp8])
         self.runner = make_runner(model, PagedKVCache(*self._kv_shape, device=model.device), c.runner)
         self.executor = StepExecutor(self.table, self.runner, self.weights, self.stats, c.seed, timeline, rank)
-        self.schedule: ScheduleDriver = make_schedule(c, self.table, self.executor, rendezvous, router)
+        self.schedule: ScheduleDriver = make_schedule(c, self.table, self.executor, model, rendezvous, router)
         if self._decode_ahead(c.runner.decode_ahead):
             self.executor.ahead = DecodeAhead(self.table, self.runner, self.stats)
         self.timeline, self.rank = timeline, rank
@@ -70,7 +70,7 @@ class RolloutEngine:
         if mode == "on" and not one_rank:
             raise ValueError("decode_ahead='on' needs a single-rank engine: on many ranks every rank plans "
                              "every step from the gathered state, which a forward issued ahead would pre-empt")
-        return one_rank and (mode == "on" or (mode == "auto" and getattr(self.runner, "overlaps_host", False)))
+        return one_rank and (mode == "on" or (mode == "auto" and self.runner.overlaps_host))
 
     # -- read-only views of the parts --------------------------------------------------------
     @property
@@ -88,13 +88,6 @@ class RolloutEngine:
     @property
     def requests(self) -> Mapping[int, Request]:
         return MappingProxyType(self.table.requests)
-
-    @property
-    def mux(self):
-        """The `mux` schedule's driver (turnstile, epoch), or None under `off`/`chunked`."""
-        from megatron_rollout.engine.schedules.mux import MuxSchedule
-
-        return self.schedule if isinstance(self.schedule, MuxSchedule) else None
 
     @property
     def weight_version(self) -> int:
@@ -200,8 +193,8 @@ class RolloutEngine:
         try:
             return self.schedule.step(plan, view)
         except CrossRankTimeout as exc:  # a peer is gone: say where this rank was
-            epoch = getattr(getattr(self.schedule, "epoch", None), "number", None)
-            exc.locate(f"engine step {self.stats.steps}" + (f", mux epoch {epoch}" if epoch else ""))
+            where = self.schedule.position()
+            exc.locate(f"engine step {self.stats.steps}" + (f", {where}" if where else ""))
             raise
 
     def _planning_state(self) -> SchedulerState:

@@ -38,9 +38,17 @@ class SpanInput:
 
 
 class Runner(Protocol):
-    """What the engine needs of a runner. `cache` may be set to None (KV released) and back."""
+    """What the engine needs of a runner, all of it. `cache` may be set to None (KV released) and
+    back; `model` is the model it runs (its weights are updated in place between forwards)."""
 
+    model: MoETransformer
     cache: PagedKVCache | None
+
+    @property
+    def overlaps_host(self) -> bool:
+        """A forward issued ahead (`forward_fed`) runs on the device while the host works, so
+        issuing decode ahead pays (`engine.ahead`); False where the forward runs on the host."""
+        ...
 
     def forward(self, inputs: list[SpanInput], phase: Phase) -> Forward:
         """Logits [rows sampled, V] for the spans with `sample`, in input order. Reads and writes
@@ -63,6 +71,11 @@ class ModelRunner:
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    @property
+    def overlaps_host(self) -> bool:
+        """The portable runner's forward is the host's own work: nothing overlaps."""
+        return False
 
     def forward(self, inputs: list[SpanInput], phase: Phase) -> Forward:
         """Logits [rows sampled, V] for the spans with `sample`, in input order."""

@@ -33,7 +33,7 @@ def test_greedy_equals_transformers(request, make_engine, family, schedule):
     assert engine.stats.prefill_tokens == sum(len(p) for p in batch)
     assert engine.stats.decode_tokens == sum(lengths) - len(batch)
     if schedule == "mux":
-        assert engine.mux.rounds > 0 and not engine.mux.busy
+        assert engine.schedule.rounds > 0 and not engine.schedule.busy
     assert engine.pool.num_free == engine.pool.num_blocks  # finished one-shot requests keep no KV
 
 

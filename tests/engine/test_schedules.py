@@ -21,6 +21,26 @@ def test_schedules_give_the_same_tokens_in_one_engine_run(make_engine, qwen):
     assert_same(results["off"], reference(make_engine, model, batch, params))
 
 
+def test_the_naive_ordering_is_a_schedule_of_its_own_with_off_tokens(make_engine, qwen):
+    """`mux_ordering="naive"` runs `NaiveSchedule` (no turnstile): on one process it completes with
+    off's tokens, and a step that stops mid-epoch says which epoch."""
+    from megatron_rollout.engine.schedules import MuxSchedule, NaiveSchedule
+
+    _, model = qwen
+    batch = prompts([3, 25, 2, 14, 9], seed=4)
+    params = SamplingParams(temperature=0.0, max_new_tokens=5)
+    off = make_engine(model, schedule="off", **SMALL).generate(batch, params)
+    engine = make_engine(model, schedule="mux", mux_ordering="naive", **SMALL)
+    assert type(engine.schedule) is NaiveSchedule and not isinstance(engine.schedule, MuxSchedule)
+    rids = [engine.add_request(p, params) for p in batch]
+    while not engine.mux_busy:
+        engine.step()
+    assert engine.schedule.position() == f"mux epoch {engine.schedule.epoch.number}"
+    done = engine.run_until(rids)
+    assert_same([done[r].result for r in rids], off)
+    assert engine.schedule.position() is None
+
+
 @pytest.mark.parametrize("span", ["budget:1", "budget:100000000", "load"])
 def test_mux_span_policies_give_off_tokens(make_engine, qwen, span):
     """Whatever the segment policy cuts, the tokens are off's (budget:1 releases one segment per
@@ -31,7 +51,7 @@ def test_mux_span_policies_give_off_tokens(make_engine, qwen, span):
     off = make_engine(model, schedule="off", **SMALL).generate(batch, params)
     engine = make_engine(model, schedule="mux", **{**SMALL, "mux_span": span})
     assert_same(engine.generate(batch, params), off)
-    assert engine.mux.rounds > 0
+    assert engine.schedule.rounds > 0
 
 
 def test_abort_mid_mux_epoch_parks_blocks_until_the_epoch_ends(make_engine, qwen):
@@ -39,7 +59,7 @@ def test_abort_mid_mux_epoch_parks_blocks_until_the_epoch_ends(make_engine, qwen
     seen = {}
 
     def mid_epoch(engine, rids):
-        mux = engine.mux
+        mux = engine.schedule
         if mux.busy and 0 < mux.turnstile.controller.last_published and \
                 any(o[0].rid == rids[1] for o in mux.epoch.owners):
             seen["blocks"] = list(engine.pool.table(engine.requests[rids[1]].seq.sid))
@@ -59,13 +79,13 @@ def test_abort_mid_mux_epoch_parks_blocks_until_the_epoch_ends(make_engine, qwen
     assert engine.pool.num_free == free_before
     assert all(engine.pool.refcount[b] > 0 for b in seen["blocks"])
     engine.check_integrity()
-    epoch = engine.mux.epoch
-    assert engine.mux.turnstile.controller.epoch == epoch.number  # the epoch runs on for the others
-    while engine.mux.epoch is epoch:
+    epoch = engine.schedule.epoch
+    assert engine.schedule.turnstile.controller.epoch == epoch.number  # the epoch runs on for the others
+    while engine.schedule.epoch is epoch:
         for out in engine.step():
             outs[out.request_id] = out
     assert not [owner for owner in engine.pool.tables if owner < 0]  # the parked blocks went back
-    assert engine.mux.turnstile.controller.epoch is None
+    assert engine.schedule.turnstile.controller.epoch is None
     drain(engine, outs)
     assert outs[rids[1]].result.finish_reason is FinishReason.ABORT
     assert_same([outs[rids[0]].result, outs[rids[2]].result],
@@ -78,7 +98,7 @@ def test_update_weights_is_refused_mid_mux_epoch_and_accepted_after(make_engine,
     engine = make_engine(model, schedule="mux", **SMALL)
     rids = [engine.add_request(p, ABORT_PARAMS) for p in prompts([9, 7], seed=3)]
     outs: dict = {}
-    while not engine.mux_busy or engine.mux.turnstile.controller.last_published == 0:
+    while not engine.mux_busy or engine.schedule.turnstile.controller.last_published == 0:
         for out in engine.step():
             outs[out.request_id] = out
     state = {k: v.clone() for k, v in model.state_dict().items()}

@@ -16,6 +16,10 @@ class ScheduleDriver(abc.ABC):
         """A forward is in flight across steps (weights may not change, no new epoch may start)."""
         return False
 
+    def position(self) -> str | None:
+        """Where the schedule is beyond the engine's step count (e.g. "mux epoch 3"), for errors."""
+        return None
+
     @abc.abstractmethod
     def step(self, plan: StepPlan, view: GlobalView) -> list[RequestOutput]:
         """Run this step's forwards; the requests that finished in it."""

@@ -12,14 +12,8 @@ data step, or a dense MLP's all-reduce), and the turnstile publishes each yielde
 position in that plan, so every rank's controller checks the real sequence (a skipped or repeated
 boundary fails every rank with the controller's `BoundaryError`).
 
-`MuxConfig.ordering="naive"` is the unsafe baseline the ordering experiments compare against
-(DESIGN.md §8): no rendezvous, no routing, P and D progress independently. One host thread per
-rank drives both forwards boundary by boundary, and each step enqueues D's iteration and P's next
-segment in an order that depends on the rank's ADP replica (odd replicas P first, even replicas
-D first: replicas progress independently), except that collectives over one rank set keep one
-order on all its members (P's segment goes before D's first collective over the same ranks). So
-the order is consistent within every group, and across replicas only between *crossed* groups.
-Why ATP4/ADP1 and ATP1/ADP4 complete and ATP2/ADP2 deadlocks is derived in `multiplex.inorder`.
+The naive ordering baseline (`MuxConfig.ordering="naive"`) is a schedule of its own beside this
+one (`schedules.naive`); both share `EpochSchedule`, the part of an epoch that is not ordering.
 
 A request cancelled mid-epoch cannot give its blocks back at once: the rest of P's forward still
 writes them. The request table parks them (`RequestTable.begin_in_flight`) until the epoch ends,
@@ -27,6 +21,7 @@ and the controller is untouched (the epoch runs to its end for the other request
 """
 from __future__ import annotations
 
+import abc
 import itertools
 import time
 from dataclasses import dataclass
@@ -41,9 +36,10 @@ from megatron_rollout.engine.execution import StepExecutor
 from megatron_rollout.engine.scheduler import StepPlan
 from megatron_rollout.engine.schedules.base import ScheduleDriver
 from megatron_rollout.forward import BoundaryPoint, Forward, Site
+from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.multiplex.controller import BoundaryController
 from megatron_rollout.multiplex.rendezvous import LocalRendezvous, RendezvousBase
-from megatron_rollout.multiplex.routing import Router, phase_path
+from megatron_rollout.multiplex.routing import Router
 from megatron_rollout.multiplex.turnstile import Turnstile
 from megatron_rollout.types import Axis, Phase
 
@@ -76,35 +72,22 @@ class Epoch:
     """Every row P samples when it finishes."""
 
 
-class MuxSchedule(ScheduleDriver):
-    def __init__(self, config: MuxConfig, table: RequestTable, executor: StepExecutor,
-                 rendezvous: RendezvousBase | None = None, router: Router | None = None) -> None:
-        self.table, self.executor = table, executor
-        self.rendezvous = rendezvous or LocalRendezvous()
-        self.turnstile = Turnstile(self.rendezvous, BoundaryController(), build_policy(config.span), router)
-        self.epoch: Epoch | None = None
-        self.naive = config.ordering == "naive"
-        model = getattr(executor.runner, "model", None)
-        self.comm = getattr(model, "comm", None)
-        self.plan = boundary_plan(model, Phase.P)
-        self.replica = self.comm.rank(Axis.ADP) if self.comm is not None else 0
-        exchanges = getattr(getattr(self.comm, "config", None), "p_exchange", None), \
-            getattr(getattr(self.comm, "config", None), "d_exchange", None)
-        self._paths = {phase: phase_path(kind) if kind else {} for phase, kind in zip((Phase.P, Phase.D), exchanges)}
-        self._p: Forward | None = None  # naive: P's forward, paused at `_p_at` (None: not started)
-        self._p_at: BoundaryPoint | None = None
-        self._p_done: list = []  # naive: [P's result] once its forward returned
-        self._numbers = itertools.count(1)
-        self._clock = time.perf_counter() - time.time()  # turnstile records use time.time()
+class EpochSchedule(ScheduleDriver):
+    """A prefill batch as an epoch resumed across steps, with a decode iteration per step: what
+    `MuxSchedule` and `NaiveSchedule` share. Subclasses say how an epoch starts (`_begin`) and how
+    one step advances it beside D (`_advance`)."""
 
-    @property
-    def rounds(self) -> int:
-        """Turnstile rounds run so far (all epochs)."""
-        return len(self.turnstile.records)
+    def __init__(self, table: RequestTable, executor: StepExecutor) -> None:
+        self.table, self.executor = table, executor
+        self.epoch: Epoch | None = None
+        self._numbers = itertools.count(1)
 
     @property
     def busy(self) -> bool:
         return self.epoch is not None
+
+    def position(self) -> str | None:
+        return f"mux epoch {self.epoch.number}" if self.epoch is not None else None
 
     def step(self, plan: StepPlan, view: GlobalView) -> list[RequestOutput]:
         ex = self.executor
@@ -112,88 +95,65 @@ class MuxSchedule(ScheduleDriver):
             rows, owners = ex.inputs((), plan.prefill)
             self.epoch = Epoch(next(self._numbers), owners)
             self.table.begin_in_flight(owners)
-            forward = ex.forward(rows, Phase.P)
-            if self.naive:
-                self._p, self._p_at, self._p_done = forward, None, []
-            else:
-                self.turnstile.begin(self.epoch.number, forward, prefill_tokens=view.prefill_tokens,
-                                     boundaries=self.plan)
-        outs: list[RequestOutput] = []
-
-        def decode_iteration() -> None:
-            if view.any_decode:
-                outs.extend(ex.run(StepPlan(decode=plan.decode), Phase.D))
-
+            self._begin(ex.forward(rows, Phase.P), view)
         if self.epoch is None:
             if not view.any_decode:
                 return self.table.unblock() if self.table.requests else []
-            decode_iteration()
-            return outs
-        if self.naive:
-            with torch.no_grad():
-                return self._naive_step(plan, view)
-        rows = lambda: len(plan.decode)  # noqa: E731
+            return ex.run(StepPlan(decode=plan.decode), Phase.D)
         with torch.no_grad():  # grad mode is read each time P's generator resumes
-            finished = self.turnstile.round(decode_iteration, rows)
-            if finished:  # this round ran no D (every rank's P had already returned): run it now
-                decode_iteration()
-            else:
-                self._record_segment()
-                # P returned in this round: close the epoch now (a pre-D rendezvous that confirms
-                # it on every rank and runs no D) rather than one step later.
-                finished = self.turnstile.p_finished and self.turnstile.round(decode_iteration, rows)
-        if finished:
-            outs.extend(self._finish_epoch(self.turnstile.result))
-        return outs
+            return self._advance(plan, view)
+
+    @abc.abstractmethod
+    def _begin(self, forward: Forward, view: GlobalView) -> None:
+        """Take over P's forward of the epoch just started (`self.epoch`)."""
+
+    @abc.abstractmethod
+    def _advance(self, plan: StepPlan, view: GlobalView) -> list[RequestOutput]:
+        """One step of an epoch in flight: D's iteration and P's next segment, in some order."""
 
     def _finish_epoch(self, logits: torch.Tensor) -> list[RequestOutput]:
         epoch, self.epoch = self.epoch, None
         self.table.end_in_flight()  # first: the requests it completes may finish now, unparked
         return self.executor.complete(epoch.owners, logits)
 
-    # -- the naive baseline ------------------------------------------------------------------
-    def _next_ranks(self, phase: Phase, point: BoundaryPoint | None) -> tuple[int, ...]:
-        """The ranks of the first multi-rank collective a forward paused at `point` issues when
-        resumed (the model yields right before each); () when it issues none."""
-        if point is None or point.layer < 0 or self.comm is None:
-            return ()
-        for site in self._paths[phase].get(point.site, ()):
-            if self.comm.size(site.axis) > 1:
-                return tuple(self.comm.groups.ranks(site.axis))
-        return ()
 
-    def _p_resume(self) -> None:
-        try:
-            self._p_at = next(self._p)
-        except StopIteration as stop:
-            self._p_done = [stop.value]
+class MuxSchedule(EpochSchedule):
+    """The turnstile: each step is one round (pre-D rendezvous, D, post-D rendezvous, P's segment)."""
 
-    def _naive_step(self, plan: StepPlan, view: GlobalView) -> list[RequestOutput]:
-        """D's iteration and P's next segment, in this replica's order (module docstring)."""
-        ex, outs = self.executor, []
-        p_pending, p_first = not self._p_done, self.replica % 2 == 1
-        if view.any_decode:
-            step = ex.inputs(plan.decode, ())
-            self.table.note_decode_wait(plan.decode, time.perf_counter())
-            d, d_at = ex.forward(step.rows, Phase.D), None
-            while d is not None:
-                if p_pending and (p_first or self._next_ranks(Phase.P, self._p_at) and
-                                  self._next_ranks(Phase.P, self._p_at) == self._next_ranks(Phase.D, d_at)):
-                    self._p_resume()
-                    p_pending = False
-                try:
-                    d_at = next(d)
-                except StopIteration as stop:
-                    outs.extend(ex.complete(step.owners, stop.value))
-                    d = None
-        if p_pending:
-            self._p_resume()
-        # Bookkeeping only: ranks agree on the step at which the epoch's requests are promoted,
-        # so ATP peers stay mirrors; the device order of P's collectives stays unordered.
-        done = self.rendezvous.meet(self.epoch.number, 0, "naive-poll", (int(bool(self._p_done)),))
-        if all(d[0] for d in done):
-            outs.extend(self._finish_epoch(self._p_done[0]))
-            self._p = None
+    def __init__(self, config: MuxConfig, table: RequestTable, executor: StepExecutor, model: MoETransformer,
+                 rendezvous: RendezvousBase | None = None, router: Router | None = None) -> None:
+        super().__init__(table, executor)
+        self.rendezvous = rendezvous or LocalRendezvous()
+        self.turnstile = Turnstile(self.rendezvous, BoundaryController(), build_policy(config.span), router)
+        self.plan = boundary_plan(model, Phase.P)
+        self._clock = time.perf_counter() - time.time()  # turnstile records use time.time()
+
+    @property
+    def rounds(self) -> int:
+        """Turnstile rounds run so far (all epochs)."""
+        return len(self.turnstile.records)
+
+    def _begin(self, forward: Forward, view: GlobalView) -> None:
+        self.turnstile.begin(self.epoch.number, forward, prefill_tokens=view.prefill_tokens, boundaries=self.plan)
+
+    def _advance(self, plan: StepPlan, view: GlobalView) -> list[RequestOutput]:
+        outs: list[RequestOutput] = []
+
+        def decode_iteration() -> None:
+            if view.any_decode:
+                outs.extend(self.executor.run(StepPlan(decode=plan.decode), Phase.D))
+
+        rows = lambda: len(plan.decode)  # noqa: E731
+        finished = self.turnstile.round(decode_iteration, rows)
+        if finished:  # this round ran no D (every rank's P had already returned): run it now
+            decode_iteration()
+        else:
+            self._record_segment()
+            # P returned in this round: close the epoch now (a pre-D rendezvous that confirms
+            # it on every rank and runs no D) rather than one step later.
+            finished = self.turnstile.p_finished and self.turnstile.round(decode_iteration, rows)
+        if finished:
+            outs.extend(self._finish_epoch(self.turnstile.result))
         return outs
 
     def _record_segment(self) -> None:
