@@ -1,11 +1,15 @@
-"""Names shared by every layer: phases and parallel axes.
+"""Names shared by every layer: phases, parallel axes, and the rows a forward runs.
 
 Phase identity is always passed explicitly (STYLE.md rule 8); these enums are the only
 vocabulary for it, so a typo is an AttributeError rather than a silently wrong route.
+`SeqSpan` and `SpanInput` are the typed records the CPU request table hands the device side
+(runner, KV backends): plain Python values, so the table imports nothing that holds a tensor.
 """
 from __future__ import annotations
 
 import enum
+from collections.abc import Hashable
+from dataclasses import dataclass
 
 
 class Phase(enum.Enum):
@@ -22,3 +26,25 @@ class Axis(enum.Enum):
     ADP = "ADP"  # attention data parallel = Megatron data-parallel group
     EP = "EP"  # expert parallel = Megatron expert-model-parallel group
     FULL = "FULL"  # every rank of the model (equals EP when ETP = 1)
+
+
+@dataclass(frozen=True)
+class SeqSpan:
+    """One sequence in a forward: its block table, cached positions, and new positions."""
+
+    table: tuple[int, ...]
+    past: int
+    new: int
+
+
+@dataclass(frozen=True)
+class SpanInput:
+    span: SeqSpan
+    token_ids: list[int]
+    """The `span.new` tokens to run."""
+    sample: bool
+    """Return logits for the span's last token."""
+    key: Hashable | None = None
+    """Who the row's block table belongs to, with the promise that rows of one key have tables
+    that only grow by appending (the engine passes (request id, lifetime) for decode rows). Lets
+    a CUDA graph's static layout rewrite only a table's new entries; None promises nothing."""

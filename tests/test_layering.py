@@ -170,3 +170,27 @@ def test_the_checks_can_fail():
     src = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from megatron_rollout.engine import api\n"
            "def f():\n    import megatron_rollout.types\n")
     assert imports_of("megatron_rollout.x", src, known) == {"megatron_rollout.engine.api", "megatron_rollout.types"}
+
+
+DEVICE_SIDE = ("megatron_rollout.comm", "megatron_rollout.model", "megatron_rollout.kv.paged",
+               "megatron_rollout.kernels", "megatron_rollout.runner", "megatron_rollout.multiplex")
+
+
+def reachable(edges: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for dst in edges.get(todo.pop(), ()):
+            if dst not in seen:
+                seen.add(dst)
+                todo.append(dst)
+    return seen
+
+
+def test_the_request_table_reaches_no_device_module():
+    """The CPU bookkeeping (request table, planner) holds Python numbers: nothing it imports, directly
+    or through other modules, is a module that holds tensors or issues collectives."""
+    edges = graph(_modules())
+    for table in ("megatron_rollout.engine.bookkeeping", "megatron_rollout.engine.scheduler"):
+        found = sorted(m for m in reachable(edges, table) if m.startswith(DEVICE_SIDE))
+        assert not found, f"{table} reaches device modules: {found}"
+    assert reachable({"a": {"b"}, "b": {"c"}}, "a") == {"b", "c"}

@@ -33,11 +33,12 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rollout.engine.bookkeeping import RequestTable, SampleOwner
-from megatron_rollout.engine.config import EngineStats
 from megatron_rollout.engine.sampler import PendingDraw
 from megatron_rollout.engine.scheduler import StepPlan
+from megatron_rollout.engine.stats import EngineStats
 from megatron_rollout.kernels.layout import to_device
-from megatron_rollout.runner.base import Runner, SpanInput
+from megatron_rollout.runner.base import Runner
+from megatron_rollout.types import SpanInput
 
 
 @dataclass

@@ -23,13 +23,12 @@ from typing import NamedTuple
 import torch
 
 from megatron_rollout.engine.api import FinishReason, RequestError, RequestOutput, SamplingParams
-from megatron_rollout.engine.config import EngineStats
 from megatron_rollout.engine.prefix import PrefixCache
 from megatron_rollout.engine.request import Request, Seq
 from megatron_rollout.engine.scheduler import PrefillChunk, SchedulerState, SeqView, Stage
+from megatron_rollout.engine.stats import EngineStats
 from megatron_rollout.kv.block_pool import BlockPool
-from megatron_rollout.kv.paged import SeqSpan
-from megatron_rollout.runner.base import SpanInput
+from megatron_rollout.types import SeqSpan, SpanInput
 
 
 class SampleOwner(NamedTuple):

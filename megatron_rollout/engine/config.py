@@ -219,25 +219,3 @@ class EngineConfig:
     @property
     def mux_ordering(self) -> str:
         return self.mux.ordering
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    decode_iterations: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    preemptions: int = 0
-    decode_wait_s: float = 0.0
-    decode_waits: int = 0
-    ahead_issued: int = 0
-    """Decode forwards issued before the host read the previous one's tokens (`engine.ahead`)."""
-    ahead_taken: int = 0
-    """Of those, the ones a step's plan took (in whole or in part)."""
-    ahead_dropped: int = 0
-    """The ones dropped (the next plan was not among their rows; weights or KV changed first)."""
-
-    @property
-    def mean_decode_wait_ms(self) -> float:
-        """Mean time a ready decode row waited for its next iteration (ms)."""
-        return 1e3 * self.decode_wait_s / self.decode_waits if self.decode_waits else 0.0

@@ -18,7 +18,7 @@ from megatron_rollout.comm.facade import LocalComm
 from megatron_rollout.engine.ahead import DecodeAhead
 from megatron_rollout.engine.api import FinishReason, GenerationResult, RequestError, RequestOutput, SamplingParams
 from megatron_rollout.engine.bookkeeping import Abort, AddRequest, Append, Close, Op, OpenSession, RequestTable, Submit
-from megatron_rollout.engine.config import EngineConfig, EngineStats
+from megatron_rollout.engine.config import EngineConfig
 from megatron_rollout.engine.coordinator import GlobalView, LocalCoordinator, RankSharedCoordinator
 from megatron_rollout.engine.execution import StepExecutor
 from megatron_rollout.engine.prefix import PrefixCache
@@ -26,6 +26,7 @@ from megatron_rollout.engine.request import Request, Seq
 from megatron_rollout.engine.scheduler import SchedulerState
 from megatron_rollout.engine.schedules import ScheduleDriver, make_schedule
 from megatron_rollout.engine.session import Session
+from megatron_rollout.engine.stats import EngineStats
 from megatron_rollout.engine.weights import WeightStore, WeightVersionError
 from megatron_rollout.kv.block_pool import BlockPool
 from megatron_rollout.kv.paged import PagedKVCache

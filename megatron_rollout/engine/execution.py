@@ -18,13 +18,13 @@ import torch
 from megatron_rollout.engine.ahead import DecodeAhead
 from megatron_rollout.engine.api import FinishReason, RequestOutput
 from megatron_rollout.engine.bookkeeping import RequestTable, SampleOwner
-from megatron_rollout.engine.config import EngineStats
 from megatron_rollout.engine.sampler import PendingDraw
 from megatron_rollout.engine.scheduler import PrefillChunk, StepPlan
+from megatron_rollout.engine.stats import EngineStats
 from megatron_rollout.engine.weights import WeightStore
 from megatron_rollout.forward import Forward, run_to_end
-from megatron_rollout.runner.base import Runner, SpanInput
-from megatron_rollout.types import Phase
+from megatron_rollout.runner.base import Runner
+from megatron_rollout.types import Phase, SpanInput
 
 
 class StepInputs(NamedTuple):

@@ -33,8 +33,9 @@ import numpy as np
 import torch
 
 from megatron_rollout.kernels.registry import AttentionKernels, DecodeMeta, PrefillMeta
-from megatron_rollout.kv.paged import PagedKVCache, SeqSpan
+from megatron_rollout.kv.paged import PagedKVCache
 from megatron_rollout.model.attention import AttentionBackend
+from megatron_rollout.types import SeqSpan
 
 
 def choose_splits(rows: int, kv_heads: int, num_sms: int, max_len: int | None = None, cap: int = 32,

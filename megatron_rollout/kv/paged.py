@@ -9,12 +9,11 @@ gathers each sequence's K/V and runs torch attention; fused paged kernels plug i
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from megatron_rollout.model.attention import AttentionBackend, causal_attention
 from megatron_rollout.model.config import ModelConfig
+from megatron_rollout.types import SeqSpan
 
 
 class PagedKVCache:
@@ -29,15 +28,6 @@ class PagedKVCache:
     def bytes_per_block(cfg: ModelConfig, block_size: int, kv_heads: int) -> int:
         itemsize = torch.empty((), dtype=cfg.torch_dtype).element_size()
         return 2 * cfg.num_layers * block_size * kv_heads * cfg.kv_channels * itemsize
-
-
-@dataclass(frozen=True)
-class SeqSpan:
-    """One sequence in a forward: its block table, cached positions, and new positions."""
-
-    table: tuple[int, ...]
-    past: int
-    new: int
 
 
 class PagedBatch(AttentionBackend):

@@ -11,30 +11,15 @@ complete, a runner runs the deferred checks of the comm's sync-free dispatch dom
 """
 from __future__ import annotations
 
-from collections.abc import Hashable
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from megatron_rollout.comm.alltoall import check_domains
 from megatron_rollout.forward import Forward, run_to_end
-from megatron_rollout.kv.paged import PagedBatch, PagedKVCache, SeqSpan
+from megatron_rollout.kv.paged import PagedBatch, PagedKVCache
 from megatron_rollout.model.transformer import MoETransformer
-from megatron_rollout.types import Phase
-
-
-@dataclass(frozen=True)
-class SpanInput:
-    span: SeqSpan
-    token_ids: list[int]
-    """The `span.new` tokens to run."""
-    sample: bool
-    """Return logits for the span's last token."""
-    key: Hashable | None = None
-    """Who the row's block table belongs to, with the promise that rows of one key have tables
-    that only grow by appending (the engine passes (request id, lifetime) for decode rows). Lets
-    a CUDA graph's static layout rewrite only a table's new entries; None promises nothing."""
+from megatron_rollout.types import Phase, SpanInput
 
 
 class Runner(Protocol):

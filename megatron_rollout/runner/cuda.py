@@ -75,10 +75,10 @@ from megatron_rollout.kernels.registry import resolve_attention
 from megatron_rollout.kv.paged import PagedKVCache
 from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.multiplex.routing import PhaseStreams
-from megatron_rollout.runner.base import ModelRunner, Runner, SpanInput
+from megatron_rollout.runner.base import ModelRunner, Runner
 from megatron_rollout.runner.config import RunnerConfig
 from megatron_rollout.runner.piecewise import PiecewiseGraph, SharedOutputs
-from megatron_rollout.types import Phase
+from megatron_rollout.types import Phase, SpanInput
 
 log = logging.getLogger(__name__)
 

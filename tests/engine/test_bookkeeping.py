@@ -121,7 +121,7 @@ def test_run_until_an_aborted_request_returns(make_engine, qwen):
 
 def _table(recording: bool = False):
     from megatron_rollout.engine.bookkeeping import RequestTable
-    from megatron_rollout.engine.config import EngineStats
+    from megatron_rollout.engine.stats import EngineStats
 
     return RequestTable(num_blocks=8, block_size=4, prefix_caching=False, max_model_len=32, vocab_size=50,
                         stats=EngineStats(), recording=recording)

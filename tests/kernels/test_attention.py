@@ -17,8 +17,9 @@ import torch
 
 from megatron_rollout.kernels.layout import KernelPagedBatch, StaticDecodeLayout, build_layout, choose_splits
 from megatron_rollout.kernels.registry import PortableAttention, available_backends, resolve_attention
-from megatron_rollout.kv.paged import PagedBatch, PagedKVCache, SeqSpan
+from megatron_rollout.kv.paged import PagedBatch, PagedKVCache
 from megatron_rollout.model.config import ModelConfig
+from megatron_rollout.types import SeqSpan
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
 

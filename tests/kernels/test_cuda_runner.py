@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
-from megatron_rollout.kv.paged import PagedKVCache, SeqSpan
+from megatron_rollout.kv.paged import PagedKVCache
 from megatron_rollout.model.config import preset
 from megatron_rollout.model.layers import run_to_end
 from megatron_rollout.model.transformer import MoETransformer
-from megatron_rollout.runner.base import ModelRunner, SpanInput
+from megatron_rollout.runner.base import ModelRunner
 from megatron_rollout.runner.cuda import RUNNER_ENV, CudaRunner, CudaRunnerConfig, make_runner
-from megatron_rollout.types import Phase
+from megatron_rollout.types import Phase, SeqSpan, SpanInput
 
 from .kv_check import kv_rel
 

@@ -116,8 +116,7 @@ def test_nccl_collectives_are_captured_and_replayed(nccl_world):
 
 
 def _inputs(spec, tables, tokens):
-    from megatron_rollout.kv.paged import SeqSpan
-    from megatron_rollout.runner.base import SpanInput
+    from megatron_rollout.types import SeqSpan, SpanInput
 
     return [SpanInput(SeqSpan(tables[i], past, new), tokens[i], True) for i, (past, new) in enumerate(spec)]
 

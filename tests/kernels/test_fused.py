@@ -386,9 +386,10 @@ def test_autograd_falls_back_to_the_references(device):
 
 @pytest.mark.gpu
 def test_cuda_runner_graphs_with_fused_ops_match_the_portable_runner():
-    from megatron_rollout.kv.paged import PagedKVCache, SeqSpan
-    from megatron_rollout.runner.base import ModelRunner, SpanInput
+    from megatron_rollout.kv.paged import PagedKVCache
+    from megatron_rollout.runner.base import ModelRunner
     from megatron_rollout.runner.cuda import CudaRunner, CudaRunnerConfig
+    from megatron_rollout.types import SeqSpan, SpanInput
 
     cfg = _wide_cfg()
     ref_model = MoETransformer(cfg, device="cuda").init_weights(4).requires_grad_(False)

@@ -16,7 +16,7 @@ from megatron_rollout.kernels.layout import (
     table_width,
 )
 from megatron_rollout.kernels.registry import PortableAttention
-from megatron_rollout.kv.paged import SeqSpan
+from megatron_rollout.types import SeqSpan
 
 
 def _spans(rng: np.random.Generator, count: int, bs: int) -> list[SeqSpan]:

@@ -13,12 +13,11 @@ import torch
 
 from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
 from megatron_rollout.engine.config import RunnerConfig
-from megatron_rollout.kv.paged import PagedKVCache, SeqSpan
+from megatron_rollout.kv.paged import PagedKVCache
 from megatron_rollout.model.config import preset
 from megatron_rollout.model.transformer import MoETransformer
-from megatron_rollout.runner.base import SpanInput
 from megatron_rollout.runner.cuda import CudaRunner
-from megatron_rollout.types import Phase
+from megatron_rollout.types import Phase, SeqSpan, SpanInput
 
 from .kv_check import kv_rel
 

@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from megatron_rollout.kv.paged import PagedBatch, PagedKVCache, SeqSpan
+from megatron_rollout.kv.paged import PagedBatch, PagedKVCache
 from megatron_rollout.model.attention import DenseKVCache
 from megatron_rollout.model.config import ModelConfig
 from megatron_rollout.model.layers import run_to_end
 from megatron_rollout.model.transformer import MoETransformer
-from megatron_rollout.types import Phase
+from megatron_rollout.types import Phase, SeqSpan
 
 HQ, HKV, D, LAYERS, BS = 4, 2, 8, 2, 4
 
