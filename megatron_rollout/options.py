@@ -7,7 +7,6 @@ them), so that neither imports the other. Strings are parsed by the config's own
 from __future__ import annotations
 
 import argparse
-import os
 
 from megatron_rollout.comm.dist import CommConfig
 from megatron_rollout.engine.api import Schedule
@@ -20,8 +19,7 @@ from megatron_rollout.engine.config import (
     parse_span,
 )
 from megatron_rollout.engine.scheduler import SchedulerConfig
-from megatron_rollout.runner.config import RUNNER_KINDS, RunnerConfig
-from megatron_rollout.runner.cuda import RUNNER_ENV
+from megatron_rollout.runner.config import RUNNER_ENV, RUNNER_KINDS, RunnerConfig, runner_kind_from_env
 
 
 def schedules(text: str) -> str:
@@ -64,7 +62,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=DEFAULT_NUM_BLOCKS, help="KV blocks per rank")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-batch-tokens", type=int, default=512)
-    p.add_argument("--runner", default=os.environ.get(RUNNER_ENV, "auto"), choices=RUNNER_KINDS,
+    p.add_argument("--runner", default=None, choices=RUNNER_KINDS,
                    help=f"auto | eager | cuda (default: ${RUNNER_ENV}, else auto)")
     p.add_argument("--attention", default="auto",
                    help="CUDA runner attention kernels: auto | triton | varlen | flash | portable")
@@ -91,7 +89,8 @@ def engine_config(args: argparse.Namespace, schedule: str | None = None) -> Engi
         scheduler=SchedulerConfig(Schedule(schedule or args.schedule), args.block_size, args.max_batch_tokens),
         kv=KVConfig(num_blocks=args.num_blocks),
         mux=MuxConfig(span=parse_span(args.mux_span)),
-        runner=RunnerConfig(kind=args.runner, attention=args.attention, decode_ahead=args.decode_ahead, fp8=args.fp8),
+        runner=RunnerConfig(kind=args.runner or runner_kind_from_env(), attention=args.attention,
+                            decode_ahead=args.decode_ahead, fp8=args.fp8),
         comm=CommConfig(backend=args.comm_backend, timeout_s=args.timeout, p_exchange=args.p_exchange,
                         d_exchange=args.d_exchange,  # P's padded domain must hold a whole prefill epoch
                         p_max_tokens=max(CommConfig.p_max_tokens, args.max_batch_tokens)))

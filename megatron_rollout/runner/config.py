@@ -1,9 +1,21 @@
 """Which runner executes forwards, and the CUDA runner's knobs (`RunnerConfig`, `EngineConfig.runner`)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 RUNNER_KINDS = ("auto", "eager", "cuda")
+RUNNER_ENV = "MEGATRON_ROLLOUT_RUNNER"
+"""auto | eager | cuda: the CLI's `--runner` default where set (`runner_kind_from_env`)."""
+
+
+def runner_kind_from_env() -> str:
+    """The runner kind `$MEGATRON_ROLLOUT_RUNNER` names, "auto" when unset: the one place the
+    environment is read (the CLI's `--runner` default); everything else passes `RunnerConfig.kind`."""
+    kind = os.environ.get(RUNNER_ENV, "auto")
+    if kind not in RUNNER_KINDS:
+        raise ValueError(f"${RUNNER_ENV} must be auto, eager or cuda, got {kind!r}; unset it or fix its value")
+    return kind
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,6 @@ ranks (such models run D eagerly).
 from __future__ import annotations
 
 import logging
-import os
 from bisect import bisect_left
 from collections.abc import Sequence
 
@@ -76,7 +75,7 @@ from megatron_rollout.kv.paged import PagedKVCache
 from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.multiplex.routing import PhaseStreams
 from megatron_rollout.runner.base import ModelRunner, Runner
-from megatron_rollout.runner.config import RunnerConfig
+from megatron_rollout.runner.config import RUNNER_ENV, RunnerConfig
 from megatron_rollout.runner.piecewise import PiecewiseGraph, SharedOutputs
 from megatron_rollout.types import Phase, SpanInput
 
@@ -85,25 +84,13 @@ log = logging.getLogger(__name__)
 COMPLETION = BoundaryPoint(-1, Site.MOE_DATA)
 """Yielded by an asynchronous P forward after its last layer while the device finishes it."""
 
-RUNNER_ENV = "MEGATRON_ROLLOUT_RUNNER"
-"""auto | eager | cuda: the default of the CLI's `--runner` and of `make_runner` without a config."""
-
-
-CudaRunnerConfig = RunnerConfig
-"""The CUDA runner's knobs are `RunnerConfig`'s (`EngineConfig.runner`); the old name stays."""
-
-
-def make_runner(model: MoETransformer, cache: PagedKVCache, config: RunnerConfig | None = None) -> Runner:
-    """The engine's runner as `config.kind` says: `CudaRunner` for a model on CUDA, one rank or many
-    ("auto", "cuda"), else `ModelRunner` ("auto", "eager").
-
-    The engine always passes `EngineConfig.runner`. Without a config (scripts, tests) the kind is
-    `MEGATRON_ROLLOUT_RUNNER`'s, the same convenience the CLI's `--runner` default offers."""
-    config = config or RunnerConfig(kind=os.environ.get(RUNNER_ENV, "auto"))
+def make_runner(model: MoETransformer, cache: PagedKVCache, config: RunnerConfig) -> Runner:
+    """The runner `config.kind` names, chosen here only: `CudaRunner` for a model on CUDA, one rank
+    or many ("auto", "cuda"), else `ModelRunner` ("auto", "eager")."""
     if config.kind == "eager" or (config.kind == "auto" and model.device.type != "cuda"):
         return ModelRunner(model, cache)
     if model.device.type != "cuda":
-        raise RuntimeError(f"runner kind 'cuda' ({RUNNER_ENV}=cuda or --runner cuda) needs a single-rank model "
+        raise RuntimeError(f"runner kind 'cuda' (--runner cuda, or ${RUNNER_ENV}=cuda) needs a single-rank model "
                            f"on a CUDA device, or a multi-rank one whose DistComm is on CUDA (NCCL); got "
                            f"{model.device} with {type(model.comm).__name__}")
     return CudaRunner(model, cache, config)

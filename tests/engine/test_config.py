@@ -105,3 +105,17 @@ def test_a_fractional_block_size_is_refused_before_torch_allocates():
 def test_runner_buckets_must_be_positive_ints(kwargs):
     with pytest.raises(ValueError, match="must be (positive ints|a positive int)"):
         RunnerConfig(**kwargs)
+
+
+def test_the_cli_runner_default_is_the_environment_read_once(monkeypatch):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    monkeypatch.setenv("MEGATRON_ROLLOUT_RUNNER", "eager")
+    assert engine_config(p.parse_args([])).runner.kind == "eager"
+    assert engine_config(p.parse_args(["--runner", "cuda"])).runner.kind == "cuda"
+    monkeypatch.setenv("MEGATRON_ROLLOUT_RUNNER", "fast")  # an error the CLI reports, not a traceback at parsing
+    args = p.parse_args([])
+    with pytest.raises(ValueError, match=r"\$MEGATRON_ROLLOUT_RUNNER must be auto, eager or cuda, got 'fast'"):
+        engine_config(args)

@@ -17,7 +17,8 @@ from megatron_rollout.model.config import preset
 from megatron_rollout.model.layers import run_to_end
 from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.runner.base import ModelRunner
-from megatron_rollout.runner.cuda import RUNNER_ENV, CudaRunner, CudaRunnerConfig, make_runner
+from megatron_rollout.runner.config import RUNNER_ENV, RunnerConfig, runner_kind_from_env
+from megatron_rollout.runner.cuda import CudaRunner, make_runner
 from megatron_rollout.types import Phase, SeqSpan, SpanInput
 
 from .kv_check import kv_rel
@@ -28,21 +29,28 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_make_runner_is_portable_on_cpu(monkeypatch):
-    monkeypatch.delenv(RUNNER_ENV, raising=False)
     model = MoETransformer(preset("tiny-moe")).init_weights(0)
     cache = PagedKVCache(model.cfg, 8, 4, model.cfg.num_query_groups)
-    assert type(make_runner(model, cache)) is ModelRunner
-    monkeypatch.setenv(RUNNER_ENV, "cuda")
+    assert type(make_runner(model, cache, RunnerConfig())) is ModelRunner
     with pytest.raises(RuntimeError, match="needs a single-rank model on a CUDA device"):
-        make_runner(model, cache)
+        make_runner(model, cache, RunnerConfig(kind="cuda"))
+    monkeypatch.setenv(RUNNER_ENV, "cuda")  # the environment is the CLI's default, not the runner's
+    assert type(make_runner(model, cache, RunnerConfig())) is ModelRunner
+
+
+def test_the_environment_names_the_cli_default_only(monkeypatch):
+    monkeypatch.delenv(RUNNER_ENV, raising=False)
+    assert runner_kind_from_env() == "auto"
+    monkeypatch.setenv(RUNNER_ENV, "eager")
+    assert runner_kind_from_env() == "eager"
     monkeypatch.setenv(RUNNER_ENV, "fast")
-    with pytest.raises(ValueError, match="must be auto, eager or cuda"):
-        make_runner(model, cache)
+    with pytest.raises(ValueError, match=r"\$MEGATRON_ROLLOUT_RUNNER must be auto, eager or cuda, got 'fast'"):
+        runner_kind_from_env()
 
 
 def test_config_rejects_unsorted_buckets():
     with pytest.raises(ValueError, match="strictly increasing"):
-        CudaRunnerConfig(graph_batch_sizes=(4, 2))
+        RunnerConfig(graph_batch_sizes=(4, 2))
 
 
 # -- GPU -----------------------------------------------------------------------------------
@@ -58,7 +66,7 @@ def _pair(seed: int, blocks: int = 64, bs: int = 4):
     ref_model, model = _model(seed), _model(seed)
     ref_cache = PagedKVCache(model.cfg, blocks, bs, model.cfg.num_query_groups, device="cuda")
     cache = PagedKVCache(model.cfg, blocks, bs, model.cfg.num_query_groups, device="cuda")
-    runner = CudaRunner(model, cache, CudaRunnerConfig(graph_batch_sizes=(1, 2, 4, 8)))
+    runner = CudaRunner(model, cache, RunnerConfig(graph_batch_sizes=(1, 2, 4, 8)))
     return ModelRunner(ref_model, ref_cache), runner
 
 
@@ -177,7 +185,7 @@ def test_fp8_model_decodes_through_graphs(block):
     ref, fast = _pair(4)
     for model in (ref.model, fast.model):
         fp8.quantize_model_fp8(model, block=block, backend="dequant")
-    fast = CudaRunner(fast.model, fast.cache, CudaRunnerConfig(graph_batch_sizes=(1, 2, 4, 8)))
+    fast = CudaRunner(fast.model, fast.cache, RunnerConfig(graph_batch_sizes=(1, 2, 4, 8)))
     assert fast.graph_safe
     tables = [tuple(range(i * 16, (i + 1) * 16)) for i in range(3)]
     with torch.no_grad():
@@ -203,7 +211,7 @@ def test_fp8_weight_update_reaches_captured_graphs():
     ref, fast = _pair(5)
     for model in (ref.model, fast.model):
         fp8.quantize_model_fp8(model, block=128, backend="dequant")
-    fast = CudaRunner(fast.model, fast.cache, CudaRunnerConfig(graph_batch_sizes=(1, 2, 4, 8)))
+    fast = CudaRunner(fast.model, fast.cache, RunnerConfig(graph_batch_sizes=(1, 2, 4, 8)))
     step = _captured_step(ref, fast, gen)
     with torch.no_grad():
         other = MoETransformer(fast.model.cfg).init_weights(8)

@@ -129,14 +129,15 @@ def test_multirank_runner_matches_single_rank_and_eager(nccl_world, p_exchange, 
     from megatron_rollout.forward import run_to_end
     from megatron_rollout.kv.paged import PagedKVCache
     from megatron_rollout.runner.base import ModelRunner
-    from megatron_rollout.runner.cuda import CudaRunner, CudaRunnerConfig
+    from megatron_rollout.runner.config import RunnerConfig
+    from megatron_rollout.runner.cuda import CudaRunner
 
     comm = _dist_comm(p_exchange, d_exchange)
     try:
         eager_model, single_model, multi_model = _model(5), _model(5), _model(5, comm)
         cfg = eager_model.cfg
         caches = [PagedKVCache(cfg, 64, 4, cfg.num_query_groups, device="cuda") for _ in range(3)]
-        knobs = CudaRunnerConfig(graph_batch_sizes=(1, 2, 4, 8))
+        knobs = RunnerConfig(graph_batch_sizes=(1, 2, 4, 8))
         eager = ModelRunner(eager_model, caches[0])
         single, multi = CudaRunner(single_model, caches[1], knobs), CudaRunner(multi_model, caches[2], knobs)
         assert multi.multi_rank and multi.graph_safe

@@ -388,7 +388,8 @@ def test_autograd_falls_back_to_the_references(device):
 def test_cuda_runner_graphs_with_fused_ops_match_the_portable_runner():
     from megatron_rollout.kv.paged import PagedKVCache
     from megatron_rollout.runner.base import ModelRunner
-    from megatron_rollout.runner.cuda import CudaRunner, CudaRunnerConfig
+    from megatron_rollout.runner.config import RunnerConfig
+    from megatron_rollout.runner.cuda import CudaRunner
     from megatron_rollout.types import SeqSpan, SpanInput
 
     cfg = _wide_cfg()
@@ -396,7 +397,7 @@ def test_cuda_runner_graphs_with_fused_ops_match_the_portable_runner():
     model = copy.deepcopy(ref_model)
     caches = [PagedKVCache(cfg, 64, 4, cfg.num_query_groups, device="cuda") for _ in range(2)]
     ref = ModelRunner(ref_model, caches[0])
-    fast = CudaRunner(model, caches[1], CudaRunnerConfig(graph_batch_sizes=(1, 2, 4)))
+    fast = CudaRunner(model, caches[1], RunnerConfig(graph_batch_sizes=(1, 2, 4)))
     if fused.installed_backend(model) is None:  # until the runner installs them itself
         assert fused.install_fused_ops(model)["installed"]
     gen = torch.Generator().manual_seed(0)
