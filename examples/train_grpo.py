@@ -51,7 +51,8 @@ try:
 except (ValueError, TypeError, FileNotFoundError) as exc:
     sys.exit(f"{args.config}: {exc}")
 if args.schedule:
-    cfg = dataclasses.replace(cfg, engine={**cfg.engine, "schedule": args.schedule})
+    scheduler = {**cfg.engine.get("scheduler", {}), "schedule": args.schedule}
+    cfg = dataclasses.replace(cfg, engine={**cfg.engine, "scheduler": scheduler})
 
 bar = tqdm(total=cfg.steps, disable=rank != 0, desc=f"GRPO {cfg.env}")
 def show(m):

@@ -124,7 +124,7 @@ class Runtime:
         self._engines += 1  # each engine's rendezvous keys live in their own namespace
         # Shared memory when every rank is on this host and the extension builds, else the store.
         rendezvous = make_rendezvous(self.comm.cpu_group, self.timeout_s, self.rank, name=f"turnstile{self._engines}")
-        turnstile = config.schedule is Schedule.MUX and config.mux.ordering == "turnstile"
+        turnstile = config.scheduler.schedule is Schedule.MUX and config.mux.ordering == "turnstile"
         self.comm.route_collectives(turnstile)
         return RolloutEngine(model, config, timeline=timeline, rank=self.rank,
                              coordinator=RankSharedCoordinator(self.comm), rendezvous=rendezvous,

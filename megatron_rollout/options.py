@@ -92,5 +92,4 @@ def engine_config(args: argparse.Namespace, schedule: str | None = None) -> Engi
         runner=RunnerConfig(kind=args.runner or runner_kind_from_env(), attention=args.attention,
                             decode_ahead=args.decode_ahead, fp8=args.fp8),
         comm=CommConfig(backend=args.comm_backend, timeout_s=args.timeout, p_exchange=args.p_exchange,
-                        d_exchange=args.d_exchange,  # P's padded domain must hold a whole prefill epoch
-                        p_max_tokens=max(CommConfig.p_max_tokens, args.max_batch_tokens)))
+                        d_exchange=args.d_exchange))

@@ -87,7 +87,8 @@ class GRPOConfig:
     """Largest share of a step's episodes the engine may end (refused: the KV pool is too small;
     failed) before the run stops with the figure; any such episode is logged as a warning."""
     engine: dict[str, Any] = field(default_factory=dict)
-    """EngineConfig fields (schedule, num_blocks, ...); the schedule defaults to "mux"."""
+    """EngineConfig fields, nested as in Python (`EngineConfig.from_dict`): e.g. {"scheduler":
+    {"schedule": "mux"}, "kv": {"num_blocks": 256}}; the schedule defaults to "mux"."""
     loss: LossConfig = LossConfig()
     advantages: AdvantageConfig = AdvantageConfig()
     trainer: TrainerConfig = TrainerConfig()
@@ -123,7 +124,10 @@ class GRPOConfig:
     @property
     def engine_config(self) -> EngineConfig:
         try:
-            return EngineConfig(**{"schedule": "mux", **self.engine})
+            scheduler = self.engine.get("scheduler", {})
+            if isinstance(scheduler, dict):  # anything else is refused by from_dict, with its value
+                scheduler = {"schedule": "mux", **scheduler}
+            return EngineConfig.from_dict({**self.engine, "scheduler": scheduler})
         except TypeError as exc:  # an unknown key
             raise ConfigTypeError(f"GRPOConfig.engine: {exc}; see megatron_rollout.engine.EngineConfig") from None
 
@@ -243,13 +247,14 @@ class GRPORun:
         if not errors:
             return
         share = len(errors) / len(trajs)
-        kv = self.cfg.engine_config
+        config = self.cfg.engine_config
+        blocks, size = config.kv.num_blocks, config.scheduler.block_size
         msg = (f"step {step}: the engine ended {len(errors)} of {len(trajs)} episodes ({share:.0%}), e.g. "
-               f"{errors[0]!r}; the KV pool is engine.num_blocks={kv.num_blocks} x block_size={kv.block_size} "
-               f"= {kv.num_blocks * kv.block_size} positions per rank")
+               f"{errors[0]!r}; the KV pool is engine.kv.num_blocks={blocks} x engine.scheduler.block_size={size} "
+               f"= {blocks * size} positions per rank")
         if share > self.cfg.max_engine_errors:
             raise RuntimeError(f"{msg}, over max_engine_errors={self.cfg.max_engine_errors:.0%}: raise "
-                               f"engine.num_blocks (or lower prompts_per_step x group_size)")
+                               f"engine.kv.num_blocks (or lower prompts_per_step x group_size)")
         log.warning("%s", msg)
 
     def close(self) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rollout import cli
-from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
+from megatron_rollout.engine import EngineConfig, KVConfig, RolloutEngine, SamplingParams
 from megatron_rollout.model.checkpoint import load_model
 from megatron_rollout.trace.schema import load_trace
 
@@ -35,7 +35,7 @@ def test_generate_json_matches_the_engine():
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert set(report) == {"outputs"} and len(report["outputs"]) == 2
-    engine = RolloutEngine(load_model("tiny-moe"), EngineConfig(num_blocks=1024))  # the CLI's defaults
+    engine = RolloutEngine(load_model("tiny-moe"), EngineConfig(kv=KVConfig(num_blocks=1024)))  # the CLI's defaults
     expected = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0.0, max_new_tokens=4))
     for out, exp in zip(report["outputs"], expected):  # in prompt order
         assert set(out) == {"token_ids", "logprobs", "finish_reason", "weight_version"}
@@ -116,5 +116,5 @@ def test_bad_arguments_exit_non_zero_with_a_message(capsys, tmp_path):
     assert "megatron-rollout replay: error:" in capsys.readouterr().err
     proc = run_cli("generate", "--prompt-ids", "1", "--mux-span", "fixed:0", "--device", "cpu")
     assert proc.returncode == 2 and proc.stdout == ""
-    assert "mux_span must be 'load', 'fixed:K' with K > 0 or 'budget:US' with US > 0 (microseconds), got 'fixed:0'" \
-        in proc.stderr
+    assert ("MuxConfig.span (--mux-span) must be 'load', 'fixed:K' with K > 0 or 'budget:US' with US > 0 "
+            "(microseconds), got 'fixed:0'") in proc.stderr

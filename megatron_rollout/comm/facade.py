@@ -66,6 +66,10 @@ class Shard:
 class Comm(abc.ABC):
     """Collectives by (axis, phase). Implementations: `LocalComm`, `DistComm`."""
 
+    config = None
+    """The `dist.CommConfig` the communicators were built from; None where there are none (one
+    process)."""
+
     @abc.abstractmethod
     def size(self, axis: Axis) -> int: ...
 

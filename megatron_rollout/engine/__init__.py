@@ -1,4 +1,5 @@
 """The rollout engine: paged KV, continuous batching with explicit P/D phases, sessions."""
+from megatron_rollout.comm.dist import CommConfig
 from megatron_rollout.engine.api import (
                                          FinishReason,
                                          GenerationResult,
@@ -7,10 +8,13 @@ from megatron_rollout.engine.api import (
                                          SamplingParams,
                                          Schedule,
 )
-from megatron_rollout.engine.config import EngineConfig
+from megatron_rollout.engine.config import EngineConfig, KVConfig, MuxConfig
 from megatron_rollout.engine.engine import RolloutEngine
+from megatron_rollout.engine.scheduler import SchedulerConfig
 from megatron_rollout.engine.session import Session, SessionClosed
 from megatron_rollout.engine.stats import EngineStats
+from megatron_rollout.runner.config import RunnerConfig
 
-__all__ = ["EngineConfig", "EngineStats", "FinishReason", "GenerationResult", "RequestError", "RequestOutput",
-           "RolloutEngine", "SamplingParams", "Schedule", "Session", "SessionClosed"]
+__all__ = ["CommConfig", "EngineConfig", "EngineStats", "FinishReason", "GenerationResult", "KVConfig", "MuxConfig",
+           "RequestError", "RequestOutput", "RolloutEngine", "RunnerConfig", "SamplingParams", "Schedule",
+           "SchedulerConfig", "Session", "SessionClosed"]

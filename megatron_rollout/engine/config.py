@@ -1,24 +1,22 @@
-"""The engine's configuration, one frozen config per component, and the counters it reports.
+"""The engine's configuration: one frozen config per component, nested in `EngineConfig`.
 
 `EngineConfig` nests the component configs (torchtitan's manner): `scheduler` (the planner),
 `kv` (the block pool), `mux` (segment policy and ordering), `runner` (which runner and its
 knobs) and `comm` (the communicators a distributed driver builds). Each is frozen and validated
-in `__post_init__`. `EngineConfig(schedule="mux", num_blocks=64, mux_span="fixed:1", ...)` is
-shorthand: each flat keyword (`FLAT`) sets one field of one component, and the flat names stay
-readable as properties. Strings from a command line are parsed here only (`parse_span`,
-`Schedule(...)`, `RunnerConfig.kind`), so the CLI and a YAML file mean the same thing.
-
-`EngineStats` is what the engine measured (STYLE rule 4: configs are never mutated, run-time
-values come back in their own record).
+in `__post_init__`, and there is one spelling: `EngineConfig(scheduler=SchedulerConfig(...),
+kv=KVConfig(num_blocks=64))` in Python, the same nesting in a YAML mapping (`from_dict`).
+Strings from a command line or a file are parsed here only (`parse_span`, `Schedule(...)`,
+`RunnerConfig.kind`), so the CLI and a YAML file mean the same thing. What the engine measures
+comes back in `engine.stats.EngineStats`: configs are never mutated.
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_rollout.comm.dist import CommConfig
-from megatron_rollout.engine.api import Schedule
 from megatron_rollout.engine.scheduler import SchedulerConfig
 from megatron_rollout.multiplex.policy import (
     FixedSpan,
@@ -55,7 +53,7 @@ def parse_span(spec: str | SpanConfig) -> SpanConfig:
         return FixedSpanConfig(int(value))
     if kind == "budget" and value.replace(".", "", 1).isdigit() and float(value) > 0:
         return WaitBudgetConfig(budget_us=float(value))
-    raise ValueError(f"mux_span must be 'load', 'fixed:K' with K > 0 or 'budget:US' with US > 0 "
+    raise ValueError(f"MuxConfig.span (--mux-span) must be 'load', 'fixed:K' with K > 0 or 'budget:US' with US > 0 "
                      f"(microseconds), got {spec!r}")
 
 
@@ -103,78 +101,63 @@ class MuxConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "span", parse_span(self.span))
         if self.ordering not in ORDERINGS:
-            raise ValueError(f"mux_ordering must be 'turnstile' or 'naive', got {self.ordering!r}")
+            raise ValueError(f"MuxConfig.ordering must be 'turnstile' or 'naive', got {self.ordering!r}")
 
 
-FLAT: dict[str, tuple[str, str]] = {
-    "schedule": ("scheduler", "schedule"),
-    "block_size": ("scheduler", "block_size"),
-    "max_batch_tokens": ("scheduler", "max_batch_tokens"),
-    "max_decode_rows": ("scheduler", "max_decode_rows"),
-    "num_blocks": ("kv", "num_blocks"),
-    "prefix_caching": ("kv", "prefix_caching"),
-    "mux_span": ("mux", "span"),
-    "mux_ordering": ("mux", "ordering"),
-    "runner_kind": ("runner", "kind"),
-    "decode_ahead": ("runner", "decode_ahead"),
-    "fp8": ("runner", "fp8"),
-}
-"""Flat keyword -> (component, field): the shorthand `EngineConfig(**flat)` accepts."""
-
-
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True)
 class EngineConfig:
-    scheduler: SchedulerConfig
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     """Planner: schedule (off | chunked | mux), block size, token budget, decode rows."""
-    kv: KVConfig
+    kv: KVConfig = field(default_factory=KVConfig)
     """KV pool size and prefix caching."""
-    mux: MuxConfig
+    mux: MuxConfig = field(default_factory=MuxConfig)
     """`mux` segment policy and ordering."""
-    runner: RunnerConfig
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
     """Runner kind and CUDA-runner knobs."""
-    comm: CommConfig
-    """Communicators, read by whoever builds the DistComm (`distributed.Runtime.start`); the engine
-    itself uses the model's comm as built."""
-    max_model_len: int | None
+    comm: CommConfig | None = None
+    """The communicators of a multi-rank engine: `distributed.Runtime.start` builds the model's
+    `DistComm` from them, and the engine refuses a model whose comm was built otherwise. None:
+    whatever the model's comm was built with. A one-process model has no communicators to
+    configure. P's padded domain must hold a whole prefill epoch, so `comm.p_max_tokens` is raised
+    to `scheduler.max_batch_tokens` where it is smaller."""
+    max_model_len: int | None = None
     """Longest context; None means the model's max_position_embeddings. Longer than that is
     refused unless `allow_long_context` (see `context_length`)."""
-    seed: int
+    seed: int = 0
     """Seed of the generator used by sampled requests without their own seed."""
-    allow_long_context: bool
+    allow_long_context: bool = False
     """Accept a `max_model_len` beyond the model's positions. For random-weight benchmarking only:
     RoPE extrapolates arithmetically, but a trained model's outputs there are meaningless."""
 
-    def __init__(self, scheduler: SchedulerConfig | None = None, kv: KVConfig | None = None,
-                 mux: MuxConfig | None = None, runner: RunnerConfig | None = None, comm: CommConfig | None = None,
-                 max_model_len: int | None = None, seed: int = 0, allow_long_context: bool = False,
-                 **flat: Any) -> None:
-        unknown = sorted(set(flat) - set(FLAT))
-        if unknown:
-            raise TypeError(f"EngineConfig got unknown keywords {unknown}; known: components "
-                            f"scheduler/kv/mux/runner/comm, max_model_len, seed, and {sorted(FLAT)}")
-        parts: dict[str, Any] = {"scheduler": scheduler or SchedulerConfig(), "kv": kv or KVConfig(),
-                                 "mux": mux or MuxConfig(), "runner": runner or RunnerConfig(),
-                                 "comm": comm or CommConfig()}
-        updates: dict[str, dict[str, Any]] = {}
-        for name, value in flat.items():
-            component, attr = FLAT[name]
-            updates.setdefault(component, {})[attr] = value
-        if "schedule" in updates.get("scheduler", {}):
-            updates["scheduler"]["schedule"] = Schedule(updates["scheduler"]["schedule"])
-        for component, values in updates.items():
-            parts[component] = dataclasses.replace(parts[component], **values)
-        for name, value in {**parts, "max_model_len": max_model_len, "seed": seed,
-                            "allow_long_context": allow_long_context}.items():
-            object.__setattr__(self, name, value)
-        self.__post_init__()
-
     def __post_init__(self) -> None:
-        object.__setattr__(self, "scheduler", dataclasses.replace(self.scheduler,
-                                                                  schedule=Schedule(self.scheduler.schedule)))
+        for name, kind in COMPONENTS.items():
+            value = getattr(self, name)
+            if not isinstance(value, kind) and not (name == "comm" and value is None):
+                raise TypeError(f"EngineConfig.{name} must be a {kind.__name__}, got {value!r}: pass "
+                                f"{name}={kind.__name__}(...), or mappings to EngineConfig.from_dict")
+        if self.comm is not None and self.comm.p_max_tokens < self.scheduler.max_batch_tokens:
+            object.__setattr__(self, "comm", dataclasses.replace(self.comm,
+                                                                 p_max_tokens=self.scheduler.max_batch_tokens))
         if self.max_model_len is not None and (type(self.max_model_len) is not int or self.max_model_len <= 0):
             raise ValueError(f"max_model_len must be a positive int or None, got {self.max_model_len!r}")
+        if type(self.seed) is not int:
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
         if not isinstance(self.allow_long_context, bool):
             raise ValueError(f"allow_long_context must be True or False, got {self.allow_long_context!r}")
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> EngineConfig:
+        """The config a nested mapping describes (a YAML file's `engine:` section): each component's
+        fields under its name, e.g. `{"scheduler": {"schedule": "mux"}, "kv": {"num_blocks": 256}}`.
+        Lists become tuples; unknown names are refused with the known ones."""
+        if not isinstance(raw, Mapping):
+            raise TypeError(f"an engine config must be a mapping of EngineConfig fields, got {raw!r}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise TypeError(f"EngineConfig has no field {unknown}; its fields are {known} (the components "
+                            f"{list(COMPONENTS)} take mappings of their own fields)")
+        return cls(**{name: _component(name, value) if name in COMPONENTS else value for name, value in raw.items()})
 
     def context_length(self, model_positions: int) -> int:
         """The engine's longest context for a model with `model_positions` positions: max_model_len,
@@ -187,35 +170,20 @@ class EngineConfig:
                              f"random-weight benchmarking")
         return self.max_model_len
 
-    # -- the flat names, read-only ----------------------------------------------------------
-    @property
-    def schedule(self) -> Schedule:
-        return self.scheduler.schedule
 
-    @property
-    def block_size(self) -> int:
-        return self.scheduler.block_size
+COMPONENTS: dict[str, type] = {"scheduler": SchedulerConfig, "kv": KVConfig, "mux": MuxConfig,
+                               "runner": RunnerConfig, "comm": CommConfig}
+"""`EngineConfig`'s component fields and their config types."""
 
-    @property
-    def max_batch_tokens(self) -> int:
-        return self.scheduler.max_batch_tokens
 
-    @property
-    def max_decode_rows(self) -> int:
-        return self.scheduler.max_decode_rows
-
-    @property
-    def num_blocks(self) -> int:
-        return self.kv.num_blocks
-
-    @property
-    def prefix_caching(self) -> bool:
-        return self.kv.prefix_caching
-
-    @property
-    def mux_span(self) -> str:
-        return span_spec(self.mux.span)
-
-    @property
-    def mux_ordering(self) -> str:
-        return self.mux.ordering
+def _component(name: str, value: Any) -> Any:
+    kind = COMPONENTS[name]
+    if value is None or isinstance(value, kind):
+        return value
+    if not isinstance(value, Mapping):
+        raise TypeError(f"EngineConfig.{name} takes a mapping of {kind.__name__} fields, got {value!r}")
+    known = [f.name for f in dataclasses.fields(kind)]
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise TypeError(f"{kind.__name__} (EngineConfig.{name}) has no field {unknown}; its fields are {known}")
+    return kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in value.items()})

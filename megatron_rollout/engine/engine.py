@@ -13,6 +13,7 @@ from types import MappingProxyType
 
 import torch
 
+from megatron_rollout.comm.dist import CommConfig
 from megatron_rollout.comm.errors import CrossRankTimeout
 from megatron_rollout.comm.facade import LocalComm
 from megatron_rollout.engine.ahead import DecodeAhead
@@ -37,6 +38,22 @@ from megatron_rollout.runner.cuda import make_runner
 from megatron_rollout.types import Axis
 
 
+def _honoured_comm(config: EngineConfig, built: CommConfig | None) -> CommConfig | None:
+    """The communicators the engine runs on: the model's comm must have been built from
+    `EngineConfig.comm` where both are given, and P's padded domain must hold a prefill epoch."""
+    if config.comm is not None and built is not None and config.comm != built:
+        raise ValueError(f"EngineConfig.comm is {config.comm} but the model's comm was built with {built}: build "
+                         f"it from the engine's config (distributed.Runtime.start(comm=config.comm)), or leave "
+                         f"EngineConfig.comm None to run on the model's comm as built")
+    comm = config.comm or built
+    if comm is not None and comm.p_max_tokens < config.scheduler.max_batch_tokens:
+        raise ValueError(f"the model's comm holds {comm.p_max_tokens} tokens per P exchange (CommConfig.p_max_tokens) "
+                         f"but a prefill epoch may have scheduler.max_batch_tokens = "
+                         f"{config.scheduler.max_batch_tokens}: build the comm with p_max_tokens >= that, or lower "
+                         f"max_batch_tokens")
+    return comm
+
+
 class RolloutEngine:
     def __init__(self, model: MoETransformer, config: EngineConfig | None = None, timeline=None, rank: int = 0,
                  coordinator: LocalCoordinator | RankSharedCoordinator | None = None, rendezvous=None,
@@ -48,9 +65,11 @@ class RolloutEngine:
         self.distributed = not isinstance(self.coordinator, LocalCoordinator)
         self.stats = EngineStats()
         self.weights = WeightStore(model)
-        self.table = RequestTable(c.num_blocks, c.block_size, c.prefix_caching, self.max_model_len, cfg.vocab_size,
-                                  self.stats, recording=self.distributed and self.coordinator.leader)
-        self._kv_shape = (cfg, c.num_blocks, c.block_size, cfg.num_query_groups // model.comm.size(Axis.ATP))
+        self.comm_config = _honoured_comm(c, model.comm.config)
+        self.table = RequestTable(c.kv.num_blocks, c.scheduler.block_size, c.kv.prefix_caching, self.max_model_len,
+                                  cfg.vocab_size, self.stats, recording=self.distributed and self.coordinator.leader)
+        kv_heads = cfg.num_query_groups // model.comm.size(Axis.ATP)
+        self._kv_shape = (cfg, c.kv.num_blocks, c.scheduler.block_size, kv_heads)
         if c.runner.fp8 in TE_FP8_MODES:  # before the runner: its graphs capture the TE modules
             te_layers.apply_te(model, te_layers.TEConfig(recipe=TE_FP8_MODES[c.runner.fp8]))
         elif c.runner.fp8 != "off":  # before the runner: it stacks the FP8 experts for its graphs

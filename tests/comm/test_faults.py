@@ -17,6 +17,7 @@ from datetime import timedelta
 
 import pytest
 
+from megatron_rollout.engine import MuxConfig, SchedulerConfig
 from tests.world import free_port
 
 TIMEOUT_S = 3.0
@@ -40,8 +41,8 @@ def _rank(rank: int, n: int, port: int, victim: int, fault: str, out, release) -
 
         runtime = Runtime.start(2 if n == 4 else 1, 2, "cpu", timeout_s=TIMEOUT_S)
         model = MoETransformer(preset("tiny-moe"), comm=runtime.comm).init_weights(seed=3)
-        engine = runtime.engine(model, EngineConfig(schedule="mux", block_size=4, max_batch_tokens=8,
-                                                    mux_span="fixed:1"))
+        engine = runtime.engine(model, EngineConfig(scheduler=SchedulerConfig("mux", block_size=4, max_batch_tokens=8),
+                                                    mux=MuxConfig(span="fixed:1")))
         if rank == victim:
             calls, waiting = [0], runtime.comm._waiting
 

@@ -1,17 +1,35 @@
 """Helpers shared by the engine tests (prompts, the transformers reference, draining, comparisons)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from megatron_rollout.engine import FinishReason, SamplingParams
+from megatron_rollout.engine import (
+    EngineConfig,
+    FinishReason,
+    KVConfig,
+    MuxConfig,
+    SamplingParams,
+    Schedule,
+    SchedulerConfig,
+)
 
 from .conftest import V
 
 SCHEDULES = ["off", "chunked", "mux"]
 # Small blocks and a small chunk budget so that prompts span several blocks and chunks; mux
 # releases one segment per round so that epochs really interleave with decode.
-SMALL = dict(block_size=4, num_blocks=64, max_batch_tokens=8, mux_span="fixed:1")
+SMALL = EngineConfig(scheduler=SchedulerConfig(block_size=4, max_batch_tokens=8), kv=KVConfig(num_blocks=64),
+                     mux=MuxConfig("fixed:1"))
+"""The small engine most tests run: 4-position blocks, 64 of them, 8 tokens a step, one boundary a segment."""
+
+
+def small(schedule: str = "chunked", **components) -> EngineConfig:
+    """`SMALL` under `schedule`, with whole fields replaced (e.g. `runner=RunnerConfig(decode_ahead="on")`)."""
+    scheduler = dataclasses.replace(SMALL.scheduler, schedule=Schedule(schedule))
+    return dataclasses.replace(SMALL, **{"scheduler": scheduler, **components})
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
 
 
@@ -53,7 +71,7 @@ def assert_same(results, reference, atol=1e-4):
 
 def reference(make_engine, model, batch, params):
     """One request at a time on a roomy engine: what each request must produce in any batch."""
-    engine = make_engine(model, block_size=16, num_blocks=64)
+    engine = make_engine(model, scheduler=SchedulerConfig(block_size=16), kv=KVConfig(num_blocks=64))
     plist = params if isinstance(params, list) else [params] * len(batch)
     return [engine.generate([p], [sp])[0] for p, sp in zip(batch, plist)]
 
@@ -61,10 +79,10 @@ def reference(make_engine, model, batch, params):
 ABORT_PARAMS = SamplingParams(temperature=0.0, max_new_tokens=5)
 
 
-def abort_case(make_engine, model, schedule, batch, victim, advance, **config):
+def abort_case(make_engine, model, schedule, batch, victim, advance, **components):
     """Submit `batch`, step until `advance(engine, rids)` says so, abort `victim`; the others must
     finish exactly as they would alone."""
-    engine = make_engine(model, schedule=schedule, **{**SMALL, **config})
+    engine = make_engine(model, small(schedule, **components))
     rids = [engine.add_request(p, ABORT_PARAMS) for p in batch]
     outs: dict = {}
     while not advance(engine, rids):

@@ -60,12 +60,12 @@ def llama(tmp_path_factory):
 
 @pytest.fixture
 def make_engine():
-    """make_engine(model, **EngineConfig fields) -> RolloutEngine; every engine made is checked at
-    teardown (KV bookkeeping consistent, every block owned by a live sequence)."""
+    """make_engine(model, config) or make_engine(model, **EngineConfig fields) -> RolloutEngine; every
+    engine made is checked at teardown (KV bookkeeping consistent, every block owned by a live sequence)."""
     made: list[RolloutEngine] = []
 
-    def make(model, **config) -> RolloutEngine:
-        engine = RolloutEngine(model, EngineConfig(**config))
+    def make(model, config: EngineConfig | None = None, **fields) -> RolloutEngine:
+        engine = RolloutEngine(model, config or EngineConfig(**fields))
         made.append(engine)
         return engine
 

@@ -7,7 +7,15 @@ import re
 
 import pytest
 
-from megatron_rollout.engine import FinishReason, RequestError, SamplingParams, Session, SessionClosed
+from megatron_rollout.engine import (
+    FinishReason,
+    KVConfig,
+    RequestError,
+    SamplingParams,
+    SchedulerConfig,
+    Session,
+    SessionClosed,
+)
 from megatron_rollout.engine.request import Seq
 from megatron_rollout.trace.schema import TraceError, load_trace, load_trace_lenient
 
@@ -19,7 +27,8 @@ GOOD = [[5, 6, 7], [9, 10, 11, 12, 13]]
 
 @pytest.fixture
 def engine(make_engine, qwen):
-    return make_engine(qwen[1], block_size=4, num_blocks=16, max_batch_tokens=16, max_model_len=32)
+    return make_engine(qwen[1], scheduler=SchedulerConfig(block_size=4, max_batch_tokens=16),
+                       kv=KVConfig(num_blocks=16), max_model_len=32)
 
 
 def test_one_bad_prompt_among_good_ones(engine, make_engine, qwen):
@@ -32,7 +41,8 @@ def test_one_bad_prompt_among_good_ones(engine, make_engine, qwen):
         "bool": ([1, True], "token ids must be integers, got True \\(bool\\)"),
         "too long": (list(range(1, 33)), "context of 32 tokens leaves no room to generate \\(max_model_len 32\\)"),
     }
-    alone = make_engine(qwen[1], block_size=4, num_blocks=16).generate(GOOD, PARAMS)
+    roomy = make_engine(qwen[1], scheduler=SchedulerConfig(block_size=4), kv=KVConfig(num_blocks=16))
+    alone = roomy.generate(GOOD, PARAMS)
     for name, (prompt, message) in bad.items():
         results = engine.generate([GOOD[0], prompt, GOOD[1]], PARAMS)
         assert results[1].finish_reason is FinishReason.ERROR, name
@@ -46,7 +56,7 @@ def test_one_bad_prompt_among_good_ones(engine, make_engine, qwen):
 
 
 def test_request_larger_than_the_kv_pool(make_engine, qwen):
-    engine = make_engine(qwen[1], block_size=4, num_blocks=4)
+    engine = make_engine(qwen[1], scheduler=SchedulerConfig(block_size=4), kv=KVConfig(num_blocks=4))
     results = engine.generate([[1] * 10, [2, 3]], [SamplingParams(max_new_tokens=7), SamplingParams(max_new_tokens=3)])
     assert results[0].finish_reason is FinishReason.ERROR
     assert "request needs 5 KV blocks, the pool holds 4" in results[0].error

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rollout.engine import FinishReason, SamplingParams
+from megatron_rollout.engine import FinishReason, KVConfig, SamplingParams, SchedulerConfig
 from megatron_rollout.engine.scheduler import Stage
 
-from .common import ABORT_PARAMS, GREEDY, SCHEDULES, SMALL, abort_case, assert_same, prompts, reference
+from .common import ABORT_PARAMS, GREEDY, SCHEDULES, SMALL, abort_case, assert_same, prompts, reference, small
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -15,7 +15,8 @@ def test_preemption_gives_the_same_tokens(make_engine, qwen, schedule):
     _, model = qwen
     batch = prompts([6, 9, 7, 8], seed=3)
     params = SamplingParams(temperature=0.0, max_new_tokens=10)  # each needs <= 5 blocks of 4
-    tight = make_engine(model, schedule=schedule, block_size=4, num_blocks=8, max_batch_tokens=32, mux_span="fixed:1")
+    tight = make_engine(model, small(schedule, kv=KVConfig(num_blocks=8),
+                                     scheduler=SchedulerConfig(schedule, block_size=4, max_batch_tokens=32)))
     results = tight.generate(batch, params)
     assert tight.stats.preemptions > 0
     assert tight.stats.prefill_tokens > sum(len(p) for p in batch)  # preempted rows were recomputed
@@ -29,7 +30,8 @@ def test_grpo_samples_share_their_prompt_blocks(make_engine, qwen, schedule):
     params = [SamplingParams(temperature=1.5, max_new_tokens=6, seed=s) for s in range(4)]
     runs = {}
     for caching in (True, False):
-        engine = make_engine(model, schedule=schedule, prefix_caching=caching, **{**SMALL, "max_batch_tokens": 64})
+        engine = make_engine(model, small(schedule, kv=KVConfig(num_blocks=64, prefix_caching=caching),
+                                          scheduler=SchedulerConfig(schedule, block_size=4, max_batch_tokens=64)))
         rids = [engine.add_request(prompt, p) for p in params]
         shared = None
         outs: dict = {}
@@ -57,7 +59,7 @@ def test_twins_share_a_prompt_longer_than_the_chunk_budget(make_engine, qwen):
     """`chunked` with a prompt cut into several chunks: the twins wait for all of it, then share."""
     _, model = qwen
     prompt = prompts([21], seed=5)[0]
-    engine = make_engine(model, schedule="chunked", **SMALL)
+    engine = make_engine(model, small("chunked"))
     results = engine.generate([prompt] * 3, SamplingParams(temperature=0.0, max_new_tokens=3))
     assert engine.stats.prefill_tokens == 21 + 2 * 1
     assert_same(results, reference(make_engine, model, [prompt] * 3, SamplingParams(temperature=0.0, max_new_tokens=3)))
@@ -67,7 +69,7 @@ def test_prefix_cache_revives_freed_blocks(make_engine, qwen):
     """A prompt seen before, whose request finished, still finds its blocks (until reused)."""
     _, model = qwen
     prompt = prompts([17], seed=6)[0]
-    engine = make_engine(model, **SMALL)
+    engine = make_engine(model, SMALL)
     first = engine.generate([prompt], GREEDY)
     assert engine.pool.num_free == engine.pool.num_blocks
     again = engine.generate([prompt + [5]], GREEDY)  # 16 of its 18 positions are cached
@@ -110,7 +112,7 @@ def test_abort_while_decoding(make_engine, qwen, schedule):
 
 def test_run_until_an_aborted_request_returns(make_engine, qwen):
     _, model = qwen
-    engine = make_engine(model, **SMALL)
+    engine = make_engine(model, SMALL)
     rid = engine.add_request(prompts([4])[0], ABORT_PARAMS)
     engine.abort(rid)
     done = engine.run_until([rid])

@@ -1,6 +1,6 @@
-"""`EngineConfig` and its component configs (`engine/config.py`): flat keywords are shorthand for
-nested component fields, strings are parsed in one place, bad values are refused with the value,
-and the CLI's defaults are the config's."""
+"""`EngineConfig` and its component configs (`engine/config.py`): one nested spelling (in Python and
+as a mapping), strings parsed in one place, bad values refused with the value, the comm's
+coupling to the token budget kept by the config, and the CLI's defaults the config's."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,25 +8,59 @@ import re
 
 import pytest
 
-from megatron_rollout.comm.dist import CommConfig
-from megatron_rollout.engine import EngineConfig, Schedule
-from megatron_rollout.engine.config import DEFAULT_NUM_BLOCKS, KVConfig, MuxConfig, RunnerConfig, parse_span, span_spec
-from megatron_rollout.engine.scheduler import SchedulerConfig
+from megatron_rollout.engine import (
+    CommConfig,
+    EngineConfig,
+    KVConfig,
+    MuxConfig,
+    RunnerConfig,
+    Schedule,
+    SchedulerConfig,
+)
+from megatron_rollout.engine.config import DEFAULT_NUM_BLOCKS, parse_span, span_spec
 from megatron_rollout.multiplex.policy import FixedSpanConfig, LoadSelectedConfig, WaitBudgetConfig
 from megatron_rollout.options import add_engine_args, engine_config
 
 
-def test_flat_keywords_set_component_fields():
-    flat = EngineConfig(schedule="mux", block_size=4, num_blocks=64, max_batch_tokens=8, mux_span="fixed:2",
-                        mux_ordering="naive", prefix_caching=False, runner_kind="eager", seed=3)
-    nested = EngineConfig(scheduler=SchedulerConfig(Schedule.MUX, 4, 8), kv=KVConfig(64, prefix_caching=False),
-                          mux=MuxConfig(FixedSpanConfig(2), "naive"), runner=RunnerConfig(kind="eager"), seed=3)
-    assert flat == nested
-    assert (flat.schedule, flat.block_size, flat.num_blocks, flat.mux_span, flat.mux_ordering) == \
-        (Schedule.MUX, 4, 64, "fixed:2", "naive")
-    assert dataclasses.replace(flat, seed=4).seed == 4 and dataclasses.replace(flat, seed=4).kv == flat.kv
+def test_one_nested_spelling_in_python_and_as_a_mapping():
+    config = EngineConfig(scheduler=SchedulerConfig("mux", 4, 8), kv=KVConfig(64, prefix_caching=False),
+                          mux=MuxConfig("fixed:2", "naive"), runner=RunnerConfig(kind="eager"), seed=3)
+    assert config.scheduler.schedule is Schedule.MUX and config.mux.span == FixedSpanConfig(2)
+    assert config == EngineConfig.from_dict({
+        "scheduler": {"schedule": "mux", "block_size": 4, "max_batch_tokens": 8},
+        "kv": {"num_blocks": 64, "prefix_caching": False}, "mux": {"span": "fixed:2", "ordering": "naive"},
+        "runner": {"kind": "eager"}, "seed": 3})
+    assert EngineConfig.from_dict({"runner": {"graph_batch_sizes": [1, 2]}}).runner.graph_batch_sizes == (1, 2)
+    assert dataclasses.replace(config, seed=4).seed == 4 and dataclasses.replace(config, seed=4).kv == config.kv
     with pytest.raises(dataclasses.FrozenInstanceError):
-        flat.seed = 5  # type: ignore[misc]
+        config.seed = 5  # type: ignore[misc]
+    assert not hasattr(config, "num_blocks") and not hasattr(config, "schedule")  # no flat aliases
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"schedule": "mux"}, r"EngineConfig has no field \['schedule'\]; its fields are \['scheduler', 'kv'"),
+    ({"kv": {"num_block": 8}}, r"KVConfig \(EngineConfig.kv\) has no field \['num_block'\]"),
+    ({"scheduler": "mux"}, r"EngineConfig.scheduler takes a mapping of SchedulerConfig fields, got 'mux'"),
+    (["scheduler"], "an engine config must be a mapping of EngineConfig fields"),
+])
+def test_mappings_with_unknown_or_flat_names_are_refused(raw, message):
+    with pytest.raises(TypeError, match=message):
+        EngineConfig.from_dict(raw)
+
+
+def test_a_component_of_the_wrong_type_is_refused():
+    with pytest.raises(TypeError, match=r"EngineConfig.kv must be a KVConfig, got \{'num_blocks': 8\}"):
+        EngineConfig(kv={"num_blocks": 8})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'num_blocks'"):
+        EngineConfig(num_blocks=8)  # type: ignore[call-arg]
+
+
+def test_the_comm_holds_a_whole_prefill_epoch():
+    """`EngineConfig.comm.p_max_tokens` covers `scheduler.max_batch_tokens` (it was the CLI's rule)."""
+    big = EngineConfig(scheduler=SchedulerConfig(max_batch_tokens=8192), comm=CommConfig(timeout_s=30))
+    assert big.comm.p_max_tokens == 8192 and big.comm.timeout_s == 30
+    assert EngineConfig(comm=CommConfig(p_max_tokens=6000)).comm.p_max_tokens == 6000
+    assert EngineConfig().comm is None  # the model's comm as built
 
 
 def test_span_strings_are_parsed_once():
@@ -35,22 +69,23 @@ def test_span_strings_are_parsed_once():
     assert parse_span("budget:8000") == WaitBudgetConfig(budget_us=8000.0)
     assert span_spec(parse_span("budget:2500.5")) == "budget:2500.5"
     for bad in ("fixed:0", "fixed:x", "fixed", "Load", "", "budget:0", "budget:-1", "budget:"):
-        with pytest.raises(ValueError, match=f"mux_span must be 'load', 'fixed:K' with K > 0 or 'budget:US'.*"
-                                             f"got {re.escape(repr(bad))}"):
-            EngineConfig(mux_span=bad)
+        with pytest.raises(ValueError, match=r"MuxConfig.span \(--mux-span\) must be 'load', 'fixed:K' with K > 0 "
+                                             f"or 'budget:US'.*got {re.escape(repr(bad))}"):
+            MuxConfig(span=bad)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(schedule="fast"), "'fast' is not a valid Schedule"),
-    (dict(num_blocks=0), "num_blocks must be a positive int, got 0"),
-    (dict(block_size=0), r"SchedulerConfig\.block_size must be a positive int, got 0"),
-    (dict(mux_ordering="fifo"), "mux_ordering must be 'turnstile' or 'naive', got 'fifo'"),
-    (dict(runner_kind="fast"), "the runner kind must be auto, eager or cuda, got 'fast'"),
-    (dict(max_model_len=0), "max_model_len must be a positive int or None, got 0"),
+@pytest.mark.parametrize("make, message", [
+    (lambda: SchedulerConfig(schedule="fast"), "'fast' is not a valid Schedule"),
+    (lambda: KVConfig(num_blocks=0), "num_blocks must be a positive int, got 0"),
+    (lambda: SchedulerConfig(block_size=0), r"SchedulerConfig\.block_size must be a positive int, got 0"),
+    (lambda: MuxConfig(ordering="fifo"), "MuxConfig.ordering must be 'turnstile' or 'naive', got 'fifo'"),
+    (lambda: RunnerConfig(kind="fast"), "the runner kind must be auto, eager or cuda, got 'fast'"),
+    (lambda: EngineConfig(max_model_len=0), "max_model_len must be a positive int or None, got 0"),
+    (lambda: EngineConfig(seed=1.5), "seed must be an int, got 1.5"),
 ])
-def test_bad_values_are_refused_with_the_value(kwargs, message):
+def test_bad_values_are_refused_with_the_value(make, message):
     with pytest.raises(ValueError, match=message):
-        EngineConfig(**kwargs)
+        make()
 
 
 def test_bad_component_values_are_refused():
@@ -58,8 +93,6 @@ def test_bad_component_values_are_refused():
         CommConfig(backend="nccl")
     with pytest.raises(ValueError, match="graph_batch_sizes must be positive ints, strictly increasing"):
         RunnerConfig(graph_batch_sizes=(2, 2))
-    with pytest.raises(TypeError, match=r"unknown keywords \['num_block'\]"):
-        EngineConfig(num_block=8)
 
 
 def test_cli_arguments_build_the_same_config():
@@ -70,17 +103,20 @@ def test_cli_arguments_build_the_same_config():
     args = p.parse_args(["--schedule", "mux", "--mux-span", "fixed:1", "--block-size", "4", "--runner", "eager",
                          "--timeout", "30", "--p-exchange", "alltoall"])
     config = engine_config(args)
-    assert config.num_blocks == DEFAULT_NUM_BLOCKS == EngineConfig().num_blocks == 1024  # one default
-    assert config == EngineConfig(schedule="mux", mux_span="fixed:1", block_size=4, runner_kind="eager",
+    assert config.kv.num_blocks == DEFAULT_NUM_BLOCKS == EngineConfig().kv.num_blocks == 1024  # one default
+    assert config == EngineConfig(scheduler=SchedulerConfig("mux", block_size=4), mux=MuxConfig("fixed:1"),
+                                  runner=RunnerConfig(kind="eager"),
                                   comm=CommConfig(timeout_s=30, p_exchange="alltoall"))
-    assert engine_config(args, "off").schedule is Schedule.OFF
+    assert engine_config(args, "off").scheduler.schedule is Schedule.OFF
     off = engine_config(p.parse_args(["--decode-ahead", "off"]))
     assert off.runner.decode_ahead == "off" and config.runner.decode_ahead == "auto"
     assert engine_config(p.parse_args(["--fp8", "block"])).runner.fp8 == "block" and config.runner.fp8 == "off"
+    budget = engine_config(p.parse_args(["--max-batch-tokens", "8192"]))
+    assert budget.comm.p_max_tokens == 8192  # the config's rule, not the CLI's
 
 
 def test_fp8_mode_is_checked():
-    assert EngineConfig(fp8="tensor").runner.fp8 == "tensor"
+    assert EngineConfig(runner=RunnerConfig(fp8="tensor")).runner.fp8 == "tensor"
     with pytest.raises(ValueError, match="fp8 must be one of .*got 'e5m2'"):
         RunnerConfig(fp8="e5m2")
 

@@ -3,16 +3,16 @@ tokens. On CPU it is forced on (`decode_ahead="on"`; the portable runner runs it
 what makes its bookkeeping testable here); every test compares it with the same engine run without."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
-from megatron_rollout.engine import EngineConfig, FinishReason, SamplingParams
-from megatron_rollout.engine.config import RunnerConfig
+from megatron_rollout.engine import EngineConfig, FinishReason, KVConfig, MuxConfig, RunnerConfig, SamplingParams
 from megatron_rollout.engine.sampler import PendingDraw, sample
 
-from .common import SCHEDULES, SMALL, assert_same, drain, prompts
+from .common import SCHEDULES, SMALL, assert_same, drain, prompts, small
 
 
 def test_pending_draw_is_sample_and_its_device_tokens_are_the_results():
@@ -38,8 +38,8 @@ def test_tokens_are_the_same_with_and_without_decode_ahead(make_engine, qwen, sc
     _, model = qwen
     batch = prompts([3, 25, 2, 14, 9, 5], seed=3)
     params = [SamplingParams(temperature=0.0, max_new_tokens=n) for n in (9, 4, 12, 7, 1, 10)]
-    off = make_engine(model, schedule=schedule, decode_ahead="off", **SMALL)
-    on = make_engine(model, schedule=schedule, decode_ahead="on", **SMALL)
+    off = make_engine(model, small(schedule, runner=RunnerConfig(decode_ahead="off")))
+    on = make_engine(model, small(schedule, runner=RunnerConfig(decode_ahead="on")))
     assert_same(on.generate(batch, params), off.generate(batch, params))
     assert on.stats.ahead_taken > 0 and off.stats.ahead_issued == 0
     pending = on.executor.ahead.issued is not None
@@ -49,8 +49,8 @@ def test_tokens_are_the_same_with_and_without_decode_ahead(make_engine, qwen, sc
 
 def _stop_token(make_engine, model, prompt, at):
     """The token greedy decoding of `prompt` produces at output position `at`."""
-    out = make_engine(model, decode_ahead="off", **SMALL).generate([prompt], SamplingParams(temperature=0.0,
-                                                                                             max_new_tokens=at + 1))
+    engine = make_engine(model, small(runner=RunnerConfig(decode_ahead="off")))
+    out = engine.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=at + 1))
     return out[0].token_ids[at]
 
 
@@ -63,8 +63,8 @@ def test_a_row_that_stops_early_leaves_the_others_on_the_forward_issued_ahead(ma
     params = [SamplingParams(temperature=0.0, max_new_tokens=10),
               SamplingParams(temperature=0.0, max_new_tokens=10, stop_token_ids=(stop,)),
               SamplingParams(temperature=0.0, max_new_tokens=10)]
-    off = make_engine(model, decode_ahead="off", **SMALL).generate(batch, params)
-    on_engine = make_engine(model, decode_ahead="on", **SMALL)
+    off = make_engine(model, small(runner=RunnerConfig(decode_ahead="off"))).generate(batch, params)
+    on_engine = make_engine(model, small(runner=RunnerConfig(decode_ahead="on")))
     on = on_engine.generate(batch, params)
     assert_same(on, off)
     assert on[1].finish_reason is FinishReason.STOP and len(on[1].token_ids) <= 4
@@ -79,8 +79,8 @@ def test_sampled_requests_are_decoded_ahead_with_the_same_tokens(make_engine, qw
     params = [SamplingParams(temperature=0.0, max_new_tokens=8),
               SamplingParams(temperature=1.0, seed=5, max_new_tokens=8),
               SamplingParams(temperature=0.8, top_k=10, top_p=0.9, max_new_tokens=8)]  # the engine's generator
-    on = make_engine(model, decode_ahead="on", seed=3, **SMALL)
-    off = make_engine(model, decode_ahead="off", seed=3, **SMALL)
+    on = make_engine(model, small(runner=RunnerConfig(decode_ahead="on"), seed=3))
+    off = make_engine(model, small(runner=RunnerConfig(decode_ahead="off"), seed=3))
     assert_same(on.generate(batch, params), off.generate(batch, params))
     assert on.stats.ahead_taken > 0
 
@@ -101,7 +101,7 @@ def test_abort_between_steps_keeps_the_other_rows(make_engine, qwen):
     params = SamplingParams(temperature=0.0, max_new_tokens=8)
     results = {}
     for mode in ("off", "on"):
-        engine = make_engine(model, decode_ahead=mode, **SMALL)
+        engine = make_engine(model, small(runner=RunnerConfig(decode_ahead=mode)))
         rids, outs = _start(engine, batch, params, until=lambda rids: len(engine.requests[rids[1]].output) >= 3)
         engine.abort(rids[1])
         engine.check_integrity()
@@ -125,7 +125,7 @@ def test_weight_update_between_steps_waits_and_recomputes(make_engine, qwen):
     try:
         for mode in ("off", "on"):
             model.load_state_dict(state)
-            engine = make_engine(model, decode_ahead=mode, **SMALL)
+            engine = make_engine(model, small(runner=RunnerConfig(decode_ahead=mode)))
             rids, outs = _start(engine, batch, params, until=lambda rids: len(engine.requests[rids[0]].output) >= 4)
             if mode == "on":
                 assert engine.executor.ahead.issued is not None
@@ -143,9 +143,9 @@ def test_kv_pressure_preemption_gives_the_same_tokens(make_engine, qwen):
     _, model = qwen
     batch = prompts([9, 11, 10, 8], seed=12)
     params = SamplingParams(temperature=0.0, max_new_tokens=14)
-    tight = {**SMALL, "num_blocks": 14}
-    off_engine = make_engine(model, decode_ahead="off", **tight)
-    on_engine = make_engine(model, decode_ahead="on", **tight)
+    tight = dataclasses.replace(SMALL, kv=KVConfig(num_blocks=14))
+    off_engine = make_engine(model, dataclasses.replace(tight, runner=RunnerConfig(decode_ahead="off")))
+    on_engine = make_engine(model, dataclasses.replace(tight, runner=RunnerConfig(decode_ahead="on")))
     assert_same(on_engine.generate(batch, params), off_engine.generate(batch, params))
     assert off_engine.stats.preemptions > 0 and on_engine.stats.preemptions > 0
 
@@ -157,9 +157,10 @@ def test_no_forward_is_issued_ahead_when_its_kv_blocks_are_not_free(make_engine,
     _, model = qwen
     batch = prompts([3, 3], seed=13)
     params = SamplingParams(temperature=0.0, max_new_tokens=9, ignore_stop=True)
-    tight = dict(block_size=4, num_blocks=4, max_batch_tokens=8)
-    on = make_engine(model, decode_ahead="on", **tight)
-    assert_same(on.generate(batch, params), make_engine(model, decode_ahead="off", **tight).generate(batch, params))
+    tight = dataclasses.replace(SMALL, kv=KVConfig(num_blocks=4), mux=MuxConfig())
+    on = make_engine(model, dataclasses.replace(tight, runner=RunnerConfig(decode_ahead="on")))
+    off = make_engine(model, dataclasses.replace(tight, runner=RunnerConfig(decode_ahead="off")))
+    assert_same(on.generate(batch, params), off.generate(batch, params))
     assert on.stats.ahead_taken > 0
 
 
@@ -171,7 +172,7 @@ def test_random_multi_turn_sessions_with_aborts_and_stops(make_engine, qwen, see
     results = {}
     for mode in ("off", "on"):
         rng = random.Random(seed)
-        engine = make_engine(model, decode_ahead=mode, schedule=rng.choice(SCHEDULES), **SMALL)
+        engine = make_engine(model, small(rng.choice(SCHEDULES), runner=RunnerConfig(decode_ahead=mode)))
         sessions = [engine.open_session() for _ in range(3)]
         turns = {i: 3 for i in range(3)}
         live: dict[int, int] = {}
@@ -207,7 +208,7 @@ def test_random_multi_turn_sessions_with_aborts_and_stops(make_engine, qwen, see
 def test_decode_ahead_setting_is_checked():
     with pytest.raises(ValueError, match="decode_ahead must be auto, on or off"):
         RunnerConfig(decode_ahead="yes")
-    assert EngineConfig(decode_ahead="off").runner.decode_ahead == "off"
+    assert EngineConfig(runner=RunnerConfig(decode_ahead="off")).runner.decode_ahead == "off"
 
 
 def test_decode_ahead_on_is_refused_on_many_ranks(qwen):
@@ -220,5 +221,6 @@ def test_decode_ahead_on_is_refused_on_many_ranks(qwen):
     shared = RankSharedCoordinator.__new__(RankSharedCoordinator)  # the engine reads its type and `leader`
     shared.leader = True
     with pytest.raises(ValueError, match="single-rank engine"):
-        RolloutEngine(model, EngineConfig(decode_ahead="on"), coordinator=shared)
-    assert RolloutEngine(model, EngineConfig(decode_ahead="auto"), coordinator=shared).executor.ahead is None
+        RolloutEngine(model, EngineConfig(runner=RunnerConfig(decode_ahead="on")), coordinator=shared)
+    auto = RolloutEngine(model, EngineConfig(runner=RunnerConfig(decode_ahead="auto")), coordinator=shared)
+    assert auto.executor.ahead is None

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
+from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams, SchedulerConfig
 from megatron_rollout.model.config import preset
 from megatron_rollout.model.transformer import MoETransformer
 from tests.world import run_world
@@ -23,7 +23,8 @@ SCHEDULES = ("off", "chunked", "mux")
 
 def _reference(seed: int = 3) -> list[list[int]]:
     model = MoETransformer(CFG).init_weights(seed=seed)
-    return [r.token_ids for r in RolloutEngine(model, EngineConfig(block_size=4)).generate(PROMPTS, PARAMS)]
+    engine = RolloutEngine(model, EngineConfig(scheduler=SchedulerConfig(block_size=4)))
+    return [r.token_ids for r in engine.generate(PROMPTS, PARAMS)]
 
 
 def _world(rank: int, atp: int, adp: int) -> dict:
@@ -33,7 +34,8 @@ def _world(rank: int, atp: int, adp: int) -> dict:
     model = MoETransformer(CFG, comm=runtime.comm).init_weights(seed=3)
     out = {}
     for schedule in SCHEDULES:
-        engine = runtime.engine(model, EngineConfig(schedule=schedule, block_size=4, max_batch_tokens=8))
+        engine = runtime.engine(model, EngineConfig(scheduler=SchedulerConfig(schedule=schedule, block_size=4,
+                                                                              max_batch_tokens=8)))
         results = runtime.generate(engine, PROMPTS, PARAMS)
         engine.check_integrity()
         if results is not None:
@@ -42,7 +44,7 @@ def _world(rank: int, atp: int, adp: int) -> dict:
             out["routed"] = runtime.comm.router.routed_count
     # Reshard on hot swap: a one-process trainer's full tensors land as this layout's shards.
     trainer = MoETransformer(CFG).init_weights(seed=4)
-    engine = runtime.engine(model, EngineConfig(schedule="chunked", block_size=4))
+    engine = runtime.engine(model, EngineConfig(scheduler=SchedulerConfig(schedule="chunked", block_size=4)))
     engine.update_weights(trainer.state_dict(), version=1)
     results = runtime.generate(engine, PROMPTS, PARAMS)
     if results is not None:
@@ -57,7 +59,7 @@ def _world(rank: int, atp: int, adp: int) -> dict:
     reference = MoETransformer(CFG).init_weights(seed=3).state_dict()
     out["gathered_equal"] = set(full) == set(reference) and all(torch.equal(full[k], reference[k]) for k in full)
     # Uneven load: replica 0 gets every request, the other replicas none (they run no-work forwards).
-    engine = runtime.engine(model, EngineConfig(schedule="mux", block_size=4))
+    engine = runtime.engine(model, EngineConfig(scheduler=SchedulerConfig(schedule="mux", block_size=4)))
     if runtime.replica == 0 and runtime.leader:
         rids = [engine.add_request(p, PARAMS) for p in PROMPTS]
     done = {o.request_id: o.result.token_ids for o in runtime.drain(engine)}
@@ -86,7 +88,7 @@ def _dies(rank: int) -> str:
     # with another test run beside it); the step's still fails well inside the bound asserted below
     runtime = Runtime.start(1, 2, "cpu", timeout_s=10)
     model = MoETransformer(CFG, comm=runtime.comm).init_weights(seed=3)
-    engine = runtime.engine(model, EngineConfig(schedule="chunked", block_size=4))
+    engine = runtime.engine(model, EngineConfig(scheduler=SchedulerConfig(schedule="chunked", block_size=4)))
     if rank == 1:
         return "never arrived"  # leaves before the first step's rendezvous
     t0 = time.monotonic()

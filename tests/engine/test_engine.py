@@ -13,7 +13,7 @@ import torch
 from megatron_rollout.engine import FinishReason, SamplingParams
 from megatron_rollout.engine.weights import WeightVersionError
 
-from .common import GREEDY, SCHEDULES, SMALL, assert_same, drain, hf_greedy, prompts, reference
+from .common import GREEDY, SCHEDULES, SMALL, assert_same, drain, hf_greedy, prompts, reference, small
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -22,7 +22,7 @@ def test_greedy_equals_transformers(request, make_engine, family, schedule):
     hf, model = request.getfixturevalue(family)
     batch = prompts([1, 6, 11, 19], seed=1)
     lengths = [5, 8, 3, 6]
-    engine = make_engine(model, schedule=schedule, **SMALL)
+    engine = make_engine(model, small(schedule))
     results = engine.generate(batch, [SamplingParams(temperature=0.0, max_new_tokens=n) for n in lengths])
     for prompt, n, res in zip(batch, lengths, results):
         tokens, logprobs = hf_greedy(hf, prompt, n)
@@ -49,13 +49,13 @@ def test_update_weights_then_generate_equals_a_fresh_engine(make_engine, qwen):
     fresh_model = copy.deepcopy(base)
     fresh_model.load_state_dict(new)
     batch = prompts([13, 6], seed=18)
-    engine = make_engine(model, **SMALL)
+    engine = make_engine(model, SMALL)
     before = engine.generate(batch, GREEDY)  # the prompts' blocks are now in the prefix cache
     assert all(r.weight_versions == [0] * 6 for r in before)
     engine.update_weights(new, version=1)
     assert engine.weight_version == 1
     after = engine.generate(batch, GREEDY)
-    expected = make_engine(fresh_model, **SMALL).generate(batch, GREEDY)
+    expected = make_engine(fresh_model, SMALL).generate(batch, GREEDY)
     assert_same(after, expected)
     assert all(r.weight_versions == [1] * 6 and r.weight_version == 1 for r in after)
     assert any(a.token_ids != b.token_ids for a, b in zip(after, before))  # the update mattered
@@ -64,7 +64,7 @@ def test_update_weights_then_generate_equals_a_fresh_engine(make_engine, qwen):
 def test_stale_and_half_applied_versions_are_refused(make_engine, qwen):
     _, base = qwen
     model = copy.deepcopy(base)
-    engine = make_engine(model, **SMALL)
+    engine = make_engine(model, SMALL)
     v1, v2 = _perturbed(base, 1), _perturbed(base, 2)
     engine.update_weights(v1, version=1)
     for stale in (1, 0):
@@ -86,7 +86,7 @@ def test_stale_and_half_applied_versions_are_refused(make_engine, qwen):
     out = engine.run_until([rid])[rid].result
     fresh = copy.deepcopy(base)
     fresh.load_state_dict(v2)
-    assert_same([out], make_engine(fresh, **SMALL).generate(prompts([5]), GREEDY))
+    assert_same([out], make_engine(fresh, SMALL).generate(prompts([5]), GREEDY))
     assert out.weight_versions == [2] * 6
     with pytest.raises(KeyError, match="unknown weight 'nope'"):
         engine.update_weights({"nope": torch.zeros(1)}, version=3)
@@ -97,7 +97,7 @@ def test_stale_and_half_applied_versions_are_refused(make_engine, qwen):
 
 def test_tokens_record_the_version_they_were_sampled_under(make_engine, qwen):
     _, base = qwen
-    engine = make_engine(copy.deepcopy(base), **SMALL)
+    engine = make_engine(copy.deepcopy(base), SMALL)
     rid = engine.add_request(prompts([5])[0], SamplingParams(temperature=0.0, max_new_tokens=6))
     while len(engine.requests[rid].output) < 2:
         engine.step()
@@ -110,7 +110,7 @@ def test_tokens_record_the_version_they_were_sampled_under(make_engine, qwen):
 def test_release_and_reclaim_kv(make_engine, qwen):
     _, model = qwen
     params = SamplingParams(temperature=0.0, max_new_tokens=4)
-    engine = make_engine(model, **SMALL)
+    engine = make_engine(model, SMALL)
     session = engine.open_session()
     context = prompts([9], seed=19)[0]
     session.append(context)
@@ -142,7 +142,7 @@ def test_release_and_reclaim_kv(make_engine, qwen):
 def test_requests_record_their_admission_between_arrival_and_first_token(make_engine, qwen, schedule):
     """`RequestTimes.admitted` (what splits TTFT into queue and prefill in the replay report)."""
     _, model = qwen
-    engine = make_engine(model, schedule=schedule, **SMALL)
+    engine = make_engine(model, small(schedule))
     ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_new_tokens=3)) for p in prompts([9, 4, 14], 3)]
     outs = drain(engine)
     assert sorted(outs) == sorted(ids)

@@ -15,7 +15,15 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_rollout.engine import EngineConfig, FinishReason, RequestError, RolloutEngine, SamplingParams
+from megatron_rollout.engine import (
+    EngineConfig,
+    FinishReason,
+    KVConfig,
+    RequestError,
+    RolloutEngine,
+    SamplingParams,
+    SchedulerConfig,
+)
 
 BS = 4
 MAX_STEPS = 3000
@@ -119,9 +127,10 @@ def drive(engine: RolloutEngine, w: Workload, cancel: bool) -> dict[str, tuple[s
 @given(w=workloads())
 def test_random_workloads_lose_nothing_and_match_an_unpressured_pool(qwen, w):
     model = qwen[1]
-    config = dict(schedule=w.schedule, block_size=BS, max_batch_tokens=w.max_batch_tokens, max_model_len=64)
-    got = drive(RolloutEngine(model, EngineConfig(num_blocks=w.num_blocks, **config)), w, cancel=True)
-    want = drive(RolloutEngine(model, EngineConfig(num_blocks=256, **config)), w, cancel=False)
+    config = dict(scheduler=SchedulerConfig(w.schedule, block_size=BS, max_batch_tokens=w.max_batch_tokens),
+                  max_model_len=64)
+    got = drive(RolloutEngine(model, EngineConfig(kv=KVConfig(num_blocks=w.num_blocks), **config)), w, cancel=True)
+    want = drive(RolloutEngine(model, EngineConfig(kv=KVConfig(num_blocks=256), **config)), w, cancel=False)
     for label, (reason, tokens, error) in got.items():
         assert reason in ("stop", "length", "abort", "refused"), (label, reason, error)  # never "error"
         if reason == "refused":

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_rollout.engine import FinishReason, RequestError, SamplingParams
+from megatron_rollout.engine import FinishReason, KVConfig, RequestError, SamplingParams, SchedulerConfig
 
 PARAMS = SamplingParams(temperature=0.0, max_new_tokens=4)
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13]]
@@ -18,7 +18,8 @@ PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13]]
 
 @pytest.fixture
 def engine(make_engine, qwen):
-    return make_engine(qwen[1], block_size=4, num_blocks=16, max_batch_tokens=16, max_model_len=32)
+    return make_engine(qwen[1], scheduler=SchedulerConfig(block_size=4, max_batch_tokens=16),
+                       kv=KVConfig(num_blocks=16), max_model_len=32)
 
 
 @pytest.fixture

@@ -10,11 +10,12 @@ refusing anyone.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
-from megatron_rollout.engine import FinishReason, SamplingParams
+from megatron_rollout.engine import EngineConfig, FinishReason, KVConfig, SamplingParams
 from megatron_rollout.engine.api import Schedule
 from megatron_rollout.engine.scheduler import (
     PrefillChunk,
@@ -28,7 +29,8 @@ from megatron_rollout.engine.scheduler import (
 from megatron_rollout.types import Phase
 
 BS = 4
-SMALL = dict(schedule="chunked", num_blocks=12, block_size=BS, max_batch_tokens=8)
+SMALL = EngineConfig(scheduler=SchedulerConfig("chunked", block_size=BS, max_batch_tokens=8),
+                     kv=KVConfig(num_blocks=12))
 
 
 def _conversations(engine, seed: int, sessions: int = 4, turns: int = 3) -> list[tuple[str, list[int]]]:
@@ -55,9 +57,9 @@ def _conversations(engine, seed: int, sessions: int = 4, turns: int = 3) -> list
 # Seeds whose conversations left several half-finished prefills holding the whole pool before the fix.
 @pytest.mark.parametrize("seed", [5, 7, 15])
 def test_sessions_under_kv_pressure_all_finish_with_unpressured_tokens(make_engine, qwen, seed):
-    pressured = make_engine(qwen[1], **SMALL)
+    pressured = make_engine(qwen[1], SMALL)
     got = _conversations(pressured, seed)
-    want = _conversations(make_engine(qwen[1], **{**SMALL, "num_blocks": 256}), seed)
+    want = _conversations(make_engine(qwen[1], dataclasses.replace(SMALL, kv=KVConfig(num_blocks=256))), seed)
     assert [reason for reason, _ in got] == ["length"] * len(want)
     assert got == want
 
@@ -98,7 +100,7 @@ def test_a_decode_row_takes_a_younger_half_finished_prefill_blocks():
 
 
 def test_a_full_pool_of_half_finished_prefills_preempts_the_youngest(make_engine, qwen):
-    engine = make_engine(qwen[1], **SMALL)
+    engine = make_engine(qwen[1], SMALL)
     a, b = engine.open_session(), engine.open_session()
     prompts = [list(range(1, 25)), list(range(30, 62))]  # 24 and 32 tokens: 7 and 9 blocks with their outputs
     a.append(prompts[0])
@@ -114,7 +116,7 @@ def test_a_full_pool_of_half_finished_prefills_preempts_the_youngest(make_engine
     assert table.requests[rb].stage is Stage.WAITING and table.pool.table(b.sid) == []
     assert table.requests[ra].stage is Stage.PREFILL and len(table.pool.table(a.sid)) == 5
     done = engine.run_until([ra, rb])
-    want = make_engine(qwen[1], **{**SMALL, "num_blocks": 256}).generate(prompts, params)
+    want = make_engine(qwen[1], dataclasses.replace(SMALL, kv=KVConfig(num_blocks=256))).generate(prompts, params)
     for got, exp in zip([done[r].result for r in (ra, rb)], want):
         assert got.finish_reason is exp.finish_reason is FinishReason.LENGTH
         assert got.token_ids == exp.token_ids and got.logprobs == pytest.approx(exp.logprobs, abs=1e-5)

@@ -13,13 +13,15 @@ import copy
 import pytest
 import torch
 
-from megatron_rollout.engine import FinishReason, SamplingParams
+from megatron_rollout.engine import EngineConfig, FinishReason, KVConfig, SamplingParams, SchedulerConfig
 
 BAD = 77  # the token id whose embedding row is NaN
 PROMPTS = [[5, 6, 7, 8, 9], [11, BAD, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28]]
 PARAMS = [SamplingParams(temperature=0.0, max_new_tokens=6), SamplingParams(temperature=0.0, max_new_tokens=6),
           SamplingParams(temperature=0.8, top_k=20, max_new_tokens=6, seed=3)]
-CONFIG = dict(block_size=4, num_blocks=24, max_batch_tokens=8)
+def config(schedule: str) -> EngineConfig:
+    return EngineConfig(scheduler=SchedulerConfig(schedule, block_size=4, max_batch_tokens=8),
+                        kv=KVConfig(num_blocks=24))
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +34,12 @@ def nan_model(qwen):
 
 @pytest.mark.parametrize("schedule", ["off", "chunked", "mux"])
 def test_a_nan_row_fails_its_request_alone(make_engine, qwen, nan_model, schedule):
-    engine = make_engine(nan_model, schedule=schedule, **CONFIG)
+    engine = make_engine(nan_model, config(schedule))
     results = engine.generate(PROMPTS, PARAMS)
     bad = results[1]
     assert bad.finish_reason is FinishReason.ERROR and bad.token_ids == [] and bad.logprobs == []
     assert bad.error == f"request 3: non-finite logits (nan) at position {len(PROMPTS[1])} under weight version 0"
-    clean = make_engine(qwen[1], schedule=schedule, **CONFIG)
+    clean = make_engine(qwen[1], config(schedule))
     for got, want in zip([results[0], results[2]], clean.generate([PROMPTS[0], PROMPTS[2]], [PARAMS[0], PARAMS[2]])):
         assert got.finish_reason is FinishReason.LENGTH and got.token_ids == want.token_ids
         assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
@@ -50,7 +52,7 @@ def test_a_nan_row_fails_its_request_alone(make_engine, qwen, nan_model, schedul
 
 
 def test_a_session_turn_that_turns_nan_fails_and_the_session_goes_on(make_engine, qwen, nan_model):
-    engine = make_engine(nan_model, schedule="chunked", **CONFIG)
+    engine = make_engine(nan_model, config("chunked"))
     session = engine.open_session()
     session.append(PROMPTS[0])
     first = session.generate(PARAMS[0])

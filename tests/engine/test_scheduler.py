@@ -166,9 +166,9 @@ def test_chunked_twins_wait_while_their_first_is_mid_prefill():
 
 
 def test_config_validation():
-    with pytest.raises(ValueError, match="must be positive"):
+    with pytest.raises(ValueError, match=r"SchedulerConfig.block_size must be a positive int, got 0"):
         SchedulerConfig(Schedule.OFF, block_size=0)
-    with pytest.raises(ValueError, match="must be positive"):
+    with pytest.raises(ValueError, match=r"SchedulerConfig.max_batch_tokens must be a positive int, got 0"):
         SchedulerConfig(Schedule.CHUNKED, max_batch_tokens=0)
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rollout.engine import FinishReason, SamplingParams
+from megatron_rollout.engine import FinishReason, MuxConfig, SamplingParams
 from megatron_rollout.engine.weights import WeightVersionError
 
-from .common import ABORT_PARAMS, SCHEDULES, SMALL, assert_same, drain, prompts, reference
+from .common import ABORT_PARAMS, SCHEDULES, assert_same, drain, prompts, reference, small
 
 
 def test_schedules_give_the_same_tokens_in_one_engine_run(make_engine, qwen):
@@ -15,7 +15,7 @@ def test_schedules_give_the_same_tokens_in_one_engine_run(make_engine, qwen):
     _, model = qwen
     batch = prompts([3, 25, 2, 14, 9], seed=2)
     params = SamplingParams(temperature=0.0, max_new_tokens=7)
-    results = {s: make_engine(model, schedule=s, **SMALL).generate(batch, params) for s in SCHEDULES}
+    results = {s: make_engine(model, small(s)).generate(batch, params) for s in SCHEDULES}
     assert_same(results["chunked"], results["off"])
     assert_same(results["mux"], results["off"])
     assert_same(results["off"], reference(make_engine, model, batch, params))
@@ -29,8 +29,8 @@ def test_the_naive_ordering_is_a_schedule_of_its_own_with_off_tokens(make_engine
     _, model = qwen
     batch = prompts([3, 25, 2, 14, 9], seed=4)
     params = SamplingParams(temperature=0.0, max_new_tokens=5)
-    off = make_engine(model, schedule="off", **SMALL).generate(batch, params)
-    engine = make_engine(model, schedule="mux", mux_ordering="naive", **SMALL)
+    off = make_engine(model, small("off")).generate(batch, params)
+    engine = make_engine(model, small("mux", mux=MuxConfig("fixed:1", "naive")))
     assert type(engine.schedule) is NaiveSchedule and not isinstance(engine.schedule, MuxSchedule)
     rids = [engine.add_request(p, params) for p in batch]
     while not engine.mux_busy:
@@ -48,8 +48,8 @@ def test_mux_span_policies_give_off_tokens(make_engine, qwen, span):
     _, model = qwen
     batch = prompts([3, 25, 2, 14, 9], seed=5)
     params = SamplingParams(temperature=0.0, max_new_tokens=6)
-    off = make_engine(model, schedule="off", **SMALL).generate(batch, params)
-    engine = make_engine(model, schedule="mux", **{**SMALL, "mux_span": span})
+    off = make_engine(model, small("off")).generate(batch, params)
+    engine = make_engine(model, small("mux", mux=MuxConfig(span)))
     assert_same(engine.generate(batch, params), off)
     assert engine.schedule.rounds > 0
 
@@ -66,7 +66,7 @@ def test_abort_mid_mux_epoch_parks_blocks_until_the_epoch_ends(make_engine, qwen
             return True
         return False
 
-    engine = make_engine(model, schedule="mux", **SMALL)
+    engine = make_engine(model, small("mux"))
     batch = prompts([5, 9, 6], seed=12)
     rids = [engine.add_request(p, ABORT_PARAMS) for p in batch]
     outs: dict = {}
@@ -95,7 +95,7 @@ def test_abort_mid_mux_epoch_parks_blocks_until_the_epoch_ends(make_engine, qwen
 
 def test_update_weights_is_refused_mid_mux_epoch_and_accepted_after(make_engine, qwen):
     _, model = qwen
-    engine = make_engine(model, schedule="mux", **SMALL)
+    engine = make_engine(model, small("mux"))
     rids = [engine.add_request(p, ABORT_PARAMS) for p in prompts([9, 7], seed=3)]
     outs: dict = {}
     while not engine.mux_busy or engine.schedule.turnstile.controller.last_published == 0:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rollout.engine import FinishReason, RequestError, SamplingParams, SessionClosed
+from megatron_rollout.engine import FinishReason, KVConfig, RequestError, SamplingParams, SchedulerConfig, SessionClosed
 
-from .common import ABORT_PARAMS, SCHEDULES, SMALL, assert_same, drain, prompts, reference
+from .common import ABORT_PARAMS, SCHEDULES, SMALL, assert_same, drain, prompts, reference, small
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -14,7 +14,7 @@ def test_session_turns_prefill_only_new_tokens(make_engine, qwen, schedule):
     _, model = qwen
     system, tool = prompts([10, 5], seed=14)
     params = SamplingParams(temperature=0.0, max_new_tokens=4)
-    engine = make_engine(model, schedule=schedule, **SMALL)
+    engine = make_engine(model, small(schedule))
     session = engine.open_session()
     session.append(system)
     first = session.generate(params)
@@ -40,7 +40,7 @@ def test_session_turns_prefill_only_new_tokens(make_engine, qwen, schedule):
 
 def test_closed_session_refuses_everything(make_engine, qwen):
     _, model = qwen
-    engine = make_engine(model, **SMALL)
+    engine = make_engine(model, SMALL)
     session = engine.open_session()
     session.append([1, 2, 3])
     rid = session.submit(ABORT_PARAMS)
@@ -56,7 +56,7 @@ def test_closed_session_refuses_everything(make_engine, qwen):
 
 def test_session_rules(make_engine, qwen):
     _, model = qwen
-    engine = make_engine(model, **SMALL)
+    engine = make_engine(model, SMALL)
     session = engine.open_session()
     with pytest.raises(RequestError, match="append tokens first"):
         session.submit()
@@ -74,7 +74,7 @@ def test_session_rules(make_engine, qwen):
 def test_idle_sessions_lose_their_kv_under_pressure_and_recompute_it(make_engine, qwen):
     _, model = qwen
     params = SamplingParams(temperature=0.0, max_new_tokens=4)
-    engine = make_engine(model, block_size=4, num_blocks=8, max_batch_tokens=32)
+    engine = make_engine(model, scheduler=SchedulerConfig(block_size=4, max_batch_tokens=32), kv=KVConfig(num_blocks=8))
     session = engine.open_session()
     context = prompts([14], seed=16)[0]
     session.append(context)

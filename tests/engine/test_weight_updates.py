@@ -4,15 +4,16 @@ serving keeps serving, bit for bit, and the engine generates exactly what it gen
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
 import torch
 
-from megatron_rollout.engine import SamplingParams
+from megatron_rollout.engine import EngineConfig, KVConfig, RunnerConfig, SamplingParams, SchedulerConfig
 from megatron_rollout.engine.weights import WeightVersionError
 
-SMALL = dict(block_size=4, num_blocks=64, max_batch_tokens=8)
+SMALL = EngineConfig(scheduler=SchedulerConfig(block_size=4, max_batch_tokens=8), kv=KVConfig(num_blocks=64))
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
 PROMPTS = [[5, 17, 33, 2, 9], [40, 41, 3]]
 
@@ -41,7 +42,7 @@ def _assert_serving(engine, weights: dict[str, torch.Tensor], version: int, toke
 def served(make_engine, qwen):
     """(engine at version 1, its weights, its tokens, a valid version-2 state)."""
     _, base = qwen
-    engine = make_engine(copy.deepcopy(base), **SMALL)
+    engine = make_engine(copy.deepcopy(base), SMALL)
     engine.update_weights(_perturbed(base, 1), version=1)
     return engine, _snapshot(engine), [r.token_ids for r in engine.generate(PROMPTS, GREEDY)], _perturbed(base, 2)
 
@@ -178,7 +179,7 @@ def test_fp8_weights_follow_a_weight_update_in_place(make_engine, qwen, block):
     from megatron_rollout.model import fp8
 
     _, base = qwen
-    engine = make_engine(copy.deepcopy(base), **SMALL)
+    engine = make_engine(copy.deepcopy(base), SMALL)
     fp8.quantize_model_fp8(engine.model, block=block)
     ptrs = {n: (m.fp8.data.data_ptr(), m.fp8.scale.data_ptr()) for n, m in engine.model.named_modules()
             if getattr(m, "fp8", None) is not None}
@@ -192,23 +193,23 @@ def test_fp8_weights_follow_a_weight_update_in_place(make_engine, qwen, block):
     for name, m in fresh.named_modules():
         if getattr(m, "fp8", None) is not None:
             assert torch.equal(engine.model.get_submodule(name).fp8.dequantize(), m.fp8.dequantize()), name
-    expected = [r.token_ids for r in make_engine(fresh, **SMALL).generate(PROMPTS, GREEDY)]
+    expected = [r.token_ids for r in make_engine(fresh, SMALL).generate(PROMPTS, GREEDY)]
     assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == expected
 
 
 def test_an_fp8_engine_quantises_its_model_once_and_generates(make_engine, qwen):
-    """`EngineConfig(fp8="block")`: every matching linear and the experts hold FP8 weights (the
+    """`RunnerConfig(fp8="block")`: every matching linear and the experts hold FP8 weights (the
     experts stacked), and the engine generates what an engine on a model quantised by hand does."""
     from megatron_rollout.model import fp8
     from megatron_rollout.model.layers import Experts
 
     _, base = qwen
-    engine = make_engine(copy.deepcopy(base), fp8="block", **SMALL)
+    engine = make_engine(copy.deepcopy(base), dataclasses.replace(SMALL, runner=RunnerConfig(fp8="block")))
     experts = [m for m in engine.model.modules() if isinstance(m, Experts)]
     assert experts and all(fp8.stacked_experts_fp8(m) is not None for m in experts)
     assert all(s.block == 128 for m in experts for s in fp8.stacked_experts_fp8(m))
     by_hand = copy.deepcopy(base)
     fp8.quantize_model_fp8(by_hand, block=128)
-    expected = [r.token_ids for r in make_engine(by_hand, **SMALL).generate(PROMPTS, GREEDY)]
+    expected = [r.token_ids for r in make_engine(by_hand, SMALL).generate(PROMPTS, GREEDY)]
     assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == expected
     assert engine.model.decoder.layers[0].self_attention.linear_qkv.fp8 is not None

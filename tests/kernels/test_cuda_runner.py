@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
+from megatron_rollout.engine import EngineConfig, KVConfig, RolloutEngine, SamplingParams, SchedulerConfig
 from megatron_rollout.kv.paged import PagedKVCache
 from megatron_rollout.model.config import preset
 from megatron_rollout.model.layers import run_to_end
@@ -139,7 +139,8 @@ def test_weight_update_reaches_captured_graphs():
 @pytest.mark.parametrize("schedule", ["off", "chunked", "mux"])
 def test_engine_sessions_complete_on_the_cuda_runner(schedule):
     model = _model(2)
-    engine = RolloutEngine(model, EngineConfig(schedule=schedule, block_size=4, num_blocks=256, max_batch_tokens=64))
+    engine = RolloutEngine(model, EngineConfig(scheduler=SchedulerConfig(schedule, block_size=4, max_batch_tokens=64),
+                                               kv=KVConfig(num_blocks=256)))
     assert isinstance(engine.runner, CudaRunner)
     gen = torch.Generator().manual_seed(3)
     sessions = [engine.open_session() for _ in range(4)]

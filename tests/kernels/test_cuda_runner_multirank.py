@@ -21,6 +21,7 @@ import os
 import pytest
 import torch
 
+from megatron_rollout.engine import KVConfig, SchedulerConfig
 from megatron_rollout.types import Axis, Phase
 
 pytestmark = pytest.mark.gpu
@@ -196,7 +197,8 @@ def test_multirank_engine_completes_like_the_single_rank_engine(nccl_world, sche
 
     comm = _dist_comm("allgather", "alltoall")
     try:
-        config = EngineConfig(schedule=schedule, block_size=4, num_blocks=256, max_batch_tokens=64)
+        config = EngineConfig(scheduler=SchedulerConfig(schedule=schedule, block_size=4, max_batch_tokens=64),
+                              kv=KVConfig(num_blocks=256))
         rendezvous = Rendezvous(comm.cpu_group, 120.0, 0, name=f"test-{schedule}")
         comm.route_collectives(schedule == "mux")
         multi = RolloutEngine(_model(2, comm), config, rank=0, coordinator=RankSharedCoordinator(comm),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
+from megatron_rollout.engine import EngineConfig, KVConfig, RolloutEngine, RunnerConfig, SamplingParams, SchedulerConfig
 from megatron_rollout.model.config import preset
 from megatron_rollout.model.transformer import MoETransformer
 
@@ -17,8 +17,8 @@ def _run(mode: str, schedule: str, update_at: int | None = None, temperature: fl
          ) -> tuple[list, RolloutEngine]:
     cfg = preset("tiny-moe").replace(dtype="bfloat16", max_position_embeddings=512)
     model = MoETransformer(cfg, device="cuda").init_weights(3)
-    engine = RolloutEngine(model, EngineConfig(schedule=schedule, block_size=16, num_blocks=512,
-                                               max_batch_tokens=256, decode_ahead=mode))
+    engine = RolloutEngine(model, EngineConfig(scheduler=SchedulerConfig(schedule, block_size=16, max_batch_tokens=256),
+                                               kv=KVConfig(num_blocks=512), runner=RunnerConfig(decode_ahead=mode)))
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 256, (int(n),), generator=gen).tolist() for n in (5, 70, 33, 12, 90, 1)]
     lengths = (24, 9, 30, 17, 24, 3)

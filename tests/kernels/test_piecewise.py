@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
+from megatron_rollout.engine import EngineConfig, KVConfig, RolloutEngine, SamplingParams, SchedulerConfig
 from megatron_rollout.engine.config import RunnerConfig
 from megatron_rollout.kv.paged import PagedKVCache
 from megatron_rollout.model.config import preset
@@ -147,9 +147,9 @@ def test_off_and_mux_give_identical_tokens_on_piecewise_graphs():
     for schedule in ("off", "mux"):
         cfg = preset("tiny-moe").replace(dtype="bfloat16", max_position_embeddings=512)
         model = MoETransformer(cfg, device="cuda").init_weights(3)
-        engine = RolloutEngine(model, EngineConfig(schedule=schedule, block_size=4, num_blocks=512,
-                                                   max_batch_tokens=96,
-                                                   runner=RunnerConfig(prefill_graph_tokens=BUCKETS)))
+        config = EngineConfig(scheduler=SchedulerConfig(schedule, block_size=4, max_batch_tokens=96),
+                              kv=KVConfig(num_blocks=512), runner=RunnerConfig(prefill_graph_tokens=BUCKETS))
+        engine = RolloutEngine(model, config)
         gen = torch.Generator().manual_seed(4)
         prompts = [torch.randint(0, 256, (int(n),), generator=gen).tolist() for n in (5, 70, 33, 12, 90, 1)]
         done = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=12, ignore_stop=True))

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_rollout.engine import KVConfig, RunnerConfig, SchedulerConfig
 from megatron_rollout.model import te_layers
 from megatron_rollout.model.config import PRESETS
 from megatron_rollout.model.layers import Experts, Linear
@@ -47,7 +48,7 @@ def test_missing_te_names_the_install_commands(monkeypatch):
         from megatron_rollout.engine.config import EngineConfig
 
         with pytest.raises(RuntimeError, match="Transformer Engine is not importable"):  # at construction
-            RolloutEngine(MoETransformer(CFG), EngineConfig(fp8="te-current"))
+            RolloutEngine(MoETransformer(CFG), EngineConfig(runner=RunnerConfig(fp8="te-current")))
     finally:
         te_layers.te_missing.cache_clear()
 
@@ -232,7 +233,7 @@ def test_fake_te_engine_mode_puts_the_model_on_te_and_updates_refresh_its_caches
     base = MoETransformer(CFG).init_weights(seed=0)
     want = [r.token_ids for r in RolloutEngine(base, EngineConfig()).generate(prompts, greedy)]
     model = MoETransformer(CFG).init_weights(seed=0)
-    engine = RolloutEngine(model, EngineConfig(fp8="te-current"))
+    engine = RolloutEngine(model, EngineConfig(runner=RunnerConfig(fp8="te-current")))
     qkv = model.decoder.layers[0].self_attention.linear_qkv
     assert isinstance(qkv.fp8, te_layers.TEWeight) and type(qkv.fp8.recipe).__name__ == "Float8CurrentScaling"
     assert [r.token_ids for r in engine.generate(prompts, greedy)] == want  # the fake TE computes exactly
@@ -240,7 +241,7 @@ def test_fake_te_engine_mode_puts_the_model_on_te_and_updates_refresh_its_caches
     engine.update_weights({k: v * 1.01 for k, v in model.state_dict().items()}, version=1)
     assert qkv.fp8.module.calls == [((16, CFG.hidden_size), True)]  # refreshed by the update itself
     with pytest.raises(ValueError, match="fp8 must be one of .*te-current.*got 'te-fast'"):
-        EngineConfig(fp8="te-fast")
+        EngineConfig(runner=RunnerConfig(fp8="te-fast"))
 
 
 def test_fake_te_refuses_shapes_te_cannot_run(fake_te):
@@ -394,7 +395,8 @@ def test_te_engine_decodes_in_graphs_and_follows_weight_updates():
     from megatron_rollout.engine.config import EngineConfig
 
     cfg, model = _te_model(2)
-    config = EngineConfig(fp8="te-current", num_blocks=256, block_size=16, max_batch_tokens=512)
+    config = EngineConfig(scheduler=SchedulerConfig(block_size=16, max_batch_tokens=512), kv=KVConfig(num_blocks=256),
+                          runner=RunnerConfig(fp8="te-current"))
     greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
     prompts = [list(range(3, 40)), list(range(100, 117))]
     new = {k: v + 0.02 * torch.randn_like(v) for k, v in model.state_dict().items()}

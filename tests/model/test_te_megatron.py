@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from megatron_rollout.bench import te_megatron as tm
-from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
+from megatron_rollout.engine import EngineConfig, KVConfig, RolloutEngine, SamplingParams
 from megatron_rollout.model.config import PRESETS, ModelConfig
 from megatron_rollout.model.sharding import full_shapes
 from megatron_rollout.model.transformer import MoETransformer
@@ -173,7 +173,7 @@ def test_a_te_spec_state_hot_swaps_through_update_weights(grouped):
         parity = tm.logit_parity(engine.model(ids), trained(ids))
     assert (parity.rel_err, parity.max_token_rel_err, parity.top1_agreement) == (0.0, 0.0, 1.0)
     params = SamplingParams(temperature=0.0, max_new_tokens=5)
-    want = RolloutEngine(trained, EngineConfig(num_blocks=32)).generate([[256, 72, 105]], params)[0]
+    want = RolloutEngine(trained, EngineConfig(kv=KVConfig(num_blocks=32))).generate([[256, 72, 105]], params)[0]
     out = engine.generate([[256, 72, 105]], params)[0]
     assert out.token_ids == want.token_ids and len(out.token_ids) == 5 and out.weight_versions == [1] * 5
     # A name the mapping accepts still meets update_weights' shape check (a transposed expert here).

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from megatron_rollout.engine import EngineConfig, SamplingParams
+from megatron_rollout.engine import EngineConfig, MuxConfig, SamplingParams, SchedulerConfig
 from megatron_rollout.forward import BoundaryPoint
 from megatron_rollout.model.config import preset
 from megatron_rollout.model.transformer import MoETransformer
@@ -50,7 +50,8 @@ def _run_engine(runtime, model, kind: str, faulty: int, at: int) -> dict:
     from megatron_rollout.engine.schedules.mux import boundary_plan
     from megatron_rollout.multiplex.controller import BoundaryError
 
-    engine = runtime.engine(model, EngineConfig(schedule="mux", block_size=4, mux_span="fixed:1"))
+    engine = runtime.engine(model, EngineConfig(scheduler=SchedulerConfig(schedule="mux", block_size=4),
+                                                mux=MuxConfig(span="fixed:1")))
     plan, seen, forwards = boundary_plan(model, Phase.P), [], [0]
     inner = engine.executor.forward
 

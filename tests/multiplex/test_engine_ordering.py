@@ -19,7 +19,7 @@ import os
 import threading
 import time
 
-from megatron_rollout.engine import EngineConfig, SamplingParams
+from megatron_rollout.engine import EngineConfig, MuxConfig, SamplingParams, SchedulerConfig
 from megatron_rollout.model.config import preset
 from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.types import Axis
@@ -43,8 +43,8 @@ def _case(rank: int, schedule: str, ordering: str, atp: int, adp: int) -> dict:
     comm = in_order_dist_comm(ParallelLayout(atp, adp, 4), config, stall_s=STALL_S)
     runtime = Runtime(comm, comm.device, timeout_s=STALL_S + 6)
     model = MoETransformer(CFG, comm=comm).init_weights(seed=5)
-    engine = runtime.engine(model, EngineConfig(schedule=schedule, block_size=4, mux_ordering=ordering,
-                                                mux_span="fixed:1"))
+    engine = runtime.engine(model, EngineConfig(scheduler=SchedulerConfig(schedule=schedule, block_size=4),
+                                                mux=MuxConfig(ordering=ordering, span="fixed:1")))
     t0 = time.monotonic()
     try:
         first = [engine.add_request(p, PARAMS) for p in FIRST] if runtime.leader else []

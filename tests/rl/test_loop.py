@@ -17,7 +17,7 @@ REQUIRED = {"step", "reward_mean", "reward_std", "kl", "clip_fraction", "rollout
 
 def test_config_from_yaml_and_overrides():
     cfg = GRPOConfig.from_yaml(CONFIG, steps=3)
-    assert cfg.steps == 3 and cfg.env == "digits" and cfg.engine["schedule"] == "mux"
+    assert cfg.steps == 3 and cfg.env == "digits" and cfg.engine["scheduler"]["schedule"] == "mux"
     assert cfg.loss == LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.001, tis_cap=2.0)
     assert cfg.trainer.num_minibatches == 2
     with pytest.raises(ValueError, match="unknown GRPO config keys"):
@@ -25,7 +25,10 @@ def test_config_from_yaml_and_overrides():
     with pytest.raises(ValueError, match="unknown env"):
         GRPOConfig(env="chess")
     with pytest.raises(ValueError):
-        GRPOConfig(engine={"schedule": "sometimes"})
+        GRPOConfig(engine={"scheduler": {"schedule": "sometimes"}})
+    with pytest.raises(ValueError, match=r"GRPOConfig.engine: EngineConfig has no field \['num_blocks'\]"):
+        GRPOConfig(engine={"num_blocks": 64})  # the flat spelling is gone: kv: {num_blocks: 64}
+    assert GRPOConfig(engine={"kv": {"num_blocks": 64}}).engine_config.scheduler.schedule.value == "mux"
 
 
 @pytest.mark.slow
@@ -46,7 +49,7 @@ def test_grpo_learns_digits(tmp_path):
 
 def test_multi_turn_tool_task_end_to_end(tmp_path):
     cfg = GRPOConfig(env="guess", max_turns=3, tool_latency_s=0.01, max_new_tokens=3, prompts_per_step=2,
-                     group_size=4, steps=2, engine={"schedule": "mux", "num_blocks": 64})
+                     group_size=4, steps=2, engine={"scheduler": {"schedule": "mux"}, "kv": {"num_blocks": 64}})
     history = run_grpo(cfg, tmp_path)
     assert [m["weight_version"] for m in history] == [1, 2]
     assert all(1 < m["turns_mean"] <= 3 for m in history)
@@ -57,7 +60,7 @@ def test_multi_turn_tool_task_end_to_end(tmp_path):
 def test_tool_config():
     cfg = GRPOConfig.from_yaml(TOOL_CONFIG)
     assert cfg.env == "lookup" and cfg.max_turns == 2 and cfg.max_new_tokens == (2, 1)
-    assert cfg.tool_latency_s > 0 and cfg.loss.kl_coef == 0.05 and cfg.engine["schedule"] == "mux"
+    assert cfg.tool_latency_s > 0 and cfg.loss.kl_coef == 0.05 and cfg.engine["scheduler"]["schedule"] == "mux"
     assert GRPOConfig.from_yaml(TOOL_CONFIG, atp=2, adp=2, ep=4).ep == 4
     with pytest.raises(ValueError, match="ep must equal atp x adp = 4"):
         GRPOConfig.from_yaml(TOOL_CONFIG, atp=2, adp=2, ep=2)
@@ -75,7 +78,7 @@ def test_tool_config():
     ({"loss": {"kl": 0.1}}, "unknown loss keys ['kl']"),
     ({"trainer": {"num_minibatches": True}}, "TrainerConfig.num_minibatches must be int, got True"),
     ({"max_new_tokens": [2, "8"]}, "max_new_tokens must be an int >= 1 or a list of them, got [2, '8']"),
-    ({"engine": {"num_blockz": 3}}, "GRPOConfig.engine: "),
+    ({"engine": {"kv": {"num_blockz": 3}}}, "GRPOConfig.engine: "),
     ({"env": 3}, "GRPOConfig.env must be str, got 3 (int)"),
 ])
 def test_wrong_yaml_types_name_the_key(raw, message):
@@ -91,7 +94,7 @@ def test_yaml_numbers_are_normalised():
 
 
 def _small(**kw):
-    base = dict(prompts_per_step=2, group_size=4, steps=2, max_new_tokens=4, engine={"num_blocks": 64})
+    base = dict(prompts_per_step=2, group_size=4, steps=2, max_new_tokens=4, engine={"kv": {"num_blocks": 64}})
     return GRPOConfig(**{**base, **kw})
 
 
@@ -117,7 +120,7 @@ def test_rerun_that_fails_early_keeps_the_old_metrics(tmp_path):
     with pytest.raises(FileExistsError, match="--overwrite"):
         run_grpo(_small(), tmp_path)
     assert (tmp_path / "metrics.jsonl").read_text() == old
-    tiny_pool = _small(engine={"num_blocks": 1, "block_size": 4})  # fails in its first step
+    tiny_pool = _small(engine={"kv": {"num_blocks": 1}, "scheduler": {"block_size": 4}})  # fails in its first step
     with pytest.raises(RuntimeError):
         run_grpo(tiny_pool, tmp_path, overwrite=True)
     assert (tmp_path / "metrics.jsonl").read_text() == old
@@ -129,11 +132,12 @@ def test_rerun_that_fails_early_keeps_the_old_metrics(tmp_path):
 
 def test_kv_pool_too_small_fails_with_the_figure(caplog):
     # "Digits please (NN): " with BOS is 21 tokens: it does not fit in 2 blocks of 4 positions.
-    with pytest.raises(RuntimeError, match=r"ended 8 of 8 episodes \(100%\).*num_blocks=2 x block_size=4 = 8 "
-                                           r"positions.*raise engine.num_blocks"):
-        run_grpo(_small(engine={"num_blocks": 2, "block_size": 4}))
+    with pytest.raises(RuntimeError, match=r"ended 8 of 8 episodes \(100%\).*num_blocks=2 x "
+                                           r"engine.scheduler.block_size=4 = 8 positions.*raise engine.kv.num_blocks"):
+        run_grpo(_small(engine={"kv": {"num_blocks": 2}, "scheduler": {"block_size": 4}}))
     caplog.set_level(logging.WARNING, logger="rl.loop")
-    history = run_grpo(_small(engine={"num_blocks": 2, "block_size": 4}, max_engine_errors=1.0, steps=1))
+    tiny = {"kv": {"num_blocks": 2}, "scheduler": {"block_size": 4}}
+    history = run_grpo(_small(engine=tiny, max_engine_errors=1.0, steps=1))
     assert history[0]["engine_errors"] == 8 and "ended 8 of 8 episodes" in caplog.text
 
 

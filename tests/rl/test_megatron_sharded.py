@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from megatron_rollout.engine import KVConfig
 from tests.world import run_world  # noqa: E402
 
 
@@ -73,13 +74,13 @@ def _world(rank):
                 offsets_checked += 1
     assert loaded == set(own), sorted(set(own) - loaded)[:3]
     trainer = MegatronTrainer(gpt, torch.optim.SGD(gpt.parameters(), lr=0.1), LossConfig(), cfg)
-    engine = RolloutEngine(MoETransformer(cfg).init_weights(0), EngineConfig(num_blocks=32))
+    engine = RolloutEngine(MoETransformer(cfg).init_weights(0), EngineConfig(kv=KVConfig(num_blocks=32)))
     engine.update_weights(trainer.named_weights(), 1)  # a collective: every rank gathers
     got = engine.model.state_dict()
     equal = sorted(n for n in reference if torch.equal(got[n], reference[n]))
     params = SamplingParams(temperature=0.0, max_new_tokens=6)
     tokens = engine.generate([[256, 72, 105]], params)[0].token_ids
-    want = RolloutEngine(MoETransformer(cfg).init_weights(7), EngineConfig(num_blocks=32)).generate(
+    want = RolloutEngine(MoETransformer(cfg).init_weights(7), EngineConfig(kv=KVConfig(num_blocks=32))).generate(
         [[256, 72, 105]], params)[0].token_ids
     return dict(tp=tp, ep=ep, local=len(own), total=len(reference), equal=len(equal), offsets=offsets_checked,
                 tokens=tokens, want=want, version=engine.weight_version, sharded=trainer.sharded)

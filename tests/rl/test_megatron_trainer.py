@@ -4,6 +4,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from megatron_rollout.engine import KVConfig
 from tests.world import run_world  # noqa: E402
 
 
@@ -35,9 +36,9 @@ def _cpu_world(rank):
     named = dict(trainer.named_weights())
     same = all(torch.equal(named[n], p) for n, p in native.named_parameters())
 
-    engine = RolloutEngine(MoETransformer(cfg).init_weights(0), EngineConfig(num_blocks=32))
+    engine = RolloutEngine(MoETransformer(cfg).init_weights(0), EngineConfig(kv=KVConfig(num_blocks=32)))
     engine.update_weights(trainer.named_weights(), 1)
-    reference = RolloutEngine(copy.deepcopy(native), EngineConfig(num_blocks=32))
+    reference = RolloutEngine(copy.deepcopy(native), EngineConfig(kv=KVConfig(num_blocks=32)))
     prompt = [[256, 72, 105]]
     params = SamplingParams(temperature=0.0, max_new_tokens=6)
     got, want = engine.generate(prompt, params)[0], reference.generate(prompt, params)[0]
@@ -86,7 +87,7 @@ def _gpu_world(rank):
     load_weights(gpt, native.named_parameters())
     trainer = MegatronTrainer(gpt, torch.optim.AdamW(gpt.parameters(), lr=1e-2), LossConfig(tis_cap=2.0), cfg)
     tok = ByteTokenizer()
-    engine = RolloutEngine(copy.deepcopy(native), EngineConfig(num_blocks=64))
+    engine = RolloutEngine(copy.deepcopy(native), EngineConfig(kv=KVConfig(num_blocks=64)))
     task, rubric = TASKS["digits"]
     eps = [Episode(SingleTurnEnv(task, rubric, tok), 0, 0, sample_seed=i) for i in range(4)]
     batch = collate(rollout(engine, eps, RolloutConfig(SamplingParams(max_new_tokens=6))).trajectories, tok.pad_id)

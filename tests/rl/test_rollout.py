@@ -4,7 +4,7 @@ import copy
 import pytest
 import torch
 
-from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
+from megatron_rollout.engine import EngineConfig, KVConfig, RolloutEngine, SamplingParams, SchedulerConfig
 from rl.envs import Env, GuessDigitEnv, Observation, SingleTurnEnv
 from rl.envs.single_turn import TASKS
 from rl.objective import LossConfig
@@ -14,7 +14,8 @@ from rl.trajectory import NOT_GENERATED, collate
 
 
 def _engine(model, schedule="chunked"):
-    return RolloutEngine(copy.deepcopy(model), EngineConfig(schedule=schedule, num_blocks=128))
+    return RolloutEngine(copy.deepcopy(model),
+                         EngineConfig(scheduler=SchedulerConfig(schedule=schedule), kv=KVConfig(num_blocks=128)))
 
 
 def _digits(tok, groups=3, size=4):
@@ -103,7 +104,7 @@ def test_env_error_propagates_and_frees_sessions(policy, tok):
 
 def test_refused_turn_truncates_only_that_episode(policy, tok):
     # Prompt (43 tokens with BOS) + 3 generated + a 10-token reply exceeds 50: the second turn is refused.
-    engine = RolloutEngine(copy.deepcopy(policy), EngineConfig(num_blocks=64, max_model_len=50))
+    engine = RolloutEngine(copy.deepcopy(policy), EngineConfig(kv=KVConfig(num_blocks=64), max_model_len=50))
     res = rollout(engine, _guess(tok, 4, 0.0), RolloutConfig(SamplingParams(max_new_tokens=3), max_turns=3))
     assert all(t.num_turns == 1 for t in res.trajectories)
     assert all(t.truncated for t in res.trajectories if t.reward == 0.0)

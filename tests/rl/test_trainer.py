@@ -3,7 +3,7 @@ import copy
 import pytest
 import torch
 
-from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
+from megatron_rollout.engine import EngineConfig, KVConfig, RolloutEngine, SamplingParams
 from megatron_rollout.engine.weights import WeightVersionError
 from megatron_rollout.model.sharding import full_shapes
 from rl.envs import SingleTurnEnv
@@ -16,7 +16,7 @@ from tests.world import run_world
 
 
 def _batch(model, tok, n=4, seed=0):
-    engine = RolloutEngine(copy.deepcopy(model), EngineConfig(num_blocks=64))
+    engine = RolloutEngine(copy.deepcopy(model), EngineConfig(kv=KVConfig(num_blocks=64)))
     task, rubric = TASKS["digits"]
     eps = [Episode(SingleTurnEnv(task, rubric, tok), seed=seed, group_id=0, sample_seed=seed * 100 + i)
            for i in range(n)]
@@ -70,7 +70,7 @@ def test_empty_local_batch_changes_nothing(policy):
 
 
 def test_hot_swap_equals_fresh_engine_and_refuses_stale(policy, tok):
-    engine = RolloutEngine(copy.deepcopy(policy), EngineConfig(num_blocks=64))
+    engine = RolloutEngine(copy.deepcopy(policy), EngineConfig(kv=KVConfig(num_blocks=64)))
     prompts = [[tok.bos_id, *tok.encode("Digits please: ")], [tok.bos_id, *tok.encode("abc")]]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
     seeded = [SamplingParams(max_new_tokens=8, seed=s) for s in (1, 2)]
@@ -81,7 +81,7 @@ def test_hot_swap_equals_fresh_engine_and_refuses_stale(policy, tok):
     trainer.train_step(batch, torch.tensor([1.0, -1.0, 1.0, -1.0]))
     engine.update_weights(trainer.named_weights(), 1)
     assert engine.weight_version == 1
-    fresh = RolloutEngine(copy.deepcopy(policy), EngineConfig(num_blocks=64))
+    fresh = RolloutEngine(copy.deepcopy(policy), EngineConfig(kv=KVConfig(num_blocks=64)))
     for params in (greedy, seeded):
         got, want = engine.generate(prompts, params), fresh.generate(prompts, params)
         assert [g.token_ids for g in got] == [w.token_ids for w in want]
