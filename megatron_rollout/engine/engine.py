@@ -38,7 +38,7 @@ from megatron_rollout.runner.cuda import make_runner
 from megatron_rollout.types import Axis
 
 
-def _honoured_comm(config: EngineConfig, built: CommConfig | None) -> CommConfig | None:
+def comm_config_of(config: EngineConfig, built: CommConfig | None) -> CommConfig | None:
     """The communicators the engine runs on: the model's comm must have been built from
     `EngineConfig.comm` where both are given, and P's padded domain must hold a prefill epoch."""
     if config.comm is not None and built is not None and config.comm != built:
@@ -65,7 +65,7 @@ class RolloutEngine:
         self.distributed = not isinstance(self.coordinator, LocalCoordinator)
         self.stats = EngineStats()
         self.weights = WeightStore(model)
-        self.comm_config = _honoured_comm(c, model.comm.config)
+        self.comm_config = comm_config_of(c, model.comm.config)
         self.table = RequestTable(c.kv.num_blocks, c.scheduler.block_size, c.kv.prefix_caching, self.max_model_len,
                                   cfg.vocab_size, self.stats, recording=self.distributed and self.coordinator.leader)
         kv_heads = cfg.num_query_groups // model.comm.size(Axis.ATP)

@@ -155,3 +155,19 @@ def test_the_cli_runner_default_is_the_environment_read_once(monkeypatch):
     args = p.parse_args([])
     with pytest.raises(ValueError, match=r"\$MEGATRON_ROLLOUT_RUNNER must be auto, eager or cuda, got 'fast'"):
         engine_config(args)
+
+
+def test_the_engine_honours_its_comm_config():
+    """The engine runs on the communicators its config names: a model's comm built from another
+    CommConfig is refused, and so is a P exchange smaller than a prefill epoch."""
+    from megatron_rollout.engine.engine import comm_config_of
+
+    built = CommConfig(timeout_s=30, p_exchange="alltoall")
+    assert comm_config_of(EngineConfig(comm=built), built) == built
+    assert comm_config_of(EngineConfig(), built) == built  # None: the comm as built
+    assert comm_config_of(EngineConfig(comm=built), None) == built  # one process: nothing was built
+    with pytest.raises(ValueError, match=r"EngineConfig.comm is CommConfig\(.*p_exchange='allgather'.*but the "
+                                         r"model's comm was built with CommConfig\(.*p_exchange='alltoall'"):
+        comm_config_of(EngineConfig(comm=CommConfig(timeout_s=30)), built)
+    with pytest.raises(ValueError, match=r"holds 4096 tokens per P exchange .*max_batch_tokens = 8192"):
+        comm_config_of(EngineConfig(scheduler=SchedulerConfig(max_batch_tokens=8192)), CommConfig())
