@@ -59,8 +59,8 @@
 #
 # The 2026-12-02 ninth-session lease (docs/h200-2026-12-02/COMMIT), as it ran (vLLM at two settings
 # per profile fitted: its runs take ~250-280 s for both, so give each its own call):
-#   call 1, carry [".whl"]: bash examples/h200_session.sh setup tests, then bench.profile --no-graphs
-#   call 2, carry [".whl"]: setup, GPU tests of the changes, micro (decode,prefill), bench.attention, bench.profile
+#   call 1, carry [".whl"]: bash examples/h200_session.sh setup tests, then benchmarks.profile --no-graphs
+#   call 2, carry [".whl"]: setup, GPU tests of the changes, micro (decode,prefill), benchmarks.attention, benchmarks.profile
 #   call 3, carry [".whl", ".vb0"]: DEADLINE=200 bash examples/h200_session.sh setup current   (kept warm to call 10)
 #   calls 4-6, carry [".vb1"], [".vb2"], [".vb3"]: bash /tmp/run/examples/h200_session.sh piece
 #   call 7, carry [".vb4"]: bash /tmp/run/examples/h200_session.sh piece flashmicro
@@ -69,12 +69,12 @@
 #   call 10, no carry: VLLM_RUNS="prefill:default,best:370" bash /tmp/run/examples/h200_session.sh vllm
 #
 # The 2026-12-02 tenth-session lease (docs/h200-2026-12-02b/COMMIT), as it ran:
-#   call 1, carry [".whl"]: bash examples/h200_session.sh setup tests, then bench.kernels
+#   call 1, carry [".whl"]: bash examples/h200_session.sh setup tests, then benchmarks.kernels
 #   call 2, no carry: the micro stage (--micro-parts decode,prefill,gap), then `idle` (rows 1,64)
-#   call 3, carry [".whl"]: setup, GPU tests of the changes, bench.kernels --row-blocks 1,2,4,8, micro prefill
-#   call 4, carry [".whl", ".vb0"]: setup, fused/piecewise GPU tests, bench.kernels   (kept warm to call 10)
+#   call 3, carry [".whl"]: setup, GPU tests of the changes, benchmarks.kernels --row-blocks 1,2,4,8, micro prefill
+#   call 4, carry [".whl", ".vb0"]: setup, fused/piecewise GPU tests, benchmarks.kernels   (kept warm to call 10)
 #   call 5, carry [".vb1"]: piece, micro (decode,prefill,gap), idle
-#   call 6, carry [".vb2"]: piece, `fp8`;  call 7, carry [".vb3"]: piece, bench.profile
+#   call 6, carry [".vb2"]: piece, `fp8`;  call 7, carry [".vb3"]: piece, benchmarks.profile
 #   call 8, carry [".vb4"]: piece, unpack, FA3 GPU tests, micro (prefill,gap) with --attention flash
 #   call 9, no carry: `prefill` on FA3 at 8,192 (off, chunked, mux; commands in docs/benchmarks.md)
 #   call 10, no carry: vLLM on it at two settings (--resume)
@@ -82,13 +82,13 @@
 #
 # `.run` is `git archive HEAD` of the commit measured, plus `.whl/` (megatron-core 0.19.2, which
 # the device image lacks); it is copied to /tmp/run so later calls need not carry it. Results are
-# kept under /tmp/res (the vLLM stage reads our runs back with `bench.rollout --resume`) and
+# kept under /tmp/res (the vLLM stage reads our runs back with `benchmarks.rollout --resume`) and
 # copied to $OUT.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:/tmp/run
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p /tmp/pc /tmp/res
-bench() { python3 -m megatron_rollout.bench.rollout --no-progress "$@"; }
+bench() { python3 -m benchmarks.rollout --no-progress "$@"; }
 
 for stage in "$@"; do
   case "$stage" in
@@ -106,7 +106,7 @@ for stage in "$@"; do
         | tee "$OUT/gpu_tests.log" | tail -15 ;;
     hotswap)  # update_weights at full size: copy, bind, reshard
       cd /tmp/run
-      timeout 100 python3 -m megatron_rollout.bench.hotswap --model qwen3-30b-a3b --json \
+      timeout 100 python3 -m benchmarks.hotswap --model qwen3-30b-a3b --json \
         > "$OUT/hotswap.json" 2> "$OUT/hotswap.err"; tail -c 1200 "$OUT/hotswap.json"; tail -3 "$OUT/hotswap.err" ;;
     current)  # our schedules: budget sweep, then 3 interleaved warm repeats
       cd /tmp/run
@@ -131,26 +131,26 @@ for stage in "$@"; do
       tail -8 /tmp/res/p48.log; cp /tmp/res/p48/rollout.json "$OUT/p48.json" ;;
     profile)  # where a forward's time goes (torch profiler), eager against piecewise
       cd /tmp/run
-      timeout 150 python3 -m megatron_rollout.bench.profile --out "$OUT/profile.json" > /tmp/res/profile.log 2>&1
+      timeout 150 python3 -m benchmarks.profile --out "$OUT/profile.json" > /tmp/res/profile.log 2>&1
       grep __main__ /tmp/res/profile.log | cut -c1-200 ;;
     attention)  # attention backends and the Triton prefill settings grid on the model's shapes
       cd /tmp/run
-      timeout 200 python3 -m megatron_rollout.bench.attention --backends "${ATTN_BACKENDS:-triton,varlen}" \
+      timeout 200 python3 -m benchmarks.attention --backends "${ATTN_BACKENDS:-triton,varlen}" \
         --out "$OUT/attention.json" 2>&1 | tail -8 ;;
     fp8)  # bf16 vs FP8 (dense on scaled_mm; experts stacked e4m3 on the Triton kernels) in decode graphs
       cd /tmp/run
-      timeout 300 python3 -m megatron_rollout.bench.te --out "$OUT/fp8-bench.json" > /tmp/res/fp8.log 2>&1
+      timeout 300 python3 -m benchmarks.te --out "$OUT/fp8-bench.json" > /tmp/res/fp8.log 2>&1
       tail -8 /tmp/res/fp8.log ;;
     micro)  # the micro stage alone: decode steps, prefill rate, attention, experts
       cd /tmp/run
-      timeout 120 python3 -m megatron_rollout.bench.rollout --schedules '' --micro --no-vllm --out /tmp/res/micro \
+      timeout 120 python3 -m benchmarks.rollout --schedules '' --micro --no-vllm --out /tmp/res/micro \
         > /tmp/res/micro.log 2>&1; tail -12 /tmp/res/micro.log; cp /tmp/res/micro/rollout.json "$OUT/micro.json" ;;
     flash)  # FA3 from the unpacked vLLM bundle: its GPU tests, the attention grid with it (the crossover
       # shapes too), then a prefill replay on it
       cd /tmp/run
       PYTHONPATH=/tmp/site:/tmp/run:/tmp/pv/site timeout 120 python3 -m pytest -q -m gpu tests/kernels/test_attention.py \
         -k flash -p no:cacheprovider -rs 2>&1 | tee "$OUT/flash_tests.log" | tail -4
-      PYTHONPATH=/tmp/site:/tmp/run:/tmp/pv/site timeout 150 python3 -m megatron_rollout.bench.attention \
+      PYTHONPATH=/tmp/site:/tmp/run:/tmp/pv/site timeout 150 python3 -m benchmarks.attention \
         --backends triton,flash --block-n 128 --stages 3 --warps 8 \
         --prefill '1x(0+4096),8x(2048+512),4x(2048+1024),1x(0+512),1x(0+1024),1x(0+2048),4x(0+512)' \
         --out "$OUT/attention-flash.json" 2>&1 | tail -8
@@ -161,19 +161,19 @@ for stage in "$@"; do
       tail -10 /tmp/res/prefill-flash.log; cp /tmp/res/prefill-flash/rollout.json "$OUT/prefill-flash.json" ;;
     kernels)  # fused small ops and the decode step; the micro stage (prefill rate, attention, experts)
       cd /tmp/run
-      timeout 240 python3 -m megatron_rollout.bench.kernels --json --out "$OUT/kernels.json" > /tmp/res/kernels.log 2>&1
+      timeout 240 python3 -m benchmarks.kernels --json --out "$OUT/kernels.json" > /tmp/res/kernels.log 2>&1
       tail -40 /tmp/res/kernels.log | cut -c1-220
-      timeout 100 python3 -m megatron_rollout.bench.rollout --schedules '' --micro --no-vllm --out /tmp/res/micro \
+      timeout 100 python3 -m benchmarks.rollout --schedules '' --micro --no-vllm --out /tmp/res/micro \
         > /tmp/res/micro.log 2>&1; tail -12 /tmp/res/micro.log; cp /tmp/res/micro/rollout.json "$OUT/micro.json" ;;
     idle)  # the GPU's idle share of decode-only windows, 3 interleaved repeats, with and without decode ahead
       cd /tmp/run
-      timeout 150 python3 -m megatron_rollout.bench.profile --no-forwards --no-graphs --idle-rows "${IDLE_ROWS:-1,64}" \
+      timeout 150 python3 -m benchmarks.profile --no-forwards --no-graphs --idle-rows "${IDLE_ROWS:-1,64}" \
         --idle-repeats 3 --out "$OUT/idle.json" > /tmp/res/idle.log 2>&1; grep -i "window" /tmp/res/idle.log | cut -c1-240 ;;
     flashmicro)  # the micro stage's decode and prefill with FA3 (the unpacked bundle) on every prefill
       mkdir -p /tmp/pv/site
       [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.0* | xz -dc -T8 | tar -x -C /tmp/pv/site)
       cd /tmp/run
-      PYTHONPATH=/tmp/site:/tmp/run:/tmp/pv/site timeout 150 python3 -m megatron_rollout.bench.rollout --schedules '' \
+      PYTHONPATH=/tmp/site:/tmp/run:/tmp/pv/site timeout 150 python3 -m benchmarks.rollout --schedules '' \
         --micro --micro-parts decode,prefill --attention flash --no-vllm --out /tmp/res/micro-flash \
         > /tmp/res/micro-flash.log 2>&1; tail -12 /tmp/res/micro-flash.log | cut -c1-200
       cp /tmp/res/micro-flash/rollout.json "$OUT/micro-flash.json" ;;
@@ -199,7 +199,7 @@ for stage in "$@"; do
       MEGATRON_ROLLOUT_PDL=1 timeout 100 python3 -m pytest -q -m gpu tests/kernels/test_cuda_runner.py \
         tests/kernels/test_pdl.py -p no:cacheprovider -x 2>&1 | tee "$OUT/pdl_tests.log" | tail -3
       for i in 1 2; do for v in 0 1; do
-        MEGATRON_ROLLOUT_PDL=$v timeout 60 python3 -m megatron_rollout.bench.profile --no-forwards --no-graphs \
+        MEGATRON_ROLLOUT_PDL=$v timeout 60 python3 -m benchmarks.profile --no-forwards --no-graphs \
           --idle-rows "${IDLE_ROWS:-1}" --idle-repeats 1 --out "$OUT/idle-pdl$v-$i.json" > "$OUT/idle-pdl$v-$i.log" 2>&1
         echo "PDL=$v round $i"; grep -i "window" "$OUT/idle-pdl$v-$i.log" | cut -c30-330
       done; done ;;

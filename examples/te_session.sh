@@ -24,7 +24,7 @@
 #   check  import transformer_engine.pytorch, te.Linear bf16 and under each FP8 recipe, the cuBLASLt
 #          version TE sees and which recipes GroupedLinear's device-split path takes: $OUT/te-check.json
 #   tests  the GPU tests of tests/model/test_te_layers.py: $OUT/te-tests.log
-#   bench  python -m megatron_rollout.bench.te: $OUT/te-bench.json
+#   bench  python -m benchmarks.te: $OUT/te-bench.json
 #   megatron  carry [".whl"]: a Megatron TE-spec GPTModel's training step, then update_weights into
 #          the rollout and logits parity: $OUT/te-megatron.json
 set -uo pipefail
@@ -226,13 +226,13 @@ EOF
       timeout 300 python3 -m pytest -q -m gpu tests/model/test_te_layers.py -p no:cacheprovider --timeout 240 -rA -s \
         2>&1 | tee "$OUT/te-tests.log" | tail -25 ;;
     bench)
-      timeout 400 python3 -m megatron_rollout.bench.te --out "$OUT/te-bench.json" 2>&1 | tail -30 ;;
+      timeout 400 python3 -m benchmarks.te --out "$OUT/te-bench.json" 2>&1 | tail -30 ;;
     megatron)  # carry [".whl"]: megatron-core 0.19.2 to /tmp/te/mcore; TE-spec trainer step -> rollout parity
       ls .whl/megatron_core-*.whl > /dev/null 2>&1 || fail "megatron: no .whl/megatron_core-*.whl: carry [\".whl\"]"
       python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$TE/mcore" \
         .whl/megatron_core-*.whl || fail "megatron: pip install of the megatron-core wheel"
       export PYTHONPATH=$TE/mcore:$PYTHONPATH
-      timeout 300 python3 -m megatron_rollout.bench.te_megatron --out "$OUT/te-megatron.json" 2>&1 \
+      timeout 300 python3 -m benchmarks.te_megatron --out "$OUT/te-megatron.json" 2>&1 \
         | tee "$OUT/te-megatron.log" | tail -12
       timeout 200 python3 -m pytest -q -m gpu tests/model/test_te_megatron.py -p no:cacheprovider --timeout 180 -rA -s \
         2>&1 | tee "$OUT/te-megatron-tests.log" | tail -15 ;;

@@ -89,10 +89,6 @@ RUNNER_ENV = "MEGATRON_ROLLOUT_RUNNER"
 """auto | eager | cuda: the default of the CLI's `--runner` and of `make_runner` without a config."""
 
 
-CudaRunnerConfig = RunnerConfig
-"""The CUDA runner's knobs are `RunnerConfig`'s (`EngineConfig.runner`); the old name stays."""
-
-
 def make_runner(model: MoETransformer, cache: PagedKVCache, config: RunnerConfig | None = None) -> Runner:
     """The engine's runner as `config.kind` says: `CudaRunner` for a model on CUDA, one rank or many
     ("auto", "cuda"), else `ModelRunner` ("auto", "eager").

@@ -13,7 +13,7 @@ overlapped, so it is worth timing by itself, on any machine:
   against temperature 1, interleaved (on a GPU the draws run on the device; here on the CPU).
 
 Repeats interleave the variants; medians and [min-max] over them. Run:
-`python -m megatron_rollout.bench.host` (CPU; the figures are this machine's host, not the GPU
+`python -m benchmarks.host` (CPU; the figures are this machine's host, not the GPU
 machine's).
 """
 from __future__ import annotations
@@ -122,7 +122,7 @@ def sample_ms(rows: int, vocab: int = 151_936, repeats: int = 5) -> dict[str, di
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megatron_rollout.bench.host", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.host", description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,16,64,256", help="decode batch sizes of the engine stage")
     ap.add_argument("--fill", default="16x1300,64x1300,64x128", help="rows x table entries of the fill stage")
     ap.add_argument("--sample", default="1,16,64", help="batch sizes of the sample stage ('' skips it)")

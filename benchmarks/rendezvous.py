@@ -1,6 +1,6 @@
 """What one turnstile rendezvous costs, on the store path and on the native shared-memory path.
 
-    python -m megatron_rollout.bench.rendezvous --ranks 8 --json
+    python -m benchmarks.rendezvous --ranks 8 --json
 
 Spawns N CPU processes (gloo, TCP store on localhost), and on each path runs warm-up meetings,
 then timed ones back to back. The figure per meeting is the period between consecutive

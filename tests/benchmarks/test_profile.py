@@ -9,7 +9,7 @@ pytest.importorskip("torch.profiler")
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-from megatron_rollout.bench.profile import PhaseClock, _busy_us, op_table  # noqa: E402
+from benchmarks.profile import PhaseClock, _busy_us, op_table  # noqa: E402
 
 
 def test_busy_time_is_the_union_of_overlapping_intervals():
@@ -44,9 +44,9 @@ def test_op_table_counts_per_call_and_keeps_the_labelled_segments():
 
 @pytest.mark.parametrize("ahead", ["off", "on"])
 def test_decode_phases_name_callables_a_cpu_engine_runs(ahead):
-    """Every phase `bench.profile.decode_idle` clocks exists on the engine and is entered by a
+    """Every phase `benchmarks.profile.decode_idle` clocks exists on the engine and is entered by a
     decode step (a renamed method would stop the GPU bench at its last stage)."""
-    from megatron_rollout.bench.profile import decode_phases
+    from benchmarks.profile import decode_phases
     from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
     from megatron_rollout.model.config import PRESETS
     from megatron_rollout.model.transformer import MoETransformer
@@ -66,7 +66,7 @@ def test_decode_phases_name_callables_a_cpu_engine_runs(ahead):
 
 
 def test_idle_windows_are_summarised_by_median_and_range():
-    from megatron_rollout.bench.profile import summarize_idle
+    from benchmarks.profile import summarize_idle
 
     reps = [{"wall_ms_per_step": w, "device_busy_ms_per_step": 6.0, "idle_share": 1 - 6.0 / w,
              "host_idle_share": 0.01 * w, "rows": 64} for w in (7.0, 6.5, 8.0)]
@@ -77,7 +77,7 @@ def test_idle_windows_are_summarised_by_median_and_range():
 
 
 def test_host_idle_is_the_idle_time_less_the_gaps_inside_the_graphs():
-    from megatron_rollout.bench.profile import host_idle_share
+    from benchmarks.profile import host_idle_share
 
     # a step of 1.0 ms wall, 0.8 ms of kernels; back to back the graph idles 1/9 of its span,
     # i.e. 0.1 ms of gaps per 0.8 ms of kernels: the host left the GPU waiting 0.1 ms
@@ -87,7 +87,7 @@ def test_host_idle_is_the_idle_time_less_the_gaps_inside_the_graphs():
 
 
 def test_forward_modes_are_timed_interleaved_and_the_config_comes_back(monkeypatch):
-    from megatron_rollout.bench import profile as prof
+    from benchmarks import profile as prof
 
     seen = []
 

@@ -1,10 +1,10 @@
-"""`python -m megatron_rollout.bench.vllm_check`: does the carried vLLM bundle work here? (seconds, not minutes)
+"""`python -m benchmarks.vllm_check`: does the carried vLLM bundle work here? (seconds, not minutes)
 
 Imports vllm, starts `AsyncLLM` on a 2-layer Qwen3-MoE config with dummy weights (eager, no
 torch.compile, so the check does not pay the peer's start-up) and generates 4 tokens from 8
 prompt ids through the same prompt and sampling objects the peer uses. Prints one line
 `vllm_check ok: <version>, generated [...]` and exits 0, or the error and exits 1. Left out:
-performance (that is `bench.vllm_peer`).
+performance (that is `benchmarks.vllm_peer`).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_rollout.bench.vllm_peer import ENV, write_model_dir
+from benchmarks.vllm_peer import ENV, write_model_dir
 from megatron_rollout.model.config import PRESETS
 
 

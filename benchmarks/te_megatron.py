@@ -27,7 +27,7 @@ autocast), and the logits of both models on the same tokens are compared: relati
 per token, max and mean) and top-1 agreement. The rollout's own bf16 path and TE FP8 recipes
 (`te_layers.apply_te`) are reported beside it.
 
-    python -m megatron_rollout.bench.te_megatron --out te-megatron.json
+    python -m benchmarks.te_megatron --out te-megatron.json
 
 Left out: TP/EP/PP > 1 (one rank), FP8 training (the trainer is bf16), Megatron's DDP wrapper and
 distributed optimizer (a torch Adam over the bf16 parameters), MLA, MTP, TE's op fuser

@@ -21,7 +21,7 @@ kernels), and `host_idle_share`, the rest: the time the GPU waits for the host b
 idle_share - graph_only's idle share x busy / (1 - graph_only's idle share) / wall (the
 in-graph gaps scale with the kernels' busy time).
 
-Run: `python -m megatron_rollout.bench.profile --out $OUT/profile.json` (GPU only).
+Run: `python -m benchmarks.profile --out $OUT/profile.json` (GPU only).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from megatron_rollout.bench.micro import random_inputs, runner_config
+from benchmarks.micro import random_inputs, runner_config
 from megatron_rollout.engine.cuda_runner import COMPLETION, CudaRunner
 from megatron_rollout.engine.runner import SpanInput
 from megatron_rollout.types import Phase
@@ -283,12 +283,12 @@ def summarize_idle(repeats: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_rollout.bench.rollout import random_model
+    from benchmarks.rollout import random_model
     from megatron_rollout.engine.config import RunnerConfig
     from megatron_rollout.kv.paged import PagedKVCache
     from megatron_rollout.model.config import PRESETS
 
-    ap = argparse.ArgumentParser(prog="python -m megatron_rollout.bench.profile", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3-30b-a3b-12l", choices=sorted(PRESETS))
     ap.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--idle-rows", type=lambda v: [int(x) for x in v.split(",")], default=[64, 16, 1])
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if not torch.cuda.is_available():
-        raise SystemExit("bench.profile needs a CUDA device")
+        raise SystemExit("benchmarks.profile needs a CUDA device")
     cfg, device = PRESETS[args.model], torch.device("cuda")
     model = random_model(cfg, device, seed=0)
     cache = PagedKVCache(cfg, 20_000, 16, cfg.num_query_groups, device=device)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rollout.bench.bounds import decode_roofline_s, model_costs, prefill_flops, trace_lower_bound
+from benchmarks.bounds import decode_roofline_s, model_costs, prefill_flops, trace_lower_bound
 from megatron_rollout.model.config import ModelConfig, preset
 from megatron_rollout.trace.schema import TraceRequest
 

@@ -1,4 +1,4 @@
-"""Draw the benchmark's figure from its JSON: `python -m megatron_rollout.bench.plot rollout.json out.png`.
+"""Draw the benchmark's figure from its JSON: `python -m benchmarks.plot rollout.json out.png`.
 
 Left panel: median makespan, p99 request and p99 trajectory completion per schedule (each at its
 best budget, error bars from the repeats' min to max) and the vLLM peer, with the trace's lower
@@ -83,7 +83,7 @@ def plot(result: dict, path: str | Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m megatron_rollout.bench.plot ROLLOUT_JSON OUT_PNG", file=sys.stderr)
+        print("usage: python -m benchmarks.plot ROLLOUT_JSON OUT_PNG", file=sys.stderr)
         return 2
     plot(json.loads(Path(args[0]).read_text()), args[1])
     return 0

@@ -1,6 +1,6 @@
 """The vLLM peer: the same trace, token ids and model shape through vLLM's async engine (DESIGN.md §9).
 
-`python -m megatron_rollout.bench.vllm_peer --trace T.jsonl --out vllm.json --model qwen3-30b-a3b-12l`
+`python -m benchmarks.vllm_peer --trace T.jsonl --out vllm.json --model qwen3-30b-a3b-12l`
 runs in its own process (the benchmark starts it after its own engines have freed the GPU). It
 writes a directory holding only `config.json` (`Qwen3MoeForCausalLM` with the preset's sizes and
 layer count) and starts `vllm.v1.engine.async_llm.AsyncLLM` on it with dummy weights, prefix
@@ -42,7 +42,7 @@ from megatron_rollout.model.config import PRESETS, ModelConfig
 from megatron_rollout.trace.make import conversation_inputs
 from megatron_rollout.trace.schema import ConversationId, TraceRequest, group_conversations, load_trace
 
-log = logging.getLogger("megatron_rollout.bench.vllm_peer")
+log = logging.getLogger("benchmarks.vllm_peer")
 
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
        "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_CACHE_ROOT": "/tmp/vllm-cache"}
@@ -276,7 +276,7 @@ def _log_lines(path: Path | None, words: tuple[str, ...] = ("backend", "Using", 
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m megatron_rollout.bench.vllm_peer", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.vllm_peer", description=__doc__.splitlines()[0])
     ap.add_argument("--trace", required=True, help="JSONL trace (trace.schema)")
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--model", default="qwen3-30b-a3b-12l", choices=sorted(PRESETS))

@@ -12,7 +12,7 @@ model and cache, interleaved over `--repeats` rounds after an untimed warm round
 recaptured per variant and round, outside timing; compilations counted in every timed round).
 Left out: several GPUs, FP8 KV.
 
-    python -m megatron_rollout.bench.te --out te-bench.json
+    python -m benchmarks.te --out te-bench.json
 """
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_rollout.bench import micro
-from megatron_rollout.bench.bounds import model_costs
-from megatron_rollout.bench.ceilings import copy_bandwidth, matmul_rate
-from megatron_rollout.bench.compiles import CompileCounter
+from benchmarks import micro
+from benchmarks.bounds import model_costs
+from benchmarks.ceilings import copy_bandwidth, matmul_rate
+from benchmarks.compiles import CompileCounter
 from megatron_rollout.model import fp8, te_layers
 from megatron_rollout.model.config import preset
 from megatron_rollout.model.layers import Linear
@@ -59,8 +59,9 @@ def _variant(model, name: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from megatron_rollout.bench.rollout import random_model
-    from megatron_rollout.engine.cuda_runner import CudaRunner, CudaRunnerConfig
+    from benchmarks.rollout import random_model
+    from megatron_rollout.engine.config import RunnerConfig
+    from megatron_rollout.engine.cuda_runner import CudaRunner
     from megatron_rollout.kv.paged import PagedKVCache
 
     cfg = preset(args.model)
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cache = PagedKVCache(cfg, blocks, block, cfg.num_query_groups, device="cuda")
     cache.k.normal_()
     cache.v.normal_()
-    runner = CudaRunner(model, cache, CudaRunnerConfig(graph_batch_sizes=(args.rows,)))
+    runner = CudaRunner(model, cache, RunnerConfig(graph_batch_sizes=(args.rows,)))
     costs = model_costs(cfg)
     result: dict[str, Any] = {"model": args.model, "rows": args.rows, "context": args.context,
                               "prefill_tokens": args.prefill, "copy_bandwidth_gb_s": copy_bandwidth() / 1e9,
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if not torch.cuda.is_available():
-        raise SystemExit("bench.te needs a CUDA device")
+        raise SystemExit("benchmarks.te needs a CUDA device")
     result = run(args)
     text = json.dumps(result, indent=1, default=str)
     if args.out:

@@ -1,5 +1,5 @@
-"""bench.host times the engine's host work, the static layout's fill and sampling without a GPU."""
-from megatron_rollout.bench.host import engine_step_ms, fill_ms, sample_ms
+"""benchmarks.host times the engine's host work, the static layout's fill and sampling without a GPU."""
+from benchmarks.host import engine_step_ms, fill_ms, sample_ms
 
 
 def test_engine_step_and_fill_are_timed():

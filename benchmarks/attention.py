@@ -1,7 +1,7 @@
 """Paged attention kernels side by side on the model's shapes: every backend that runs here, and
 the Triton prefill kernel over a grid of launch settings (key block, pipeline stages, warps).
 
-    python -m megatron_rollout.bench.attention --out attention.json
+    python -m benchmarks.attention --out attention.json
 
 For each shape (prefill spans `(cached, new)` and decode rows) and each variant: the median of
 `--iters` CUDA-event timed calls of `KernelPagedBatch.attend` (decode shapes: replays of a CUDA
@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_rollout.bench.ceilings import time_cuda
-from megatron_rollout.bench.compiles import CompileCounter
-from megatron_rollout.bench.kernels import graph_us
+from benchmarks.ceilings import time_cuda
+from benchmarks.compiles import CompileCounter
+from benchmarks.kernels import graph_us
 
 GRAPH_CALLS = 10
 """Decode calls per captured CUDA graph: decode shapes are timed as graph replays (per call)."""
@@ -69,7 +69,7 @@ def triton_settings(block_n: list[int], stages: list[int], warps: list[int], pha
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_rollout.bench.attention", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.attention", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--heads", default="32,4,128", help="query heads, kv heads, head dim (default: qwen3-30b-a3b)")
     p.add_argument("--block-size", type=int, default=16)
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     for text in [s for s in (args.prefill + "," + args.decode).split(",") if s.strip()]:
         parse_shape(text)  # a bad shape fails before any set-up
     if not torch.cuda.is_available():
-        raise SystemExit("bench.attention needs a CUDA GPU: run it on the GPU machine")
+        raise SystemExit("benchmarks.attention needs a CUDA GPU: run it on the GPU machine")
     result = run(args)
     text = json.dumps(result, indent=1, default=str)
     if args.out:

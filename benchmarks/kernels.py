@@ -1,4 +1,4 @@
-"""`python -m megatron_rollout.bench.kernels --json`: the fused small-op kernels against the portable ops (GPU).
+"""`python -m benchmarks.kernels --json`: the fused small-op kernels against the portable ops (GPU).
 
 Why a benchmark of its own: the decode step's gap to its memory roofline at small batches is
 mostly small kernels (issue 14), and `kernels.fused` replaces them; this measures what each fused
@@ -25,10 +25,10 @@ kernel saves and what the whole step gains, in one call that finishes in about a
    on one MoE layer at the preset's sizes, for `--fp8-experts` token counts and a small grid of
    launch shapes (`--fp8-tiles`): graph-timed at decode sizes, eager at prefill sizes (milliseconds:
    launch overhead is noise there). Where `moe_triton.DECODE_TILES` / `LARGE_TILES` come from.
-4. The whole decode step, graph-replayed (`bench.micro.decode_steps`: 1 x 2,048 and 64 x 2,048
+4. The whole decode step, graph-replayed (`benchmarks.micro.decode_steps`: 1 x 2,048 and 64 x 2,048
    positions by default) with and without `install_fused_ops`, against the memory roofline.
 
-Triton compilations are counted over every timed region (`bench.compiles`); each region is
+Triton compilations are counted over every timed region (`benchmarks.compiles`); each region is
 warmed first, so the count must be 0. One JSON object on stdout (`--json`) and/or in `--out`, then
 a short table on stderr. Random bf16 inputs (never zeros). Left out: a per-kernel profiler
 breakdown of the whole step and multi-GPU.
@@ -49,7 +49,7 @@ from typing import Any, TextIO
 
 import torch
 
-log = logging.getLogger("megatron_rollout.bench.kernels")
+log = logging.getLogger("benchmarks.kernels")
 
 ROWS = (1, 16, 64, 4096)
 L2_DEFEAT_BYTES = 96 << 20
@@ -68,7 +68,7 @@ whole weight, 4, and neighbours of the default in the other dimensions."""
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m megatron_rollout.bench.kernels", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3-30b-a3b-12l", help="model preset (sizes of the ops and the step)")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="token counts of the per-op timings")
     ap.add_argument("--decode", default="1x2048,64x2048", help="decode points ROWSxCONTEXT ('' skips the step)")
@@ -112,14 +112,14 @@ def parse_points(spec: str) -> list[tuple[int, int]]:
 # -- timing ---------------------------------------------------------------------------------------
 
 def eager_us(fn: Callable[[], object], iters: int) -> float:
-    from megatron_rollout.bench.ceilings import time_cuda
+    from benchmarks.ceilings import time_cuda
 
     return time_cuda(fn, iters=iters, warmup=3) * 1e6
 
 
 def graph_us(fns: list[Callable[[], object]], iters: int) -> float:
     """Microseconds per call of a CUDA graph holding one call of each of `fns` (warmed outside)."""
-    from megatron_rollout.bench.ceilings import time_cuda
+    from benchmarks.ceilings import time_cuda
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -191,7 +191,7 @@ def op_cases(cfg, rows: int, gen: torch.Generator) -> dict[str, dict[str, Any]]:
 
 
 def time_ops(cfg, rows_list: list[int], iters: int, seed: int, device: str = "cuda") -> list[dict[str, Any]]:
-    from megatron_rollout.bench.compiles import CompileCounter
+    from benchmarks.compiles import CompileCounter
     from megatron_rollout.kernels import fused
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -230,11 +230,12 @@ def time_decode(cfg, points: list[tuple[int, int]], iters: int, seed: int, bandw
     """Graph-replayed decode steps with and without the fused ops, on one model and one cache."""
     import numpy as np
 
-    from megatron_rollout.bench import micro
-    from megatron_rollout.bench.bounds import model_costs
-    from megatron_rollout.bench.compiles import CompileCounter
-    from megatron_rollout.bench.rollout import random_model
-    from megatron_rollout.engine.cuda_runner import CudaRunner, CudaRunnerConfig
+    from benchmarks import micro
+    from benchmarks.bounds import model_costs
+    from benchmarks.compiles import CompileCounter
+    from benchmarks.rollout import random_model
+    from megatron_rollout.engine.config import RunnerConfig
+    from megatron_rollout.engine.cuda_runner import CudaRunner
     from megatron_rollout.forward import run_to_end
     from megatron_rollout.kernels import fused
     from megatron_rollout.kv.paged import PagedKVCache
@@ -247,7 +248,7 @@ def time_decode(cfg, points: list[tuple[int, int]], iters: int, seed: int, bandw
     cache.k.normal_()
     cache.v.normal_()
     buckets = tuple(sorted({r for r, _ in points}))
-    runner = CudaRunner(model, cache, CudaRunnerConfig(graph_batch_sizes=buckets))
+    runner = CudaRunner(model, cache, RunnerConfig(graph_batch_sizes=buckets))
     costs = model_costs(cfg)
     result: dict[str, Any] = {"expert_kernels": runner.expert_kernels,
                               "runner_installed": fused.installed_backend(model)}
@@ -277,7 +278,7 @@ def interleaved_us(variants: dict[str, Callable[[], float]], rounds: int) -> tup
     """Run each variant's timing (microseconds) once per round, every variant in every round, and
     summarise each by median, min and max over the rounds. A timing that raises (a capture that
     fails) is recorded as the variant's error. Returns (summaries, compilations in the timings)."""
-    from megatron_rollout.bench.compiles import CompileCounter
+    from benchmarks.compiles import CompileCounter
 
     samples: dict[str, list[float]] = {n: [] for n in variants}
     errors: dict[str, str] = {}
@@ -592,7 +593,7 @@ def emit(result: dict[str, Any], as_json: bool, out: str | None, stdout: TextIO,
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from megatron_rollout.bench.ceilings import copy_bandwidth
+    from benchmarks.ceilings import copy_bandwidth
     from megatron_rollout.kernels import fused
     from megatron_rollout.model.config import preset
 
@@ -640,12 +641,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench.kernels needs a CUDA GPU (torch.cuda.is_available() is False here): run it on the "
-                         "GPU machine, e.g. python -m megatron_rollout.bench.kernels --json")
+        raise SystemExit("benchmarks.kernels needs a CUDA GPU (torch.cuda.is_available() is False here): run it on the "
+                         "GPU machine, e.g. python -m benchmarks.kernels --json")
     from megatron_rollout.kernels import fused
 
     if not fused.triton_available():
-        raise SystemExit("bench.kernels needs Triton (import triton failed): pip install triton")
+        raise SystemExit("benchmarks.kernels needs Triton (import triton failed): pip install triton")
     parse_points(args.decode)  # a bad point fails before minutes of set-up
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     emit(run(args), args.json, args.out, sys.stdout, sys.stderr)

@@ -1,10 +1,10 @@
-"""bench.attention's parsing and bookkeeping on CPU; the measurement itself is a GPU test."""
+"""benchmarks.attention's parsing and bookkeeping on CPU; the measurement itself is a GPU test."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron_rollout.bench import attention
+from benchmarks import attention
 
 
 def test_parse_shape_and_pairs():

@@ -1,4 +1,4 @@
-"""`bench.kernels` on CPU: it refuses clearly without CUDA, parses its decode points, and its output
+"""`benchmarks.kernels` on CPU: it refuses clearly without CUDA, parses its decode points, and its output
 writer gives one JSON object (stdout and file) and the table from a result of the shape it produces."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from megatron_rollout.bench import kernels
+from benchmarks import kernels
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")

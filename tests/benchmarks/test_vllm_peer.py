@@ -1,7 +1,7 @@
 """The vLLM peer's own logic on CPU, without vLLM: a small fake async engine stands in for
 `AsyncLLM`. These tests check OUR closed-loop driver only (turn ordering, tool waits, history
 growth, failure handling, the report's figures) and the config.json it writes; that vLLM itself
-runs is checked on the GPU machine by `bench.vllm_check`. Also: the peer's token ids are the ids
+runs is checked on the GPU machine by `benchmarks.vllm_check`. Also: the peer's token ids are the ids
 our replay appends (one function, `trace.make.input_ids`)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from megatron_rollout.bench.vllm_peer import closed_loop, hf_config, median_report, report
+from benchmarks.vllm_peer import closed_loop, hf_config, median_report, report
 from megatron_rollout.model.config import PRESETS
 from megatron_rollout.trace.make import conversation_inputs, input_ids, make_trace
 from megatron_rollout.trace.schema import TraceRequest
@@ -237,7 +237,7 @@ def _fake_vllm(monkeypatch, calls: list):
 def test_peer_main_warms_up_resets_and_keeps_the_best_budget(monkeypatch, tmp_path):
     import json
 
-    from megatron_rollout.bench import vllm_peer
+    from benchmarks import vllm_peer
     from megatron_rollout.trace.schema import write_trace
 
     calls: list = []

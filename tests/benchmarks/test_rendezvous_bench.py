@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from megatron_rollout.bench import rendezvous as bench
+from benchmarks import rendezvous as bench
 from megatron_rollout.comm import shm_rendezvous as shm
 
 

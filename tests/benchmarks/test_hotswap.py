@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from megatron_rollout.bench import hotswap
+from benchmarks import hotswap
 from megatron_rollout.model.config import preset
 from megatron_rollout.model.sharding import full_shapes
 

@@ -1,8 +1,8 @@
 """Hot swap at full size: how long `update_weights` takes for a whole model, three ways.
 
-    python -m megatron_rollout.bench.hotswap --model qwen3-30b-a3b --json      # one H200, < 3 min
-    python -m megatron_rollout.bench.hotswap --model tiny-moe --device cpu --json   # smoke
-    python -m megatron_rollout.bench.hotswap --model qwen3-30b-a3b --narrow --device cpu   # host work
+    python -m benchmarks.hotswap --model qwen3-30b-a3b --json      # one H200, < 3 min
+    python -m benchmarks.hotswap --model tiny-moe --device cpu --json   # smoke
+    python -m benchmarks.hotswap --model qwen3-30b-a3b --narrow --device cpu   # host work
 
 - copy: `engine.update_weights(full_state)` from a second full-size state on the same device
   (validation of every tensor, then a copy into the engine's persistent buffers);
@@ -34,12 +34,12 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_rollout.bench.rollout import random_model
+from benchmarks.rollout import random_model
 from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
 from megatron_rollout.model.config import ModelConfig, preset
 from megatron_rollout.model.sharding import full_shapes
 
-log = logging.getLogger("megatron_rollout.bench.hotswap")
+log = logging.getLogger("benchmarks.hotswap")
 
 _LAYER = "decoder.layers."
 
@@ -52,7 +52,7 @@ def _sync(device: torch.device) -> None:
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     """Read+write bytes per second of one device copy (the ceilings' figure on CUDA)."""
     if device.type == "cuda":
-        from megatron_rollout.bench.ceilings import copy_bandwidth as cuda_copy
+        from benchmarks.ceilings import copy_bandwidth as cuda_copy
 
         return cuda_copy(device, nbytes)
     src = torch.randn(nbytes // 4, device=device)

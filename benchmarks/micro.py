@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_rollout.bench.bounds import ModelCosts, decode_roofline_s, prefill_flops
-from megatron_rollout.bench.ceilings import time_cuda
-from megatron_rollout.bench.compiles import CompileCounter
+from benchmarks.bounds import ModelCosts, decode_roofline_s, prefill_flops
+from benchmarks.ceilings import time_cuda
+from benchmarks.compiles import CompileCounter
 from megatron_rollout.engine.config import RunnerConfig
 from megatron_rollout.engine.cuda_runner import CudaRunner
 from megatron_rollout.engine.runner import SpanInput
@@ -87,7 +87,7 @@ def buckets_off(runner: CudaRunner):
 PREFILL_HOLD_CYCLES = 60_000_000
 """GPU cycles (~30 ms at the H200's 1.98 GHz) a spin kernel holds the stream before each held
 prefill timing: longer than the host takes to enqueue an eager 4,096-token forward (12.6 ms,
-`bench.profile`, 2026-12-02), so the held figure is the GPU's time alone."""
+`benchmarks.profile`, 2026-12-02), so the held figure is the GPU's time alone."""
 
 
 def decode_steps(runner: CudaRunner, costs: ModelCosts, bandwidth: float, points: list[tuple[int, int]],

@@ -1,6 +1,6 @@
-"""bench.te's table (CPU; the bench itself needs CUDA): medians with ranges, and compilations summed
+"""benchmarks.te's table (CPU; the bench itself needs CUDA): medians with ranges, and compilations summed
 over the timed rounds, a variant that failed shown with its error."""
-from megatron_rollout.bench import te
+from benchmarks import te
 
 
 def test_summary_shows_medians_ranges_and_summed_compiles():

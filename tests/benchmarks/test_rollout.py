@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from megatron_rollout.bench import rollout
+from benchmarks import rollout
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_table_and_plot(run, capsys):
     assert "makespan_s med [min-max]" in text and "compiles" in text and "mux-epoch" in text
     assert "sweep (short pass" in text
     pytest.importorskip("matplotlib")
-    from megatron_rollout.bench.plot import main as plot_main
+    from benchmarks.plot import main as plot_main
 
     assert plot_main([str(out / "rollout.json"), str(out / "plot.png")]) == 0
     assert (out / "plot.png").stat().st_size > 1000

@@ -9,7 +9,7 @@ from collections import defaultdict
 
 import pytest
 
-from megatron_rollout.bench.compiles import CompileCounter
+from benchmarks.compiles import CompileCounter
 
 
 def _fake_triton(monkeypatch, with_knob: bool = True):
@@ -79,9 +79,9 @@ def test_counts_dynamo_frames(monkeypatch):
 
 @pytest.mark.timeout(60)
 def test_micro_timed_counts_only_the_timed_calls(monkeypatch):
-    """`bench.micro.timed` runs its warm-up before the counted region: a kernel that compiles on
+    """`benchmarks.micro.timed` runs its warm-up before the counted region: a kernel that compiles on
     its first call reports 0, one that compiles on every call reports one per timed call."""
-    from megatron_rollout.bench import micro
+    from benchmarks import micro
 
     runtime = _fake_triton(monkeypatch)
 

@@ -1,4 +1,4 @@
-"""`bench.micro.prefill`'s bookkeeping without CUDA: which path each figure times (CPU)."""
+"""`benchmarks.micro.prefill`'s bookkeeping without CUDA: which path each figure times (CPU)."""
 import types
 
 import numpy as np
@@ -6,8 +6,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from megatron_rollout.bench import micro  # noqa: E402
-from megatron_rollout.bench.bounds import model_costs  # noqa: E402
+from benchmarks import micro  # noqa: E402
+from benchmarks.bounds import model_costs  # noqa: E402
 from megatron_rollout.engine.config import RunnerConfig  # noqa: E402
 from megatron_rollout.model.config import PRESETS  # noqa: E402
 

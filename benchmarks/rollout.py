@@ -1,10 +1,10 @@
-"""`python -m megatron_rollout.bench.rollout`: the one-GPU rollout benchmark, one command (DESIGN.md §9).
+"""`python -m benchmarks.rollout`: the one-GPU rollout benchmark, one command (DESIGN.md §9).
 
 A figure counts only warm, repeated, each schedule at its best token budget, next to the peer:
 
 1. a trace (`trace.make_trace`, `--profile current | prefill | decode`, sized by
    `--conversations` and `--scale`; per-profile defaults sized so a full comparison fits two
-   9-minute device calls), its lower bound (`bench.bounds`) and, on CUDA, the device ceilings;
+   9-minute device calls), its lower bound (`benchmarks.bounds`) and, on CUDA, the device ceilings;
 2. the budget sweep: every base schedule (`off`, `chunked`, `mux`) replayed once at each
    `--budgets` value (`--max-batch-tokens`: the chunked step budget, the off/mux epoch budget) on
    a short pass (the first `--sweep-fraction` of the conversations); each schedule's best budget
@@ -18,11 +18,11 @@ A figure counts only warm, repeated, each schedule at its best token budget, nex
    asynchronous enqueue, `mux_span="fixed:1000000000"`), and `mux-load`, LoadSelected's fine
    segments. Decode graphs and piecewise P graphs are captured when the engine is built, before
    the clock starts; every timed replay runs inside a
-   `bench.compiles.CompileCounter`, and its Triton and torch compilations are in the JSON and
+   `benchmarks.compiles.CompileCounter`, and its Triton and torch compilations are in the JSON and
    the table (a figure with compilations is marked cold and left out of the medians);
 4. per schedule: `repeats` (the reports) and `median` / `min` / `max` of every figure; ratios
    from medians (best budget against best budget), and the issue's targets for the profile;
-5. the vLLM peer (`bench.vllm_peer`) in its own process after this one has freed the GPU, on
+5. the vLLM peer (`benchmarks.vllm_peer`) in its own process after this one has freed the GPU, on
    the same trace file and token ids; its figures join the table and the ratios.
 
 Results go to `<out>/rollout.json` after every replay (a killed run keeps what it measured);
@@ -52,18 +52,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_rollout.bench.bounds import model_costs, trace_lower_bound
-from megatron_rollout.bench.compiles import CompileCounter
+from benchmarks.bounds import model_costs, trace_lower_bound
+from benchmarks.compiles import CompileCounter
 from megatron_rollout.engine.config import DEFAULT_SPAN
 from megatron_rollout.model.config import PRESETS, ModelConfig
 from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.trace.make import PROFILES, make_trace, max_context
 
-log = logging.getLogger("megatron_rollout.bench")
+log = logging.getLogger("benchmarks")
 
 BASE_SCHEDULES = ("off", "chunked", "mux")
 MICRO_PARTS = ("decode", "prefill", "attention", "experts", "overlap", "gap")
-"""`bench.micro`'s parts; `gap` times a P forward piecewise, eager and as one whole graph
+"""`benchmarks.micro`'s parts; `gap` times a P forward piecewise, eager and as one whole graph
 (`micro.segment_gap`); `overlap` times decode replays while a prefill runs on the other stream
 (D at high priority, at equal priority, on green-context SM partitions)."""
 ABLATIONS = (("mux-epoch", "mux@fixed:1000000000"), ("mux-load", "mux@load"))
@@ -88,7 +88,7 @@ class ScheduleTimeout(Exception):
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m megatron_rollout.bench.rollout", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.rollout", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3-30b-a3b-12l", choices=sorted(PRESETS))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--profile", default="current", choices=sorted(PROFILES), help="trace profile (trace.make)")
@@ -245,15 +245,16 @@ def _expert_small(model) -> str | None:
 
 def run_micro(model: MoETransformer, cfg: ModelConfig, args, costs, bandwidth: float, peak: float,
               names: tuple[str, ...] = MICRO_PARTS) -> dict:
-    from megatron_rollout.bench import micro
-    from megatron_rollout.engine.cuda_runner import CudaRunner, CudaRunnerConfig
+    from benchmarks import micro
+    from megatron_rollout.engine.config import RunnerConfig
+    from megatron_rollout.engine.cuda_runner import CudaRunner
     from megatron_rollout.kv.paged import PagedKVCache
 
     rng = np.random.default_rng(args.seed)
     cache = PagedKVCache(cfg, 40_000, args.block_size, cfg.num_query_groups, device=args.device)
     cache.k.normal_()
     cache.v.normal_()
-    runner = CudaRunner(model, cache, CudaRunnerConfig(attention=args.attention))
+    runner = CudaRunner(model, cache, RunnerConfig(attention=args.attention))
     # the expert-kernel choice is measured per runner: record it next to the stages it served
     out: dict[str, Any] = {"attention_backend": runner.kernels.name,
                            f"expert_kernels_{'+'.join(names)}": runner.expert_kernels}
@@ -601,14 +602,14 @@ def vllm_stage(run: Run, result: dict, out: Path, trace: list, deadline_total: f
     if remaining < 90:
         return {"ran": False, "reason": f"only {remaining:.0f} s left of --deadline-s for the peer"}
     env = dict(os.environ)
-    from megatron_rollout.bench.vllm_peer import ENV
+    from benchmarks.vllm_peer import ENV
 
     env.update(ENV)
     repo = str(Path(__file__).resolve().parents[2])
     site = [args.vllm_site, os.path.join(args.vllm_site, "nvidia_cutlass_dsl", "dsl_packages")]
     env["PYTHONPATH"] = os.pathsep.join([p for p in site if os.path.isdir(p)] + [repo, env.get("PYTHONPATH", "")])
     log_path = out / "vllm.log"
-    cmd = [sys.executable, "-m", "megatron_rollout.bench.vllm_peer", "--trace", str(trace_path),
+    cmd = [sys.executable, "-m", "benchmarks.vllm_peer", "--trace", str(trace_path),
            "--out", str(out / "vllm.json"), "--model", args.model, "--seed", str(args.seed),
            "--max-model-len", str(run.max_model_len), "--budgets", ",".join(dict.fromkeys(budgets)) or "default",
            "--passes", str(args.vllm_passes), "--deadline-s", f"{remaining - 15:.0f}", "--log", str(log_path)]
@@ -671,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
     if max_model_len > cfg.max_position_embeddings:  # random weights: RoPE is computed from positions
         cfg = cfg.replace(max_position_embeddings=max_model_len)
     result: dict[str, Any] = {
-        "command": "python -m megatron_rollout.bench.rollout " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m benchmarks.rollout " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "model": args.model, "profile": args.profile, "conversations": conversations, "scale": scale,
@@ -685,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
     costs = model_costs(cfg)
     bandwidth = peak = None
     if cuda:
-        from megatron_rollout.bench.ceilings import copy_bandwidth, matmul_rate
+        from benchmarks.ceilings import copy_bandwidth, matmul_rate
 
         bandwidth, peak = copy_bandwidth(device), matmul_rate(device)
         result["ceilings"] = {"copy_bytes_per_s": bandwidth, "bf16_matmul_flops": peak}
@@ -726,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
         result["ratios"] = ratios(result)
         _write(out, result)
     if args.hf and time.perf_counter() + args.hf_budget_s < deadline_total:
-        from megatron_rollout.bench.hf_peer import run_peer
+        from benchmarks.hf_peer import run_peer
 
         result["hf_peer"] = run_peer(cfg, trace, args.device, args.seed, args.hf_budget_s)
         _write(out, result)
