@@ -256,14 +256,13 @@ def time_decode(cfg, points: list[tuple[int, int]], iters: int, seed: int, bandw
         fused.uninstall_fused_ops(model)
         if variant == "fused":
             result["install"] = fused.install_fused_ops(model)
-        runner._graphs.clear()  # captured with the other variant's ops
-        runner._pool = None
+        runner.drop_graphs()  # captured with the other variant's ops
         rng = np.random.default_rng(seed)
         with torch.no_grad():
             for rows, context in points:  # warm: captures (Triton compiles there) and one eager step
                 inputs = micro.random_inputs([(context - 1, 1)] * rows, block, cache.num_blocks, cfg.vocab_size, rng)
-                runner._graph(runner.bucket(rows))
-                run_to_end(runner._eager(inputs, Phase.D))
+                runner.decode_graph(rows)
+                run_to_end(runner.forward_eager(inputs, Phase.D))
             torch.cuda.synchronize()
             with CompileCounter() as counter:
                 result[variant] = micro.decode_steps(runner, costs, bandwidth, points, rng, iters=iters)

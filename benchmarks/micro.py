@@ -18,7 +18,6 @@ multi-rank, and compile counts for the other parts.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
@@ -32,7 +31,6 @@ import torch
 from benchmarks.bounds import ModelCosts, decode_roofline_s, prefill_flops
 from benchmarks.ceilings import time_cuda
 from benchmarks.compiles import CompileCounter
-from megatron_rollout.engine.config import RunnerConfig
 from megatron_rollout.engine.cuda_runner import CudaRunner
 from megatron_rollout.engine.runner import SpanInput
 from megatron_rollout.kernels.layout import KernelPagedBatch, build_layout
@@ -69,19 +67,9 @@ def timed(fn, iters: int, warmup: int = 1, stream: torch.cuda.Stream | None = No
     return seconds, counter.counts.total
 
 
-@contextlib.contextmanager
-def runner_config(runner: CudaRunner, config: RunnerConfig):
-    """Inside the block the runner runs with `config`; its own is restored after."""
-    saved, runner.config = runner.config, config
-    try:
-        yield
-    finally:
-        runner.config = saved
-
-
 def buckets_off(runner: CudaRunner):
     """Inside the block the runner's P and mixed forwards run eagerly (no piecewise graphs)."""
-    return runner_config(runner, dataclasses.replace(runner.config, prefill_graph_tokens=()))
+    return runner.configured(dataclasses.replace(runner.config, prefill_graph_tokens=()))
 
 
 PREFILL_HOLD_CYCLES = 60_000_000
@@ -98,11 +86,11 @@ def decode_steps(runner: CudaRunner, costs: ModelCosts, bandwidth: float, points
     for rows, context in points:
         inputs = random_inputs([(context - 1, 1)] * rows, cache.block_size, cache.num_blocks,
                                runner.cfg.vocab_size, rng)
-        graph = runner._graph(runner.bucket(rows))
+        graph = runner.decode_graph(rows)
         graph.static.fill([i.span for i in inputs], [i.token_ids[0] for i in inputs])
         graph_s, graph_compiles = timed(graph.graph.replay, iters=iters, warmup=3, stream=runner.d_stream)
         with buckets_off(runner):  # else a bucket's piecewise graphs would serve the "eager" step
-            eager_s, eager_compiles = timed(lambda: run_to_end(runner._eager(inputs, Phase.D)), iters=5)
+            eager_s, eager_compiles = timed(lambda: run_to_end(runner.forward_eager(inputs, Phase.D)), iters=5)
         roof = decode_roofline_s(costs, rows, rows * context, bandwidth)
         out.append({"rows": rows, "bucket": graph.rows, "context": context, "graph_ms": graph_s * 1e3,
                     "eager_ms": eager_s * 1e3, "roofline_ms": roof * 1e3, "graph_over_roofline": graph_s / roof,
@@ -138,7 +126,7 @@ def _forward_variants(runner: CudaRunner, inputs: list[SpanInput], iters: int,
     variants = {"device": lambda: timed(call, iters, warmup=0, hold_cycles=PREFILL_HOLD_CYCLES)}
     if free:
         variants["free"] = lambda: timed(call, iters, warmup=0)
-    if runner._prefill_bucket(inputs) is not None:
+    if runner.prefill_bucket(inputs) is not None:
         variants["eager"] = lambda: timed(eager_call, iters, warmup=0, hold_cycles=PREFILL_HOLD_CYCLES)
     for fn in (call, eager_call) if "eager" in variants else (call,):
         fn(), fn()
@@ -160,7 +148,7 @@ def prefill(runner: CudaRunner, costs: ModelCosts, peak: float, specs: list[list
     cache = runner.cache
     for spec in specs:
         inputs = random_inputs(spec, cache.block_size, cache.num_blocks, runner.cfg.vocab_size, rng)
-        mode = "piecewise" if runner._prefill_bucket(inputs) is not None else "eager"
+        mode = "piecewise" if runner.prefill_bucket(inputs) is not None else "eager"
         times, compiles = interleaved(_forward_variants(runner, inputs, iters, free=True), rounds)
         flops = prefill_flops(costs, spec)
         tokens = sum(n for _, n in spec)
@@ -269,6 +257,23 @@ def attention(runner: CudaRunner, rng: np.random.Generator) -> dict[str, Any]:
     return result
 
 
+def per_expert_loop(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts) -> torch.Tensor:
+    """`comm.exchange.compute_local` with one matmul pair per expert instead of the grouped GEMM
+    (what the grouped GEMM replaces): x [N, H]; ids, weights [N, k]. Returns [N, H]."""
+    from megatron_rollout.comm.exchange import sort_by_expert
+
+    local = ids - experts.first
+    mine = (local >= 0) & (local < experts.num_local)
+    order, token, counts = sort_by_expert(torch.where(mine, local, experts.num_local), experts.num_local + 1)
+    n_mine = sum(counts[:-1])
+    if n_mine == 0:
+        return torch.zeros_like(x)
+    order, token = order[:n_mine], token[:n_mine]
+    parts = x[token].split(counts[:-1])
+    y = torch.cat([experts.local_experts[k](part) for k, part in enumerate(parts) if counts[k]])
+    return torch.zeros_like(x).index_add_(0, token, y * weights.reshape(-1)[order, None])
+
+
 def experts(runner: CudaRunner, rng: np.random.Generator) -> dict[str, Any]:
     """Grouped-GEMM experts vs the per-expert loop (first MoE layer)."""
     from megatron_rollout.comm.exchange import compute_local
@@ -288,11 +293,7 @@ def experts(runner: CudaRunner, rng: np.random.Generator) -> dict[str, Any]:
             except Exception as exc:
                 tri = f"{type(exc).__name__}: {exc}"
             synced = time_cuda(lambda: compute_local(x, ids, w, layer.experts), iters=5, warmup=1)
-            stacked, layer.experts._stacked = layer.experts._stacked, None  # force the per-expert loop
-            try:
-                loop = time_cuda(lambda: compute_local(x, ids, w, layer.experts), iters=3, warmup=1)
-            finally:
-                layer.experts._stacked = stacked
+            loop = time_cuda(lambda: per_expert_loop(x, ids, w, layer.experts), iters=3, warmup=1)
         out[f"{tokens}_tokens"] = {"grouped_sync_free_ms": grouped * 1e3, "triton_ms": tri,
                                    "grouped_after_host_sort_ms": synced * 1e3, "per_expert_loop_ms": loop * 1e3,
                                    "expert_weight_bytes": layer.experts.stacked()[0].numel() * 3 // 2 * 2}
@@ -309,12 +310,12 @@ def overlap(runner: CudaRunner, rng: np.random.Generator, rows: int = 64, contex
                              runner.cfg.vocab_size, rng)
     d_inputs = [SpanInput(SeqSpan(tuple(b + cache.num_blocks // 2 for b in i.span.table), i.span.past, 1),
                           i.token_ids, True) for i in d_inputs]
-    graph = runner._graph(runner.bucket(rows))
+    graph = runner.decode_graph(rows)
     graph.static.fill([i.span for i in d_inputs], [i.token_ids[0] for i in d_inputs])
 
     def p_forward(stream):
         with torch.cuda.stream(stream):
-            return run_to_end(runner._eager(p_inputs, Phase.P))
+            return run_to_end(runner.forward_eager(p_inputs, Phase.P))
 
     def trial(d_stream, p_stream, replays: int = 8) -> dict:
         torch.cuda.synchronize()
@@ -323,7 +324,7 @@ def overlap(runner: CudaRunner, rng: np.random.Generator, rows: int = 64, contex
         saved = runner.p_stream
         runner.p_stream = p_stream
         try:
-            gen = runner._eager(p_inputs, Phase.P)  # the runner's P forward, enqueued without waiting
+            gen = runner.forward_eager(p_inputs, Phase.P)  # the runner's P forward, enqueued without waiting
             while True:
                 try:
                     point = next(gen)

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from benchmarks.micro import random_inputs, runner_config
+from benchmarks.micro import random_inputs
 from megatron_rollout.engine.cuda_runner import COMPLETION, CudaRunner
 from megatron_rollout.engine.runner import SpanInput
 from megatron_rollout.types import Phase
@@ -66,7 +66,7 @@ def drive(runner: CudaRunner, inputs: list[SpanInput], phase: Phase, label: bool
     start.record(stream)
     t0 = time.perf_counter()
     host = None
-    gen, at, i = runner._eager(inputs, phase), "embed", 0
+    gen, at, i = runner.forward_eager(inputs, phase), "embed", 0
     while True:
         ctx = record_function(f"seg{i:02d} {at}") if label and host is None else None
         try:
@@ -105,7 +105,7 @@ def forward_profiles(runner: CudaRunner, inputs: list[SpanInput], phase: Phase, 
     """Per mode (`configs`: name -> RunnerConfig): host and device time, median of `reps` forwards
     with the modes interleaved (after 2 warm-up forwards each), then the profiler's op table."""
     def run(name: str, label: bool = False) -> tuple[float, float]:
-        with runner_config(runner, configs[name]):
+        with runner.configured(configs[name]):
             return drive(runner, inputs, phase, label=label)
 
     for name in configs:  # warm: Triton kernels compiled, cuBLAS heuristics cached, graphs captured
@@ -127,7 +127,7 @@ def forward_profiles(runner: CudaRunner, inputs: list[SpanInput], phase: Phase, 
 def graph_profile(runner: CudaRunner, rows: int, context: int, rng: np.random.Generator) -> dict[str, Any]:
     cache = runner.cache
     inputs = random_inputs([(context - 1, 1)] * rows, cache.block_size, cache.num_blocks, runner.cfg.vocab_size, rng)
-    graph = runner._graph(runner.bucket(rows))
+    graph = runner.decode_graph(rows)
     graph.static.fill([i.span for i in inputs], [i.token_ids[0] for i in inputs])
     for _ in range(3):
         graph.graph.replay()
@@ -249,7 +249,7 @@ def graph_idle(runner: CudaRunner, rows: int, replays: int) -> dict[str, float]:
     to back (no host work between them), the span from its first kernel's start to its last's end
     against the union of its kernels. What is idle there is the gaps between a graph's own kernels;
     an engine window's idle beyond that share is the host's."""
-    graph = runner._graph(runner.bucket(rows))
+    graph = runner.decode_graph(rows)
     for _ in range(3):
         graph.graph.replay()
     torch.cuda.synchronize()
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, spec in shapes.items() if args.forwards else ():
         phase = Phase.P if name.startswith("P") else Phase.D
         inputs = random_inputs(spec, cache.block_size, cache.num_blocks, cfg.vocab_size, rng)
-        configs = {"eager": eager, **({"piecewise": piecewise} if runner._prefill_bucket(inputs) is not None else {})}
+        configs = {"eager": eager, **({"piecewise": piecewise} if runner.prefill_bucket(inputs) is not None else {})}
         for mode, res in forward_profiles(runner, inputs, phase, configs).items():
             out[f"{name} {mode}"] = res
             log.info("%s %s: host %.2f ms, device %.2f ms, %.0f launches", name, mode, res["host_ms"],

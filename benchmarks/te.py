@@ -103,9 +103,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             entry["logits_rel_err_vs_bf16"] = float((logits - ref).norm() / ref.norm())
                             entry["top1_agreement_vs_bf16"] = float(
                                 (logits.argmax(-1) == ref.argmax(-1)).float().mean())
-                    runner._graphs.clear()  # captured with the previous variant's layers
-                    runner._pool = None
-                    runner._graph(runner.bucket(args.rows))  # capture outside the timed region
+                    runner.drop_graphs()  # captured with the previous variant's layers
+                    runner.decode_graph(args.rows)  # capture outside the timed region
                     rng = np.random.default_rng(args.seed)
                     with CompileCounter() as counter:
                         decode = micro.decode_steps(runner, costs, bandwidth, [(args.rows, args.context)], rng,

@@ -168,7 +168,11 @@ def apply_te_bf16(model: nn.Module, include: tuple[str, ...] = te_layers.DEFAULT
     `te_layers.remove_te`). Returns the module names."""
     from megatron_rollout.model.layers import Linear
 
-    te = te_layers._te()
+    why = te_layers.te_missing()
+    if why:
+        raise te_layers.TEUnavailable(why)
+    import transformer_engine.pytorch as te
+
     names = []
     for name, module in model.named_modules():
         if isinstance(module, Linear) and any(fnmatch.fnmatchcase(name, p) for p in include):

@@ -9,6 +9,7 @@ pytest.importorskip("torch")
 from benchmarks import micro  # noqa: E402
 from benchmarks.bounds import model_costs  # noqa: E402
 from megatron_rollout.engine.config import RunnerConfig  # noqa: E402
+from megatron_rollout.engine.cuda_runner import CudaRunner  # noqa: E402
 from megatron_rollout.model.config import PRESETS  # noqa: E402
 
 
@@ -21,9 +22,11 @@ class FakeRunner:
         self.config = RunnerConfig(prefill_graph_tokens=(64, 4096))
         self.runs: list[tuple[int, ...]] = []
 
-    def _prefill_bucket(self, inputs):
+    def prefill_bucket(self, inputs):
         n = sum(i.span.new for i in inputs)
         return next((b for b in self.config.prefill_graph_tokens if b >= n), None)
+
+    configured = CudaRunner.configured
 
     def forward(self, inputs, phase):
         self.runs.append(self.config.prefill_graph_tokens)
