@@ -88,17 +88,25 @@ def test_host_idle_is_the_idle_time_less_the_gaps_inside_the_graphs():
 
 def test_forward_modes_are_timed_interleaved_and_the_config_comes_back(monkeypatch):
     from benchmarks import profile as prof
+    from megatron_rollout.engine.config import RunnerConfig
+    from megatron_rollout.engine.cuda_runner import CudaRunner
 
+    own, eager, piecewise = RunnerConfig(), RunnerConfig(prefill_graph_tokens=()), RunnerConfig(use_graphs=True)
+    names = {id(eager): "eager", id(piecewise): "piecewise"}
     seen = []
 
     def fake_drive(runner, inputs, phase, label=False):
-        seen.append((runner.config, label))
-        return (0.001, 0.002 if runner.config == "eager" else 0.001)
+        seen.append((names.get(id(runner.config)), label))
+        return (0.001, 0.002 if runner.config is eager else 0.001)
+
+    class Runner:  # what forward_profiles reads off a CudaRunner
+        config = own
+        configured = CudaRunner.configured
 
     monkeypatch.setattr(prof, "drive", fake_drive)
-    runner = types.SimpleNamespace(config="default")
-    out = prof.forward_profiles(runner, [], None, {"eager": "eager", "piecewise": "piecewise"}, reps=3)
-    assert runner.config == "default"
+    runner = Runner()
+    out = prof.forward_profiles(runner, [], None, {"eager": eager, "piecewise": piecewise}, reps=3)
+    assert runner.config is own
     timed = [c for c, label in seen[4:4 + 6]]  # after 2 warm-ups per mode
     assert timed == ["eager", "piecewise"] * 3
     assert out["eager"]["device_ms"] == pytest.approx(2.0) and out["piecewise"]["device_ms"] == pytest.approx(1.0)
