@@ -61,7 +61,7 @@ FP8_TILES = ("16/64/64/4/3,16/128/64/4/3,16/64/128/4/4,64/64/64/4/3,64/128/64/8/
 
 BF16_TILES = "16/64/128/4/4,16/64/64/4/3,16/32/128/4/4,16/64/256/4/4,16/128/128/4/4,16/64/128/8/4,16/64/128/4/5"
 """`moe_triton.DECODE_TILES` first, then the previous default, and neighbours in each dimension
-(seventh lease's grid, docs/kernels.md)."""
+(the 2026-12-01 expert-sort grid, benchmarks/results/2026-12-01-expert-sort)."""
 ROUTER_TILES = "128/4/4/8,128/4/4/1,128/4/4/4,128/2/4/8,64/4/4/8,256/4/4/8"
 """BLOCK_K/WARPS/STAGES[/SPLIT]: the default (8 programs per row block), one program reading the
 whole weight, 4, and neighbours of the default in the other dimensions."""

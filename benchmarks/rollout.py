@@ -134,7 +134,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--hf-budget-s", type=float, default=60.0)
     ap.add_argument("--resume", default=None, metavar="DIR",
                     help="run only the peer stage over DIR/rollout.json (our figures from an earlier run of the "
-                         "same trace options, e.g. an earlier call of the same device lease); results go to DIR")
+                         "same trace options, e.g. an earlier run on the same machine); results go to DIR")
     ap.add_argument("--out", default="runs/bench")
     ap.add_argument("--no-progress", action="store_true")
     return ap

@@ -259,8 +259,8 @@ def missing_requirements() -> str | None:
     try:
         import megatron.core  # noqa: F401
     except ImportError as exc:
-        return (f"megatron-core is not importable ({exc}): on the GPU machine carry .whl/ and install it with "
-                "`bash examples/te_session.sh megatron` (docs/te.md)")
+        return (f"megatron-core is not importable ({exc}): on the GPU machine bring .whl/ and install it with "
+                "`bash benchmarks/device/te_session.sh megatron` (docs/te.md)")
     return None
 
 

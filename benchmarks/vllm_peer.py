@@ -46,7 +46,8 @@ log = logging.getLogger("benchmarks.vllm_peer")
 
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
        "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_CACHE_ROOT": "/tmp/vllm-cache"}
-"""Environment the peer needs on the device (see ../shared/peers/README.md)."""
+"""Environment the peer needs on a machine without network access: offline Hub, no usage reports, a
+writable cache, and vLLM's own sampler rather than FlashInfer's."""
 
 
 def hf_config(cfg: ModelConfig, max_model_len: int) -> dict[str, Any]:

@@ -7,7 +7,7 @@
 # 2. replay of one trace under off, chunked and mux (one process per GPU, NCCL), for the layouts
 #    the GPU count allows: ATP1/ADP n and ATP n/ADP1, and ATP2/ADP2 on 4 GPUs.
 # Results go to $OUT (default /tmp/multigpu). Wheels in .whl/ and .whl-x2/ are installed first
-# when present. Fetch them on a machine with PyPI (git-ignore the folder, carry it to the GPU host):
+# when present. Fetch them on a machine with PyPI (git-ignore the folder, copy it to the GPU host):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_34_x86_64 \
 #     -d .whl-x2 tokenspeed-deepep==1.2.1.post20251110 nvshmem4py-cu13==0.4.1 megatron-core==0.16.1

@@ -1,18 +1,16 @@
 #!/usr/bin/env bash
-# Transformer Engine on the H200, in stages, each in a `device` call made right after the previous
-# one (the machine stays warm ~30 s idle, and /tmp with it). The bundle comes from
-# examples/te_bundle.sh as pieces .cb0/ .. .cb6/ (cuBLAS 13.6's libraries) and .te0/ .. .te5/ (TE),
-# one per call (docs/te.md):
+# Transformer Engine on the H200, as named stages run in order; a device machine that keeps /tmp
+# between commands may run them over several commands. The bundle comes from
+# benchmarks/device/te_bundle.sh as pieces .cb0/ .. .cb6/ (cuBLAS 13.6's libraries) and .te0/ ..
+# .te5/ (TE) beside the code, a few at a time (docs/te.md):
 #
-#   calls 1-6,  carry [".cb0"] .. [".cb5"]:  bash examples/te_session.sh piece
-#   call 7,     carry [".cb6", ".te5"]:      bash examples/te_session.sh piece   (the last two are small)
-#   calls 8-11, carry [".te0"] .. [".te3"]:  bash examples/te_session.sh piece
-#   call 12,    carry [".te4"]:  bash examples/te_session.sh piece build check
-#   call 13,    no carry:        bash examples/te_session.sh tests bench
-#   (call 14,   carry [".whl"]:  bash examples/te_session.sh megatron)
+#   bash benchmarks/device/te_session.sh piece              (as often as pieces arrive)
+#   bash benchmarks/device/te_session.sh piece build check  (with the last piece)
+#   bash benchmarks/device/te_session.sh tests bench
+#   bash benchmarks/device/te_session.sh megatron           (with .whl/ beside the code)
 #
 # Stages (each fails loudly, naming the step, and exits non-zero):
-#   piece  move this call's .teN/* to /tmp/tc and .cbN/* to /tmp/cc. Once /tmp/cc holds every byte
+#   piece  move the present .teN/* to /tmp/tc and .cbN/* to /tmp/cc. Once /tmp/cc holds every byte
 #          that .cb0/cublas.manifest names, check the sha256 and unpack the cuBLAS libraries to
 #          /tmp/cublas; from then on every stage preloads them (LD_PRELOAD below): TE's grouped experts
 #          need cuBLASLt >= 13.4 (bf16) / 13.5 (FP8 current) / 13.6 (FP8 block) on Hopper, torch 2.11
@@ -25,7 +23,7 @@
 #          version TE sees and which recipes GroupedLinear's device-split path takes: $OUT/te-check.json
 #   tests  the GPU tests of tests/model/test_te_layers.py: $OUT/te-tests.log
 #   bench  python -m benchmarks.te: $OUT/te-bench.json
-#   megatron  carry [".whl"]: a Megatron TE-spec GPTModel's training step, then update_weights into
+#   megatron  with .whl/ present: a Megatron TE-spec GPTModel's training step, then update_weights into
 #          the rollout and logits parity: $OUT/te-megatron.json
 set -uo pipefail
 OUT=${OUT:-/tmp/te-out}
@@ -149,11 +147,11 @@ for stage in "$@"; do
     piece)
       n=0
       for d in .te[0-9]* .cb[0-9]*; do
-        [ -d "$d" ] && [ -n "$(ls -A "$d")" ] || continue  # emptied by an earlier call of this machine
+        [ -d "$d" ] && [ -n "$(ls -A "$d")" ] || continue  # emptied by an earlier command on this machine
         case "$d" in .te*) mv "$d"/* /tmp/tc/ ;; *) mv "$d"/* /tmp/cc/ ;; esac
         n=$((n + 1))
       done
-      [ "$n" -gt 0 ] || fail "piece: no .teN or .cbN folder in this call's carry"
+      [ "$n" -gt 0 ] || fail "piece: no .teN or .cbN folder beside the code"
       ls -l /tmp/tc /tmp/cc
       unpack_cublas ;;
     build)
@@ -227,8 +225,8 @@ EOF
         2>&1 | tee "$OUT/te-tests.log" | tail -25 ;;
     bench)
       timeout 400 python3 -m benchmarks.te --out "$OUT/te-bench.json" 2>&1 | tail -30 ;;
-    megatron)  # carry [".whl"]: megatron-core 0.19.2 to /tmp/te/mcore; TE-spec trainer step -> rollout parity
-      ls .whl/megatron_core-*.whl > /dev/null 2>&1 || fail "megatron: no .whl/megatron_core-*.whl: carry [\".whl\"]"
+    megatron)  # .whl/ present: megatron-core 0.19.2 to /tmp/te/mcore; TE-spec trainer step -> rollout parity
+      ls .whl/megatron_core-*.whl > /dev/null 2>&1 || fail "megatron: no .whl/megatron_core-*.whl: put the wheel in .whl/ beside the code"
       python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$TE/mcore" \
         .whl/megatron_core-*.whl || fail "megatron: pip install of the megatron-core wheel"
       export PYTHONPATH=$TE/mcore:$PYTHONPATH

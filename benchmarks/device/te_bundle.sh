@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Transformer Engine 2.20.2 for the H200, bundled HERE (a CPU machine that reaches the package
-# registry) and cut into pieces that fit one device call each (docs/te.md; the device side is
-# examples/te_session.sh).
+# registry) and cut into pieces small enough to send to the GPU machine one at a time (docs/te.md; the device side is
+# benchmarks/device/te_session.sh).
 #
 # What goes in (nothing is recompressed: the wheels are zips already; the pieces are `split` of one tar):
 #   wheels/core/    transformer-engine-cu13 (core library + TE's PyTorch Python code, ~264 MiB) and the
@@ -27,10 +27,10 @@
 # ~390 MB as xz) in pieces .cb0/ .cb1/ ..., with cublas.manifest (the stream's size and sha256) in .cb0/;
 # te_session.sh's `piece` stage unpacks them once every byte is there, and its later stages preload them.
 #
-# Usage: bash examples/te_bundle.sh [te] [cublas]   (from the repository root; default both; pieces land
+# Usage: bash benchmarks/device/te_bundle.sh [te] [cublas]   (from the repository root; default both; pieces land
 #        in .te0/ .te1/ ... and .cb0/ .cb1/ ...)
 # Env:   TE_BUNDLE_WORK=/tmp/te_bundle (scratch), TE_PIECE=55M (one piece plus the working tree must stay
-#        under the device's 64 MiB carry: the tree was 7.2 MB on 2026-12-01), CUBLAS_VERSION=13.6.2.16.
+#        under the 64 MiB the GPU machine accepts at once: the tree was 7.2 MB on 2026-12-01), CUBLAS_VERSION=13.6.2.16.
 set -euo pipefail
 VERSION=2.20.2
 WORK=${TE_BUNDLE_WORK:-/tmp/te_bundle}
@@ -38,7 +38,7 @@ PIECE=${TE_PIECE:-55M}
 CUBLAS_VERSION=${CUBLAS_VERSION:-13.6.2.16}
 PARTS=${*:-te cublas}
 ROOT=$(pwd)
-[ -f "$ROOT/pyproject.toml" ] && [ -d "$ROOT/examples" ] || { echo "te_bundle: run from the repository root" >&2; exit 2; }
+[ -f "$ROOT/pyproject.toml" ] && [ -d "$ROOT/benchmarks/device" ] || { echo "te_bundle: run from the repository root" >&2; exit 2; }
 step() { echo "== te_bundle: $*"; }
 fail() { echo "te_bundle FAILED at: $*" >&2; exit 1; }
 

@@ -1,87 +1,14 @@
 #!/usr/bin/env bash
-# One H200 lease, in stages, each a `device` call made right after the previous one (the machine
-# stays warm ~30 s, and /tmp with it). vLLM's bundle travels as five pieces, one per call
-# (../shared/peers/README.md); every call does measuring work beside its piece.
-#
-# The 2026-12-01 second-session lease (docs/benchmarks.md), six calls back to back:
-#   call 1, carry [".run", ".vb4"]: bash .run/examples/h200_session.sh setup current
-#   call 2, carry [".vb0"]:         bash /tmp/run/examples/h200_session.sh piece prefill
-#   call 3, carry [".vb1"]:         bash /tmp/run/examples/h200_session.sh piece p48
-#   call 4, carry [".vb2"]:         bash /tmp/run/examples/h200_session.sh piece
-#   call 5, carry [".vb3"]:         bash /tmp/run/examples/h200_session.sh piece vllm
-#   call 6, carry []:               bash /tmp/run/examples/h200_session.sh vllm48 tests
-# (`profile` and `kernels`, `hotswap` are further stages for the kernel work.)
-#
-# The 2026-12-01 third-session lease (decode ahead), six calls (SCHEDULES, ABLATION, DEADLINE and
-# VLLM_RUNS pick what `current` and `vllm` run):
-#   call 1, carry [".whl", ".vb4"]: bash examples/h200_session.sh setup tests profile
-#   call 2, carry [".vb0"]: SCHEDULES=off,off/sync,chunked,chunked/sync,mux,mux/sync ABLATION=--no-ablation \
-#                           DEADLINE=300 bash /tmp/run/examples/h200_session.sh piece current
-#   calls 3-4, carry [".vb1"], [".vb2"]: bash /tmp/run/examples/h200_session.sh piece
-#   call 5, carry [".vb3"]: VLLM_RUNS="current:default,best:270" bash /tmp/run/examples/h200_session.sh piece vllm
-#   call 6, no carry: the `prefill` profile (off, chunked, mux at 2,048 and 8,192) and vLLM at its default,
-#                     by hand (the two commands are in docs/benchmarks.md, third lease)
-#
-# The 2026-12-01 fourth-session lease (the prefill path; docs/h200-2026-12-01e/COMMIT), calls back to back:
-#   call 1, carry [".whl"]:         bash examples/h200_session.sh setup tests attention profile   (its own machine)
-#   call 2, carry [".whl", ".vb4"]: bash examples/h200_session.sh setup tests micro
-#   call 3, carry [".vb0"]: DEADLINE=420 bash /tmp/run/examples/h200_session.sh piece prefill
-#   call 4, carry [".vb1"]: bash /tmp/run/examples/h200_session.sh piece profile
-#   call 5, carry [".vb2"]: DEADLINE=140 bash /tmp/run/examples/h200_session.sh piece sampled
-#   call 6, carry [".vb3"]: VLLM_RUNS="prefill:default,best:300" bash /tmp/run/examples/h200_session.sh piece vllm
-#   call 7, no carry:       BUDGETS=16384 SCHEDULES=off,mux DEADLINE=230 bash /tmp/run/examples/h200_session.sh flash
-#
-# The 2026-12-01 fifth-session lease (FP8 experts in graphs, decode attention settings). The bundle
-# was re-split into five 49.6 MB pieces (cat .vb*/vllm026.txz.0* | split -d -b 49600000): a 58 MiB
-# piece and the working tree no longer fit one carry. Calls:
-#   call 1, carry [".whl", ".vb4"]: bash examples/h200_session.sh setup tests fp8   (its own machine)
-#   call 2, carry [".whl", ".vb4"]: bash examples/h200_session.sh setup kernels     (FP8-expert tiles, expert sort)
-#   call 3, carry [".whl", ".vb0"]: DEADLINE=250 bash examples/h200_session.sh setup piece current
-#   calls 4-6, carry [".vb1"], [".vb2"], [".vb3"]: bash /tmp/run/examples/h200_session.sh piece
-#   call 7, carry [".vb4"]: VLLM_RUNS="current:default,best:270" bash /tmp/run/examples/h200_session.sh piece vllm
-#   call 8, carry [".whl"]: FLASH_REPLAY=0 bash examples/h200_session.sh setup flash fp8
-#
-# The 2026-12-01 sixth-session lease (docs/h200-2026-12-01g/COMMIT): call 1, carry [".whl"]:
-#   bash examples/h200_session.sh setup tests kernels; then examples/te_session.sh's thirteen calls
-#   (docs/te.md section 2), then on the same machine `DEADLINE=230 bash /tmp/run/examples/h200_session.sh
-#   current` and `BUDGETS=8192,16384 DEADLINE=200 bash /tmp/run/examples/h200_session.sh prefill`.
-#
-# The 2026-12-01 eighth-session lease (docs/h200-2026-12-01i/COMMIT), as it ran:
-#   call 1, carry [".whl"]: bash examples/h200_session.sh setup tests kernels   (its own machine)
-#   call 3, carry [".whl"]: setup, the kernel/engine GPU tests, then `kernels`   (a new machine, kept warm to call 10)
-#   call 4, carry [".vb0"]: BUDGETS=8192,16384 ABLATION=--no-ablation DEADLINE=230 bash /tmp/run/examples/h200_session.sh piece prefill
-#   call 5, carry [".vb1"]: bash /tmp/run/examples/h200_session.sh piece idle
-#   calls 6-7, carry [".vb2"], [".vb3"]: bash /tmp/run/examples/h200_session.sh piece
-#   call 8, carry [".vb4"]: bash /tmp/run/examples/h200_session.sh piece flashmicro
-#   call 9, no carry: VLLM_RUNS="prefill:default,best:260" bash /tmp/run/examples/h200_session.sh vllm
-#   call 10, no carry: DEADLINE=190 bash /tmp/run/examples/h200_session.sh current, then
-#                      VLLM_RUNS="current:default,best:230" bash /tmp/run/examples/h200_session.sh vllm
-#
-# The 2026-12-02 ninth-session lease (docs/h200-2026-12-02/COMMIT), as it ran (vLLM at two settings
-# per profile fitted: its runs take ~250-280 s for both, so give each its own call):
-#   call 1, carry [".whl"]: bash examples/h200_session.sh setup tests, then benchmarks.profile --no-graphs
-#   call 2, carry [".whl"]: setup, GPU tests of the changes, micro (decode,prefill), benchmarks.attention, benchmarks.profile
-#   call 3, carry [".whl", ".vb0"]: DEADLINE=200 bash examples/h200_session.sh setup current   (kept warm to call 10)
-#   calls 4-6, carry [".vb1"], [".vb2"], [".vb3"]: bash /tmp/run/examples/h200_session.sh piece
-#   call 7, carry [".vb4"]: bash /tmp/run/examples/h200_session.sh piece flashmicro
-#   call 8, no carry: VLLM_RUNS="current:default,best:420" bash /tmp/run/examples/h200_session.sh vllm
-#   call 9, no carry: BUDGETS=8192,16384 ABLATION=--no-ablation DEADLINE=225 bash /tmp/run/examples/h200_session.sh prefill
-#   call 10, no carry: VLLM_RUNS="prefill:default,best:370" bash /tmp/run/examples/h200_session.sh vllm
-#
-# The 2026-12-02 tenth-session lease (docs/h200-2026-12-02b/COMMIT), as it ran:
-#   call 1, carry [".whl"]: bash examples/h200_session.sh setup tests, then benchmarks.kernels
-#   call 2, no carry: the micro stage (--micro-parts decode,prefill,gap), then `idle` (rows 1,64)
-#   call 3, carry [".whl"]: setup, GPU tests of the changes, benchmarks.kernels --row-blocks 1,2,4,8, micro prefill
-#   call 4, carry [".whl", ".vb0"]: setup, fused/piecewise GPU tests, benchmarks.kernels   (kept warm to call 10)
-#   call 5, carry [".vb1"]: piece, micro (decode,prefill,gap), idle
-#   call 6, carry [".vb2"]: piece, `fp8`;  call 7, carry [".vb3"]: piece, benchmarks.profile
-#   call 8, carry [".vb4"]: piece, unpack, FA3 GPU tests, micro (prefill,gap) with --attention flash
-#   call 9, no carry: `prefill` on FA3 at 8,192 (off, chunked, mux; commands in docs/benchmarks.md)
-#   call 10, no carry: vLLM on it at two settings (--resume)
-#   call 11, carry [".whl"]: bash examples/h200_session.sh setup pdl   (its own machine)
+# The one-GPU benchmarks on an H200, as named stages run in order: `bash h200_session.sh setup tests
+# current vllm`. A device machine that keeps /tmp between commands may run the stages over several
+# commands: `setup` copies the code to /tmp/run, and later stages run from there. vLLM's offline
+# bundle (the peer, `benchmarks.vllm_peer`) arrives in pieces in folders `.vb0/` .. `.vb4/` beside
+# the code; `piece` moves the ones present to /tmp/pc, and the `vllm` stages unpack them once all
+# are there. The stages and settings behind a result folder are in its COMMIT file, where it has
+# one (benchmarks/results/README.md lists the folders).
 #
 # `.run` is `git archive HEAD` of the commit measured, plus `.whl/` (megatron-core 0.19.2, which
-# the device image lacks); it is copied to /tmp/run so later calls need not carry it. Results are
+# the device image lacks); it is copied to /tmp/run so later commands need not bring it again. Results are
 # kept under /tmp/res (the vLLM stage reads our runs back with `benchmarks.rollout --resume`) and
 # copied to $OUT.
 set -u
@@ -93,12 +20,12 @@ bench() { python3 -m benchmarks.rollout --no-progress "$@"; }
 for stage in "$@"; do
   case "$stage" in
     setup)  # code to /tmp/run, megatron-core to /tmp/site
-      rm -rf /tmp/run && cp -r "$(dirname "$0")/.." /tmp/run
+      rm -rf /tmp/run && cp -r "$(dirname "$0")/../.." /tmp/run
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/run/.whl/*.whl
       for d in .vb*; do [ -d "$d" ] && mv "$d"/* /tmp/pc/; done
       nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm,clocks.mem --format=csv
       git -C /tmp/run log -1 --format=%H 2>/dev/null || cat /tmp/run/COMMIT 2>/dev/null ;;
-    piece)  # this call's piece of the vLLM bundle
+    piece)  # the pieces of the vLLM bundle present now
       for d in .vb*; do [ -d "$d" ] && mv "$d"/* /tmp/pc/; done; ls -l /tmp/pc ;;
     tests)  # every GPU-marked test
       cd /tmp/run
@@ -119,7 +46,7 @@ for stage in "$@"; do
         --temperature 1 --repeats 3 --no-vllm --deadline-s "${DEADLINE:-200}" --out /tmp/res/sampled \
         > /tmp/res/sampled.log 2>&1
       tail -16 /tmp/res/sampled.log; cp /tmp/res/sampled/rollout.json "$OUT/sampled.json" ;;
-    prefill)  # 16 conversations (24 did not fit 3 repeats in one call); the sweep and the ablation
+    prefill)  # 16 conversations (24 did not fit 3 repeats in one command); the sweep and the ablation
       cd /tmp/run
       bench --profile prefill --conversations 16 --budgets "${BUDGETS:-2048,4096,8192,16384}" ${ABLATION:---ablation} \
         --repeats 3 --no-vllm --deadline-s "${DEADLINE:-300}" --out /tmp/res/prefill > /tmp/res/prefill.log 2>&1
