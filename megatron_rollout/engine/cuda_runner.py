@@ -53,7 +53,7 @@ engine and the mux driver are unchanged):
 
 `EngineConfig.runner` (`RunnerConfig`) picks the runner (`kind`) and holds this runner's knobs.
 
-Green contexts (SM partitions for D and P) are measured by `bench.micro` and not used here: see
+Green contexts (SM partitions for D and P) are measured by `benchmarks.micro` and not used here: see
 docs/benchmarks.md. FP8 experts (`model.fp8`, stacked) are captured like bf16 ones on one rank
 (`kernels.moe_triton`'s weight-only kernels). Left out: MTP lookahead, and FP8 experts on several
 ranks (such models run D eagerly).
