@@ -147,39 +147,6 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return sorted(out)
 
 
-def test_the_graph_is_read():
-    edges = graph(_modules())
-    assert "megatron_rollout.engine.engine" in edges
-    assert "megatron_rollout.types" in edges["megatron_rollout.comm.facade"]
-    assert "megatron_rollout.comm.facade" in edges["megatron_rollout.model.layers"]
-
-
-def test_no_import_cycles():
-    found = cycles(graph(_modules()))
-    assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
-
-
-def test_imports_follow_the_layer_order():
-    found = violations(graph(_modules()))
-    assert not found, "imports against the layer order (LAYERS, low to high):\n" + "\n".join(found)
-
-
-def test_the_checks_can_fail():
-    edges = {"megatron_rollout.comm.dist": {"megatron_rollout.multiplex.routing"},
-             "megatron_rollout.multiplex.routing": {"megatron_rollout.comm.dist"},
-             "megatron_rollout.kernels.moe": {"megatron_rollout.multiplex.turnstile"}}
-    assert cycles(edges) == [["megatron_rollout.comm.dist", "megatron_rollout.multiplex.routing"]]
-    assert violations(edges) == [
-        "megatron_rollout.comm.dist (layer 1: megatron_rollout.comm) imports megatron_rollout.multiplex.routing "
-        "(a higher layer, layer 4: megatron_rollout.multiplex)",
-        "megatron_rollout.kernels.moe (layer 4: megatron_rollout.kernels) imports megatron_rollout.multiplex.turnstile "
-        "(a peer of its layer, layer 4: megatron_rollout.multiplex)"]
-    known = {"megatron_rollout.types", "megatron_rollout.engine", "megatron_rollout.engine.api"}
-    src = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from megatron_rollout.engine import api\n"
-           "def f():\n    import megatron_rollout.types\n")
-    assert imports_of("megatron_rollout.x", src, known) == {"megatron_rollout.engine.api", "megatron_rollout.types"}
-
-
 def package_privates() -> set[str]:
     """Every single-underscore name the package defines: functions, classes, module-level names,
     attributes assigned on `self`, and modules."""
@@ -251,3 +218,37 @@ def test_the_private_name_check_can_fail():
                                              "7: runner._graph"]
     privates = package_privates()
     assert "_te" in privates and "__init__" not in privates and "forward" not in privates
+
+
+def test_the_graph_is_read():
+    edges = graph(_modules())
+    assert "megatron_rollout.engine.engine" in edges
+    assert "megatron_rollout.types" in edges["megatron_rollout.comm.facade"]
+    assert "megatron_rollout.comm.facade" in edges["megatron_rollout.model.layers"]
+
+
+def test_no_import_cycles():
+    found = cycles(graph(_modules()))
+    assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_imports_follow_the_layer_order():
+    found = violations(graph(_modules()))
+    assert not found, "imports against the layer order (LAYERS, low to high):\n" + "\n".join(found)
+
+
+def test_the_checks_can_fail():
+    edges = {"megatron_rollout.comm.dist": {"megatron_rollout.multiplex.routing"},
+             "megatron_rollout.multiplex.routing": {"megatron_rollout.comm.dist"},
+             "megatron_rollout.kernels.moe": {"megatron_rollout.multiplex.turnstile"}}
+    assert cycles(edges) == [["megatron_rollout.comm.dist", "megatron_rollout.multiplex.routing"]]
+    assert violations(edges) == [
+        "megatron_rollout.comm.dist (layer 1: megatron_rollout.comm) imports megatron_rollout.multiplex.routing "
+        "(a higher layer, layer 4: megatron_rollout.multiplex)",
+        "megatron_rollout.kernels.moe (layer 4: megatron_rollout.kernels) imports megatron_rollout.multiplex.turnstile "
+        "(a peer of its layer, layer 4: megatron_rollout.multiplex)"]
+    known = {"megatron_rollout.types", "megatron_rollout.engine", "megatron_rollout.engine.api"}
+    src = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from megatron_rollout.engine import api\n"
+           "def f():\n    import megatron_rollout.types\n")
+    assert imports_of("megatron_rollout.x", src, known) == {"megatron_rollout.engine.api", "megatron_rollout.types"}
+

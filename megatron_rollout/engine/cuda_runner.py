@@ -87,11 +87,6 @@ log = logging.getLogger(__name__)
 COMPLETION = BoundaryPoint(-1, Site.MOE_DATA)
 """Yielded by an asynchronous P forward after its last layer while the device finishes it."""
 
-PER_FORWARD_SETTINGS = ("use_graphs", "graph_batch_sizes", "prefill_graph_tokens", "prefill_graph_rows",
-                        "async_prefill")
-"""The `RunnerConfig` fields a `CudaRunner` reads at every forward (`CudaRunner.configured` may
-swap them); the others are read once, when the runner is built."""
-
 RUNNER_ENV = "MEGATRON_ROLLOUT_RUNNER"
 """auto | eager | cuda: the default of the CLI's `--runner` and of `make_runner` without a config."""
 
@@ -293,6 +288,11 @@ class CudaRunner:
         return decode
 
     # -- for measurement: the parts benchmarks time, without the engine around them ------------
+    PER_FORWARD_SETTINGS = ("use_graphs", "graph_batch_sizes", "prefill_graph_tokens", "prefill_graph_rows",
+                            "async_prefill")
+    """The `RunnerConfig` fields read at every forward (`configured` may swap them); the others are
+    read once, when the runner is built."""
+
     def decode_graph(self, rows: int) -> DecodeGraph:
         """The decode graph of the bucket holding `rows` rows, captured now if it is not yet (on
         many ranks, every rank must call it at the same point). Load a batch with
@@ -329,10 +329,10 @@ class CudaRunner:
         """Run with `config` inside the block and with the runner's own config after it (neither
         config is changed). Only `PER_FORWARD_SETTINGS` may differ from the runner's config."""
         fixed = [f.name for f in dataclasses.fields(config)
-                 if f.name not in PER_FORWARD_SETTINGS and getattr(config, f.name) != getattr(self.config, f.name)]
+                 if f.name not in self.PER_FORWARD_SETTINGS and getattr(config, f.name) != getattr(self.config, f.name)]
         if fixed:
             raise ValueError(f"RunnerConfig fields {fixed} are read when a CudaRunner is built and cannot be "
-                             f"swapped: build another runner, or change only {PER_FORWARD_SETTINGS}")
+                             f"swapped: build another runner, or change only {self.PER_FORWARD_SETTINGS}")
         saved, self.config = self.config, config
         try:
             yield

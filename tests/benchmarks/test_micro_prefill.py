@@ -26,7 +26,7 @@ class FakeRunner:
         n = sum(i.span.new for i in inputs)
         return next((b for b in self.config.prefill_graph_tokens if b >= n), None)
 
-    configured = CudaRunner.configured
+    configured, PER_FORWARD_SETTINGS = CudaRunner.configured, CudaRunner.PER_FORWARD_SETTINGS
 
     def forward(self, inputs, phase):
         self.runs.append(self.config.prefill_graph_tokens)

@@ -101,7 +101,7 @@ def test_forward_modes_are_timed_interleaved_and_the_config_comes_back(monkeypat
 
     class Runner:  # what forward_profiles reads off a CudaRunner
         config = own
-        configured = CudaRunner.configured
+        configured, PER_FORWARD_SETTINGS = CudaRunner.configured, CudaRunner.PER_FORWARD_SETTINGS
 
     monkeypatch.setattr(prof, "drive", fake_drive)
     runner = Runner()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_rollout.engine.config import RunnerConfig
-from megatron_rollout.engine.cuda_runner import PER_FORWARD_SETTINGS, CudaRunner
+from megatron_rollout.engine.cuda_runner import CudaRunner
 from megatron_rollout.engine.runner import ModelRunner, SpanInput
 from megatron_rollout.kv.paged import PagedKVCache, SeqSpan
 from megatron_rollout.model.config import preset
@@ -25,7 +25,7 @@ from megatron_rollout.types import Phase
 
 def test_configured_swaps_per_forward_settings_and_restores_the_runner_config():
     own = RunnerConfig(prefill_graph_tokens=(64, 128))
-    runner = types.SimpleNamespace(config=own)  # `configured` reads and sets only `config`
+    runner = types.SimpleNamespace(config=own, PER_FORWARD_SETTINGS=CudaRunner.PER_FORWARD_SETTINGS)
     eager = dataclasses.replace(own, prefill_graph_tokens=(), use_graphs=False)
     with CudaRunner.configured(runner, eager):
         assert runner.config is eager
@@ -36,12 +36,12 @@ def test_configured_swaps_per_forward_settings_and_restores_the_runner_config():
 
 
 def test_configured_refuses_settings_read_when_the_runner_is_built():
-    runner = types.SimpleNamespace(config=RunnerConfig())
+    runner = types.SimpleNamespace(config=RunnerConfig(), PER_FORWARD_SETTINGS=CudaRunner.PER_FORWARD_SETTINGS)
     with pytest.raises(ValueError, match=r"\['attention', 'd_priority'\] are read when a CudaRunner is built"):
         with CudaRunner.configured(runner, RunnerConfig(attention="triton", d_priority=0)):
             pass
     assert runner.config == RunnerConfig()
-    assert set(PER_FORWARD_SETTINGS) < {f.name for f in dataclasses.fields(RunnerConfig)}
+    assert set(CudaRunner.PER_FORWARD_SETTINGS) < {f.name for f in dataclasses.fields(RunnerConfig)}
 
 
 # -- GPU -----------------------------------------------------------------------------------
