@@ -228,7 +228,7 @@ def test_qkv_norm_rope_matches_reference(device, tokens, groups, per, d, norm):
 
 @pytest.mark.parametrize("device,rows", _cases([(4095,), (300,)], [(258,)]))
 def test_the_sweeps_blocks_of_rows_match_reference(device, rows, monkeypatch):
-    """One row per program is the default at every size; `bench.kernels --row-blocks` launches
+    """One row per program is the default at every size; `benchmarks.kernels --row-blocks` launches
     blocks of rows (4 for the norms and the SwiGLU, 8 tokens of QKV), the last one partial here:
     the same checks as above hold for them."""
     monkeypatch.setattr(fused, "NORM_BLOCK_ROWS", 4)
@@ -442,7 +442,7 @@ def test_split_router_replays_in_a_graph():
 
 @pytest.mark.gpu
 def test_no_triton_compilation_after_warm_up():
-    from megatron_rollout.bench.compiles import CompileCounter
+    from benchmarks.compiles import CompileCounter
 
     gen = _gen("cuda", 9)
     norm_w = torch.ones(2048, device="cuda", dtype=torch.bfloat16)
