@@ -1,0 +1,133 @@
+"""Check the simulator against the engine: fit a cost model on one real replay, simulate another
+trace, replay that one for real, and compare makespans; also the oracle and the lower bound.
+
+    python -m megatron_rollout.sim.check --model tiny-moe --device cpu --scale 0.01 \\
+        --conversations 6 --fit-seed 1 --test-seed 2 --schedule off,chunked,mux --json
+
+Per schedule: one warm-up replay (first-use costs stay out of the fit), a real replay of the fit
+trace (its step records give the cost model), a real replay of the test trace, and simulations of
+both (the fit trace's error is in-sample, the test trace's is the check). Traces are made with
+`trace.make.make_trace` from the given seeds, or read from `--fit-trace` / `--test-trace`.
+Progress goes to the log; the result is one JSON object (or a table) on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_rollout.engine import EngineConfig, RolloutEngine
+from megatron_rollout.engine.records import StepRecord
+from megatron_rollout.sim.bounds import lower_bound
+from megatron_rollout.sim.cost import CostModel, fit
+from megatron_rollout.sim.policy import Oracle
+from megatron_rollout.sim.simulator import SimConfig, simulate
+from megatron_rollout.trace.replay import replay
+from megatron_rollout.trace.schema import TraceRequest, load_trace
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One schedule's check (seconds)."""
+
+    schedule: str
+    cost: dict[str, float]
+    fit_real_s: float
+    fit_sim_s: float
+    test_real_s: float
+    test_sim_s: float
+    test_error: float
+    """test_sim_s / test_real_s - 1."""
+    oracle_s: float
+    """The test trace simulated with the longest-remaining-chain oracle ordering."""
+    lower_bound_s: float
+    sim_wall_s: float
+    """Wall time of simulating the test trace once."""
+
+
+def real_replay(model, config: EngineConfig, trace: Sequence[TraceRequest], seed: int
+                ) -> tuple[float, list[StepRecord]]:
+    """(makespan, step records) of one replay on a fresh engine."""
+    engine = RolloutEngine(model, config)
+    details: dict[str, Any] = {}
+    report, _ = replay(engine, trace, seed=seed, progress=False, vocab_size=model.cfg.vocab_size,
+                       schedule=config.schedule, details=details)
+    if report.requests != len(trace):
+        raise RuntimeError(f"the replay completed {report.requests} of {len(trace)} requests ({report.summary()}); "
+                           f"raise --num-blocks")
+    return report.makespan_s, details["records"]
+
+
+def check_schedule(model, config: EngineConfig, fit_trace: Sequence[TraceRequest],
+                   test_trace: Sequence[TraceRequest], warmup: Sequence[TraceRequest], seed: int = 0) -> CheckResult:
+    real_replay(model, config, warmup, seed)
+    fit_real, records = real_replay(model, config, fit_trace, seed)
+    cost: CostModel = fit(records)
+    test_real, _ = real_replay(model, config, test_trace, seed)
+    sim_config = SimConfig.of_engine(config)
+    t0 = time.perf_counter()
+    test_sim = simulate(test_trace, cost, sim_config).makespan_s
+    wall = time.perf_counter() - t0
+    return CheckResult(
+        schedule=config.schedule.value, cost=cost.to_dict(), fit_real_s=fit_real,
+        fit_sim_s=simulate(fit_trace, cost, sim_config).makespan_s, test_real_s=test_real, test_sim_s=test_sim,
+        test_error=test_sim / test_real - 1, oracle_s=simulate(test_trace, cost, sim_config, Oracle()).makespan_s,
+        lower_bound_s=lower_bound(test_trace, cost, config.scheduler.max_decode_rows).makespan_s, sim_wall_s=wall)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m megatron_rollout.sim.check", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny-moe", help="preset name or Hugging Face checkpoint directory")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--schedule", default="off,chunked,mux", help="comma-separated schedules to check")
+    ap.add_argument("--num-blocks", type=int, default=1024)
+    ap.add_argument("--max-batch-tokens", type=int, default=512)
+    ap.add_argument("--conversations", type=int, default=6)
+    ap.add_argument("--scale", type=float, default=0.01)
+    ap.add_argument("--wait-scale", type=float, default=None)
+    ap.add_argument("--profile", default="current")
+    ap.add_argument("--fit-seed", type=int, default=1)
+    ap.add_argument("--test-seed", type=int, default=2)
+    ap.add_argument("--fit-trace", default=None, help="JSONL trace to fit on (instead of --fit-seed)")
+    ap.add_argument("--test-trace", default=None, help="JSONL trace to check on (instead of --test-seed)")
+    ap.add_argument("--json", action="store_true")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = _parser().parse_args(argv)
+    from megatron_rollout.model.checkpoint import load_model
+    from megatron_rollout.trace.make import make_trace
+
+    def trace(path: str | None, seed: int) -> list[TraceRequest]:
+        if path:
+            return load_trace(path)
+        return make_trace(args.conversations, seed, args.scale, args.wait_scale, profile=args.profile)
+
+    model = load_model(args.model, device=args.device)
+    fit_trace, test_trace = trace(args.fit_trace, args.fit_seed), trace(args.test_trace, args.test_seed)
+    warmup = make_trace(2, 0, args.scale, args.wait_scale, profile=args.profile)
+    results = []
+    for name in args.schedule.split(","):
+        config = EngineConfig(schedule=name, max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks)
+        result = check_schedule(model, config, fit_trace, test_trace, warmup)
+        logger.info("%s: real %.3f s, simulated %.3f s (error %+.1f%%), oracle %.3f s, lower bound %.3f s",
+                    name, result.test_real_s, result.test_sim_s, 100 * result.test_error, result.oracle_s,
+                    result.lower_bound_s)
+        results.append(dataclasses.asdict(result))
+    out = {"fit_requests": len(fit_trace), "test_requests": len(test_trace), "results": results}
+    sys.stdout.write((json.dumps(out) if args.json else json.dumps(out, indent=1)) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
