@@ -98,6 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--test-seed", type=int, default=2)
     ap.add_argument("--fit-trace", default=None, help="JSONL trace to fit on (instead of --fit-seed)")
     ap.add_argument("--test-trace", default=None, help="JSONL trace to check on (instead of --test-seed)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (1: steadier timings on a shared host)")
     ap.add_argument("--json", action="store_true")
     return ap
 
@@ -105,7 +107,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)
+    import torch
+
     from megatron_rollout.model.checkpoint import load_model
+
+    torch.set_num_threads(args.threads)
     from megatron_rollout.trace.make import make_trace
 
     def trace(path: str | None, seed: int) -> list[TraceRequest]:
