@@ -5,8 +5,8 @@ What is modelled as the engine does it: every conversation is a session (its KV 
 turns; a turn prefills its new tokens and the last sampled token); turn 0 is released at its wait,
 turn k at turn k-1's finish plus its wait, checked between steps like the replay loop does; each
 step the planner (`engine.scheduler.plan_step`, the engine's own function) plans on the modelled
-state; preempted requests lose their KV and recompute; when nothing fits, the least recently used
-idle session's KV is evicted (`RequestTable.unblock`). A step costs its forward (`CostModel.step_s`)
+state; preempted requests lose their KV and recompute; when nothing fits, KV is freed the way
+`RequestTable.unblock` frees it. A step costs its forward (`CostModel.step_s`)
 plus the host gap. `off` and `chunked` run one forward per step; `mux` runs one decode iteration
 and one prefill segment per step, an epoch being cut into `CostModel.mux_segments` segments while
 decode rows run (whole otherwise), the two serial on one device as on the engine's one stream.
@@ -182,6 +182,10 @@ class Simulator:
     def _submit(self, conv: _Conv) -> None:
         turn = conv.turns[conv.next_turn]
         conv.tokens += turn.input_tokens
+        need = _blocks(conv.tokens + turn.output_tokens, self.bs)
+        if need > self.config.num_blocks:  # the engine refuses it at submission (`RequestTable.submit`)
+            raise SimulationError(f"conversation {conv.key!r} turn {turn.turn} needs {need} KV blocks, the pool "
+                                  f"holds {self.config.num_blocks}; raise SimConfig.num_blocks")
         req = _Req(next(self._ids), conv, next(self._order), turn, self.now, turn.output_tokens)
         conv.request = req
         self.active[req.rid] = req
@@ -306,18 +310,31 @@ class Simulator:
         conv.blocks = blocks
 
     def _unblock(self) -> None:
-        """Nothing fits: evict the least recently used idle session's KV, as the engine does."""
+        """Nothing fits: free KV as the engine does (`RequestTable.unblock`), the least costly first:
+        the least recently used idle session's, else every waiting request's earlier turns', else
+        the youngest half-finished prefill's (preempted)."""
         idle = [c for c in self.convs if c.request is None and c.blocks]
-        if not idle:
+        holders = [r.conv for r in self.active.values() if r.stage is Stage.WAITING and r.conv.blocks]
+        halfway = [r for r in self.active.values() if r.stage is Stage.PREFILL and r.conv.blocks]
+        if idle:
+            victims = [min(idle, key=lambda c: c.last_used)]
+        elif holders:
+            victims = holders
+        elif halfway:
+            req = max(halfway, key=lambda r: r.order)
+            req.stage = Stage.WAITING
+            self.preemptions += 1
+            victims = [req.conv]
+        else:
             waiting = min(self.active.values(), key=lambda r: r.order)
             raise SimulationError(f"request of conversation {waiting.conv.key!r} turn {waiting.turn.turn} needs "
                                   f"{_blocks(waiting.conv.tokens, self.bs)} KV blocks and nothing can be freed "
                                   f"({self.config.num_blocks - self.used_blocks} of {self.config.num_blocks} free); "
                                   f"raise SimConfig.num_blocks")
-        victim = min(idle, key=lambda c: c.last_used)
-        self._set_blocks(victim, 0)
-        victim.computed = 0
-        self.evictions += 1
+        for conv in victims:
+            self._set_blocks(conv, 0)
+            conv.computed = 0
+        self.evictions += len(victims)
         self.now += self.cost.gap_s
 
 
