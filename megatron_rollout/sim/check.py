@@ -1,14 +1,18 @@
-"""Check the simulator against the engine: fit a cost model on one real replay, simulate another
-trace, replay that one for real, and compare makespans; also the oracle and the lower bound.
+"""Check the simulator against the engine: fit one cost model on real replays of one trace,
+simulate another trace, replay that one for real, and compare makespans; with the oracle's
+makespan and the lower bound beside them.
 
-    python -m megatron_rollout.sim.check --model tiny-moe --device cpu --scale 0.01 \\
-        --conversations 6 --fit-seed 1 --test-seed 2 --schedule off,chunked,mux --json
+    python -m megatron_rollout.sim.check --model tiny-moe --device cpu --scale 0.05 \
+        --conversations 4 --fit-seed 1 --test-seed 2 --schedule off,chunked,mux --repeats 2 --json
 
-Per schedule: one warm-up replay (first-use costs stay out of the fit), a real replay of the fit
-trace (its step records give the cost model), a real replay of the test trace, and simulations of
-both (the fit trace's error is in-sample, the test trace's is the check). Traces are made with
-`trace.make.make_trace` from the given seeds, or read from `--fit-trace` / `--test-trace`.
-Progress goes to the log; the result is one JSON object (or a table) on stdout.
+What runs: per schedule a short warm-up replay (first-use costs stay out of the fit) and a real
+replay of the fit trace; one cost model is fitted from all of their step records (a forward costs
+the same under every schedule; pooling them lets mixed, prefill-only and decode-only steps pin
+each other's coefficients down). Then the test trace is replayed `--repeats` times under each
+schedule, interleaved (off, chunked, mux, off, ...), and its median real makespan is compared with
+the simulated one: the test trace's error is the check, the fit trace's is in-sample. Traces are
+made with `trace.make.make_trace` from the seeds, or read from `--fit-trace` / `--test-trace`.
+Progress goes to the log; the result is one JSON object on stdout.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -39,13 +44,13 @@ class CheckResult:
     """One schedule's check (seconds)."""
 
     schedule: str
-    cost: dict[str, float]
     fit_real_s: float
     fit_sim_s: float
-    test_real_s: float
+    test_real_s: tuple[float, ...]
+    """Each repeat's real makespan of the test trace."""
     test_sim_s: float
     test_error: float
-    """test_sim_s / test_real_s - 1."""
+    """test_sim_s / median(test_real_s) - 1."""
     oracle_s: float
     """The test trace simulated with the longest-remaining-chain oracle ordering."""
     lower_bound_s: float
@@ -66,21 +71,36 @@ def real_replay(model, config: EngineConfig, trace: Sequence[TraceRequest], seed
     return report.makespan_s, details["records"]
 
 
-def check_schedule(model, config: EngineConfig, fit_trace: Sequence[TraceRequest],
-                   test_trace: Sequence[TraceRequest], warmup: Sequence[TraceRequest], seed: int = 0) -> CheckResult:
-    real_replay(model, config, warmup, seed)
-    fit_real, records = real_replay(model, config, fit_trace, seed)
-    cost: CostModel = fit(records)
-    test_real, _ = real_replay(model, config, test_trace, seed)
-    sim_config = SimConfig.of_engine(config)
-    t0 = time.perf_counter()
-    test_sim = simulate(test_trace, cost, sim_config).makespan_s
-    wall = time.perf_counter() - t0
-    return CheckResult(
-        schedule=config.schedule.value, cost=cost.to_dict(), fit_real_s=fit_real,
-        fit_sim_s=simulate(fit_trace, cost, sim_config).makespan_s, test_real_s=test_real, test_sim_s=test_sim,
-        test_error=test_sim / test_real - 1, oracle_s=simulate(test_trace, cost, sim_config, Oracle()).makespan_s,
-        lower_bound_s=lower_bound(test_trace, cost, config.scheduler.max_decode_rows).makespan_s, sim_wall_s=wall)
+def check(model, configs: Sequence[EngineConfig], fit_trace: Sequence[TraceRequest],
+          test_trace: Sequence[TraceRequest], warmup: Sequence[TraceRequest], repeats: int = 1,
+          seed: int = 0) -> tuple[CostModel, list[CheckResult]]:
+    """The fitted cost model and each config's check (module docstring)."""
+    fit_real, records = {}, []
+    for config in configs:
+        real_replay(model, config, warmup, seed)
+        fit_real[config.schedule], recs = real_replay(model, config, fit_trace, seed)
+        records += recs
+    cost = fit(records)
+    logger.info("cost model: %s", cost)
+    test_real: dict = {c.schedule: [] for c in configs}
+    for _ in range(repeats):
+        for config in configs:
+            test_real[config.schedule].append(real_replay(model, config, test_trace, seed)[0])
+    results = []
+    for config in configs:
+        sim_config = SimConfig.of_engine(config)
+        t0 = time.perf_counter()
+        test_sim = simulate(test_trace, cost, sim_config).makespan_s
+        wall = time.perf_counter() - t0
+        real = test_real[config.schedule]
+        results.append(CheckResult(
+            schedule=config.schedule.value, fit_real_s=fit_real[config.schedule],
+            fit_sim_s=simulate(fit_trace, cost, sim_config).makespan_s, test_real_s=tuple(real),
+            test_sim_s=test_sim, test_error=test_sim / statistics.median(real) - 1,
+            oracle_s=simulate(test_trace, cost, sim_config, Oracle()).makespan_s,
+            lower_bound_s=lower_bound(test_trace, cost, config.scheduler.max_decode_rows).makespan_s,
+            sim_wall_s=wall))
+    return cost, results
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -98,6 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--test-seed", type=int, default=2)
     ap.add_argument("--fit-trace", default=None, help="JSONL trace to fit on (instead of --fit-seed)")
     ap.add_argument("--test-trace", default=None, help="JSONL trace to check on (instead of --test-seed)")
+    ap.add_argument("--repeats", type=int, default=2, help="real replays of the test trace per schedule")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (1: steadier timings on a shared host)")
     ap.add_argument("--json", action="store_true")
@@ -122,15 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(args.model, device=args.device)
     fit_trace, test_trace = trace(args.fit_trace, args.fit_seed), trace(args.test_trace, args.test_seed)
     warmup = make_trace(2, 0, args.scale, args.wait_scale, profile=args.profile)
-    results = []
-    for name in args.schedule.split(","):
-        config = EngineConfig(schedule=name, max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks)
-        result = check_schedule(model, config, fit_trace, test_trace, warmup)
-        logger.info("%s: real %.3f s, simulated %.3f s (error %+.1f%%), oracle %.3f s, lower bound %.3f s",
-                    name, result.test_real_s, result.test_sim_s, 100 * result.test_error, result.oracle_s,
-                    result.lower_bound_s)
-        results.append(dataclasses.asdict(result))
-    out = {"fit_requests": len(fit_trace), "test_requests": len(test_trace), "results": results}
+    configs = [EngineConfig(schedule=name, max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks)
+               for name in args.schedule.split(",")]
+    cost, results = check(model, configs, fit_trace, test_trace, warmup, args.repeats)
+    for r in results:
+        logger.info("%s: real %s s, simulated %.3f s (error %+.1f%%), oracle %.3f s, lower bound %.3f s",
+                    r.schedule, ", ".join(f"{t:.3f}" for t in r.test_real_s), r.test_sim_s, 100 * r.test_error,
+                    r.oracle_s, r.lower_bound_s)
+    out = {"fit_requests": len(fit_trace), "test_requests": len(test_trace), "cost": cost.to_dict(),
+           "results": [dataclasses.asdict(r) for r in results]}
     sys.stdout.write((json.dumps(out) if args.json else json.dumps(out, indent=1)) + "\n")
     return 0
 

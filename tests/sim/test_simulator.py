@@ -51,7 +51,8 @@ def test_a_known_cost_gives_the_hand_computed_makespan():
     trace = [TraceRequest("a", 0, 10, 3, 0.0), TraceRequest("a", 1, 4, 2, 500.0)]
     sim = simulate(trace, COST, SimConfig(SchedulerConfig(schedule=Schedule.OFF)))
     turn0 = COST.step_s(StepSize(prefill_rows=1, prefill_tokens=10, prefill_pairs=55)) \
-        + COST.step_s(StepSize(decode_rows=1, decode_context=11)) + COST.step_s(StepSize(decode_rows=1, decode_context=12))
+        + COST.step_s(StepSize(decode_rows=1, decode_context=11)) \
+        + COST.step_s(StepSize(decode_rows=1, decode_context=12))
     # turn 1 prefills its 4 tokens and turn 0's last sampled token after 12 cached positions
     turn1 = COST.step_s(StepSize(prefill_rows=1, prefill_tokens=5, prefill_pairs=5 * 12 + 15)) \
         + COST.step_s(StepSize(decode_rows=1, decode_context=18))
