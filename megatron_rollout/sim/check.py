@@ -34,7 +34,7 @@ from megatron_rollout.engine import EngineConfig, RolloutEngine
 from megatron_rollout.engine.records import StepRecord
 from megatron_rollout.sim.bounds import lower_bound
 from megatron_rollout.sim.cost import CostModel, fit
-from megatron_rollout.sim.policy import Oracle
+from megatron_rollout.sim.policy import POLICIES
 from megatron_rollout.sim.simulator import SimConfig, simulate
 from megatron_rollout.trace.replay import replay
 from megatron_rollout.trace.schema import TraceRequest, load_trace
@@ -58,6 +58,8 @@ class CheckResult:
     """The median of `errors`."""
     oracle_s: tuple[float, ...]
     """The test trace simulated with the longest-remaining-chain oracle ordering."""
+    policies_s: tuple[dict[str, float], ...]
+    """The test trace simulated under every ordering of `policy.POLICIES` (FIFO is the engine's)."""
     lower_bound_s: tuple[float, ...]
     sim_wall_s: float
     """Wall time of simulating the test trace once (the last round)."""
@@ -96,18 +98,20 @@ def check(model, configs: Sequence[EngineConfig], fit_trace: Sequence[TraceReque
             sim_config = SimConfig.of_engine(config)
             t0 = time.perf_counter()
             test_sim = simulate(test_trace, cost, sim_config).makespan_s
+            wall = time.perf_counter() - t0
+            policies = {name: simulate(test_trace, cost, sim_config, policy()).makespan_s
+                        for name, policy in POLICIES.items()}
             rows[config.schedule].append((
                 fit_real[config.schedule], simulate(fit_trace, cost, sim_config).makespan_s, test_real, test_sim,
-                test_sim / test_real - 1, simulate(test_trace, cost, sim_config, Oracle()).makespan_s,
-                lower_bound(test_trace, cost, config.scheduler.max_decode_rows).makespan_s,
-                time.perf_counter() - t0))
+                test_sim / test_real - 1, policies["oracle"], policies,
+                lower_bound(test_trace, cost, config.scheduler.max_decode_rows).makespan_s, wall))
             logger.info("%s: test trace real %.3f s, simulated %.3f s (%+.1f%%)", config.schedule.value, test_real,
                         test_sim, 100 * (test_sim / test_real - 1))
     results = []
     for config in configs:
         cols = list(zip(*rows[config.schedule]))
-        results.append(CheckResult(config.schedule.value, *cols[:5], statistics.median(cols[4]), cols[5], cols[6],
-                                   cols[7][-1]))
+        results.append(CheckResult(config.schedule.value, *cols[:5], statistics.median(cols[4]), *cols[5:8],
+                                   cols[8][-1]))
     return costs, results
 
 

@@ -134,11 +134,12 @@ def fit(records: Sequence[StepRecord]) -> CostModel:
 
 
 def _gap(records: Sequence[StepRecord]) -> float:
-    """Median host time between consecutive forwards, leaving out gaps longer than the forward
-    before them (the engine had nothing to do: tool waits, not host cost)."""
+    """Mean host time between consecutive forwards (a makespan adds them up: the mean, not the
+    median), leaving out gaps longer than the forward before them (the engine had nothing to do:
+    tool waits, not host cost)."""
     ordered = sorted(records, key=lambda r: r.start)
     gaps = [b.start - a.end for a, b in zip(ordered, ordered[1:]) if 0 <= b.start - a.end <= max(a.duration, 1e-3)]
-    return statistics.median(gaps) if gaps else 0.0
+    return statistics.fmean(gaps) if gaps else 0.0
 
 
 def _segments(records: Sequence[StepRecord]) -> float:

@@ -58,4 +58,32 @@ class Oracle(Policy):
         return -request.remaining_chain_s
 
 
-POLICIES: dict[str, type[Policy]] = {"fifo": Fifo, "oracle": Oracle}
+class MostAttained(Policy):
+    """The conversation that has received the most engine time first: where turn counts have a
+    heavy tail, one that has run long is likely to run longer (no future knowledge)."""
+
+    name = "most-attained"
+
+    def key(self, request: RequestInfo) -> float:
+        return -request.attained_s
+
+
+class MostTurns(Policy):
+    """The conversation with the most turns behind it first."""
+
+    name = "most-turns"
+
+    def key(self, request: RequestInfo) -> float:
+        return -request.turn
+
+
+class LongestContext(Policy):
+    """The longest context first: its turns cost the most attention per token."""
+
+    name = "longest-context"
+
+    def key(self, request: RequestInfo) -> float:
+        return -request.context
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Fifo, Oracle, MostAttained, MostTurns, LongestContext)}

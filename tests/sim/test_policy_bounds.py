@@ -5,7 +5,7 @@ import pytest
 from megatron_rollout.engine.api import Schedule
 from megatron_rollout.engine.scheduler import SchedulerConfig
 from megatron_rollout.sim.bounds import lower_bound
-from megatron_rollout.sim.policy import Fifo, Oracle, RequestInfo
+from megatron_rollout.sim.policy import POLICIES, Fifo, Oracle, RequestInfo
 from megatron_rollout.sim.simulator import SimConfig, simulate
 from megatron_rollout.trace.make import make_trace
 from megatron_rollout.trace.schema import TraceRequest
@@ -19,7 +19,16 @@ def config(schedule: str, budget: int = 64) -> SimConfig:
 
 def test_policy_keys():
     info = RequestInfo(arrival_order=3, turn=1, context=100, attained_s=0.5, remaining_chain_s=2.0)
-    assert Fifo().key(info) == 3 and Oracle().key(info) == -2.0
+    assert [POLICIES[name]().key(info) for name in ("fifo", "oracle", "most-attained", "most-turns",
+                                                    "longest-context")] == [3, -2.0, -0.5, -1, -100]
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_serves_every_turn(name):
+    trace = make_trace(conversations=8, seed=4, scale=0.02)
+    sim = simulate(trace, COST, config("chunked"), POLICIES[name]())
+    assert sim.policy == name and sorted((r.conversation, r.turn) for r in sim.requests) == sorted(
+        (t.conversation, t.turn) for t in trace)
 
 
 @pytest.mark.parametrize("schedule", ["off", "chunked", "mux"])
