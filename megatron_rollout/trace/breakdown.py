@@ -100,6 +100,9 @@ class Breakdown:
     """Forwards of each kind."""
     mean_forward_ms: dict[str, float]
     """Mean duration of each kind of forward."""
+    shared: dict[str, dict[str, float]]
+    """What shared each kind of forward, on average: its decode rows, their context, its prefill
+    tokens."""
     pure_decode_step_ms: float
     """Row-weighted mean duration of decode-only forwards."""
     decode_step_ms: float
@@ -223,6 +226,8 @@ def build_breakdown(records: Sequence[StepRecord], outputs: Sequence[RequestOutp
         engine=occupier.during(start, end),
         forwards={k: len(v) for k, v in by_kind.items()},
         mean_forward_ms={k: 1e3 * sum(r.duration for r in v) / len(v) if v else math.nan for k, v in by_kind.items()},
+        shared={k: {f: sum(getattr(r, f) for r in v) / len(v) if v else math.nan
+                    for f in ("decode_rows", "decode_context", "prefill_tokens")} for k, v in by_kind.items()},
         pure_decode_step_ms=pure,
         decode_step_ms=carrying,
         decode_step_stretch=carrying / pure if pure > 0 else math.nan,

@@ -39,6 +39,8 @@ def test_critical_path_adds_up_to_its_end_and_says_what_shared_its_steps():
     assert (b.engine.prefill_s, b.engine.decode_s, b.engine.mixed_s, b.engine.idle_s) == pytest.approx(
         (1.0, 0.75, 1.0, 0.5))
     assert b.forwards == {"prefill": 1, "decode": 2, "mixed": 1}
+    assert b.shared["mixed"] == {"decode_rows": 1.0, "decode_context": 10.0, "prefill_tokens": 10.0}
+    assert b.shared["prefill"]["prefill_tokens"] == 20.0 and b.shared["decode"]["decode_rows"] == 1.0
     c = b.critical
     assert c.conversation == "a" and c.requests == 2 and c.end_s == pytest.approx(3.25)
     assert c.tool_wait_s == pytest.approx(0.25)
