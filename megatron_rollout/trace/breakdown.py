@@ -9,7 +9,8 @@ rows, prefill tokens, context, host-clock start and end), each finished request'
   *decode* (decode rows only) or *mixed* (both: a `chunked` step). The engine is *idle* (the
   host's scheduling, sampling, waiting for tool answers) whenever no forward runs.
 - A conversation's path from the replay start to its last finish is cut into tool waits (before
-  each turn's arrival: the trace's wait and the replay's release latency), queueing (arrival ->
+  each turn's arrival: the trace's wait and the replay's release latency, told apart where the
+  trace lines are given), queueing (arrival ->
   admitted), prefill (admitted -> first token) and decode (first token -> finish). Each engine
   part of the path is split further by what the engine ran meanwhile (prefill / decode / mixed
   forwards, idle), so "decode 3 s, of which 2 s inside mixed steps" says the prefill mixed into
@@ -37,7 +38,7 @@ from typing import Any
 
 from megatron_rollout.engine.api import RequestOutput
 from megatron_rollout.engine.records import StepRecord
-from megatron_rollout.trace.schema import ConversationId
+from megatron_rollout.trace.schema import ConversationId, TraceRequest
 
 KINDS = ("prefill", "decode", "mixed")
 
@@ -77,6 +78,10 @@ class PathBreakdown:
     end_s: float
     """Its last finish, from the replay start."""
     tool_wait_s: float
+    """Before each turn's arrival: the trace's tool wait, and the replay's release latency (a turn
+    released while a forward runs is submitted when it ends) unless `turn_of` was given."""
+    release_s: float
+    """Of `tool_wait_s`, what was not the trace's wait (0 without `turn_of`)."""
     queue: Occupancy
     prefill: Occupancy
     decode: Occupancy
@@ -161,14 +166,17 @@ class _Occupier:
 
 
 def _path(occupier: _Occupier, outputs: Sequence[RequestOutput], start: float,
-          conversation: ConversationId | None) -> PathBreakdown:
+          conversation: ConversationId | None, turn_of: Mapping[int, TraceRequest] | None) -> PathBreakdown:
     """The path of `outputs` (one conversation's, in turn order; or all requests, summed)."""
     queue = prefill = decode = Occupancy()
-    tool_wait, previous = 0.0, start
+    tool_wait, release, previous = 0.0, 0.0, start
     for o in outputs:
         t = o.times
         if conversation is not None:
-            tool_wait += max(0.0, t.arrival - previous)
+            gap = max(0.0, t.arrival - previous)
+            tool_wait += gap
+            if turn_of is not None:
+                release += max(0.0, gap - turn_of[o.request_id].wait_ms / 1e3)
             previous = t.finish
         admitted = t.admitted if t.admitted is not None else t.arrival
         first = t.first_token if t.first_token is not None else t.finish
@@ -176,9 +184,9 @@ def _path(occupier: _Occupier, outputs: Sequence[RequestOutput], start: float,
         prefill += occupier.during(admitted, first)
         decode += occupier.during(first, t.finish)
     if conversation is None:  # summed over requests: tool waits are the gaps within conversations
-        tool_wait = math.nan
+        tool_wait = release = math.nan
     return PathBreakdown(conversation, len(outputs), max((o.times.finish for o in outputs), default=start) - start,
-                         tool_wait, queue, prefill, decode, sum(len(o.result.token_ids) for o in outputs))
+                         tool_wait, release, queue, prefill, decode, sum(len(o.result.token_ids) for o in outputs))
 
 
 def _row_weighted_ms(records: Sequence[StepRecord]) -> float:
@@ -188,7 +196,8 @@ def _row_weighted_ms(records: Sequence[StepRecord]) -> float:
 
 def build_breakdown(records: Sequence[StepRecord], outputs: Sequence[RequestOutput],
                     conversation_of: Mapping[int, ConversationId], *, start: float,
-                    mean_decode_wait_ms: float = math.nan, bins: int = 50) -> Breakdown:
+                    mean_decode_wait_ms: float = math.nan, bins: int = 50,
+                    turn_of: Mapping[int, TraceRequest] | None = None) -> Breakdown:
     """The breakdown of one replay.
 
     Args:
@@ -198,6 +207,7 @@ def build_breakdown(records: Sequence[StepRecord], outputs: Sequence[RequestOutp
         start: the replay's start (time.perf_counter, the records' clock).
         mean_decode_wait_ms: the engine's `stats.mean_decode_wait_ms`.
         bins: intervals of the busy-over-time series.
+        turn_of: request id -> its trace line, to split tool waits from release latency.
     """
     if isinstance(bins, bool) or not isinstance(bins, int) or bins <= 0:
         raise ValueError(f"bins must be a positive int, got {bins!r}")
@@ -232,16 +242,17 @@ def build_breakdown(records: Sequence[StepRecord], outputs: Sequence[RequestOutp
         decode_step_ms=carrying,
         decode_step_stretch=carrying / pure if pure > 0 else math.nan,
         mean_decode_wait_ms=float(mean_decode_wait_ms),
-        critical=_path(occupier, critical[1], start, critical[0]) if critical else None,
-        all_requests=_path(occupier, outputs, start, None),
+        critical=_path(occupier, critical[1], start, critical[0], turn_of) if critical else None,
+        all_requests=_path(occupier, outputs, start, None, None),
         bin_s=bin_s,
         busy=tuple(busy),
     )
 
 
-def plot_breakdown(breakdown: Breakdown, path: str) -> None:
+def plot_breakdown(breakdown: Breakdown | Mapping[str, Any], path: str) -> None:
     """Write a two-panel figure to `path`: the engine's busy fractions over time (stacked), and
-    the critical conversation's path by component. Needs matplotlib (imported here only)."""
+    the critical conversation's path by component. `breakdown` may be the JSON form (a report's
+    "breakdown"). Needs matplotlib (imported here only)."""
     try:
         import matplotlib
 
@@ -249,31 +260,37 @@ def plot_breakdown(breakdown: Breakdown, path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise ImportError("plot_breakdown needs matplotlib: pip install matplotlib") from exc
+    b = breakdown.to_dict() if isinstance(breakdown, Breakdown) else breakdown
     colors = {"prefill": "tab:orange", "decode": "tab:blue", "mixed": "tab:purple", "idle": "lightgray",
               "tool wait": "tab:green"}
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6), gridspec_kw={"height_ratios": [2, 1]})
-    b = breakdown
-    times = [(i + 0.5) * b.bin_s for i in range(len(b.busy))]
-    top.stackplot(times, *([bin_[k] for bin_ in b.busy] for k in KINDS), labels=KINDS,
+    times = [(i + 0.5) * b["bin_s"] for i in range(len(b["busy"]))]
+    top.stackplot(times, *([bin_[k] for bin_ in b["busy"]] for k in KINDS), labels=KINDS,
                   colors=[colors[k] for k in KINDS])
-    top.set(xlim=(0, b.makespan_s), ylim=(0, 1), xlabel="time since replay start (s)", ylabel="fraction busy",
-            title=f"engine busy over time; decode step stretch {b.decode_step_stretch:.2f}x, "
-                  f"decode wait {b.mean_decode_wait_ms:.1f} ms")
+    stretch, wait = b["decode_step_stretch"], b["mean_decode_wait_ms"]
+    top.set(xlim=(0, b["makespan_s"]), ylim=(0, 1), xlabel="time since replay start (s)", ylabel="fraction busy",
+            title=f"engine busy over time; decode step stretch {_fmt(stretch, '.2f')}x, "
+                  f"decode wait {_fmt(wait, '.1f')} ms")
     top.legend(loc="upper right")
-    if b.critical is not None:
-        c, left = b.critical, 0.0
-        parts = [("tool wait", "tool wait", c.tool_wait_s)]
+    c = b["critical"]
+    if c is not None:
+        left = 0.0
+        parts = [("tool wait", "tool wait", c["tool_wait_s"] - c["release_s"]), ("release", "idle", c["release_s"])]
         for stage in ("queue", "prefill", "decode"):
-            occ = getattr(c, stage)
-            parts += [(f"{stage}: {k}", k, getattr(occ, f"{k}_s")) for k in (*KINDS, "idle")]
+            parts += [(f"{stage}: {k}", k, c[stage][f"{k}_s"]) for k in (*KINDS, "idle")]
         for label, color, width in parts:
             if width > 0:
                 bottom.barh(0, width, left=left, color=colors[color], edgecolor="black", linewidth=0.3)
-                if width > 0.04 * c.end_s:
+                if width > 0.04 * c["end_s"]:
                     bottom.text(left + width / 2, 0, label, ha="center", va="center", fontsize=7, rotation=90)
                 left += width
-        bottom.set(xlim=(0, b.makespan_s), yticks=[], xlabel="seconds",
-                   title=f"critical conversation {c.conversation!r}: {c.requests} turns, ends at {c.end_s:.2f} s")
+        bottom.set(xlim=(0, b["makespan_s"]), yticks=[], xlabel="seconds",
+                   title=f"critical conversation {c['conversation']!r}: {c['requests']} turns, "
+                         f"ends at {c['end_s']:.2f} s")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)

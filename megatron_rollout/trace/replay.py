@@ -153,7 +153,7 @@ def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, prog
     if log is not None:
         records = log.records[first_record:]
         breakdown = build_breakdown(records, outputs, conversation_of, start=start,
-                                    mean_decode_wait_ms=engine.stats.mean_decode_wait_ms)
+                                    mean_decode_wait_ms=engine.stats.mean_decode_wait_ms, turn_of=turn_of)
         report = dataclasses.replace(report, breakdown=breakdown.to_dict())
         if details is not None:
             details.update(records=records, breakdown=breakdown)

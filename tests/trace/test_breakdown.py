@@ -13,6 +13,7 @@ from megatron_rollout.model.checkpoint import load_model
 from megatron_rollout.trace.breakdown import build_breakdown, plot_breakdown
 from megatron_rollout.trace.make import make_trace
 from megatron_rollout.trace.replay import replay
+from megatron_rollout.trace.schema import TraceRequest
 
 
 def rec(start, end, rows=0, tokens=0):
@@ -34,7 +35,10 @@ def test_critical_path_adds_up_to_its_end_and_says_what_shared_its_steps():
     outputs = [out(0, 100.0, 100.0, 101.0, 101.5, tokens=2),  # a, turn 0
                out(1, 101.75, 102.0, 103.0, 103.25, tokens=2),  # a, turn 1 (tool wait 0.25 s)
                out(2, 100.0, 102.0, 103.0, 103.0, tokens=1)]  # b: queued behind a's prefill
-    b = build_breakdown(RECORDS, outputs, {0: "a", 1: "a", 2: "b"}, start=START, mean_decode_wait_ms=2.0, bins=13)
+    turn_of = {0: TraceRequest("a", 0, 5, 2, 0.0), 1: TraceRequest("a", 1, 5, 2, 200.0),
+               2: TraceRequest("b", 0, 5, 1, 0.0)}
+    b = build_breakdown(RECORDS, outputs, {0: "a", 1: "a", 2: "b"}, start=START, mean_decode_wait_ms=2.0, bins=13,
+                        turn_of=turn_of)
     assert b.makespan_s == pytest.approx(3.25)
     assert (b.engine.prefill_s, b.engine.decode_s, b.engine.mixed_s, b.engine.idle_s) == pytest.approx(
         (1.0, 0.75, 1.0, 0.5))
@@ -43,7 +47,7 @@ def test_critical_path_adds_up_to_its_end_and_says_what_shared_its_steps():
     assert b.shared["prefill"]["prefill_tokens"] == 20.0 and b.shared["decode"]["decode_rows"] == 1.0
     c = b.critical
     assert c.conversation == "a" and c.requests == 2 and c.end_s == pytest.approx(3.25)
-    assert c.tool_wait_s == pytest.approx(0.25)
+    assert c.tool_wait_s == pytest.approx(0.25) and c.release_s == pytest.approx(0.05)  # 0.2 s was the tool's
     assert c.queue.total_s == pytest.approx(0.25) and c.queue.idle_s == pytest.approx(0.25)
     assert (c.prefill.prefill_s, c.prefill.mixed_s) == pytest.approx((1.0, 1.0))
     assert (c.decode.decode_s, c.decode.total_s) == pytest.approx((0.75, 0.75))
@@ -60,7 +64,8 @@ def test_critical_path_adds_up_to_its_end_and_says_what_shared_its_steps():
     assert sum(sum(x.values()) for x in b.busy) * b.bin_s == pytest.approx(2.75)
     d = b.to_dict()
     json.dumps(d, allow_nan=False)
-    assert d["all_requests"]["tool_wait_s"] is None and d["critical"]["tpot_ms"] == pytest.approx(375.0)
+    assert d["all_requests"]["tool_wait_s"] is None and d["all_requests"]["release_s"] is None
+    assert d["critical"]["tpot_ms"] == pytest.approx(375.0)
 
 
 def test_no_decode_shared_a_step_means_no_stretch_and_bad_input_is_refused():
@@ -78,6 +83,8 @@ def test_plot_writes_a_figure(tmp_path):
     b = build_breakdown(RECORDS, [out(0, 100.0, 100.0, 101.0, 103.25)], {0: "a"}, start=START)
     plot_breakdown(b, str(tmp_path / "breakdown.png"))
     assert (tmp_path / "breakdown.png").read_bytes()[:4] == b"\x89PNG"
+    plot_breakdown(json.loads(json.dumps(b.to_dict())), str(tmp_path / "from_json.png"))  # a report's JSON form
+    assert (tmp_path / "from_json.png").stat().st_size > 1000
 
 
 @pytest.mark.parametrize("schedule", ["chunked", "mux"])
@@ -93,6 +100,8 @@ def test_a_real_replay_reports_its_breakdown(schedule):
     assert b["makespan_s"] == pytest.approx(report.makespan_s)
     assert b["critical"]["end_s"] == pytest.approx(report.makespan_s)
     c = b["critical"]
+    waits = sum(t.wait_ms for t in trace if t.conversation == c["conversation"]) / 1e3
+    assert c["tool_wait_s"] - c["release_s"] == pytest.approx(waits, abs=1e-6)
     parts = c["tool_wait_s"] + sum(sum(c[k].values()) for k in ("queue", "prefill", "decode"))
     assert parts == pytest.approx(report.makespan_s, rel=1e-6)
     assert b["all_requests"]["requests"] == len(trace) and b["all_requests"]["output_tokens"] == report.output_tokens
