@@ -203,7 +203,8 @@ def test_build_is_cached():
             "t = time.perf_counter(); s.load_extension(); print('loaded', time.perf_counter() - t)\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     kind, seconds = res.stdout.split()
-    assert kind == "loaded" and float(seconds) < 10.0, res.stdout + res.stderr  # a rebuild takes >= 15 s
+    assert kind == "loaded" and float(seconds) < 30.0, res.stdout + res.stderr  # a rebuild: 15 s idle, 60 s busy
+    # Loaded from the cache, not built again: the same library file, unchanged.
     assert list(shm.extension_dir().glob("*.so")) == so and so[0].stat().st_mtime < time.time() - 1
 
 
