@@ -10,7 +10,7 @@ Two bounds, the makespan is at least their maximum:
   the decode base and the host gap. Serial execution on one device is assumed, as the cost model
   was measured on one.
 
-Unlike `bench.bounds` (FLOPs at the peak rate, bytes at full bandwidth) this bound is in the
+Unlike `benchmarks.bounds` (FLOPs at the peak rate, bytes at full bandwidth) this bound is in the
 engine's own measured costs: the gap between it and the oracle's makespan is what scheduling
 cannot recover, the gap above the oracle is what it can.
 """

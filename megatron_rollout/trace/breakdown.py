@@ -25,7 +25,7 @@ rows, prefill tokens, context, host-clock start and end), each finished request'
 
 Times are host marks: on a device that runs ahead of the host a forward "runs" from its issue to
 its samples' read-back. Left out: per-rank views (one engine's records), FLOP or byte rooflines
-(`bench.bounds`), and anything about requests that never ran (refused, skipped).
+(`benchmarks.bounds`), and anything about requests that never ran (refused, skipped).
 """
 from __future__ import annotations
 
