@@ -5,7 +5,9 @@ One `StepRecord` per forward the engine runs: an `off`/`chunked` step, a `mux` d
 or one segment of a `mux` prefill epoch. Its sizes are Python numbers the step already has (its
 rows' spans); its times are two host clock reads around the step (`time.perf_counter`), taken
 where the engine already reads its samples back, so recording adds no device synchronisation.
-On a device that runs ahead of the host, a step's end is when its tokens reached the host.
+On a device that runs ahead of the host, a step's end is when its tokens reached the host; a
+`mux` prefill segment is only enqueued there, so its device time shows up in the decode iteration
+that waits for it, and a fit from such records (`sim.cost`) should come from `off`/`chunked`.
 
 Left out: per-request marks (`RequestTimes` has arrival, admission, first token and finish) and
 tool waits (the replay knows when it released each turn).

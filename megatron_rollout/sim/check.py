@@ -143,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from megatron_rollout.model.checkpoint import load_model
+    from megatron_rollout.trace.make import make_trace
 
     torch.set_num_threads(args.threads)
-    from megatron_rollout.trace.make import make_trace
 
     def trace(path: str | None, seed: int) -> list[TraceRequest]:
         if path:
