@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("megatron_rollout.runner",),  # device execution: the runner contract, the portable and CUDA runners
     ("megatron_rollout.engine",),  # planner, bookkeeping, execution, schedules
     ("megatron_rollout.trace",),  # trace replay and reports over the engine's public API
+    ("megatron_rollout.sim",),  # the engine simulated on a trace, its costs fitted from step records
     ("megatron_rollout.distributed", "megatron_rollout.options"),
     ("megatron_rollout.launch",),  # what the CLI runs
     ("megatron_rollout.cli",),

@@ -23,6 +23,7 @@ from megatron_rollout.engine.config import EngineConfig
 from megatron_rollout.engine.coordinator import GlobalView, LocalCoordinator, RankSharedCoordinator
 from megatron_rollout.engine.execution import StepExecutor
 from megatron_rollout.engine.prefix import PrefixCache
+from megatron_rollout.engine.records import StepLog
 from megatron_rollout.engine.request import Request, Seq
 from megatron_rollout.engine.scheduler import SchedulerState
 from megatron_rollout.engine.schedules import ScheduleDriver, make_schedule
@@ -108,6 +109,11 @@ class RolloutEngine:
     @property
     def requests(self) -> Mapping[int, Request]:
         return MappingProxyType(self.table.requests)
+
+    @property
+    def step_log(self) -> StepLog:
+        """One record per forward run so far (`engine.records`)."""
+        return self.executor.log
 
     @property
     def weight_version(self) -> int:
@@ -218,7 +224,8 @@ class RolloutEngine:
             raise
 
     def _planning_state(self) -> SchedulerState:
-        return self.table.planning_state(self.weights.version, epoch_in_flight=self.schedule.busy)
+        return self.table.planning_state(self.weights.version, epoch_in_flight=self.schedule.busy,
+                                         max_batch_tokens=self.config.scheduler.max_batch_tokens)
 
     # -- mirroring (distributed) -----------------------------------------------------------
     def _apply_ops(self, ops: list[Op]) -> None:
