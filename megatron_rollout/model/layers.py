@@ -231,7 +231,9 @@ class MoELayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, shard: Shard, device=None) -> None:
         super().__init__()
         self.layer = layer
-        self.router = Router(cfg, device)
+        from megatron_rollout.model.router import ScoredRouter, uses_scored_router  # imports this module
+
+        self.router = ScoredRouter(cfg, device) if uses_scored_router(cfg) else Router(cfg, device)
         self.experts = Experts(cfg, shard, device)
         if cfg.moe_shared_expert_intermediate_size:
             self.shared_experts = MLP(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size,
@@ -251,7 +253,12 @@ class TransformerLayer(nn.Module):
         super().__init__()
         dt, eps = cfg.torch_dtype, cfg.layernorm_epsilon
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dt, device)
-        self.self_attention = SelfAttention(cfg, layer, shard, device)
+        if cfg.multi_latent_attention:
+            from megatron_rollout.model.mla import MLASelfAttention  # imports this module
+
+            self.self_attention = MLASelfAttention(cfg, layer, shard, device)
+        else:
+            self.self_attention = SelfAttention(cfg, layer, shard, device)
         self.pre_mlp_layernorm = RMSNorm(cfg.hidden_size, eps, dt, device)
         moe = cfg.is_moe_layer(layer)
         self.mlp = MoELayer(cfg, layer, shard, device) if moe else DenseMLP(cfg, layer, shard, device)

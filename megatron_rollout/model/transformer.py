@@ -16,7 +16,8 @@ from megatron_rollout.comm.facade import Comm, LocalComm
 from megatron_rollout.forward import Forward, run_to_end
 from megatron_rollout.model.attention import AttentionBackend, CausalBatch
 from megatron_rollout.model.config import ModelConfig
-from megatron_rollout.model.layers import Linear, RMSNorm, TransformerLayer, rope_tables
+from megatron_rollout.model.layers import Linear, RMSNorm, TransformerLayer
+from megatron_rollout.model.rope import rope_for
 from megatron_rollout.types import Phase
 
 
@@ -88,7 +89,7 @@ class MoETransformer(nn.Module):
         """Incremental forward. tokens, positions: [N]. Returns logits [N or len(logits_index), V]."""
         cfg = self.cfg
         h = self.embedding.word_embeddings(tokens)  # [N, H]
-        rope = rope_tables(positions, cfg.kv_channels, cfg.rotary_base, h.dtype)
+        rope = rope_for(cfg, positions, h.dtype)
         for layer in self.decoder.layers:
             h = yield from layer(h, rope, attn, self.comm, phase)
         if logits_index is not None:
