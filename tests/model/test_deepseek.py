@@ -15,6 +15,7 @@ from megatron_rollout.model.config import ModelConfig
 from megatron_rollout.model.rope import rope_for
 from megatron_rollout.model.router import ScoredRouter
 from megatron_rollout.model.sharding import full_shapes
+from megatron_rollout.model.transformer import MoETransformer
 from tests.model.test_checkpoint import _prompts, incremental
 
 V = 96
@@ -144,6 +145,27 @@ def test_round_trip_is_lossless(family, tmp_path):
     with torch.no_grad():
         assert torch.equal(again(ids).logits, hf(ids).logits)
     assert ckpt.config_from_hf(tmp_path) == model.cfg
+
+
+def test_hot_swap_copies_every_megatron_tensor(family):
+    """`update_weights` with another checkpoint's Megatron state (router bias included) makes the
+    engine generate what that checkpoint generates."""
+    name, _, _, model = family
+    other = MoETransformer(model.cfg).init_weights(seed=7, std=0.2)
+    with torch.no_grad():
+        for layer in other.decoder.layers:
+            if hasattr(layer.mlp, "router"):
+                layer.mlp.router.expert_bias.normal_(0, 0.1, generator=torch.Generator().manual_seed(8))
+    prompts, params = [[1, 2, 3, 4], [50, 7]], SamplingParams(temperature=0.0, max_new_tokens=5, ignore_stop=True)
+    want = [r.token_ids for r in RolloutEngine(other, EngineConfig(block_size=4)).generate(prompts, params)]
+    swapped = MoETransformer(model.cfg)
+    swapped.load_state_dict(model.state_dict())
+    engine = RolloutEngine(swapped, EngineConfig(block_size=4))
+    before = [r.token_ids for r in engine.generate(prompts, params)]
+    engine.update_weights(other.state_dict(), version=1)
+    after = engine.generate(prompts, params)
+    assert [r.token_ids for r in after] == want != before
+    assert {v for r in after for v in r.weight_versions} == {1}
 
 
 def test_mtp_layers_are_ignored_on_load(tmp_path):
