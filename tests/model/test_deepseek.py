@@ -266,3 +266,14 @@ def test_model_config_checks_mla_and_routing_fields():
         base.replace(moe_router_score_function="tanh")
     with pytest.raises(ValueError, match="cannot express this ModelConfig as DeepseekV3"):
         ckpt.hf_config_from(base.replace(moe_router_score_function="softmax"), ckpt.DEEPSEEK_V3)
+
+
+def test_cuda_runner_refuses_mla_until_it_has_kernels():
+    from megatron_rollout.engine.cuda_runner import RunnerConfig, make_runner
+
+    cfg = ckpt.config_from_hf(deepseek_config("plain-qproj"))
+    model = MoETransformer(cfg)
+    cache = PagedKVCache(cfg, num_blocks=2, block_size=4, kv_heads=1)
+    with pytest.raises(RuntimeError, match="no multi-latent attention kernels"):
+        make_runner(model, cache, RunnerConfig(kind="cuda"))
+    assert type(make_runner(model, cache, RunnerConfig(kind="auto"))).__name__ == "ModelRunner"
