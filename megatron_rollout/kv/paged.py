@@ -24,7 +24,7 @@ class PagedKVCache:
                  device: torch.device | str | None = None) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         heads, width = cfg.kv_cache_dims or (kv_heads, cfg.kv_channels)
-        shape = (cfg.num_layers, num_blocks * block_size, heads, width)
+        shape = (cfg.num_layers + cfg.mtp_num_layers, num_blocks * block_size, heads, width)  # MTP's attention last
         self.k = torch.zeros(shape, dtype=cfg.torch_dtype, device=device)  # [layers, slots, hkv, d]
         # MLA caches one row per token that is both key and value: `v` is the same storage
         self.v = self.k if cfg.kv_cache_dims else torch.zeros(shape, dtype=cfg.torch_dtype, device=device)
@@ -32,10 +32,11 @@ class PagedKVCache:
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, kv_heads: int) -> int:
         itemsize = torch.empty((), dtype=cfg.torch_dtype).element_size()
+        layers = cfg.num_layers + cfg.mtp_num_layers
         if cfg.kv_cache_dims:
             heads, width = cfg.kv_cache_dims
-            return cfg.num_layers * block_size * heads * width * itemsize
-        return 2 * cfg.num_layers * block_size * kv_heads * cfg.kv_channels * itemsize
+            return layers * block_size * heads * width * itemsize
+        return 2 * layers * block_size * kv_heads * cfg.kv_channels * itemsize
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,9 @@ class ModelConfig:
     """Groups each token may route into (ranked by the sum of their top topk/group_topk scores)."""
     moe_router_topk_scaling_factor: float = 1.0
     """Multiplies the routing weights (DeepSeek's `routed_scaling_factor`)."""
+    mtp_num_layers: int = 0
+    """Multi-token-prediction layers after the decoder (`model.mtp`, Megatron's `mtp.layers.K`);
+    layer K drafts the token K+2 ahead. MoE when the model has experts."""
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
@@ -134,6 +137,8 @@ class ModelConfig:
                 raise ValueError(f"qk_pos_emb_head_dim must be even for RoPE, got {self.qk_pos_emb_head_dim}")
             if self.q_lora_rank is not None and self.q_lora_rank <= 0:
                 raise ValueError(f"q_lora_rank must be positive or None, got {self.q_lora_rank}")
+        if self.mtp_num_layers < 0:
+            raise ValueError(f"mtp_num_layers must be >= 0, got {self.mtp_num_layers}")
         if self.rope_type not in ("rope", "yarn"):
             raise ValueError(f"rope_type must be 'rope' or 'yarn', got {self.rope_type!r}")
         if self.rope_type == "yarn" and (self.rotary_scaling_factor <= 0 or self.original_max_position_embeddings <= 0):
@@ -150,8 +155,11 @@ class ModelConfig:
                                  f"moe_router_topk ({self.moe_router_topk}) divisible by moe_router_group_topk")
 
     def is_moe_layer(self, layer: int) -> bool:
+        """Layers from `num_layers` on are the MTP layers' (MoE when the model has experts)."""
         if self.num_moe_experts == 0:
             return False
+        if layer >= self.num_layers:
+            return True
         return bool(self.moe_layer_freq[layer]) if self.moe_layer_freq else True
 
     @property

@@ -14,42 +14,55 @@ import torch
 from megatron_rollout.comm.facade import Shard
 from megatron_rollout.model.config import ModelConfig
 
-_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+_EXPERT = re.compile(r"^((?:decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.mlp\.experts\.local_experts\.)"
+                     r"(\d+)(\..*)$")
+
+
+def layer_shapes(cfg: ModelConfig, i: int, p: str) -> dict[str, tuple[int, ...]]:
+    """Transformer layer `i`'s parameters under the name prefix `p`."""
+    h, d = cfg.hidden_size, cfg.kv_channels
+    shapes: dict[str, tuple[int, ...]] = {}
+    shapes[p + "input_layernorm.weight"] = (h,)
+    if cfg.multi_latent_attention:
+        shapes.update(mla_shapes(cfg, p + "self_attention."))
+    else:
+        shapes[p + "self_attention.linear_qkv.weight"] = (cfg.num_query_groups * (cfg.heads_per_group + 2) * d, h)
+        shapes[p + "self_attention.linear_proj.weight"] = (h, cfg.num_attention_heads * d)
+    if cfg.qk_layernorm and not cfg.multi_latent_attention:
+        shapes[p + "self_attention.q_layernorm.weight"] = (d,)
+        shapes[p + "self_attention.k_layernorm.weight"] = (d,)
+    shapes[p + "pre_mlp_layernorm.weight"] = (h,)
+    if cfg.is_moe_layer(i):
+        shapes[p + "mlp.router.weight"] = (cfg.num_moe_experts, h)
+        if cfg.moe_router_enable_expert_bias:
+            shapes[p + "mlp.router.expert_bias"] = (cfg.num_moe_experts,)
+        for e in range(cfg.num_moe_experts):
+            shapes[p + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (2 * cfg.moe_ffn_hidden_size, h)
+            shapes[p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (h, cfg.moe_ffn_hidden_size)
+        if cfg.moe_shared_expert_intermediate_size:
+            f = cfg.moe_shared_expert_intermediate_size
+            shapes[p + "mlp.shared_experts.linear_fc1.weight"] = (2 * f, h)
+            shapes[p + "mlp.shared_experts.linear_fc2.weight"] = (h, f)
+    else:
+        shapes[p + "mlp.linear_fc1.weight"] = (2 * cfg.ffn_hidden_size, h)
+        shapes[p + "mlp.linear_fc2.weight"] = (h, cfg.ffn_hidden_size)
+    return shapes
 
 
 def full_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter of the unsharded model, in module order."""
-    h, d = cfg.hidden_size, cfg.kv_channels
+    h = cfg.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (cfg.vocab_size, h)}
     for i in range(cfg.num_layers):
-        p = f"decoder.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        if cfg.multi_latent_attention:
-            shapes.update(mla_shapes(cfg, p + "self_attention."))
-        else:
-            shapes[p + "self_attention.linear_qkv.weight"] = (cfg.num_query_groups * (cfg.heads_per_group + 2) * d, h)
-            shapes[p + "self_attention.linear_proj.weight"] = (h, cfg.num_attention_heads * d)
-        if cfg.qk_layernorm and not cfg.multi_latent_attention:
-            shapes[p + "self_attention.q_layernorm.weight"] = (d,)
-            shapes[p + "self_attention.k_layernorm.weight"] = (d,)
-        shapes[p + "pre_mlp_layernorm.weight"] = (h,)
-        if cfg.is_moe_layer(i):
-            shapes[p + "mlp.router.weight"] = (cfg.num_moe_experts, h)
-            if cfg.moe_router_enable_expert_bias:
-                shapes[p + "mlp.router.expert_bias"] = (cfg.num_moe_experts,)
-            for e in range(cfg.num_moe_experts):
-                shapes[p + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (2 * cfg.moe_ffn_hidden_size, h)
-                shapes[p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (h, cfg.moe_ffn_hidden_size)
-            if cfg.moe_shared_expert_intermediate_size:
-                f = cfg.moe_shared_expert_intermediate_size
-                shapes[p + "mlp.shared_experts.linear_fc1.weight"] = (2 * f, h)
-                shapes[p + "mlp.shared_experts.linear_fc2.weight"] = (h, f)
-        else:
-            shapes[p + "mlp.linear_fc1.weight"] = (2 * cfg.ffn_hidden_size, h)
-            shapes[p + "mlp.linear_fc2.weight"] = (h, cfg.ffn_hidden_size)
+        shapes.update(layer_shapes(cfg, i, f"decoder.layers.{i}."))
     shapes["decoder.final_layernorm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes["output_layer.weight"] = (cfg.vocab_size, h)
+    for k in range(cfg.mtp_num_layers):  # Megatron's MultiTokenPredictionLayer
+        p = f"mtp.layers.{k}."
+        shapes.update({p + "enorm.weight": (h,), p + "hnorm.weight": (h,), p + "eh_proj.weight": (h, 2 * h)})
+        shapes.update(layer_shapes(cfg, cfg.num_layers + k, p + "transformer_layer."))
+        shapes[p + "final_layernorm.weight"] = (h,)
     return shapes
 
 

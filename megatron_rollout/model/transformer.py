@@ -45,6 +45,10 @@ class MoETransformer(nn.Module):
         self.decoder = Decoder(cfg, self.comm, device)
         if not cfg.tie_word_embeddings:
             self.output_layer = Linear(cfg.hidden_size, cfg.vocab_size, cfg.torch_dtype, device)
+        if cfg.mtp_num_layers:
+            from megatron_rollout.model.mtp import MTPBlock
+
+            self.mtp = MTPBlock(cfg, self.comm.shard, device)
 
     @property
     def device(self) -> torch.device:
@@ -73,8 +77,9 @@ class MoETransformer(nn.Module):
         name = local_name(full_name, self.cfg, comm.shard)
         return None if name is None else self.get_parameter(name)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        h = self.decoder.final_layernorm(h)
+    def logits(self, h: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
+        """Output layer over `norm(h)` (the decoder's final norm unless an MTP layer gives its own)."""
+        h = (norm or self.decoder.final_layernorm)(h)
         if self.cfg.tie_word_embeddings:
             return torch.nn.functional.linear(h, self.embedding.word_embeddings.weight)
         return self.output_layer(h)
@@ -87,14 +92,19 @@ class MoETransformer(nn.Module):
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, phase: Phase,
              logits_index: torch.Tensor | None = None) -> Forward:
         """Incremental forward. tokens, positions: [N]. Returns logits [N or len(logits_index), V]."""
-        cfg = self.cfg
-        h = self.embedding.word_embeddings(tokens)  # [N, H]
-        rope = rope_for(cfg, positions, h.dtype)
-        for layer in self.decoder.layers:
-            h = yield from layer(h, rope, attn, self.comm, phase)
+        h = yield from self.hidden_step(tokens, positions, attn, phase)
         if logits_index is not None:
             h = h[logits_index]
         return self.logits(h)
+
+    def hidden_step(self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                    phase: Phase) -> Forward:
+        """`step` up to the decoder's last hidden states [N, H], before the final norm (what MTP reads)."""
+        h = self.embedding.word_embeddings(tokens)  # [N, H]
+        rope = rope_for(self.cfg, positions, h.dtype)
+        for layer in self.decoder.layers:
+            h = yield from layer(h, rope, attn, self.comm, phase)
+        return h
 
     def forward(self, input_ids: torch.Tensor, phase: Phase = Phase.P) -> torch.Tensor:
         """Full-sequence forward of a right-padded batch. input_ids: [B, T] -> logits [B, T, V]."""
