@@ -215,8 +215,7 @@ def _plan(cfg: ModelConfig, arch: str, names: Collection[str] | None = None, fus
         recipes[megatron] = _Recipe(kind, parts)
 
     put("embedding.word_embeddings.weight", "copy", part("model.embed_tokens.weight", (cfg.vocab_size, h)))
-    for i in range(cfg.num_layers):
-        m, p = f"decoder.layers.{i}.", f"model.layers.{i}."
+    for i, m, p in _layer_prefixes(cfg):
         put(m + "input_layernorm.weight", "copy", part(p + "input_layernorm.weight", (h,)))
         if cfg.multi_latent_attention:
             deepseek.mla_recipes(cfg, m, p, part, put)
@@ -245,9 +244,16 @@ def _plan(cfg: ModelConfig, arch: str, names: Collection[str] | None = None, fus
                     part(f"{b}experts.{e}.{up}.weight", (e_ffn, h)))
                 put(x + "linear_fc2.weight", "copy", part(f"{b}experts.{e}.{down}.weight", (h, e_ffn)))
     put("decoder.final_layernorm.weight", "copy", part("model.norm.weight", (h,)))
+    deepseek.mtp_recipes(cfg, part, put)
     if not cfg.tie_word_embeddings:
         put("output_layer.weight", "copy", part("lm_head.weight", (cfg.vocab_size, h)))
     return _Plan(recipes, shapes)
+
+
+def _layer_prefixes(cfg: ModelConfig) -> list[tuple[int, str, str]]:
+    """(layer, Megatron prefix, HF prefix) of every transformer layer, the MTP layers' last."""
+    layers = [(i, f"decoder.layers.{i}.", f"model.layers.{i}.") for i in range(cfg.num_layers)]
+    return layers + deepseek.mtp_layer_prefixes(cfg)
 
 
 def _gqa_recipes(cfg: ModelConfig, m: str, p: str, part, put) -> None:
@@ -511,6 +517,8 @@ def load_pretrained(path: str | os.PathLike, comm: Comm | None = None, device: t
     if dtype is not None:
         cfg = cfg.replace(dtype=_dtype_name(dtype))
     source = _open_checkpoint(path)
+    if arch == DEEPSEEK_V3:
+        cfg = deepseek.with_mtp_layers(cfg, source.names())
     plan = _plan(cfg, arch, source.names())
     _validate(source, plan, cfg, arch)
     comm = comm or LocalComm()

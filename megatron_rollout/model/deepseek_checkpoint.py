@@ -13,9 +13,12 @@ HF <-> Megatron, per layer (`self_attn.` -> `self_attention.`):
 All are plain copies: both sides lay rows out per head, and both rotate DeepSeek's interleaved RoPE
 pairs the same way.
 
+MTP layers are stored as decoder layers `model.layers.<num_hidden_layers + K>` with `enorm`,
+`hnorm`, `eh_proj` and `shared_head.norm` besides the usual layer tensors; `load_pretrained` loads
+as many as the checkpoint holds (`with_mtp_layers`; transformers itself has no MTP modules).
+
 Left out (refused with an error, not approximated): `rope_interleave=False` checkpoints, an explicit
-YaRN `attention_factor`, group scores other than the top-2 sum transformers uses, and the MTP
-layers (`model.layers.<num_hidden_layers>.*`, which transformers skips too: ignored on load).
+YaRN `attention_factor`, and group scores other than the top-2 sum transformers uses.
 The latent norms use `rms_norm_eps` (transformers fixes 1e-6, DeepSeek's own value).
 """
 from __future__ import annotations
@@ -136,7 +139,7 @@ def deepseek_hf_config(cfg: ModelConfig):
         qk_rope_head_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim, rope_interleave=True,
         rope_parameters=rope, hidden_act="silu", rms_norm_eps=cfg.layernorm_epsilon,
         max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
-        num_nextn_predict_layers=0, architectures=[DEEPSEEK_V3], dtype=cfg.dtype)
+        num_nextn_predict_layers=cfg.mtp_num_layers, architectures=[DEEPSEEK_V3], dtype=cfg.dtype)
 
 
 # The plan's two callables (see `checkpoint._plan`): `part(hf_name, shape)` declares an HF tensor,
@@ -174,7 +177,39 @@ def moe_extra_recipes(cfg: ModelConfig, m: str, block: str, part: Part, put: Put
         put(m + "mlp.shared_experts.linear_fc2.weight", "copy", part(sh + "down_proj.weight", (h, f)))
 
 
+def mtp_layer_prefixes(cfg: ModelConfig) -> list[tuple[int, str, str]]:
+    """(layer, Megatron prefix, HF prefix) of the MTP layers' transformer layers: DeepSeek stores
+    MTP layer K as decoder layer num_hidden_layers + K."""
+    return [(cfg.num_layers + k, f"mtp.layers.{k}.transformer_layer.", f"model.layers.{cfg.num_layers + k}.")
+            for k in range(cfg.mtp_num_layers)]
+
+
+def mtp_recipes(cfg: ModelConfig, part: Part, put: Put) -> None:
+    """The MTP layers' own tensors besides their transformer layer (`shared_head.norm` is Megatron's
+    `final_layernorm`; their `embed_tokens` and `shared_head.head` repeat the model's and are not read)."""
+    h = cfg.hidden_size
+    for k in range(cfg.mtp_num_layers):
+        m, p = f"mtp.layers.{k}.", f"model.layers.{cfg.num_layers + k}."
+        put(m + "enorm.weight", "copy", part(p + "enorm.weight", (h,)))
+        put(m + "hnorm.weight", "copy", part(p + "hnorm.weight", (h,)))
+        put(m + "eh_proj.weight", "copy", part(p + "eh_proj.weight", (h, 2 * h)))
+        put(m + "final_layernorm.weight", "copy", part(p + "shared_head.norm.weight", (h,)))
+
+
+def with_mtp_layers(cfg: ModelConfig, names: Collection[str]) -> ModelConfig:
+    """`cfg` with as many MTP layers as the checkpoint holds (transformers' config counts them in
+    `num_nextn_predict_layers` whether or not the weights were saved)."""
+    k = 0
+    while f"model.layers.{cfg.num_layers + k}.eh_proj.weight" in names:
+        k += 1
+    return cfg.replace(mtp_num_layers=k)
+
+
 def ignored_names(names: Collection[str], cfg: ModelConfig) -> set[str]:
-    """Tensors a DeepSeek-V3 checkpoint may carry that are not loaded: its MTP layers."""
-    mtp = re.compile(r"^model\.layers\.(\d+)\.")
-    return {n for n in names if (hit := mtp.match(n)) and int(hit.group(1)) >= cfg.num_layers}
+    """Tensors a DeepSeek-V3 checkpoint may carry that are not loaded: MTP layers beyond
+    `cfg.mtp_num_layers`, and the loaded ones' copies of the embedding and output layer."""
+    layer = re.compile(r"^model\.layers\.(\d+)\.")
+    first_unloaded = cfg.num_layers + cfg.mtp_num_layers
+    copies = {f"model.layers.{cfg.num_layers + k}.{n}" for k in range(cfg.mtp_num_layers)
+              for n in ("embed_tokens.weight", "shared_head.head.weight")}
+    return {n for n in names if (hit := layer.match(n)) and int(hit.group(1)) >= first_unloaded} | (copies & set(names))

@@ -9,9 +9,8 @@ the next target forward verifies it (`engine.speculative`).
 
 Names: `mtp.layers.K.{enorm,hnorm,eh_proj,transformer_layer.*,final_layernorm}.weight`, as
 Megatron's MultiTokenPredictionBlock (the embedding and output layer are the model's own).
-Left out: importing MTP weights from Hugging Face checkpoints (transformers has no MTP modules to
-compare with; `model.layers.<num_hidden_layers>.*` is ignored on load), drafting with more than
-the first MTP layer, and MTP inside the engine's schedules.
+DeepSeek checkpoints' MTP layers load with the rest (`model.deepseek_checkpoint`). Left out:
+drafting with more than the first MTP layer, and MTP inside the engine's schedules.
 """
 from __future__ import annotations
 

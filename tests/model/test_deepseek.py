@@ -183,6 +183,25 @@ def test_mtp_layers_are_ignored_on_load(tmp_path):
         ckpt.hf_to_megatron(state, model.cfg, ckpt.DEEPSEEK_V3)
 
 
+def test_mtp_layers_load_from_a_deepseek_checkpoint(tmp_path):
+    """MTP layer K is HF decoder layer num_hidden_layers + K (enorm, hnorm, eh_proj, shared_head.norm
+    besides a MoE layer); its copies of the embedding and output layer are not read."""
+    cfg = ckpt.config_from_hf(deepseek_config("yarn-grouped")).replace(mtp_num_layers=1)
+    model = MoETransformer(cfg).init_weights(seed=5, std=0.2)
+    ckpt.save_pretrained(model, cfg, tmp_path, ckpt.DEEPSEEK_V3)
+    state = load_file(tmp_path / "model.safetensors")
+    assert {"model.layers.3.eh_proj.weight", "model.layers.3.shared_head.norm.weight",
+            "model.layers.3.mlp.gate.e_score_correction_bias"} <= set(state)
+    state["model.layers.3.embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+    state["model.layers.3.shared_head.head.weight"] = state["lm_head.weight"].clone()
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    loaded = ckpt.load_pretrained(tmp_path)
+    assert loaded.cfg == cfg
+    theirs = loaded.state_dict()
+    assert theirs.keys() == model.state_dict().keys()
+    assert all(torch.equal(theirs[k], v) for k, v in model.state_dict().items())
+
+
 # ---------------------------------------------------------------- pieces
 
 def test_yarn_tables_match_transformers():
