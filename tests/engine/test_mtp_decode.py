@@ -72,3 +72,31 @@ def test_sampled_logprobs_are_the_targets(seed):
 def test_needs_an_mtp_layer():
     with pytest.raises(ValueError, match="no MTP layer"):
         generate_with_mtp(MoETransformer(CFG.replace(mtp_num_layers=0)), [1], SamplingParams(), 3)
+
+
+def test_sampled_distribution_with_mtp_is_the_plain_samplers():
+    """Three tokens after one prompt, over a 4-token vocabulary: MTP-drafted sampling against the
+    engine's plain sampler (chi-square contingency) and against the exact law (goodness of fit)."""
+    import itertools
+
+    stats = pytest.importorskip("scipy.stats")
+    m = MoETransformer(CFG.replace(vocab_size=4)).init_weights(seed=2, std=0.3)
+    prompt, n, params = [1, 2, 3], 1000, SamplingParams(temperature=1.0, max_new_tokens=3, ignore_stop=True)
+    cells = list(itertools.product(range(4), repeat=3))
+    with torch.no_grad():
+        logp = m.token_logprobs(torch.tensor([prompt + list(c) for c in cells]))[:, len(prompt) - 1:]
+    law = logp.sum(-1).double().exp()
+    gen = torch.Generator().manual_seed(3)
+    mtp_runs = [generate_with_mtp(m, prompt, params, 3, generator=gen, block_size=4) for _ in range(n)]
+    plain = RolloutEngine(m, EngineConfig(block_size=4, seed=4)).generate([prompt] * n, params)
+    count = {"mtp": [0] * len(cells), "plain": [0] * len(cells)}
+    for kind, runs in (("mtp", [r.token_ids for r in mtp_runs]), ("plain", [r.token_ids for r in plain])):
+        for tokens in runs:
+            count[kind][cells.index(tuple(tokens))] += 1
+    accepted = sum(r.accepted for r in mtp_runs) / sum(r.drafted for r in mtp_runs)
+    assert 0.05 < accepted < 0.95, accepted  # both accepted and rejected drafts are exercised
+    expected = (law / law.sum() * n).tolist()
+    assert stats.chisquare(count["mtp"], expected).pvalue > 1e-3
+    assert stats.chisquare(count["plain"], expected).pvalue > 1e-3
+    seen = [i for i in range(len(cells)) if count["mtp"][i] + count["plain"][i]]
+    assert stats.chi2_contingency([[count[k][i] for i in seen] for k in ("mtp", "plain")]).pvalue > 1e-3
