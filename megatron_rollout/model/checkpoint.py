@@ -11,8 +11,11 @@ Both expert layouts are read: per-expert tensors (`experts.N.gate_proj`, Mixtral
 `experts.gate_up_proj` / `experts.down_proj` of transformers 5's in-memory modules. Writing uses
 the per-expert layout.
 
-Left out on purpose: biases, RoPE scaling, Qwen2-MoE-style gated shared experts, quantised (FP8,
-int) checkpoints, and saving a sharded model (gather the full state first).
+DeepSeek-V3 (`DeepseekV3ForCausalLM`: MLA, YaRN, biased group-limited routing, shared experts, MTP
+layers) maps through `model.deepseek_checkpoint`, which this module calls at a few marked points.
+
+Left out on purpose: biases, RoPE scaling outside DeepSeek-V3's YaRN, Qwen2-MoE-style gated shared
+experts, quantised (FP8, int) checkpoints, and saving a sharded model (gather the full state first).
 """
 from __future__ import annotations
 

@@ -149,10 +149,12 @@ class ModelConfig:
                              f"got {self.moe_router_score_function!r}")
         if self.moe_router_num_groups:
             g, k = self.moe_router_num_groups, self.moe_router_group_topk
-            if self.num_moe_experts % g or not 0 < k <= g or self.moe_router_topk % k:
+            if (self.num_moe_experts % g or not 0 < k <= g or self.moe_router_topk % k
+                    or self.num_moe_experts // g < self.moe_router_topk // k):
                 raise ValueError(f"group-limited routing needs num_moe_experts ({self.num_moe_experts}) divisible by "
-                                 f"moe_router_num_groups ({g}), 0 < moe_router_group_topk ({k}) <= groups, and "
-                                 f"moe_router_topk ({self.moe_router_topk}) divisible by moe_router_group_topk")
+                                 f"moe_router_num_groups ({g}), 0 < moe_router_group_topk ({k}) <= groups, "
+                                 f"moe_router_topk ({self.moe_router_topk}) divisible by moe_router_group_topk, and "
+                                 f"at least topk/group_topk experts per group")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Layers from `num_layers` on are the MTP layers' (MoE when the model has experts)."""

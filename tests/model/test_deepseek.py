@@ -281,6 +281,8 @@ def test_model_config_checks_mla_and_routing_fields():
         base.replace(qk_pos_emb_head_dim=7)
     with pytest.raises(ValueError, match="group-limited routing"):
         base.replace(moe_router_num_groups=3)
+    with pytest.raises(ValueError, match="experts per group"):
+        base.replace(moe_router_num_groups=8, moe_router_group_topk=1, moe_router_topk=4)  # 1 expert, 4 wanted
     with pytest.raises(ValueError, match="'sigmoid'"):
         base.replace(moe_router_score_function="tanh")
     with pytest.raises(ValueError, match="cannot express this ModelConfig as DeepseekV3"):
