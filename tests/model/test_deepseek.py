@@ -168,7 +168,8 @@ def test_hot_swap_copies_every_megatron_tensor(family):
     assert {v for r in after for v in r.weight_versions} == {1}
 
 
-def test_mtp_layers_are_ignored_on_load(tmp_path):
+def test_layers_past_the_loaded_ones_are_ignored_on_load(tmp_path):
+    """A stray layer after the last (here no full MTP layer: no eh_proj) is not read, nor refused."""
     hf = make_checkpoint("plain-qproj", tmp_path)
     state = {k: v.clone() for k, v in load_file(tmp_path / "model.safetensors").items()}
     state["model.layers.2.enorm.weight"] = torch.ones(32)  # an MTP layer after the last decoder layer
