@@ -16,7 +16,7 @@ from megatron_rollout.comm.facade import Comm, LocalComm
 from megatron_rollout.forward import Forward, run_to_end
 from megatron_rollout.model.attention import AttentionBackend, CausalBatch
 from megatron_rollout.model.config import ModelConfig
-from megatron_rollout.model.layers import Linear, RMSNorm, TransformerLayer
+from megatron_rollout.model.layers import Linear, RMSNorm, TransformerLayer, linear
 from megatron_rollout.model.rope import rope_for
 from megatron_rollout.types import Phase
 
@@ -81,7 +81,7 @@ class MoETransformer(nn.Module):
         """Output layer over `norm(h)` (the decoder's final norm unless an MTP layer gives its own)."""
         h = (norm or self.decoder.final_layernorm)(h)
         if self.cfg.tie_word_embeddings:
-            return torch.nn.functional.linear(h, self.embedding.word_embeddings.weight)
+            return linear(h, self.embedding.word_embeddings.weight)
         return self.output_layer(h)
 
     def check_tokens(self, tokens: torch.Tensor) -> None:
