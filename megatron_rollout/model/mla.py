@@ -31,7 +31,7 @@ from megatron_rollout.comm.facade import Comm, Shard
 from megatron_rollout.forward import BoundaryPoint, Forward, Site
 from megatron_rollout.model.attention import AttentionBackend
 from megatron_rollout.model.config import ModelConfig
-from megatron_rollout.model.layers import Linear, RMSNorm, apply_rope
+from megatron_rollout.model.layers import Linear, RMSNorm, apply_rope, linear
 from megatron_rollout.model.rope import softmax_scale
 from megatron_rollout.types import Axis, Phase
 
@@ -39,6 +39,14 @@ from megatron_rollout.types import Axis, Phase
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
     """[..., d] pairs (x0, x1), (x2, x3), ... -> [x0, x2, ..., x1, x3, ...] (rotate-half layout)."""
     return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
+def per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, a], w [heads, b, a] -> [N, heads, b], head i's rows times w[i].T. On CPU through
+    `layers.linear`, so a row's result does not depend on the rows computed beside it."""
+    if x.device.type != "cpu":
+        return torch.einsum("nha,hba->nhb", x, w)
+    return torch.stack([linear(x[:, i], w[i]) for i in range(x.shape[1])], dim=1)
 
 
 class MLASelfAttention(nn.Module):
@@ -78,11 +86,11 @@ class MLASelfAttention(nn.Module):
         q_pe = apply_rope(deinterleave(q_pe), *rope)
         k_pe = apply_rope(deinterleave(k_pe)[:, None, :], *rope)  # [N, 1, dr]
         w_uk, w_uv = self.linear_kv_up_proj.weight.view(self.heads, dn + dv, r).split([dn, dv], dim=1)
-        q_latent = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)  # absorbed: [N, heads, r]
+        q_latent = per_head(q_nope, w_uk.transpose(1, 2))  # absorbed: [N, heads, r]
         query = torch.cat([q_latent, q_pe], dim=-1) * self.query_scale  # [N, heads, r + dr]
         row = torch.cat([latent[:, None, :], k_pe], dim=-1)  # the cached row: [N, 1, r + dr]
         heads = attn.attend(self.layer, query, row, row)[..., :r]  # [N, heads, r]
-        out = self.linear_proj(torch.einsum("nhr,hvr->nhv", heads, w_uv).reshape(n, self.heads * dv))
+        out = self.linear_proj(per_head(heads, w_uv).reshape(n, self.heads * dv))
         if comm.size(Axis.ATP) > 1:
             yield BoundaryPoint(self.layer, Site.ATTN_REDUCE)
             out = comm.all_reduce(out, Axis.ATP, phase)

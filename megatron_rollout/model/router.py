@@ -12,10 +12,10 @@ Left out: the bias update itself (a trainer's step) and the auxiliary losses.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron_rollout.model.config import ModelConfig
+from megatron_rollout.model.layers import linear
 
 
 def uses_scored_router(cfg: ModelConfig) -> bool:
@@ -37,7 +37,7 @@ class ScoredRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, H]. Returns weights [N, k] (x's dtype) and expert ids [N, k]."""
         cfg = self.cfg
-        logits = F.linear(x.float(), self.weight.float())  # [N, E]
+        logits = linear(x.float(), self.weight.float())  # [N, E], batch-invariant on CPU
         scores = logits.sigmoid() if cfg.moe_router_score_function == "sigmoid" else logits.softmax(dim=-1)
         choice = scores + self.expert_bias if cfg.moe_router_enable_expert_bias else scores
         if cfg.moe_router_num_groups:
