@@ -22,6 +22,7 @@ from megatron_rollout.forward import Forward
 from megatron_rollout.model.attention import AttentionBackend
 from megatron_rollout.model.config import ModelConfig
 from megatron_rollout.model.layers import Linear, RMSNorm, TransformerLayer
+from megatron_rollout.model.parts import layer_parts
 from megatron_rollout.types import Phase
 
 
@@ -32,7 +33,7 @@ class MTPLayer(nn.Module):
         self.enorm = RMSNorm(h, eps, dt, device)
         self.hnorm = RMSNorm(h, eps, dt, device)
         self.eh_proj = Linear(2 * h, h, dt, device)
-        self.transformer_layer = TransformerLayer(cfg, cfg.num_layers + depth, shard, device)
+        self.transformer_layer = TransformerLayer(cfg, cfg.num_layers + depth, shard, device, layer_parts(cfg))
         self.final_layernorm = RMSNorm(h, eps, dt, device)
 
     def forward(self, embedded_next: torch.Tensor, hidden: torch.Tensor, rope, attn: AttentionBackend,

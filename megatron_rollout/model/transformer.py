@@ -17,6 +17,7 @@ from megatron_rollout.forward import Forward, run_to_end
 from megatron_rollout.model.attention import AttentionBackend, CausalBatch
 from megatron_rollout.model.config import ModelConfig
 from megatron_rollout.model.layers import Linear, RMSNorm, TransformerLayer, linear
+from megatron_rollout.model.parts import layer_parts
 from megatron_rollout.model.rope import rope_for
 from megatron_rollout.types import Phase
 
@@ -30,7 +31,8 @@ class Embedding(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig, comm: Comm, device=None) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(TransformerLayer(cfg, i, comm.shard, device) for i in range(cfg.num_layers))
+        parts = layer_parts(cfg)
+        self.layers = nn.ModuleList(TransformerLayer(cfg, i, comm.shard, device, parts) for i in range(cfg.num_layers))
         self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.layernorm_epsilon, cfg.torch_dtype, device)
 
 
