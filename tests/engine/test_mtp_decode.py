@@ -74,6 +74,7 @@ def test_needs_an_mtp_layer():
         generate_with_mtp(MoETransformer(CFG.replace(mtp_num_layers=0)), [1], SamplingParams(), 3)
 
 
+@pytest.mark.timeout(600)  # 1,000 sequential MTP generations: a minute or two on a loaded machine
 def test_sampled_distribution_with_mtp_is_the_plain_samplers():
     """Three tokens after one prompt, over a 4-token vocabulary: MTP-drafted sampling against the
     engine's plain sampler (chi-square contingency) and against the exact law (goodness of fit)."""
