@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("megatron_rollout.kernels", "megatron_rollout.multiplex"),  # device fast paths | turnstile, routing
     ("megatron_rollout.runner",),  # device execution: the runner contract, the portable and CUDA runners
     ("megatron_rollout.engine",),  # planner, bookkeeping, execution, schedules
-    ("megatron_rollout.trace",),  # trace replay and reports over the engine's public API
+    ("megatron_rollout.trace", "megatron_rollout.aio"),  # trace replay and reports | asyncio face; public API only
     ("megatron_rollout.sim",),  # the engine simulated on a trace, its costs fitted from step records
     ("megatron_rollout.distributed", "megatron_rollout.options"),
     ("megatron_rollout.launch",),  # what the CLI runs
