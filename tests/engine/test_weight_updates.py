@@ -4,12 +4,14 @@ serving keeps serving, bit for bit, and the engine generates exactly what it gen
 from __future__ import annotations
 
 import copy
+import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 
-from megatron_rollout.engine import SamplingParams
+from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
 from megatron_rollout.engine.weights import WeightVersionError
 
 SMALL = dict(block_size=4, num_blocks=64, max_batch_tokens=8)
@@ -212,3 +214,76 @@ def test_an_fp8_engine_quantises_its_model_once_and_generates(make_engine, qwen)
     expected = [r.token_ids for r in make_engine(by_hand, **SMALL).generate(PROMPTS, GREEDY)]
     assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == expected
     assert engine.model.decoder.layers[0].self_attention.linear_qkv.fp8 is not None
+
+
+# -- a trainer thread updating while another thread generates --------------------------------------
+THREADED = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_stop=True)
+
+
+def _replay_under_tags(model, states: dict[int, dict], prompt: list[int], versions: list[int]) -> list[int]:
+    """The tokens one request gets when each of its steps runs under the weights its tag names:
+    version `versions[0]` for the prefill (the whole prompt), `versions[j]` for the step that
+    samples token j (which also computes token j-1's K/V). Updates land between steps."""
+    model.load_state_dict(states[versions[0]])
+    engine = RolloutEngine(model, EngineConfig(block_size=4, num_blocks=16))
+    rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_new_tokens=len(versions), ignore_stop=True))
+    label, current, finished = 0, versions[0], []
+    for v in versions:  # one token per step: the prefill's, then one decode token each
+        if v != current:
+            label, current = label + 1, v
+            engine.update_weights(states[v], version=label)
+        finished += [out.result for out in engine.step() if out.request_id == rid]
+    assert len(finished) == 1, "the replay must end with the request's last tagged step"
+    return finished[0].token_ids
+
+
+@pytest.mark.parametrize("schedule", ["off", "chunked", "mux"])
+def test_a_trainer_thread_updating_mid_generation_never_mixes_weights(qwen, schedule):
+    """A trainer thread pushes new weights (some in two chunks) as fast as the engine lets it while
+    the main thread generates: every token equals what its tagged version gives at its position
+    (each step replayed under the version its token says), so no forward saw half-copied weights and
+    no tag is wrong; versions never go back within a request, and every update landed."""
+    _, base = qwen
+    model = copy.deepcopy(base)
+    states = {0: {k: v.clone() for k, v in base.state_dict().items()}}
+    states.update({v: _perturbed(base, 100 + v) for v in range(1, 25)})
+    engine = RolloutEngine(model, EngineConfig(schedule=schedule, block_size=4, num_blocks=96, max_batch_tokens=64,
+                                               mux_span="fixed:1"))
+    batch = [[1 + (7 * i + j) % 90 for j in range(3 + i % 5)] for i in range(18)]
+    errors: list[BaseException] = []
+
+    def trainer() -> None:
+        try:
+            for v in range(1, 25):
+                names = list(states[v])
+                if v % 3 == 0:  # in two chunks: the first staged while the engine keeps serving
+                    engine.update_weights({k: states[v][k] for k in names[:5]}, version=v, final=False)
+                    engine.update_weights({k: states[v][k] for k in names[5:]}, version=v, final=True)
+                else:
+                    engine.update_weights(states[v], version=v)
+                time.sleep(0.003)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=trainer)
+    rids: dict[int, list[int]] = {}
+    outs: dict[int, object] = {}
+    thread.start()
+    try:
+        queued = list(batch)
+        while queued or len(outs) < len(rids):
+            while queued and len(rids) - len(outs) < 6:  # keep six requests in flight
+                prompt = queued.pop(0)
+                rids[engine.add_request(prompt, THREADED)] = prompt
+            for out in engine.step():
+                outs[out.request_id] = out
+    finally:
+        thread.join(timeout=120)
+    assert not errors, errors
+    assert engine.weight_version == 24
+    tags = {rid: outs[rid].result.weight_versions for rid in rids}
+    assert all(t == sorted(t) and len(t) == 8 for t in tags.values()), tags
+    assert len({v for t in tags.values() for v in t}) > 3, tags  # the updates really ran mid-generation
+    reference = copy.deepcopy(base)
+    for rid, prompt in rids.items():
+        assert outs[rid].result.token_ids == _replay_under_tags(reference, states, prompt, tags[rid]), (rid, tags[rid])
