@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from megatron_rollout.engine import FinishReason, SamplingParams
-from megatron_rollout.engine.weights import WeightVersionError
 
 from .common import ABORT_PARAMS, SCHEDULES, SMALL, assert_same, drain, prompts, reference
 

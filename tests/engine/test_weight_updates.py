@@ -14,6 +14,8 @@ import torch
 from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
 from megatron_rollout.engine.weights import WeightVersionError
 
+from .common import replay_under_tags
+
 SMALL = dict(block_size=4, num_blocks=64, max_batch_tokens=8)
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
 PROMPTS = [[5, 17, 33, 2, 9], [40, 41, 3]]
@@ -220,23 +222,6 @@ def test_an_fp8_engine_quantises_its_model_once_and_generates(make_engine, qwen)
 THREADED = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_stop=True)
 
 
-def _replay_under_tags(model, states: dict[int, dict], prompt: list[int], versions: list[int]) -> list[int]:
-    """The tokens one request gets when each of its steps runs under the weights its tag names:
-    version `versions[0]` for the prefill (the whole prompt), `versions[j]` for the step that
-    samples token j (which also computes token j-1's K/V). Updates land between steps."""
-    model.load_state_dict(states[versions[0]])
-    engine = RolloutEngine(model, EngineConfig(block_size=4, num_blocks=16))
-    rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_new_tokens=len(versions), ignore_stop=True))
-    label, current, finished = 0, versions[0], []
-    for v in versions:  # one token per step: the prefill's, then one decode token each
-        if v != current:
-            label, current = label + 1, v
-            engine.update_weights(states[v], version=label)
-        finished += [out.result for out in engine.step() if out.request_id == rid]
-    assert len(finished) == 1, "the replay must end with the request's last tagged step"
-    return finished[0].token_ids
-
-
 @pytest.mark.parametrize("schedule", ["off", "chunked", "mux"])
 def test_a_trainer_thread_updating_mid_generation_never_mixes_weights(qwen, schedule):
     """A trainer thread pushes new weights (some in two chunks) as fast as the engine lets it while
@@ -286,4 +271,4 @@ def test_a_trainer_thread_updating_mid_generation_never_mixes_weights(qwen, sche
     assert len({v for t in tags.values() for v in t}) > 3, tags  # the updates really ran mid-generation
     reference = copy.deepcopy(base)
     for rid, prompt in rids.items():
-        assert outs[rid].result.token_ids == _replay_under_tags(reference, states, prompt, tags[rid]), (rid, tags[rid])
+        assert outs[rid].result.token_ids == replay_under_tags(reference, states, prompt, tags[rid]), (rid, tags[rid])
