@@ -21,10 +21,8 @@ after it, so no forward ever mixes two versions.
 """
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 
 import torch
@@ -43,8 +41,8 @@ from megatron_rollout.engine.request import Request, Seq
 from megatron_rollout.engine.scheduler import SchedulerState
 from megatron_rollout.engine.schedules import ScheduleDriver, make_schedule
 from megatron_rollout.engine.session import Session
-from megatron_rollout.engine.weight_vote import Decision, Verdict, WeightVoteTimeout, decide, waiting_for
-from megatron_rollout.engine.weights import Prepared, WeightStore, WeightVersionError
+from megatron_rollout.engine.weight_vote import Decision, UpdateGate, Verdict, Vote, WeightVoteTimeout, decide
+from megatron_rollout.engine.weights import WeightStore, WeightVersionError
 from megatron_rollout.kv.block_pool import BlockPool
 from megatron_rollout.kv.paged import PagedKVCache
 from megatron_rollout.model import fp8, te_layers
@@ -80,9 +78,9 @@ class RolloutEngine:
         """Distributed drivers set this when they will submit nothing more (see `GlobalView.all_done`)."""
         self.last_view: GlobalView | None = None
         self._mirrors: dict[int, Session] = {}  # a peer's sessions, opened by replayed ops
-        self._gate = _UpdateFirst()
+        self._gate = UpdateGate()
         self._lock = self._gate.lock  # held by every step and every change (module docstring)
-        self._vote: _Vote | None = None  # this rank's side of the weight update in progress
+        self._vote: Vote | None = None  # this rank's side of the weight update in progress
 
     def _decode_ahead(self, mode: str) -> bool:
         one_rank = not self.distributed and isinstance(self.model.comm, LocalComm)
@@ -166,13 +164,14 @@ class RolloutEngine:
         it refused, WeightVersionError where another rank refused or the ranks were given different
         versions or chunks, and `WeightVoteTimeout` when a rank did not take part in time."""
         with self._gate.update():
-            vote = self._vote = _Vote(self.weights.prepare(named_tensors, version, final), time.monotonic())
+            vote = self._vote = Vote(self.weights.prepare(named_tensors, version, final), time.monotonic())
             try:
                 while vote.decision is None:
                     if not self.distributed:  # one rank: the offer needs no gather
                         self._settle(decide((vote.prepared.offer,), self.schedule.busy))
                     if vote.decision is None:
-                        self._check_vote_deadline(vote)
+                        if self.distributed and self.last_view is not None:
+                            vote.check_deadline(self.last_view.offers, self.coordinator.timeout_s, self.rank)
                         self.table.undelivered.extend(self._vote_step(vote))
             finally:
                 self._vote = None
@@ -185,7 +184,7 @@ class RolloutEngine:
             raise WeightVersionError(f"weight update refused on every rank: {reason}; version {self.weights.version} "
                                      f"keeps serving on every rank (and nothing staged is kept): send it again")
 
-    def _vote_step(self, vote: "_Vote") -> list[RequestOutput]:
+    def _vote_step(self, vote: Vote) -> list[RequestOutput]:
         """One step that carries this rank's offer (its gather fails: say which update waited)."""
         try:
             return self._step()
@@ -195,19 +194,6 @@ class RolloutEngine:
                                     where=exc.where, elapsed_s=exc.elapsed_s, rank=self.rank, states=exc.states
                                     ) from exc
 
-    def _check_vote_deadline(self, vote: "_Vote") -> None:
-        if not self.distributed or self.last_view is None:
-            return
-        waited = time.monotonic() - vote.since
-        timeout = self.coordinator.timeout_s
-        if waited >= timeout:
-            missing = waiting_for(self.last_view.offers)
-            raise WeightVoteTimeout(
-                f"weight update to {vote.prepared.offer.describe()} on rank {self.rank}: rank(s) {missing} did not "
-                f"offer their part within {timeout}s (the engine kept stepping for them); nothing was applied: "
-                f"call update_weights on every rank of the model", missing=missing,
-                where=f"weight vote for version {vote.prepared.offer.version}", elapsed_s=waited, rank=self.rank)
-
     def _settle(self, decision: Decision | None) -> None:
         """Carry out the verdict every rank reached (None: not yet); before the step's forwards."""
         vote = self._vote
@@ -216,8 +202,10 @@ class RolloutEngine:
         if decision.verdict is Verdict.REFUSE:
             self.weights.abandon()
         else:
-            if decision.verdict is Verdict.APPLY and self.executor.ahead is not None:
-                self.executor.ahead.drop(wait=True)  # it reads the weights being copied; it ran on the old ones
+            if decision.verdict is Verdict.APPLY:
+                if self.executor.ahead is not None:
+                    self.executor.ahead.drop(wait=True)  # it reads the weights being copied; it ran on the old ones
+                self.table.weights_replaced(self.weights.version)
             self.weights.commit(vote.prepared)
         vote.decision = decision
 
@@ -317,41 +305,3 @@ class RolloutEngine:
         Close: _close_mirror,
     }
     """How an ATP peer replays each op: through the same public calls its leader made."""
-
-
-
-class _Vote:
-    """This rank's side of one `update_weights` call while the ranks decide it."""
-
-    def __init__(self, prepared: Prepared, since: float) -> None:
-        self.prepared, self.since = prepared, since
-        self.decision: Decision | None = None
-
-
-class _UpdateFirst:
-    """The engine's re-entrant lock, which a waiting weight update takes before the next step does:
-    CPython's locks are not fair, and a loop that steps back to back would take it again at once."""
-
-    def __init__(self) -> None:
-        self.lock = threading.RLock()
-        self._updates = 0  # update_weights calls waiting for or holding the lock
-        self._changed = threading.Condition()
-
-    @contextmanager
-    def update(self) -> Iterator[None]:
-        with self._changed:
-            self._updates += 1
-        try:
-            with self.lock:
-                yield
-        finally:
-            with self._changed:
-                self._updates -= 1
-                self._changed.notify_all()
-
-    @contextmanager
-    def step(self) -> Iterator[None]:
-        with self._changed:
-            self._changed.wait_for(lambda: self._updates == 0)
-        with self.lock:
-            yield

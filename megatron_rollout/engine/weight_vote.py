@@ -14,6 +14,9 @@ same data, with no leader:
   epoch is in flight, in which case every rank waits for the epoch to finish (a forward never sees
   two versions, and the epoch's tokens carry the version they were computed under).
 
+`UpdateGate` is how an update and the engine's steps take turns on one rank: one re-entrant lock
+that a step holds for its whole duration, and that a waiting update gets before the next step.
+
 Left out: a rank that never offers is not waited for forever: the engine gives up after the
 communicator's timeout and names it (`WeightVoteTimeout`); its peers then see no agreement and
 give up the same way.
@@ -21,10 +24,17 @@ give up the same way.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from typing import NamedTuple
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 from megatron_rollout.comm.errors import CrossRankTimeout
+
+if TYPE_CHECKING:
+    from megatron_rollout.engine.weights import Prepared
 
 
 class WeightOffer(NamedTuple):
@@ -76,3 +86,54 @@ def waiting_for(offers: Sequence[WeightOffer | None]) -> list[int]:
 
 class WeightVoteTimeout(CrossRankTimeout):
     """Not every rank offered its part of a weight update within the timeout (nothing was applied)."""
+
+
+@dataclass
+class Vote:
+    """This rank's side of one `update_weights` call while the ranks decide it."""
+
+    prepared: Prepared
+    since: float
+    """When it was offered (time.monotonic())."""
+    decision: Decision | None = None
+
+    def check_deadline(self, offers: Sequence[WeightOffer | None], timeout_s: float, rank: int) -> None:
+        """Raise `WeightVoteTimeout` once the ranks missing from `offers` (the last step's) have
+        been waited for `timeout_s`."""
+        waited = time.monotonic() - self.since
+        if waited >= timeout_s:
+            missing, offer = waiting_for(offers), self.prepared.offer
+            raise WeightVoteTimeout(
+                f"weight update to {offer.describe()} on rank {rank}: rank(s) {missing} did not offer their part "
+                f"within {timeout_s}s (the engine kept stepping for them); nothing was applied: call update_weights "
+                f"on every rank of the model", missing=missing, where=f"weight vote for version {offer.version}",
+                elapsed_s=waited, rank=rank)
+
+
+class UpdateGate:
+    """The engine's re-entrant lock, which a waiting weight update takes before the next step does:
+    CPython's locks are not fair, and a loop that steps back to back would take it again at once."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._updates = 0  # updates waiting for or holding the lock
+        self._changed = threading.Condition()
+
+    @contextmanager
+    def update(self) -> Iterator[None]:
+        with self._changed:
+            self._updates += 1
+        try:
+            with self.lock:
+                yield
+        finally:
+            with self._changed:
+                self._updates -= 1
+                self._changed.notify_all()
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        with self._changed:
+            self._changed.wait_for(lambda: self._updates == 0)
+        with self.lock:
+            yield

@@ -272,3 +272,23 @@ def test_a_trainer_thread_updating_mid_generation_never_mixes_weights(qwen, sche
     reference = copy.deepcopy(base)
     for rid, prompt in rids.items():
         assert outs[rid].result.token_ids == replay_under_tags(reference, states, prompt, tags[rid]), (rid, tags[rid])
+
+
+def test_kv_of_a_prefill_split_by_an_update_is_never_reused(make_engine, qwen):
+    """A prompt prefilled in two chunks with an update between them has K/V of two versions: its
+    blocks are not cached under the new version, so the same prompt sent again under it computes
+    its own K/V and generates what the new weights alone generate."""
+    _, base = qwen
+    engine = make_engine(copy.deepcopy(base), schedule="chunked", **SMALL)
+    v1 = _perturbed(base, 1)
+    prompt = [(5 * i) % 90 + 1 for i in range(14)]  # two chunks of at most 8 tokens
+    rid = engine.add_request(prompt, GREEDY)
+    engine.step()
+    assert engine.requests[rid].seq.computed == 8 and not engine.requests[rid].output  # half-way through
+    engine.update_weights(v1, version=1)
+    first = engine.run_until([rid])[rid].result
+    assert first.weight_versions == [1] * 6
+    again = engine.generate([prompt], GREEDY)[0]
+    fresh = copy.deepcopy(base)
+    fresh.load_state_dict(v1)
+    assert again.token_ids == make_engine(fresh, **SMALL).generate([prompt], GREEDY)[0].token_ids
