@@ -17,9 +17,11 @@ same data, with no leader:
 `UpdateGate` is how an update and the engine's steps take turns on one rank: one re-entrant lock
 that a step holds for its whole duration, and that a waiting update gets before the next step.
 
-Left out: a rank that never offers is not waited for forever: the engine gives up after the
-communicator's timeout and names it (`WeightVoteTimeout`); its peers then see no agreement and
-give up the same way.
+A rank that never offers is not waited for forever: a rank that did gives up after the
+communicator's timeout, naming the ranks it waited for (`WeightVoteTimeout`), and applies nothing.
+
+Left out: comparing the tensors across ranks (each rank checks only what it was given: two ranks
+handed different values of one version agree; a checksum vote would cost a pass over the weights).
 """
 from __future__ import annotations
 
