@@ -260,7 +260,7 @@ class RolloutEngine:
     def _step(self) -> list[RequestOutput]:
         if not self.table.requests and not self.distributed and not self.schedule.busy:
             return []
-        if self.runner.cache is None:
+        if self.runner.cache is None and (self.table.requests or self._vote is None):  # a vote's step needs no KV
             raise RuntimeError("KV memory was released: call engine.reclaim_kv() before generating")
         self.stats.steps += 1
         offer = self._vote.prepared.offer if self._vote is not None else None

@@ -95,10 +95,13 @@ def _votes(rank: int, atp: int, adp: int, silent_rank: bool) -> dict:
     attempt("v2 in two chunks", ({k: v2[k] for k in names[:4]}, 2, False), ({k: v2[k] for k in names[4:]}, 2, True))
     results = runtime.generate(engine, PROMPTS, PARAMS)
     out["v2 tokens"] = None if results is None else [r.token_ids for r in results]
+    engine.release_kv()  # as an RL loop does while its trainer steps: the vote needs no KV
+    attempt("v3 with KV released", (v1, 3, True))
+    engine.reclaim_kv()
     if silent_rank:  # the last case: a failed gather poisons the communicator
         engine.done = False  # this rank's driver is not done: its peers keep stepping with it
         if rank == 0:
-            attempt("a rank that never offers", (v1, 3, True))
+            attempt("a rank that never offers", (v2, 4, True))
         runtime.drain(engine)
     return out
 
@@ -124,6 +127,7 @@ def _check(got: list[dict], n: int) -> None:
         assert ("WeightVersionError: version 2 is half-applied; got a chunk of version 3" if rank == 0 else
                 "rank 0 refused version 3 (final chunk 0): WeightVersionError: version 2 is half-applied") in staged
         assert seen["v2 in two chunks"] == "applied" and seen["v2 in two chunks/state"][:2] == (2, None)
+        assert seen["v3 with KV released"] == "applied" and seen["v3 with KV released/state"][:2] == (3, None)
     assert got[0]["v1 tokens"] == _reference(4) and got[0]["v1 tags"] == {1}
     assert got[0]["v2 tokens"] == _reference(5) != got[0]["v1 tokens"]
 
@@ -132,9 +136,9 @@ def test_two_atp_ranks_apply_together_or_not_at_all() -> None:
     got = run_world(_votes, 2, 2, 1, True, timeout=240)
     _check(got, 2)
     silent = got[0]["a rank that never offers"]
-    assert silent.startswith("WeightVoteTimeout: weight update to version 3 (final chunk 0) on rank 0: rank(s) [1] "
+    assert silent.startswith("WeightVoteTimeout: weight update to version 4 (final chunk 0) on rank 0: rank(s) [1] "
                              "did not offer their part within 15s"), silent
-    assert got[0]["a rank that never offers/state"] == (2, None, True)
+    assert got[0]["a rank that never offers/state"] == (3, None, True)
 
 
 def test_four_ranks_apply_together_or_not_at_all() -> None:
