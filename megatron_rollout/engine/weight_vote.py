@@ -31,12 +31,9 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from megatron_rollout.comm.errors import CrossRankTimeout
-
-if TYPE_CHECKING:
-    from megatron_rollout.engine.weights import Prepared
 
 
 class WeightOffer(NamedTuple):
@@ -52,6 +49,16 @@ class WeightOffer(NamedTuple):
 
     def describe(self) -> str:
         return f"version {self.version} ({'final' if self.final else 'non-final'} chunk {self.chunk})"
+
+
+class Prepared(NamedTuple):
+    """One `update_weights` call, checked by `WeightStore.prepare` and not yet applied."""
+
+    offer: WeightOffer
+    incoming: list
+    """The validated tensors (`weights`' records), to stage or apply once every rank agrees."""
+    error: Exception | None
+    """What refuses the call on this rank (None: this rank accepts it)."""
 
 
 class Verdict(enum.Enum):

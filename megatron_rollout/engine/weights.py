@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 
 from megatron_rollout.comm.facade import Shard
-from megatron_rollout.engine.weight_vote import WeightOffer
+from megatron_rollout.engine.weight_vote import Prepared, WeightOffer
 from megatron_rollout.model import fp8, te_layers
 from megatron_rollout.model.config import ModelConfig
 from megatron_rollout.model.sharding import full_name, full_shapes, local_name, shard_tensor, unshard_tensor
@@ -65,15 +65,6 @@ def _follow_weights(model: MoETransformer) -> None:
     with torch.no_grad():
         for module in model.modules():
             fp8.requantize_module(module) or te_layers.refresh_module(module)
-
-
-class Prepared(NamedTuple):
-    """One `update_weights` call, checked and not yet applied: this rank's offer, its validated
-    tensors, and the error that refuses it (None when this rank accepts it)."""
-
-    offer: WeightOffer
-    incoming: list[_Incoming]
-    error: Exception | None
 
 
 class WeightStore:
