@@ -199,3 +199,24 @@ def test_sharing_with_a_sharded_trainer_is_refused_with_the_way_out():
     te = TESpecStandIn(cfg, _namespace(tensor_model_parallel_size=2, expert_model_parallel_size=1), {})
     with pytest.raises(ValueError, match="TP=2, EP=1.*share_storage=False"):
         native_from_megatron(te, share_storage=True)
+
+
+def test_a_runner_that_moves_the_weights_out_of_shared_storage_is_refused(gloo_world, monkeypatch):
+    """The CUDA runner stacks the routed experts for its grouped GEMM (a copy); stand in for it on CPU."""
+    from megatron_rollout.engine import engine as engine_module
+    from megatron_rollout.model.layers import Experts
+
+    real = engine_module.make_runner
+
+    def stacking_runner(model, cache, config):
+        for m in model.modules():
+            if isinstance(m, Experts):
+                m.restack()
+        return real(model, cache, config)
+
+    monkeypatch.setattr(engine_module, "make_runner", stacking_runner)
+    gpt = build_megatron(CONFIGS["tiny-moe"])
+    with pytest.raises(ValueError, match="out of the trainer's storage; pass share_storage=False"):
+        RolloutEngine.from_megatron(gpt, EngineConfig(num_blocks=32))
+    engine = RolloutEngine.from_megatron(gpt, EngineConfig(num_blocks=32), share_storage=False)
+    assert engine.model.cfg == CONFIGS["tiny-moe"]
