@@ -73,11 +73,10 @@ class RolloutEngine:
         there): in-place optimizer steps are served with no `update_weights`. Otherwise (or with
         `share_storage=False`) the weights are copied, gathered over the trainer's groups where it is
         sharded (a collective). See `model.megatron_bridge`."""
-        from megatron_rollout.model.megatron_bridge import native_from_megatron, shares_storage
+        from megatron_rollout.model.megatron_bridge import layouts_match, native_from_megatron, shares_storage
 
-        model = native_from_megatron(gpt, share_storage)
-        sharing = share_storage is not False and shares_storage(model, gpt)
-        engine = cls(model, config)
+        engine = cls(native_from_megatron(gpt, share_storage), config)
+        sharing = layouts_match(gpt) if share_storage is None else share_storage
         if sharing and not shares_storage(engine.model, gpt):  # e.g. the CUDA runner stacks the experts (a copy)
             raise ValueError(f"runner {type(engine.runner).__name__} re-laid the weights out of the trainer's "
                              "storage; pass share_storage=False to copy them, or RunnerConfig(kind='eager')")

@@ -27,9 +27,18 @@ from megatron_rollout.model.transformer import MoETransformer
 
 
 def trainer_layout(gpt: Any) -> tuple[int, int]:
-    """(TP, EP) the GPTModel was built with."""
+    """(TP, EP) the GPTModel is sharded over: its config's sizes, or `parallel_state`'s where those are
+    larger (a TransformerConfig built by hand keeps the default 1 while parallel_state shards)."""
     tc = gpt.config
-    return tc.tensor_model_parallel_size, tc.expert_model_parallel_size
+    tp, ep = tc.tensor_model_parallel_size or 1, tc.expert_model_parallel_size or 1
+    try:
+        from megatron.core import parallel_state as ps
+    except ImportError:
+        return tp, ep
+    if ps.model_parallel_is_initialized():
+        tp = max(tp, ps.get_tensor_model_parallel_world_size())
+        ep = max(ep, ps.get_expert_model_parallel_world_size())
+    return tp, ep
 
 
 def layouts_match(gpt: Any) -> bool:

@@ -83,3 +83,55 @@ def test_a_bucket_size_must_be_positive(bad):
 
     with pytest.raises(ValueError, match=f"bucket_bytes must be positive, got {bad}"):
         gather_megatron_state({}, CFG, bucket_bytes=bad)
+
+
+def _sharded_gpt_into_engine(rank: int) -> dict:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from megatron_rollout.engine import EngineConfig, RolloutEngine
+    from megatron_rollout.model.megatron_layout import transformer_config
+
+    ps.initialize_model_parallel(2, 1, expert_model_parallel_size=2, expert_tensor_parallel_size=1)
+    tp, ep = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
+    tc = transformer_config(CFG)
+    gpt = GPTModel(tc, get_gpt_decoder_block_spec(tc, use_transformer_engine=False, normalization="RMSNorm"),
+                   vocab_size=CFG.vocab_size, max_sequence_length=CFG.max_position_embeddings,
+                   position_embedding_type="rope", rotary_base=int(CFG.rotary_base))
+    reference = MoETransformer(CFG).init_weights(7).state_dict()
+    local = megatron_local_state(reference, CFG, tp, 2, ep, 2)
+    own = dict(gpt.named_parameters())
+    sharded, offsets = gpt.sharded_state_dict(), 0
+    with torch.no_grad():
+        for name, value in local.items():
+            own[name].copy_(value)
+            entry = sharded.get(name)
+            if isinstance(entry, ShardedTensor) and ".local_experts." not in name:  # Megatron's own placement
+                full = reference[name]
+                region = full[tuple(slice(o, o + s) for o, s in zip(entry.global_offset, value.shape))]
+                offsets += torch.equal(region, value) and tuple(entry.global_shape) == tuple(full.shape)
+    try:
+        RolloutEngine.from_megatron(gpt, share_storage=True)
+        refused = "not refused"
+    except ValueError as exc:
+        refused = str(exc)
+    engine = RolloutEngine.from_megatron(gpt, EngineConfig(num_blocks=32))  # gathers over ps's TP and EP groups
+    got = engine.model.state_dict()
+    return dict(tp=tp, ep=ep, local=len(local), own=len(own), offsets=offsets, refused=refused,
+                equal=sum(torch.equal(got[n], t) for n, t in reference.items()), total=len(reference))
+
+
+def test_an_engine_built_from_a_tp2_ep2_gpt_model_holds_its_full_weights():
+    pytest.importorskip("megatron.core")
+    results = run_world(_sharded_gpt_into_engine, 2, timeout=300)
+    assert [(r["tp"], r["ep"]) for r in results] == [(0, 0), (1, 1)]
+    for r in results:
+        assert r["local"] == r["own"] < r["total"]  # the slicer filled every Megatron parameter, half the experts
+        assert r["offsets"] >= 20  # and put each plainly sharded tensor where Megatron says it lies
+        assert r["equal"] == r["total"], r
+        assert "TP=2, EP=2" in r["refused"] and "share_storage=False" in r["refused"]
