@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megatron_rollout.model.config import ModelConfig
@@ -26,19 +27,20 @@ from megatron_rollout.model.megatron_names import megatron_state_to_rollout
 from megatron_rollout.model.transformer import MoETransformer
 
 
+def trainer_groups(gpt: Any) -> tuple[Any, Any]:
+    """The TP and EP process groups the GPTModel's weights are sharded over: its `pg_collection`
+    (megatron-core 0.16 and 0.19 keep one on every model); None where it has none (one rank)."""
+    pg = getattr(gpt, "pg_collection", None)
+    return getattr(pg, "tp", None), getattr(pg, "ep", None)
+
+
 def trainer_layout(gpt: Any) -> tuple[int, int]:
-    """(TP, EP) the GPTModel is sharded over: its config's sizes, or `parallel_state`'s where those are
-    larger (a TransformerConfig built by hand keeps the default 1 while parallel_state shards)."""
+    """(TP, EP) the GPTModel is sharded over: its groups' sizes, or its config's where larger."""
     tc = gpt.config
-    tp, ep = tc.tensor_model_parallel_size or 1, tc.expert_model_parallel_size or 1
-    try:
-        from megatron.core import parallel_state as ps
-    except ImportError:
-        return tp, ep
-    if ps.model_parallel_is_initialized():
-        tp = max(tp, ps.get_tensor_model_parallel_world_size())
-        ep = max(ep, ps.get_expert_model_parallel_world_size())
-    return tp, ep
+    tp_group, ep_group = trainer_groups(gpt)
+    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+    ep = dist.get_world_size(ep_group) if ep_group is not None else 1
+    return max(tp, tc.tensor_model_parallel_size or 1), max(ep, tc.expert_model_parallel_size or 1)
 
 
 def layouts_match(gpt: Any) -> bool:
@@ -61,7 +63,7 @@ def native_from_megatron(gpt: nn.Module, share_storage: bool | None = None, tp_g
     """The native model of `gpt`'s architecture holding `gpt`'s weights (see the module docstring).
     `share_storage`: None shares where the layouts match and copies otherwise; True refuses (ValueError)
     where they do not. `tp_group`, `ep_group`: the trainer's groups for the copy of a sharded model
-    (default: Megatron's `parallel_state` groups)."""
+    (default: the GPTModel's own, `trainer_groups`)."""
     cfg = model_config_of(gpt)
     match = layouts_match(gpt)
     if share_storage and not match:
@@ -82,13 +84,10 @@ def native_from_megatron(gpt: nn.Module, share_storage: bool | None = None, tp_g
     if match:
         tensors = megatron_state_to_rollout(gpt.state_dict(), cfg).tensors
     else:
-        from megatron.core import parallel_state as ps
-
         from megatron_rollout.model.megatron_reshard import gather_megatron_state
 
-        tp_group = tp_group or ps.get_tensor_model_parallel_group()
-        ep_group = ep_group or ps.get_expert_model_parallel_group()
-        tensors = gather_megatron_state(gpt.state_dict(), cfg, tp_group, ep_group).tensors
+        own_tp, own_ep = trainer_groups(gpt)
+        tensors = gather_megatron_state(gpt.state_dict(), cfg, tp_group or own_tp, ep_group or own_ep).tensors
     model = MoETransformer(cfg, device=device).requires_grad_(False)
     with torch.no_grad():
         for name, t in tensors.items():

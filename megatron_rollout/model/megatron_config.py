@@ -104,6 +104,24 @@ def model_config_of(gpt: Any) -> ModelConfig:
     if not (getattr(gpt, "pre_process", True) and getattr(gpt, "post_process", True)):
         raise ValueError("the GPTModel is one pipeline stage (pre_process/post_process False); the rollout "
                          "builds from a model holding every layer")
-    return model_config_from_megatron(gpt.config, gpt.vocab_size, gpt.max_sequence_length,
-                                      rotary_base=gpt.rotary_base,
-                                      tie_word_embeddings=gpt.share_embeddings_and_output_weights)
+    cfg = model_config_from_megatron(gpt.config, gpt.vocab_size, gpt.max_sequence_length,
+                                     rotary_base=gpt.rotary_base,
+                                     tie_word_embeddings=gpt.share_embeddings_and_output_weights)
+    _check_rope(gpt, cfg)
+    return cfg
+
+
+def _check_rope(gpt: Any, cfg: ModelConfig) -> None:
+    """The rotary embedding the GPTModel runs has `cfg.rotary_base`'s frequencies: newer megatron-core
+    reports `config.rotary_base` while building the embedding from its constructor argument, and
+    RoPE scaling changes the frequencies without changing the base."""
+    inv_freq = getattr(getattr(gpt, "rotary_pos_emb", None), "inv_freq", None)
+    if inv_freq is None:
+        return
+    d = cfg.kv_channels
+    want = 1.0 / (cfg.rotary_base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    got = inv_freq.detach().float().cpu()
+    if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-5, atol=0):
+        raise ValueError(f"the GPTModel's rotary embedding does not run rotary_base={cfg.rotary_base:g} unscaled "
+                         f"(inverse frequencies {got[:3].tolist()}..., expected {want[:3].tolist()}...): build it "
+                         "with rope_scaling=False and the rotary_base its config reports")

@@ -220,3 +220,10 @@ def test_a_runner_that_moves_the_weights_out_of_shared_storage_is_refused(gloo_w
         RolloutEngine.from_megatron(gpt, EngineConfig(num_blocks=32))
     engine = RolloutEngine.from_megatron(gpt, EngineConfig(num_blocks=32), share_storage=False)
     assert engine.model.cfg == CONFIGS["tiny-moe"]
+
+
+def test_a_rotary_embedding_off_the_reported_base_is_refused(gloo_world):
+    gpt = build_megatron(CONFIGS["tiny-moe"])
+    gpt.rotary_base = 500000  # what newer megatron-core reports from its config, while the embedding kept 10000
+    with pytest.raises(ValueError, match="does not run rotary_base=500000 unscaled"):
+        model_config_of(gpt)
