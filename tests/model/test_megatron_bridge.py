@@ -227,3 +227,44 @@ def test_a_rotary_embedding_off_the_reported_base_is_refused(gloo_world):
     gpt.rotary_base = 500000  # what newer megatron-core reports from its config, while the embedding kept 10000
     with pytest.raises(ValueError, match="does not run rotary_base=500000 unscaled"):
         model_config_of(gpt)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_engine_gives_megatrons_logits_before_and_after_an_adam_step(gloo_world, monkeypatch):
+    """Megatron's own forward (CUDA) against the engine over the same storage, with no update call."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.moe import moe_utils
+
+    from megatron_rollout.engine.config import RunnerConfig
+
+    monkeypatch.setattr(moe_utils, "te_general_gemm", getattr(moe_utils, "te_general_gemm", None), raising=False)
+    cfg = CONFIGS["tiny-moe"]
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    gpt = build_megatron(cfg)
+    with torch.no_grad():  # larger than Megatron's init so that routing is not a tie
+        for k, p in gpt.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if k.endswith("layernorm.weight") else 0.2 * torch.randn_like(p))
+    gpt = gpt.cuda()
+    # the eager runner: the CUDA runner stacks the experts (a copy), which sharing refuses
+    engine = RolloutEngine.from_megatron(gpt, EngineConfig(num_blocks=32, runner=RunnerConfig(kind="eager")))
+    ids = IDS.cuda()
+    positions = torch.arange(ids.shape[1], device="cuda")[None].expand_as(ids)
+    mask = torch.ones(1, 1, ids.shape[1], ids.shape[1], dtype=torch.bool, device="cuda").triu(1)
+
+    def both() -> tuple[torch.Tensor, torch.Tensor]:
+        gpt.eval()
+        with torch.no_grad():
+            return gpt(ids, positions, mask).float(), engine.model(ids).float()
+
+    theirs, ours = both()
+    assert (theirs - ours).abs().max() < 1e-3
+    gpt.train()
+    opt = torch.optim.Adam(gpt.parameters(), lr=1e-2)
+    logits = gpt(ids, positions, mask)
+    F.cross_entropy(logits[:, :-1].float().reshape(-1, cfg.vocab_size), ids[:, 1:].reshape(-1)).backward()
+    opt.step()
+    theirs2, ours2 = both()
+    assert (theirs2 - theirs).abs().max() > 1e-2  # the step moved the trainer
+    assert (theirs2 - ours2).abs().max() < 1e-3  # and the engine serves it with no update call
+    assert shares_storage(engine.model, gpt)
