@@ -113,7 +113,8 @@ def _check_same_layout(named: list[tuple[str, torch.Tensor]], group: Any, what: 
     if group is None or dist.get_world_size(group) == 1:
         return
     mine = zlib.crc32(repr([(n, tuple(t.shape), str(t.dtype)) for n, t in named]).encode())  # same on every host
-    device = named[0][1].device if named and dist.get_backend(group) == "nccl" else torch.device("cpu")
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     probe = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
     dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
     if int(probe[0]) != mine or int(probe[1]) != -mine:
