@@ -51,7 +51,8 @@ def layouts_match(gpt: Any) -> bool:
 def _megatron_tensors(gpt: nn.Module, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Rollout name -> the trainer's own tensor (no copy), checked against `cfg`'s shapes and dtype."""
     tensors = megatron_state_to_rollout(gpt.state_dict(keep_vars=True), cfg).tensors
-    wrong = [f"{n} ({t.dtype})" for n, t in tensors.items() if t.dtype != cfg.torch_dtype]
+    wrong = [f"{n} ({t.dtype})" for n, t in tensors.items()
+             if t.dtype != (torch.float32 if n.endswith("router.expert_bias") else cfg.torch_dtype)]
     if wrong:
         raise ValueError(f"cannot share storage: {len(wrong)} trainer tensors are not {cfg.torch_dtype}, e.g. "
                          f"{wrong[0]}; pass share_storage=False to copy (and cast) them")

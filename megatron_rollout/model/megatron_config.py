@@ -4,8 +4,9 @@ The inverse of `megatron_layout.transformer_config`: a trainer's config is the o
 architecture, so nothing is written twice by hand. Every field the native model depends on is read;
 every Megatron option the native model does not implement is checked and refused by name, with the
 value to build with instead. Works with megatron-core 0.16 and 0.19 (fields absent from one version
-read as their off default). Left out: multi-latent attention, MTP, sigmoid/grouped/biased routing,
-learned or YaRN positions, partial or interleaved RoPE, biases, LayerNorm, non-SwiGLU MLPs.
+read as their off default). DeepSeek-V3's routing (sigmoid scores, expert bias, groups, scaling) is
+read. Left out: multi-latent attention, MTP, learned or YaRN positions, partial or interleaved RoPE,
+biases, LayerNorm, non-SwiGLU MLPs.
 """
 from __future__ import annotations
 
@@ -28,10 +29,6 @@ _REFUSED: tuple[tuple[str, Any, str], ...] = (  # (field, the value the native m
     ("qk_l2_norm", False, "RMSNorm (not L2) query/key norms"),
     ("softmax_scale", None, "1/sqrt(kv_channels) attention scaling"),
     ("mtp_num_layers", None, "no multi-token-prediction layers"),
-    ("moe_router_score_function", "softmax", "softmax routing"),
-    ("moe_router_num_groups", None, "ungrouped top-k routing"),
-    ("moe_router_topk_scaling_factor", None, "unscaled routing weights"),
-    ("moe_router_enable_expert_bias", False, "routing without an expert bias"),
     ("moe_shared_expert_gate", False, "an ungated shared expert"),
     ("moe_expert_capacity_factor", None, "dropless MoE"),
     ("num_layers_in_first_pipeline_stage", None, "one pipeline stage"),
@@ -88,6 +85,11 @@ def model_config_from_megatron(tc: Any, vocab_size: int, max_position_embeddings
         # Megatron: pre-softmax = softmax over all experts then top-k (unnormalised); otherwise
         # softmax over the top-k logits, which equals the renormalised top-k of the full softmax.
         moe_renormalize_topk=not tc.moe_router_pre_softmax,
+        moe_router_score_function=getattr(tc, "moe_router_score_function", "softmax"),
+        moe_router_enable_expert_bias=bool(getattr(tc, "moe_router_enable_expert_bias", False)),
+        moe_router_num_groups=getattr(tc, "moe_router_num_groups", None) or 0,
+        moe_router_group_topk=getattr(tc, "moe_router_group_topk", None) or 0,
+        moe_router_topk_scaling_factor=getattr(tc, "moe_router_topk_scaling_factor", None) or 1.0,
         layernorm_epsilon=tc.layernorm_epsilon, rotary_base=float(rotary_base), qk_layernorm=tc.qk_layernorm,
         tie_word_embeddings=tie_word_embeddings, max_position_embeddings=max_position_embeddings, dtype=dtype)
 

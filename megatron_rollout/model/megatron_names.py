@@ -43,12 +43,12 @@ _SAME = re.compile(
     r"^(embedding\.word_embeddings\.weight|output_layer\.weight|decoder\.final_layernorm\.weight|"
     rf"{_LAYER}(input_layernorm\.weight|self_attention\.(linear_qkv|linear_proj|q_layernorm|k_layernorm)\.weight"
     r"|pre_mlp_layernorm\.weight"
-    r"|mlp\.(linear_fc[12]|router|shared_experts\.linear_fc[12]|experts\.local_experts\.\d+\.linear_fc[12])\.weight))$")
+    r"|mlp\.(linear_fc[12]|router|shared_experts\.linear_fc[12]|experts\.local_experts\.\d+\.linear_fc[12])\.weight"
+    r"|mlp\.router\.expert_bias))$")
 _EXTRA_STATE = re.compile(r"(^|\.)_extra_state\d*$")
 _HINTS: tuple[tuple[str, str], ...] = (  # (fnmatch pattern, what to change), most specific first
     ("*layer_norm_bias", "LayerNorm biases: build with normalization='RMSNorm'"),
     ("*.bias*", "linear biases: build with add_bias_linear=False, add_qkv_bias=False"),
-    ("*router.expert_bias", "a router expert bias: build with moe_router_enable_expert_bias=False"),
     ("*router.qb_beta", "quantile-balancing router bias: use moe_router_load_balancing_type='none'"),
     ("*shared_experts.gate_weight", "a gated shared expert: build with moe_shared_expert_gate=False"),
     ("*mlp.experts.linear_fc?.weight", "one grouped expert weight: build with moe_single_grouped_weight=False"),

@@ -63,7 +63,7 @@ def _namespace(**changes):
 
 
 @pytest.mark.parametrize("changes, fix", [
-    (dict(moe_router_score_function="sigmoid"), "moe_router_score_function='softmax'"),
+    (dict(qk_l2_norm=True), "qk_l2_norm=False"),
     (dict(add_bias_linear=True), "add_bias_linear=False"),
     (dict(normalization="LayerNorm"), "normalization='RMSNorm'"),
     (dict(multi_latent_attention=True), "multi_latent_attention=False"),
@@ -267,4 +267,26 @@ def test_on_cuda_the_engine_gives_megatrons_logits_before_and_after_an_adam_step
     theirs2, ours2 = both()
     assert (theirs2 - theirs).abs().max() > 1e-2  # the step moved the trainer
     assert (theirs2 - ours2).abs().max() < 1e-3  # and the engine serves it with no update call
+    assert shares_storage(engine.model, gpt)
+
+
+def test_deepseek_routing_is_read_and_its_fp32_expert_bias_shared(gloo_world, monkeypatch):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    cfg = PRESETS["tiny-moe"].replace(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                                      moe_router_num_groups=2, moe_router_group_topk=1,
+                                      moe_router_topk_scaling_factor=2.5)
+    tc = transformer_config(cfg)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # Megatron puts the expert bias there
+    assert model_config_from_megatron(tc, cfg.vocab_size, cfg.max_position_embeddings) == cfg
+    gpt = GPTModel(tc, get_gpt_decoder_block_spec(tc, use_transformer_engine=False, normalization="RMSNorm"),
+                   vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_position_embeddings,
+                   position_embedding_type="rope", rotary_base=int(cfg.rotary_base))
+    bias = gpt.get_buffer("decoder.layers.1.mlp.router.expert_bias")
+    with torch.no_grad():
+        bias.copy_(torch.linspace(-1, 1, cfg.num_moe_experts))
+    engine = RolloutEngine.from_megatron(gpt, EngineConfig(num_blocks=32))
+    ours = engine.model.get_parameter("decoder.layers.1.mlp.router.expert_bias")
+    assert ours.dtype == torch.float32 and ours.data_ptr() == bias.data_ptr()
     assert shares_storage(engine.model, gpt)

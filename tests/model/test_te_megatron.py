@@ -128,7 +128,6 @@ def test_te_spec_names_map_onto_the_rollout_names(names, renamed):
 @pytest.mark.parametrize("name, fix", [
     ("decoder.layers.0.self_attention.linear_qkv.layer_norm_bias", "normalization='RMSNorm'"),
     ("decoder.layers.0.self_attention.linear_qkv.bias", "add_bias_linear=False"),
-    ("decoder.layers.1.mlp.router.expert_bias", "moe_router_enable_expert_bias=False"),
     ("decoder.layers.1.mlp.shared_experts.gate_weight", "moe_shared_expert_gate=False"),
     ("decoder.layers.1.mlp.experts.linear_fc1.weight", "moe_single_grouped_weight=False"),
     ("decoder.layers.0.mlp.1.basic_ops.0.weight", "use_te_op_fuser=False"),
