@@ -83,6 +83,24 @@ class RolloutEngine:
         self._lock = self._gate.lock  # held by every step and every change (module docstring)
         self._vote: Vote | None = None  # this rank's side of the weight update in progress
 
+    @classmethod
+    def from_megatron(cls, gpt, config: EngineConfig | None = None, share_storage: bool | None = None
+                      ) -> "RolloutEngine":
+        """A single-rank engine over an in-process Megatron-core `GPTModel` (local or Transformer Engine
+        spec), its architecture read from the GPTModel's `TransformerConfig`. Where the layouts match
+        (TP = EP = 1) the engine's parameters are the trainer's tensors (`share_storage`, the default
+        there): in-place optimizer steps are served with no `update_weights`. Otherwise (or with
+        `share_storage=False`) the weights are copied, gathered over the trainer's groups where it is
+        sharded (a collective). See `model.megatron_bridge`."""
+        from megatron_rollout.model.megatron_bridge import layouts_match, native_from_megatron, shares_storage
+
+        engine = cls(native_from_megatron(gpt, share_storage), config)
+        sharing = layouts_match(gpt) if share_storage is None else share_storage
+        if sharing and not shares_storage(engine.model, gpt):  # e.g. the CUDA runner stacks the experts (a copy)
+            raise ValueError(f"runner {type(engine.runner).__name__} re-laid the weights out of the trainer's "
+                             "storage; pass share_storage=False to copy them, or RunnerConfig(kind='eager')")
+        return engine
+
     def _decode_ahead(self, mode: str) -> bool:
         one_rank = not self.distributed and isinstance(self.model.comm, LocalComm)
         if mode == "on" and not one_rank:

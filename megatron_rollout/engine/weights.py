@@ -34,6 +34,7 @@ from megatron_rollout.comm.facade import Shard
 from megatron_rollout.engine.weight_vote import Prepared, WeightOffer
 from megatron_rollout.model import fp8, te_layers
 from megatron_rollout.model.config import ModelConfig
+from megatron_rollout.model.megatron_names import rollout_pairs
 from megatron_rollout.model.sharding import full_name, full_shapes, local_name, shard_tensor, unshard_tensor
 from megatron_rollout.model.transformer import MoETransformer
 
@@ -189,6 +190,7 @@ class WeightStore:
             pairs = list(named)
         else:
             raise TypeError(f"update_weights takes a mapping or (name, tensor) pairs, got {type(named).__name__}")
+        pairs = rollout_pairs(pairs)  # a Megatron state_dict() of either layer spec: `_extra_state` out, TE renamed
         cfg, shard = self.model.cfg, self.model.comm.shard
         seen: set[str] = set()
         out: list[_Incoming] = []
