@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
+from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams, SchedulerConfig
 from megatron_rollout.model import checkpoint as ckpt
 from megatron_rollout.model.transformer import MoETransformer
 from tests.model.test_deepseek import hf_greedy, make_checkpoint
@@ -30,7 +30,8 @@ def _world(rank: int, atp: int, adp: int, path: str) -> dict:
     out: dict = {"local_experts": model.decoder.layers[1].mlp.experts.num_local,
                  "local_heads": model.decoder.layers[1].self_attention.heads}
     for schedule in SCHEDULES:
-        engine = runtime.engine(model, EngineConfig(schedule=schedule, block_size=4, max_batch_tokens=8))
+        engine = runtime.engine(model, EngineConfig(scheduler=SchedulerConfig(schedule=schedule, block_size=4,
+                                                                              max_batch_tokens=8)))
         results = runtime.generate(engine, PROMPTS, PARAMS)
         engine.check_integrity()
         if results is not None:
@@ -43,7 +44,7 @@ def _world(rank: int, atp: int, adp: int, path: str) -> dict:
     reference = ckpt.load_pretrained(path).state_dict()
     out["gathered_equal"] = set(full) == set(reference) and all(torch.equal(full[k], reference[k]) for k in full)
     # ... and a full state from a one-process trainer lands as this layout's shards
-    engine = runtime.engine(model, EngineConfig(schedule="chunked", block_size=4))
+    engine = runtime.engine(model, EngineConfig(scheduler=SchedulerConfig(schedule="chunked", block_size=4)))
     engine.update_weights(_trainer(model.cfg).state_dict(), version=1)
     results = runtime.generate(engine, PROMPTS, PARAMS)
     if results is not None:
@@ -62,7 +63,7 @@ def test_layout_matches_transformers_and_one_process(tmp_path, atp: int, adp: in
     want = [hf_greedy(hf, p, STEPS) for p in PROMPTS]
     one_process = ckpt.load_pretrained(tmp_path)
     single_cfg = one_process.cfg
-    single = RolloutEngine(one_process, EngineConfig(block_size=4)).generate(PROMPTS, PARAMS)
+    single = RolloutEngine(one_process, EngineConfig(scheduler=SchedulerConfig(block_size=4))).generate(PROMPTS, PARAMS)
     assert [r.token_ids for r in single] == [tokens for tokens, _ in want]
     got = run_world(_world, atp * adp, atp, adp, str(tmp_path), timeout=480)
     assert {(r["local_experts"], r["local_heads"]) for r in got} == {(8 // (atp * adp), 4 // atp)}
@@ -73,5 +74,6 @@ def test_layout_matches_transformers_and_one_process(tmp_path, atp: int, adp: in
         assert worst < 1e-3, (schedule, worst)
     assert all(r["gathered_equal"] for r in got)
     trainer = _trainer(single_cfg)
-    swapped = [r.token_ids for r in RolloutEngine(trainer, EngineConfig(block_size=4)).generate(PROMPTS, PARAMS)]
+    engine = RolloutEngine(trainer, EngineConfig(scheduler=SchedulerConfig(block_size=4)))
+    swapped = [r.token_ids for r in engine.generate(PROMPTS, PARAMS)]
     assert got[0]["swapped"] == swapped != [tokens for tokens, _ in want]

@@ -10,7 +10,7 @@ from megatron_rollout.engine import SamplingParams
 from megatron_rollout.model import checkpoint as ckpt
 from tests.model.test_deepseek import make_checkpoint
 
-from .common import SCHEDULES, SMALL
+from .common import SCHEDULES, small
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +29,10 @@ def _prompts(lengths, seed):
 def test_seeded_request_is_the_same_alone_and_in_company(deepseek, make_engine, schedule):
     sampled = SamplingParams(temperature=1.0, max_new_tokens=8, seed=7)
     prompt = _prompts([13], seed=1)[0]
-    alone = make_engine(deepseek, schedule=schedule, **SMALL).generate([prompt], sampled)[0]
+    alone = make_engine(deepseek, small(schedule)).generate([prompt], sampled)[0]
     others = _prompts([5, 21, 9, 2], seed=3)
     params = [sampled] + [SamplingParams(temperature=1.0, max_new_tokens=11, seed=i) for i in range(4)] + [sampled]
-    crowd = make_engine(deepseek, schedule=schedule, **SMALL).generate([prompt, *others, prompt], params)
+    crowd = make_engine(deepseek, small(schedule)).generate([prompt, *others, prompt], params)
     for out in (crowd[0], crowd[-1]):
         assert out.token_ids == alone.token_ids
         assert out.logprobs == alone.logprobs  # bit for bit

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
+from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams, SchedulerConfig
 from megatron_rollout.engine.mtp_decode import generate_with_mtp
 from megatron_rollout.model import checkpoint as ckpt
 from megatron_rollout.model.sharding import full_shapes
@@ -24,7 +24,8 @@ def model(seed: int = 0) -> MoETransformer:
 
 def plain_greedy(m: MoETransformer) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_new_tokens=STEPS, ignore_stop=True)
-    return [r.token_ids for r in RolloutEngine(m, EngineConfig(block_size=4)).generate(PROMPTS, params)]
+    engine = RolloutEngine(m, EngineConfig(scheduler=SchedulerConfig(block_size=4)))
+    return [r.token_ids for r in engine.generate(PROMPTS, params)]
 
 
 def test_mtp_parameters_have_megatron_names():
@@ -89,7 +90,8 @@ def test_sampled_distribution_with_mtp_is_the_plain_samplers():
     law = logp.sum(-1).double().exp()
     gen = torch.Generator().manual_seed(3)
     mtp_runs = [generate_with_mtp(m, prompt, params, 3, generator=gen, block_size=4) for _ in range(n)]
-    plain = RolloutEngine(m, EngineConfig(block_size=4, seed=4)).generate([prompt] * n, params)
+    plain = RolloutEngine(m, EngineConfig(scheduler=SchedulerConfig(block_size=4), seed=4))
+    plain = plain.generate([prompt] * n, params)
     count = {"mtp": [0] * len(cells), "plain": [0] * len(cells)}
     for kind, runs in (("mtp", [r.token_ids for r in mtp_runs]), ("plain", [r.token_ids for r in plain])):
         for tokens in runs:

@@ -8,7 +8,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
+from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams, SchedulerConfig
 from megatron_rollout.kv.paged import PagedKVCache
 from megatron_rollout.model import checkpoint as ckpt
 from megatron_rollout.model.config import ModelConfig
@@ -120,7 +120,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(family):
     _, hf, _, model = family
     prompts = [p.tolist() for p in _prompts(seed=5, lens=(7, 3, 12))]
     steps = 6
-    results = RolloutEngine(model, EngineConfig(block_size=4)).generate(
+    results = RolloutEngine(model, EngineConfig(scheduler=SchedulerConfig(block_size=4))).generate(
         prompts, SamplingParams(temperature=0.0, max_new_tokens=steps, ignore_stop=True))
     for prompt, result in zip(prompts, results):
         tokens, logprobs = hf_greedy(hf, prompt, steps)
@@ -157,10 +157,11 @@ def test_hot_swap_copies_every_megatron_tensor(family):
             if hasattr(layer.mlp, "router"):
                 layer.mlp.router.expert_bias.normal_(0, 0.1, generator=torch.Generator().manual_seed(8))
     prompts, params = [[1, 2, 3, 4], [50, 7]], SamplingParams(temperature=0.0, max_new_tokens=5, ignore_stop=True)
-    want = [r.token_ids for r in RolloutEngine(other, EngineConfig(block_size=4)).generate(prompts, params)]
+    engine = RolloutEngine(other, EngineConfig(scheduler=SchedulerConfig(block_size=4)))
+    want = [r.token_ids for r in engine.generate(prompts, params)]
     swapped = MoETransformer(model.cfg)
     swapped.load_state_dict(model.state_dict())
-    engine = RolloutEngine(swapped, EngineConfig(block_size=4))
+    engine = RolloutEngine(swapped, EngineConfig(scheduler=SchedulerConfig(block_size=4)))
     before = [r.token_ids for r in engine.generate(prompts, params)]
     engine.update_weights(other.state_dict(), version=1)
     after = engine.generate(prompts, params)
