@@ -3,7 +3,7 @@
     python examples/megatron_embed.py
 
 One process, a one-rank gloo world. The trainer is a Megatron-core `GPTModel` built from the
-rollout model's `ModelConfig`, so both carry the same parameter names and shapes and weights move
+rollout model's `ModelConfig`, so both have the same parameter names and shapes and weights move
 name for name, with no renaming. The rollout is built from the trainer's weights, generates,
 gives its KV memory back while the trainer steps, then takes the new weights (a new version) and
 generates again.
