@@ -253,7 +253,7 @@ def test_fake_te_refuses_shapes_te_cannot_run(fake_te):
 
 # ---------------------------------------------------------------- the real TE (GPU)
 
-TE_MISSING = "Transformer Engine not installed (docs/te.md)"
+TE_MISSING = "Transformer Engine not installed (docs/fp8-te.md)"
 
 
 def _te_model(num_layers: int, seed: int = 0, experts: int = 16):
