@@ -29,19 +29,35 @@ def links(text: str) -> list[str]:
     return [a or b for a, b in LINK.findall(text)]
 
 
+def anchors(markdown: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces as hyphens, -1, -2 for repeats."""
+    seen: dict[str, int] = {}
+    fenced = False
+    for line in markdown.splitlines():
+        fenced ^= line.lstrip().startswith("```")
+        if fenced or not line.startswith("#"):
+            continue
+        slug = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+        seen[slug] = seen.get(slug, -1) + 1
+        seen[f"{slug}-{seen[slug]}"] = 0
+    return set(seen)
+
+
 def broken_links(path: Path) -> list[str]:
-    """Relative links that leave the repository or name a missing file (anchors are not checked)."""
+    """Relative links that leave the repository, name a missing file, or a missing heading of a page."""
     bad = []
     for target in links(path.read_text(encoding="utf-8")):
-        if EXTERNAL.match(target) or target.startswith("#"):
+        if EXTERNAL.match(target):
             continue
-        file = target.split("#", 1)[0]
-        resolved = (ROOT / file.lstrip("/")) if file.startswith("/") else (path.parent / file)
+        file, _, anchor = target.partition("#")
+        resolved = path if not file else (ROOT / file.lstrip("/")) if file.startswith("/") else (path.parent / file)
         resolved = resolved.resolve()
         if not resolved.is_relative_to(ROOT):
             bad.append(f"{target} (leaves the repository)")
         elif not resolved.exists():
             bad.append(f"{target} (no such file)")
+        elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved.read_text(encoding="utf-8")):
+            bad.append(f"{target} (no such heading)")
     return bad
 
 
@@ -71,12 +87,14 @@ def test_no_vocabulary_of_past_machine_time(path):
 def test_the_checks_catch_what_they_look_for(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "here.md").write_text("x")
     page = tmp_path / "docs" / "page.md"
+    (tmp_path / "docs" / "here.md").write_text("# Top\n```\n# not a heading\n```\n## 6. The turnstile (cross-rank)\n")
     page.write_text("[ok](here.md#top) [out](../../shared/DESIGN.md) [gone](missing.md) [web](https://x.org/a)\n"
+                    "[s](here.md#6-the-turnstile-cross-rank) [no](here.md#not-a-heading) [self](#ref)\n"
                     "[ref]: ../here.md\nIn the tenth lease, call 4 carried the wheel; the second run and Tenth-session."
                     "\nThe carry and the leases.\n")
     assert broken_links(page) == ["../../shared/DESIGN.md (leaves the repository)", "missing.md (no such file)",
+                                  "here.md#not-a-heading (no such heading)", "#ref (no such heading)",
                                   "../here.md (no such file)"]
     kinds = [hit.rsplit("(", 1)[1] for hit in forbidden_words(page)]
     assert kinds == ["lease)", "call N)", "run ordinal)", "run ordinal)", "run ordinal)", "lease)", "carry)"]
