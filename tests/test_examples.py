@@ -1,7 +1,8 @@
 """Every user example runs, as a user would run it, on CPU with small sizes, and prints real results.
 
-Each example is a subprocess (`python examples/X.py`, `torchrun` for the sharded one) with the
-repository root on PYTHONPATH, so the checkout's package is the one imported.
+Each example is a subprocess (`python examples/X.py`, `torchrun` for the sharded one, the RL main
+job for two steps) with the repository root on PYTHONPATH, so the checkout's package is the one
+imported.
 """
 from __future__ import annotations
 
@@ -78,3 +79,19 @@ def test_sharded_two_ranks():
     engine = RolloutEngine(load_model("tiny-moe"), EngineConfig())
     alone = engine.generate([prompt for prompt, _, _ in rows], SamplingParams(temperature=0, max_new_tokens=6))
     assert [r.token_ids for r in alone] == [before for _, before, _ in rows]
+
+
+@pytest.mark.timeout(240)
+def test_train_grpo_main_job_two_steps(tmp_path):
+    import json
+
+    import yaml
+
+    config = yaml.safe_load((ROOT / "configs" / "grpo_tool_cpu.yaml").read_text())
+    run([sys.executable, "examples/train_grpo.py", "--config", "configs/grpo_tool_cpu.yaml", "--steps", "2",
+         "--out", str(tmp_path)], 200)
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [s["weight_version"] for s in steps] == [1, 2]  # the engine took the trainer's weights each step
+    assert all(s["episodes"] == config["prompts_per_step"] * config["group_size"] for s in steps)
+    assert all(s["engine_errors"] == 0 and 0 <= s["reward_mean"] <= 1 for s in steps)
+    assert all(s["turns_max"] == config["max_turns"] for s in steps)  # the tool call, then the answer
