@@ -74,6 +74,14 @@ def test_the_scan_sees_the_user_files():
     assert {"README.md", "docs/README.md", "docs/design.md", "examples/generate.py"} <= names
 
 
+def test_the_index_lists_every_page_and_example():
+    index = ROOT / "docs" / "README.md"
+    linked = {(index.parent / t.partition("#")[0]).resolve() for t in links(index.read_text(encoding="utf-8"))}
+    pages = {p.resolve() for p in (ROOT / "docs").glob("*.md") if p.name != "README.md"}
+    examples = {p.resolve() for p in (ROOT / "examples").glob("*.py")}
+    assert sorted(str(p.relative_to(ROOT)) for p in (pages | examples) - linked) == []
+
+
 @pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_links_stay_inside_the_repository_and_resolve(path):
     assert broken_links(path) == [], f"{path.relative_to(ROOT)}: fix or remove these links"
