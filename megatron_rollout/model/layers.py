@@ -38,6 +38,23 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+ROW_MULTIPLE = 8
+"""CPU matmuls see a multiple of this many rows (zero rows appended, their results dropped). The CPU
+BLAS picks its kernel and its split over threads by the row count, and the rounding of a row's
+result follows that choice; at multiples of 8 rows (measured with 1, 2 and 4 threads up to 4,096
+rows) it is one choice, so a row's output does not depend on how many rows share its batch. That
+is what makes a seeded request's tokens and logprobs independent of the schedule and of the other
+requests (tests/engine/test_batch_invariance.py), and a GRPO run on CPU reproducible."""
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x @ weight.T` for x [rows, in]; on CPU each row's result is independent of the other rows."""
+    pad = -x.shape[0] % ROW_MULTIPLE if x.device.type == "cpu" and x.dim() == 2 else 0
+    if pad == 0:
+        return F.linear(x, weight)
+    return F.linear(torch.cat([x, x.new_zeros(pad, x.shape[1])]), weight)[: x.shape[0]]
+
+
 class Linear(nn.Module):
     """`y = x @ weight.T`, no bias. An FP8 weight (see `fp8.py`) carries its scale alongside."""
 
@@ -49,7 +66,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:
             return self.fp8.matmul(x)
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 def rope_tables(positions: torch.Tensor, dim: int, base: float, dtype: torch.dtype):
@@ -149,7 +166,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Softmax over all experts in fp32, then top-k. Returns weights [N, k] (x's dtype) and
         expert ids [N, k]."""
-        probs = F.linear(x.float(), self.weight.float()).softmax(dim=-1)
+        probs = linear(x.float(), self.weight.float()).softmax(dim=-1)
         weights, ids = probs.topk(self.topk, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)

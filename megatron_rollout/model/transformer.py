@@ -16,7 +16,7 @@ from megatron_rollout.comm.facade import Comm, LocalComm
 from megatron_rollout.forward import Forward, run_to_end
 from megatron_rollout.model.attention import AttentionBackend, CausalBatch
 from megatron_rollout.model.config import ModelConfig
-from megatron_rollout.model.layers import Linear, RMSNorm, TransformerLayer, rope_tables
+from megatron_rollout.model.layers import Linear, RMSNorm, TransformerLayer, linear, rope_tables
 from megatron_rollout.types import Phase
 
 
@@ -75,7 +75,7 @@ class MoETransformer(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         h = self.decoder.final_layernorm(h)
         if self.cfg.tie_word_embeddings:
-            return torch.nn.functional.linear(h, self.embedding.word_embeddings.weight)
+            return linear(h, self.embedding.word_embeddings.weight)
         return self.output_layer(h)
 
     def check_tokens(self, tokens: torch.Tensor) -> None:
