@@ -72,7 +72,8 @@ def run_one(args: argparse.Namespace, seed: int) -> dict:
         "--master_port", str(29500 + seed % 1000 + 7 * (os.getpid() % 100))]
     cmd = [*launch, script, "--config", str(out / "config.yaml"), "--out", str(out / "run"), "--overwrite",
            *shlex.split(args.train_args)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     with open(out / "log.txt", "w") as log:
         code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     metrics = out / "run" / "metrics.jsonl"

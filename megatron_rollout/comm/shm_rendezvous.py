@@ -120,7 +120,7 @@ def _build() -> ModuleType:
 
 @dataclass(frozen=True)
 class ShmBarrierConfig:
-    """How a waiting rank waits. The defaults were tuned with `python -m megatron_rollout.bench.rendezvous`
+    """How a waiting rank waits. The defaults were tuned with `python -m benchmarks.rendezvous`
     on a 2-core machine with 2 to 8 ranks (docs/rendezvous.md)."""
 
     spin_us: float | None = None
