@@ -97,11 +97,11 @@ def test_the_checks_catch_what_they_look_for(tmp_path, monkeypatch):
     (tmp_path / "docs").mkdir()
     page = tmp_path / "docs" / "page.md"
     (tmp_path / "docs" / "here.md").write_text("# Top\n```\n# not a heading\n```\n## 6. The turnstile (cross-rank)\n")
-    page.write_text("[ok](here.md#top) [out](../../shared/DESIGN.md) [gone](missing.md) [web](https://x.org/a)\n"
+    page.write_text("[ok](here.md#top) [out](../../outside/NOTES.md) [gone](missing.md) [web](https://x.org/a)\n"
                     "[s](here.md#6-the-turnstile-cross-rank) [no](here.md#not-a-heading) [self](#ref)\n"
                     "[ref]: ../here.md\nIn the tenth lease, call 4 carried the wheel; the second run and Tenth-session."
                     "\nThe carry and the leases.\n")
-    assert broken_links(page) == ["../../shared/DESIGN.md (leaves the repository)", "missing.md (no such file)",
+    assert broken_links(page) == ["../../outside/NOTES.md (leaves the repository)", "missing.md (no such file)",
                                   "here.md#not-a-heading (no such heading)", "#ref (no such heading)",
                                   "../here.md (no such file)"]
     kinds = [hit.rsplit("(", 1)[1] for hit in forbidden_words(page)]
