@@ -204,7 +204,8 @@ class RolloutEngine:
             raise
 
     def _planning_state(self) -> SchedulerState:
-        return self.table.planning_state(self.weights.version, epoch_in_flight=self.schedule.busy)
+        return self.table.planning_state(self.weights.version, epoch_in_flight=self.schedule.busy,
+                                         max_batch_tokens=self.config.scheduler.max_batch_tokens)
 
     # -- mirroring (distributed) -----------------------------------------------------------
     def _apply_ops(self, ops: list[Op]) -> None:

@@ -107,6 +107,10 @@ def config_from_hf(hf_config) -> ModelConfig:
               tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)), max_position_embeddings=max_pos,
               dtype=_DTYPE_NAMES.get(dtype, "float32"))
     if arch == QWEN3_MOE:
+        step = getattr(c, "decoder_sparse_step", 1)
+        if type(step) is not int or step < 1:
+            raise ValueError(f"{arch}: decoder_sparse_step must be an integer >= 1 (every step-th layer is MoE; 1: "
+                             f"every layer), got {step!r}; fix config.json")
         moe = tuple(int(c.num_experts > 0 and i not in (c.mlp_only_layers or ())
                         and (i + 1) % c.decoder_sparse_step == 0) for i in range(layers))
         kw.update(num_moe_experts=c.num_experts if any(moe) else 0, moe_router_topk=c.num_experts_per_tok,
@@ -354,6 +358,9 @@ def _inside(path: Path, name: str, origin: str) -> Path:
     if not any(target.is_relative_to(root) for root in _allowed_roots(path)):
         raise ValueError(f"{file} is a symlink to {target}, outside the checkpoint directory {path}; copy the "
                          f"file into the checkpoint instead")
+    if file.exists() and not file.is_file():  # a FIFO would block the reader, a device never end
+        raise ValueError(f"{file} is not a regular file (a directory, FIFO, socket or device); a checkpoint is "
+                         f"read from regular files only")
     return file
 
 
@@ -395,7 +402,7 @@ def _load_bin(file: Path) -> dict[str, torch.Tensor]:
 def _open_checkpoint(path: Path) -> _Source:
     index = path / "model.safetensors.index.json"
     if index.exists():  # only the files it names: some repos also ship e.g. consolidated.safetensors
-        files = _index_files(path, index)
+        files = _index_files(path, _inside(path, index.name, "the checkpoint"))
     elif (path / "model.safetensors").exists():
         files = [_inside(path, "model.safetensors", "the checkpoint")]
     else:
@@ -481,10 +488,10 @@ def load_pretrained(path: str | os.PathLike, comm: Comm | None = None, device: t
     import transformers
 
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path / 'config.json'} does not exist: a checkpoint directory holds config.json "
-                                f"and its weights")
-    _read_json(path / "config.json")  # transformers' own error gives no position, and some none at all
+    config = _inside(path, "config.json", "the checkpoint")  # transformers reads it after us: check it like weights
+    if not config.is_file():
+        raise FileNotFoundError(f"{config} does not exist: a checkpoint directory holds config.json and its weights")
+    _read_json(config)  # transformers' own error gives no position, and some none at all
     hf_config = transformers.AutoConfig.from_pretrained(path)
     arch = architecture_of(hf_config)
     cfg = config_from_hf(hf_config)
