@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("megatron_rollout.kernels", "megatron_rollout.multiplex"),  # device fast paths | turnstile, routing
     ("megatron_rollout.engine",),  # planner, bookkeeping, execution, schedules, runners
     ("megatron_rollout.trace",),  # trace replay and reports over the engine's public API
+    ("megatron_rollout.sim",),  # the engine simulated on a trace, its costs fitted from step records
     ("megatron_rollout.distributed", "megatron_rollout.options"),
     ("megatron_rollout.launch",),  # what the CLI runs
     ("megatron_rollout.cli",),

@@ -100,6 +100,12 @@ def make_runner(model: MoETransformer, cache: PagedKVCache, config: RunnerConfig
     config = config or RunnerConfig(kind=os.environ.get(RUNNER_ENV, "auto"))
     if config.kind == "eager" or (config.kind == "auto" and model.device.type != "cuda"):
         return ModelRunner(model, cache)
+    if model.cfg.multi_latent_attention:  # its kernels and graphs read per-group K/V, not MLA's latent row
+        if config.kind == "cuda":
+            raise RuntimeError("runner kind 'cuda' has no multi-latent attention kernels yet; run DeepSeek-V3-style "
+                               "models with runner kind 'eager' (or 'auto', which picks it)")
+        log.info("multi-latent attention: the portable (eager) runner runs this model")
+        return ModelRunner(model, cache)
     if model.device.type != "cuda":
         raise RuntimeError(f"runner kind 'cuda' ({RUNNER_ENV}=cuda or --runner cuda) needs a single-rank model "
                            f"on a CUDA device, or a multi-rank one whose DistComm is on CUDA (NCCL); got "

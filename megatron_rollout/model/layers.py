@@ -14,6 +14,7 @@ Driving a generator to its end (`run_to_end`) is the plain forward. Those primit
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -244,11 +245,21 @@ class Experts(nn.Module):
         return F.silu(gate) * up
 
 
+@dataclass(frozen=True)
+class LayerParts:
+    """The attention and router classes a layer builds; `model.parts.layer_parts(cfg)` picks them
+    (multi-latent attention, DeepSeek's scored router) without this module importing those."""
+
+    attention: type[nn.Module] = SelfAttention
+    router: type[nn.Module] = Router
+
+
 class MoELayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard, device=None) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard, device=None,
+                 router: type[nn.Module] = Router) -> None:
         super().__init__()
         self.layer = layer
-        self.router = Router(cfg, device)
+        self.router = router(cfg, device)
         self.experts = Experts(cfg, shard, device)
         if cfg.moe_shared_expert_intermediate_size:
             self.shared_experts = MLP(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size,
@@ -264,14 +275,15 @@ class MoELayer(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard, device=None) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard, device=None,
+                 parts: LayerParts = LayerParts()) -> None:
         super().__init__()
         dt, eps = cfg.torch_dtype, cfg.layernorm_epsilon
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dt, device)
-        self.self_attention = SelfAttention(cfg, layer, shard, device)
+        self.self_attention = parts.attention(cfg, layer, shard, device)
         self.pre_mlp_layernorm = RMSNorm(cfg.hidden_size, eps, dt, device)
         moe = cfg.is_moe_layer(layer)
-        self.mlp = MoELayer(cfg, layer, shard, device) if moe else DenseMLP(cfg, layer, shard, device)
+        self.mlp = MoELayer(cfg, layer, shard, device, parts.router) if moe else DenseMLP(cfg, layer, shard, device)
 
     def forward(self, h: torch.Tensor, rope, attn: AttentionBackend, comm: Comm, phase: Phase) -> Forward:
         h = h + (yield from self.self_attention(self.input_layernorm(h), rope, attn, comm, phase))
