@@ -1,7 +1,7 @@
 """Batched generation: several prompts in one call, greedy and sampled, with log-probabilities.
 
     python examples/generate.py                      # the embedded tiny-moe (random weights), CPU
-    python examples/generate.py --model /path/to/hf  # a Qwen3(-MoE), Llama or Mixtral checkpoint
+    python examples/generate.py --model /path/to/hf  # a Qwen3(-MoE), Llama, Mixtral or DeepSeek-V3 checkpoint
 
 Prompts are token ids: the engine has no tokenizer (a trainer brings its own). Every prompt of a
 `generate` call runs in the same batches; the results come back in prompt order.
