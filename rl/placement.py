@@ -43,6 +43,9 @@ class _Lockstep:
     def open_session(self):
         return self.engine.open_session()
 
+    def add_request(self, prompt_ids: list[int], params=None) -> int:
+        return self.engine.add_request(prompt_ids, params)
+
     def abort(self, rid: int) -> None:
         self.engine.abort(rid)
 
