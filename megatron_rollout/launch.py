@@ -94,6 +94,10 @@ def available_bytes(device: torch.device) -> int | None:
     return free // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def check_memory(args: argparse.Namespace, comm, device: torch.device) -> None:
     """Refuse, before anything is allocated, a model whose weights (this rank's shard, sized on
     the meta device) and KV cache exceed the memory available to this rank: a clear error instead
@@ -109,11 +113,10 @@ def check_memory(args: argparse.Namespace, comm, device: torch.device) -> None:
     atp = comm.size(Axis.ATP) if comm is not None else 1
     kv = args.num_blocks * PagedKVCache.bytes_per_block(cfg, args.block_size, cfg.num_query_groups // atp)
     if weights + kv > available:
-        gib = 2**30
-        raise ValueError(f"--model {args.model} needs at least {(weights + kv) / gib:.1f} GiB per rank on {device} "
-                         f"({weights / gib:.1f} GiB of {cfg.dtype} weights, {kv / gib:.1f} GiB of KV cache for "
+        raise ValueError(f"--model {args.model} needs at least {_size(weights + kv)} per rank on {device} "
+                         f"({_size(weights)} of {cfg.dtype} weights, {_size(kv)} of KV cache for "
                          f"--num-blocks {args.num_blocks} x --block-size {args.block_size}) but "
-                         f"{available / gib:.1f} GiB are available: use a smaller model (tiny-moe, "
+                         f"{_size(available)} are available: use a smaller model (tiny-moe, "
                          f"qwen3-30b-a3b-12l), a device with more memory, more ranks (--atp/--adp), or fewer "
                          f"--num-blocks")
 
