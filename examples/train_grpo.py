@@ -29,11 +29,12 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from rl.loop import GRPOConfig, run_grpo
+from rl.placement import Placement
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--config", required=True)
 parser.add_argument("--steps", type=int)
-parser.add_argument("--out")
+parser.add_argument("--out", help="output directory (metrics.jsonl, reward.png); default runs/<config name>-<time>")
 parser.add_argument("--overwrite", action="store_true", help="replace an existing OUT/metrics.jsonl")
 parser.add_argument("--schedule", choices=["off", "chunked", "mux"])
 parser.add_argument("--atp", type=int, help="rollout attention tensor parallel size (config key atp)")
@@ -48,8 +49,10 @@ rank = dist.get_rank() if dist.is_initialized() else 0
 
 try:
     cfg = GRPOConfig.from_yaml(args.config, steps=args.steps, atp=args.atp, adp=args.adp, ep=args.ep)
+    Placement.check_world(cfg.atp, cfg.adp, dist.get_world_size() if dist.is_initialized() else 1)
 except (ValueError, TypeError, FileNotFoundError) as exc:
     sys.exit(f"{args.config}: {exc}")
+out = args.out or f"runs/{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 if args.schedule:
     cfg = dataclasses.replace(cfg, engine={**cfg.engine, "schedule": args.schedule})
 
@@ -60,7 +63,7 @@ def show(m):
 
 start = time.perf_counter()
 try:
-    history = run_grpo(cfg, args.out, on_step=show, overwrite=args.overwrite)
+    history = run_grpo(cfg, out, on_step=show, overwrite=args.overwrite)
 except FileExistsError as exc:
     sys.exit(str(exc))
 bar.close()
@@ -69,6 +72,6 @@ if rank == 0:
     last = sum(m["reward_mean"] for m in history[-5:]) / len(history[-5:])
     print(f"reward first-5 {first:.3f} -> last-5 {last:.3f} | kl last {history[-1]['kl'] or 0:.3f} nats/token | "
           f"{len(history)} steps in {time.perf_counter() - start:.1f}s | weight version "
-          f"{history[-1]['weight_version']}" + (f" | outputs in {args.out}" if args.out else ""))
+          f"{history[-1]['weight_version']} | outputs in {out}")
 if dist.is_initialized():
     dist.destroy_process_group()

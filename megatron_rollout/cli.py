@@ -12,7 +12,7 @@ import logging
 import sys
 import warnings
 
-from megatron_rollout.options import add_engine_args
+from megatron_rollout.options import add_engine_args, check_writable
 
 
 def _ids(text: str) -> list[int]:
@@ -66,8 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_rollout.trace.make import make_trace
         from megatron_rollout.trace.schema import write_trace
 
-        trace = make_trace(args.conversations, args.seed, args.scale, args.wait_scale, profile=args.profile)
-        write_trace(args.out, trace)
+        try:
+            check_writable(args.out, "--out")
+            trace = make_trace(args.conversations, args.seed, args.scale, args.wait_scale, profile=args.profile)
+            write_trace(args.out, trace)
+        except (ValueError, OSError) as exc:
+            print(f"megatron-rollout make-trace: error: {exc}", file=sys.stderr)
+            return 2
         print(_trace_summary(args.out, trace))
         return 0
     from megatron_rollout.launch import run_generate, run_replay

@@ -16,7 +16,7 @@ from megatron_rollout.engine import RolloutEngine, SamplingParams
 from megatron_rollout.kv.paged import PagedKVCache
 from megatron_rollout.model.checkpoint import load_model
 from megatron_rollout.model.config import PRESETS, ModelConfig
-from megatron_rollout.options import engine_config
+from megatron_rollout.options import check_writable, engine_config
 from megatron_rollout.types import Axis
 
 log = logging.getLogger(__name__)
@@ -140,6 +140,7 @@ def _output(result) -> dict:
 def run_generate(args: argparse.Namespace) -> dict | None:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
+    _check_outputs(args, [None])
     timeline = _timeline(args)
     engine, runtime = build_engine(args, timeline)
     if runtime is None:
@@ -158,8 +159,9 @@ def run_replay(args: argparse.Namespace) -> dict | None:
     from megatron_rollout.trace.replay import replay
     from megatron_rollout.trace.schema import load_trace
 
-    requests = load_trace(args.trace)
     schedules = args.schedule.split(",")
+    _check_outputs(args, schedules if len(schedules) > 1 else [None])
+    requests = load_trace(args.trace)
     model, runtime = build_model(args)
     reports = []
     for schedule in schedules:
@@ -170,7 +172,7 @@ def run_replay(args: argparse.Namespace) -> dict | None:
             reports.append(replay(engine, requests, **opts)[0].to_dict())
         else:
             reports.append(runtime.replay(engine, requests, **opts))
-        _write_timeline(args, timeline, runtime, suffix=f".{schedule}" if len(schedules) > 1 else "")
+        _write_timeline(args, timeline, runtime, schedule if len(schedules) > 1 else None)
     if runtime is not None and not runtime.is_main:
         return None
     return reports[0] if len(reports) == 1 else {"runs": reports}
@@ -184,15 +186,26 @@ def _timeline(args: argparse.Namespace):
     return Timeline()
 
 
-def _write_timeline(args: argparse.Namespace, timeline, runtime, suffix: str = "") -> None:
+def _check_outputs(args: argparse.Namespace, schedules: list[str | None]) -> None:
+    """The files this run will write, checked before it starts (on the rank that writes them)."""
+    if args.timeline and int(os.environ.get("RANK", "0")) == 0:
+        for schedule in schedules:
+            check_writable(_timeline_path(args.timeline, schedule), "--timeline")
+
+
+def _timeline_path(path: str, schedule: str | None) -> str:
+    """timeline.json, or per schedule of a comparison: timeline.off.json, ..."""
+    if schedule is None:
+        return path
+    stem, dot, ext = path.rpartition(".")
+    return f"{stem}.{schedule}.{ext}" if dot else f"{path}.{schedule}"
+
+
+def _write_timeline(args: argparse.Namespace, timeline, runtime, schedule: str | None = None) -> None:
     if timeline is None:
         return
     if runtime is not None:
         timeline = runtime.gather_timeline(timeline)
         if timeline is None:
             return
-    path = args.timeline
-    if suffix:  # timeline.json -> timeline.off.json, ...
-        stem, dot, ext = path.rpartition(".")
-        path = f"{stem}{suffix}.{ext}" if dot else path + suffix
-    timeline.write_chrome_trace(path)
+    timeline.write_chrome_trace(_timeline_path(args.timeline, schedule))

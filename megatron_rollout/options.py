@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from megatron_rollout.comm.dist import CommConfig
 from megatron_rollout.engine.api import Schedule
@@ -52,9 +53,31 @@ def positive_seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"takes a number of seconds > 0, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"takes a number of seconds > 0 (and finite), got {text}")
+    if not 0 < value <= MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(f"takes a number of seconds > 0 and at most {MAX_TIMEOUT_S:.0f} (a week), "
+                                         f"got {text}")
     return value
+
+
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""`--timeout`'s bound: longer waits overflow the clocks of the waits below (threading's, gloo's)."""
+
+
+def check_writable(path: str, flag: str) -> None:
+    """Refuse (ValueError naming `flag`) an output file that cannot be written, before any work is
+    done: a run that only finds out when it writes its results loses them. Leaves no file behind
+    (an existing one is opened for appending, not truncated; a FIFO without a reader is refused)."""
+    file = Path(path)
+    if file.is_dir():
+        raise ValueError(f"{flag} {path} is a directory: give a file name")
+    existed = file.exists()
+    try:
+        os.close(os.open(file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o666))
+    except OSError as exc:
+        raise ValueError(f"{flag} {path} cannot be written ({exc.strerror}): give a path in a writable "
+                         f"directory") from None
+    if not existed:
+        file.unlink(missing_ok=True)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -263,13 +264,31 @@ def _mean(values: list[float]) -> float | None:
 class MetricsFile:
     """metrics.jsonl, rewritten atomically (tmp file + rename) after each step, so a run that fails
     before its first step leaves an earlier run's file as it was, and a reader never sees half a line.
-    An existing file is refused unless `overwrite` (it is then replaced once the first step is in)."""
+    An existing file is refused unless `overwrite` (it is then replaced once the first step is in).
+
+    The directory is taken for the run's lifetime: an exclusive lock on `.run.lock` in it, which the
+    operating system drops when the process ends however it ends, so a second run into the same
+    directory is refused at once instead of both running and one's metrics silently lost."""
 
     def __init__(self, path: Path, overwrite: bool = False) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = open(path.parent / ".run.lock", "a+")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.seek(0)
+            holder = self._lock.read().strip() or "another process"
+            self._lock.close()
+            raise FileExistsError(f"{path.parent} is the output directory of a run in progress ({holder}); "
+                                  f"choose another --out directory") from None
+        self._lock.seek(0)
+        self._lock.truncate()
+        self._lock.write(f"pid {os.getpid()}")
+        self._lock.flush()
         if path.exists() and not overwrite:
+            self.close()
             raise FileExistsError(f"{path} exists (an earlier run's metrics); choose a new --out directory, or "
                                   f"pass --overwrite to replace it once this run's first step has finished")
-        path.parent.mkdir(parents=True, exist_ok=True)
         self.path, self.lines = path, []
 
     def append(self, metrics: dict[str, Any]) -> None:
@@ -277,6 +296,11 @@ class MetricsFile:
         tmp = self.path.with_name(self.path.name + f".tmp{os.getpid()}")
         tmp.write_text("\n".join(self.lines) + "\n")
         os.replace(tmp, self.path)
+
+    def close(self) -> None:
+        """Give the directory back (the lock file stays; its lock is what counts)."""
+        if not self._lock.closed:
+            self._lock.close()
 
 
 def run_grpo(cfg: GRPOConfig, out_dir: str | Path | None = None,
@@ -298,13 +322,22 @@ def run_grpo(cfg: GRPOConfig, out_dir: str | Path | None = None,
     finally:
         if placement is None:
             run.close()
+        if writer is not None:
+            writer.close()
     if writer is not None:
         plot_rewards(history, Path(out_dir) / "reward.png")
     return history
 
 
 def plot_rewards(history: list[dict[str, float]], path: Path) -> None:
-    import matplotlib
+    """reward.png: the mean reward per step with its spread; skipped (a warning) without matplotlib,
+    an optional dependency (the `plot` extra)."""
+    try:
+        import matplotlib
+    except ImportError:
+        log.warning("%s not drawn: matplotlib is not installed (pip install 'megatron_rollout[plot]'); "
+                    "the metrics are in metrics.jsonl beside it", path)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -43,6 +43,9 @@ class _Lockstep:
     def open_session(self):
         return self.engine.open_session()
 
+    def add_request(self, prompt_ids: list[int], params=None) -> int:
+        return self.engine.add_request(prompt_ids, params)
+
     def abort(self, rid: int) -> None:
         self.engine.abort(rid)
 
@@ -80,16 +83,21 @@ class Placement:
         """`timeout_s` bounds every cross-rank wait of the sharded rollout."""
         sharded = atp * adp > 1
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if sharded and world != atp * adp:
-            raise ValueError(f"a rollout sharded ATP {atp} x ADP {adp} needs {atp * adp} processes, got {world}: "
-                             f"launch with torchrun --nproc_per_node {atp * adp}, or set atp = adp = 1 for "
-                             f"data-parallel replicas")
+        cls.check_world(atp, adp, world)
         runtime = None
         if sharded:
             from megatron_rollout.distributed import Runtime
 
             runtime = Runtime.start(atp, adp, device="cpu", timeout_s=timeout_s)
         return cls(atp, adp, runtime)
+
+    @staticmethod
+    def check_world(atp: int, adp: int, world: int) -> None:
+        """Raise ValueError unless `world` processes can hold a rollout sharded ATP x ADP."""
+        if atp * adp > 1 and world != atp * adp:
+            raise ValueError(f"a rollout sharded ATP {atp} x ADP {adp} needs {atp * adp} processes, got {world}: "
+                             f"launch with torchrun --nproc_per_node {atp * adp}, or set atp = adp = 1 for "
+                             f"data-parallel replicas")
 
     @property
     def sharded(self) -> bool:

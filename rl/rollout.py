@@ -1,12 +1,10 @@
 """Run many environment episodes concurrently against one engine; return trajectories.
 
 Why asyncio: an agentic episode alternates generation with tool calls that take wall time. One
-coroutine per episode (reset -> append -> submit -> await -> env.step -> append -> ...) and one
-pump that calls `engine.step()` while there is work let the engine keep decoding the other
-episodes while some wait on tools, which is the workload the engine's P/D multiplexing targets.
-The pump is the only caller of `engine.step()`; it resolves one future per request from the
-`RequestOutput`s each step returns and yields to the event loop between steps, so tool coroutines
-progress, and sleeps briefly when the engine is idle (every live episode is in a tool call).
+coroutine per episode (reset -> append -> generate -> env.step -> append -> ...) over the engine's
+asyncio face (`megatron_rollout.aio.AsyncEngine`, whose pump is the only caller of `engine.step()`)
+lets the engine keep decoding the other episodes while some wait on tools, which is the workload
+the engine's P/D multiplexing targets.
 
 Left out: retries of failed tool calls, per-episode deadlines, streaming partial outputs, and
 rollouts spread over threads (the engine is driven from one thread, as in the trainer's process).
@@ -21,8 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_rollout.aio import AsyncEngine
 from megatron_rollout.engine import RequestError
-from megatron_rollout.engine.api import FinishReason, RequestOutput, SamplingParams
+from megatron_rollout.engine.api import FinishReason, SamplingParams
 from rl.envs.base import Env
 from rl.fields import check_types
 from rl.trajectory import NOT_GENERATED, Trajectory
@@ -88,53 +87,12 @@ class RolloutResult:
     stats: RolloutStats
 
 
-class _Pump:
-    """Steps the engine while episodes wait; one future per request id."""
-
-    def __init__(self, engine: Any, idle_sleep_s: float) -> None:
-        self.engine, self.idle_sleep_s = engine, idle_sleep_s
-        self.futures: dict[int, asyncio.Future[RequestOutput]] = {}
-        self.steps = 0
-        self.prefill_tokens = 0
-        self.stopping = False
-        self.failed: BaseException | None = None
-
-    def wait(self, request_id: int) -> asyncio.Future[RequestOutput]:
-        fut = self.futures.get(request_id)
-        if fut is None:
-            fut = self.futures[request_id] = asyncio.get_running_loop().create_future()
-            if self.failed is not None:  # an episode back from a tool call after the pump died
-                fut.set_exception(RuntimeError(f"engine step failed: {self.failed!r}"))
-        return fut
-
-    async def run(self) -> None:
-        try:
-            while not self.stopping:
-                if self.engine.has_work():
-                    for out in self.engine.step():
-                        self.prefill_tokens += out.prompt_tokens
-                        fut = self.wait(out.request_id)
-                        if not fut.done():
-                            fut.set_result(out)
-                    self.steps += 1
-                    await asyncio.sleep(0)
-                else:
-                    await asyncio.sleep(self.idle_sleep_s)
-        except BaseException as exc:
-            self.failed = exc
-            for fut in self.futures.values():
-                if not fut.done():
-                    fut.set_exception(RuntimeError(f"engine step failed: {exc!r}"))
-            raise
-
-
-async def _run_episode(engine: Any, pump: _Pump, ep: Episode, cfg: RolloutConfig) -> Trajectory:
+async def _run_episode(aengine: AsyncEngine, ep: Episode, cfg: RolloutConfig) -> Trajectory:
     obs = await ep.env.reset(ep.seed)
     n = len(obs.token_ids)
     tokens, mask, logprobs, versions = list(obs.token_ids), [0] * n, [0.0] * n, [NOT_GENERATED] * n
     reward, turns, done, failed, error = 0.0, 0, False, False, None
-    session = engine.open_session()
-    pending: int | None = None
+    session = aengine.open_session()
     try:
         session.append(list(obs.token_ids))
         while not done and turns < cfg.max_turns:
@@ -145,14 +103,11 @@ async def _run_episode(engine: Any, pump: _Pump, ep: Episode, cfg: RolloutConfig
             if ep.sample_seed is not None:
                 params = dataclasses.replace(params, seed=ep.sample_seed * 1000 + turns)
             try:
-                pending = session.submit(params)
+                out = await session.generate(params)
             except RequestError as exc:  # e.g. the context no longer fits: end this episode only
                 log.warning("episode seed=%d group=%d ends at turn %d: %s", ep.seed, ep.group_id, turns, exc)
                 error = f"refused at turn {turns}: {exc}"
                 break
-            out = await pump.wait(pending)
-            pump.futures.pop(pending, None)
-            pending = None
             res = out.result
             if len(res.logprobs) != len(res.token_ids) or len(res.weight_versions) != len(res.token_ids):
                 raise RuntimeError(f"request {out.request_id}: {len(res.token_ids)} tokens but "
@@ -180,8 +135,6 @@ async def _run_episode(engine: Any, pump: _Pump, ep: Episode, cfg: RolloutConfig
             raise RuntimeError(f"session context ({len(session.token_ids)} tokens) disagrees with the trajectory "
                                f"({len(tokens)} tokens) for episode seed={ep.seed} group={ep.group_id}")
     finally:
-        if pending is not None:
-            engine.abort(pending)
         session.close()
     return Trajectory(tuple(tokens), tuple(mask), tuple(logprobs), tuple(versions), reward, ep.group_id,
                       num_turns=turns, truncated=not done, error=error)
@@ -189,22 +142,18 @@ async def _run_episode(engine: Any, pump: _Pump, ep: Episode, cfg: RolloutConfig
 
 async def rollout_async(engine: Any, episodes: Sequence[Episode], cfg: RolloutConfig) -> RolloutResult:
     """Run every episode to its end; the engine must be idle (no foreign requests) on entry."""
-    pump = _Pump(engine, cfg.idle_sleep_s)
     start = time.perf_counter()
-    pump_task = asyncio.create_task(pump.run())
-    try:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(_run_episode(engine, pump, ep, cfg)) for ep in episodes]
-    except BaseExceptionGroup as eg:
-        raise eg.exceptions[0] from eg
-    finally:
-        pump.stopping = True
-        await pump_task
+    async with AsyncEngine(engine, cfg.idle_sleep_s) as aengine:
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(_run_episode(aengine, ep, cfg)) for ep in episodes]
+        except BaseExceptionGroup as eg:
+            raise eg.exceptions[0] from eg
     makespan = time.perf_counter() - start
     trajectories = [t.result() for t in tasks]
     generated = sum(t.num_generated for t in trajectories)
-    stats = RolloutStats(makespan_s=makespan, generated_tokens=generated, prefill_tokens=pump.prefill_tokens,
-                         tokens_per_s=generated / makespan if makespan > 0 else 0.0, engine_steps=pump.steps,
+    stats = RolloutStats(makespan_s=makespan, generated_tokens=generated, prefill_tokens=aengine.prefill_tokens,
+                         tokens_per_s=generated / makespan if makespan > 0 else 0.0, engine_steps=aengine.steps,
                          num_trajectories=len(trajectories), num_turns=sum(t.num_turns for t in trajectories),
                          truncated=sum(t.truncated for t in trajectories),
                          engine_errors=sum(t.error is not None for t in trajectories))

@@ -31,9 +31,13 @@ def _strict_json(text: str):
     (["--atp", "-1", "--adp", "-1"], "argument --atp: takes an integer >= 1, got -1"),
     (["--adp", "0"], "argument --adp: takes an integer >= 1, got 0"),
     (["--ep", "two"], "argument --ep: takes an integer >= 1, got 'two'"),
-    (["--timeout", "0"], "argument --timeout: takes a number of seconds > 0 (and finite), got 0"),
-    (["--timeout", "-5"], "argument --timeout: takes a number of seconds > 0 (and finite), got -5"),
-    (["--timeout", "nan"], "argument --timeout: takes a number of seconds > 0 (and finite), got nan"),
+    (["--timeout", "0"], "argument --timeout: takes a number of seconds > 0 and at most 604800 (a week), got 0"),
+    (["--timeout", "-5"], "argument --timeout: takes a number of seconds > 0 and at most 604800 (a week), got -5"),
+    (["--timeout", "nan"], "argument --timeout: takes a number of seconds > 0 and at most 604800 (a week), got nan"),
+    # accepted before, then OverflowError in the waits below
+    (["--timeout", "1e10"], "argument --timeout: takes a number of seconds > 0 and at most 604800 (a week), got 1e10"),
+    (["--timeout", "1e300"], "argument --timeout: takes a number of seconds > 0 and at most 604800 (a week), "
+                             "got 1e300"),
 ])
 def test_bad_parallel_and_timeout_flags_are_refused(capsys, argv, message):
     with pytest.raises(SystemExit) as info:
@@ -168,3 +172,55 @@ def test_the_memory_check_reads_this_host_and_passes_a_model_that_fits(capsys, m
     assert cli.main(["generate", "--prompt-ids", "1,2", "--device", "cpu"]) == 2
     assert ("--model tiny-moe needs at least 12.8 MiB per rank on cpu (0.8 MiB of float32 weights, 12.0 MiB of KV "
             "cache for --num-blocks 1024 x --block-size 16) but 8.0 MiB are available") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["generate", "replay", "replay-compare"])
+def test_an_unwritable_timeline_is_refused_before_any_work(capsys, tmp_path, monkeypatch, command):
+    """Before, the whole run went first and then crashed opening the file: no report."""
+    from megatron_rollout import launch
+    from megatron_rollout.trace.schema import TraceRequest, write_trace
+
+    def no_work(args):
+        raise AssertionError("the model was built before the output path was checked")
+
+    monkeypatch.setattr(launch, "build_model", no_work)
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace, [TraceRequest("a", 0, 4, 2, 0.0)])
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    (read_only / "timeline.mux.json").mkdir()  # replay of several schedules writes timeline.<schedule>.json
+    argv = {"generate": ["generate", "--prompt-ids", "1,2"],
+            "replay": ["replay", "--trace", str(trace)],
+            "replay-compare": ["replay", "--trace", str(trace), "--schedule", "off,mux"]}[command]
+    missing = tmp_path / "no-such-dir" / "timeline.json"
+    wanted = {"generate": f"--timeline {missing} cannot be written (No such file or directory): give a path in a "
+                          f"writable directory",
+              "replay": f"--timeline {tmp_path} is a directory: give a file name",
+              "replay-compare": f"--timeline {read_only / 'timeline.mux.json'} is a directory: give a file name"}
+    timeline = {"generate": missing, "replay": tmp_path, "replay-compare": read_only / "timeline.json"}[command]
+    assert cli.main([*argv, "--device", "cpu", "--timeline", str(timeline)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"megatron-rollout {argv[0]}: error: {wanted[command]}\n", err
+    assert not (read_only / "timeline.off.json").exists()  # the check leaves no file behind
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--conversations", "0"], "conversations must be positive, got 0"),
+    (["--scale", "1e308"], "scale 1e+308 would make requests of up to inf tokens"),
+    (["--out", "/"], "--out / is a directory: give a file name"),
+])
+def test_make_trace_with_bad_arguments_says_so(capsys, tmp_path, argv, message):
+    argv = argv if "--out" in argv else [*argv, "--out", str(tmp_path / "t.jsonl")]
+    assert cli.main(["make-trace", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"megatron-rollout make-trace: error: {message}") and "Traceback" not in err, err
+    assert not (tmp_path / "t.jsonl").exists()
+
+
+def test_replay_of_a_directory_or_fifo_is_refused(capsys, tmp_path):
+    fifo = tmp_path / "trace.fifo"
+    os.mkfifo(fifo)
+    for path, kind in ((tmp_path, "a directory"), (fifo, "not a regular file (a FIFO, socket or device)")):
+        assert cli.main(["replay", "--trace", str(path), "--device", "cpu"]) == 2
+        assert capsys.readouterr().err == f"megatron-rollout replay: error: trace {path} is {kind}: give a JSONL " \
+                                          f"trace file\n"

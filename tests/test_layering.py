@@ -1,6 +1,6 @@
 """The package's import graph keeps the shape of DESIGN.md §3: no cycles, no import downwards-up.
 
-Every `.py` file under `megatron_rollout/` and `rl/` is parsed with `ast` (nothing is imported).
+Every `.py` file under `megatron_rollout/`, `rl/` and `benchmarks/` is parsed with `ast` (nothing is imported).
 All imports count: module level, inside functions, and under `if TYPE_CHECKING:`. A type-only
 import is still a dependency of the design (a lower layer that names a higher layer's type has to
 know it), so it counts for the layer order and for cycles alike. `from pkg import name` resolves
@@ -10,6 +10,10 @@ import of its parent package's `__init__`.
 Layers, low to high (`LAYERS`). A module may import its own package (any module of it; cycles
 inside a package are still refused) and any package of a lower layer; packages of one layer are
 peers and import neither each other nor anything above. Third-party imports are ignored.
+
+Code outside the package (`OUTSIDE`) uses only its public names: no `_name` imported from it, and
+no `obj._name` where `_name` is private to the package (defined there as a function, class,
+module name or attribute) or `obj` is one of its modules (`private_uses`).
 """
 from __future__ import annotations
 
@@ -25,18 +29,24 @@ LAYERS: list[tuple[str, ...]] = [
     ("megatron_rollout.kv",),  # paged KV store and block pool (an AttentionBackend of the model)
     ("megatron_rollout.kernels", "megatron_rollout.multiplex"),  # device fast paths | turnstile, routing
     ("megatron_rollout.engine",),  # planner, bookkeeping, execution, schedules, runners
-    ("megatron_rollout.trace",),  # trace replay and reports over the engine's public API
-    ("megatron_rollout.bench", "megatron_rollout.distributed", "megatron_rollout.options"),
+    ("megatron_rollout.trace", "megatron_rollout.aio"),  # trace replay and reports | the asyncio face, over the public API
+    ("megatron_rollout.sim",),  # the engine simulated on a trace, its costs fitted from step records
+    ("megatron_rollout.distributed", "megatron_rollout.options"),
     ("megatron_rollout.launch",),  # what the CLI runs
     ("megatron_rollout.cli",),
     ("megatron_rollout",),  # the package's own __init__
     ("rl",),  # the RL loop sits on top of the rollout package
+    ("benchmarks",),  # measurements of the package, outside it (not installed)
 ]
+
+OUTSIDE = ("rl", "benchmarks", "examples")
+"""Code that uses the package as a user does: only its public names (tests, which check the
+package from inside, may reach its private parts)."""
 
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for top in ("megatron_rollout", "rl"):
+    for top in ("megatron_rollout", "rl", "benchmarks"):
         for path in sorted((ROOT / top).rglob("*.py")):
             parts = list(path.relative_to(ROOT).with_suffix("").parts)
             if parts[-1] == "__init__":
@@ -138,6 +148,79 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return sorted(out)
 
 
+def package_privates() -> set[str]:
+    """Every single-underscore name the package defines: functions, classes, module-level names,
+    attributes assigned on `self`, and modules."""
+    names = set()
+    for path in (ROOT / "megatron_rollout").rglob("*.py"):
+        if path.stem.startswith("_") and not path.stem.startswith("__"):
+            names.add(path.stem)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_uses(source: str, privates: set[str]) -> list[str]:
+    """`line: text` of each use of a private name of the package in `source` (code outside it)."""
+    tree = ast.parse(source)
+    ours, theirs = set(), set()  # names bound by imports of the package / of anything else
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level:
+            module = node.module or ""
+            inside = module == "megatron_rollout" or module.startswith("megatron_rollout.")
+            if inside and any(_private(part) for part in module.split(".")):
+                found.append(f"{node.lineno}: from {module} import ...")
+            for alias in node.names:
+                if inside and _private(alias.name):
+                    found.append(f"{node.lineno}: from {module} import {alias.name}")
+                (ours if inside else theirs).add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                inside = alias.name.split(".")[0] == "megatron_rollout"
+                if inside and any(_private(part) for part in alias.name.split(".")):
+                    found.append(f"{node.lineno}: import {alias.name}")
+                (ours if inside else theirs).add(alias.asname or alias.name.split(".")[0])
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            name = root.id if isinstance(root, ast.Name) else None
+            if name in ("self", "cls") or (name in theirs and name not in ours):
+                continue
+            if name in ours or node.attr in privates:
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return sorted(set(found), key=lambda f: int(f.split(":")[0]))
+
+
+def test_nothing_outside_the_package_uses_its_private_names():
+    privates = package_privates()
+    found = [f"{path.relative_to(ROOT)}:{use}" for top in OUTSIDE for path in sorted((ROOT / top).rglob("*.py"))
+             for use in private_uses(path.read_text(), privates)]
+    assert not found, ("private names of megatron_rollout used outside it (make what they need public, "
+                       "documented API):\n" + "\n".join(found))
+
+
+def test_the_private_name_check_can_fail():
+    src = ("import torch\nfrom megatron_rollout.model import te_layers\nfrom megatron_rollout.kv import _pool\n"
+           "def f(runner):\n    torch.cuda._sleep(1)\n    te_layers._te()\n    runner._graph(4)\n"
+           "    runner._mine()\n    self._graph\n")
+    assert private_uses(src, {"_graph"}) == ["3: from megatron_rollout.kv import _pool", "6: te_layers._te",
+                                             "7: runner._graph"]
+    privates = package_privates()
+    assert "_te" in privates and "__init__" not in privates and "forward" not in privates
+
+
 def test_the_graph_is_read():
     edges = graph(_modules())
     assert "megatron_rollout.engine.engine" in edges
@@ -169,3 +252,4 @@ def test_the_checks_can_fail():
     src = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from megatron_rollout.engine import api\n"
            "def f():\n    import megatron_rollout.types\n")
     assert imports_of("megatron_rollout.x", src, known) == {"megatron_rollout.engine.api", "megatron_rollout.types"}
+

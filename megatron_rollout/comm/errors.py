@@ -52,8 +52,13 @@ def peer_state(rank: int) -> str:
     peer = _peers.get(rank)
     if peer is None or peer.host != socket.gethostname():
         return "unknown"
+    return process_state(peer.pid)
+
+
+def process_state(pid: int) -> str:
+    """"dead" (gone, or a zombie), "stopped" (SIGSTOP, a debugger) or "alive", for a pid on this host."""
     try:
-        with open(f"/proc/{peer.pid}/stat") as f:
+        with open(f"/proc/{pid}/stat") as f:
             state = f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return "dead"

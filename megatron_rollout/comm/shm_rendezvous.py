@@ -5,27 +5,44 @@ Why it exists: the turnstile meets twice per round, and the store rendezvous pay
 per rank per meeting; ranks on one host can meet through shared memory in microseconds.
 
 The extension is built at first use with torch's extension loader (CPU only, pybind11 without the
-ATen headers, so a build takes seconds) into a per-user cache (`extension_dir()`), and loaded from
-there afterwards. Anything that keeps it from loading (`MEGATRON_ROLLOUT_NO_NATIVE=1`, no compiler
-or ninja, a failed build) raises `NativeUnavailable` with the reason; callers fall back to the store.
+ATen headers, so a build takes seconds) into a per-user cache, and loaded from there afterwards.
+The cache entry (`extension_dir()`) is named by a hash of the source's content with the Python and
+torch versions and the flags, never its path: checkouts of the same source share one build, and an
+edited source gets its own. A build runs in a private temporary folder that one atomic rename makes
+the entry, so a build killed half-way leaves no entry; builders take an advisory lock (`flock`)
+that the kernel drops when its holder dies, however it died. The library's size and SHA-256 are
+recorded beside it and checked before every load: a truncated or overwritten library is discarded
+and built again instead of being mapped (which dies with SIGBUS). Anything that keeps it from
+loading (`MEGATRON_ROLLOUT_NO_NATIVE=1`, no compiler or ninja, a failed build) raises
+`NativeUnavailable` with the reason; callers fall back to the store.
 
 Attaching (`ShmBarrier.attach`) agrees on the segment through the process group's store: rank 0
 creates a file in /dev/shm named after the user, the group and a random token, and posts its name
 and a nonce; the others open it and check the nonce; all post whether that worked, and rank 0
 unlinks the file once every rank reported (the mapping outlives the name). If any rank failed,
-every rank raises the same `NativeUnavailable`, so all of them fall back together.
+every rank raises the same `NativeUnavailable`, so all of them fall back together. A rank 0 killed
+before that unlink leaves its file behind; the file's name carries the creator's pid, and the next
+rank 0 of this user removes files whose creator is gone (`remove_orphan_segments`).
 
 Deliberately left out: the turnstile's vocabulary and errors (multiplex/native_rendezvous.py adds
 them), and any cross-host path.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import getpass
+import hashlib
+import importlib.util
 import logging
 import os
+import platform
 import secrets
+import shutil
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -35,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rollout.comm.dist import StoreRendezvous
+from megatron_rollout.comm.errors import process_state
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +61,8 @@ DIR_ENV = "MEGATRON_ROLLOUT_EXTENSIONS_DIR"
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "shm_rendezvous.cpp"
 SHM_DIR = Path("/dev/shm")
 _NAME = "megatron_rollout_shm_rendezvous"
+_CFLAGS = ("-O2", "-std=c++17")
+_RECORD = "library.sha256"  # "<file name> <size> <sha256>" of the built library, beside it
 
 # Status codes of `meet` (the extension's constants, repeated so callers need not load it).
 OK, MISMATCH, TIMEOUT, BAD_ARGS = 0, 1, 2, 3
@@ -56,11 +76,15 @@ class NativeUnavailable(RuntimeError):
 
 
 def extension_dir() -> Path:
-    """Per-user build cache, one per Python and torch version (`$MEGATRON_ROLLOUT_EXTENSIONS_DIR`
-    overrides the root)."""
+    """This source's build in the per-user cache (`$MEGATRON_ROLLOUT_EXTENSIONS_DIR` overrides the
+    root): named by a hash of the source's content, the Python and torch versions, the machine and
+    the flags (not the source's path), so every checkout of the same source shares it."""
     root = os.environ.get(DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "megatron_rollout", "extensions")
-    tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__.replace('+', '_')}"
-    return Path(root) / tag / "shm_rendezvous"
+    key = hashlib.sha256(SOURCE.read_bytes() if SOURCE.is_file() else b"")
+    for part in (f"py{sys.version_info.major}.{sys.version_info.minor}", torch.__version__, platform.machine(),
+                 *_CFLAGS):
+        key.update(b"\0" + part.encode())
+    return Path(root) / f"shm_rendezvous-{key.hexdigest()[:16]}"
 
 
 def load_extension() -> ModuleType:
@@ -83,44 +107,141 @@ def load_extension() -> ModuleType:
     return _loaded
 
 
-STALE_LOCK_S = 180.0
-"""Age past which a build lock is a killed build's (a build takes well under a minute)."""
-
-
-def _wait_for_build_lock(lock: Path) -> None:
-    """Wait for another process's build to release `lock`, at most until the lock is `STALE_LOCK_S`
-    old; then remove it. torch's `cpp_extension` waits on the lock with no bound, and a build that
-    was killed leaves it behind: every later start would hang."""
-    while True:
-        try:
-            age = time.time() - lock.stat().st_mtime
-        except FileNotFoundError:
-            return
-        if age > STALE_LOCK_S:
-            logger.warning("removing the build lock %s, %.0f s old: the build that took it is gone", lock, age)
-            lock.unlink(missing_ok=True)
-            return
-        time.sleep(0.5)
+BUILD_WAIT_S = 300.0
+"""How long to wait for another live process's build before building beside it (a build takes
+well under a minute; a holder stuck longer is not worth waiting for)."""
 
 
 def _build() -> ModuleType:
-    from torch.utils import cpp_extension
-
     if not SOURCE.is_file():
         raise FileNotFoundError(f"{SOURCE} is missing (the package was installed without its csrc/ data)")
-    build_dir = extension_dir()
-    build_dir.mkdir(parents=True, exist_ok=True)
-    _wait_for_build_lock(build_dir / "lock")
+    entry = extension_dir()
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    module = _load_checked(entry)
+    if module is not None:
+        return module
+    with _build_lock(entry.parent / f"{entry.name}.lock"):
+        _remove_leftovers(entry)
+        return _load_checked(entry, discard=True) or _compile(entry)
+
+
+def _load_checked(entry: Path, discard: bool = False) -> ModuleType | None:
+    """The library of a finished build entry, once its size and hash match the record; None when
+    there is no entry or it does not match (with `discard`, then logged and moved out of the way, so
+    that it is built again)."""
+    if not entry.is_dir():
+        return None
+    try:
+        name, size, digest = (entry / _RECORD).read_text().split()
+        data = (entry / name).read_bytes()
+        problem = None if (len(data), _sha256(data)) == (int(size), digest) else (
+            f"{entry / name} has {len(data)} bytes (SHA-256 {_sha256(data)[:12]}...), its record says {size} "
+            f"({digest[:12]}...): the file was truncated or overwritten")
+    except (OSError, ValueError) as exc:
+        name, problem = "", f"the build entry {entry} is incomplete ({type(exc).__name__}: {exc})"
+    if problem is not None:
+        if discard:  # checked again under the build lock: now say so, and build it again
+            logger.warning("%s; not loading it: building it again", problem)
+            aside = Path(tempfile.mkdtemp(prefix=f".{entry.name}.{os.getpid()}.", dir=entry.parent))
+            os.rename(entry, aside / "discarded")
+            shutil.rmtree(aside, ignore_errors=True)
+        return None
     t0 = time.perf_counter()
-    module = cpp_extension.load(name=_NAME, sources=[str(SOURCE)], build_directory=str(build_dir),
-                                extra_cflags=["-O2", "-std=c++17"], with_cuda=False, verbose=False)
-    logger.debug("loaded %s from %s in %.2fs", _NAME, build_dir, time.perf_counter() - t0)
+    spec = importlib.util.spec_from_file_location(name.split(".")[0], entry / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    logger.debug("loaded %s in %.2fs", entry / name, time.perf_counter() - t0)
     return module
+
+
+def _compile(entry: Path) -> ModuleType:
+    """Build in a private folder, record the library's size and hash, and rename the folder to
+    `entry` in one step: a build killed half-way leaves only a folder `_remove_leftovers` clears."""
+    from torch.utils import cpp_extension
+
+    work = Path(tempfile.mkdtemp(prefix=f".{entry.name}.{os.getpid()}.", dir=entry.parent))
+    try:
+        source = work / SOURCE.name  # compiled from here: nothing of the checkout's path is built in
+        shutil.copyfile(SOURCE, source)
+        t0 = time.perf_counter()
+        module = cpp_extension.load(name=_NAME, sources=[str(source)], build_directory=str(work),
+                                    extra_cflags=list(_CFLAGS), with_cuda=False, verbose=False)
+        library = Path(module.__file__)
+        data = library.read_bytes()
+        (work / _RECORD).write_text(f"{library.name} {len(data)} {_sha256(data)}\n")
+        try:
+            os.rename(work, entry)
+        except OSError:  # another process's build landed first (it gave up waiting for ours): keep that one
+            shutil.rmtree(work, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    logger.info("built %s into %s in %.1fs", SOURCE.name, entry, time.perf_counter() - t0)
+    return module
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path, wait_s: float | None = None) -> Iterator[bool]:
+    """Hold an exclusive `flock` on `path` while building; yields whether it was taken. The kernel
+    releases it when the holder exits, so a killed build never keeps it. A holder alive past
+    `wait_s` (default `BUILD_WAIT_S`) is not waited for: the build goes on beside it, which is
+    safe because each build writes its own folder and lands by an atomic rename."""
+    wait_s = BUILD_WAIT_S if wait_s is None else wait_s
+    with open(path, "a") as f:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    logger.warning("another process has been building the native rendezvous for over %.0f s "
+                                   "(lock %s); building beside it", wait_s, path)
+                    yield False
+                    return
+                time.sleep(0.2)
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _remove_leftovers(entry: Path) -> None:
+    """Remove the private folders (`.<entry>.<pid>.*`) of builds whose process is gone."""
+    for folder in entry.parent.glob(f".{entry.name}.*"):
+        parts = folder.name.split(".")
+        if len(parts) >= 3 and parts[2].isdigit() and process_state(int(parts[2])) == "dead":
+            logger.info("removing %s, left by a build that did not finish", folder)
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def remove_orphan_segments() -> list[Path]:
+    """Remove this user's segment files whose creating rank 0 is gone (it was killed during set-up,
+    before it could unlink the name); the paths removed. The name carries the creator's pid."""
+    removed = []
+    owner = f"megatron_rollout.{_user()}"
+    for path in SHM_DIR.glob(f"{owner}.*.*"):
+        head, pid, _ = path.name.rsplit(".", 2)
+        try:
+            mine = path.stat().st_uid == os.getuid()
+        except FileNotFoundError:
+            continue
+        if head == owner and pid.isdigit() and mine and process_state(int(pid)) == "dead":
+            _unlink(str(path))
+            removed.append(path)
+    if removed:
+        logger.info("removed %d shared-memory file(s) left by killed ranks: %s", len(removed),
+                    ", ".join(map(str, removed)))
+    return removed
 
 
 @dataclass(frozen=True)
 class ShmBarrierConfig:
-    """How a waiting rank waits. The defaults were tuned with `python -m megatron_rollout.bench.rendezvous`
+    """How a waiting rank waits. The defaults were tuned with `python -m benchmarks.rendezvous`
     on a 2-core machine with 2 to 8 ranks (docs/rendezvous.md)."""
 
     spin_us: float | None = None
@@ -187,6 +308,7 @@ class ShmBarrier:
             ext, problem = None, str(exc)
         native, path, nonce = None, "", 0
         if index == 0 and ext is not None:
+            remove_orphan_segments()
             nonce = secrets.randbits(63)
             path = str(SHM_DIR / f"megatron_rollout.{_user()}.{os.getpid()}.{secrets.token_hex(8)}")
             try:
@@ -256,4 +378,4 @@ def _pids_visible(pids: Sequence[int]) -> bool:
 
 
 __all__ = ["Absence", "NativeUnavailable", "ShmBarrier", "ShmBarrierConfig", "extension_dir",
-           "load_extension"]
+           "load_extension", "remove_orphan_segments"]

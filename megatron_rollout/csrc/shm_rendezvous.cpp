@@ -83,6 +83,15 @@ inline int64_t now_ns() {
   return static_cast<int64_t>(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
 }
 
+// t0 + timeout, saturating: a timeout past what int64 nanoseconds hold (1e10 s: 1e19 ns) waits
+// "forever" instead of overflowing into a deadline in the past (or an undefined conversion).
+inline int64_t deadline_after(int64_t t0, double timeout_s) {
+  const double ns = timeout_s * 1e9;
+  const double room = static_cast<double>(INT64_MAX - t0);
+  if (!(ns < room)) return INT64_MAX;  // also inf and NaN
+  return ns > 0 ? t0 + static_cast<int64_t>(ns) : t0;
+}
+
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_ia32_pause();
@@ -191,7 +200,7 @@ class ShmBarrier {
     const uint64_t target = k + 1;
     const int b = static_cast<int>(k & 1);
     const int64_t t0 = now_ns();
-    const int64_t deadline = t0 + static_cast<int64_t>(timeout_s * 1e9);
+    const int64_t deadline = deadline_after(t0, timeout_s);
     bool gone = false;
     bool done;
     {

@@ -95,6 +95,7 @@ class RequestTable:
         self._order = itertools.count()
         self._zombie_ids = itertools.count(-1, -1)
         self._in_flight: set[int] = set()  # rids whose blocks a forward in flight still writes
+        self._active: dict[int, Request] = {}  # requests admitted (prefill or decode): not waiting
         self.parked: list[int] = []
         """Block owners parked until the forward in flight ends (requests that finished early)."""
         self.new_pool()
@@ -196,11 +197,13 @@ class RequestTable:
             req = self.requests[rid]
             self.evict(req.seq)
             req.stage, req.lifetime = Stage.WAITING, req.lifetime + 1
+            self._active.pop(rid, None)
             self.stats.preemptions += 1
 
     def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
         seq = req.seq
         del self.requests[req.rid]
+        self._active.pop(req.rid, None)
         req.lifetime += 1
         seq.request = None
         seq.last_used = time.perf_counter()
@@ -265,19 +268,39 @@ class RequestTable:
         self.parked.append(zombie)
 
     # -- planning --------------------------------------------------------------------------------
-    def planning_state(self, version: int, epoch_in_flight: bool) -> SchedulerState:
-        """What the planner sees (after giving waiting requests their cached prefix blocks)."""
-        self.prefix.attach(self.requests.values(), version)
-        views = []
-        for req in self.requests.values():
-            seq = req.seq
-            table = self.pool.table(seq.sid)
-            twin = self.prefix_caching and (seq.computed == 0 or req.stage is Stage.PREFILL)
-            views.append(SeqView(
-                rid=req.rid, stage=req.stage, tokens=len(seq.tokens), computed=seq.computed, blocks=len(table),
-                freeable=self.pool.exclusive(seq.sid), order=req.order,
-                prefix_key=(seq.block_hashes(self.pool.block_size) or [None])[0] if twin else None))
+    def planning_state(self, version: int, epoch_in_flight: bool, max_batch_tokens: int) -> SchedulerState:
+        """What the planner sees: every admitted request, and the waiting ones oldest first only as
+        far as one step of `max_batch_tokens` could admit them (after giving each its cached prefix
+        blocks). The planner admits waiting requests in age order until that budget is spent and
+        never looks further, so younger ones are left out: viewing the whole queue every step made a
+        long queue cost quadratic time. A waiting request that shares its first block with one
+        already in view counts nothing: the planner skips it (its twin's blocks are reused later)."""
+        active = sorted(self._active.values(), key=lambda r: r.order)
+        views = [self._view(req) for req in active]
+        keys = {v.prefix_key for v in views if v.stage is Stage.PREFILL and v.prefix_key is not None}
+        headroom = self.pool.num_free - sum(r.stage is Stage.DECODE for r in active)
+        left = max_batch_tokens
+        for req in self.requests.values():  # insertion order is age order
+            if left <= 0:
+                break
+            if req.stage is not Stage.WAITING:
+                continue
+            headroom = self.prefix.attach(req, version, headroom)
+            view = self._view(req)
+            views.append(view)
+            if not (view.computed == 0 and view.prefix_key in keys):
+                left -= view.tokens - view.computed
+            if view.prefix_key is not None:
+                keys.add(view.prefix_key)
+        views.sort(key=lambda v: v.order)
         return SchedulerState(tuple(views), self.pool.num_free, epoch_in_flight=epoch_in_flight)
+
+    def _view(self, req: Request) -> SeqView:
+        seq = req.seq
+        twin = self.prefix_caching and (seq.computed == 0 or req.stage is Stage.PREFILL)
+        return SeqView(rid=req.rid, stage=req.stage, tokens=len(seq.tokens), computed=seq.computed,
+                       blocks=len(self.pool.table(seq.sid)), freeable=self.pool.exclusive(seq.sid), order=req.order,
+                       prefix_key=(seq.block_hashes(self.pool.block_size) or [None])[0] if twin else None)
 
     # -- rows of a forward and their samples -----------------------------------------------------
     def decode_row(self, rid: int) -> tuple[SpanInput, SampleOwner]:
@@ -302,6 +325,7 @@ class RequestTable:
         req = self.requests[chunk.rid]
         seq = req.seq
         req.stage = Stage.PREFILL
+        self._active[req.rid] = req
         req.admitted = req.admitted or time.perf_counter()
         self.pool.reserve(seq.sid, seq.computed + chunk.tokens)
         span = SeqSpan(tuple(self.pool.table(seq.sid)), seq.computed, chunk.tokens)

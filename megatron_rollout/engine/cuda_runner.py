@@ -53,17 +53,19 @@ engine and the mux driver are unchanged):
 
 `EngineConfig.runner` (`RunnerConfig`) picks the runner (`kind`) and holds this runner's knobs.
 
-Green contexts (SM partitions for D and P) are measured by `bench.micro` and not used here: see
+Green contexts (SM partitions for D and P) are measured by `benchmarks.micro` and not used here: see
 docs/benchmarks.md. FP8 experts (`model.fp8`, stacked) are captured like bf16 ones on one rank
 (`kernels.moe_triton`'s weight-only kernels). Left out: MTP lookahead, and FP8 experts on several
 ranks (such models run D eagerly).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -89,10 +91,6 @@ RUNNER_ENV = "MEGATRON_ROLLOUT_RUNNER"
 """auto | eager | cuda: the default of the CLI's `--runner` and of `make_runner` without a config."""
 
 
-CudaRunnerConfig = RunnerConfig
-"""The CUDA runner's knobs are `RunnerConfig`'s (`EngineConfig.runner`); the old name stays."""
-
-
 def make_runner(model: MoETransformer, cache: PagedKVCache, config: RunnerConfig | None = None) -> Runner:
     """The engine's runner as `config.kind` says: `CudaRunner` for a model on CUDA, one rank or many
     ("auto", "cuda"), else `ModelRunner` ("auto", "eager").
@@ -102,6 +100,12 @@ def make_runner(model: MoETransformer, cache: PagedKVCache, config: RunnerConfig
     config = config or RunnerConfig(kind=os.environ.get(RUNNER_ENV, "auto"))
     if config.kind == "eager" or (config.kind == "auto" and model.device.type != "cuda"):
         return ModelRunner(model, cache)
+    if model.cfg.multi_latent_attention:  # its kernels and graphs read per-group K/V, not MLA's latent row
+        if config.kind == "cuda":
+            raise RuntimeError("runner kind 'cuda' has no multi-latent attention kernels yet; run DeepSeek-V3-style "
+                               "models with runner kind 'eager' (or 'auto', which picks it)")
+        log.info("multi-latent attention: the portable (eager) runner runs this model")
+        return ModelRunner(model, cache)
     if model.device.type != "cuda":
         raise RuntimeError(f"runner kind 'cuda' ({RUNNER_ENV}=cuda or --runner cuda) needs a single-rank model "
                            f"on a CUDA device, or a multi-rank one whose DistComm is on CUDA (NCCL); got "
@@ -109,8 +113,9 @@ def make_runner(model: MoETransformer, cache: PagedKVCache, config: RunnerConfig
     return CudaRunner(model, cache, config)
 
 
-class _DecodeGraph:
-    """One captured decode step for batches of up to `rows`."""
+class DecodeGraph:
+    """One captured decode step for batches of up to `rows`: `static.fill` loads a batch into the
+    static inputs, `graph.replay()` runs the step, `logits` [rows, V] holds its result."""
 
     def __init__(self, runner: "CudaRunner", rows: int) -> None:
         self.rows = rows
@@ -203,7 +208,7 @@ class CudaRunner:
         self.fused = self._install_fused_ops()
         self.expert_kernels = self._choose_expert_kernels()
         self._probe = _DomainProbe(model.comm)
-        self._graphs: dict[int, _DecodeGraph] = {}
+        self._graphs: dict[int, DecodeGraph] = {}
         self._p_graphs: dict[int, PiecewiseGraph] = {}  # P / mixed forwards by token bucket (one rank)
         self._p_pool = None  # their pool: never shared with decode graphs (see engine.piecewise)
         self._p_outputs = self._shared_outputs()  # their attention outputs, shared by the buckets
@@ -243,11 +248,7 @@ class CudaRunner:
     @cache.setter
     def cache(self, cache: PagedKVCache | None) -> None:
         if cache is not self._cache:
-            self._graphs.clear()  # captured against the old tensors
-            self._pool = None
-            self._p_graphs.clear()  # they hold no cache tensor, but their pool is released with the KV
-            self._p_pool, self._p_outputs = None, self._shared_outputs()
-            self._captured = False
+            self.drop_graphs()  # decode graphs read the old tensors; P graphs' pool goes with the KV
         self._cache = cache
         if cache is not None:
             self.kv_heads = cache.k.shape[2]
@@ -292,6 +293,58 @@ class CudaRunner:
                 break
         return decode
 
+    # -- for measurement: the parts benchmarks time, without the engine around them ------------
+    PER_FORWARD_SETTINGS = ("use_graphs", "graph_batch_sizes", "prefill_graph_tokens", "prefill_graph_rows",
+                            "async_prefill")
+    """The `RunnerConfig` fields read at every forward (`configured` may swap them); the others are
+    read once, when the runner is built."""
+
+    def decode_graph(self, rows: int) -> DecodeGraph:
+        """The decode graph of the bucket holding `rows` rows, captured now if it is not yet (on
+        many ranks, every rank must call it at the same point). Load a batch with
+        `graph.static.fill(spans, tokens)` and time `graph.graph.replay()` on `d_stream`."""
+        bucket = self.bucket(rows)
+        if bucket is None:
+            raise ValueError(f"no decode graph holds {rows} rows: the buckets are {self.graph_sizes} "
+                             f"(RunnerConfig.graph_batch_sizes); ask for at most {max(self.graph_sizes, default=0)}")
+        return self._graph(bucket)
+
+    def forward_eager(self, inputs: list[SpanInput], phase: Phase) -> Forward:
+        """`forward` without a decode graph: D batches run eagerly; P and mixed forwards run as
+        piecewise graphs where `prefill_bucket` names a bucket, else eagerly (inside
+        `configured(...)` with `prefill_graph_tokens=()` they always run eagerly)."""
+        return self._eager(inputs, phase)
+
+    def prefill_bucket(self, inputs: list[SpanInput]) -> int | None:
+        """The token bucket whose piecewise graph a P or mixed forward of `inputs` replays, or None
+        (it runs eagerly: many ranks, graphs off or failed, or too many tokens or sampled rows)."""
+        return self._prefill_bucket(inputs)
+
+    def drop_graphs(self) -> None:
+        """Forget every captured graph, decode and piecewise, with their memory pools; they are
+        captured again on next use. Needed after the model's layers were replaced (other kernels,
+        other weight formats): a graph replays the kernels it captured."""
+        self._graphs.clear()
+        self._pool = None
+        self._p_graphs.clear()
+        self._p_pool, self._p_outputs = None, self._shared_outputs()
+        self._captured = False
+
+    @contextlib.contextmanager
+    def configured(self, config: RunnerConfig) -> Iterator[None]:
+        """Run with `config` inside the block and with the runner's own config after it (neither
+        config is changed). Only `PER_FORWARD_SETTINGS` may differ from the runner's config."""
+        fixed = [f.name for f in dataclasses.fields(config)
+                 if f.name not in self.PER_FORWARD_SETTINGS and getattr(config, f.name) != getattr(self.config, f.name)]
+        if fixed:
+            raise ValueError(f"RunnerConfig fields {fixed} are read when a CudaRunner is built and cannot be "
+                             f"swapped: build another runner, or change only {self.PER_FORWARD_SETTINGS}")
+        saved, self.config = self.config, config
+        try:
+            yield
+        finally:
+            self.config = saved
+
     def _shared_outputs(self) -> SharedOutputs:
         return SharedOutputs(max(self.config.prefill_graph_tokens, default=0))
 
@@ -326,7 +379,7 @@ class CudaRunner:
             return False
         return all(i.span.new == 1 and i.sample and len(i.span.table) <= self.table_width for i in inputs)
 
-    def _decode_graph(self, inputs: list[SpanInput]) -> _DecodeGraph | None:
+    def _decode_graph(self, inputs: list[SpanInput]) -> DecodeGraph | None:
         """The decode graph these one-token rows replay in (captured on first use on one rank; on
         many ranks only those captured together), or None: they run eagerly."""
         if not self._graphable(inputs):
@@ -334,18 +387,18 @@ class CudaRunner:
         bucket = self.bucket(len(inputs))
         return self._graphs.get(bucket) if self.multi_rank else self._try_graph(bucket)
 
-    def _graph(self, rows: int) -> _DecodeGraph:
+    def _graph(self, rows: int) -> DecodeGraph:
         graph = self._graphs.get(rows)
         if graph is None:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            graph = _DecodeGraph(self, rows)
+            graph = DecodeGraph(self, rows)
             graph.capture(self.model, self.d_stream, self._pool, collective=self.multi_rank)
             self._graphs[rows] = graph
             log.info("captured decode graph for %d rows", rows)
         return graph
 
-    def _try_graph(self, rows: int) -> _DecodeGraph | None:
+    def _try_graph(self, rows: int) -> DecodeGraph | None:
         """The graph for `rows`, or None (and decode stays eager from now on) if capture fails."""
         try:
             return self._graph(rows)
@@ -383,7 +436,7 @@ class CudaRunner:
             return False
         return True
 
-    def _replay(self, graph: _DecodeGraph, inputs: list[SpanInput], tokens: torch.Tensor | None = None) -> Forward:
+    def _replay(self, graph: DecodeGraph, inputs: list[SpanInput], tokens: torch.Tensor | None = None) -> Forward:
         n = len(inputs)
         caller = torch.cuda.current_stream()
         self.d_stream.wait_stream(caller)  # also: `tokens`, drawn on the caller's stream

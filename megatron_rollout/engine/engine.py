@@ -23,6 +23,7 @@ from megatron_rollout.engine.coordinator import GlobalView, LocalCoordinator, Ra
 from megatron_rollout.engine.cuda_runner import make_runner
 from megatron_rollout.engine.execution import StepExecutor
 from megatron_rollout.engine.prefix import PrefixCache
+from megatron_rollout.engine.records import StepLog
 from megatron_rollout.engine.request import Request, Seq
 from megatron_rollout.engine.scheduler import SchedulerState
 from megatron_rollout.engine.schedules import ScheduleDriver, make_schedule
@@ -94,6 +95,11 @@ class RolloutEngine:
         from megatron_rollout.engine.schedules.mux import MuxSchedule
 
         return self.schedule if isinstance(self.schedule, MuxSchedule) else None
+
+    @property
+    def step_log(self) -> StepLog:
+        """One record per forward run so far (`engine.records`)."""
+        return self.executor.log
 
     @property
     def weight_version(self) -> int:
@@ -204,7 +210,8 @@ class RolloutEngine:
             raise
 
     def _planning_state(self) -> SchedulerState:
-        return self.table.planning_state(self.weights.version, epoch_in_flight=self.schedule.busy)
+        return self.table.planning_state(self.weights.version, epoch_in_flight=self.schedule.busy,
+                                         max_batch_tokens=self.config.scheduler.max_batch_tokens)
 
     # -- mirroring (distributed) -----------------------------------------------------------
     def _apply_ops(self, ops: list[Op]) -> None:

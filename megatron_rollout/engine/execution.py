@@ -19,6 +19,7 @@ from megatron_rollout.engine.ahead import DecodeAhead
 from megatron_rollout.engine.api import FinishReason, RequestOutput
 from megatron_rollout.engine.bookkeeping import RequestTable, SampleOwner
 from megatron_rollout.engine.config import EngineStats
+from megatron_rollout.engine.records import StepLog, step_record
 from megatron_rollout.engine.runner import Runner, SpanInput
 from megatron_rollout.engine.sampler import PendingDraw
 from megatron_rollout.engine.scheduler import PrefillChunk, StepPlan
@@ -43,6 +44,8 @@ class StepExecutor:
         """Draws for sampled requests without their own seed."""
         self.ahead: DecodeAhead | None = None
         """Set by the engine where decode ahead is on (`engine.ahead`)."""
+        self.log = StepLog()
+        """One record per forward run (`engine.records`)."""
 
     def inputs(self, decode: Iterable[int], prefill: Iterable[PrefillChunk]) -> StepInputs:
         """Grow/reserve KV for the rows and build the runner's inputs: decode rows first."""
@@ -82,7 +85,9 @@ class StepExecutor:
         if self.timeline is not None:
             self.timeline.record(self.rank, phase.value, "prefill" if phase is Phase.P else "decode", t0, t1,
                                  rows=len(plan.decode), prefill=len(plan.prefill))
-        return self.complete(owners, logits, draw)
+        outs = self.complete(owners, logits, draw)
+        self.log.add(step_record(phase.value, rows, len(plan.decode), t0, time.perf_counter()))
+        return outs
 
     def draw(self, owners: list[SampleOwner], logits: torch.Tensor) -> PendingDraw:
         """Every row's token, issued now (`sampler.PendingDraw`); each request's own generator."""

@@ -7,7 +7,6 @@ reused. The block pool holds the key -> block map; this module decides when to o
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from megatron_rollout.engine.scheduler import Stage
@@ -24,27 +23,23 @@ class PrefixCache:
     def keys(self, hashes: list[int], version: int) -> list[int]:
         return [hash((version, h)) for h in hashes]
 
-    def attach(self, requests: Iterable["Request"], version: int) -> None:
-        """Give waiting requests the cached blocks of their prefix, oldest first. Reviving a block
-        from the free list takes it from the pool, so revivals stop while doing so would leave
-        fewer free blocks than decode rows (which need them to grow)."""
-        if not self.enabled:
-            return
-        requests = sorted(requests, key=lambda r: r.order)
-        pool, bs = self.pool, self.pool.block_size
-        headroom = pool.num_free - sum(r.stage is Stage.DECODE for r in requests)
-        for req in requests:
-            seq = req.seq
-            if req.stage is not Stage.WAITING or seq.computed or pool.table(seq.sid):
-                continue
-            usable = (len(seq.tokens) - 1) // bs  # always compute at least the last token
-            blocks = pool.lookup(self.keys(seq.block_hashes(bs)[:usable], version))
-            revived = sum(pool.refcount[b] == 0 for b in blocks)
-            if blocks and revived <= headroom:
-                headroom -= revived
-                pool.share(seq.sid, blocks)
-                seq.computed = len(blocks) * bs
-                seq.registered, seq.kv_version = len(blocks), version
+    def attach(self, req: "Request", version: int, headroom: int) -> int:
+        """Give a waiting request the cached blocks of its prefix; the headroom left. Reviving a
+        block from the free list takes it from the pool, so revivals stop while doing so would
+        leave fewer than `headroom` free blocks (the caller's: one per decode row, which need them
+        to grow). Callers go oldest first."""
+        seq, pool, bs = req.seq, self.pool, self.pool.block_size
+        if not self.enabled or req.stage is not Stage.WAITING or seq.computed or pool.table(seq.sid):
+            return headroom
+        usable = (len(seq.tokens) - 1) // bs  # always compute at least the last token
+        blocks = pool.lookup(self.keys(seq.block_hashes(bs)[:usable], version))
+        revived = sum(pool.refcount[b] == 0 for b in blocks)
+        if blocks and revived <= headroom:
+            headroom -= revived
+            pool.share(seq.sid, blocks)
+            seq.computed = len(blocks) * bs
+            seq.registered, seq.kv_version = len(blocks), version
+        return headroom
 
     def offer(self, seq: "Seq", version: int) -> None:
         """Offer the sequence's newly completed full blocks, once each, and only while all its

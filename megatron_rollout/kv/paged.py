@@ -2,6 +2,8 @@
 
 `PagedKVCache` owns one flat slot array per layer, `[num_blocks * block_size, kv_heads, head_dim]`
 (the local KV heads of this rank's ATP shard); a block table maps a sequence's positions to slots.
+Under multi-latent attention (`model.mla`) a slot holds one row, the latent and the RoPE key,
+`[slots, 1, kv_lora_rank + qk_pos_emb_head_dim]`, read as both key and value: `v` is `k`.
 `PagedBatch` is built per forward from the sequences it runs (their tables, how many positions are
 already cached, how many are new) and is what the model's attention calls. This portable version
 gathers each sequence's K/V and runs torch attention; fused paged kernels plug in behind the same
@@ -21,14 +23,20 @@ class PagedKVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, kv_heads: int,
                  device: torch.device | str | None = None) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (cfg.num_layers, num_blocks * block_size, kv_heads, cfg.kv_channels)
+        heads, width = cfg.kv_cache_dims or (kv_heads, cfg.kv_channels)
+        shape = (cfg.num_layers + cfg.mtp_num_layers, num_blocks * block_size, heads, width)  # MTP's attention last
         self.k = torch.zeros(shape, dtype=cfg.torch_dtype, device=device)  # [layers, slots, hkv, d]
-        self.v = torch.zeros(shape, dtype=cfg.torch_dtype, device=device)
+        # MLA caches one row per token that is both key and value: `v` is the same storage
+        self.v = self.k if cfg.kv_cache_dims else torch.zeros(shape, dtype=cfg.torch_dtype, device=device)
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, kv_heads: int) -> int:
         itemsize = torch.empty((), dtype=cfg.torch_dtype).element_size()
-        return 2 * cfg.num_layers * block_size * kv_heads * cfg.kv_channels * itemsize
+        layers = cfg.num_layers + cfg.mtp_num_layers
+        if cfg.kv_cache_dims:
+            heads, width = cfg.kv_cache_dims
+            return layers * block_size * heads * width * itemsize
+        return 2 * layers * block_size * kv_heads * cfg.kv_channels * itemsize
 
 
 @dataclass(frozen=True)
@@ -62,7 +70,8 @@ class PagedBatch(AttentionBackend):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         kc[self.slot_mapping] = k
-        vc[self.slot_mapping] = v
+        if vc is not kc:
+            vc[self.slot_mapping] = v
         out = torch.empty_like(q)
         start = 0
         for span, hist in zip(self.spans, self.history):

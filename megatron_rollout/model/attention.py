@@ -23,8 +23,15 @@ class AttentionBackend(abc.ABC):
         causally to its sequence's earlier tokens (cached and new)."""
 
 
+KEY_BUCKET = 64
+"""On CPU a query attends over its keys padded to a multiple of this many (masked), whatever else it
+is computed with; see `row_invariant_attention`."""
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
     """One sequence. q: [n, hq, d] at positions past..past+n-1; k, v: [past+n, hkv, d]."""
+    if q.device.type == "cpu":
+        return row_invariant_attention(q, k, v, past)
     n, hq, d = q.shape
     total, hkv, _ = k.shape
     scale = 1.0 / math.sqrt(d)
@@ -39,6 +46,41 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: in
         mask = torch.arange(total, device=q.device)[None, :] <= rows  # [n, total]
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
     return out.transpose(0, 1)
+
+
+def row_invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
+    """`causal_attention` whose every query row comes out bit for bit the same however it is computed:
+    alone in a decode step, inside a prefill of any length, or after a cached prefix.
+
+    A query at position p attends over keys 0..p padded (zeros, masked) to the bucket of
+    `KEY_BUCKET` that holds p, so its reductions always run over the same length; the queries of one
+    bucket share one pair of matmuls, their rows padded to a multiple of `layers.ROW_MULTIPLE`
+    (the CPU matmul's rounding depends on the row count otherwise). Fused attention kernels pick
+    their blocking by sequence length, which is why this is written out in matmuls.
+    """
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    out = torch.empty_like(q)
+    i = 0
+    while i < n:
+        span = -(-(past + i + 1) // KEY_BUCKET) * KEY_BUCKET  # padded key count of query i's bucket
+        j = min(n, span - past)  # queries i..j-1 see at most `span` keys
+        rows = -(-(j - i) // 8) * 8
+        keys = min(span, past + n)
+        qb = q.new_zeros(rows, hq, d)
+        qb[: j - i] = q[i:j]
+        kb, vb = k.new_zeros(span, hkv, d), v.new_zeros(span, hkv, d)
+        kb[:keys], vb[:keys] = k[:keys], v[:keys]
+        qh, kh, vh = qb.transpose(0, 1), kb.transpose(0, 1), vb.transpose(0, 1)  # [h, len, d]
+        if hq != hkv:
+            kh = kh.repeat_interleave(hq // hkv, dim=0)
+            vh = vh.repeat_interleave(hq // hkv, dim=0)
+        scores = torch.matmul(qh, kh.transpose(1, 2)) * (1.0 / math.sqrt(d))  # [h, rows, span]
+        visible = torch.arange(span) <= (past + i + torch.arange(rows))[:, None]  # [rows, span]
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[i:j] = torch.matmul(probs, vh)[:, : j - i].transpose(0, 1)
+        i = j
+    return out
 
 
 class CausalBatch(AttentionBackend):

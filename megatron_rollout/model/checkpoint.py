@@ -11,8 +11,11 @@ Both expert layouts are read: per-expert tensors (`experts.N.gate_proj`, Mixtral
 `experts.gate_up_proj` / `experts.down_proj` of transformers 5's in-memory modules. Writing uses
 the per-expert layout.
 
-Left out on purpose: biases, RoPE scaling, Qwen2-MoE-style gated shared experts, quantised (FP8,
-int) checkpoints, and saving a sharded model (gather the full state first).
+DeepSeek-V3 (`DeepseekV3ForCausalLM`: MLA, YaRN, biased group-limited routing, shared experts, MTP
+layers) maps through `model.deepseek_checkpoint`, which this module calls at a few marked points.
+
+Left out on purpose: biases, RoPE scaling outside DeepSeek-V3's YaRN, Qwen2-MoE-style gated shared
+experts, quantised (FP8, int) checkpoints, and saving a sharded model (gather the full state first).
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from pathlib import Path
 import torch
 
 from megatron_rollout.comm.facade import Comm, LocalComm, Shard
+from megatron_rollout.model import deepseek_checkpoint as deepseek
 from megatron_rollout.model.config import PRESETS, ModelConfig
 from megatron_rollout.model.sharding import full_shapes, local_name, shard_tensor
 from megatron_rollout.model.transformer import MoETransformer
@@ -36,8 +40,10 @@ log = logging.getLogger(__name__)
 
 QWEN3_MOE, QWEN3, LLAMA, MISTRAL, MIXTRAL = (
     "Qwen3MoeForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
-SUPPORTED_ARCHITECTURES = (QWEN3_MOE, QWEN3, LLAMA, MISTRAL, MIXTRAL)
-_BY_MODEL_TYPE = {"qwen3_moe": QWEN3_MOE, "qwen3": QWEN3, "llama": LLAMA, "mistral": MISTRAL, "mixtral": MIXTRAL}
+DEEPSEEK_V3 = deepseek.DEEPSEEK_V3
+SUPPORTED_ARCHITECTURES = (QWEN3_MOE, QWEN3, LLAMA, MISTRAL, MIXTRAL, DEEPSEEK_V3)
+_BY_MODEL_TYPE = {"qwen3_moe": QWEN3_MOE, "qwen3": QWEN3, "llama": LLAMA, "mistral": MISTRAL, "mixtral": MIXTRAL,
+                  "deepseek_v3": DEEPSEEK_V3}
 _QK_NORM = {QWEN3_MOE, QWEN3}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
@@ -88,6 +94,8 @@ def config_from_hf(hf_config) -> ModelConfig:
 
         hf_config = transformers.AutoConfig.from_pretrained(hf_config)
     c, arch = hf_config, architecture_of(hf_config)
+    if arch == DEEPSEEK_V3:
+        return deepseek.deepseek_config_from_hf(c)
     _check_features(c, arch)
     heads, layers = c.num_attention_heads, c.num_hidden_layers
     max_pos = c.max_position_embeddings
@@ -107,6 +115,10 @@ def config_from_hf(hf_config) -> ModelConfig:
               tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)), max_position_embeddings=max_pos,
               dtype=_DTYPE_NAMES.get(dtype, "float32"))
     if arch == QWEN3_MOE:
+        step = getattr(c, "decoder_sparse_step", 1)
+        if type(step) is not int or step < 1:
+            raise ValueError(f"{arch}: decoder_sparse_step must be an integer >= 1 (every step-th layer is MoE; 1: "
+                             f"every layer), got {step!r}; fix config.json")
         moe = tuple(int(c.num_experts > 0 and i not in (c.mlp_only_layers or ())
                         and (i + 1) % c.decoder_sparse_step == 0) for i in range(layers))
         kw.update(num_moe_experts=c.num_experts if any(moe) else 0, moe_router_topk=c.num_experts_per_tok,
@@ -125,6 +137,8 @@ def hf_config_from(cfg: ModelConfig, arch: str):
     """The transformers config that describes `cfg` as an `arch` model (raises if it cannot)."""
     import transformers
 
+    if arch == DEEPSEEK_V3:
+        return deepseek.deepseek_hf_config(cfg)
     moe = [cfg.is_moe_layer(i) for i in range(cfg.num_layers)]
     problems = []
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -194,9 +208,9 @@ def _moe_layout(arch: str, prefix: str, names: Collection[str] | None, fused: bo
 def _plan(cfg: ModelConfig, arch: str, names: Collection[str] | None = None, fused: bool = False) -> _Plan:
     """Map every full Megatron name to HF tensors. `names` (a checkpoint's) picks the expert layout
     per layer; without it the layout is per-expert, or fused if `fused`."""
-    if cfg.moe_shared_expert_intermediate_size:
+    if cfg.moe_shared_expert_intermediate_size and arch != DEEPSEEK_V3:
         raise ValueError(f"{arch} has no shared expert; this config has one")
-    h, d, e_ffn = cfg.hidden_size, cfg.kv_channels, cfg.moe_ffn_hidden_size
+    h, e_ffn = cfg.hidden_size, cfg.moe_ffn_hidden_size
     recipes: dict[str, _Recipe] = {}
     shapes: dict[str, tuple[int, ...]] = {}
 
@@ -208,18 +222,12 @@ def _plan(cfg: ModelConfig, arch: str, names: Collection[str] | None = None, fus
         recipes[megatron] = _Recipe(kind, parts)
 
     put("embedding.word_embeddings.weight", "copy", part("model.embed_tokens.weight", (cfg.vocab_size, h)))
-    for i in range(cfg.num_layers):
-        m, p = f"decoder.layers.{i}.", f"model.layers.{i}."
+    for i, m, p in _layer_prefixes(cfg):
         put(m + "input_layernorm.weight", "copy", part(p + "input_layernorm.weight", (h,)))
-        put(m + "self_attention.linear_qkv.weight", "qkv",
-            part(p + "self_attn.q_proj.weight", (cfg.num_attention_heads * d, h)),
-            part(p + "self_attn.k_proj.weight", (cfg.num_query_groups * d, h)),
-            part(p + "self_attn.v_proj.weight", (cfg.num_query_groups * d, h)))
-        put(m + "self_attention.linear_proj.weight", "copy",
-            part(p + "self_attn.o_proj.weight", (h, cfg.num_attention_heads * d)))
-        if cfg.qk_layernorm:
-            put(m + "self_attention.q_layernorm.weight", "copy", part(p + "self_attn.q_norm.weight", (d,)))
-            put(m + "self_attention.k_layernorm.weight", "copy", part(p + "self_attn.k_norm.weight", (d,)))
+        if cfg.multi_latent_attention:
+            deepseek.mla_recipes(cfg, m, p, part, put)
+        else:
+            _gqa_recipes(cfg, m, p, part, put)
         put(m + "pre_mlp_layernorm.weight", "copy", part(p + "post_attention_layernorm.weight", (h,)))
         if not cfg.is_moe_layer(i):
             f = cfg.ffn_hidden_size
@@ -230,6 +238,8 @@ def _plan(cfg: ModelConfig, arch: str, names: Collection[str] | None = None, fus
         block, is_fused = _moe_layout(arch, p, names, fused)
         b, n_exp = f"{p}{block}.", cfg.num_moe_experts
         put(m + "mlp.router.weight", "copy", part(b + "gate.weight", (n_exp, h)))
+        if arch == DEEPSEEK_V3:
+            deepseek.moe_extra_recipes(cfg, m, b, part, put)
         gate, up, down = ("w1", "w3", "w2") if block == "block_sparse_moe" else ("gate_proj", "up_proj", "down_proj")
         for e in range(n_exp):
             x = f"{m}mlp.experts.local_experts.{e}."
@@ -241,9 +251,30 @@ def _plan(cfg: ModelConfig, arch: str, names: Collection[str] | None = None, fus
                     part(f"{b}experts.{e}.{up}.weight", (e_ffn, h)))
                 put(x + "linear_fc2.weight", "copy", part(f"{b}experts.{e}.{down}.weight", (h, e_ffn)))
     put("decoder.final_layernorm.weight", "copy", part("model.norm.weight", (h,)))
+    deepseek.mtp_recipes(cfg, part, put)
     if not cfg.tie_word_embeddings:
         put("output_layer.weight", "copy", part("lm_head.weight", (cfg.vocab_size, h)))
     return _Plan(recipes, shapes)
+
+
+def _layer_prefixes(cfg: ModelConfig) -> list[tuple[int, str, str]]:
+    """(layer, Megatron prefix, HF prefix) of every transformer layer, the MTP layers' last."""
+    layers = [(i, f"decoder.layers.{i}.", f"model.layers.{i}.") for i in range(cfg.num_layers)]
+    return layers + deepseek.mtp_layer_prefixes(cfg)
+
+
+def _gqa_recipes(cfg: ModelConfig, m: str, p: str, part, put) -> None:
+    """Grouped-query attention's tensors of layer prefix `m` (Megatron) / `p` (HF)."""
+    h, d = cfg.hidden_size, cfg.kv_channels
+    put(m + "self_attention.linear_qkv.weight", "qkv",
+        part(p + "self_attn.q_proj.weight", (cfg.num_attention_heads * d, h)),
+        part(p + "self_attn.k_proj.weight", (cfg.num_query_groups * d, h)),
+        part(p + "self_attn.v_proj.weight", (cfg.num_query_groups * d, h)))
+    put(m + "self_attention.linear_proj.weight", "copy",
+        part(p + "self_attn.o_proj.weight", (h, cfg.num_attention_heads * d)))
+    if cfg.qk_layernorm:
+        put(m + "self_attention.q_layernorm.weight", "copy", part(p + "self_attn.q_norm.weight", (d,)))
+        put(m + "self_attention.k_layernorm.weight", "copy", part(p + "self_attn.k_norm.weight", (d,)))
 
 
 def _assemble(recipe: _Recipe, read: Callable[[_Part], torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
@@ -354,6 +385,9 @@ def _inside(path: Path, name: str, origin: str) -> Path:
     if not any(target.is_relative_to(root) for root in _allowed_roots(path)):
         raise ValueError(f"{file} is a symlink to {target}, outside the checkpoint directory {path}; copy the "
                          f"file into the checkpoint instead")
+    if file.exists() and not file.is_file():  # a FIFO would block the reader, a device never end
+        raise ValueError(f"{file} is not a regular file (a directory, FIFO, socket or device); a checkpoint is "
+                         f"read from regular files only")
     return file
 
 
@@ -395,7 +429,7 @@ def _load_bin(file: Path) -> dict[str, torch.Tensor]:
 def _open_checkpoint(path: Path) -> _Source:
     index = path / "model.safetensors.index.json"
     if index.exists():  # only the files it names: some repos also ship e.g. consolidated.safetensors
-        files = _index_files(path, index)
+        files = _index_files(path, _inside(path, index.name, "the checkpoint"))
     elif (path / "model.safetensors").exists():
         files = [_inside(path, "model.safetensors", "the checkpoint")]
     else:
@@ -415,6 +449,8 @@ def _validate(source: _Source, plan: _Plan, cfg: ModelConfig, arch: str) -> None
     """Raise ValueError for the first thing wrong with the checkpoint, before anything is read."""
     names = source.names()
     ignored = {n for n in names if n.endswith(_IGNORED_SUFFIXES)}
+    if arch == DEEPSEEK_V3:
+        ignored |= deepseek.ignored_names(names, cfg)
     if cfg.tie_word_embeddings:
         ignored.add("lm_head.weight")  # transformers ties it to the embedding too, and ignores the stored copy
     missing = sorted(set(plan.hf_shapes) - names)
@@ -481,16 +517,18 @@ def load_pretrained(path: str | os.PathLike, comm: Comm | None = None, device: t
     import transformers
 
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path / 'config.json'} does not exist: a checkpoint directory holds config.json "
-                                f"and its weights")
-    _read_json(path / "config.json")  # transformers' own error gives no position, and some none at all
+    config = _inside(path, "config.json", "the checkpoint")  # transformers reads it after us: check it like weights
+    if not config.is_file():
+        raise FileNotFoundError(f"{config} does not exist: a checkpoint directory holds config.json and its weights")
+    _read_json(config)  # transformers' own error gives no position, and some none at all
     hf_config = transformers.AutoConfig.from_pretrained(path)
     arch = architecture_of(hf_config)
     cfg = config_from_hf(hf_config)
     if dtype is not None:
         cfg = cfg.replace(dtype=_dtype_name(dtype))
     source = _open_checkpoint(path)
+    if arch == DEEPSEEK_V3:
+        cfg = deepseek.with_mtp_layers(cfg, source.names())
     plan = _plan(cfg, arch, source.names())
     _validate(source, plan, cfg, arch)
     comm = comm or LocalComm()

@@ -58,6 +58,49 @@ class ModelConfig:
     dtype: str = "float32"
     """Parameter and activation dtype: float32, bfloat16 or float16."""
 
+    # -- DeepSeek-V3 family (Megatron's MLATransformerConfig and MoE router fields) -------------
+    multi_latent_attention: bool = False
+    """Multi-head latent attention (`model.mla`): the KV cache holds one compressed latent and
+    one RoPE key per token instead of per-head keys and values."""
+    q_lora_rank: int | None = None
+    """Rank of the query's low-rank projection (`linear_q_down_proj`); None: one `linear_q_proj`."""
+    kv_lora_rank: int = 0
+    """Width of the compressed key/value latent (MLA)."""
+    qk_head_dim: int = 0
+    """Per-head query/key width without position embedding (MLA)."""
+    qk_pos_emb_head_dim: int = 0
+    """Per-head query width, and the shared key's width, that carry RoPE (MLA)."""
+    v_head_dim: int = 0
+    """Per-head value width (MLA)."""
+    rope_type: str = "rope"
+    """"rope" (plain) or "yarn" (YaRN context extension, fields below)."""
+    rotary_scaling_factor: float = 1.0
+    """YaRN: context extension factor."""
+    original_max_position_embeddings: int = 4096
+    """YaRN: the context length the model was pre-trained with."""
+    beta_fast: float = 32.0
+    """YaRN: rotations above which a frequency is kept (extrapolated)."""
+    beta_slow: float = 1.0
+    """YaRN: rotations below which a frequency is interpolated."""
+    mscale: float = 1.0
+    """YaRN: numerator coefficient of the cos/sin magnitude scale."""
+    mscale_all_dim: float = 0.0
+    """YaRN: denominator coefficient of that scale; also scales the softmax (squared)."""
+    moe_router_score_function: str = "softmax"
+    """"softmax" over all experts, or "sigmoid" per expert (DeepSeek-V3)."""
+    moe_router_enable_expert_bias: bool = False
+    """A per-expert bias (`router.expert_bias`, fp32) added to the scores for choosing experts
+    only; the weights stay the unbiased scores."""
+    moe_router_num_groups: int = 0
+    """Group-limited routing: experts form this many equal groups; 0 disables it."""
+    moe_router_group_topk: int = 0
+    """Groups each token may route into (ranked by the sum of their top topk/group_topk scores)."""
+    moe_router_topk_scaling_factor: float = 1.0
+    """Multiplies the routing weights (DeepSeek's `routed_scaling_factor`)."""
+    mtp_num_layers: int = 0
+    """Multi-token-prediction layers after the decoder (`model.mtp`, Megatron's `mtp.layers.K`);
+    layer K drafts the token K+2 ahead. MoE when the model has experts."""
+
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
                     "num_query_groups", "kv_channels", "max_position_embeddings")
@@ -83,15 +126,55 @@ class ModelConfig:
                 raise ValueError("moe_ffn_hidden_size must be positive for MoE layers")
         if any(not self.is_moe_layer(i) for i in range(self.num_layers)) and self.ffn_hidden_size <= 0:
             raise ValueError("ffn_hidden_size must be positive when some layer is dense")
+        self._check_deepseek()
+
+    def _check_deepseek(self) -> None:
+        if self.multi_latent_attention:
+            for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+                if getattr(self, name) <= 0:
+                    raise ValueError(f"multi_latent_attention needs a positive {name}, got {getattr(self, name)}")
+            if self.qk_pos_emb_head_dim % 2:
+                raise ValueError(f"qk_pos_emb_head_dim must be even for RoPE, got {self.qk_pos_emb_head_dim}")
+            if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+                raise ValueError(f"q_lora_rank must be positive or None, got {self.q_lora_rank}")
+        if self.mtp_num_layers < 0:
+            raise ValueError(f"mtp_num_layers must be >= 0, got {self.mtp_num_layers}")
+        if self.rope_type not in ("rope", "yarn"):
+            raise ValueError(f"rope_type must be 'rope' or 'yarn', got {self.rope_type!r}")
+        if self.rope_type == "yarn" and (self.rotary_scaling_factor <= 0 or self.original_max_position_embeddings <= 0):
+            raise ValueError(f"YaRN needs a positive rotary_scaling_factor and original_max_position_embeddings, "
+                             f"got {self.rotary_scaling_factor} and {self.original_max_position_embeddings}")
+        if self.moe_router_score_function not in ("softmax", "sigmoid"):
+            raise ValueError(f"moe_router_score_function must be 'softmax' or 'sigmoid', "
+                             f"got {self.moe_router_score_function!r}")
+        if self.moe_router_num_groups:
+            g, k = self.moe_router_num_groups, self.moe_router_group_topk
+            if (self.num_moe_experts % g or not 0 < k <= g or self.moe_router_topk % k
+                    or self.num_moe_experts // g < self.moe_router_topk // k):
+                raise ValueError(f"group-limited routing needs num_moe_experts ({self.num_moe_experts}) divisible by "
+                                 f"moe_router_num_groups ({g}), 0 < moe_router_group_topk ({k}) <= groups, "
+                                 f"moe_router_topk ({self.moe_router_topk}) divisible by moe_router_group_topk, and "
+                                 f"at least topk/group_topk experts per group")
 
     def is_moe_layer(self, layer: int) -> bool:
+        """Layers from `num_layers` on are the MTP layers' (MoE when the model has experts)."""
         if self.num_moe_experts == 0:
             return False
+        if layer >= self.num_layers:
+            return True
         return bool(self.moe_layer_freq[layer]) if self.moe_layer_freq else True
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    @property
+    def kv_cache_dims(self) -> tuple[int, int] | None:
+        """(heads, width) of one token's cached KV when it is shared by all query heads (MLA: one
+        latent plus RoPE key, keys and values read from the same slots); None for per-group K and V."""
+        if self.multi_latent_attention:
+            return 1, self.kv_lora_rank + self.qk_pos_emb_head_dim
+        return None
 
     @property
     def heads_per_group(self) -> int:

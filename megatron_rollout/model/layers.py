@@ -14,6 +14,7 @@ Driving a generator to its end (`run_to_end`) is the plain forward. Those primit
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,23 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+ROW_MULTIPLE = 8
+"""CPU matmuls see a multiple of this many rows (zero rows appended, their results dropped). The CPU
+BLAS picks its kernel and its split over threads by the row count, and the rounding of a row's
+result follows that choice; at multiples of 8 rows (measured with 1, 2 and 4 threads up to 4,096
+rows) it is one choice, so a row's output does not depend on how many rows share its batch. That
+is what makes a seeded request's tokens and logprobs independent of the schedule and of the other
+requests (tests/engine/test_batch_invariance.py), and a GRPO run on CPU reproducible."""
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x @ weight.T` for x [rows, in]; on CPU each row's result is independent of the other rows."""
+    pad = -x.shape[0] % ROW_MULTIPLE if x.device.type == "cpu" and x.dim() == 2 else 0
+    if pad == 0:
+        return F.linear(x, weight)
+    return F.linear(torch.cat([x, x.new_zeros(pad, x.shape[1])]), weight)[: x.shape[0]]
+
+
 class Linear(nn.Module):
     """`y = x @ weight.T`, no bias. An FP8 weight (see `fp8.py`) carries its scale alongside."""
 
@@ -49,7 +67,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:
             return self.fp8.matmul(x)
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 def rope_tables(positions: torch.Tensor, dim: int, base: float, dtype: torch.dtype):
@@ -149,7 +167,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Softmax over all experts in fp32, then top-k. Returns weights [N, k] (x's dtype) and
         expert ids [N, k]."""
-        probs = F.linear(x.float(), self.weight.float()).softmax(dim=-1)
+        probs = linear(x.float(), self.weight.float()).softmax(dim=-1)
         weights, ids = probs.topk(self.topk, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -227,11 +245,21 @@ class Experts(nn.Module):
         return F.silu(gate) * up
 
 
+@dataclass(frozen=True)
+class LayerParts:
+    """The attention and router classes a layer builds; `model.parts.layer_parts(cfg)` picks them
+    (multi-latent attention, DeepSeek's scored router) without this module importing those."""
+
+    attention: type[nn.Module] = SelfAttention
+    router: type[nn.Module] = Router
+
+
 class MoELayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard, device=None) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard, device=None,
+                 router: type[nn.Module] = Router) -> None:
         super().__init__()
         self.layer = layer
-        self.router = Router(cfg, device)
+        self.router = router(cfg, device)
         self.experts = Experts(cfg, shard, device)
         if cfg.moe_shared_expert_intermediate_size:
             self.shared_experts = MLP(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size,
@@ -247,14 +275,15 @@ class MoELayer(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard, device=None) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard, device=None,
+                 parts: LayerParts = LayerParts()) -> None:
         super().__init__()
         dt, eps = cfg.torch_dtype, cfg.layernorm_epsilon
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dt, device)
-        self.self_attention = SelfAttention(cfg, layer, shard, device)
+        self.self_attention = parts.attention(cfg, layer, shard, device)
         self.pre_mlp_layernorm = RMSNorm(cfg.hidden_size, eps, dt, device)
         moe = cfg.is_moe_layer(layer)
-        self.mlp = MoELayer(cfg, layer, shard, device) if moe else DenseMLP(cfg, layer, shard, device)
+        self.mlp = MoELayer(cfg, layer, shard, device, parts.router) if moe else DenseMLP(cfg, layer, shard, device)
 
     def forward(self, h: torch.Tensor, rope, attn: AttentionBackend, comm: Comm, phase: Phase) -> Forward:
         h = h + (yield from self.self_attention(self.input_layernorm(h), rope, attn, comm, phase))

@@ -16,13 +16,20 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rollout.model.config import ModelConfig
+from megatron_rollout.model.router import uses_scored_router
+
+# MLA's projections are column parallel under the local spec (the down projections gather their
+# output; the Transformer Engine spec duplicates them instead, which `join_tp` does not handle)
+_MLA_COLUMN = ("linear_q_proj.weight", "linear_q_down_proj.weight", "linear_q_up_proj.weight",
+               "linear_kv_down_proj.weight", "linear_kv_up_proj.weight")
 
 
 def tp_split_dim(name: str) -> int | None:
     """The dimension Megatron splits `name` along over TP (ETP = 1: routed experts are whole), or None."""
     if ".experts.local_experts." in name or name.endswith("layernorm.weight") or name.endswith("router.weight"):
         return None
-    if name.endswith(("linear_qkv.weight", "linear_fc1.weight", "word_embeddings.weight", "output_layer.weight")):
+    if name.endswith(("linear_qkv.weight", "linear_fc1.weight", "word_embeddings.weight", "output_layer.weight")
+                     + _MLA_COLUMN):
         return 0  # column parallel (and the vocab-parallel embedding)
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return 1  # row parallel
@@ -62,5 +69,24 @@ def transformer_config(cfg: ModelConfig, **overrides: Any):
             # top-k of the full softmax, renormalised == softmax over the top-k logits (Megatron default)
             moe_router_pre_softmax=not cfg.moe_renormalize_topk, moe_token_dispatcher_type="allgather",
             moe_grouped_gemm=False, moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none")
+    if moe and uses_scored_router(cfg):
+        kwargs.update(
+            moe_router_score_function=cfg.moe_router_score_function,
+            moe_router_enable_expert_bias=cfg.moe_router_enable_expert_bias,
+            moe_router_num_groups=cfg.moe_router_num_groups or None,
+            moe_router_group_topk=cfg.moe_router_group_topk or None,
+            moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor, moe_router_pre_softmax=False,
+            moe_router_dtype="fp32")
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    if not cfg.multi_latent_attention:
+        return TransformerConfig(**kwargs)
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    # Megatron builds MLA's latent norms only with qk_layernorm; DeepSeek has them always
+    kwargs.update(qk_layernorm=True, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+                  qk_head_dim=cfg.qk_head_dim, qk_pos_emb_head_dim=cfg.qk_pos_emb_head_dim,
+                  v_head_dim=cfg.v_head_dim, rope_type=cfg.rope_type, rotary_base=cfg.rotary_base,
+                  rotary_scaling_factor=cfg.rotary_scaling_factor, beta_fast=cfg.beta_fast, beta_slow=cfg.beta_slow,
+                  original_max_position_embeddings=cfg.original_max_position_embeddings, mscale=cfg.mscale,
+                  mscale_all_dim=cfg.mscale_all_dim)
+    return MLATransformerConfig(**{k: v for k, v in kwargs.items() if k != "kv_channels"} | overrides)

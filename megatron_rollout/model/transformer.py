@@ -16,7 +16,9 @@ from megatron_rollout.comm.facade import Comm, LocalComm
 from megatron_rollout.forward import Forward, run_to_end
 from megatron_rollout.model.attention import AttentionBackend, CausalBatch
 from megatron_rollout.model.config import ModelConfig
-from megatron_rollout.model.layers import Linear, RMSNorm, TransformerLayer, rope_tables
+from megatron_rollout.model.layers import Linear, RMSNorm, TransformerLayer, linear
+from megatron_rollout.model.parts import layer_parts
+from megatron_rollout.model.rope import rope_for
 from megatron_rollout.types import Phase
 
 
@@ -29,7 +31,8 @@ class Embedding(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig, comm: Comm, device=None) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(TransformerLayer(cfg, i, comm.shard, device) for i in range(cfg.num_layers))
+        parts = layer_parts(cfg)
+        self.layers = nn.ModuleList(TransformerLayer(cfg, i, comm.shard, device, parts) for i in range(cfg.num_layers))
         self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.layernorm_epsilon, cfg.torch_dtype, device)
 
 
@@ -44,6 +47,10 @@ class MoETransformer(nn.Module):
         self.decoder = Decoder(cfg, self.comm, device)
         if not cfg.tie_word_embeddings:
             self.output_layer = Linear(cfg.hidden_size, cfg.vocab_size, cfg.torch_dtype, device)
+        if cfg.mtp_num_layers:
+            from megatron_rollout.model.mtp import MTPBlock
+
+            self.mtp = MTPBlock(cfg, self.comm.shard, device)
 
     @property
     def device(self) -> torch.device:
@@ -72,10 +79,11 @@ class MoETransformer(nn.Module):
         name = local_name(full_name, self.cfg, comm.shard)
         return None if name is None else self.get_parameter(name)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        h = self.decoder.final_layernorm(h)
+    def logits(self, h: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
+        """Output layer over `norm(h)` (the decoder's final norm unless an MTP layer gives its own)."""
+        h = (norm or self.decoder.final_layernorm)(h)
         if self.cfg.tie_word_embeddings:
-            return torch.nn.functional.linear(h, self.embedding.word_embeddings.weight)
+            return linear(h, self.embedding.word_embeddings.weight)
         return self.output_layer(h)
 
     def check_tokens(self, tokens: torch.Tensor) -> None:
@@ -86,14 +94,19 @@ class MoETransformer(nn.Module):
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, phase: Phase,
              logits_index: torch.Tensor | None = None) -> Forward:
         """Incremental forward. tokens, positions: [N]. Returns logits [N or len(logits_index), V]."""
-        cfg = self.cfg
-        h = self.embedding.word_embeddings(tokens)  # [N, H]
-        rope = rope_tables(positions, cfg.kv_channels, cfg.rotary_base, h.dtype)
-        for layer in self.decoder.layers:
-            h = yield from layer(h, rope, attn, self.comm, phase)
+        h = yield from self.hidden_step(tokens, positions, attn, phase)
         if logits_index is not None:
             h = h[logits_index]
         return self.logits(h)
+
+    def hidden_step(self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                    phase: Phase) -> Forward:
+        """`step` up to the decoder's last hidden states [N, H], before the final norm (what MTP reads)."""
+        h = self.embedding.word_embeddings(tokens)  # [N, H]
+        rope = rope_for(self.cfg, positions, h.dtype)
+        for layer in self.decoder.layers:
+            h = yield from layer(h, rope, attn, self.comm, phase)
+        return h
 
     def forward(self, input_ids: torch.Tensor, phase: Phase = Phase.P) -> torch.Tensor:
         """Full-sequence forward of a right-padded batch. input_ids: [B, T] -> logits [B, T, V]."""

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from megatron_rollout.comm import shm_rendezvous as shm
 from megatron_rollout.comm.dist import StoreRendezvous
+from megatron_rollout.comm.errors import process_state
 from megatron_rollout.multiplex.rendezvous import (
     TAGS,
     Payload,
@@ -47,19 +48,23 @@ Prefer = Literal["auto", "native", "store"]
 
 
 class NativeRendezvousTimeout(RendezvousTimeout):
-    """`RendezvousTimeout` from the native path: also `.elapsed_s` (the time actually waited) and
-    `.dead` ({global rank: pid} of missing ranks whose process is gone)."""
+    """`RendezvousTimeout` from the native path: also `.elapsed_s` (the time actually waited),
+    `.dead` ({global rank: pid} of missing ranks whose process is gone) and `.stopped` (those whose
+    process is stopped: SIGSTOP, a debugger)."""
 
     def __init__(self, missing: Sequence[int], epoch: int, boundary: int, tag: str, timeout_s: float, rank: int,
-                 elapsed_s: float, dead: dict[int, int]) -> None:
+                 elapsed_s: float, dead: dict[int, int], stopped: dict[int, int] | None = None) -> None:
         super().__init__(missing, epoch, boundary, tag, timeout_s, rank)
-        self.elapsed_s, self.dead = elapsed_s, dict(dead)
+        self.elapsed_s, self.dead, self.stopped = elapsed_s, dict(dead), dict(stopped or {})
         # comm.errors.CrossRankTimeout's view of who is gone, plus what the barrier found
-        self.states = {**getattr(self, "states", {}), **{r: "dead" for r in self.dead}}
-        alive = [r for r in self.missing if r not in self.dead]
-        why = [f"rank {r} (pid {pid}) is dead" for r, pid in self.dead.items()]
-        why += [f"rank(s) {alive} are alive but did not come"] if alive and self.dead else []
-        gave_up = "gave up early: a missing process is gone" if self.dead else f"timeout {timeout_s}s"
+        self.states = {**getattr(self, "states", {}), **{r: "stopped" for r in self.stopped},
+                       **{r: "dead" for r in self.dead}}
+        pids = {**self.stopped, **self.dead}
+        absent = {r: s for r, s in sorted(self.states.items()) if r in self.missing}
+        why = [f"rank {r}" + (f" (pid {pids[r]})" if r in pids else "") + f" is {s}" for r, s in absent.items()]
+        alive = [r for r in self.missing if r not in absent]
+        why += [f"rank(s) {alive} are alive but did not come"] if alive and absent else []
+        gave_up = "gave up early: a missing process is gone" if self.dead else f"not within {timeout_s}s"
         self.args = (f"rank(s) {list(self.missing)} did not arrive at the {tag} rendezvous of epoch {epoch}, boundary "
                      f"{boundary}: waited {elapsed_s:.3f}s ({gave_up}; seen from rank {rank})"
                      + (f"; {'; '.join(why)}" if why else "") + "; check those ranks for a hang or crash",)
@@ -89,18 +94,25 @@ class NativeRendezvous(RendezvousBase):
         status, data = self._meet(epoch, boundary, tag_id, payload, self.timeout_s)
         if status == shm.OK:
             return data
-        if status == shm.BAD_ARGS:  # not exact ints, not a tuple/list, or too long: say which
-            payload = tuple(payload)
-            _check_args(epoch, boundary, tag, payload)
-            if len(payload) > self._barrier.max_payload:
-                raise ValueError(f"rendezvous payload has {len(payload)} ints; the native rendezvous carries at most "
+        if status == shm.BAD_ARGS:  # not exact ints, not 64-bit, not a tuple/list, or too long: say which
+            items = tuple(payload)
+            _check_args(epoch, boundary, tag, items)
+            if len(items) > self._barrier.max_payload:
+                raise ValueError(f"rendezvous payload has {len(items)} ints; the native rendezvous carries at most "
                                  f"{self._barrier.max_payload}: send fewer or use the store Rendezvous")
-            return self.meet(epoch, boundary, tag, payload)  # a generator or similar, now a tuple
+            wide = next((v for v in (epoch, boundary, *items) if not -2**63 <= v < 2**63), None)
+            if wide is not None or type(payload) in (tuple, list):
+                raise ValueError(f"rendezvous epoch, boundary and payload must fit in 64 bits (the native "
+                                 f"rendezvous's slots hold int64), got {wide}: send smaller ints or use the store "
+                                 f"Rendezvous")
+            return self.meet(epoch, boundary, tag, items)  # a generator or similar, now a tuple
         if status == shm.TIMEOUT:
             absence = self._barrier.absence(data)
+            stopped = {self.ranks[i]: absence.pids[i] for i in absence.missing
+                       if i not in absence.gone and process_state(absence.pids[i]) == "stopped"}
             err = NativeRendezvousTimeout([self.ranks[i] for i in absence.missing], epoch, boundary, tag,
                                           self.timeout_s, self.rank, absence.elapsed_s,
-                                          {self.ranks[i]: absence.pids[i] for i in absence.gone})
+                                          {self.ranks[i]: absence.pids[i] for i in absence.gone}, stopped)
             self._poisoned = str(err)
             logger.error("%s", err)
             raise err

@@ -80,7 +80,7 @@ class LoadSelectedConfig:
     """Host cost that splitting P adds per turnstile round, in microseconds: its two CPU rendezvous
     (pre-D, post-D). The D enqueue is not counted: D iterates whether or not P is split. 210 =
     2 x 104 us, the native (shared-memory) rendezvous median at 8 unpinned ranks measured with
-    `python -m megatron_rollout.bench.rendezvous --ranks 8 --json` on the 2-core CPU VM (103.7 us
+    `python -m benchmarks.rendezvous --ranks 8 --json` on the 2-core CPU VM (103.7 us
     quiet, 104.5 us loaded; pinned ranks: 31-38 us; docs/rendezvous.md). Groups that span hosts use
     the store rendezvous (1.4-2.4 ms per meeting at 8 ranks there): raise it to ~5000."""
     segment_us_per_token: float = 0.05
@@ -143,7 +143,7 @@ class WaitBudgetConfig:
     segment_us_per_token: float = 0.3
     """P device time of one segment per prefill token, in microseconds: ~0.3 on the H200 for
     `qwen3-30b-a3b-12l` at 2,048 tokens (a 14.4 ms piecewise forward over 24 segments,
-    `python -m megatron_rollout.bench.profile`); small batches cost more per token."""
+    `python -m benchmarks.profile`); small batches cost more per token."""
 
     def __post_init__(self) -> None:
         if not self.budget_us > 0 or not self.segment_us_per_token > 0:

@@ -60,7 +60,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_rollout.trace.schema import ConversationId, TraceRequest, group_conversations, write_trace
+from megatron_rollout.trace.schema import MAX_TOKENS, ConversationId, TraceRequest, group_conversations, write_trace
+from megatron_rollout.trace.schema import MAX_WAIT_MS as TRACE_MAX_WAIT_MS
 
 __all__ = ["make_trace", "write_trace", "input_ids", "conversation_inputs", "max_context", "Profile", "PROFILES",
            "TARGET_TURNS", "TARGET_INPUT_TOKENS", "TARGET_OUTPUT_TOKENS"]
@@ -214,6 +215,14 @@ def make_trace(conversations: int = 128, seed: int = 0, scale: float = 1.0,
         if profile not in PROFILES:
             raise ValueError(f"unknown trace profile {profile!r}; choose one of {sorted(PROFILES)}")
         profile = PROFILES[profile]
+    longest = max(profile.max_input, profile.max_output)
+    if scale * longest > MAX_TOKENS:
+        raise ValueError(f"scale {scale} would make requests of up to {scale * longest:.3g} tokens, above a trace's "
+                         f"limit of {MAX_TOKENS}: use a scale of at most {MAX_TOKENS / longest:g}")
+    if wait_scale * profile.max_wait_ms > TRACE_MAX_WAIT_MS:
+        raise ValueError(f"wait_scale {wait_scale} would make tool waits of up to "
+                         f"{wait_scale * profile.max_wait_ms:.3g} ms, above a trace's limit of {TRACE_MAX_WAIT_MS:g} "
+                         f"ms: use a wait_scale of at most {TRACE_MAX_WAIT_MS / profile.max_wait_ms:g}")
     solved = _solve(profile)
 
     requests: list[TraceRequest] = []

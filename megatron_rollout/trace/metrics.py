@@ -81,6 +81,9 @@ class ReplayReport:
     """As the engine measured it (time a ready decode row waited for its iteration)."""
     tokens_per_s: float
     """output_tokens / makespan_s."""
+    breakdown: dict[str, Any] | None = None
+    """Where the makespan went (`trace.breakdown.Breakdown.to_dict`), where the engine keeps step
+    records; None otherwise."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values; NaN becomes None so the result is strict JSON."""

@@ -24,6 +24,7 @@ itself, tool execution (waits are sleeps) and multi-rank driving (the distribute
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import sys
@@ -35,6 +36,7 @@ import numpy as np
 from tqdm import tqdm
 
 from megatron_rollout.engine.api import FinishReason, RequestError, RequestOutput, SamplingParams, Schedule
+from megatron_rollout.trace.breakdown import build_breakdown
 from megatron_rollout.trace.metrics import ReplayReport, build_report
 from megatron_rollout.trace.schema import ConversationId, TraceRequest, group_conversations, validate_trace
 
@@ -76,7 +78,9 @@ def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, prog
         schedule: the engine's schedule, copied into the report.
         details: if given, receives "conversation_of" (request id -> conversation), "turn_of"
             (request id -> its trace line), "start", "skipped" and "refused", so that replicas'
-            replays can be merged into one report.
+            replays can be merged into one report; and, where the engine keeps step records
+            (`engine.step_log`), "records" (this replay's) and "breakdown" (`trace.breakdown`, also
+            in the report as a dict).
         max_model_len: the engine's context length, to refuse lines that cannot fit before
             anything runs; None reads `engine.max_model_len` where the engine has one.
         temperature: of every turn (0: greedy). A sampled turn's seed comes from (seed,
@@ -99,6 +103,8 @@ def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, prog
     skipped = 0
     refused: list[ConversationId] = []
 
+    log = getattr(engine, "step_log", None)
+    first_record = len(log) if log is not None else 0
     start = time.perf_counter()
     # (release time, conversation index): the index breaks ties deterministically.
     releases = [(start + c.turns[0].wait_ms / 1e3, c.index) for c in conversations]
@@ -144,6 +150,13 @@ def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, prog
     report = build_report(outputs, conversation_of, start=start,
                           mean_decode_wait_ms=engine.stats.mean_decode_wait_ms,
                           schedule=schedule, skipped=skipped, refused=refused, turn_of=turn_of)
+    if log is not None:
+        records = log.records[first_record:]
+        breakdown = build_breakdown(records, outputs, conversation_of, start=start,
+                                    mean_decode_wait_ms=engine.stats.mean_decode_wait_ms, turn_of=turn_of)
+        report = dataclasses.replace(report, breakdown=breakdown.to_dict())
+        if details is not None:
+            details.update(records=records, breakdown=breakdown)
     accounted = report.requests + report.truncated + report.failed + report.skipped
     if accounted != total:
         raise RuntimeError(f"replay accounted for {accounted} of {total} requests")

@@ -28,10 +28,12 @@ context: a turn that no longer fits is the engine's to refuse, and the replay's 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import logging
 import math
 import os
+import stat
 from dataclasses import dataclass
 from typing import Any, Iterable, Union
 
@@ -205,21 +207,45 @@ def validate_trace(requests: Iterable[TraceRequest], max_model_len: int, *,
                                                   f"turn {req.turn}): {problem}")
 
 
+def _open_trace(name: str) -> io.BufferedReader:
+    """The trace file opened for reading; a regular file only (a FIFO or a device such as /dev/zero
+    would block or never end), and a directory or unreadable file is a ValueError saying so."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK)  # non-blocking: opening a FIFO must not wait for a writer
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise ValueError(f"trace {name} cannot be read ({exc.strerror}): give a readable JSONL file") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a FIFO, socket or device)"
+        raise ValueError(f"trace {name} is {kind}: give a JSONL trace file")
+    os.set_blocking(fd, True)
+    return open(fd, "rb")  # lines decoded one by one, so that a bad byte is reported with its line
+
+
 def _read(path: str | os.PathLike, strict: bool) -> LenientLoad:
     name = os.fspath(path)
     order = _TurnOrder()
     kept: list[TraceRequest] = []
     errors: list[TraceError] = []
-    with open(name, encoding="utf-8") as f:
-        for lineno, text in enumerate(f, start=1):
-            if not text.strip():
+    with _open_trace(name) as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             conversation = None
             try:
                 try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise ValueError(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+                try:
                     obj = json.loads(text)
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"malformed JSON: {exc.msg} at column {exc.colno}") from None
+                except RecursionError:
+                    raise ValueError("malformed JSON: nested too deeply (a request is one flat object)") from None
                 if isinstance(obj, dict):
                     conversation = obj.get("conversation")
                 req = TraceRequest.from_dict(obj, where=f"{name}:{lineno}")

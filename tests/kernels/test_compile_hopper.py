@@ -72,7 +72,7 @@ CASES = [  # (module, kernel, pointer/int signature, constexprs, options): the p
     (fused, "_qkv_rope_kernel", QKV, dict(GROUPS=4, PER=8, PER_P=8, D=128, NORM=True, TOK=1),
      dict(num_warps=4)),  # decode: one token per program
     (fused, "_qkv_rope_kernel", QKV, dict(GROUPS=4, PER=8, PER_P=8, D=128, NORM=True, TOK=8),
-     dict(num_warps=8)),  # a block of tokens per program (bench.kernels --row-blocks)
+     dict(num_warps=8)),  # a block of tokens per program (benchmarks.kernels --row-blocks)
     (moe_triton, "_fc2_kernel", FC2, dict(H=2048, F=768, BM=16, BN=64, BK=64, SCALED=False, GN=1, GK=1, KG=1, SE=1,
                                           WEIGHTED=False), dict(num_warps=4, num_stages=3)),  # weights by the combine
 ]

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
-from megatron_rollout.engine.cuda_runner import RUNNER_ENV, CudaRunner, CudaRunnerConfig, make_runner
+from megatron_rollout.engine.config import RunnerConfig
+from megatron_rollout.engine.cuda_runner import RUNNER_ENV, CudaRunner, make_runner
 from megatron_rollout.engine.runner import ModelRunner, SpanInput
 from megatron_rollout.kv.paged import PagedKVCache, SeqSpan
 from megatron_rollout.model.config import preset
@@ -42,7 +43,7 @@ def test_make_runner_is_portable_on_cpu(monkeypatch):
 
 def test_config_rejects_unsorted_buckets():
     with pytest.raises(ValueError, match="strictly increasing"):
-        CudaRunnerConfig(graph_batch_sizes=(4, 2))
+        RunnerConfig(graph_batch_sizes=(4, 2))
 
 
 # -- GPU -----------------------------------------------------------------------------------
@@ -58,7 +59,7 @@ def _pair(seed: int, blocks: int = 64, bs: int = 4):
     ref_model, model = _model(seed), _model(seed)
     ref_cache = PagedKVCache(model.cfg, blocks, bs, model.cfg.num_query_groups, device="cuda")
     cache = PagedKVCache(model.cfg, blocks, bs, model.cfg.num_query_groups, device="cuda")
-    runner = CudaRunner(model, cache, CudaRunnerConfig(graph_batch_sizes=(1, 2, 4, 8)))
+    runner = CudaRunner(model, cache, RunnerConfig(graph_batch_sizes=(1, 2, 4, 8)))
     return ModelRunner(ref_model, ref_cache), runner
 
 
@@ -177,7 +178,7 @@ def test_fp8_model_decodes_through_graphs(block):
     ref, fast = _pair(4)
     for model in (ref.model, fast.model):
         fp8.quantize_model_fp8(model, block=block, backend="dequant")
-    fast = CudaRunner(fast.model, fast.cache, CudaRunnerConfig(graph_batch_sizes=(1, 2, 4, 8)))
+    fast = CudaRunner(fast.model, fast.cache, RunnerConfig(graph_batch_sizes=(1, 2, 4, 8)))
     assert fast.graph_safe
     tables = [tuple(range(i * 16, (i + 1) * 16)) for i in range(3)]
     with torch.no_grad():
@@ -203,7 +204,7 @@ def test_fp8_weight_update_reaches_captured_graphs():
     ref, fast = _pair(5)
     for model in (ref.model, fast.model):
         fp8.quantize_model_fp8(model, block=128, backend="dequant")
-    fast = CudaRunner(fast.model, fast.cache, CudaRunnerConfig(graph_batch_sizes=(1, 2, 4, 8)))
+    fast = CudaRunner(fast.model, fast.cache, RunnerConfig(graph_batch_sizes=(1, 2, 4, 8)))
     step = _captured_step(ref, fast, gen)
     with torch.no_grad():
         other = MoETransformer(fast.model.cfg).init_weights(8)

@@ -127,7 +127,8 @@ def test_multirank_runner_matches_single_rank_and_eager(nccl_world, p_exchange, 
     """Prefill, then eight graph-replayed decode steps teacher-forced with the eager runner's
     greedy tokens: the same logits (bf16 tolerance) and greedy tokens as the single-rank
     CudaRunner and the eager ModelRunner; P's FULL all-reduce went through the router."""
-    from megatron_rollout.engine.cuda_runner import CudaRunner, CudaRunnerConfig
+    from megatron_rollout.engine.config import RunnerConfig
+    from megatron_rollout.engine.cuda_runner import CudaRunner
     from megatron_rollout.engine.runner import ModelRunner
     from megatron_rollout.forward import run_to_end
     from megatron_rollout.kv.paged import PagedKVCache
@@ -137,7 +138,7 @@ def test_multirank_runner_matches_single_rank_and_eager(nccl_world, p_exchange, 
         eager_model, single_model, multi_model = _model(5), _model(5), _model(5, comm)
         cfg = eager_model.cfg
         caches = [PagedKVCache(cfg, 64, 4, cfg.num_query_groups, device="cuda") for _ in range(3)]
-        knobs = CudaRunnerConfig(graph_batch_sizes=(1, 2, 4, 8))
+        knobs = RunnerConfig(graph_batch_sizes=(1, 2, 4, 8))
         eager = ModelRunner(eager_model, caches[0])
         single, multi = CudaRunner(single_model, caches[1], knobs), CudaRunner(multi_model, caches[2], knobs)
         assert multi.multi_rank and multi.graph_safe

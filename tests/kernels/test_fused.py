@@ -228,7 +228,7 @@ def test_qkv_norm_rope_matches_reference(device, tokens, groups, per, d, norm):
 
 @pytest.mark.parametrize("device,rows", _cases([(4095,), (300,)], [(258,)]))
 def test_the_sweeps_blocks_of_rows_match_reference(device, rows, monkeypatch):
-    """One row per program is the default at every size; `bench.kernels --row-blocks` launches
+    """One row per program is the default at every size; `benchmarks.kernels --row-blocks` launches
     blocks of rows (4 for the norms and the SwiGLU, 8 tokens of QKV), the last one partial here:
     the same checks as above hold for them."""
     monkeypatch.setattr(fused, "NORM_BLOCK_ROWS", 4)
@@ -386,7 +386,8 @@ def test_autograd_falls_back_to_the_references(device):
 
 @pytest.mark.gpu
 def test_cuda_runner_graphs_with_fused_ops_match_the_portable_runner():
-    from megatron_rollout.engine.cuda_runner import CudaRunner, CudaRunnerConfig
+    from megatron_rollout.engine.config import RunnerConfig
+    from megatron_rollout.engine.cuda_runner import CudaRunner
     from megatron_rollout.engine.runner import ModelRunner, SpanInput
     from megatron_rollout.kv.paged import PagedKVCache, SeqSpan
 
@@ -395,7 +396,7 @@ def test_cuda_runner_graphs_with_fused_ops_match_the_portable_runner():
     model = copy.deepcopy(ref_model)
     caches = [PagedKVCache(cfg, 64, 4, cfg.num_query_groups, device="cuda") for _ in range(2)]
     ref = ModelRunner(ref_model, caches[0])
-    fast = CudaRunner(model, caches[1], CudaRunnerConfig(graph_batch_sizes=(1, 2, 4)))
+    fast = CudaRunner(model, caches[1], RunnerConfig(graph_batch_sizes=(1, 2, 4)))
     if fused.installed_backend(model) is None:  # until the runner installs them itself
         assert fused.install_fused_ops(model)["installed"]
     gen = torch.Generator().manual_seed(0)
@@ -440,7 +441,7 @@ def test_split_router_replays_in_a_graph():
 
 @pytest.mark.gpu
 def test_no_triton_compilation_after_warm_up():
-    from megatron_rollout.bench.compiles import CompileCounter
+    from benchmarks.compiles import CompileCounter
 
     gen = _gen("cuda", 9)
     norm_w = torch.ones(2048, device="cuda", dtype=torch.bfloat16)

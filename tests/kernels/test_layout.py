@@ -153,7 +153,7 @@ def test_keyed_fill_of_a_row_that_moved_down_rewrites_it():
 def test_attention_kernels_compile_once_over_many_batch_shapes():
     """Mixed batches of varying shapes (odd and even counts, decode-only, prefill-only, several
     split counts) through the Triton backend: after a first pass over every path, no compilation."""
-    from megatron_rollout.bench.compiles import CompileCounter
+    from benchmarks.compiles import CompileCounter
     from megatron_rollout.kernels.layout import KernelPagedBatch
     from megatron_rollout.kernels.triton_attention import TritonAttention
     from megatron_rollout.kv.paged import PagedKVCache

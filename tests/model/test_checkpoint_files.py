@@ -1,9 +1,11 @@
 """Checkpoint files that must not load, each refused with an error naming the file: paths leading
-out of the checkpoint directory, damaged safetensors, config.json that is not JSON, and `.bin`
-files holding pickled objects (whose refusal never suggests `weights_only=False`)."""
+out of the checkpoint directory (config.json's too), files that are not regular files, damaged
+safetensors, config.json that is not JSON or gives an impossible MoE layout, and `.bin` files
+holding pickled objects (whose refusal never suggests `weights_only=False`)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -64,6 +66,43 @@ def test_a_symlink_out_of_the_directory_is_refused(good, tmp_path, indexed):
     with pytest.raises(ValueError, match=r"ckpt/model\.safetensors is a symlink to .*other/model\.safetensors, "
                                          r"outside the checkpoint directory"):
         ckpt.load_pretrained(ckpt_dir)
+
+
+def test_a_config_json_linked_out_of_the_directory_is_refused(good, tmp_path):
+    """The index's entries were checked, config.json was read wherever it pointed."""
+    src, _ = good
+    shutil.copytree(src, tmp_path / "ckpt")
+    (tmp_path / "secret.json").write_text((src / "config.json").read_text())
+    (tmp_path / "ckpt" / "config.json").unlink()
+    (tmp_path / "ckpt" / "config.json").symlink_to(tmp_path / "secret.json")
+    with pytest.raises(ValueError, match=r"ckpt/config\.json is a symlink to .*/secret\.json, outside the checkpoint "
+                                         r"directory"):
+        ckpt.load_pretrained(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
+@pytest.mark.parametrize("indexed", [False, True])
+def test_a_fifo_in_place_of_a_file_is_refused(good, tmp_path, name, indexed):
+    """A FIFO as model.safetensors blocked the loader forever (waiting for a writer)."""
+    src, _ = good
+    shutil.copytree(src, tmp_path / "ckpt")
+    if indexed:
+        _index(tmp_path / "ckpt", "model.safetensors", src)
+    (tmp_path / "ckpt" / name).unlink()
+    os.mkfifo(tmp_path / "ckpt" / name)
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'ckpt' / name} is not a regular file \(a directory, FIFO, "
+                                         r"socket or device\); a checkpoint is read from regular files only"):
+        ckpt.load_pretrained(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("step", [0, -1])
+def test_an_impossible_decoder_sparse_step_is_refused(step):
+    """decoder_sparse_step 0 raised ZeroDivisionError."""
+    config = transformers.Qwen3MoeConfig(**CONFIG, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                                         decoder_sparse_step=step)
+    with pytest.raises(ValueError, match=rf"Qwen3MoeForCausalLM: decoder_sparse_step must be an integer >= 1 "
+                                         rf".*got {step}; fix config.json"):
+        ckpt.config_from_hf(config)
 
 
 def test_a_hub_cache_snapshot_whose_files_link_to_its_blobs_loads(good, tmp_path):

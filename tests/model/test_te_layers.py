@@ -259,7 +259,7 @@ TE_MISSING = "Transformer Engine not installed (docs/te.md)"
 def _te_model(num_layers: int, seed: int = 0, experts: int = 16):
     """Skip without TE; else a random-weight `qwen3-30b-a3b` of `num_layers` layers and `experts` experts on CUDA."""
     pytest.importorskip("transformer_engine.pytorch", reason=TE_MISSING)
-    from megatron_rollout.bench.rollout import random_model
+    from benchmarks.rollout import random_model
 
     cfg = PRESETS["qwen3-30b-a3b"].replace(num_layers=num_layers, num_moe_experts=experts)
     return cfg, random_model(cfg, torch.device("cuda"), seed)

@@ -1,4 +1,4 @@
-"""bench.te_megatron: TE-spec Megatron names -> rollout names (CPU), and the trainer step -> hot swap ->
+"""benchmarks.te_megatron: TE-spec Megatron names -> rollout names (CPU), and the trainer step -> hot swap ->
 logits parity run on the GPU.
 
 A TE-spec `GPTModel` cannot be built without Transformer Engine (megatron-core 0.16.1's
@@ -26,7 +26,7 @@ import re
 import pytest
 import torch
 
-from megatron_rollout.bench import te_megatron as tm
+from benchmarks import te_megatron as tm
 from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
 from megatron_rollout.model.config import PRESETS, ModelConfig
 from megatron_rollout.model.sharding import full_shapes

@@ -47,6 +47,12 @@ def four_ranks(rank: int) -> dict:
     rdv = make_rendezvous(timeout_s=30, name="native-test")
     out["kind"] = type(rdv).__name__
     out["exchange"] = exchange(rdv, rank, 4)
+    for wide in ((2**63,), [1, -2**63 - 1]):  # publishes nothing: the rendezvous stays usable
+        try:
+            rdv.meet(7, 0, "pre-D", wide)
+        except ValueError as exc:
+            out.setdefault("wide", []).append(str(exc))
+    out["after_wide"] = rdv.meet(7, 1, "post-D", (rank,))
     # Ranks at different points: every rank raises, naming where rank 2 is.
     mism = NativeRendezvous(timeout_s=30, name="native-mismatch")
     try:
@@ -92,6 +98,8 @@ def test_four_ranks():
     res = run_world(four_ranks, 4, timeout=120)
     for rank, r in enumerate(res):
         assert r["kind"] == "NativeRendezvous" and r["exchange"], r
+        assert [w.split(", got ")[1].split(":")[0] for w in r["wide"]] == [str(2**63), str(-2**63 - 1)], r["wide"]
+        assert "must fit in 64 bits" in r["wide"][0] and r["after_wide"] == [(0,), (1,), (2,), (3,)]
         assert "mismatch_poisoned" in r and "used after a failure" in r["mismatch_poisoned"]
         if rank != 2:
             assert "rank 2 is at epoch 2, boundary 4, post-D" in r["mismatch"], r["mismatch"]
@@ -104,7 +112,7 @@ def test_four_ranks():
         kind, missing, epoch, boundary, tag, elapsed, dead, msg, waited = r["timeout"]
         assert (kind, missing, epoch, boundary, tag, dead) == ("NativeRendezvousTimeout", (3,), 9, 13, "post-D", {})
         assert (f"rank(s) [3] did not arrive at the post-D rendezvous of epoch 9, boundary 13: waited {elapsed:.3f}s "
-                "(timeout 1.0s;") in msg
+                "(not within 1.0s;") in msg
         assert 1.0 <= elapsed <= waited < 1.0 + SLACK_S  # the timeout, then at most a busy machine's delay
         assert "used after a failure" in r["poisoned"]
     assert "timeout" not in res[3]
@@ -159,6 +167,46 @@ def _build_outputs() -> dict[str, tuple[int, int]]:
             if p.suffix in (".so", ".o")}
 
 
+def two_ranks_stopped(rank: int, queue) -> None:
+    rdv = NativeRendezvous(timeout_s=1.0, name="native-stopped")
+    rdv.meet(0, 0, "pre-D")
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # the parent kills it
+    try:
+        rdv.meet(3, 8, "post-D")
+    except NativeRendezvousTimeout as exc:
+        queue.put(("timeout", exc.missing, exc.dead, exc.stopped, exc.states, str(exc)))
+
+
+def test_stopped_rank_is_named_stopped():
+    """Rank 1 stops (SIGSTOP): rank 0 waits out its timeout and says rank 1 is stopped, as the
+    store path and the engine's collectives do (before: only "did not arrive")."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out, status = ctx.Queue(), ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, 2, port, two_ranks_stopped, (out,), status, 60.0), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = out.get(timeout=90)
+    except Exception:  # queue.Empty: show what the ranks reported instead
+        got = [status.get(timeout=1) for _ in range(status.qsize())]
+    finally:
+        procs[1].kill()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert isinstance(got, tuple) and got[0] == "timeout", got
+    _, missing, dead, stopped, states, msg = got
+    pid = procs[1].pid
+    assert (missing, dead, stopped, states) == ((1,), {}, {1: pid}, {1: "stopped"})
+    assert f"rank 1 (pid {pid}) is stopped" in msg and "not within 1.0s" in msg, msg
+
+
 def test_build_is_cached():
     """A second process loads the library built above and compiles nothing: its build outputs are
     the same files, untouched (what a rebuild would change, however long it took)."""
@@ -171,23 +219,109 @@ def test_build_is_cached():
     assert _build_outputs() == before
 
 
-def test_a_killed_builds_lock_does_not_hang_the_next_start(tmp_path):
-    """A build killed half-way leaves `lock` in the build directory; torch would wait on it forever."""
+def test_checkouts_of_one_source_share_a_build_and_an_edit_gets_its_own(tmp_path, monkeypatch):
+    """The cache entry is named by the source's content, not its path (two worktrees rebuilt each
+    other's library before)."""
+    here = shm.extension_dir()
+    copy = tmp_path / "other-checkout" / "csrc" / shm.SOURCE.name
+    copy.parent.mkdir(parents=True)
+    copy.write_bytes(shm.SOURCE.read_bytes())
+    monkeypatch.setattr(shm, "SOURCE", copy)
+    assert shm.extension_dir() == here
+    copy.write_bytes(shm.SOURCE.read_bytes() + b"\n// edited\n")
+    assert shm.extension_dir() != here and shm.extension_dir().parent == here.parent
+
+
+def test_a_killed_builders_lock_is_not_kept(tmp_path, caplog):
+    """A builder killed while it holds the build lock releases it (the kernel drops a flock with its
+    holder); a live holder is waited for only up to the given bound."""
+    lock = tmp_path / "entry.lock"
+    code = ("import sys, time; from megatron_rollout.comm import shm_rendezvous as s\n"
+            f"with s._build_lock(__import__('pathlib').Path({str(lock)!r})) as held:\n"
+            "    print('held', held, flush=True); time.sleep(120)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert holder.stdout.readline().strip() == "held True"
+        t0 = time.monotonic()
+        with shm._build_lock(lock, wait_s=0.5) as held:
+            assert held is False and 0.5 <= time.monotonic() - t0 < 5
+        assert "building beside it" in caplog.text
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+        t0 = time.monotonic()
+        with shm._build_lock(lock, wait_s=60) as held:
+            assert held is True and time.monotonic() - t0 < 2
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_truncated_library_is_not_loaded(tmp_path):
+    """A cached library cut short (a full disk, a copy interrupted) is caught by its recorded size
+    and hash before it is mapped (mapping it died with SIGBUS): it is discarded and built again, and
+    when that build fails the extension is unavailable with the reason (callers use the store).
+    A private folder left by a killed build is cleared on the way."""
     import shutil
 
     cached = shm.extension_dir()
-    assert list(cached.glob("*.so")), "built by the tests above"
-    target = tmp_path / cached.parent.name / cached.name
-    shutil.copytree(cached, target, ignore=shutil.ignore_patterns("lock"))
-    lock = target / "lock"
-    lock.touch()
-    old = time.time() - shm.STALE_LOCK_S - 60
-    os.utime(lock, (old, old))
-    code = "from megatron_rollout.comm import shm_rendezvous as s; s.load_extension(); print('loaded')"
+    target = tmp_path / cached.name
+    shutil.copytree(cached, target)
+    library = next(target.glob("*.so"))
+    half = library.stat().st_size // 2
+    library.write_bytes(library.read_bytes()[:half])
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    leftover = tmp_path / f".{cached.name}.{int(dead.stdout)}.abc123"
+    leftover.mkdir()
+    (leftover / "shm_rendezvous.o").write_bytes(b"half a build")
+    code = ("from megatron_rollout.comm import shm_rendezvous as s\n"
+            "try:\n    s.load_extension(); print('loaded')\n"
+            "except s.NativeUnavailable as e:\n    print('unavailable', e)\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                         env={**os.environ, shm.DIR_ENV: str(tmp_path)})
-    assert res.stdout.strip() == "loaded", res.stdout + res.stderr
-    assert "removing the build lock" in res.stderr and not lock.exists()
+                         env={**os.environ, shm.DIR_ENV: str(tmp_path), "CXX": "/bin/false"})
+    assert res.returncode == 0, res.stdout + res.stderr  # SIGBUS before
+    assert res.stdout.startswith("unavailable cannot build shm_rendezvous.cpp"), res.stdout + res.stderr
+    assert f"{library} has {half} bytes" in res.stderr, res.stderr
+    assert "the file was truncated or overwritten; not loading it: building it again" in res.stderr, res.stderr
+    assert not target.exists() and not leftover.exists()
+
+
+def test_a_timeout_too_long_for_int64_nanoseconds_waits(tmp_path):
+    """1e10 s is 1e19 ns, past int64: the deadline overflowed into the past and the meeting timed out
+    at once. Two attachments in one process meet from two threads, the second 0.3 s late."""
+    import secrets
+    import threading
+
+    ext = shm.load_extension()
+    path = str(shm.SHM_DIR / f"megatron_rollout.test.{os.getpid()}.{secrets.token_hex(4)}")
+    first, second = ext.ShmBarrier(path, True, 2, 0, 7), ext.ShmBarrier(path, False, 2, 1, 7)
+    os.unlink(path)
+    for b in (first, second):
+        b.set_wait(0.0, 0.0, 50.0, False)
+    for timeout_s in (1e10, 1e300, float("inf")):
+        got: list = []
+        waiter = threading.Thread(target=lambda t=timeout_s: got.append(first.meet(1, 0, 0, (5,), t)))
+        waiter.start()
+        time.sleep(0.3)
+        assert second.meet(1, 0, 0, (6,), timeout_s) == (shm.OK, [(5,), (6,)])
+        waiter.join(10)
+        assert got == [(shm.OK, [(5,), (6,)])], (timeout_s, got)
+
+
+def test_segments_of_killed_rank_zeros_are_removed():
+    """A rank 0 killed during set-up leaves its /dev/shm file; the next set-up removes files whose
+    creator (the pid in the name) is gone, and keeps a live one's."""
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    orphan = shm.SHM_DIR / f"megatron_rollout.{shm._user()}.{dead}.0123abcd"
+    live = shm.SHM_DIR / f"megatron_rollout.{shm._user()}.{os.getpid()}.0123abcd"
+    try:
+        orphan.write_bytes(b"\0" * 64)
+        live.write_bytes(b"\0" * 64)
+        assert orphan in shm.remove_orphan_segments()
+        assert not orphan.exists() and live.exists()
+    finally:
+        orphan.unlink(missing_ok=True)
+        live.unlink(missing_ok=True)
 
 
 def test_failed_or_disabled_build_is_unavailable_with_reason(tmp_path):

@@ -197,3 +197,41 @@ def test_sharded_rollout_atp2_adp2_ep4_with_data_parallel_trainers(tmp_path):
     lines = Path(out, "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2 and json.loads(lines[1])["reward_mean"] == h[1]["reward_mean"]
     assert Path(out, "reward.png").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_output_directory_is_taken_for_the_run(tmp_path):
+    from rl.loop import MetricsFile
+
+    first = MetricsFile(tmp_path / "metrics.jsonl")
+    with pytest.raises(FileExistsError, match="run in progress .*pid"):
+        MetricsFile(tmp_path / "metrics.jsonl")  # a second run into the same fresh directory
+    first.append({"step": 0})
+    first.close()
+    MetricsFile(tmp_path / "metrics.jsonl", overwrite=True).close()  # free again once the first run ended
+
+
+def test_reward_plot_is_skipped_without_matplotlib(tmp_path, monkeypatch, caplog):
+    import sys
+
+    from rl.loop import plot_rewards
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with caplog.at_level(logging.WARNING):
+        plot_rewards([{"step": 0, "reward_mean": 0.1, "reward_std": 0.0}], tmp_path / "reward.png")
+    assert not (tmp_path / "reward.png").exists()
+    assert "matplotlib is not installed" in caplog.text
+
+
+def test_train_grpo_script_errors_and_default_output(tmp_path):
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "examples" / "train_grpo.py"
+    bad = subprocess.run([sys.executable, str(script), "--config", str(TOOL_CONFIG), "--atp", "2", "--steps", "1"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert bad.returncode == 1 and "needs 2 processes" in bad.stderr and "Traceback" not in bad.stderr
+    ok = subprocess.run([sys.executable, str(script), "--config", str(TOOL_CONFIG), "--steps", "1"],
+                        capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    (run,) = (tmp_path / "runs").iterdir()  # no --out: the metrics still land somewhere, named in the output
+    assert run.name.startswith("grpo_tool_cpu-") and (run / "metrics.jsonl").exists() and str(run.name) in ok.stdout

@@ -89,6 +89,10 @@ def test_written_trace_loads_back(tmp_path):
     (dict(scale=0.0), "scale must be a positive number"),
     (dict(wait_scale=-1.0), "wait_scale must be a number >= 0"),
     (dict(seed=-1), "seed must be >= 0"),
+    (dict(scale=1e308), "scale 1e\\+308 would make requests of up to inf tokens, above a trace's limit of 16777216: "
+                        "use a scale of at most 256"),  # OverflowError from round() before
+    (dict(scale=1.0, wait_scale=61.0), "wait_scale 61.0 would make tool waits of up to 3.66e\\+06 ms, above a "
+                                       "trace's limit of 3.6e\\+06 ms: use a wait_scale of at most 60"),
 ])
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -1,5 +1,6 @@
 import json
 import logging
+import os
 
 import pytest
 
@@ -190,3 +191,36 @@ def test_where_is_metadata_not_a_field(tmp_path):
     reqs = load_trace(path)
     assert reqs[1].where == f"{path}:2" and reqs[1] == TraceRequest(7, 0, 50, 3, 12.5)
     assert reqs[1].to_dict() == GOOD[1] | {"wait_ms": 12.5}
+
+
+def test_only_readable_regular_files_are_read(tmp_path, monkeypatch):
+    """A directory, a FIFO and a device are refused at once (a FIFO blocked forever waiting for a
+    writer, /dev/zero read without end); an unreadable file says so (a traceback before)."""
+    fifo = tmp_path / "trace.fifo"
+    os.mkfifo(fifo)
+    for path, kind in ((tmp_path, "a directory"), (fifo, "not a regular file (a FIFO, socket or device)"),
+                       ("/dev/zero", "not a regular file (a FIFO, socket or device)")):
+        with pytest.raises(ValueError) as info:
+            load_trace(path)
+        assert str(info.value) == f"trace {path} is {kind}: give a JSONL trace file"
+    path = _write_lines(tmp_path / "t.jsonl", GOOD)
+
+    def refuse(name, flags, *args):
+        raise PermissionError(13, "Permission denied", name)
+
+    monkeypatch.setattr(os, "open", refuse)  # root reads any file: refuse the way a non-owner is refused
+    with pytest.raises(ValueError, match=f"trace {path} cannot be read \\(Permission denied\\): give a readable"):
+        load_trace(path)
+
+
+def test_deep_nesting_and_bad_bytes_are_errors_of_their_line(tmp_path):
+    """JSON nested 100,000 deep raised RecursionError; a byte that is not UTF-8 is named with its line."""
+    path = _write_lines(tmp_path / "t.jsonl", [GOOD[0], "[" * 100_000])
+    with pytest.raises(TraceError) as info:
+        load_trace(path)
+    assert str(info.value) == f"{path}:2: malformed JSON: nested too deeply (a request is one flat object)"
+    path.write_bytes(json.dumps(GOOD[0]).encode() + b"\n\xff{}\n")
+    with pytest.raises(TraceError) as info:
+        load_trace(path)
+    assert str(info.value) == f"{path}:2: not UTF-8 text (invalid start byte at byte 0)"
+    assert load_trace_lenient(path).requests == [TraceRequest("a", 0, 100, 5, 0.0)]

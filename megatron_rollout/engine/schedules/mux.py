@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +38,7 @@ from megatron_rollout.engine.bookkeeping import RequestTable, SampleOwner
 from megatron_rollout.engine.config import MuxConfig, build_policy
 from megatron_rollout.engine.coordinator import GlobalView
 from megatron_rollout.engine.execution import StepExecutor
+from megatron_rollout.engine.records import step_record
 from megatron_rollout.engine.scheduler import StepPlan
 from megatron_rollout.engine.schedules.base import ScheduleDriver
 from megatron_rollout.forward import BoundaryPoint, Forward, Site
@@ -74,6 +75,8 @@ class Epoch:
     number: int
     owners: list[SampleOwner]
     """Every row P samples when it finishes."""
+    rows: list = field(default_factory=list)
+    """P's rows, until its first segment is recorded (`engine.records`: sizes go on that one)."""
 
 
 class MuxSchedule(ScheduleDriver):
@@ -110,7 +113,7 @@ class MuxSchedule(ScheduleDriver):
         ex = self.executor
         if view.any_prefill and self.epoch is None:  # every rank starts the epoch, maybe with no rows
             rows, owners = ex.inputs((), plan.prefill)
-            self.epoch = Epoch(next(self._numbers), owners)
+            self.epoch = Epoch(next(self._numbers), owners, rows)
             self.table.begin_in_flight(owners)
             forward = ex.forward(rows, Phase.P)
             if self.naive:
@@ -198,6 +201,9 @@ class MuxSchedule(ScheduleDriver):
 
     def _record_segment(self) -> None:
         ex, rec = self.executor, self.turnstile.records[-1]
+        rows, self.epoch.rows = self.epoch.rows, []
+        ex.log.add(step_record(Phase.P.value, rows, 0, rec.t_post_d + self._clock, rec.t_end + self._clock,
+                               epoch=rec.epoch))
         if ex.timeline is not None:
             ex.timeline.record(ex.rank, Phase.P.value, f"epoch {rec.epoch} segment", rec.t_post_d + self._clock,
                                rec.t_end + self._clock, boundaries=f"{rec.first_boundary}..{rec.last_boundary}",

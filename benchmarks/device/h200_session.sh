@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# The one-GPU benchmarks on an H200, as named stages run in order: `bash h200_session.sh setup tests
+# current vllm`. A device machine that keeps /tmp between commands may run the stages over several
+# commands: `setup` copies the code to /tmp/run, and later stages run from there. vLLM's offline
+# bundle (the peer, `benchmarks.vllm_peer`) arrives in pieces in folders `.vb0/` .. `.vb4/` beside
+# the code; `piece` moves the ones present to /tmp/pc, and the `vllm` stages unpack them once all
+# are there. The stages and settings behind a result folder are in its COMMIT file, where it has
+# one (benchmarks/results/README.md lists the folders).
+#
+# `.run` is `git archive HEAD` of the commit measured, plus `.whl/` (megatron-core 0.19.2, which
+# the device image lacks); it is copied to /tmp/run so later commands need not bring it again. Results are
+# kept under /tmp/res (the vLLM stage reads our runs back with `benchmarks.rollout --resume`) and
+# copied to $OUT.
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:/tmp/run
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+mkdir -p /tmp/pc /tmp/res
+bench() { python3 -m benchmarks.rollout --no-progress "$@"; }
+
+for stage in "$@"; do
+  case "$stage" in
+    setup)  # code to /tmp/run, megatron-core to /tmp/site
+      rm -rf /tmp/run && cp -r "$(dirname "$0")/../.." /tmp/run
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/run/.whl/*.whl
+      for d in .vb*; do [ -d "$d" ] && mv "$d"/* /tmp/pc/; done
+      nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm,clocks.mem --format=csv
+      git -C /tmp/run log -1 --format=%H 2>/dev/null || cat /tmp/run/COMMIT 2>/dev/null ;;
+    piece)  # the pieces of the vLLM bundle present now
+      for d in .vb*; do [ -d "$d" ] && mv "$d"/* /tmp/pc/; done; ls -l /tmp/pc ;;
+    tests)  # every GPU-marked test
+      cd /tmp/run
+      timeout 280 python3 -m pytest -q -m gpu tests -p no:cacheprovider --timeout 120 -rf 2>&1 \
+        | tee "$OUT/gpu_tests.log" | tail -15 ;;
+    hotswap)  # update_weights at full size: copy, bind, reshard
+      cd /tmp/run
+      timeout 100 python3 -m benchmarks.hotswap --model qwen3-30b-a3b --json \
+        > "$OUT/hotswap.json" 2> "$OUT/hotswap.err"; tail -c 1200 "$OUT/hotswap.json"; tail -3 "$OUT/hotswap.err" ;;
+    current)  # our schedules: budget sweep, then 3 interleaved warm repeats
+      cd /tmp/run
+      bench --profile current --schedules "${SCHEDULES:-off,chunked,mux}" ${ABLATION:---ablation} --repeats 3 \
+        --no-vllm --deadline-s "${DEADLINE:-200}" --out /tmp/res/current > /tmp/res/current.log 2>&1
+      tail -16 /tmp/res/current.log; cp /tmp/res/current/rollout.json "$OUT/current.json" ;;
+    sampled)  # temperature 1 (seeded per turn): the device draw and decode ahead on sampled rows; ours only
+      cd /tmp/run
+      bench --profile current --schedules off,off/sync,mux,mux/sync --no-ablation --budgets "${BUDGETS:-4096}" \
+        --temperature 1 --repeats 3 --no-vllm --deadline-s "${DEADLINE:-200}" --out /tmp/res/sampled \
+        > /tmp/res/sampled.log 2>&1
+      tail -16 /tmp/res/sampled.log; cp /tmp/res/sampled/rollout.json "$OUT/sampled.json" ;;
+    prefill)  # 16 conversations (24 did not fit 3 repeats in one command); the sweep and the ablation
+      cd /tmp/run
+      bench --profile prefill --conversations 16 --budgets "${BUDGETS:-2048,4096,8192,16384}" ${ABLATION:---ablation} \
+        --repeats 3 --no-vllm --deadline-s "${DEADLINE:-300}" --out /tmp/res/prefill > /tmp/res/prefill.log 2>&1
+      tail -16 /tmp/res/prefill.log; cp /tmp/res/prefill/rollout.json "$OUT/prefill.json" ;;
+    p48)  # the full 48-layer preset on the prefill profile: off and mux, one budget, one repeat
+      cd /tmp/run
+      bench --model qwen3-30b-a3b --profile prefill --conversations 6 --schedules off,mux --no-ablation \
+        --budgets 2048 --repeats 1 --no-vllm --deadline-s 180 --out /tmp/res/p48 > /tmp/res/p48.log 2>&1
+      tail -8 /tmp/res/p48.log; cp /tmp/res/p48/rollout.json "$OUT/p48.json" ;;
+    profile)  # where a forward's time goes (torch profiler), eager against piecewise
+      cd /tmp/run
+      timeout 150 python3 -m benchmarks.profile --out "$OUT/profile.json" > /tmp/res/profile.log 2>&1
+      grep __main__ /tmp/res/profile.log | cut -c1-200 ;;
+    attention)  # attention backends and the Triton prefill settings grid on the model's shapes
+      cd /tmp/run
+      timeout 200 python3 -m benchmarks.attention --backends "${ATTN_BACKENDS:-triton,varlen}" \
+        --out "$OUT/attention.json" 2>&1 | tail -8 ;;
+    fp8)  # bf16 vs FP8 (dense on scaled_mm; experts stacked e4m3 on the Triton kernels) in decode graphs
+      cd /tmp/run
+      timeout 300 python3 -m benchmarks.te --out "$OUT/fp8-bench.json" > /tmp/res/fp8.log 2>&1
+      tail -8 /tmp/res/fp8.log ;;
+    micro)  # the micro stage alone: decode steps, prefill rate, attention, experts
+      cd /tmp/run
+      timeout 120 python3 -m benchmarks.rollout --schedules '' --micro --no-vllm --out /tmp/res/micro \
+        > /tmp/res/micro.log 2>&1; tail -12 /tmp/res/micro.log; cp /tmp/res/micro/rollout.json "$OUT/micro.json" ;;
+    flash)  # FA3 from the unpacked vLLM bundle: its GPU tests, the attention grid with it (the crossover
+      # shapes too), then a prefill replay on it
+      cd /tmp/run
+      PYTHONPATH=/tmp/site:/tmp/run:/tmp/pv/site timeout 120 python3 -m pytest -q -m gpu tests/kernels/test_attention.py \
+        -k flash -p no:cacheprovider -rs 2>&1 | tee "$OUT/flash_tests.log" | tail -4
+      PYTHONPATH=/tmp/site:/tmp/run:/tmp/pv/site timeout 150 python3 -m benchmarks.attention \
+        --backends triton,flash --block-n 128 --stages 3 --warps 8 \
+        --prefill '1x(0+4096),8x(2048+512),4x(2048+1024),1x(0+512),1x(0+1024),1x(0+2048),4x(0+512)' \
+        --out "$OUT/attention-flash.json" 2>&1 | tail -8
+      [ "${FLASH_REPLAY:-1}" = 0 ] && continue
+      PYTHONPATH=/tmp/site:/tmp/run:/tmp/pv/site bench --profile prefill --conversations 16 --attention flash \
+        --schedules "${SCHEDULES:-off,mux}" --no-ablation --budgets "${BUDGETS:-8192}" --repeats 3 --no-vllm \
+        --deadline-s "${DEADLINE:-240}" --out /tmp/res/prefill-flash > /tmp/res/prefill-flash.log 2>&1
+      tail -10 /tmp/res/prefill-flash.log; cp /tmp/res/prefill-flash/rollout.json "$OUT/prefill-flash.json" ;;
+    kernels)  # fused small ops and the decode step; the micro stage (prefill rate, attention, experts)
+      cd /tmp/run
+      timeout 240 python3 -m benchmarks.kernels --json --out "$OUT/kernels.json" > /tmp/res/kernels.log 2>&1
+      tail -40 /tmp/res/kernels.log | cut -c1-220
+      timeout 100 python3 -m benchmarks.rollout --schedules '' --micro --no-vllm --out /tmp/res/micro \
+        > /tmp/res/micro.log 2>&1; tail -12 /tmp/res/micro.log; cp /tmp/res/micro/rollout.json "$OUT/micro.json" ;;
+    idle)  # the GPU's idle share of decode-only windows, 3 interleaved repeats, with and without decode ahead
+      cd /tmp/run
+      timeout 150 python3 -m benchmarks.profile --no-forwards --no-graphs --idle-rows "${IDLE_ROWS:-1,64}" \
+        --idle-repeats 3 --out "$OUT/idle.json" > /tmp/res/idle.log 2>&1; grep -i "window" /tmp/res/idle.log | cut -c1-240 ;;
+    flashmicro)  # the micro stage's decode and prefill with FA3 (the unpacked bundle) on every prefill
+      mkdir -p /tmp/pv/site
+      [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.0* | xz -dc -T8 | tar -x -C /tmp/pv/site)
+      cd /tmp/run
+      PYTHONPATH=/tmp/site:/tmp/run:/tmp/pv/site timeout 150 python3 -m benchmarks.rollout --schedules '' \
+        --micro --micro-parts decode,prefill --attention flash --no-vllm --out /tmp/res/micro-flash \
+        > /tmp/res/micro-flash.log 2>&1; tail -12 /tmp/res/micro-flash.log | cut -c1-200
+      cp /tmp/res/micro-flash/rollout.json "$OUT/micro-flash.json" ;;
+    vllm|vllm48)  # unpack the bundle, then the peer on each profile's trace, against our runs
+      mkdir -p /tmp/pv/site
+      [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.0* | xz -dc -T8 | tar -x -C /tmp/pv/site)
+      cd /tmp/run
+      if [ "$stage" = vllm ]; then runs=${VLLM_RUNS:-"current:default,best:270 prefill:default,best:290"}
+      else runs="p48:default:200"; fi
+      for r in $runs; do
+        IFS=: read -r p b d <<< "$r"
+        if [ "$p" = p48 ]; then
+          opts="--model qwen3-30b-a3b --profile prefill --conversations 6 --vllm-passes 1"
+        elif [ "$p" = prefill ]; then opts="--profile prefill --conversations 16"; else opts="--profile current"; fi
+        bench $opts --resume "/tmp/res/$p" --vllm --vllm-site /tmp/pv/site --vllm-budgets "$b" \
+          --deadline-s "$d" --vllm-reserve-s "$d" > "/tmp/res/$p.vllm.log" 2>&1
+        tail -10 "/tmp/res/$p.vllm.log"; cp "/tmp/res/$p/rollout.json" "$OUT/$p.json"
+        cp "/tmp/res/$p/vllm.log" "$OUT/$p.vllm.log" 2>/dev/null
+      done ;;
+    pdl)  # programmatic dependent launch (kernels.pdl): GPU tests with it on, then the 1-row decode idle
+      # windows with it off and on, alternating processes (off, on, off, on)
+      cd /tmp/run
+      MEGATRON_ROLLOUT_PDL=1 timeout 100 python3 -m pytest -q -m gpu tests/kernels/test_cuda_runner.py \
+        tests/kernels/test_pdl.py -p no:cacheprovider -x 2>&1 | tee "$OUT/pdl_tests.log" | tail -3
+      for i in 1 2; do for v in 0 1; do
+        MEGATRON_ROLLOUT_PDL=$v timeout 60 python3 -m benchmarks.profile --no-forwards --no-graphs \
+          --idle-rows "${IDLE_ROWS:-1}" --idle-repeats 1 --out "$OUT/idle-pdl$v-$i.json" > "$OUT/idle-pdl$v-$i.log" 2>&1
+        echo "PDL=$v round $i"; grep -i "window" "$OUT/idle-pdl$v-$i.log" | cut -c30-330
+      done; done ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done

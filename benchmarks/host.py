@@ -1,0 +1,144 @@
+"""The host's share of a decode step, measured without a GPU (issue 14's host-time item).
+
+A decode step on the GPU is a graph replay of a few ms; everything the host does around it (plan,
+inputs, the static layout's refill, sampling, bookkeeping) runs while the GPU idles unless it is
+overlapped, so it is worth timing by itself, on any machine:
+
+- `engine`: wall time of `RolloutEngine.step()` with a runner that returns logits at once (no
+  model), every request decoding: the engine's own host time per step at a batch size.
+- `fill`: `StaticDecodeLayout.fill` of a decode batch, full (every table entry converted from
+  Python ints each step) against keyed (`SpanInput.key`: only a table's new entries), at long
+  and short contexts.
+- `sample`: `sampler.sample` of a batch of rows over a 151,936-token vocabulary (Qwen3's), greedy
+  against temperature 1, interleaved (on a GPU the draws run on the device; here on the CPU).
+
+Repeats interleave the variants; medians and [min-max] over them. Run:
+`python -m benchmarks.host` (CPU; the figures are this machine's host, not the GPU
+machine's).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from megatron_rollout.engine.runner import SpanInput
+from megatron_rollout.forward import Forward
+from megatron_rollout.kernels.layout import StaticDecodeLayout
+from megatron_rollout.kernels.registry import PortableAttention
+from megatron_rollout.kv.paged import SeqSpan
+from megatron_rollout.types import Phase
+
+
+class InstantRunner:
+    """A runner without a model: zero logits for the sampled rows, at once."""
+
+    def __init__(self, cache, vocab: int) -> None:
+        self.cache, self.vocab = cache, vocab
+
+    def forward(self, inputs: list[SpanInput], phase: Phase) -> Forward:
+        return self._logits(sum(1 for i in inputs if i.sample))
+
+    def _logits(self, rows: int) -> Forward:
+        return torch.zeros(rows, self.vocab)
+        yield  # a forward with no boundary
+
+
+def _summary(samples: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples)}
+
+
+def engine_step_ms(rows: int, prompt: int = 48, steps: int = 50, repeats: int = 3) -> dict[str, float]:
+    """Host ms per engine step with `rows` decoding requests (tiny-moe bookkeeping, no model)."""
+    from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
+    from megatron_rollout.model.config import PRESETS
+    from megatron_rollout.model.transformer import MoETransformer
+
+    cfg = PRESETS["tiny-moe"]
+    samples = []
+    for rep in range(repeats):
+        engine = RolloutEngine(MoETransformer(cfg), EngineConfig(schedule="off", num_blocks=rows * (prompt // 16 + 24),
+                                                                max_batch_tokens=rows * prompt, max_decode_rows=rows))
+        engine.runner = engine.executor.runner = InstantRunner(engine.runner.cache, cfg.vocab_size)
+        rng = np.random.default_rng(rep)
+        params = SamplingParams(temperature=0.0, max_new_tokens=steps + 16, ignore_stop=True)
+        for _ in range(rows):
+            engine.add_request(rng.integers(0, cfg.vocab_size, prompt).tolist(), params)
+        for _ in range(3):  # the prefill, then decode only
+            engine.step()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        samples.append((time.perf_counter() - t0) / steps * 1e3)
+    return _summary(samples)
+
+
+def fill_ms(rows: int, blocks: int, steps: int = 40, repeats: int = 5) -> dict[str, dict[str, float]]:
+    """Host ms per `StaticDecodeLayout.fill` of `rows` rows of `blocks`-entry tables, every row
+    gaining a block every 16 steps, full against keyed, interleaved."""
+    rng = np.random.default_rng(0)
+    tables = [[int(b) for b in rng.integers(0, 1 << 20, blocks)] for _ in range(rows)]
+    keys = [(r, 0) for r in range(rows)]
+    layouts = {m: StaticDecodeLayout(rows, blocks + steps, 16, PortableAttention(), 32, 4, 128, torch.device("cpu"),
+                                     132) for m in ("full", "keyed")}
+    samples: dict[str, list[float]] = {m: [] for m in layouts}
+    for _ in range(repeats):
+        for mode, layout in layouts.items():
+            spent = 0.0
+            for step in range(steps):
+                if step % 16 == 0:
+                    for table in tables:
+                        table.append(int(rng.integers(0, 1 << 20)))
+                spans = [SeqSpan(tuple(t), 16 * len(t) - 1, 1) for t in tables]
+                t0 = time.perf_counter()
+                layout.fill(spans, [1] * rows, keys if mode == "keyed" else None)
+                spent += time.perf_counter() - t0
+            samples[mode].append(spent / steps * 1e3)
+    return {m: _summary(v) for m, v in samples.items()}
+
+
+def sample_ms(rows: int, vocab: int = 151_936, repeats: int = 5) -> dict[str, dict[str, float]]:
+    """Host ms per `sample` of `rows` rows, greedy (`t0`) against temperature 1 (`t1`), interleaved."""
+    from megatron_rollout.engine import SamplingParams
+    from megatron_rollout.engine.sampler import sample
+
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    gens = [torch.Generator().manual_seed(i) for i in range(rows)]
+    params = {"t0": [SamplingParams(temperature=0.0)] * rows, "t1": [SamplingParams(temperature=1.0)] * rows}
+    for p in params.values():  # warm
+        sample(logits, p, gens)
+    samples: dict[str, list[float]] = {k: [] for k in params}
+    for _ in range(repeats):
+        for key, p in params.items():
+            t0 = time.perf_counter()
+            sample(logits, p, gens)
+            samples[key].append((time.perf_counter() - t0) * 1e3)
+    return {k: _summary(v) for k, v in samples.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.host", description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,16,64,256", help="decode batch sizes of the engine stage")
+    ap.add_argument("--fill", default="16x1300,64x1300,64x128", help="rows x table entries of the fill stage")
+    ap.add_argument("--sample", default="1,16,64", help="batch sizes of the sample stage ('' skips it)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {"torch": torch.__version__, "engine_step_ms": {}, "fill_ms": {}, "sample_ms": {}}
+    for rows in (int(r) for r in args.rows.split(",") if r):
+        out["engine_step_ms"][rows] = engine_step_ms(rows)
+    for spec in (s for s in args.fill.split(",") if s):
+        rows, blocks = (int(v) for v in spec.split("x"))
+        out["fill_ms"][spec] = fill_ms(rows, blocks)
+    for rows in (int(r) for r in args.sample.split(",") if r):
+        out["sample_ms"][rows] = sample_ms(rows)
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,745 @@
+"""`python -m benchmarks.rollout`: the one-GPU rollout benchmark, one command (DESIGN.md §9).
+
+A figure counts only warm, repeated, each schedule at its best token budget, next to the peer:
+
+1. a trace (`trace.make_trace`, `--profile current | prefill | decode`, sized by
+   `--conversations` and `--scale`; per-profile defaults sized so a full comparison fits two
+   9-minute device calls), its lower bound (`benchmarks.bounds`) and, on CUDA, the device ceilings;
+2. the budget sweep: every base schedule (`off`, `chunked`, `mux`) replayed once at each
+   `--budgets` value (`--max-batch-tokens`: the chunked step budget, the off/mux epoch budget) on
+   a short pass (the first `--sweep-fraction` of the conversations); each schedule's best budget
+   is the one with the shortest makespan. The sweep is also the warm-up: after it every kernel
+   variant a replay uses is compiled (with one budget, one untimed short pass per schedule is run
+   instead). Same-budget ratios come from this pass;
+3. the timed repeats: `--repeats` rounds, interleaved (off, chunked, mux, mux-epoch, mux-load,
+   off, ...), each replay in a fresh engine over the same model and token ids, at the schedule's
+   best budget. `mux` runs its default segment policy (`--mux-span`, `WaitBudget`); the paper's
+   ablation runs beside it at mux's budget: `mux-epoch`, one segment per epoch (whole-epoch
+   asynchronous enqueue, `mux_span="fixed:1000000000"`), and `mux-load`, LoadSelected's fine
+   segments. Decode graphs and piecewise P graphs are captured when the engine is built, before
+   the clock starts; every timed replay runs inside a
+   `benchmarks.compiles.CompileCounter`, and its Triton and torch compilations are in the JSON and
+   the table (a figure with compilations is marked cold and left out of the medians);
+4. per schedule: `repeats` (the reports) and `median` / `min` / `max` of every figure; ratios
+   from medians (best budget against best budget), and the issue's targets for the profile;
+5. the vLLM peer (`benchmarks.vllm_peer`) in its own process after this one has freed the GPU, on
+   the same trace file and token ids; its figures join the table and the ratios.
+
+Results go to `<out>/rollout.json` after every replay (a killed run keeps what it measured);
+`--deadline-s` stops cleanly before a replay that would not fit and leaves time for the peer.
+The last lines of stdout are the table. `--device cpu --model tiny-moe` runs steps 1-4 on CPU
+(the CI test does). Left out: several GPUs, FP8; the micro-benchmarks (`--micro`) belong to the
+kernel work and are off by default.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.bounds import model_costs, trace_lower_bound
+from benchmarks.compiles import CompileCounter
+from megatron_rollout.engine.config import DEFAULT_SPAN
+from megatron_rollout.model.config import PRESETS, ModelConfig
+from megatron_rollout.model.transformer import MoETransformer
+from megatron_rollout.trace.make import PROFILES, make_trace, max_context
+
+log = logging.getLogger("benchmarks")
+
+BASE_SCHEDULES = ("off", "chunked", "mux")
+MICRO_PARTS = ("decode", "prefill", "attention", "experts", "overlap", "gap")
+"""`benchmarks.micro`'s parts; `gap` times a P forward piecewise, eager and as one whole graph
+(`micro.segment_gap`); `overlap` times decode replays while a prefill runs on the other stream
+(D at high priority, at equal priority, on green-context SM partitions)."""
+ABLATIONS = (("mux-epoch", "mux@fixed:1000000000"), ("mux-load", "mux@load"))
+"""The paper's ablation beside `mux` (its default policy): one segment per epoch (whole-epoch
+asynchronous enqueue) and LoadSelected's fine segments."""
+PROFILE_SIZES = {"current": (16, 0.1), "prefill": (24, 1.0), "decode": (16, 0.25)}
+"""Default (conversations, scale) per profile: one timed replay takes ~5-10 s on the H200 (12 layers)."""
+SWEEP_SHARE = 0.4
+"""Most of our stages' time the budget sweep may take."""
+REPORT_FIGURES = ("makespan_s", "p50_request_s", "p99_request_s", "p99_trajectory_s", "mean_ttft_s", "p99_ttft_s",
+                  "mean_queue_s", "mean_prefill_s", "mean_decode_wait_ms", "tokens_per_s")
+TARGETS = {
+    "current": {"best_over_vllm": 1.0},
+    "prefill": {"mux_over_best_baseline": 0.85, "mux_over_vllm": 0.8, "mux_p99_request_over_best_baseline": 0.7,
+                "mux_ttft_over_off": 1.1},
+}
+"""Issue 13's targets per profile (ratio <= target)."""
+
+
+class ScheduleTimeout(Exception):
+    """A replay ran past its time limit."""
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.rollout", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen3-30b-a3b-12l", choices=sorted(PRESETS))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--profile", default="current", choices=sorted(PROFILES), help="trace profile (trace.make)")
+    ap.add_argument("--conversations", type=int, default=None, help="default: per profile (PROFILE_SIZES)")
+    ap.add_argument("--scale", type=float, default=None, help="token-count scale of the trace (default: per profile)")
+    ap.add_argument("--wait-scale", type=float, default=None, help="tool-wait scale (default: --scale)")
+    ap.add_argument("--trace-seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="weights and input token ids")
+    ap.add_argument("--schedules", default="off,chunked,mux",
+                    help="comma-separated; 'mux@fixed:K' runs mux with another segment policy, 'off/sync' a schedule "
+                         "without decode ahead; '' runs none")
+    ap.add_argument("--ablation", action=argparse.BooleanOptionalAction, default=True,
+                    help="add mux-epoch (one segment per epoch) when mux runs")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--budgets", default="2048,4096,8192,16384", help="token budgets swept (one value: no sweep)")
+    ap.add_argument("--max-batch-tokens", type=int, default=None, help="one budget for all (same as --budgets N)")
+    ap.add_argument("--sweep-fraction", type=float, default=0.5, help="share of the conversations in the sweep pass")
+    ap.add_argument("--max-decode-rows", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--kv-gb", type=float, default=40.0, help="KV cache size on CUDA (GiB)")
+    ap.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-gb)")
+    ap.add_argument("--max-model-len", default="auto",
+                    help="int, or 'auto': the preset's, raised to cover the trace's longest context (random weights)")
+    ap.add_argument("--mux-span", default=DEFAULT_SPAN,
+                    help="segment policy of plain 'mux': budget:US | load | fixed:K")
+    ap.add_argument("--attention", default="auto", help="auto | triton | varlen | flash | portable")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="of every turn (seeded per turn); > 0 times sampled decoding, ours only (no vLLM)")
+    ap.add_argument("--decode-ahead", default="auto", choices=("auto", "on", "off"),
+                    help="issue the next decode forward before reading this one's tokens (engine.ahead)")
+    ap.add_argument("--schedule-budget-s", type=float, default=120.0, help="time limit of one replay")
+    ap.add_argument("--deadline-s", type=float, default=520.0, help="whole run, the peer included")
+    ap.add_argument("--micro", action=argparse.BooleanOptionalAction, default=False)
+    ap.add_argument("--micro-parts", default=",".join(MICRO_PARTS),
+                    help=f"which micro-benchmarks --micro runs, comma-separated, of {','.join(MICRO_PARTS)}")
+    ap.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=None, help="default: on CUDA")
+    ap.add_argument("--vllm-site", default="/tmp/pv/site", help="where the vLLM bundle was unpacked")
+    ap.add_argument("--vllm-budgets", default="default,best",
+                    help="vLLM's max_num_batched_tokens: 'default' (its own) and/or 'best' (our best schedule's)")
+    ap.add_argument("--vllm-passes", type=int, default=3)
+    ap.add_argument("--vllm-reserve-s", type=float, default=250.0, help="time kept for the peer")
+    ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=False, help="the transformers peer")
+    ap.add_argument("--hf-budget-s", type=float, default=60.0)
+    ap.add_argument("--resume", default=None, metavar="DIR",
+                    help="run only the peer stage over DIR/rollout.json (our figures from an earlier run of the "
+                         "same trace options, e.g. an earlier run on the same machine); results go to DIR")
+    ap.add_argument("--out", default="runs/bench")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap
+
+
+def random_model(cfg: ModelConfig, device: torch.device, seed: int) -> MoETransformer:
+    """Random weights drawn on the device (init_weights draws 8B values on CPU: too slow)."""
+    model = MoETransformer(cfg, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return model.requires_grad_(False)
+
+
+def _num_blocks(args: argparse.Namespace, cfg: ModelConfig) -> int:
+    if args.num_blocks:
+        return args.num_blocks
+    if args.device == "cpu":
+        return 4096
+    from megatron_rollout.kv.paged import PagedKVCache
+
+    return int(args.kv_gb * 2 ** 30 // PagedKVCache.bytes_per_block(cfg, args.block_size, cfg.num_query_groups))
+
+
+def _write(out: Path, result: dict) -> None:
+    tmp = out / "rollout.json.tmp"
+    tmp.write_text(json.dumps(result, indent=1, default=str))
+    tmp.replace(out / "rollout.json")
+
+
+def trace_summary(trace: list) -> dict[str, Any]:
+    from megatron_rollout.trace.schema import group_conversations
+
+    convs = group_conversations(trace)
+    contexts = [sum(t.input_tokens + t.output_tokens for t in turns) for turns in convs.values()]
+    return {"requests": len(trace), "conversations": len(convs),
+            "input_tokens": sum(t.input_tokens for t in trace), "output_tokens": sum(t.output_tokens for t in trace),
+            "mean_turns": len(trace) / len(convs), "max_context": max(contexts),
+            "mean_context": float(np.mean(contexts)),
+            "total_wait_s": sum(t.wait_ms for t in trace) / 1e3}
+
+
+@dataclass
+class Run:
+    """What the stages share (mutable, private to `main`)."""
+
+    args: argparse.Namespace
+    cfg: ModelConfig
+    model: MoETransformer | None
+    max_model_len: int
+    num_blocks: int
+    deadline: float
+    """perf_counter time by which our stages must end (the peer's reserve excluded)."""
+    sweep_deadline: float
+    """The sweep ends by then (`SWEEP_SHARE` of our time), leaving the rest to the repeats."""
+    expert_choice: str | None = None
+    """The small-batch expert kernel the first engine measured; later engines keep it."""
+    last_s: dict[str, float] = field(default_factory=dict)
+    """Duration of the last replay of each kind (sweep, timed), to keep within the deadline."""
+
+    def fits(self, kind: str) -> bool:
+        need = self.last_s.get(kind, 0.0) * 1.25 + 3.0
+        return time.perf_counter() + need <= (self.sweep_deadline if kind == "sweep" else self.deadline)
+
+
+def _split(spec: str) -> tuple[str, str | None, str | None]:
+    """'schedule[@span][/sync]' -> (schedule, span, decode_ahead): '/sync' turns decode ahead off."""
+    core, _, flag = spec.partition("/")
+    if flag not in ("", "sync"):
+        raise SystemExit(f"schedule {spec!r}: the only suffix is '/sync' (decode ahead off)")
+    schedule, _, span = core.partition("@")
+    return schedule, span or None, "off" if flag else None
+
+
+def _engine_config(run: Run, schedule: str, span: str | None, budget: int, ahead: str | None = None):
+    from megatron_rollout.engine import EngineConfig
+
+    a = run.args
+    kw: dict[str, Any] = dict(schedule=schedule, block_size=a.block_size, num_blocks=run.num_blocks,
+                              max_batch_tokens=budget, max_decode_rows=a.max_decode_rows, mux_span=span or a.mux_span,
+                              seed=a.seed, max_model_len=run.max_model_len)
+    try:  # the typed runner config (EngineConfig.runner); older engines take no runner keyword
+        from megatron_rollout.engine.config import RunnerConfig
+
+        kw["runner"] = RunnerConfig(attention=a.attention, measure_expert_kernels=run.expert_choice is None,
+                                    decode_ahead=ahead or a.decode_ahead)
+    except ImportError:
+        pass
+    return EngineConfig(**kw)
+
+
+def _micro_parts(spec: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in spec.split(",") if n.strip())
+    unknown = [n for n in names if n not in MICRO_PARTS]
+    if unknown:
+        raise SystemExit(f"--micro-parts: unknown part(s) {unknown}; choose from {list(MICRO_PARTS)}")
+    return names
+
+
+def _expert_small(model) -> str | None:
+    exchange = getattr(getattr(model, "comm", None), "device_exchange", None)
+    return getattr(exchange, "small", None)
+
+
+def run_micro(model: MoETransformer, cfg: ModelConfig, args, costs, bandwidth: float, peak: float,
+              names: tuple[str, ...] = MICRO_PARTS) -> dict:
+    from benchmarks import micro
+    from megatron_rollout.engine.config import RunnerConfig
+    from megatron_rollout.engine.cuda_runner import CudaRunner
+    from megatron_rollout.kv.paged import PagedKVCache
+
+    rng = np.random.default_rng(args.seed)
+    cache = PagedKVCache(cfg, 40_000, args.block_size, cfg.num_query_groups, device=args.device)
+    cache.k.normal_()
+    cache.v.normal_()
+    runner = CudaRunner(model, cache, RunnerConfig(attention=args.attention))
+    # the expert-kernel choice is measured per runner: record it next to the stages it served
+    out: dict[str, Any] = {"attention_backend": runner.kernels.name,
+                           f"expert_kernels_{'+'.join(names)}": runner.expert_kernels}
+    stages = [
+        ("decode", lambda: micro.decode_steps(runner, costs, bandwidth, [(1, 2048), (16, 2048), (64, 512),
+                                                                         (64, 2048), (64, 8192), (128, 2048)], rng)),
+        ("prefill", lambda: micro.prefill(runner, costs, peak, [[(0, 4096)], [(0, 2048)] * 4,
+                                                                [(2048, 512)] * 8, [(0, 256)]], rng)),
+        ("attention", lambda: micro.attention(runner, rng)),
+        ("experts", lambda: micro.experts(runner, rng)),
+        ("overlap", lambda: micro.overlap(runner, rng)),
+        ("gap", lambda: micro.segment_gap(runner, rng)),  # last: it captures a graph of its own
+    ]
+    for name, fn in stages:
+        if name not in names:
+            continue
+        t0 = time.perf_counter()
+        try:
+            out[name] = fn()
+        except Exception as exc:  # one failed micro-benchmark must not cost the rest of the run
+            log.exception("micro-benchmark %s failed", name)
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        out[f"{name}_wall_s"] = time.perf_counter() - t0
+    stages.clear()  # the closures hold the runner and its cache
+    timed = [r for name in ("decode", "prefill", "gap") if isinstance(out.get(name), list) for r in out[name]]
+    if timed:  # compilations during the timed calls of the decode, prefill and gap parts: must be 0
+        out["compiles_in_timed_regions"] = sum(r.get("compiles", 0) for r in timed)
+    return out
+
+
+def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str) -> dict[str, Any]:
+    """One replay of `trace` under `spec` at `budget` in a fresh engine; compilations counted."""
+    from megatron_rollout.engine import RolloutEngine, SamplingParams
+    from megatron_rollout.trace.replay import replay
+    from megatron_rollout.trace.timeline import Timeline
+
+    args, cfg = run.args, run.cfg
+    schedule, span, ahead = _split(spec)
+    t0 = time.perf_counter()
+    engine = RolloutEngine(run.model, _engine_config(run, schedule, span, budget, ahead), timeline=Timeline())
+    runner = engine.runner
+    if run.expert_choice is None and _expert_small(run.model) is not None:
+        run.expert_choice = _expert_small(run.model)
+    if hasattr(runner, "capture"):  # decode graphs for every batch this trace can form, before timing
+        rows = len({t.conversation for t in trace})
+        top = runner.bucket(min(rows, args.max_decode_rows)) if hasattr(runner, "bucket") else None
+        sizes = [b for b in runner.config.graph_batch_sizes if top is None or b <= top]
+        runner.capture(sizes)
+    rng = np.random.default_rng(args.seed)
+    sizes = (700, 300, 1) if args.device != "cpu" else (24, 9, 1)
+    warm = [rng.integers(0, cfg.vocab_size, n).tolist() for n in sizes]
+    engine.generate(warm, SamplingParams(temperature=0.0, max_new_tokens=8, ignore_stop=True))
+    setup_s = time.perf_counter() - t0
+    # reset in place: the engine's parts hold these objects (assigning new ones would detach them)
+    for f in dataclasses.fields(engine.stats):
+        setattr(engine.stats, f.name, f.default if f.default is not dataclasses.MISSING else f.default_factory())
+    first_event = len(engine.timeline.events)
+    if hasattr(runner, "stats"):
+        runner.stats = {k: 0 for k in runner.stats}
+    if args.device != "cpu":
+        torch.cuda.synchronize()
+
+    limit = max(1.0, min(args.schedule_budget_s, run.deadline - time.perf_counter()))
+
+    def expire(signum, frame):
+        raise ScheduleTimeout(f"replay of {spec} ran past its {limit:.0f} s limit")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, limit)
+    started = time.perf_counter()
+    counter = CompileCounter()
+    try:
+        with counter:
+            report, _ = replay(engine, trace, seed=args.seed, progress=not args.no_progress, vocab_size=cfg.vocab_size,
+                               schedule=schedule, temperature=args.temperature)
+            if args.device != "cpu":
+                torch.cuda.synchronize()
+        result: dict[str, Any] = {"report": report.to_dict(), "finished": True}
+    except ScheduleTimeout as exc:
+        result = {"finished": False, "error": str(exc)}
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    wall = time.perf_counter() - started
+    run.last_s[kind] = max(run.last_s.get(kind, 0.0), wall + setup_s)
+    stats, events = engine.stats, engine.timeline.events[first_event:]
+    compiles = counter.counts
+    result.update(
+        spec=spec, budget=budget, wall_s=wall, setup_s=setup_s, compilations=compiles.to_dict(),
+        warm=compiles.total == 0, runner=type(runner).__name__,
+        graph_safe=getattr(runner, "graph_safe", None), capture_error=getattr(runner, "capture_error", None),
+        prefill_capture_error=getattr(runner, "prefill_capture_error", None),
+        attention_backend=getattr(getattr(runner, "kernels", None), "name", None),
+        expert_small_kernel=_expert_small(run.model), runner_stats=dict(getattr(runner, "stats", {})),
+        engine_stats={"steps": stats.steps, "decode_iterations": stats.decode_iterations,
+                      "prefill_tokens": stats.prefill_tokens, "decode_tokens": stats.decode_tokens,
+                      "preemptions": stats.preemptions, "mean_decode_wait_ms": stats.mean_decode_wait_ms,
+                      "ahead_issued": stats.ahead_issued, "ahead_taken": stats.ahead_taken,
+                      "ahead_dropped": stats.ahead_dropped},
+        timeline=_window(events, seconds=3.0) if kind == "timed" else [])
+    del engine, runner
+    gc.collect()
+    if args.device != "cpu":
+        torch.cuda.empty_cache()
+    return result
+
+
+def _window(events, seconds: float) -> list[list]:
+    """A few seconds of the timeline from the middle of the run, for the plot: [phase, start, end]."""
+    if not events:
+        return []
+    t0 = min(e.start for e in events)
+    t1 = max(e.end for e in events)
+    lo = t0 + max(0.0, (t1 - t0) / 2 - seconds / 2)
+    return [[e.phase, round(e.start - lo, 6), round(e.end - lo, 6)] for e in events
+            if e.end >= lo and e.start <= lo + seconds]
+
+
+def summarize(repeats: list[dict]) -> dict[str, Any]:
+    """median / min / max of every figure over the warm, finished repeats (all finished ones when
+    none is warm: `median_warm` then says False)."""
+    done = [r for r in repeats if r.get("finished")]
+    warm = [r for r in done if r.get("warm")]
+    use = warm or done
+    out: dict[str, Any] = {"n": len(use), "n_cold": len(done) - len(warm), "median_warm": bool(warm) or not done,
+                           "compilations": sum(r.get("compilations", {}).get("total", 0) for r in repeats)}
+    for stat, fn in (("median", np.median), ("min", np.min), ("max", np.max)):
+        out[stat] = {}
+        for key in REPORT_FIGURES:
+            values = [r["report"][key] for r in use if isinstance(r["report"].get(key), (int, float))]
+            out[stat][key] = float(fn(values)) if values else None
+    return out
+
+
+def _ratio(a, b):
+    return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0 else None
+
+
+def ratios(result: dict) -> dict[str, float | None]:
+    """Ratios of medians, each schedule at its best budget; same-budget ratios from the sweep."""
+    sched = result.get("schedules", {})
+
+    def med(name, key="makespan_s"):
+        return (sched.get(name, {}).get("median") or {}).get(key)
+
+    out: dict[str, float | None] = {}
+    baselines = [n for n in ("off", "chunked") if med(n) is not None]
+    best_base = min(baselines, key=med) if baselines else None
+    ours = [n for n in sched if med(n) is not None]
+    vllm = ((result.get("vllm") or {}).get("median") or {}).get("makespan_s")
+    out["mux_over_off"] = _ratio(med("mux"), med("off"))
+    out["mux_over_chunked"] = _ratio(med("mux"), med("chunked"))
+    out["mux_over_best_baseline"] = _ratio(med("mux"), med(best_base)) if best_base else None
+    out["mux_p99_request_over_best_baseline"] = _ratio(med("mux", "p99_request_s"), med(best_base, "p99_request_s")) \
+        if best_base else None
+    out["mux_ttft_over_off"] = _ratio(med("mux", "mean_ttft_s"), med("off", "mean_ttft_s"))
+    for half in ("queue", "prefill"):  # which half of TTFT grew (the request's admission splits it)
+        out[f"mux_{half}_over_off"] = _ratio(med("mux", f"mean_{half}_s"), med("off", f"mean_{half}_s"))
+    out["mux_epoch_over_mux"] = _ratio(med(ABLATIONS[0][0]), med("mux"))
+    out["mux_load_over_mux"] = _ratio(med(ABLATIONS[1][0]), med("mux"))
+    out["best_over_vllm"] = _ratio(min((med(n) for n in ours), default=None), vllm) if ours else None
+    for n in ours:  # decode ahead's effect: a schedule against its '/sync' twin
+        if n.endswith("/sync"):
+            out[f"{n[:-5]}_over_{n[:-5]}_sync"] = _ratio(med(n[:-5]), med(n))
+    out["mux_over_vllm"] = _ratio(med("mux"), vllm)
+    out["mux_over_lower_bound"] = _ratio(med("mux"), (result.get("lower_bound") or {}).get("bound_s"))
+    for budget, row in (result.get("sweep") or {}).items():
+        ms = {n: (r.get("report") or {}).get("makespan_s") for n, r in row.items() if r.get("finished")}
+        out[f"mux_over_off@{budget}"] = _ratio(ms.get("mux"), ms.get("off"))
+        out[f"mux_over_chunked@{budget}"] = _ratio(ms.get("mux"), ms.get("chunked"))
+    return out
+
+
+def _fmt(v, spec):
+    return format(v, spec) if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v)) else "-"
+
+
+def table(result: dict) -> str:
+    """The printed summary: everything the notes need, from the JSON alone."""
+    t = result.get("trace", {})
+    lines = [f"== {result.get('model')} profile={result.get('profile')} {t.get('conversations')} conversations, "
+             f"{t.get('requests')} requests, {t.get('input_tokens')} in / {t.get('output_tokens')} out tokens, "
+             f"max context {t.get('max_context')}, max_model_len {result.get('max_model_len')}, "
+             f"{result.get('device')}"]
+    w = max([11] + [len(n) + 1 for n in result.get("schedules", {})])  # label column
+    head = (f"{'schedule':<{w}}{'budget':>7}{'n':>3}{'makespan_s med [min-max]':>26}{'p50_req':>8}{'p99_req':>8}"
+            f"{'p99_traj':>9}{'ttft_s':>8}{'dwait_ms':>9}{'tok/s':>7}{'compiles':>9}")
+    lines.append(head)
+    for name, s in result.get("schedules", {}).items():
+        m, lo, hi = s.get("median") or {}, s.get("min") or {}, s.get("max") or {}
+        if not m or m.get("makespan_s") is None:
+            lines.append(f"{name:<{w}} no finished replay: {s.get('error') or s.get('stopped') or '-'}")
+            continue
+        span = (f"{_fmt(m['makespan_s'], '.2f')} "
+                f"[{_fmt(lo.get('makespan_s'), '.2f')}-{_fmt(hi.get('makespan_s'), '.2f')}]")
+        cold = f" cold:{s['n_cold']}" if s.get("n_cold") else ""
+        lines.append(f"{name:<{w}}{_fmt(s.get('budget'), '7d')}{s.get('n', 0):>3}{span:>26}"
+                     f"{_fmt(m.get('p50_request_s'), '8.2f')}{_fmt(m.get('p99_request_s'), '8.2f')}"
+                     f"{_fmt(m.get('p99_trajectory_s'), '9.2f')}{_fmt(m.get('mean_ttft_s'), '8.3f')}"
+                     f"{_fmt(m.get('mean_decode_wait_ms'), '9.1f')}{_fmt(m.get('tokens_per_s'), '7.0f')}"
+                     f"{s.get('compilations', 0):>9d}{cold}")
+    v = result.get("vllm")
+    if v:
+        m = v.get("median") or {}
+        if m.get("makespan_s") is not None:
+            passes = [p["makespan_s"] for p in v.get("repeats", [])]
+            span = f"{_fmt(m['makespan_s'], '.2f')} [{_fmt(min(passes), '.2f')}-{_fmt(max(passes), '.2f')}]"
+            lines.append(f"{'vllm':<{w}}{str(v.get('best_budget')):>7}{len(passes):>3}{span:>26}"
+                         f"{_fmt(m.get('p50_request_s'), '8.2f')}{_fmt(m.get('p99_request_s'), '8.2f')}"
+                         f"{_fmt(m.get('p99_trajectory_s'), '9.2f')}{_fmt(m.get('mean_ttft_s'), '8.3f')}"
+                         f"{'n/a':>9}{_fmt(m.get('tokens_per_s'), '7.0f')}{'-':>9}")
+            chosen = {k: e.get("chosen", {}) for k, e in (v.get("budgets") or {}).items()}
+            for k, c in chosen.items():
+                lines.append(f"  vllm@{k}: budget {c.get('max_num_batched_tokens')}, seqs {c.get('max_num_seqs')}, "
+                             f"graphs {c.get('cudagraph_mode')}, compile {c.get('compilation_mode')}, "
+                             f"median {_fmt(((v['budgets'][k].get('median') or {}).get('makespan_s')), '.2f')} s")
+            for line in (v.get("log_lines") or [])[:4]:
+                lines.append(f"  vllm log: {line[:150]}")
+        else:
+            lines.append(f"{'vllm':<11} not measured: {v.get('error') or v.get('reason') or 'no finished pass'}")
+    sweep = result.get("sweep") or {}
+    if sweep:
+        names = sorted({n for row in sweep.values() for n in row}, key=list(BASE_SCHEDULES).index)
+        lines.append("sweep (short pass, makespan s): " + "  ".join(
+            f"{b}: " + " ".join(f"{n}={_fmt((row.get(n, {}).get('report') or {}).get('makespan_s'), '.2f')}"
+                                for n in names) for b, row in sweep.items()))
+    lb = result.get("lower_bound")
+    if lb:
+        lines.append(f"lower bound {lb['bound_s']:.2f} s (chain {lb['chain_s']:.2f} s, work {lb['work_s']:.2f} s)")
+    targets = TARGETS.get(result.get("profile"), {})
+    for key, value in result.get("ratios", {}).items():
+        if value is None:
+            continue
+        target = targets.get(key)
+        verdict = "" if target is None else (f"  (target <= {target}) " + ("met" if value <= target else "MISSED"))
+        lines.append(f"{key:<38}{_fmt(value, '8.3f')}{verdict}")
+    if result.get("stopped"):
+        lines.append(f"stopped early: {result['stopped']}")
+    return "\n".join(lines)
+
+
+def _specs(args) -> list[tuple[str, str]]:
+    """(label, spec) of every schedule to time, the ablation after mux."""
+    specs = [(s, s) for s in (x.strip() for x in args.schedules.split(",")) if s]
+    if args.ablation and any(label == "mux" for label, _ in specs):
+        specs += [a for a in ABLATIONS if a[0] not in dict(specs)]
+    return specs
+
+
+def _budgets(args) -> list[int]:
+    if args.max_batch_tokens is not None:
+        return [args.max_batch_tokens]
+    budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
+    if not budgets or any(b <= 0 for b in budgets):
+        raise SystemExit(f"--budgets must list positive token budgets, got {args.budgets!r}")
+    return budgets
+
+
+def _base(spec: str) -> str:
+    return _split(spec)[0]
+
+
+def sweep_stage(run: Run, result: dict, out: Path, trace: list, specs: list[tuple[str, str]],
+                budgets: list[int]) -> dict[str, int]:
+    """Each base schedule's best budget (the sweep), or the one budget after a warm-up pass each."""
+    bases = [s for s in BASE_SCHEDULES if any(_base(spec) == s for _, spec in specs)]
+    keep = _first_conversations(trace, run.args.sweep_fraction)
+    short = [t for t in trace if t.conversation in keep]
+    result["sweep_trace"] = trace_summary(short)
+    if len(budgets) == 1:
+        result["warmup"] = {}
+        for spec in bases:
+            if not run.fits("sweep"):
+                result["stopped"] = "deadline during the warm-up"
+                break
+            r = run_replay(run, short, spec, budgets[0], "sweep")
+            result["warmup"][spec] = {k: r.get(k) for k in ("finished", "wall_s", "compilations", "report")}
+            _write(out, result)
+        return {s: budgets[0] for s in BASE_SCHEDULES}
+    result["sweep"] = {}
+    for budget in budgets:
+        row = result["sweep"].setdefault(str(budget), {})
+        for spec in bases:
+            if not run.fits("sweep"):
+                result["stopped"] = f"deadline during the sweep (budget {budget}, {spec})"
+                break
+            r = run_replay(run, short, spec, budget, "sweep")
+            row[spec] = {k: r.get(k) for k in ("finished", "wall_s", "compilations", "report", "error")}
+            _write(out, result)
+    best: dict[str, int] = {}
+    for spec in bases:
+        measured = {int(b): row[spec]["report"]["makespan_s"] for b, row in result["sweep"].items()
+                    if row.get(spec, {}).get("finished")}
+        best[spec] = min(measured, key=measured.get) if measured else budgets[0]
+    result["best_budget"] = best
+    return best
+
+
+def _first_conversations(trace: list, fraction: float) -> set:
+    keys = list(dict.fromkeys(t.conversation for t in trace))
+    return set(keys[:max(1, min(len(keys), round(len(keys) * fraction)))])
+
+
+def timed_stage(run: Run, result: dict, out: Path, trace: list, specs: list[tuple[str, str]],
+                best: dict[str, int]) -> None:
+    scheds = result["schedules"]
+    for label, spec in specs:
+        budget = best.get(_base(spec), next(iter(best.values())))
+        scheds[label] = {"spec": spec, "budget": budget, "repeats": []}
+    for rep in range(run.args.repeats):
+        for label, spec in specs:
+            entry = scheds[label]
+            if not run.fits("timed"):
+                entry["stopped"] = result["stopped"] = f"deadline before repeat {rep + 1} of {label}"
+                continue
+            log.info("repeat %d/%d: %s at budget %d", rep + 1, run.args.repeats, label, entry["budget"])
+            r = run_replay(run, trace, spec, entry["budget"], "timed")
+            r["repeat"] = rep
+            if entry["repeats"] and entry["repeats"][0].get("timeline"):
+                r["timeline"] = []  # one timeline per schedule is enough for the plot
+            entry["repeats"].append(r)
+            entry.update(summarize(entry["repeats"]))
+            result["ratios"] = ratios(result)
+            _write(out, result)
+
+
+def vllm_stage(run: Run, result: dict, out: Path, trace: list, deadline_total: float) -> dict[str, Any]:
+    """The peer in its own process, on the trace file the replays used."""
+    from megatron_rollout.trace.schema import write_trace
+
+    args = run.args
+    trace_path = out / "trace.jsonl"
+    write_trace(trace_path, trace)
+    budgets = []
+    for b in args.vllm_budgets.split(","):
+        b = b.strip()
+        if b == "best":
+            medians = {n: (s.get("median") or {}).get("makespan_s") for n, s in result.get("schedules", {}).items()}
+            medians = {n: v for n, v in medians.items() if v is not None}
+            if medians:
+                budgets.append(str(result["schedules"][min(medians, key=medians.get)]["budget"]))
+        elif b:
+            budgets.append(b)
+    remaining = deadline_total - time.perf_counter() - 10
+    if remaining < 90:
+        return {"ran": False, "reason": f"only {remaining:.0f} s left of --deadline-s for the peer"}
+    env = dict(os.environ)
+    from benchmarks.vllm_peer import ENV
+
+    env.update(ENV)
+    repo = str(Path(__file__).resolve().parents[2])
+    site = [args.vllm_site, os.path.join(args.vllm_site, "nvidia_cutlass_dsl", "dsl_packages")]
+    env["PYTHONPATH"] = os.pathsep.join([p for p in site if os.path.isdir(p)] + [repo, env.get("PYTHONPATH", "")])
+    log_path = out / "vllm.log"
+    cmd = [sys.executable, "-m", "benchmarks.vllm_peer", "--trace", str(trace_path),
+           "--out", str(out / "vllm.json"), "--model", args.model, "--seed", str(args.seed),
+           "--max-model-len", str(run.max_model_len), "--budgets", ",".join(dict.fromkeys(budgets)) or "default",
+           "--passes", str(args.vllm_passes), "--deadline-s", f"{remaining - 15:.0f}", "--log", str(log_path)]
+    log.info("vLLM peer: %s", " ".join(cmd))
+    t0 = time.perf_counter()
+    with open(log_path, "w") as logf:
+        try:
+            proc = subprocess.run(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, timeout=remaining)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    peer = json.loads((out / "vllm.json").read_text()) if (out / "vllm.json").exists() else {}
+    peer.update(command=" ".join(cmd), exit=code, wall_s=time.perf_counter() - t0)
+    if not peer.get("ran"):
+        tail = log_path.read_text(errors="replace").splitlines()[-8:] if log_path.exists() else []
+        peer.setdefault("error", f"exit {code}; log tail: {' | '.join(tail)[-600:]}")
+    return peer
+
+
+def _resume(path: Path, fresh: dict[str, Any]) -> dict[str, Any]:
+    """An earlier run's result, checked to be of the same trace (the peer must replay what we did)."""
+    earlier = json.loads((path / "rollout.json").read_text())
+    for key in ("model", "profile", "conversations", "scale", "max_model_len", "trace"):
+        if earlier.get(key) != json.loads(json.dumps(fresh.get(key))):
+            raise SystemExit(f"--resume {path}: its {key} is {earlier.get(key)!r}, this run's is {fresh.get(key)!r}; "
+                             f"give the same trace options")
+    earlier.setdefault("resumed", []).append(fresh["command"])
+    return earlier
+
+
+def _max_model_len(args, cfg: ModelConfig, trace: list) -> int:
+    if args.max_model_len != "auto":
+        return int(args.max_model_len)
+    need = max_context(trace) + 16
+    return max(cfg.max_position_embeddings, -(-need // 1024) * 1024)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parser().parse_args(argv)
+    micro_parts = _micro_parts(args.micro_parts)  # a typo fails here, not after the model is built
+    t_start = time.perf_counter()
+    deadline_total = t_start + args.deadline_s
+    out = Path(os.path.expandvars(args.out))
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    vllm_on = cuda if args.vllm is None else args.vllm
+    if args.temperature:
+        if args.vllm:
+            raise SystemExit("--temperature > 0 times our sampled decoding only: the peer's driver replays "
+                             "greedy token ids (drop --vllm)")
+        vllm_on = False
+    conversations, scale = PROFILE_SIZES[args.profile]
+    conversations = args.conversations or conversations
+    scale = args.scale or scale
+    trace = make_trace(conversations, args.trace_seed, scale, args.wait_scale, profile=args.profile)
+    cfg = PRESETS[args.model]
+    max_model_len = _max_model_len(args, cfg, trace)
+    if max_model_len > cfg.max_position_embeddings:  # random weights: RoPE is computed from positions
+        cfg = cfg.replace(max_position_embeddings=max_model_len)
+    result: dict[str, Any] = {
+        "command": "python -m benchmarks.rollout " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "model": args.model, "profile": args.profile, "conversations": conversations, "scale": scale,
+        "max_model_len": max_model_len, "args": vars(args), "trace": trace_summary(trace), "schedules": {}}
+    try:
+        import triton
+
+        result["triton"] = triton.__version__
+    except ImportError:
+        result["triton"] = None
+    costs = model_costs(cfg)
+    bandwidth = peak = None
+    if cuda:
+        from benchmarks.ceilings import copy_bandwidth, matmul_rate
+
+        bandwidth, peak = copy_bandwidth(device), matmul_rate(device)
+        result["ceilings"] = {"copy_bytes_per_s": bandwidth, "bf16_matmul_flops": peak}
+        lb = trace_lower_bound(trace, costs, peak, bandwidth, min(conversations, args.max_decode_rows))
+        result["lower_bound"] = {"bound_s": lb.bound_s, "chain_s": lb.chain_s,
+                                 "chain_conversation": lb.chain_conversation, "work_s": lb.work_s,
+                                 "total_flops": lb.total_flops, "total_bytes": lb.total_bytes}
+    specs = _specs(args)
+    if args.resume:
+        out = Path(os.path.expandvars(args.resume))
+        result, specs = _resume(out, result), []
+    reserve = args.vllm_reserve_s if vllm_on else 0.0
+    ours = deadline_total - reserve
+    run = Run(args, cfg, None, max_model_len, _num_blocks(args, cfg), ours,
+              time.perf_counter() + SWEEP_SHARE * max(0.0, ours - time.perf_counter()))
+    if specs or args.micro:
+        t0 = time.perf_counter()
+        run.model = random_model(cfg, device, args.seed)
+        result["model_build_s"] = time.perf_counter() - t0
+    _write(out, result)
+    if args.micro and cuda:
+        result["micro"] = run_micro(run.model, cfg, args, costs, bandwidth, peak, micro_parts)
+        gc.collect()
+        torch.cuda.empty_cache()
+        _write(out, result)
+    if specs:
+        best = sweep_stage(run, result, out, trace, specs, _budgets(args))
+        result["expert_kernel"] = run.expert_choice
+        timed_stage(run, result, out, trace, specs, best)
+        result["ratios"] = ratios(result)
+        _write(out, result)
+    run.model = None
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    if vllm_on:
+        result["vllm"] = vllm_stage(run, result, out, trace, deadline_total)
+        result["ratios"] = ratios(result)
+        _write(out, result)
+    if args.hf and time.perf_counter() + args.hf_budget_s < deadline_total:
+        from benchmarks.hf_peer import run_peer
+
+        result["hf_peer"] = run_peer(cfg, trace, args.device, args.seed, args.hf_budget_s)
+        _write(out, result)
+    result["ratios"] = ratios(result)
+    result["wall_s"] = time.perf_counter() - t_start
+    _write(out, result)
+    print(table(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # a peer's background thread must not keep the process alive

@@ -1,0 +1,353 @@
+"""The vLLM peer: the same trace, token ids and model shape through vLLM's async engine (DESIGN.md §9).
+
+`python -m benchmarks.vllm_peer --trace T.jsonl --out vllm.json --model qwen3-30b-a3b-12l`
+runs in its own process (the benchmark starts it after its own engines have freed the GPU). It
+writes a directory holding only `config.json` (`Qwen3MoeForCausalLM` with the preset's sizes and
+layer count) and starts `vllm.v1.engine.async_llm.AsyncLLM` on it with dummy weights, prefix
+caching on, CUDA graphs and torch.compile as vLLM chooses by itself, and its own defaults for
+everything else (the JSON records what it chose: token budget, sequences, block size, graph mode,
+the attention backend lines of its log).
+
+The replay is closed loop, with the rules of `trace.replay`: one coroutine per conversation; turn
+0 is released at the pass start + its wait, turn k > 0 `wait_ms` after turn k-1 finished; a turn
+sends the whole history (earlier turns' new ids and generated ids) plus its new ids, from
+`trace.make.input_ids` (the same ids our replay appends), greedy, forced to the trace's output
+length (`min_tokens = max_tokens`, `ignore_eos`). vLLM's prefix cache finds the history, as our
+sessions keep it. Per token budget (`--budgets`: `default` is vLLM's own): one warm-up pass over
+the whole trace (vLLM JIT-compiles during its first pass), then `--passes` timed passes, each
+after `reset_prefix_cache()`. The JSON is rewritten after every pass, so a killed run keeps what
+it measured; `--deadline-s` stops before a pass that would not fit.
+
+The figures are the replay report's: makespan, p50/p99 request, p99 trajectory, mean/p99 TTFT,
+tokens/s; decode wait is not measured by vLLM (null). Left out: vLLM's own tuning knobs beyond
+the token budget, several GPUs, speculative decoding.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from megatron_rollout.model.config import PRESETS, ModelConfig
+from megatron_rollout.trace.make import conversation_inputs
+from megatron_rollout.trace.schema import ConversationId, TraceRequest, group_conversations, load_trace
+
+log = logging.getLogger("benchmarks.vllm_peer")
+
+ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+       "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_CACHE_ROOT": "/tmp/vllm-cache"}
+"""Environment the peer needs on a machine without network access: offline Hub, no usage reports, a
+writable cache, and vLLM's own sampler rather than FlashInfer's."""
+
+
+def hf_config(cfg: ModelConfig, max_model_len: int) -> dict[str, Any]:
+    """config.json of a `Qwen3MoeForCausalLM` with `cfg`'s shapes (every layer MoE, no shared expert)."""
+    if cfg.moe_shared_expert_intermediate_size or any(not cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
+        raise ValueError("the vLLM peer builds Qwen3-MoE shapes: every layer MoE, no shared expert; "
+                         f"got layer kinds {[cfg.is_moe_layer(i) for i in range(cfg.num_layers)]}")
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_query_groups,
+        "head_dim": cfg.kv_channels, "intermediate_size": max(cfg.ffn_hidden_size, 6144),
+        "moe_intermediate_size": cfg.moe_ffn_hidden_size, "num_experts": cfg.num_moe_experts,
+        "num_experts_per_tok": cfg.moe_router_topk, "norm_topk_prob": cfg.moe_renormalize_topk,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "hidden_act": "silu", "attention_bias": False,
+        "rms_norm_eps": cfg.layernorm_epsilon, "rope_theta": cfg.rotary_base, "rope_scaling": None,
+        "max_position_embeddings": max(cfg.max_position_embeddings, max_model_len),
+        "tie_word_embeddings": cfg.tie_word_embeddings, "use_sliding_window": False, "sliding_window": None,
+        "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645,
+        "output_router_logits": False, "router_aux_loss_coef": 0.001, "initializer_range": 0.02,
+    }
+
+
+def write_model_dir(path: Path, cfg: ModelConfig, max_model_len: int) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(hf_config(cfg, max_model_len), indent=1))
+    return path
+
+
+# -- the closed-loop driver (engine-agnostic: tested on CPU with a fake engine) ------------------
+class _Delta(Protocol):
+    token_ids: Sequence[int]
+
+
+class _Output(Protocol):
+    outputs: Sequence[_Delta]
+    finished: bool
+
+
+class AsyncGenerateEngine(Protocol):
+    """What the driver needs of `AsyncLLM`."""
+
+    def generate(self, prompt: Any, sampling_params: Any, request_id: str) -> AsyncIterator[_Output]: ...
+
+
+@dataclass(frozen=True)
+class TurnRecord:
+    """One finished turn (times are time.perf_counter)."""
+
+    conversation: ConversationId
+    turn: int
+    arrival: float
+    first_token: float | None
+    finish: float
+    new_tokens: int
+    prompt_tokens: int
+    output_tokens: int
+    error: str | None = None
+
+
+async def closed_loop(engine: AsyncGenerateEngine, requests: Sequence[TraceRequest],
+                      inputs: dict[ConversationId, list[list[int]]], make_prompt: Callable[[list[int]], Any],
+                      make_params: Callable[[int], Any], tag: str) -> tuple[float, list[TurnRecord]]:
+    """Replay `requests` once; returns (start, records in finish order). A turn that fails ends
+    its conversation (recorded with its error; later turns are not sent)."""
+    start = time.perf_counter()
+    records: list[TurnRecord] = []
+
+    async def conversation(key: ConversationId, turns: list[TraceRequest]) -> None:
+        history: list[int] = []
+        ready = start
+        for k, turn in enumerate(turns):
+            delay = ready + turn.wait_ms / 1e3 - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            history.extend(inputs[key][k])
+            arrival, first, generated, error = time.perf_counter(), None, [], None
+            try:
+                async for out in engine.generate(make_prompt(list(history)), make_params(turn.output_tokens),
+                                                 request_id=f"{tag}-{key}-{k}"):
+                    new = list(out.outputs[0].token_ids) if out.outputs else []
+                    if new and first is None:
+                        first = time.perf_counter()
+                    generated.extend(new)
+                    if out.finished:
+                        break
+            except Exception as exc:  # the engine refused or failed the turn: end the conversation
+                error = f"{type(exc).__name__}: {exc}"
+            finish = time.perf_counter()
+            records.append(TurnRecord(key, k, arrival, first, finish, len(inputs[key][k]), len(history),
+                                      len(generated), error))
+            if error is not None:
+                log.warning("conversation %r turn %d failed: %s", key, k, error)
+                return
+            history.extend(generated)
+            ready = finish
+
+    await asyncio.gather(*(conversation(key, turns) for key, turns in group_conversations(requests).items()))
+    return start, records
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q, method="linear")) if values else None
+
+
+def report(start: float, records: Sequence[TurnRecord], total_requests: int) -> dict[str, Any]:
+    """The replay report's figures (`trace.metrics` definitions) from one pass's records."""
+    done = [r for r in records if r.error is None]
+    failed_convs = {r.conversation for r in records if r.error is not None}
+    spans: dict[ConversationId, tuple[float, float]] = {}
+    for r in done:
+        if r.conversation in failed_convs:
+            continue
+        a, b = spans.get(r.conversation, (r.arrival, r.finish))
+        spans[r.conversation] = (min(a, r.arrival), max(b, r.finish))
+    makespan = max((r.finish for r in records), default=start) - start
+    ttfts = [r.first_token - r.arrival for r in done if r.first_token is not None]
+    out_tokens = sum(r.output_tokens for r in done)
+    return {
+        "schedule": "vllm", "requests": len(done), "failed": len(records) - len(done),
+        "skipped": total_requests - len(records), "input_tokens": sum(r.new_tokens for r in done),
+        "output_tokens": out_tokens, "makespan_s": makespan,
+        "p50_request_s": _pct([r.finish - r.arrival for r in done], 50),
+        "p99_request_s": _pct([r.finish - r.arrival for r in done], 99),
+        "p99_trajectory_s": _pct([b - a for a, b in spans.values()], 99),
+        "mean_ttft_s": float(np.mean(ttfts)) if ttfts else None, "p99_ttft_s": _pct(ttfts, 99),
+        "mean_decode_wait_ms": None, "tokens_per_s": out_tokens / makespan if makespan > 0 else None,
+    }
+
+
+def median_report(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Each numeric figure's median over `reports` (None where no report has it)."""
+    out: dict[str, Any] = {}
+    for key in reports[0] if reports else ():
+        values = [r[key] for r in reports if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+        out[key] = float(np.median(values)) if values else reports[0][key]
+    return out
+
+
+# -- vLLM ------------------------------------------------------------------------------------------
+def _vllm_choices(engine) -> dict[str, Any]:
+    """What vLLM chose by itself, read from its config (each read guarded: fields move between releases)."""
+    cfg = getattr(engine, "vllm_config", None)
+    picks = {
+        "max_num_batched_tokens": ("scheduler_config", "max_num_batched_tokens"),
+        "max_num_seqs": ("scheduler_config", "max_num_seqs"),
+        "chunked_prefill": ("scheduler_config", "enable_chunked_prefill"),
+        "block_size": ("cache_config", "block_size"),
+        "prefix_caching": ("cache_config", "enable_prefix_caching"),
+        "gpu_memory_utilization": ("cache_config", "gpu_memory_utilization"),
+        "num_gpu_blocks": ("cache_config", "num_gpu_blocks"),
+        "cudagraph_mode": ("compilation_config", "cudagraph_mode"),
+        "compilation_mode": ("compilation_config", "mode"),
+        "cudagraph_capture_sizes": ("compilation_config", "cudagraph_capture_sizes"),
+        "attention_backend_config": ("attention_config", "backend"),
+        "max_model_len": ("model_config", "max_model_len"),
+        "enforce_eager": ("model_config", "enforce_eager"),
+    }
+    out: dict[str, Any] = {}
+    for name, (part, attr) in picks.items():
+        value = getattr(getattr(cfg, part, None), attr, None)
+        out[name] = value if isinstance(value, (int, float, bool, str, type(None))) else str(value)
+        if isinstance(value, (list, tuple)):
+            out[name] = list(value)[:64]
+    return out
+
+
+def _engine_args(model_dir: Path, max_model_len: int, budget: int | None, args):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kwargs = dict(model=str(model_dir), dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True,
+                  generation_config="vllm", enable_prefix_caching=True, max_model_len=max_model_len,
+                  seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization, disable_log_stats=True)
+    if budget is not None:
+        kwargs["max_num_batched_tokens"] = budget
+    return AsyncEngineArgs(**kwargs)
+
+
+async def _run_budget(budget: int | None, model_dir: Path, requests: list[TraceRequest], inputs, max_model_len: int,
+                      args, deadline: float, write: Callable[[dict], None]) -> dict[str, Any]:
+    from vllm import SamplingParams, TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    entry: dict[str, Any] = {"budget": budget if budget is not None else "default", "passes": []}
+    t0 = time.perf_counter()
+    engine = AsyncLLM.from_engine_args(_engine_args(model_dir, max_model_len, budget, args))
+    entry["startup_s"] = time.perf_counter() - t0
+    entry["chosen"] = _vllm_choices(engine)
+    write(entry)
+
+    def prompt(ids: list[int]):
+        return TokensPrompt(prompt_token_ids=ids)
+
+    def params(n: int):
+        return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=False,
+                              output_kind=RequestOutputKind.DELTA)
+
+    try:
+        last = None
+        for i in range(args.passes + 1):  # pass 0 warms up (vLLM compiles during its first pass)
+            if last is not None and time.perf_counter() + 1.3 * last > deadline:
+                entry["stopped"] = f"deadline: {args.deadline_s:.0f} s would pass during pass {i}"
+                break
+            await engine.reset_prefix_cache()
+            t = time.perf_counter()
+            start, records = await closed_loop(engine, requests, inputs, prompt, params, tag=f"b{budget}-p{i}")
+            last = time.perf_counter() - t
+            rep = report(start, records, len(requests))
+            if i == 0:
+                entry["warmup"] = rep
+            else:
+                entry["passes"].append(rep)
+                entry["median"] = median_report(entry["passes"])
+            log.info("vllm budget %s pass %d: makespan %.2f s", entry["budget"], i, rep["makespan_s"])
+            write(entry)
+    finally:
+        engine.shutdown()
+    return entry
+
+
+def _log_lines(path: Path | None, words: tuple[str, ...] = ("backend", "Using", "cudagraph", "torch.compile")) -> list:
+    if path is None or not path.exists():
+        return []
+    lines = [ln.strip()[:300] for ln in path.read_text(errors="replace").splitlines() if any(w in ln for w in words)]
+    return lines[:40]
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.vllm_peer", description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", required=True, help="JSONL trace (trace.schema)")
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--model", default="qwen3-30b-a3b-12l", choices=sorted(PRESETS))
+    ap.add_argument("--seed", type=int, default=0, help="input token ids (as the benchmark's --seed)")
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: the preset's, or the trace's context")
+    ap.add_argument("--budgets", default="default", help="comma-separated max_num_batched_tokens; 'default' = vLLM's")
+    ap.add_argument("--passes", type=int, default=3, help="timed passes per budget (after one warm-up pass)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--deadline-s", type=float, default=480.0, help="stop before a pass that would end later")
+    ap.add_argument("--log", default=None, help="vLLM's log file (read back for its backend choices)")
+    ap.add_argument("--model-dir", default="/tmp/mr-vllm-model")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parser().parse_args(argv)
+    for key, value in ENV.items():
+        os.environ.setdefault(key, value)
+    deadline = time.perf_counter() + args.deadline_s
+    cfg = PRESETS[args.model]
+    requests = load_trace(args.trace)
+    from megatron_rollout.trace.make import max_context
+
+    need = max_context(requests) + 16
+    max_model_len = args.max_model_len or max(cfg.max_position_embeddings, need)
+    inputs = conversation_inputs(requests, args.seed, cfg.vocab_size)
+    model_dir = write_model_dir(Path(args.model_dir), cfg, max_model_len)
+    out = Path(args.out)
+    result: dict[str, Any] = {"ran": False, "model": args.model, "max_model_len": max_model_len,
+                              "trace": args.trace, "requests": len(requests), "budgets": {}}
+    try:
+        import vllm
+
+        result["vllm"] = vllm.__version__
+    except Exception as exc:
+        result["error"] = f"vllm does not import: {type(exc).__name__}: {exc}"
+        out.write_text(json.dumps(result, indent=1))
+        return 1
+
+    def write(entry: dict | None = None) -> None:
+        if entry is not None:
+            result["budgets"][str(entry["budget"])] = entry
+        done = {k: e for k, e in result["budgets"].items() if e.get("median")}
+        if done:
+            best = min(done, key=lambda k: done[k]["median"]["makespan_s"])
+            result.update(ran=True, best_budget=best, median=done[best]["median"], repeats=done[best]["passes"])
+        result["log_lines"] = _log_lines(Path(args.log) if args.log else None)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1, default=str))
+        tmp.replace(out)
+
+    budgets = [None if b.strip() == "default" else int(b) for b in args.budgets.split(",") if b.strip()]
+    for budget in dict.fromkeys(budgets):
+        if time.perf_counter() + 90 > deadline:  # a start-up alone takes about a minute
+            result.setdefault("skipped_budgets", []).append(budget or "default")
+            continue
+        try:
+            asyncio.run(_run_budget(budget, model_dir, requests, inputs, max_model_len, args, deadline, write))
+        except Exception as exc:  # one budget failing must not lose the others
+            log.exception("vLLM at budget %s failed", budget)
+            result["budgets"][str(budget or "default")] = {"budget": budget or "default",
+                                                          "error": f"{type(exc).__name__}: {exc}"}
+        write()
+    write()
+    return 0 if result.get("ran") else 1
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # vLLM's background threads must not keep the process alive

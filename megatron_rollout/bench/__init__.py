@@ -1,6 +1,0 @@
-"""Benchmarks of the rollout on one GPU: ceilings, micro-benchmarks, trace replays, peers.
-
-`python -m megatron_rollout.bench.rollout` is the single entry point (see its module docstring);
-`bench.plot` draws docs/benchmarks.png from its JSON. `bench.bounds` is pure arithmetic and runs
-anywhere; the rest needs CUDA except the trace replays, which also run on CPU for tests.
-"""

@@ -1,0 +1,151 @@
+"""What one engine forward costs, as a linear function of its sizes, fitted from the engine's own
+step records (`engine.records`).
+
+    step_s = decode_base_s   [if decode rows]  + decode_row_s * rows + decode_context_s * context
+           + prefill_base_s  [if prefill work] + prefill_row_s * chunks + prefill_token_s * new tokens
+           + prefill_pair_s * causal attention (query, key) pairs
+
+A mixed (`chunked`) step pays both bases and both sets of terms. `gap_s` is the host's time between
+two forwards (planning, bookkeeping), added once per step. Coefficients are fitted by non-negative
+least squares, so none of them can come out as a saving. Observations are not weighted: a makespan
+is a sum of step times, so what must come out right is the total of the long steps as much as
+the many short ones (a relative-error weighting fitted the fastest, quietest steps and
+under-predicted a loaded host's makespans by a third). A `mux` epoch's
+segments are one prefill observation (its sizes over the sum of its segments' durations); the
+segments an epoch was cut into are counted in `mux_segments`.
+
+Left out: anything the records do not show (CUDA graph buckets, expert load imbalance, which
+rows share a prefix); a cost model of another engine or device is fitted from its own records.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import nnls
+
+from megatron_rollout.engine.records import StepRecord
+
+FEATURES = ("decode_base_s", "decode_row_s", "decode_context_s", "prefill_base_s", "prefill_row_s",
+            "prefill_token_s", "prefill_pair_s")
+
+
+@dataclass(frozen=True)
+class StepSize:
+    """The sizes of one forward that its cost depends on."""
+
+    decode_rows: int = 0
+    decode_context: int = 0
+    """Sum of the decode rows' contexts."""
+    prefill_rows: int = 0
+    prefill_tokens: int = 0
+    prefill_pairs: int = 0
+    """Causal attention (query, key) pairs of the prefill chunks."""
+
+    @classmethod
+    def of(cls, record: StepRecord) -> StepSize:
+        return cls(record.decode_rows, record.decode_context, record.prefill_rows, record.prefill_tokens,
+                   record.prefill_pairs)
+
+    def features(self) -> tuple[float, ...]:
+        """The row of this size in the fit (order of `FEATURES`)."""
+        d, p = self.decode_rows > 0, self.prefill_tokens > 0
+        return (float(d), float(self.decode_rows), float(self.decode_context), float(p), float(self.prefill_rows),
+                float(self.prefill_tokens), float(self.prefill_pairs))
+
+
+def chunk_pairs(past: int, new: int) -> int:
+    """Causal attention pairs of a chunk of `new` positions after `past` cached ones."""
+    return new * past + new * (new + 1) // 2
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per forward (module docstring); every coefficient >= 0."""
+
+    decode_base_s: float = 0.0
+    decode_row_s: float = 0.0
+    decode_context_s: float = 0.0
+    prefill_base_s: float = 0.0
+    prefill_row_s: float = 0.0
+    prefill_token_s: float = 0.0
+    prefill_pair_s: float = 0.0
+    gap_s: float = 0.0
+    """Host time between two forwards."""
+    mux_segments: float = 1.0
+    """Mean segments a `mux` epoch was cut into while decode rows ran beside it."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"CostModel.{f.name} must be a finite number >= 0, got {value!r}")
+        if self.mux_segments < 1:
+            raise ValueError(f"CostModel.mux_segments must be >= 1, got {self.mux_segments}")
+
+    def step_s(self, size: StepSize) -> float:
+        """Seconds of one forward of `size` (without the host gap)."""
+        coef = (self.decode_base_s, self.decode_row_s, self.decode_context_s, self.prefill_base_s,
+                self.prefill_row_s, self.prefill_token_s, self.prefill_pair_s)
+        return sum(c * x for c, x in zip(coef, size.features()))
+
+    def to_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+def observations(records: Sequence[StepRecord]) -> list[tuple[StepSize, float]]:
+    """(size, seconds) of each forward: whole steps as they are, a `mux` epoch's segments summed."""
+    out: list[tuple[StepSize, float]] = []
+    epochs: dict[int, list[StepRecord]] = {}
+    for r in records:
+        if r.epoch is None:
+            out.append((StepSize.of(r), r.duration))
+        else:
+            epochs.setdefault(r.epoch, []).append(r)
+    for segments in epochs.values():
+        size = StepSize(0, 0, *(sum(getattr(s, f) for s in segments)
+                                for f in ("prefill_rows", "prefill_tokens", "prefill_pairs")))
+        out.append((size, sum(s.duration for s in segments)))
+    return out
+
+
+def fit(records: Sequence[StepRecord]) -> CostModel:
+    """The cost model of the engine that produced `records` (one or more replays' worth).
+
+    Raises ValueError when the records cannot determine it: no decode-only and no prefill forward.
+    """
+    obs = [(s, t) for s, t in observations(records) if t > 0]
+    if not any(s.decode_rows and not s.prefill_tokens for s, _ in obs) or not any(s.prefill_tokens for s, _ in obs):
+        raise ValueError(f"fitting a cost model needs decode-only and prefill forwards; got {len(obs)} forwards "
+                         f"({sum(bool(s.prefill_tokens) for s, _ in obs)} with prefill): replay a trace with "
+                         f"several turns first")
+    x = np.array([s.features() for s, _ in obs])
+    y = np.array([t for _, t in obs])
+    scale = x.max(axis=0)
+    scale[scale == 0] = 1.0  # a feature never seen stays 0
+    coef, _ = nnls(x / scale, y)
+    coef = coef / scale
+    return CostModel(**dict(zip(FEATURES, (float(c) for c in coef))), gap_s=_gap(records),
+                     mux_segments=_segments(records))
+
+
+def _gap(records: Sequence[StepRecord]) -> float:
+    """Mean host time between consecutive forwards (a makespan adds them up: the mean, not the
+    median), leaving out gaps longer than the forward before them (the engine had nothing to do:
+    tool waits, not host cost)."""
+    ordered = sorted(records, key=lambda r: r.start)
+    gaps = [b.start - a.end for a, b in zip(ordered, ordered[1:]) if 0 <= b.start - a.end <= max(a.duration, 1e-3)]
+    return statistics.fmean(gaps) if gaps else 0.0
+
+
+def _segments(records: Sequence[StepRecord]) -> float:
+    counts: dict[int, int] = {}
+    for r in records:
+        if r.epoch is not None:
+            counts[r.epoch] = counts.get(r.epoch, 0) + 1
+    split = [n for n in counts.values() if n > 1]
+    return statistics.mean(split) if split else 1.0

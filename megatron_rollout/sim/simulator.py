@@ -1,0 +1,345 @@
+"""The engine on a trace, simulated: its own planner on modelled state, each step's time from a cost
+model fitted to its measured steps (`sim.cost`). Fast enough to try a policy in seconds on a CPU.
+
+What is modelled as the engine does it: every conversation is a session (its KV kept between
+turns; a turn prefills its new tokens and the last sampled token); turn 0 is released at its wait,
+turn k at turn k-1's finish plus its wait, checked between steps like the replay loop does; each
+step the planner (`engine.scheduler.plan_step`, the engine's own function) plans on the modelled
+state; preempted requests lose their KV and recompute; when nothing fits, KV is freed the way
+`RequestTable.unblock` frees it. A step costs its forward (`CostModel.step_s`)
+plus the host gap. `off` and `chunked` run one forward per step; `mux` runs one decode iteration
+and one prefill segment per step, an epoch being cut into `CostModel.mux_segments` segments while
+decode rows run (whole otherwise), the two serial on one device as on the engine's one stream.
+
+What is not: prefix sharing between conversations (replayed inputs are random), the context
+length limit (a trace that does not fit is refused by the replay before it runs), stop tokens
+(turns generate exactly their output tokens), several ranks, and P/D running side by side on one
+device (spatial sharing): a simulated `mux` is the engine as it runs today.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from megatron_rollout.engine.api import Schedule
+from megatron_rollout.engine.scheduler import PrefillChunk, SchedulerConfig, SchedulerState, SeqView, Stage, plan_step
+from megatron_rollout.sim.cost import CostModel, StepSize, chunk_pairs
+from megatron_rollout.sim.policy import Fifo, Policy, RequestInfo
+from megatron_rollout.trace.schema import ConversationId, TraceRequest, group_conversations
+
+
+class SimulationError(RuntimeError):
+    """The simulated engine cannot go on (a request that no free KV can ever hold)."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The simulated engine: its planner's settings and KV pool."""
+
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """Schedule, block size, token budget and decode rows, as the engine's `EngineConfig.scheduler`."""
+    num_blocks: int = 4096
+    """KV blocks in the pool (`EngineConfig.num_blocks`)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, int) or self.num_blocks <= 0:
+            raise ValueError(f"SimConfig.num_blocks must be a positive int, got {self.num_blocks!r}")
+
+    @classmethod
+    def of_engine(cls, config) -> SimConfig:
+        """The simulated twin of an `EngineConfig`."""
+        return cls(config.scheduler, config.num_blocks)
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    """One simulated turn's marks (seconds from the start)."""
+
+    conversation: ConversationId
+    turn: int
+    arrival: float
+    admitted: float
+    first_token: float
+    finish: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    schedule: str
+    policy: str
+    makespan_s: float
+    requests: tuple[SimRequest, ...]
+    """Every turn, in finish order."""
+    steps: int
+    sizes: tuple[StepSize, ...]
+    """Every forward's sizes, in order (a `mux` epoch: one prefill entry, when it starts)."""
+    preemptions: int
+    evictions: int
+
+    def finish_of(self) -> dict[ConversationId, float]:
+        """Each conversation's last finish."""
+        out: dict[ConversationId, float] = {}
+        for r in self.requests:
+            out[r.conversation] = max(out.get(r.conversation, 0.0), r.finish)
+        return out
+
+
+def turn_cost_s(cost: CostModel, context: int, new: int, output: int) -> float:
+    """One turn alone on the engine (batch 1): its prefill of `new` tokens after `context` cached
+    ones, then `output - 1` decode steps; each step with its host gap."""
+    prefill = cost.step_s(StepSize(prefill_rows=1, prefill_tokens=new, prefill_pairs=chunk_pairs(context, new)))
+    first = context + new  # context of the first decode row (the first sampled token's position included)
+    decode = (output - 1) * (cost.step_s(StepSize(decode_rows=1)) + cost.gap_s) \
+        + cost.decode_context_s * sum(range(first + 1, first + output))
+    return prefill + cost.gap_s + decode
+
+
+@dataclass
+class _Conv:
+    index: int
+    key: ConversationId
+    turns: list[TraceRequest]
+    chain_after: list[float]
+    """Seconds of each turn's own cost plus every later turn's wait and cost (batch 1)."""
+    turn_s: list[float]
+    next_turn: int = 0
+    tokens: int = 0
+    computed: int = 0
+    blocks: int = 0
+    last_used: float = 0.0
+    attained_s: float = 0.0
+    request: _Req | None = None
+
+
+@dataclass
+class _Req:
+    rid: int
+    conv: _Conv
+    order: int
+    turn: TraceRequest
+    arrival: float
+    output_left: int
+    stage: Stage = Stage.WAITING
+    admitted: float | None = None
+    first_token: float | None = None
+
+
+@dataclass
+class _Epoch:
+    chunks: tuple[PrefillChunk, ...]
+    left_s: float
+    segment_s: float
+
+
+def _blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+class Simulator:
+    """One simulation run (`simulate` is the entry point)."""
+
+    def __init__(self, trace: Sequence[TraceRequest], cost: CostModel, config: SimConfig, policy: Policy) -> None:
+        self.cost, self.config, self.policy = cost, config, policy
+        self.bs = config.scheduler.block_size
+        self.convs = [self._conv(i, key, turns) for i, (key, turns) in enumerate(group_conversations(trace).items())]
+        self.now, self.steps, self.preemptions, self.evictions = 0.0, 0, 0, 0
+        self.used_blocks = 0
+        self.active: dict[int, _Req] = {}
+        self.done: list[SimRequest] = []
+        self.sizes: list[StepSize] = []
+        self.releases = [(c.turns[0].wait_ms / 1e3, c.index) for c in self.convs]
+        heapq.heapify(self.releases)
+        self.epoch: _Epoch | None = None
+        self._ids, self._order = itertools.count(), itertools.count()
+
+    def _conv(self, index: int, key: ConversationId, turns: list[TraceRequest]) -> _Conv:
+        turn_s, context = [], 0
+        for t in turns:
+            new = t.input_tokens + (1 if context else 0)
+            turn_s.append(turn_cost_s(self.cost, context - (1 if context else 0), new, t.output_tokens))
+            context += t.input_tokens + t.output_tokens
+        chain, after = [0.0] * len(turns), 0.0
+        for k in range(len(turns) - 1, -1, -1):
+            chain[k] = turn_s[k] + after
+            after = chain[k] + turns[k].wait_ms / 1e3
+        return _Conv(index, key, turns, chain, turn_s)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        while self.releases or self.active:
+            while self.releases and self.releases[0][0] <= self.now:
+                self._submit(self.convs[heapq.heappop(self.releases)[1]])
+            if not self.active:
+                self.now = self.releases[0][0]
+                continue
+            self._step()
+        sched = self.config.scheduler.schedule
+        return SimResult(sched.value, self.policy.name, self.now, tuple(self.done), self.steps, tuple(self.sizes),
+                         self.preemptions, self.evictions)
+
+    def _submit(self, conv: _Conv) -> None:
+        turn = conv.turns[conv.next_turn]
+        conv.tokens += turn.input_tokens
+        need = _blocks(conv.tokens + turn.output_tokens, self.bs)
+        if need > self.config.num_blocks:  # the engine refuses it at submission (`RequestTable.submit`)
+            raise SimulationError(f"conversation {conv.key!r} turn {turn.turn} needs {need} KV blocks, the pool "
+                                  f"holds {self.config.num_blocks}; raise SimConfig.num_blocks")
+        req = _Req(next(self._ids), conv, next(self._order), turn, self.now, turn.output_tokens)
+        conv.request = req
+        self.active[req.rid] = req
+
+    def _state(self) -> SchedulerState:
+        reqs = list(self.active.values())
+        keys = [self.policy.key(RequestInfo(r.order, r.turn.turn, r.conv.tokens, r.conv.attained_s,
+                                            r.conv.chain_after[r.turn.turn])) for r in reqs]
+        rank = {r.rid: i for i, (_, r) in enumerate(sorted(zip(keys, reqs), key=lambda kr: (kr[0], kr[1].order)))}
+        views = tuple(SeqView(r.rid, r.stage, r.conv.tokens, r.conv.computed, r.conv.blocks, r.conv.blocks,
+                              rank[r.rid]) for r in reqs)
+        return SchedulerState(views, self.config.num_blocks - self.used_blocks, self.epoch is not None)
+
+    def _step(self) -> None:
+        plan = plan_step(self._state(), self.config.scheduler)
+        for rid in plan.preempt:
+            req = self.active[rid]
+            self._set_blocks(req.conv, 0)
+            req.conv.computed, req.stage = 0, Stage.WAITING
+            self.preemptions += 1
+        if self.config.scheduler.schedule is Schedule.MUX:
+            self._mux_step(plan.decode, plan.prefill)
+        elif plan.empty:
+            self._unblock()
+        else:
+            decode = self._decode_size(plan.decode)
+            size = StepSize(decode.decode_rows, decode.decode_context, *self._prefill_size(plan.prefill))
+            self._advance(self.cost.step_s(size), size)
+            self._finish_decode(plan.decode)
+            self._finish_prefill(plan.prefill)
+
+    def _mux_step(self, decode: tuple[int, ...], prefill: tuple[PrefillChunk, ...]) -> None:
+        if prefill and self.epoch is None:
+            size = StepSize(0, 0, *self._prefill_size(prefill))
+            self.sizes.append(size)
+            total = self.cost.step_s(size)
+            self.epoch = _Epoch(prefill, total, total / self.cost.mux_segments)
+        if self.epoch is None and not decode:
+            self._unblock()
+            return
+        d_size = self._decode_size(decode) if decode else None
+        seconds = self.cost.step_s(d_size) if d_size else 0.0
+        if d_size:
+            self.sizes.append(d_size)
+        ep = self.epoch
+        if ep is not None:
+            segment = min(ep.left_s, ep.segment_s) if decode else ep.left_s
+            ep.left_s -= segment
+            seconds += segment
+        self._advance(seconds, None)
+        self._finish_decode(decode)
+        if ep is not None and ep.left_s <= 1e-12:
+            self.epoch = None
+            self._finish_prefill(ep.chunks)
+
+    # -- sizes and bookkeeping ---------------------------------------------------------------
+    def _decode_size(self, decode: tuple[int, ...]) -> StepSize:
+        context = 0
+        for rid in decode:
+            conv = self.active[rid].conv
+            self._set_blocks(conv, max(conv.blocks, _blocks(conv.computed + 1, self.bs)))
+            context += conv.computed + 1
+        return StepSize(decode_rows=len(decode), decode_context=context)
+
+    def _prefill_size(self, prefill: tuple[PrefillChunk, ...]) -> tuple[int, int, int]:
+        """Reserve the chunks' KV and admit them; (rows, tokens, pairs)."""
+        tokens = pairs = 0
+        for chunk in prefill:
+            req = self.active[chunk.rid]
+            conv = req.conv
+            req.stage = Stage.PREFILL
+            req.admitted = self.now if req.admitted is None else req.admitted
+            self._set_blocks(conv, max(conv.blocks, _blocks(conv.computed + chunk.tokens, self.bs)))
+            tokens += chunk.tokens
+            pairs += chunk_pairs(conv.computed, chunk.tokens)
+            if not chunk.completes:
+                conv.computed += chunk.tokens
+        return len(prefill), tokens, pairs
+
+    def _advance(self, seconds: float, size: StepSize | None) -> None:
+        self.now += seconds + self.cost.gap_s
+        self.steps += 1
+        if size is not None:
+            self.sizes.append(size)
+
+    def _finish_decode(self, decode: tuple[int, ...]) -> None:
+        for rid in decode:
+            req = self.active[rid]
+            req.conv.computed += 1
+            self._sample(req)
+
+    def _finish_prefill(self, prefill: tuple[PrefillChunk, ...]) -> None:
+        for chunk in prefill:
+            req = self.active.get(chunk.rid)
+            if chunk.completes and req is not None:
+                req.conv.computed = req.conv.tokens
+                req.first_token = self.now
+                req.stage = Stage.DECODE
+                self._sample(req)
+
+    def _sample(self, req: _Req) -> None:
+        conv = req.conv
+        conv.tokens += 1
+        req.output_left -= 1
+        if req.output_left:
+            return
+        del self.active[req.rid]
+        conv.request, conv.last_used = None, self.now
+        conv.attained_s += conv.turn_s[req.turn.turn]
+        admitted = req.admitted if req.admitted is not None else req.arrival
+        first = req.first_token if req.first_token is not None else self.now
+        self.done.append(SimRequest(conv.key, req.turn.turn, req.arrival, admitted, first, self.now))
+        conv.next_turn += 1
+        if conv.next_turn < len(conv.turns):
+            heapq.heappush(self.releases, (self.now + conv.turns[conv.next_turn].wait_ms / 1e3, conv.index))
+        else:
+            self._set_blocks(conv, 0)  # the session closes: its KV goes back
+            conv.computed = 0
+
+    def _set_blocks(self, conv: _Conv, blocks: int) -> None:
+        self.used_blocks += blocks - conv.blocks
+        conv.blocks = blocks
+
+    def _unblock(self) -> None:
+        """Nothing fits: free KV as the engine does (`RequestTable.unblock`), the least costly first:
+        the least recently used idle session's, else every waiting request's earlier turns', else
+        the youngest half-finished prefill's (preempted)."""
+        idle = [c for c in self.convs if c.request is None and c.blocks]
+        holders = [r.conv for r in self.active.values() if r.stage is Stage.WAITING and r.conv.blocks]
+        halfway = [r for r in self.active.values() if r.stage is Stage.PREFILL and r.conv.blocks]
+        if idle:
+            victims = [min(idle, key=lambda c: c.last_used)]
+        elif holders:
+            victims = holders
+        elif halfway:
+            req = max(halfway, key=lambda r: r.order)
+            req.stage = Stage.WAITING
+            self.preemptions += 1
+            victims = [req.conv]
+        else:
+            waiting = min(self.active.values(), key=lambda r: r.order)
+            raise SimulationError(f"request of conversation {waiting.conv.key!r} turn {waiting.turn.turn} needs "
+                                  f"{_blocks(waiting.conv.tokens, self.bs)} KV blocks and nothing can be freed "
+                                  f"({self.config.num_blocks - self.used_blocks} of {self.config.num_blocks} free); "
+                                  f"raise SimConfig.num_blocks")
+        for conv in victims:
+            self._set_blocks(conv, 0)
+            conv.computed = 0
+        self.evictions += len(victims)
+        self.now += self.cost.gap_s
+
+
+def simulate(trace: Sequence[TraceRequest], cost: CostModel, config: SimConfig | None = None,
+             policy: Policy | None = None) -> SimResult:
+    """Simulate the engine of `config` with step costs `cost` on `trace` under `policy` (FIFO: the
+    engine's own order)."""
+    return Simulator(trace, cost, config or SimConfig(), policy or Fifo()).run()

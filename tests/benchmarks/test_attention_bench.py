@@ -1,0 +1,47 @@
+"""benchmarks.attention's parsing and bookkeeping on CPU; the measurement itself is a GPU test."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import attention
+
+
+def test_parse_shape_and_pairs():
+    assert attention.parse_shape("8x(2048+512)") == [(2048, 512)] * 8
+    assert attention.pairs([(0, 4)]) == 10  # causal: 1 + 2 + 3 + 4
+    assert attention.pairs([(3, 2)]) == 2 * 3 + 3  # each new token sees the 3 cached ones
+    for bad in ("8(2048+512)", "0x(1+1)", "2x(5+0)", "x(1+2)"):
+        with pytest.raises(ValueError, match="shape"):
+            attention.parse_shape(bad)
+
+
+def test_settings_grid():
+    grid = attention.triton_settings([64, 128], [2, 3], [8])
+    assert len(grid) == 4 and {"prefill_block_n": 128, "prefill_stages": 3, "prefill_warps": 8} in grid
+    dec = attention.triton_settings([64], [2, 3], [4], "decode", [8, 16])
+    assert len(dec) == 4 and {"decode_block_n": 64, "decode_stages": 3, "decode_warps": 4,
+                              "decode_programs_per_sm": 16} in dec
+
+
+def test_main_refuses_bad_shapes_before_needing_a_gpu():
+    with pytest.raises(ValueError, match="shape"):
+        attention.main(["--prefill", "4x4096"])
+
+
+@pytest.mark.gpu
+def test_sweep_runs_and_compiles_nothing_while_timed(tmp_path):
+    out = tmp_path / "a.json"
+    assert attention.main(["--prefill", "2x(100+70)", "--decode", "3x(40+1)", "--block-n", "64", "--stages", "2,3",
+                           "--warps", "4", "--decode-block-n", "64", "--decode-stages", "2", "--decode-warps", "4",
+                           "--decode-programs", "8,16", "--iters", "2", "--rounds", "1", "--out", str(out)]) == 0
+    import json
+
+    got = json.loads(out.read_text())
+    assert got["compiles_in_timed_regions"] == 0
+    pre = got["shapes"]["2x(100+70)"]["variants"]
+    assert len([n for n in pre if n.startswith("triton ")]) == 2
+    assert all(v["rel_err_vs_first"] < 2e-2 for v in pre.values())
+    dec = got["shapes"]["3x(40+1)"]["variants"]
+    assert len([n for n in dec if n.startswith("triton ")]) == 2 and got["best"]["3x(40+1)"].startswith("triton ")
+    assert torch.cuda.is_available()

@@ -1,0 +1,57 @@
+"""`benchmarks.report`: the tables of the docs from the result JSON (CPU)."""
+import json
+
+import pytest
+
+from benchmarks import report
+
+RESULT = {
+    "schedules": {
+        "off": {"budget": 4096, "n": 3, "compilations": 0,
+                "median": {"makespan_s": 4.66, "p50_request_s": 0.047, "p99_request_s": 0.28, "p99_trajectory_s": 4.58,
+                           "mean_ttft_s": 0.0116, "mean_decode_wait_ms": 1.45, "tokens_per_s": 707.0},
+                "min": {"makespan_s": 4.62}, "max": {"makespan_s": 4.68}},
+        "mux": {"budget": 2048, "n": 0, "median": {"makespan_s": None}},
+    },
+    "vllm": {"vllm": "0.26.0", "best_budget": "default", "budgets": {"default": {
+        "chosen": {"max_num_batched_tokens": 2048},
+        "median": {"makespan_s": 5.97, "p50_request_s": 0.108, "tokens_per_s": 551.0},
+        "passes": [{"makespan_s": 5.95}, {"makespan_s": 5.97}, {"makespan_s": 6.33}]}}},
+    "lower_bound": {"bound_s": 3.27},
+    "ratios": {"best_over_vllm": 0.758, "mux_over_vllm": None},
+}
+
+
+def test_rollout_table_rows():
+    lines = report.rollout(RESULT).splitlines()
+    assert lines[0].startswith("| schedule | budget | n | makespan s |")
+    assert lines[2] == ("| off | 4096 | 3 | 4.66 [4.62-4.68] | 0.047 | 0.28 | 4.58 | 11.6 | 1.45 | 707 | 0 |")
+    assert lines[3] == "| mux | 2048 | 0 | - | - | - | - | - | - | - | - |"  # no finished replay
+    assert lines[4].startswith("| vLLM 0.26.0, its default (2048): its best | - | 3 | 5.97 [5.95-6.33] | 0.108 |")
+    assert lines[-1] == "lower bound 3.27 s; our best over vLLM's best 0.758."
+
+
+def test_a_page_is_regenerated_from_its_json_and_checked(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    (tmp_path / "r.json").write_text(json.dumps(RESULT))
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n\n<!-- report rollout r.json -->\nold table\n<!-- end report -->\n\nafter\n")
+    assert report.main(["--check", str(page)]) == 1
+    assert "old table" in page.read_text()  # --check writes nothing
+    assert report.main([str(page)]) == 0
+    text = page.read_text()
+    assert "old table" not in text and "| off | 4096 | 3 | 4.66 [4.62-4.68]" in text and text.endswith("\nafter\n")
+    assert report.main(["--check", str(page)]) == 0  # idempotent
+
+
+def test_unknown_kinds_and_missing_files_are_named():
+    with pytest.raises(ValueError, match="unknown table kind 'plot'"):
+        report.table("plot", "r.json")
+    with pytest.raises(FileNotFoundError, match="result file nowhere.json not found"):
+        report.table("rollout", "nowhere.json")
+
+
+def test_the_docs_tables_match_their_json():
+    pages = [str(report.ROOT / "docs" / name) for name in ("benchmarks.md", "kernels.md")]
+    assert report.main(["--check", *pages]) == 0
+    assert all(report.MARK.search((report.ROOT / "docs" / n).read_text()) for n in ("benchmarks.md", "kernels.md"))

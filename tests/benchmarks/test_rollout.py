@@ -1,0 +1,218 @@
+"""The benchmark CLI end to end on CPU (tiny model, tiny trace): budget sweep, interleaved warm
+repeats of off / chunked / mux / mux-epoch, medians, compile counts, ratios, table and plot."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks import rollout
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    code = rollout.main(["--model", "tiny-moe", "--device", "cpu", "--repeats", "2", "--conversations", "3",
+                         "--scale", "0.003", "--budgets", "32,64", "--out", str(out), "--no-progress"])
+    assert code == 0
+    return out, json.loads((out / "rollout.json").read_text())
+
+
+def test_sweep_picks_each_schedules_best_budget(run):
+    _, result = run
+    sweep = result["sweep"]
+    assert list(sweep) == ["32", "64"]
+    for name in ("off", "chunked", "mux"):
+        measured = {int(b): row[name]["report"]["makespan_s"] for b, row in sweep.items()}
+        assert result["best_budget"][name] == min(measured, key=measured.get)
+        assert result["schedules"][name]["budget"] == result["best_budget"][name]
+    assert result["schedules"]["mux-epoch"]["budget"] == result["best_budget"]["mux"]
+    assert result["schedules"]["mux-epoch"]["spec"] == "mux@fixed:1000000000"
+    assert result["sweep_trace"]["conversations"] == 2  # half of the 3, rounded
+
+
+def test_repeats_are_interleaved_warm_and_summarised(run):
+    _, result = run
+    assert list(result["schedules"]) == ["off", "chunked", "mux", "mux-epoch", "mux-load"]
+    assert result["schedules"]["mux-load"]["spec"] == "mux@load"
+    for s in result["schedules"].values():
+        assert [r["repeat"] for r in s["repeats"]] == [0, 1]
+        for r in s["repeats"]:
+            assert r["finished"] and r["warm"], r
+            assert r["compilations"]["total"] == 0 and r["compilations"]["triton_source"] == "none"
+            assert r["report"]["requests"] == result["trace"]["requests"] and r["report"]["failed"] == 0
+            assert r["report"]["output_tokens"] == result["trace"]["output_tokens"]
+            assert r["runner"] == "ModelRunner"
+            assert r["engine_stats"]["steps"] > 0  # the engine's counters, reset in place, still count
+        spans = [r["report"]["makespan_s"] for r in s["repeats"]]
+        assert s["median"]["makespan_s"] == pytest.approx(float(np.median(spans)))
+        assert s["min"]["makespan_s"] == min(spans) and s["max"]["makespan_s"] == max(spans)
+        assert s["n"] == 2 and s["n_cold"] == 0 and s["compilations"] == 0
+    ratios = result["ratios"]
+    med = {n: s["median"]["makespan_s"] for n, s in result["schedules"].items()}
+    assert ratios["mux_over_off"] == pytest.approx(med["mux"] / med["off"])
+    assert ratios["mux_epoch_over_mux"] == pytest.approx(med["mux-epoch"] / med["mux"])
+    assert ratios["mux_load_over_mux"] == pytest.approx(med["mux-load"] / med["mux"])
+    assert ratios["mux_over_best_baseline"] == pytest.approx(med["mux"] / min(med["off"], med["chunked"]))
+    assert "mux_over_off@32" in ratios and ratios["best_over_vllm"] is None
+
+
+def test_table_and_plot(run, capsys):
+    out, result = run
+    text = rollout.table(result)
+    assert "makespan_s med [min-max]" in text and "compiles" in text and "mux-epoch" in text
+    assert "sweep (short pass" in text
+    pytest.importorskip("matplotlib")
+    from benchmarks.plot import main as plot_main
+
+    assert plot_main([str(out / "rollout.json"), str(out / "plot.png")]) == 0
+    assert (out / "plot.png").stat().st_size > 1000
+
+
+def test_deadline_stops_cleanly_and_keeps_what_it_measured(tmp_path):
+    code = rollout.main(["--model", "tiny-moe", "--device", "cpu", "--repeats", "3", "--conversations", "2",
+                         "--scale", "0.002", "--budgets", "64", "--schedules", "off", "--no-ablation",
+                         "--deadline-s", "0", "--out", str(tmp_path), "--no-progress"])
+    assert code == 0
+    result = json.loads((tmp_path / "rollout.json").read_text())
+    assert "deadline" in result["stopped"]
+    assert result["schedules"]["off"]["repeats"] == []
+
+
+def test_profile_and_max_model_len_auto(tmp_path):
+    """The prefill profile at this scale stays under tiny-moe's 8,192 positions: no raise needed;
+    a fixed --max-model-len is passed through."""
+    code = rollout.main(["--model", "tiny-moe", "--device", "cpu", "--repeats", "1", "--conversations", "2",
+                         "--scale", "0.004", "--profile", "prefill", "--budgets", "64", "--schedules", "mux",
+                         "--no-ablation", "--max-model-len", "4096", "--out", str(tmp_path), "--no-progress"])
+    assert code == 0
+    result = json.loads((tmp_path / "rollout.json").read_text())
+    assert result["profile"] == "prefill" and result["max_model_len"] == 4096
+    assert result["schedules"]["mux"]["repeats"][0]["finished"]
+    assert set(result["warmup"]) == {"mux"}
+
+
+_FAKE_VLLM = {
+    "vllm/__init__.py": "__version__ = '0.26.0-standin'\n"
+                        "class SamplingParams:\n    def __init__(self, **kw):\n        self.kw = kw\n"
+                        "def TokensPrompt(prompt_token_ids):\n    return prompt_token_ids\n",
+    "vllm/engine/__init__.py": "",
+    "vllm/engine/arg_utils.py": "class AsyncEngineArgs:\n    def __init__(self, **kw):\n        self.kw = kw\n",
+    "vllm/sampling_params.py": "class RequestOutputKind:\n    DELTA = 1\n",
+    "vllm/v1/__init__.py": "",
+    "vllm/v1/engine/__init__.py": "",
+    "vllm/v1/engine/async_llm.py": (
+        "import asyncio, types\n"
+        "class AsyncLLM:\n"
+        "    @classmethod\n"
+        "    def from_engine_args(cls, args):\n"
+        "        e = cls(); e.budget = args.kw.get('max_num_batched_tokens') or 8192\n"
+        "        e.vllm_config = types.SimpleNamespace(scheduler_config=types.SimpleNamespace(\n"
+        "            max_num_batched_tokens=e.budget, max_num_seqs=1024))\n"
+        "        print('INFO Using FLASH_ATTN backend (stand-in)', flush=True)\n"
+        "        return e\n"
+        "    async def reset_prefix_cache(self):\n"
+        "        return True\n"
+        "    async def generate(self, prompt, sampling_params, request_id):\n"
+        "        n = sampling_params.kw['max_tokens']\n"
+        "        await asyncio.sleep(0.002)\n"
+        "        yield types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[5] * n)], finished=True)\n"
+        "    def shutdown(self):\n"
+        "        pass\n"),
+}
+
+
+def test_vllm_stage_runs_the_peer_in_its_own_process(tmp_path):
+    """The peer's subprocess path end to end with a stand-in `vllm` package on --vllm-site (this
+    checks our orchestration: trace file, environment, JSON merge, table; not vLLM). No schedule
+    of ours runs, so no model is built and the Qwen3 preset's config.json is only written."""
+    site = tmp_path / "site"
+    for rel, text in _FAKE_VLLM.items():
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_text(text)
+    out = tmp_path / "out"
+    code = rollout.main(["--model", "qwen3-30b-a3b-12l", "--device", "cpu", "--conversations", "2",
+                         "--scale", "0.001", "--schedules", "", "--vllm", "--vllm-site", str(site),
+                         "--vllm-budgets", "default,2048", "--vllm-passes", "2", "--deadline-s", "200",
+                         "--out", str(out), "--no-progress"])
+    assert code == 0
+    result = json.loads((out / "rollout.json").read_text())
+    peer = result["vllm"]
+    assert peer.get("ran") and peer["exit"] == 0 and peer["vllm"] == "0.26.0-standin", peer
+    assert set(peer["budgets"]) == {"default", "2048"}
+    assert peer["budgets"]["default"]["chosen"]["max_num_batched_tokens"] == 8192
+    assert len(peer["repeats"]) == 2 and peer["repeats"][0]["requests"] == result["trace"]["requests"]
+    assert peer["repeats"][0]["output_tokens"] == result["trace"]["output_tokens"]
+    assert any("FLASH_ATTN" in line for line in peer["log_lines"])
+    assert (out / "trace.jsonl").exists() and "vllm" in rollout.table(result)
+
+
+def test_ratios_are_medians_over_medians_against_the_peer():
+    result = {"schedules": {n: {"median": {"makespan_s": m, "p99_request_s": p, "mean_ttft_s": t}}
+                            for n, m, p, t in (("off", 10.0, 2.0, 0.1), ("chunked", 8.0, 4.0, 0.2),
+                                               ("mux", 6.0, 1.0, 0.3), ("mux-epoch", 9.0, 1.5, 0.3))},
+              "vllm": {"median": {"makespan_s": 5.0}}, "lower_bound": {"bound_s": 3.0},
+              "sweep": {"4096": {"off": {"finished": True, "report": {"makespan_s": 4.0}},
+                                 "mux": {"finished": True, "report": {"makespan_s": 3.0}}}}}
+    r = rollout.ratios(result)
+    assert r["mux_over_best_baseline"] == pytest.approx(6 / 8)
+    assert r["mux_p99_request_over_best_baseline"] == pytest.approx(1 / 4)  # chunked is the best baseline
+    assert r["mux_ttft_over_off"] == pytest.approx(3.0)
+    assert r["mux_queue_over_off"] is None  # no admission marks in these medians
+    result["schedules"]["off"]["median"].update(mean_queue_s=0.04, mean_prefill_s=0.06)
+    result["schedules"]["mux"]["median"].update(mean_queue_s=0.08, mean_prefill_s=0.22)
+    r = rollout.ratios(result)
+    assert r["mux_queue_over_off"] == pytest.approx(2.0) and r["mux_prefill_over_off"] == pytest.approx(0.22 / 0.06)
+    assert r["best_over_vllm"] == pytest.approx(6 / 5) and r["mux_over_vllm"] == pytest.approx(6 / 5)
+    assert r["mux_epoch_over_mux"] == pytest.approx(1.5) and r["mux_over_lower_bound"] == pytest.approx(2.0)
+    assert r["mux_over_off@4096"] == pytest.approx(0.75) and r["mux_over_chunked@4096"] is None
+
+
+def test_spec_suffix_sync_turns_decode_ahead_off():
+    assert rollout._split("mux@fixed:4/sync") == ("mux", "fixed:4", "off")
+    assert rollout._split("off") == ("off", None, None)
+    with pytest.raises(SystemExit, match="only suffix is '/sync'"):
+        rollout._split("off/fast")
+    r = rollout.ratios({"schedules": {"off": {"median": {"makespan_s": 3.0}},
+                                      "off/sync": {"median": {"makespan_s": 4.0}}}})
+    assert r["off_over_off_sync"] == pytest.approx(0.75)
+
+
+def test_decode_ahead_on_against_its_sync_twin_on_cpu(tmp_path):
+    """`--decode-ahead on` forces it on the portable runner (nothing to overlap there: this checks
+    the plumbing and that both finish every request with the same output tokens)."""
+    # scale 0.01: turns long enough that most decode steps have every request in them (at 0.003 a
+    # replay issued 3 forwards ahead, and whether any was taken depended on the tool waits' timing)
+    code = rollout.main(["--model", "tiny-moe", "--device", "cpu", "--repeats", "1", "--conversations", "2",
+                         "--scale", "0.01", "--budgets", "64", "--schedules", "off,off/sync", "--no-ablation",
+                         "--decode-ahead", "on", "--out", str(tmp_path), "--no-progress"])
+    assert code == 0
+    result = json.loads((tmp_path / "rollout.json").read_text())
+    ahead, sync = (result["schedules"][n]["repeats"][0] for n in ("off", "off/sync"))
+    assert ahead["engine_stats"]["ahead_taken"] > 0 and sync["engine_stats"]["ahead_issued"] == 0
+    assert ahead["report"]["output_tokens"] == sync["report"]["output_tokens"] == result["trace"]["output_tokens"]
+    assert "off_over_off_sync" in result["ratios"]
+
+
+def test_sampled_replays_run_every_turn_and_refuse_the_peer(tmp_path):
+    """`--temperature 1` reaches the replay (the args record it; every turn is served at its forced
+    length under both schedules); the greedy peer is refused. Per-turn seeds: tests/trace."""
+    code = rollout.main(["--model", "tiny-moe", "--device", "cpu", "--repeats", "1", "--conversations", "2",
+                         "--scale", "0.01", "--budgets", "64", "--schedules", "off,mux", "--no-ablation",
+                         "--temperature", "1", "--out", str(tmp_path), "--no-progress"])
+    assert code == 0
+    result = json.loads((tmp_path / "rollout.json").read_text())
+    assert result["args"]["temperature"] == 1.0 and result.get("vllm") is None
+    for name in ("off", "mux"):
+        assert result["schedules"][name]["repeats"][0]["report"]["output_tokens"] == result["trace"]["output_tokens"]
+    with pytest.raises(SystemExit, match="drop --vllm"):
+        rollout.main(["--model", "tiny-moe", "--device", "cpu", "--temperature", "1", "--vllm", "--out", str(tmp_path)])
+
+
+def test_unknown_micro_parts_are_named_before_any_work(tmp_path):
+    with pytest.raises(SystemExit, match=r"--micro-parts: unknown part\(s\) \['overlapp'\]"):
+        rollout.main(["--model", "tiny-moe", "--device", "cpu", "--micro", "--micro-parts", "decode,overlapp",
+                      "--out", str(tmp_path)])
+    assert rollout._micro_parts("decode, overlap") == ("decode", "overlap")
+    assert "overlap" in rollout.MICRO_PARTS

@@ -1,0 +1,262 @@
+"""The vLLM peer's own logic on CPU, without vLLM: a small fake async engine stands in for
+`AsyncLLM`. These tests check OUR closed-loop driver only (turn ordering, tool waits, history
+growth, failure handling, the report's figures) and the config.json it writes; that vLLM itself
+runs is checked on the GPU machine by `benchmarks.vllm_check`. Also: the peer's token ids are the ids
+our replay appends (one function, `trace.make.input_ids`)."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from benchmarks.vllm_peer import closed_loop, hf_config, median_report, report
+from megatron_rollout.model.config import PRESETS
+from megatron_rollout.trace.make import conversation_inputs, input_ids, make_trace
+from megatron_rollout.trace.schema import TraceRequest
+
+
+@dataclass
+class _Delta:
+    token_ids: list[int]
+
+
+@dataclass
+class _Out:
+    outputs: list[_Delta]
+    finished: bool
+
+
+class FakeAsyncLLM:
+    """Generates `n` tokens in two deltas after a short sleep; token i of a request is
+    1000 + len(prompt) + i, so the test can tell which prompt produced which ids."""
+
+    def __init__(self, fail: set[str] = frozenset(), step_s: float = 0.002) -> None:
+        self.calls: list[tuple[str, list[int], float]] = []
+        self.fail, self.step_s = fail, step_s
+
+    async def generate(self, prompt, sampling_params, request_id):
+        self.calls.append((request_id, list(prompt), time.perf_counter()))
+        if request_id in self.fail:
+            raise RuntimeError("refused")
+        n = sampling_params
+        tokens = [1000 + len(prompt) + i for i in range(n)]
+        half = max(1, n // 2)
+        await asyncio.sleep(self.step_s)
+        yield _Out([_Delta(tokens[:half])], finished=half >= n)
+        if half < n:
+            await asyncio.sleep(self.step_s)
+            yield _Out([_Delta(tokens[half:])], finished=True)
+
+
+TRACE = [TraceRequest("a", 0, 3, 2, 0.0), TraceRequest("a", 1, 2, 3, 30.0), TraceRequest("a", 2, 1, 1, 10.0),
+         TraceRequest("b", 0, 4, 1, 0.0), TraceRequest("b", 1, 2, 2, 0.0)]
+
+
+def _run(engine, trace=TRACE):
+    inputs = conversation_inputs(trace, seed=5, vocab_size=100)
+    start, records = asyncio.run(closed_loop(engine, trace, inputs, make_prompt=lambda ids: ids,
+                                             make_params=lambda n: n, tag="t"))
+    return inputs, start, records
+
+
+def test_history_grows_by_new_ids_and_generated_ids():
+    engine = FakeAsyncLLM()
+    inputs, _, records = _run(engine)
+    prompts = {rid: prompt for rid, prompt, _ in engine.calls}
+    for key, turns in (("a", 3), ("b", 2)):
+        history: list[int] = []
+        for k in range(turns):
+            history += inputs[key][k]
+            assert prompts[f"t-{key}-{k}"] == history
+            n = next(t.output_tokens for t in TRACE if t.conversation == key and t.turn == k)
+            history += [1000 + len(history) - 0 + i for i in range(n)]  # what the fake generated
+    assert sorted((r.conversation, r.turn) for r in records) == [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1)]
+    assert [r.output_tokens for r in records if r.conversation == "a"] == [2, 3, 1]
+
+
+def test_turns_are_sent_after_the_previous_finished_plus_the_wait():
+    engine = FakeAsyncLLM()
+    _, start, records = _run(engine)
+    by = {(r.conversation, r.turn): r for r in records}
+    sent = {rid: t for rid, _, t in engine.calls}
+    assert sent["t-a-0"] - start < 0.05 and sent["t-b-0"] - start < 0.05  # both start at once
+    assert sent["t-a-1"] >= by[("a", 0)].finish + 0.030
+    assert sent["t-a-2"] >= by[("a", 1)].finish + 0.010
+    assert sent["t-b-1"] >= by[("b", 0)].finish
+    for r in records:
+        assert r.first_token is not None and r.arrival <= r.first_token <= r.finish
+
+
+def test_a_failed_turn_ends_its_conversation_and_the_report_counts_it():
+    engine = FakeAsyncLLM(fail={"t-a-1"})
+    _, start, records = _run(engine)
+    assert [rid for rid, _, _ in engine.calls if rid.startswith("t-a")] == ["t-a-0", "t-a-1"]
+    rep = report(start, records, total_requests=len(TRACE))
+    assert (rep["requests"], rep["failed"], rep["skipped"]) == (3, 1, 1)
+    assert rep["output_tokens"] == 2 + 1 + 2
+    assert rep["mean_decode_wait_ms"] is None
+    assert rep["makespan_s"] == pytest.approx(max(r.finish for r in records) - start)
+    assert rep["tokens_per_s"] == pytest.approx(5 / rep["makespan_s"])
+
+
+def test_median_report_takes_each_figure_s_median():
+    reps = [{"makespan_s": 3.0, "mean_decode_wait_ms": None, "schedule": "vllm"},
+            {"makespan_s": 1.0, "mean_decode_wait_ms": None, "schedule": "vllm"},
+            {"makespan_s": 2.0, "mean_decode_wait_ms": None, "schedule": "vllm"}]
+    assert median_report(reps) == {"makespan_s": 2.0, "mean_decode_wait_ms": None, "schedule": "vllm"}
+
+
+def test_hf_config_has_the_preset_shape():
+    cfg = PRESETS["qwen3-30b-a3b-12l"]
+    c = hf_config(cfg, 65_536)
+    assert c["architectures"] == ["Qwen3MoeForCausalLM"] and c["num_hidden_layers"] == 12
+    assert (c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]) == (2048, 32, 4, 128)
+    assert (c["num_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]) == (128, 8, 768)
+    assert c["norm_topk_prob"] is True and c["vocab_size"] == 151_936
+    assert c["max_position_embeddings"] == 65_536
+    with pytest.raises(ValueError, match="every layer MoE"):
+        hf_config(PRESETS["tiny-moe"], 4096)
+
+
+def test_peer_ids_are_the_ids_our_replay_appends():
+    """Replay a trace on a fake engine that records what each session appended: the same ids as
+    `conversation_inputs` gives the peer."""
+    from megatron_rollout.trace.replay import replay
+
+    trace = make_trace(conversations=3, seed=1, scale=0.002)
+    appended: dict[int, list[list[int]]] = {}
+
+    class Session:
+        def __init__(self, engine, sid):
+            self.engine, self.sid = engine, sid
+
+        def append(self, ids):
+            appended.setdefault(self.sid, []).append(list(ids))
+
+        def submit(self, params):
+            return self.engine.submit(self.sid, params)
+
+        def close(self):
+            pass
+
+    class Engine:
+        def __init__(self):
+            self.sessions, self.pending, self.ids = 0, [], 0
+            self.stats = type("S", (), {"mean_decode_wait_ms": 0.0})()
+
+        def open_session(self):
+            self.sessions += 1
+            return Session(self, self.sessions - 1)
+
+        def submit(self, sid, params):
+            self.ids += 1
+            self.pending.append((self.ids, params.max_new_tokens, time.perf_counter()))
+            return self.ids
+
+        def has_work(self):
+            return bool(self.pending)
+
+        def step(self):
+            from megatron_rollout.engine.api import FinishReason, GenerationResult, RequestOutput
+            from megatron_rollout.engine.request import RequestTimes
+
+            outs = []
+            for rid, n, t in self.pending:
+                now = time.perf_counter()
+                times = RequestTimes(arrival=t, first_token=now, finish=now)
+                outs.append(RequestOutput(rid, GenerationResult([0] * n, [0.0] * n, FinishReason.LENGTH, []),
+                                          times, 1))
+            self.pending = []
+            return outs
+
+    try:
+        replay(Engine(), trace, seed=4, progress=False, vocab_size=97)
+    except TypeError as exc:  # the engine's record types changed shape: say so rather than pass
+        pytest.fail(f"fake engine no longer matches the engine API: {exc}")
+    expected = conversation_inputs(trace, seed=4, vocab_size=97)
+    assert list(appended.values()) == list(expected.values())
+    assert input_ids(4, 0, 0, 5, 97) == expected[0][0][:5]
+
+
+def _fake_vllm(monkeypatch, calls: list):
+    """A stand-in `vllm` package with the names the peer imports (AsyncLLM, AsyncEngineArgs,
+    SamplingParams, TokensPrompt, RequestOutputKind), to test the peer's orchestration."""
+    import sys
+    import types
+
+    def module(name, **attrs):
+        m = types.ModuleType(name)
+        m.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, m)
+        return m
+
+    class AsyncEngineArgs:
+        def __init__(self, **kw):
+            self.kw = kw
+
+    class SamplingParams:
+        def __init__(self, **kw):
+            self.kw = kw
+
+    class AsyncLLM:
+        @classmethod
+        def from_engine_args(cls, args):
+            calls.append(("start", args.kw.get("max_num_batched_tokens")))
+            engine = cls()
+            engine.budget = args.kw.get("max_num_batched_tokens") or 2048
+            engine.vllm_config = types.SimpleNamespace(
+                scheduler_config=types.SimpleNamespace(max_num_batched_tokens=engine.budget, max_num_seqs=1024),
+                cache_config=types.SimpleNamespace(block_size=16, enable_prefix_caching=True))
+            return engine
+
+        async def reset_prefix_cache(self):
+            calls.append(("reset", self.budget))
+            return True
+
+        async def generate(self, prompt, sampling_params, request_id):
+            n = sampling_params.kw["max_tokens"]
+            assert sampling_params.kw["min_tokens"] == n and sampling_params.kw["ignore_eos"]
+            await asyncio.sleep(0.001 if self.budget == 4096 else 0.012)
+            yield _Out([_Delta([7] * n)], finished=True)
+
+        def shutdown(self):
+            calls.append(("shutdown", self.budget))
+
+    module("vllm", __version__="0.26.0-fake", SamplingParams=SamplingParams,
+           TokensPrompt=lambda **kw: kw["prompt_token_ids"])
+    module("vllm.engine")
+    module("vllm.engine.arg_utils", AsyncEngineArgs=AsyncEngineArgs)
+    module("vllm.sampling_params", RequestOutputKind=types.SimpleNamespace(DELTA="delta"))
+    module("vllm.v1")
+    module("vllm.v1.engine")
+    module("vllm.v1.engine.async_llm", AsyncLLM=AsyncLLM)
+
+
+def test_peer_main_warms_up_resets_and_keeps_the_best_budget(monkeypatch, tmp_path):
+    import json
+
+    from benchmarks import vllm_peer
+    from megatron_rollout.trace.schema import write_trace
+
+    calls: list = []
+    _fake_vllm(monkeypatch, calls)
+    trace = make_trace(conversations=2, seed=0, scale=0.002, wait_scale=0.0)
+    write_trace(tmp_path / "t.jsonl", trace)
+    code = vllm_peer.main(["--trace", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "v.json"),
+                           "--budgets", "default,4096", "--passes", "2", "--model-dir", str(tmp_path / "m")])
+    assert code == 0
+    result = json.loads((tmp_path / "v.json").read_text())
+    assert [c for c in calls if c[0] == "start"] == [("start", None), ("start", 4096)]
+    assert sum(1 for c in calls if c[0] == "reset") == 2 * 3  # before the warm-up and each timed pass
+    for key in ("default", "4096"):
+        entry = result["budgets"][key]
+        assert len(entry["passes"]) == 2 and "warmup" in entry
+        assert entry["passes"][0]["requests"] == len(trace)
+        assert entry["passes"][0]["output_tokens"] == sum(t.output_tokens for t in trace)
+    assert result["budgets"]["default"]["chosen"]["max_num_batched_tokens"] == 2048
+    assert result["ran"] and result["best_budget"] == "4096"  # the fake is faster there
+    assert result["median"]["makespan_s"] == result["budgets"]["4096"]["median"]["makespan_s"]
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 12

@@ -1,0 +1,55 @@
+"""The engine's step records: one per forward, sizes from its rows, marks around it."""
+import pytest
+import torch
+
+from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
+from megatron_rollout.engine.records import step_record
+from megatron_rollout.engine.runner import SpanInput
+from megatron_rollout.kv.paged import SeqSpan
+from megatron_rollout.model.checkpoint import load_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return load_model("tiny-moe", device="cpu")
+
+
+def test_sizes_come_from_the_rows_spans():
+    rows = [SpanInput(SeqSpan((0,), 9, 1), [1], True), SpanInput(SeqSpan((1,), 4, 1), [1], True),
+            SpanInput(SeqSpan((2,), 3, 5), [1] * 5, True), SpanInput(SeqSpan((3,), 0, 2), [1, 2], False)]
+    r = step_record("P", rows, 2, 1.0, 1.5)
+    assert (r.decode_rows, r.decode_context) == (2, 10 + 5)
+    assert (r.prefill_rows, r.prefill_tokens) == (2, 7)
+    assert r.prefill_pairs == (5 * 3 + 15) + (0 + 3)  # new * past + new * (new + 1) / 2 per chunk
+    assert r.mixed and r.duration == 0.5 and r.epoch is None
+
+
+@pytest.mark.parametrize("schedule", ["off", "chunked"])
+def test_one_record_per_forward_with_its_sizes(model, schedule):
+    engine = RolloutEngine(model, EngineConfig(schedule=schedule, num_blocks=64))
+    engine.generate([[1] * 10, [2] * 7], SamplingParams(max_new_tokens=3))
+    recs = engine.step_log.records
+    # One prefill of both prompts (10 + 7 tokens), then two decode steps over both rows.
+    assert [(r.phase, r.decode_rows, r.prefill_rows, r.prefill_tokens) for r in recs] == [
+        ("P", 0, 2, 17), ("D", 2, 0, 0), ("D", 2, 0, 0)]
+    assert recs[0].prefill_pairs == 55 + 28
+    assert [r.decode_context for r in recs[1:]] == [11 + 8, 12 + 9]
+    assert all(a.end <= b.start for a, b in zip(recs, recs[1:])) and all(r.duration > 0 for r in recs)
+
+
+def test_mux_segments_carry_their_epoch_and_its_sizes_once(model):
+    engine = RolloutEngine(model, EngineConfig(schedule="mux", num_blocks=64, mux_span="fixed:1"))
+    engine.add_request([3] * 12, SamplingParams(max_new_tokens=8))
+    engine.step()
+    engine.step()  # the first request decodes while the second one's epoch runs segment by segment
+    engine.add_request([4] * 9, SamplingParams(max_new_tokens=2))
+    while engine.has_work():
+        engine.step()
+    segments = [r for r in engine.step_log.records if r.epoch is not None]
+    second = [r for r in segments if r.epoch == 2]
+    assert len(second) > 1  # one segment per round while decode rows ran
+    assert [r.prefill_tokens for r in second] == [9] + [0] * (len(second) - 1)
+    assert all(r.decode_rows == 0 and r.phase == "P" for r in segments)
+    decode = [r for r in engine.step_log.records if r.epoch is None]
+    assert decode and all(r.phase == "D" and r.prefill_rows == 0 for r in decode)

@@ -1,0 +1,113 @@
+"""Speculative verification keeps the target distribution exact (chi-square against the plain
+sampler and against the exact law, on a Markov-chain target with a different drafter) and is plain
+greedy decoding at temperature 0."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rollout.engine.api import SamplingParams
+from megatron_rollout.engine.sampler import filtered_logprobs, sample_row
+from megatron_rollout.engine.speculative import Verdict, verify
+
+scipy_stats = pytest.importorskip("scipy.stats")
+
+V, LENGTH = 4, 3
+_gen = torch.Generator().manual_seed(0)
+TARGET = (torch.randn(V, V, generator=_gen) * 1.5)  # logits of the next token given the previous one
+DRAFT = (torch.randn(V, V, generator=_gen) * 1.5).log_softmax(-1)  # a different drafter, log q
+
+
+def plain_sequence(params: SamplingParams, gen: torch.Generator) -> tuple[int, ...]:
+    seq = [0]
+    while len(seq) <= LENGTH:
+        seq.append(sample_row(TARGET[seq[-1]], params, gen).token)
+    return tuple(seq[1:])
+
+
+def speculative_sequence(params: SamplingParams, gen: torch.Generator, k: int = 2, greedy_drafts: bool = False,
+                         verifier=verify) -> tuple[int, ...]:
+    seq = [0]
+    while len(seq) <= LENGTH:
+        drafts, prev = [], seq[-1]
+        for _ in range(k):
+            prev = int(DRAFT[prev].argmax()) if greedy_drafts else int(torch.multinomial(DRAFT[prev].exp(), 1,
+                                                                                          generator=gen))
+            drafts.append(prev)
+        context = [seq[-1]] + drafts
+        q = None if greedy_drafts else DRAFT[context[:-1]]
+        seq.extend(verifier(TARGET[context], drafts, q, params, gen).tokens)
+    return tuple(seq[1:LENGTH + 1])
+
+
+def exact_law(params: SamplingParams) -> dict[tuple[int, ...], float]:
+    logp = filtered_logprobs(TARGET, params).exp()
+    law = {(): 1.0}
+    for _ in range(LENGTH):
+        law = {s + (t,): p * float(logp[s[-1] if s else 0, t]) for s, p in law.items() for t in range(V)}
+    return {s: p for s, p in law.items() if p > 0}
+
+
+def _counts(draw, n: int, seed: int) -> dict[tuple[int, ...], int]:
+    gen, counts = torch.Generator().manual_seed(seed), {}
+    for _ in range(n):
+        s = draw(gen)
+        counts[s] = counts.get(s, 0) + 1
+    return counts
+
+
+def _fit_p(counts: dict, law: dict) -> float:
+    n = sum(counts.values())
+    assert set(counts) <= set(law), "a sequence of probability 0 under the target was drawn"
+    cells, total = sorted(law), sum(law.values())  # total: 1 up to fp32 rounding
+    return scipy_stats.chisquare([counts.get(c, 0) for c in cells], [law[c] / total * n for c in cells]).pvalue
+
+
+@pytest.mark.parametrize("params,greedy_drafts", [
+    (SamplingParams(temperature=1.0), False),
+    (SamplingParams(temperature=0.7, top_k=3), False),
+    (SamplingParams(temperature=1.0), True),
+])
+def test_sampled_distribution_is_the_targets(params, greedy_drafts):
+    n = 4000
+    law = exact_law(params)
+    spec = _counts(lambda g: speculative_sequence(params, g, greedy_drafts=greedy_drafts), n, seed=1)
+    plain = _counts(lambda g: plain_sequence(params, g), n, seed=2)
+    assert _fit_p(spec, law) > 1e-3 and _fit_p(plain, law) > 1e-3
+    cells = sorted(set(spec) | set(plain))
+    table = [[spec.get(c, 0) for c in cells], [plain.get(c, 0) for c in cells]]
+    assert scipy_stats.chi2_contingency(table).pvalue > 1e-3
+
+
+def test_the_statistical_test_rejects_a_biased_verifier():
+    """Accepting every draft samples the drafter's chain, not the target's: the test must see it."""
+    def accept_all(target, drafts, q, params, gen):
+        return Verdict(len(drafts), tuple(drafts) + (sample_row(target[-1], params, gen).token,), ())
+
+    params = SamplingParams(temperature=1.0)
+    biased = _counts(lambda g: speculative_sequence(params, g, verifier=accept_all), 4000, seed=3)
+    assert _fit_p(biased, exact_law(params)) < 1e-6
+
+
+def test_greedy_is_plain_greedy_whatever_the_drafts():
+    params = SamplingParams(temperature=0.0)
+    want = plain_sequence(params, torch.Generator())
+    for greedy_drafts in (True, False):
+        assert speculative_sequence(params, torch.Generator().manual_seed(4), k=3, greedy_drafts=greedy_drafts) == want
+    # the target's own argmax chain as drafts: all accepted, then its next argmax as the bonus
+    logp = TARGET.log_softmax(-1)
+    chain = [0]
+    for _ in range(4):
+        chain.append(int(logp[chain[-1]].argmax()))
+    v = verify(TARGET[chain[:4]], chain[1:4], None, params)
+    assert (v.accepted, v.tokens) == (3, tuple(chain[1:]))
+    assert v.logprobs == pytest.approx([float(logp[a, b]) for a, b in zip(chain, chain[1:])])
+    # a wrong first draft: nothing accepted, the target's argmax instead
+    wrong = (chain[1] + 1) % V
+    v = verify(TARGET[[0, wrong]], [wrong], None, params)
+    assert (v.accepted, v.tokens) == (0, (chain[1],))
+
+
+def test_shapes_are_checked():
+    with pytest.raises(ValueError, match="3 rows for 1 drafts"):
+        verify(TARGET[:3], [1], None, SamplingParams(temperature=0.0))

@@ -1,0 +1,59 @@
+"""The cost model: fitted from records made by a known model, it gives that model back."""
+import pytest
+
+from megatron_rollout.engine.records import StepRecord
+from megatron_rollout.sim.cost import CostModel, StepSize, fit, observations
+
+TRUE = CostModel(decode_base_s=0.004, decode_row_s=0.0002, decode_context_s=1e-7, prefill_base_s=0.01,
+                 prefill_row_s=0.0005, prefill_token_s=3e-5, prefill_pair_s=2e-9)
+
+
+def records(cost: CostModel, sizes, gap=0.001, epoch_of=lambda i: None):
+    out, t = [], 0.0
+    for i, s in enumerate(sizes):
+        d = cost.step_s(s)
+        out.append(StepRecord("P" if s.prefill_tokens else "D", s.decode_rows, s.decode_context, s.prefill_rows,
+                              s.prefill_tokens, s.prefill_pairs, t, t + d, epoch_of(i)))
+        t += d + gap
+    return out
+
+
+def sizes():
+    out = []
+    for i in range(1, 40):
+        rows = 1 + (i * 7) % 33
+        out.append(StepSize(decode_rows=rows, decode_context=rows * (100 + 37 * i)))
+        tokens = 16 + (i * 53) % 700
+        out.append(StepSize(prefill_rows=1 + i % 3, prefill_tokens=tokens, prefill_pairs=tokens * (50 + 90 * i)))
+        if i % 4 == 0:  # a chunked step: both
+            out.append(StepSize(rows, rows * 300, 1, 100 + i, (100 + i) * 400))
+    return out
+
+
+def test_fit_recovers_the_model_that_made_the_records():
+    fitted = fit(records(TRUE, sizes()))
+    for name in ("decode_base_s", "decode_row_s", "decode_context_s", "prefill_base_s", "prefill_row_s",
+                 "prefill_token_s", "prefill_pair_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(TRUE, name), rel=1e-4, abs=1e-12), name
+    assert fitted.gap_s == pytest.approx(0.001)
+    assert fitted.mux_segments == 1.0
+
+
+def test_a_mux_epoch_is_one_observation_over_its_segments():
+    s = [StepSize(prefill_rows=2, prefill_tokens=50, prefill_pairs=900), StepSize(), StepSize(),
+         StepSize(decode_rows=3, decode_context=30)]
+    recs = records(TRUE, s, epoch_of=lambda i: 1 if i < 3 else None)
+    obs = observations(recs)
+    assert [o[0] for o in obs] == [s[3], s[0]]
+    assert obs[1][1] == pytest.approx(sum(r.duration for r in recs[:3]))
+    segmented = records(TRUE, sizes() + s, epoch_of=lambda i: 7 if i >= len(sizes()) and i < len(sizes()) + 3 else None)
+    assert fit(segmented).mux_segments == 3.0
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="needs decode-only and prefill forwards"):
+        fit(records(TRUE, [StepSize(prefill_rows=1, prefill_tokens=5, prefill_pairs=15)]))
+    with pytest.raises(ValueError, match=r"CostModel.decode_row_s must be a finite number >= 0, got -1"):
+        CostModel(decode_row_s=-1)
+    with pytest.raises(ValueError, match="mux_segments must be >= 1"):
+        CostModel(mux_segments=0.5)
