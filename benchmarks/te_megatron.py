@@ -2,25 +2,13 @@
 rollout through `update_weights`, and the rollout on TE (bf16) must give the trainer's logits (GPU only).
 
 Why: issue 18 asks that a Megatron TE-spec trainer feed the rollout with a copy. The rollout keeps the
-local spec's parameter names (`sharding.full_shapes`); the TE spec names three tensors differently and
-adds TE's `_extra_state` entries, as read from megatron-core 0.16.1 and 0.19.2 (`models/gpt/gpt_layer_specs.py`,
-`extensions/transformer_engine_spec_provider.py`) and TE 2.20.2 (`pytorch/module/layernorm_linear.py`,
-`grouped_linear.py`):
-
-| TE spec                                          | rollout                                        |
-| ------------------------------------------------ | ---------------------------------------------- |
-| `L.self_attention.linear_qkv.layer_norm_weight`  | `L.input_layernorm.weight` (fused into QKV)    |
-| `L.mlp.linear_fc1.layer_norm_weight` (dense)     | `L.pre_mlp_layernorm.weight` (fused into fc1)  |
-| `L.mlp.experts.linear_fc{1,2}.weightK` (grouped) | `L.mlp.experts.local_experts.K.linear_fc{1,2}.weight` |
-| `*._extra_state` (TE's FP8 metadata)             | nothing: carries no weights                    |
-
-Everything else keeps its name. `te_state_to_rollout` maps exactly these and refuses any other name
-with the name and what to change, and refuses a state that leaves a rollout tensor unset; the engine's
-`update_weights` then checks shapes, dtypes and values as for any trainer.
+local spec's parameter names; `megatron_rollout.model.megatron_names` maps the TE spec's (fused norms,
+grouped experts, `_extra_state`) onto them and refuses any other name; the engine's `update_weights`
+then checks shapes, dtypes and values as for any trainer.
 
 The run (`run`): one NCCL rank, parallel_state at TP = EP = 1; a Qwen3-MoE-shaped GPTModel in bf16
 (default: 2 layers of `qwen3-30b-a3b-12l`, TE grouped experts, qk norm) takes one Adam step (lr 1e-4)
-on random tokens; its state dict goes through `te_state_to_rollout` into a rollout engine whose model
+on random tokens; its state dict goes through `megatron_state_to_rollout` into a rollout engine whose model
 starts as NaN (so a tensor the copy missed cannot hide); the rollout's attention and dense-MLP linears
 then run on `te.pytorch.Linear` in bf16 (`TEBF16Weight`, the `te_layers.TEWeight` slot outside FP8
 autocast), and the logits of both models on the same tokens are compared: relative error (whole and
@@ -42,12 +30,11 @@ import fnmatch
 import json
 import logging
 import os
-import re
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -56,92 +43,9 @@ from torch import nn
 from megatron_rollout.model import te_layers
 from megatron_rollout.model.config import ModelConfig, preset
 from megatron_rollout.model.megatron_layout import transformer_config
-from megatron_rollout.model.sharding import full_shapes
+from megatron_rollout.model.megatron_names import megatron_state_to_rollout
 
 log = logging.getLogger(__name__)
-
-# ---------------------------------------------------------------- names: TE spec -> rollout
-
-_LAYER = r"(?P<layer>decoder\.layers\.\d+\.)"
-_RENAMES: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(rf"^{_LAYER}self_attention\.linear_qkv\.layer_norm_weight$"), r"\g<layer>input_layernorm.weight"),
-    (re.compile(rf"^{_LAYER}mlp\.linear_fc1\.layer_norm_weight$"), r"\g<layer>pre_mlp_layernorm.weight"),
-    (re.compile(rf"^{_LAYER}mlp\.experts\.linear_fc(?P<fc>[12])\.weight(?P<k>\d+)$"),
-     r"\g<layer>mlp.experts.local_experts.\g<k>.linear_fc\g<fc>.weight"),
-)
-_SAME = re.compile(
-    r"^(embedding\.word_embeddings\.weight|output_layer\.weight|decoder\.final_layernorm\.weight|"
-    rf"{_LAYER}(self_attention\.(linear_qkv|linear_proj|q_layernorm|k_layernorm)\.weight|pre_mlp_layernorm\.weight"
-    r"|mlp\.(linear_fc[12]|router|shared_experts\.linear_fc[12]|experts\.local_experts\.\d+\.linear_fc[12])\.weight))$")
-_EXTRA_STATE = re.compile(r"(^|\.)_extra_state\d*$")
-_HINTS: tuple[tuple[str, str], ...] = (  # (fnmatch pattern, what to change), most specific first
-    ("*layer_norm_bias", "LayerNorm biases: build with normalization='RMSNorm'"),
-    ("*.input_layernorm.weight", "the local spec's input norm: the TE spec fuses it into linear_qkv, so this "
-                                 "state is not a TE-spec model's; hot-swap it without renaming"),
-    ("*.bias*", "linear biases: build with add_bias_linear=False, add_qkv_bias=False"),
-    ("*router.expert_bias", "a router expert bias: build with moe_router_enable_expert_bias=False"),
-    ("*router.qb_beta", "quantile-balancing router bias: use moe_router_load_balancing_type='none'"),
-    ("*shared_experts.gate_weight", "a gated shared expert: build with moe_shared_expert_gate=False"),
-    ("*mlp.experts.linear_fc?.weight", "one grouped expert weight: build with moe_single_grouped_weight=False"),
-    ("*mlp.[0-9]*", "TE's fused-op MLP: build the spec with use_te_op_fuser=False"),
-)
-
-
-def rollout_name(te_name: str) -> str | None:
-    """The rollout's (local-spec, single-rank) name of a TE-spec state-dict entry; None for TE's
-    `_extra_state` entries, which hold no weights. Raises ValueError for any name not in the table
-    of the module docstring."""
-    if _EXTRA_STATE.search(te_name):
-        return None
-    for pattern, repl in _RENAMES:
-        if pattern.match(te_name):
-            return pattern.sub(repl, te_name)
-    if _SAME.match(te_name):
-        return te_name
-    hint = next((why for pat, why in _HINTS if fnmatch.fnmatchcase(te_name, pat)), None)
-    raise ValueError(f"Megatron TE-spec tensor {te_name!r} has no counterpart in the rollout model"
-                     + (f" ({hint})" if hint else "") + "; known renames: linear_qkv.layer_norm_weight -> "
-                     "input_layernorm.weight, mlp.linear_fc1.layer_norm_weight -> pre_mlp_layernorm.weight, "
-                     "mlp.experts.linear_fc{1,2}.weightK -> mlp.experts.local_experts.K.linear_fc{1,2}.weight")
-
-
-class MappedState(NamedTuple):
-    """A TE-spec state dict under the rollout's names."""
-
-    tensors: dict[str, torch.Tensor]
-    """Rollout name -> tensor (the trainer's own tensors, not copies), in `full_shapes` order."""
-    renamed: int
-    """Entries whose name changed (fused norms, grouped experts)."""
-    skipped: int
-    """`_extra_state` entries left out."""
-
-
-def te_state_to_rollout(state: Mapping[str, Any], cfg: ModelConfig) -> MappedState:
-    """Rename a single-rank TE-spec `GPTModel.state_dict()` to the rollout's names for `cfg`.
-    Raises ValueError for an unknown name, two entries landing on one name, or a rollout tensor
-    that no entry fills."""
-    out: dict[str, torch.Tensor] = {}
-    source: dict[str, str] = {}
-    renamed = skipped = 0
-    for name, value in state.items():
-        target = rollout_name(name)
-        if target is None:
-            skipped += 1
-            continue
-        if target in source:
-            raise ValueError(f"{name!r} and {source[target]!r} both map to rollout tensor {target!r}: "
-                             "the state mixes the TE and the local layer spec")
-        source[target] = name
-        out[target] = value
-        renamed += target != name
-    want = full_shapes(cfg)
-    missing, extra = [n for n in want if n not in out], sorted(set(out) - set(want))
-    if missing or extra:
-        raise ValueError(f"the TE-spec state does not cover the rollout model exactly: {len(missing)} rollout "
-                         f"tensors unset (e.g. {missing[:2]}), {len(extra)} not in this ModelConfig "
-                         f"(e.g. {[source[n] for n in extra[:2]]}); build the GPTModel from the same config")
-    return MappedState({n: out[n] for n in want}, renamed, skipped)
-
 
 # ---------------------------------------------------------------- the rollout's linears on TE in bf16
 
@@ -399,7 +303,7 @@ def run(config: TEMegatronConfig) -> dict[str, Any]:
             ref = timed("megatron_forward", lambda: megatron_logits(gpt, ids).float())  # [B, T, V]
             result["loss_after_step"] = float(F.cross_entropy(ref[:, :-1].reshape(-1, ref.shape[-1]),
                                                               ids[:, 1:].reshape(-1)))
-            mapped = te_state_to_rollout(gpt.state_dict(), cfg)
+            mapped = megatron_state_to_rollout(gpt.state_dict(), cfg)
             result["names"] = {"rollout_tensors": len(mapped.tensors), "renamed": mapped.renamed,
                                "extra_state_skipped": mapped.skipped}
 

@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("megatron_rollout.kv",),  # paged KV store and block pool (an AttentionBackend of the model)
     ("megatron_rollout.kernels", "megatron_rollout.multiplex"),  # device fast paths | turnstile, routing
     ("megatron_rollout.engine",),  # planner, bookkeeping, execution, schedules, runners
-    ("megatron_rollout.trace", "megatron_rollout.aio"),  # trace replay and reports | the asyncio face, over the public API
+    ("megatron_rollout.trace", "megatron_rollout.aio"),  # trace replay and reports | the engine under asyncio
     ("megatron_rollout.sim",),  # the engine simulated on a trace, its costs fitted from step records
     ("megatron_rollout.distributed", "megatron_rollout.options"),
     ("megatron_rollout.launch",),  # what the CLI runs

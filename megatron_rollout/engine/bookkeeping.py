@@ -267,6 +267,14 @@ class RequestTable:
         req.seq.reset_kv()
         self.parked.append(zombie)
 
+    def weights_replaced(self, old_version: int) -> None:
+        """New weights are about to serve: K/V computed so far is `old_version`'s, also where no
+        token has been sampled over it yet (a prefill part-way through its chunks), so such a
+        sequence's blocks count as mixed once it continues and are never cached for reuse."""
+        for seq in self.seqs.values():
+            if seq.computed and seq.kv_version is None:
+                seq.kv_version = old_version
+
     # -- planning --------------------------------------------------------------------------------
     def planning_state(self, version: int, epoch_in_flight: bool, max_batch_tokens: int) -> SchedulerState:
         """What the planner sees: every admitted request, and the waiting ones oldest first only as

@@ -11,6 +11,9 @@ takes submissions from a driver; it ships them as ops in the same gather and its
 them before planning, so their engines are exact mirrors. Each peer then checks that its state
 equals the leader's, which is how every ATP rank confirms that it owns a request before it is
 promoted (DESIGN.md §7).
+
+The same gather carries every rank's offer of a pending weight update (`engine.weight_vote`), so
+every rank decides an update from the same offers at the same step.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from typing import NamedTuple
 
 from megatron_rollout.engine.api import Schedule
 from megatron_rollout.engine.scheduler import SchedulerConfig, SchedulerState, StepPlan, plan_step
+from megatron_rollout.engine.weight_vote import WeightOffer
 from megatron_rollout.types import Axis, Phase
 
 
@@ -41,6 +45,8 @@ class GlobalView:
     """A `mux` prefill epoch is running (on every rank alike)."""
     all_done: bool = False
     """Every rank has said it will submit nothing more (distributed drivers stop stepping)."""
+    offers: tuple = ()
+    """Per global rank, its `weight_vote.WeightOffer` for an update in progress, or None."""
 
 
 class ReplicaReport(NamedTuple):
@@ -52,15 +58,18 @@ class ReplicaReport(NamedTuple):
     state: SchedulerState | None
     done: bool
     """This rank's driver will submit nothing more."""
+    offer: WeightOffer | None = None
+    """This rank's side of a weight update in progress (`engine.weight_vote`)."""
 
 
-def _view(plans: list[StepPlan], states: list[SchedulerState], all_done: bool = False) -> GlobalView:
+def _view(plans: list[StepPlan], states: list[SchedulerState], all_done: bool = False, offers: tuple = ()
+          ) -> GlobalView:
     any_prefill = any(p.prefill for p in plans)
     any_decode = any(p.decode for p in plans)
     phase = Phase.P if any_prefill else Phase.D if any_decode else None
     return GlobalView(phase, any_decode, any_prefill, max((len(p.decode) for p in plans), default=0),
                       sum(c.tokens for p in plans for c in p.prefill), sum(len(s.seqs) for s in states),
-                      any(s.epoch_in_flight for s in states), all_done)
+                      any(s.epoch_in_flight for s in states), all_done, offers)
 
 
 def _align(plan: StepPlan, view: GlobalView, schedule: Schedule) -> StepPlan:
@@ -76,10 +85,11 @@ class LocalCoordinator:
     leader = True
 
     def plan(self, state_fn: Callable[[], SchedulerState], cfg: SchedulerConfig, step: int, ops: list,
-             apply_ops: Callable[[list], None], done: bool = False) -> tuple[StepPlan, GlobalView]:
+             apply_ops: Callable[[list], None], done: bool = False, offer: WeightOffer | None = None
+             ) -> tuple[StepPlan, GlobalView]:
         state = state_fn()
         plan = plan_step(state, cfg)
-        return plan, _view([plan], [state], done)
+        return plan, _view([plan], [state], done, (offer,))
 
 
 class RankSharedCoordinator:
@@ -90,11 +100,14 @@ class RankSharedCoordinator:
         self.replica = comm.rank(Axis.ADP)
         self.atp_rank = comm.rank(Axis.ATP)
         self.leader = self.atp_rank == 0
+        self.timeout_s: float = comm.config.timeout_s
+        """How long a rank waits for its peers (here: for their side of a weight update)."""
 
     def plan(self, state_fn: Callable[[], SchedulerState], cfg: SchedulerConfig, step: int, ops: list,
-             apply_ops: Callable[[list], None], done: bool = False) -> tuple[StepPlan, GlobalView]:
-        mine = ReplicaReport(self.replica, ops, state_fn(), done) if self.leader else \
-            ReplicaReport(self.replica, [], None, done)
+             apply_ops: Callable[[list], None], done: bool = False, offer: WeightOffer | None = None
+             ) -> tuple[StepPlan, GlobalView]:
+        mine = ReplicaReport(self.replica, ops, state_fn(), done, offer) if self.leader else \
+            ReplicaReport(self.replica, [], None, done, offer)
         entries: list[ReplicaReport] = self.comm.all_gather_object(mine, context=f"step {step}")
         leaders = {e.replica: (e.ops, e.state) for e in entries if e.state is not None}
         if not self.leader:
@@ -105,5 +118,6 @@ class RankSharedCoordinator:
                 raise RuntimeError(f"step {step}: ATP rank {self.atp_rank} of replica {self.replica} does not own "
                                    f"the requests its leader plans ({own} != {leader_state})")
         plans = {r: plan_step(st, cfg) for r, (_, st) in sorted(leaders.items())}
-        view = _view(list(plans.values()), [st for _, st in leaders.values()], all(e.done for e in entries))
+        view = _view(list(plans.values()), [st for _, st in leaders.values()], all(e.done for e in entries),
+                     tuple(e.offer for e in entries))
         return _align(plans[self.replica], view, cfg.schedule), view

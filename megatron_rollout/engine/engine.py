@@ -5,9 +5,23 @@ runner over the paged KV, the step executor (`engine.execution`), the coordinato
 step on every rank alike, and the schedule that runs the planned forwards (`engine.schedules`:
 `off`/`chunked` or `mux`). Prefill (P) and decode (D) are explicit phases in every forward.
 What a step does lives in those parts; this file only says in which order they are called.
+
+Threads: a trainer thread may call `update_weights` while another thread steps the engine (an
+asynchronous RL loop). One re-entrant lock serialises the calls that change the engine: a step
+holds it for its whole duration (plan, forwards, draws, bookkeeping), so an update waits for the
+step in flight and never overlaps a forward. Submissions (`add_request`, `abort`, sessions) take it
+too, because an update may run steps itself (below).
+
+A weight update is decided by every rank of the model (`engine.weight_vote`): each rank's offer
+rides the step gather, so `update_weights` steps the engine until every rank's offer has been
+seen, and the update lands at the start of a step, before its first forward, on every rank alike.
+On one rank that is at once, except mid-epoch under `mux`: then the update runs the engine's steps
+until the epoch has finished (its tokens stay deliverable by `step` and `run_until`) and lands
+after it, so no forward ever mixes two versions.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 
@@ -28,6 +42,7 @@ from megatron_rollout.engine.request import Request, Seq
 from megatron_rollout.engine.scheduler import SchedulerState
 from megatron_rollout.engine.schedules import ScheduleDriver, make_schedule
 from megatron_rollout.engine.session import Session
+from megatron_rollout.engine.weight_vote import Decision, UpdateGate, Verdict, Vote, WeightVoteTimeout, decide
 from megatron_rollout.engine.weights import WeightStore, WeightVersionError
 from megatron_rollout.kv.block_pool import BlockPool
 from megatron_rollout.kv.paged import PagedKVCache
@@ -64,6 +79,27 @@ class RolloutEngine:
         """Distributed drivers set this when they will submit nothing more (see `GlobalView.all_done`)."""
         self.last_view: GlobalView | None = None
         self._mirrors: dict[int, Session] = {}  # a peer's sessions, opened by replayed ops
+        self._gate = UpdateGate()
+        self._lock = self._gate.lock  # held by every step and every change (module docstring)
+        self._vote: Vote | None = None  # this rank's side of the weight update in progress
+
+    @classmethod
+    def from_megatron(cls, gpt, config: EngineConfig | None = None, share_storage: bool | None = None
+                      ) -> "RolloutEngine":
+        """A single-rank engine over an in-process Megatron-core `GPTModel` (local or Transformer Engine
+        spec), its architecture read from the GPTModel's `TransformerConfig`. Where the layouts match
+        (TP = EP = 1) the engine's parameters are the trainer's tensors (`share_storage`, the default
+        there): in-place optimizer steps are served with no `update_weights`. Otherwise (or with
+        `share_storage=False`) the weights are copied, gathered over the trainer's groups where it is
+        sharded (a collective). See `model.megatron_bridge`."""
+        from megatron_rollout.model.megatron_bridge import layouts_match, native_from_megatron, shares_storage
+
+        engine = cls(native_from_megatron(gpt, share_storage), config)
+        sharing = layouts_match(gpt) if share_storage is None else share_storage
+        if sharing and not shares_storage(engine.model, gpt):  # e.g. the CUDA runner stacks the experts (a copy)
+            raise ValueError(f"runner {type(engine.runner).__name__} re-laid the weights out of the trainer's "
+                             "storage; pass share_storage=False to copy them, or RunnerConfig(kind='eager')")
+        return engine
 
     def _decode_ahead(self, mode: str) -> bool:
         one_rank = not self.distributed and isinstance(self.model.comm, LocalComm)
@@ -111,10 +147,12 @@ class RolloutEngine:
 
     # -- public API ------------------------------------------------------------------------
     def open_session(self) -> Session:
-        return Session(self.table, self.table.open_seq(), self.run_until)
+        with self._lock:
+            return Session(self.table, self.table.open_seq(), self.run_until, self._lock)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> int:
-        return self.table.add(prompt_ids, params)
+        with self._lock:
+            return self.table.add(prompt_ids, params)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[GenerationResult]:
@@ -132,21 +170,68 @@ class RolloutEngine:
         return [r if isinstance(r, GenerationResult) else done[r].result for r in rids]
 
     def abort(self, rid: int) -> None:
-        self.table.abort(rid)
+        with self._lock:
+            self.table.abort(rid)
 
     def has_work(self) -> bool:
         return bool(self.table.requests)
 
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
                        version: int, final: bool = True) -> None:
-        """Copy full-named tensors into the engine's weights (see `WeightStore.update`). Refused
-        while a `mux` prefill epoch is half-way through its layers."""
-        if self.schedule.busy:
-            raise WeightVersionError("a mux prefill epoch is in flight; update weights between steps once "
-                                     "it has finished (engine.step() until not engine.mux_busy)")
-        if self.executor.ahead is not None:
-            self.executor.ahead.drop(wait=True)  # it reads the weights being copied; it ran on the old ones
-        self.weights.update(named_tensors, version, final)
+        """Copy full-named tensors into the engine's weights (see `WeightStore.update`), as one
+        decision of every rank: on many ranks, every rank calls this with its tensors, and all
+        apply the update, at the same step, or none does (module docstring). Safe to call from a
+        thread other than the one stepping the engine: it waits for the step in flight, and under
+        `mux` for the prefill epoch in flight (by stepping the engine until it ends).
+
+        Raises, on every rank alike, what `WeightStore.update` raises: this rank's own error where
+        it refused, WeightVersionError where another rank refused or the ranks were given different
+        versions or chunks, and `WeightVoteTimeout` when a rank did not take part in time."""
+        with self._gate.update():
+            vote = self._vote = Vote(self.weights.prepare(named_tensors, version, final), time.monotonic())
+            try:
+                while vote.decision is None:
+                    if not self.distributed:  # one rank: the offer needs no gather
+                        self._settle(decide((vote.prepared.offer,), self.schedule.busy))
+                    if vote.decision is None:
+                        if self.distributed and self.last_view is not None:
+                            vote.check_deadline(self.last_view.offers, self.coordinator.timeout_s, self.rank)
+                        self.table.undelivered.extend(self._vote_step(vote))
+            finally:
+                self._vote = None
+                if vote.decision is None:  # the vote failed: this rank drops what it staged
+                    self.weights.abandon()
+        verdict, reason = vote.decision
+        if verdict is Verdict.REFUSE:
+            if vote.prepared.error is not None:
+                raise vote.prepared.error
+            raise WeightVersionError(f"weight update refused on every rank: {reason}; version {self.weights.version} "
+                                     f"keeps serving on every rank (and nothing staged is kept): send it again")
+
+    def _vote_step(self, vote: Vote) -> list[RequestOutput]:
+        """One step that carries this rank's offer (its gather fails: say which update waited)."""
+        try:
+            return self._step()
+        except CrossRankTimeout as exc:
+            raise WeightVoteTimeout(f"weight update to {vote.prepared.offer.describe()} on rank {self.rank}: the "
+                                    f"step gather that carries every rank's vote failed: {exc}", missing=exc.missing,
+                                    where=exc.where, elapsed_s=exc.elapsed_s, rank=self.rank, states=exc.states
+                                    ) from exc
+
+    def _settle(self, decision: Decision | None) -> None:
+        """Carry out the verdict every rank reached (None: not yet); before the step's forwards."""
+        vote = self._vote
+        if decision is None or vote is None:
+            return
+        if decision.verdict is Verdict.REFUSE:
+            self.weights.abandon()
+        else:
+            if decision.verdict is Verdict.APPLY:
+                if self.executor.ahead is not None:
+                    self.executor.ahead.drop(wait=True)  # it reads the weights being copied; it ran on the old ones
+                self.table.weights_replaced(self.weights.version)
+            self.weights.commit(vote.prepared)
+        vote.decision = decision
 
     def release_kv(self) -> None:
         """Free the KV tensors (e.g. while the trainer runs). Sessions keep their tokens and
@@ -167,40 +252,47 @@ class RolloutEngine:
 
     def run_until(self, rids: list[int]) -> dict[int, RequestOutput]:
         """Step until these requests finish; other finished requests stay deliverable by `step`."""
-        want, done, undelivered = set(rids), {}, self.table.undelivered
-        for out in [o for o in undelivered if o.request_id in want]:  # aborted in the meantime
-            undelivered.remove(out)
-            done[out.request_id] = out
-        while want - done.keys():
-            lost = want - done.keys() - self.table.requests.keys()
-            if lost:
-                raise KeyError(f"requests {sorted(lost)} are not running (unknown, or already returned by step())")
-            for out in self._step():
-                (done.__setitem__(out.request_id, out) if out.request_id in want else undelivered.append(out))
-        return done
+        want, done = set(rids), {}
+        while True:
+            with self._gate.step():
+                undelivered = self.table.undelivered  # aborted, or finished in a step an update ran
+                for out in [o for o in undelivered if o.request_id in want]:
+                    undelivered.remove(out)
+                    done[out.request_id] = out
+                if not want - done.keys():
+                    return done
+                lost = want - done.keys() - self.table.requests.keys()
+                if lost:
+                    raise KeyError(f"requests {sorted(lost)} are not running (unknown, or already returned by step())")
+                for out in self._step():
+                    (done.__setitem__(out.request_id, out) if out.request_id in want else undelivered.append(out))
 
     def step(self) -> list[RequestOutput]:
         """One scheduling step; returns the requests that finished (or were aborted) since the last call."""
-        outs = self._step()
-        if self.table.undelivered:
-            outs, self.table.undelivered = self.table.undelivered + outs, []
-        return outs
+        with self._gate.step():
+            outs = self._step()
+            if self.table.undelivered:
+                outs, self.table.undelivered = self.table.undelivered + outs, []
+            return outs
 
     def check_integrity(self) -> None:
         """KV bookkeeping is consistent and every block is owned by a live sequence."""
-        self.table.check_integrity()
+        with self._lock:
+            self.table.check_integrity()
 
     # -- one step --------------------------------------------------------------------------
     def _step(self) -> list[RequestOutput]:
-        if not self.table.requests and not self.distributed:
+        if not self.table.requests and not self.distributed and not self.schedule.busy:
             return []
-        self.weights.check_ready()
-        if self.runner.cache is None:
+        if self.runner.cache is None and (self.table.requests or self._vote is None):  # a vote's step needs no KV
             raise RuntimeError("KV memory was released: call engine.reclaim_kv() before generating")
         self.stats.steps += 1
+        offer = self._vote.prepared.offer if self._vote is not None else None
         plan, view = self.coordinator.plan(self._planning_state, self.config.scheduler, self.stats.steps,
-                                           self.table.take_ops(), self._apply_ops, self.done)
+                                           self.table.take_ops(), self._apply_ops, self.done, offer)
         self.last_view = view
+        if self.distributed:
+            self._settle(decide(view.offers, view.epoch_in_flight))  # every rank alike, before any forward
         self.table.preempt(plan.preempt)
         try:
             return self.schedule.step(plan, view)
@@ -238,4 +330,3 @@ class RolloutEngine:
         Close: _close_mirror,
     }
     """How an ATP peer replays each op: through the same public calls its leader made."""
-

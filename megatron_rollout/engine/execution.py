@@ -94,11 +94,13 @@ class StepExecutor:
         return PendingDraw(logits, [o.request.params for o in owners],
                            [o.request.generator or self.generator for o in owners])
 
-    def complete(self, owners: list[SampleOwner], logits: torch.Tensor, draw: PendingDraw | None = None
-                 ) -> list[RequestOutput]:
+    def complete(self, owners: list[SampleOwner], logits: torch.Tensor, draw: PendingDraw | None = None,
+                 version: int | None = None) -> list[RequestOutput]:
         """Sample one token per owner row and advance its request; rows of stale lifetimes are
         dropped (and draw nothing). A row whose logits are not finite fails its own request only.
-        `draw`: every row's draw, issued already (`logits` may be overwritten by a later forward)."""
+        `draw`: every row's draw, issued already (`logits` may be overwritten by a later forward).
+        `version`: the weight version the forward ran under, the tokens' tag (default: the current
+        one; a forward that spans steps passes the one it started under)."""
         live = [(i, o) for i, o in enumerate(owners) if self.table.is_live(o)]
         if draw is None:
             rows = logits if len(live) == len(owners) else logits[[i for i, _ in live]]
@@ -106,7 +108,7 @@ class StepExecutor:
         else:
             picked = draw.result([i for i, _ in live])
         now, outs = time.perf_counter(), []
-        version = self.weights.version
+        version = self.weights.version if version is None else version
         for (_, owner), s in zip(live, picked):
             if s.error is not None:
                 req = owner.request

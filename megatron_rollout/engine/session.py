@@ -8,6 +8,7 @@ its calls for ATP peers) and steps the engine only through the `run_until` it wa
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 from megatron_rollout.engine.api import GenerationResult, RequestError, RequestOutput, SamplingParams
 from megatron_rollout.engine.bookkeeping import Append, Close, RequestTable, Submit
@@ -19,9 +20,11 @@ class SessionClosed(ValueError):
 
 
 class Session:
-    def __init__(self, table: RequestTable, seq: Seq, run_until: Callable[[list[int]], dict[int, RequestOutput]]
-                 ) -> None:
+    def __init__(self, table: RequestTable, seq: Seq, run_until: Callable[[list[int]], dict[int, RequestOutput]],
+                 lock: AbstractContextManager | None = None) -> None:
+        """`lock`: the engine's, held while the session changes the table (engine.engine's threads)."""
         self._table, self._seq, self._run_until, self.closed = table, seq, run_until, False
+        self._lock = lock if lock is not None else nullcontext()
 
     @property
     def sid(self) -> int:
@@ -38,32 +41,35 @@ class Session:
             raise RequestError(f"unknown session {self._seq.sid}: this engine did not open it, or dropped it")
 
     def append(self, token_ids: list[int]) -> None:
-        self._check_open()
-        if self._seq.request is not None:
-            raise RequestError(f"session {self._seq.sid} is generating (request {self._seq.request.rid}); "
-                               f"append after it finishes")
-        token_ids = self._table.validate_tokens(token_ids, allow_empty=True)
-        self._table.record(Append(self.sid, token_ids))
-        self._seq.tokens.extend(token_ids)
+        with self._lock:
+            self._check_open()
+            if self._seq.request is not None:
+                raise RequestError(f"session {self._seq.sid} is generating (request {self._seq.request.rid}); "
+                                   f"append after it finishes")
+            token_ids = self._table.validate_tokens(token_ids, allow_empty=True)
+            self._table.record(Append(self.sid, token_ids))
+            self._seq.tokens.extend(token_ids)
 
     def submit(self, params: SamplingParams | None = None) -> int:
         """Start generating after everything appended so far; returns the request id."""
-        self._check_open()
-        params = params or SamplingParams()
-        rid = self._table.submit(self._seq, params)
-        self._table.record(Submit(self.sid, params))
-        return rid
+        with self._lock:
+            self._check_open()
+            params = params or SamplingParams()
+            rid = self._table.submit(self._seq, params)
+            self._table.record(Submit(self.sid, params))
+            return rid
 
     def generate(self, params: SamplingParams | None = None) -> GenerationResult:
         rid = self.submit(params)
         return self._run_until([rid])[rid].result
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        table, seq = self._table, self._seq
-        table.record(Close(seq.sid))
-        if seq.request is not None:
-            table.abort(seq.request.rid)
-        table.drop_seq(seq)
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            table, seq = self._table, self._seq
+            table.record(Close(seq.sid))
+            if seq.request is not None:
+                table.abort(seq.request.rid)
+            table.drop_seq(seq)

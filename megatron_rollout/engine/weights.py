@@ -4,17 +4,21 @@ Tensors arrive under full Megatron names (`sharding.full_shapes`); each rank kee
 trainer whose TP/EP layout differs from the rollout's ATP/EP hands over full tensors and this
 store reshards them; `gather_full_state` builds those from a sharded trainer's local state.
 
-An update is all-or-nothing. Every name, value type, shape, dtype and value (finite, and within
-range of the engine's dtype) is checked before the first parameter is touched; a refused update
-leaves the serving version intact, bit for bit. A version may arrive in several chunks
+An update is all-or-nothing. Every name, value type, layout, shape, dtype and value (finite, and
+within range of the engine's dtype) is checked before the first parameter is touched; a refused
+update leaves the serving version intact, bit for bit. A version may arrive in several chunks
 (`final=False` until the last): those chunks are validated and staged (this rank's slices, copied
 to host memory, since the caller may reuse its buffers), and the final chunk copies staged and
-final tensors in place only once the version is complete. Until then the engine refuses to step,
-so no token is sampled while a version is half-received. A version sent whole (one `final=True`
-call) is validated, then copied in place: no staging copy. FP8 copies of the weights
-(`model.fp8`) are re-rounded from the new values in place after every update. Left out: staging in device memory
-(it would hold a second model where chunking exists to bound memory) and rollback of a copy that
-fails half-way on the device itself.
+final tensors in place only once the version is complete. Until then the version before keeps
+serving (nothing staged is in the model) and the tokens sampled meanwhile carry its number. A
+version sent whole (one `final=True` call) is validated, then copied in place: no staging copy.
+FP8 copies of the weights (`model.fp8`) are re-rounded from the new values in place after every
+update.
+
+Checking (`prepare`) and changing the weights (`commit`, `abandon`) are separate steps so that the
+engine can let every rank of the model vote between them (`engine.weight_vote`); `update` does
+both for one rank. Left out: staging in device memory (it would hold a second model where chunking
+exists to bound memory) and rollback of a copy that fails half-way on the device itself.
 """
 from __future__ import annotations
 
@@ -27,8 +31,10 @@ from typing import NamedTuple
 import torch
 
 from megatron_rollout.comm.facade import Shard
+from megatron_rollout.engine.weight_vote import Prepared, WeightOffer
 from megatron_rollout.model import fp8, te_layers
 from megatron_rollout.model.config import ModelConfig
+from megatron_rollout.model.megatron_names import rollout_pairs
 from megatron_rollout.model.sharding import full_name, full_shapes, local_name, shard_tensor, unshard_tensor
 from megatron_rollout.model.transformer import MoETransformer
 
@@ -67,31 +73,43 @@ class WeightStore:
         self.model = model
         self.version = 0
         self._pending: int | None = None
+        self._chunks = 0  # chunks of the pending version staged so far
         self._staged: dict[str, torch.Tensor | None] = {}  # full name -> host copy of this rank's slice
         self._shapes = full_shapes(model.cfg)
 
-    def check_ready(self) -> None:
-        if self._pending is not None:
-            missing = len(self._shapes) - len(self._staged)
-            raise WeightVersionError(f"weight version {self._pending} is half-applied ({missing} tensors missing); "
-                                     f"finish it with update_weights(..., final=True) before stepping")
+    @property
+    def pending(self) -> int | None:
+        """The version being received in chunks (staged, not serving), or None."""
+        return self._pending
 
     def update(self, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int,
                final: bool = True) -> None:
-        """Apply (final) or stage (not final) one chunk of `version`; see the module docstring.
+        """Apply (final) or stage (not final) one chunk of `version` on this rank alone: `prepare`,
+        then `commit`, or `abandon` and raise its error. See the module docstring.
 
         Raises (and changes nothing the engine serves): WeightVersionError for a version that is not
         a new integer or not the pending one, and for a final chunk that leaves tensors unset;
-        KeyError for an unknown name; TypeError for a value that is not a float tensor; ValueError
-        for a wrong shape, a repeated name, or a value that is not finite in the engine's dtype. A
-        refused chunk of a pending version drops the whole pending version: send it again from its
-        first chunk.
+        KeyError for an unknown name; TypeError for a value that is not a dense float tensor;
+        ValueError for a wrong shape, a repeated name, a tensor without values (meta), or a value
+        that is not finite in the engine's dtype. A refused chunk drops the whole pending version:
+        send it again from its first chunk.
         """
-        version = self._check_version(version)
-        if self._pending is not None and version != self._pending:
-            raise WeightVersionError(f"version {self._pending} is half-applied; got a chunk of version {version}")
-        params = dict(self.model.named_parameters())  # one walk, not one `get_parameter` walk per tensor
+        prepared = self.prepare(named, version, final)
+        if prepared.error is not None:
+            self.abandon()
+            raise prepared.error
+        self.commit(prepared)
+
+    def prepare(self, named: object, version: object, final: object = True) -> Prepared:
+        """Check one chunk without changing anything; a refusal is returned, not raised."""
+        chunk = self._chunks if self._pending is not None and self._pending == version else 0
         try:
+            if not isinstance(final, bool):
+                raise TypeError(f"final must be True or False, got {final!r}")
+            version = self._check_version(version)
+            if self._pending is not None and version != self._pending:
+                raise WeightVersionError(f"version {self._pending} is half-applied; got a chunk of version {version}")
+            params = dict(self.model.named_parameters())  # one walk, not one `get_parameter` walk per tensor
             incoming = self._validate(named, version, params)
             if final:
                 missing = sorted(set(self._shapes) - set(self._staged) - {t.name for t in incoming})
@@ -100,24 +118,40 @@ class WeightStore:
                         f"final chunk of version {version} leaves {len(missing)} tensors unset, e.g. {missing[0]}; "
                         f"version {version} was dropped whole and version {self.version} keeps serving: "
                         f"send every tensor again")
-        except Exception:
-            self._drop(version)
-            raise
-        if not final:
-            for t in incoming:
+        except Exception as exc:  # noqa: BLE001 - every refusal is voted on, then raised by the caller
+            text = f"{type(exc).__name__}: {exc}"
+            offered = int(version) if isinstance(version, numbers.Integral) and not isinstance(version, bool) else None
+            return Prepared(WeightOffer(offered, chunk, bool(final), text[:400]), [], exc)
+        return Prepared(WeightOffer(version, chunk, final, None), incoming, None)
+
+    def commit(self, prepared: Prepared) -> None:
+        """Stage (non-final) or apply (final) a chunk `prepare` accepted."""
+        offer = prepared.offer
+        if prepared.error is not None:
+            raise ValueError(f"cannot commit {offer.describe()}: it was refused ({offer.refusal})")
+        if not offer.final:
+            for t in prepared.incoming:
                 self._staged[t.name] = None if t.value is None else t.value.detach().to("cpu", copy=True)
-            self._pending = version
+            self._pending, self._chunks = offer.version, self._chunks + 1
             return
+        params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, value in self._staged.items():
                 local = local_name(name, self.model.cfg, self.model.comm.shard)
                 if value is not None and local is not None:
                     params[local].copy_(value)
-            for t in incoming:
+            for t in prepared.incoming:
                 if t.param is not None:
                     t.param.copy_(t.value)
         _follow_weights(self.model)
-        self.version, self._pending, self._staged = version, None, {}
+        self.version, self._pending, self._chunks, self._staged = offer.version, None, 0, {}
+
+    def abandon(self) -> None:
+        """Drop the pending version, if any (a refused chunk drops all of it)."""
+        if self._pending is not None:
+            log.warning("weight version %d dropped (%d staged tensors); version %d keeps serving",
+                        self._pending, len(self._staged), self.version)
+        self._pending, self._chunks, self._staged = None, 0, {}
 
     def bind(self, params: Mapping[str, torch.Tensor], version: int) -> None:
         """Zero-copy: point the engine's parameters at a colocated trainer's tensors (same local
@@ -129,8 +163,7 @@ class WeightStore:
         if set(params) != set(own):
             raise KeyError(f"bind needs exactly the engine's parameters; differ: {sorted(set(params) ^ set(own))[:3]}")
         for name, t in params.items():
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"cannot bind {name}: expected a torch.Tensor, got {type(t).__name__}")
+            _check_tensor(f"cannot bind {name}", t)
             p = own[name]
             if t.shape != p.shape or t.dtype != p.dtype or t.device != p.device:
                 raise ValueError(f"cannot bind {name}: {tuple(t.shape)}/{t.dtype}/{t.device} vs "
@@ -149,12 +182,6 @@ class WeightStore:
             raise WeightVersionError(f"weight version {version} is stale: the engine is at {self.version}")
         return int(version)
 
-    def _drop(self, version: int) -> None:
-        if self._pending == version:
-            log.warning("weight version %d dropped (%d staged tensors); version %d keeps serving",
-                        version, len(self._staged), self.version)
-            self._pending, self._staged = None, {}
-
     def _validate(self, named: object, version: int, params: dict[str, torch.nn.Parameter]) -> list[_Incoming]:
         """Every tensor of one chunk checked (nothing copied yet): names, types, shapes, dtypes, values."""
         if isinstance(named, Mapping):
@@ -163,6 +190,7 @@ class WeightStore:
             pairs = list(named)
         else:
             raise TypeError(f"update_weights takes a mapping or (name, tensor) pairs, got {type(named).__name__}")
+        pairs = rollout_pairs(pairs)  # a Megatron state_dict() of either layer spec: `_extra_state` out, TE renamed
         cfg, shard = self.model.cfg, self.model.comm.shard
         seen: set[str] = set()
         out: list[_Incoming] = []
@@ -176,8 +204,7 @@ class WeightStore:
                 where = "twice in one chunk" if name in seen else "again: an earlier chunk of this version had it"
                 raise ValueError(f"weight {name} of version {version} arrived {where}")
             seen.add(name)
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"weight {name}: expected a torch.Tensor, got {type(tensor).__name__}")
+            _check_tensor(f"weight {name}", tensor)
             if tuple(tensor.shape) != self._shapes[name]:
                 raise ValueError(f"weight {name}: shape {tuple(tensor.shape)}, expected {self._shapes[name]}")
             if tensor.dtype not in FLOAT_DTYPES:
@@ -191,6 +218,17 @@ class WeightStore:
         # The whole tensor, not this rank's slice: every rank refuses the same update.
         _check_values(pairs, version, self.model.cfg.torch_dtype)
         return out
+
+
+def _check_tensor(what: str, tensor: object) -> None:
+    """A dense tensor that holds values: sparse, nested or meta tensors are refused by name (torch's
+    own failure on them, later, would be a NotImplementedError deep inside a reduction)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout is not torch.strided or tensor.is_nested:
+        raise TypeError(f"{what}: layout {tensor.layout} is refused; send a dense tensor (e.g. t.to_dense())")
+    if tensor.is_meta:
+        raise ValueError(f"{what}: a meta tensor holds no values; send a materialised tensor")
 
 
 def _check_values(named: list[tuple[str, torch.Tensor]], version: int, target: torch.dtype | None = None) -> None:

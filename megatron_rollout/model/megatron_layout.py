@@ -5,8 +5,8 @@ keeps embeddings replicated; a Megatron trainer also splits the vocabulary and t
 Hot swap from such a trainer joins its TP slices with `join_tp` before resharding (rl's Megatron
 trainer, the hot-swap benchmark). `transformer_config` is the Megatron `TransformerConfig` of the
 native model's architecture, for every Megatron model built to match it (rl's trainer on the local
-spec, `bench.te_megatron` on the Transformer Engine spec). Left out: expert tensor parallelism
-(ETP > 1).
+spec, `benchmarks.te_megatron` on the Transformer Engine spec); `megatron_config` reads it back.
+Left out: expert tensor parallelism (ETP > 1).
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rollout.engine import FinishReason, SamplingParams
+from megatron_rollout.engine import EngineConfig, FinishReason, RolloutEngine, SamplingParams
 
 from .conftest import V
 
@@ -84,3 +84,20 @@ def abort_case(make_engine, model, schedule, batch, victim, advance, **config):
     assert_same(others, reference(make_engine, model, [p for i, p in enumerate(batch) if i != victim], ABORT_PARAMS))
     assert engine.pool.num_free == engine.pool.num_blocks and not engine.has_work()
     return engine, free_before, progress
+
+
+def replay_under_tags(model, states: dict[int, dict], prompt: list[int], versions: list[int]) -> list[int]:
+    """The tokens one request gets when each of its steps runs under the weights its tag names:
+    version `versions[0]` for the prefill (the whole prompt), `versions[j]` for the step that
+    samples token j (which also computes token j-1's K/V). Updates land between steps."""
+    model.load_state_dict(states[versions[0]])
+    engine = RolloutEngine(model, EngineConfig(block_size=4, num_blocks=16))
+    rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_new_tokens=len(versions), ignore_stop=True))
+    label, current, finished = 0, versions[0], []
+    for v in versions:  # one token per step: the prefill's, then one decode token each
+        if v != current:
+            label, current = label + 1, v
+            engine.update_weights(states[v], version=label)
+        finished += [out.result for out in engine.step() if out.request_id == rid]
+    assert len(finished) == 1, "the replay must end with the request's last tagged step"
+    return finished[0].token_ids

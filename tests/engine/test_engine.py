@@ -61,7 +61,7 @@ def test_update_weights_then_generate_equals_a_fresh_engine(make_engine, qwen):
     assert any(a.token_ids != b.token_ids for a, b in zip(after, before))  # the update mattered
 
 
-def test_stale_and_half_applied_versions_are_refused(make_engine, qwen):
+def test_stale_versions_are_refused_and_a_half_received_one_does_not_serve(make_engine, qwen):
     _, base = qwen
     model = copy.deepcopy(base)
     engine = make_engine(model, **SMALL)
@@ -72,17 +72,21 @@ def test_stale_and_half_applied_versions_are_refused(make_engine, qwen):
             engine.update_weights(v1, version=stale)
     names = sorted(v2)
     engine.update_weights({k: v2[k] for k in names[:5]}, version=2, final=False)
-    rid = engine.add_request(prompts([5])[0], GREEDY)
-    for _ in range(2):
-        with pytest.raises(WeightVersionError, match="version 2 is half-applied"):
-            engine.step()
+    assert engine.weights.pending == 2
+    during = engine.generate(prompts([5]), GREEDY)  # staged is not serving: version 1 generates, and says so
+    by_v1 = copy.deepcopy(base)
+    by_v1.load_state_dict(v1)
+    assert_same(during, make_engine(by_v1, **SMALL).generate(prompts([5]), GREEDY))
+    assert during[0].weight_versions == [1] * 6
     with pytest.raises(WeightVersionError, match="version 2 is half-applied; got a chunk of version 3"):
         engine.update_weights({names[5]: v2[names[5]]}, version=3, final=False)
+    assert engine.weights.pending is None  # a refused chunk drops the pending version whole
     with pytest.raises(WeightVersionError, match="leaves .* tensors unset"):
         engine.update_weights({names[5]: v2[names[5]]}, version=2, final=True)
     assert engine.weight_version == 1  # the incomplete version was dropped whole (test_weight_updates.py)
     engine.update_weights({k: v2[k] for k in names[:6]}, version=2, final=False)
     engine.update_weights({k: v2[k] for k in names[6:]}, version=2, final=True)
+    rid = engine.add_request(prompts([5])[0], GREEDY)
     out = engine.run_until([rid])[rid].result
     fresh = copy.deepcopy(base)
     fresh.load_state_dict(v2)

@@ -6,10 +6,14 @@ barely enough to plenty, and checks, on every schedule (off, chunked, mux):
 - every accepted request finishes (stop, length, abort) or fails with a stated reason, and none
   fails at all unless it was cancelled (KV pressure preempts, it never refuses an accepted request);
 - `check_integrity()` holds after every step, and closing the sessions returns every block;
-- each request that was not cancelled has the tokens of the same workload on a 256-block pool.
+- each request that was not cancelled has the tokens of the same workload on a 256-block pool;
+- meanwhile a trainer thread pushes weight updates (whole or in two chunks, some landing mid-epoch
+  under mux): the same values under new version numbers, so the tokens stay comparable, while
+  every request's version tags only go up and the last update lands.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from hypothesis import HealthCheck, given, settings
@@ -36,6 +40,8 @@ class Workload:
     one_shots: tuple[Turn, ...]
     cancel_at: tuple[int | None, ...]
     """Per one-shot request: the step after which it is cancelled (None: never)."""
+    updates: tuple[bool, ...] = ()
+    """Weight versions a trainer thread pushes while the workload runs (True: in two chunks)."""
 
 
 def params() -> st.SearchStrategy[SamplingParams]:
@@ -60,13 +66,33 @@ def workloads(draw) -> Workload:
     blocks = draw(st.one_of(st.integers(8, 14), st.integers(15, 40)))
     return Workload(draw(st.sampled_from(["off", "chunked", "mux"])), blocks, draw(st.integers(4, 12)), sessions,
                     one_shots,
-                    tuple(draw(st.one_of(st.none(), st.integers(0, 12))) for _ in one_shots))
+                    tuple(draw(st.one_of(st.none(), st.integers(0, 12))) for _ in one_shots),
+                    tuple(draw(st.lists(st.booleans(), max_size=4))))
 
 
-def drive(engine: RolloutEngine, w: Workload, cancel: bool) -> dict[str, tuple[str, list[int], str | None]]:
+Result = tuple[str, list[int], str | None, list[int]]
+
+
+def push_updates(engine: RolloutEngine, chunked: tuple[bool, ...], errors: list) -> None:
+    """Versions 1, 2, ... of the engine's own weights (the same values: tokens do not change)."""
+    try:
+        state = {k: v.clone() for k, v in engine.model.state_dict().items()}
+        names = sorted(state)
+        for version, split in enumerate(chunked, start=1):
+            if split:
+                engine.update_weights({k: state[k] for k in names[:3]}, version, final=False)
+                engine.update_weights({k: state[k] for k in names[3:]}, version)
+            else:
+                engine.update_weights(state, version)
+    except BaseException as exc:  # noqa: BLE001 - asserted in the test's thread
+        errors.append(exc)
+
+
+def drive(engine: RolloutEngine, w: Workload, cancel: bool) -> dict[str, Result]:
     """Run the workload; label ("s0.1": session 0 turn 1, "o2": one-shot 2) -> (reason, tokens,
-    error). A refused submission is ("refused", [], message); a session stops at a refused turn."""
-    results: dict[str, tuple[str, list[int], str | None]] = {}
+    error, weight versions). A refused submission is ("refused", [], message, []); a session stops
+    at a refused turn."""
+    results: dict[str, Result] = {}
     running: dict[int, str] = {}
     sessions = [engine.open_session() for _ in w.sessions]
     next_turn = [0] * len(sessions)
@@ -75,7 +101,7 @@ def drive(engine: RolloutEngine, w: Workload, cancel: bool) -> dict[str, tuple[s
         try:
             running[fn()] = label
         except RequestError as exc:
-            results[label] = ("refused", [], str(exc))
+            results[label] = ("refused", [], str(exc), [])
 
     def next_session_turn(i: int) -> None:
         k = next_turn[i]
@@ -101,7 +127,7 @@ def drive(engine: RolloutEngine, w: Workload, cancel: bool) -> dict[str, tuple[s
         for out in engine.step():
             label = running.pop(out.request_id)
             r = out.result
-            results[label] = (r.finish_reason.value, r.token_ids, r.error)
+            results[label] = (r.finish_reason.value, r.token_ids, r.error, r.weight_versions)
             if label.startswith("s"):
                 next_session_turn(int(label[1:].split(".")[0]))
         engine.check_integrity()
@@ -120,9 +146,17 @@ def drive(engine: RolloutEngine, w: Workload, cancel: bool) -> dict[str, tuple[s
 def test_random_workloads_lose_nothing_and_match_an_unpressured_pool(qwen, w):
     model = qwen[1]
     config = dict(schedule=w.schedule, block_size=BS, max_batch_tokens=w.max_batch_tokens, max_model_len=64)
-    got = drive(RolloutEngine(model, EngineConfig(num_blocks=w.num_blocks, **config)), w, cancel=True)
+    engine, errors = RolloutEngine(model, EngineConfig(num_blocks=w.num_blocks, **config)), []
+    trainer = threading.Thread(target=push_updates, args=(engine, w.updates, errors))
+    trainer.start()
+    try:
+        got = drive(engine, w, cancel=True)
+    finally:
+        trainer.join(timeout=60)
+    assert not errors and engine.weight_version == len(w.updates), errors
     want = drive(RolloutEngine(model, EngineConfig(num_blocks=256, **config)), w, cancel=False)
-    for label, (reason, tokens, error) in got.items():
+    for label, (reason, tokens, error, versions) in got.items():
+        assert versions == sorted(versions) and len(versions) == len(tokens), (label, versions)
         assert reason in ("stop", "length", "abort", "refused"), (label, reason, error)  # never "error"
         if reason == "refused":
             assert error and "KV blocks" in error, (label, error)  # too big for this pool, said so

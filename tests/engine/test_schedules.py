@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from megatron_rollout.engine import FinishReason, SamplingParams
-from megatron_rollout.engine.weights import WeightVersionError
 
 from .common import ABORT_PARAMS, SCHEDULES, SMALL, assert_same, drain, prompts, reference
 
@@ -73,7 +72,9 @@ def test_abort_mid_mux_epoch_parks_blocks_until_the_epoch_ends(make_engine, qwen
     assert engine.pool.num_free == engine.pool.num_blocks
 
 
-def test_update_weights_is_refused_mid_mux_epoch_and_accepted_after(make_engine, qwen):
+def test_update_weights_mid_mux_epoch_finishes_the_epoch_then_lands(make_engine, qwen):
+    """An update called mid-epoch runs the engine's steps until the epoch ends (its tokens stay
+    deliverable by step(), tagged with the version they ran under) and lands after it."""
     _, model = qwen
     engine = make_engine(model, schedule="mux", **SMALL)
     rids = [engine.add_request(p, ABORT_PARAMS) for p in prompts([9, 7], seed=3)]
@@ -81,14 +82,14 @@ def test_update_weights_is_refused_mid_mux_epoch_and_accepted_after(make_engine,
     while not engine.mux_busy or engine.mux.turnstile.controller.last_published == 0:
         for out in engine.step():
             outs[out.request_id] = out
+    epoch = engine.mux.epoch
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(WeightVersionError, match="mux prefill epoch is in flight"):
-        engine.update_weights(state, version=1)
-    assert engine.weight_version == 0
-    while engine.mux_busy:
-        for out in engine.step():
-            outs[out.request_id] = out
-    engine.update_weights(state, version=1)  # between epochs it lands
-    assert engine.weight_version == 1
+    engine.update_weights(state, version=1)
+    assert engine.weight_version == 1 and engine.mux.epoch is not epoch
+    in_epoch = [o.request.rid for o in epoch.owners]
+    assert in_epoch and all(engine.requests[r].versions[0] == 0 for r in in_epoch)  # its P ran under 0
     drain(engine, outs)
     assert sorted(outs) == sorted(rids)
+    for rid in in_epoch:
+        versions = outs[rid].result.weight_versions
+        assert versions[0] == 0 and versions == sorted(versions) and versions[-1] == 1, versions

@@ -28,6 +28,7 @@ import torch
 
 from benchmarks import te_megatron as tm
 from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
+from megatron_rollout.model import megatron_names as mn
 from megatron_rollout.model.config import PRESETS, ModelConfig
 from megatron_rollout.model.sharding import full_shapes
 from megatron_rollout.model.transformer import MoETransformer
@@ -95,7 +96,7 @@ def _tensors(names, cfg: ModelConfig) -> dict[str, object]:
         if "_extra_state" in name:
             out[name] = io.BytesIO() if i % 2 else None
         else:
-            out[name] = torch.full(shapes[tm.rollout_name(name)], float(i))
+            out[name] = torch.full(shapes[mn.rollout_name(name)], float(i))
     return out
 
 
@@ -108,7 +109,7 @@ def test_the_hand_written_state_matches_the_listed_te_spec_names():
 @pytest.mark.parametrize("names, renamed", [(TE_SPEC_NAMES_GROUPED, 7), (TE_SPEC_NAMES_SEQUENTIAL, 3)])
 def test_te_spec_names_map_onto_the_rollout_names(names, renamed):
     state = _tensors(names, SMALL)
-    mapped = tm.te_state_to_rollout(state, SMALL)
+    mapped = mn.megatron_state_to_rollout(state, SMALL)
     assert list(mapped.tensors) == list(full_shapes(SMALL))  # every rollout tensor, in the model's order
     assert mapped.renamed == renamed
     assert mapped.skipped == sum("_extra_state" in n for n in names) > 0
@@ -127,8 +128,6 @@ def test_te_spec_names_map_onto_the_rollout_names(names, renamed):
 @pytest.mark.parametrize("name, fix", [
     ("decoder.layers.0.self_attention.linear_qkv.layer_norm_bias", "normalization='RMSNorm'"),
     ("decoder.layers.0.self_attention.linear_qkv.bias", "add_bias_linear=False"),
-    ("decoder.layers.0.input_layernorm.weight", "fuses it into linear_qkv"),
-    ("decoder.layers.1.mlp.router.expert_bias", "moe_router_enable_expert_bias=False"),
     ("decoder.layers.1.mlp.shared_experts.gate_weight", "moe_shared_expert_gate=False"),
     ("decoder.layers.1.mlp.experts.linear_fc1.weight", "moe_single_grouped_weight=False"),
     ("decoder.layers.0.mlp.1.basic_ops.0.weight", "use_te_op_fuser=False"),
@@ -137,25 +136,26 @@ def test_te_spec_names_map_onto_the_rollout_names(names, renamed):
 ])
 def test_unknown_te_names_are_refused_naming_the_fix(name, fix):
     with pytest.raises(ValueError) as err:
-        tm.rollout_name(name)
+        mn.rollout_name(name)
     assert repr(name) in str(err.value) and fix in str(err.value)
     state = _tensors(TE_SPEC_NAMES_GROUPED, SMALL)
     state[name] = torch.zeros(3)
     with pytest.raises(ValueError, match=re.escape(repr(name))):
-        tm.te_state_to_rollout(state, SMALL)
+        mn.megatron_state_to_rollout(state, SMALL)
 
 
 def test_incomplete_mixed_or_foreign_states_are_refused():
     state = _tensors(TE_SPEC_NAMES_GROUPED, SMALL)
     del state["decoder.layers.1.mlp.experts.linear_fc1.weight1"]
     with pytest.raises(ValueError, match=r"1 rollout tensors unset.*local_experts\.1\.linear_fc1"):
-        tm.te_state_to_rollout(state, SMALL)
+        mn.megatron_state_to_rollout(state, SMALL)
     state = _tensors(TE_SPEC_NAMES_GROUPED, SMALL)
     state["decoder.layers.0.pre_mlp_layernorm.weight"] = torch.ones(16)  # the local spec's name as well
     with pytest.raises(ValueError, match="both map to rollout tensor 'decoder.layers.0.pre_mlp_layernorm.weight'"):
-        tm.te_state_to_rollout(state, SMALL)
+        mn.megatron_state_to_rollout(state, SMALL)
     with pytest.raises(ValueError, match=r"not in this ModelConfig.*decoder\.layers\.1\."):
-        tm.te_state_to_rollout(_tensors(TE_SPEC_NAMES_GROUPED, SMALL), SMALL.replace(num_layers=1, moe_layer_freq=(0,)))
+        mn.megatron_state_to_rollout(_tensors(TE_SPEC_NAMES_GROUPED, SMALL),
+                                     SMALL.replace(num_layers=1, moe_layer_freq=(0,)))
 
 
 @pytest.mark.parametrize("grouped", [True, False])
@@ -165,7 +165,7 @@ def test_a_te_spec_state_hot_swaps_through_update_weights(grouped):
     state = te_spec_state(trained.state_dict(), cfg, grouped)
     engine = tm.rollout_engine(cfg, torch.device("cpu"))  # the script's engine: NaN until the copy
     assert all(p.isnan().all() for p in engine.model.parameters())
-    engine.update_weights(tm.te_state_to_rollout(state, cfg).tensors, 1)
+    engine.update_weights(mn.megatron_state_to_rollout(state, cfg).tensors, 1)
     got = engine.model.state_dict()
     assert all(torch.equal(got[n], t) for n, t in trained.state_dict().items())
     ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -177,7 +177,7 @@ def test_a_te_spec_state_hot_swaps_through_update_weights(grouped):
     out = engine.generate([[256, 72, 105]], params)[0]
     assert out.token_ids == want.token_ids and len(out.token_ids) == 5 and out.weight_versions == [1] * 5
     # A name the mapping accepts still meets update_weights' shape check (a transposed expert here).
-    bad = dict(tm.te_state_to_rollout(state, cfg).tensors)
+    bad = dict(mn.megatron_state_to_rollout(state, cfg).tensors)
     name = "decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight"
     bad[name] = bad[name].t().contiguous()
     with pytest.raises(ValueError, match=f"weight {re.escape(name)}: shape"):

@@ -75,6 +75,8 @@ class Epoch:
     number: int
     owners: list[SampleOwner]
     """Every row P samples when it finishes."""
+    version: int
+    """The weight version P's forward runs under (no update lands while an epoch is in flight)."""
     rows: list = field(default_factory=list)
     """P's rows, until its first segment is recorded (`engine.records`: sizes go on that one)."""
 
@@ -113,7 +115,7 @@ class MuxSchedule(ScheduleDriver):
         ex = self.executor
         if view.any_prefill and self.epoch is None:  # every rank starts the epoch, maybe with no rows
             rows, owners = ex.inputs((), plan.prefill)
-            self.epoch = Epoch(next(self._numbers), owners, rows)
+            self.epoch = Epoch(next(self._numbers), owners, ex.weights.version, rows)
             self.table.begin_in_flight(owners)
             forward = ex.forward(rows, Phase.P)
             if self.naive:
@@ -152,7 +154,10 @@ class MuxSchedule(ScheduleDriver):
     def _finish_epoch(self, logits: torch.Tensor) -> list[RequestOutput]:
         epoch, self.epoch = self.epoch, None
         self.table.end_in_flight()  # first: the requests it completes may finish now, unparked
-        return self.executor.complete(epoch.owners, logits)
+        if self.executor.weights.version != epoch.version:
+            raise RuntimeError(f"mux epoch {epoch.number} ran under weight version {epoch.version} but the engine "
+                               f"is at {self.executor.weights.version}: a weight update landed mid-epoch")
+        return self.executor.complete(epoch.owners, logits, version=epoch.version)
 
     # -- the naive baseline ------------------------------------------------------------------
     def _next_ranks(self, phase: Phase, point: BoundaryPoint | None) -> tuple[int, ...]:
