@@ -40,7 +40,7 @@ def test_missing_te_names_the_install_commands(monkeypatch):
     te_layers.te_missing.cache_clear()
     try:
         why = te_layers.te_missing()
-        assert why is not None and "examples/te_bundle.sh" in why and "te_session.sh piece build check" in why
+        assert why is not None and "pip install transformer-engine" in why and "docs/fp8-te.md" in why
         with pytest.raises(RuntimeError, match="te_session.sh"):
             te_layers.apply_te(MoETransformer(CFG), te_layers.TEConfig())
         from megatron_rollout.engine import RolloutEngine
