@@ -10,7 +10,7 @@ pooled over ranks: median, p10, p90. Prints one JSON object (`--json`) or a shor
 Why periods and not single call durations: a rank that arrives last waits for nobody, so its call
 is short while the others' are long; the period is the same on every rank and is the real cost.
 What it leaves out: the turnstile's own work between meetings and arrival skew from unequal D
-iterations (then a meeting costs the wake-up latency of a sleeping rank, see docs/rendezvous.md).
+iterations (then a meeting costs the wake-up latency of a sleeping rank, see docs/multi-gpu.md).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """bf16 vs FP8 (`torch._scaled_mm`) vs FP8 (Transformer Engine, each recipe) on one random-weight
 model: graph-replayed decode step, one 4096-token prefill, and each FP8 path's logit error against
-bf16 (GPU only; TE built by examples/te_session.sh).
+bf16 (GPU only; TE built by benchmarks/device/te_session.sh).
 
 The GEMM-backend variants (`scaled_mm`, `te_*`) cover the same layers (attention QKV/projection and
 dense MLPs, `te_layers.DEFAULT_INCLUDE`), so they compare backends, not coverage; routed experts stay

@@ -164,7 +164,7 @@ def missing_requirements() -> str | None:
         import megatron.core  # noqa: F401
     except ImportError as exc:
         return (f"megatron-core is not importable ({exc}): on the GPU machine bring .whl/ and install it with "
-                "`bash benchmarks/device/te_session.sh megatron` (docs/te.md)")
+                "`bash benchmarks/device/te_session.sh megatron` (docs/fp8-te.md)")
     return None
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import time
 from datetime import timedelta
 from typing import NamedTuple
@@ -69,6 +70,34 @@ class _Lockstep:
         return outs
 
 
+class _Counted(_Lockstep):
+    """A replica leader's lockstep driver that adds the requests it finishes to a counter in the
+    process group's store, so that rank 0's bar (`bar`, None on other ranks) counts every
+    replica's requests, not its own share."""
+
+    READ_EVERY_S = 0.5  # rank 0 reads the counter at most this often: a store round trip, not every step
+
+    def __init__(self, engine: RolloutEngine, key: str, bar=None) -> None:
+        super().__init__(engine)
+        self.key, self.bar = key, bar
+        self._store = dist.distributed_c10d._get_default_store()
+        self._read_at = 0.0
+
+    def step(self):
+        outs = super().step()
+        if outs:
+            self._store.add(self.key, len(outs))
+        if time.monotonic() - self._read_at >= self.READ_EVERY_S:
+            self.refresh()
+        return outs
+
+    def refresh(self) -> None:
+        """Show every replica's finished requests so far on the bar (rank 0; a no-op elsewhere)."""
+        if self.bar is not None:
+            self._read_at = time.monotonic()
+            self.bar.update(self._store.add(self.key, 0) - self.bar.n)
+
+
 class Runtime:
     def __init__(self, comm, device: torch.device, timeout_s: float) -> None:
         self.comm, self.device, self.timeout_s = comm, device, timeout_s
@@ -76,6 +105,7 @@ class Runtime:
         self.replica, self.replicas = comm.rank(Axis.ADP), comm.size(Axis.ADP)
         self.leader = comm.rank(Axis.ATP) == 0
         self._engines = 0
+        self._replays = 0  # each replay's progress counter has its own store key
 
     @property
     def is_main(self) -> bool:
@@ -130,12 +160,13 @@ class Runtime:
                              coordinator=RankSharedCoordinator(self.comm), rendezvous=rendezvous,
                              router=self.comm.router)
 
-    def drain(self, engine: RolloutEngine) -> list:
+    def drain(self, engine: RolloutEngine, driver: _Lockstep | None = None) -> list:
         """Declare this rank done and step until every rank is; returns what finished meanwhile."""
+        driver = driver or _Lockstep(engine)
         engine.done = True
-        outs = _Lockstep(engine).step()  # step first: the last view may be an earlier rollout's "all done"
+        outs = driver.step()  # step first: the last view may be an earlier rollout's "all done"
         while not _finished(engine):
-            outs += _Lockstep(engine).step()
+            outs += driver.step()
         return outs
 
     def generate(self, engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams
@@ -160,6 +191,8 @@ class Runtime:
     def replay(self, engine: RolloutEngine, requests, *, seed: int, progress: bool, vocab_size: int,
                schedule: str) -> dict | None:
         """Each replica leader replays its share of the conversations; the report covers all."""
+        from tqdm import tqdm
+
         from megatron_rollout.trace.metrics import build_report
         from megatron_rollout.trace.replay import replay
         from megatron_rollout.trace.schema import group_conversations
@@ -168,10 +201,20 @@ class Runtime:
         share = [t for k, (_, turns) in enumerate(convs) if k % self.replicas == self.replica for t in turns]
         details: dict = {}
         outputs = []
-        if self.leader and share:
-            _, outputs = replay(_Lockstep(engine), share, seed=seed, progress=progress and self.is_main,
-                                vocab_size=vocab_size, schedule=schedule, details=details)
-        self.drain(engine)
+        self._replays += 1
+        bar = tqdm(total=len(requests), desc="replay", unit="req", file=sys.stderr, dynamic_ncols=True,
+                   disable=not (progress and self.is_main))
+        driver = _Counted(engine, f"megatron_rollout/replay_progress/{self._replays}", bar if self.is_main else None) \
+            if self.leader else _Lockstep(engine)
+        try:
+            if self.leader and share:
+                _, outputs = replay(driver, share, seed=seed, progress=False, vocab_size=vocab_size,
+                                    schedule=schedule, details=details)
+            self.drain(engine, driver)
+            if isinstance(driver, _Counted):
+                driver.refresh()  # all of them now (turns skipped after a failure never ran: not counted)
+        finally:
+            bar.close()
         offset = time.time() - time.perf_counter()
         mine = ReplayShare(outputs, details, offset, engine.stats.decode_wait_s, engine.stats.decode_waits) \
             if self.leader else None

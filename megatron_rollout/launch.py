@@ -8,12 +8,16 @@ import argparse
 import logging
 import math
 import os
+from pathlib import Path
 
 import torch
 
 from megatron_rollout.engine import RolloutEngine, SamplingParams
+from megatron_rollout.kv.paged import PagedKVCache
 from megatron_rollout.model.checkpoint import load_model
+from megatron_rollout.model.config import PRESETS, ModelConfig
 from megatron_rollout.options import check_writable, engine_config
+from megatron_rollout.types import Axis
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +50,75 @@ def build_model(args: argparse.Namespace):
                          f"--adp {args.adp} = {world}: give --atp/--adp whose product is {launched}, or launch "
                          f"{world} process(es) (torchrun --nproc_per_node {world})")
     if world == 1:
-        return load_model(args.model, device=_device(args)), None
+        device = _device(args)
+        check_memory(args, None, torch.device(device))
+        return load_model(args.model, device=device), None
     from megatron_rollout.distributed import Runtime
 
     runtime = Runtime.start(args.atp, args.adp, device=_device(args), timeout_s=args.timeout,
                             comm=engine_config(args).comm)
+    check_memory(args, runtime.comm, runtime.device)
     return load_model(args.model, comm=runtime.comm, device=runtime.device), runtime
+
+
+def _model_config(spec: str) -> ModelConfig | None:
+    """The shape `--model` names (a preset, or a checkpoint's config.json); None when it names
+    neither (`load_model` says what is wrong)."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    if not (Path(spec) / "config.json").is_file():
+        return None
+    import transformers
+
+    from megatron_rollout.model.checkpoint import config_from_hf
+
+    return config_from_hf(transformers.AutoConfig.from_pretrained(spec))
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory one rank can still take on `device`: the GPU's free memory, or on CPU the host's
+    MemAvailable (capped by a cgroup v2 limit) shared by this host's ranks; None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        free = int(meminfo["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        free = min(free, int(limit) - used) if limit != "max" else free
+    except (OSError, ValueError):
+        pass
+    return free // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def check_memory(args: argparse.Namespace, comm, device: torch.device) -> None:
+    """Refuse, before anything is allocated, a model whose weights (this rank's shard, sized on
+    the meta device) and KV cache exceed the memory available to this rank: a clear error instead
+    of an allocator traceback or the kernel's OOM killer. A lower bound: activations come on top."""
+    cfg = _model_config(args.model)
+    available = available_bytes(device)
+    if cfg is None or available is None:
+        return
+    from megatron_rollout.model.transformer import MoETransformer
+
+    shard = MoETransformer(cfg, comm, "meta")
+    weights = sum(p.numel() * p.element_size() for p in shard.parameters())
+    atp = comm.size(Axis.ATP) if comm is not None else 1
+    kv = args.num_blocks * PagedKVCache.bytes_per_block(cfg, args.block_size, cfg.num_query_groups // atp)
+    if weights + kv > available:
+        raise ValueError(f"--model {args.model} needs at least {_size(weights + kv)} per rank on {device} "
+                         f"({_size(weights)} of {cfg.dtype} weights, {_size(kv)} of KV cache for "
+                         f"--num-blocks {args.num_blocks} x --block-size {args.block_size}) but "
+                         f"{_size(available)} are available: use a smaller model (tiny-moe, "
+                         f"qwen3-30b-a3b-12l), a device with more memory, more ranks (--atp/--adp), or fewer "
+                         f"--num-blocks")
 
 
 def build_engine(args: argparse.Namespace, timeline=None, model=None, runtime=None, schedule: str | None = None):

@@ -84,10 +84,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="off | chunked | mux; replay also takes a list (off,chunked,mux) to compare in one run")
     p.add_argument("--mux-span", default=DEFAULT_SPAN, help="mux segment policy: load | fixed:K | budget:US")
     p.add_argument("--num-blocks", type=int, default=DEFAULT_NUM_BLOCKS, help="KV blocks per rank")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-batch-tokens", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16, help="token positions per KV block")
+    p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens one engine step may run (P and D)")
     p.add_argument("--runner", default=None, choices=RUNNER_KINDS,
-                   help=f"auto | eager | cuda (default: ${RUNNER_ENV}, else auto)")
+                   help=f"auto | eager | cuda; where not given, ${RUNNER_ENV}, else auto")
     p.add_argument("--attention", default="auto",
                    help="CUDA runner attention kernels: auto | triton | varlen | flash | portable")
     p.add_argument("--decode-ahead", default="auto", choices=("auto", "on", "off"),
@@ -95,12 +95,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8", default="off", choices=("off", "tensor", "block", "te-delayed", "te-current", "te-block"),
                    help="FP8 weights for the linears and experts: off | tensor (per-tensor scales) | block (128x128) "
                         "| te-<recipe> (Transformer Engine's FP8 layers, where TE is installed)")
-    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    p.add_argument("--device", default=None, help="cpu | cuda; None takes cuda when available")
     p.add_argument("--timeline", default=None, help="write a Chrome/Perfetto trace of P and D work here")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--atp", type=positive_int, default=1, help="attention tensor parallel size")
     p.add_argument("--adp", type=positive_int, default=1, help="attention data parallel size")
-    p.add_argument("--ep", type=positive_int, default=None, help="expert parallel size (= atp * adp)")
+    p.add_argument("--ep", type=positive_int, default=None, help="expert parallel size; must equal atp * adp")
     p.add_argument("--comm-backend", default="alltoall", help="dispatch domains: alltoall | deepep")
     p.add_argument("--p-exchange", default="allgather", help="P's expert exchange: allgather | alltoall")
     p.add_argument("--d-exchange", default="alltoall", help="D's expert exchange: alltoall | allgather")

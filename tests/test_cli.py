@@ -4,6 +4,7 @@ with a message. Subprocesses (a torch import each) only where the entry point it
 the rest calls `cli.main` in-process."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ from megatron_rollout import cli
 from megatron_rollout.engine import EngineConfig, KVConfig, RolloutEngine, SamplingParams
 from megatron_rollout.model.checkpoint import load_model
 from megatron_rollout.trace.schema import load_trace
+from tests.world import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT_FIELDS = {"requests", "output_tokens", "makespan_s", "p50_request_s", "p99_request_s", "p99_trajectory_s",
@@ -118,3 +120,41 @@ def test_bad_arguments_exit_non_zero_with_a_message(capsys, tmp_path):
     assert proc.returncode == 2 and proc.stdout == ""
     assert ("MuxConfig.span (--mux-span) must be 'load', 'fixed:K' with K > 0 or 'budget:US' with US > 0 "
             "(microseconds), got 'fixed:0'") in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["generate", "make-trace", "replay"])
+def test_help_shows_every_option_with_its_default(command):
+    sub = next(a for a in cli.parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    text = " ".join(sub.format_help().split())  # argparse wraps lines
+    options = [a for a in sub._actions if a.option_strings and a.dest != "help"]
+    assert len(options) >= 6
+    for action in options:
+        assert action.help, f"{command} {action.option_strings[0]} has no help text"
+        shown = f"{action.help} (default: {action.default})"
+        assert (" ".join(shown.split()) in text) != action.required, (action.option_strings[0], text)
+
+
+def test_make_trace_says_what_it_wrote(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    assert cli.main(["make-trace", "--conversations", "4", "--scale", "0.01", "--out", str(path)]) == 0
+    requests = load_trace(path)
+    assert capsys.readouterr().out == (
+        f"wrote {path}: {len(requests)} requests in 4 conversations, {sum(r.input_tokens for r in requests)} input "
+        f"and {sum(r.output_tokens for r in requests)} output tokens\n")
+    assert len(requests) > 4
+
+
+def test_torchrun_replay_bar_counts_every_replica_and_warns_nothing(trace):
+    """Two replicas (ADP2) each replay part of the conversations; rank 0's bar counts them all, and a
+    torchrun run prints no FutureWarning (torch 2.13 deprecated a collective the comm used)."""
+    total = len(load_trace(trace))
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(free_port()), "-m", "megatron_rollout.cli", "replay",
+                           "--trace", str(trace), "--atp", "1", "--adp", "2", "--device", "cpu", "--json"],
+                          capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    _check_report(json.loads(proc.stdout), trace, "chunked")
+    assert f"| {total}/{total} [" in proc.stderr, proc.stderr  # the bar's last state: all of them
+    assert "Warning" not in proc.stderr, proc.stderr

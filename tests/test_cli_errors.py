@@ -138,6 +138,42 @@ def test_te_fp8_without_transformer_engine_is_an_error_not_a_traceback(capsys, m
     assert "te_session.sh" in err and "Traceback" not in err
 
 
+def test_a_model_larger_than_the_memory_is_refused_before_anything_is_allocated(capsys, monkeypatch):
+    from megatron_rollout import launch
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("load_model was called: the check must come first")
+
+    monkeypatch.setattr(launch, "available_bytes", lambda device: 16 * 2**30)  # a 16 GiB machine
+    monkeypatch.setattr(launch, "load_model", load_model)
+    assert cli.main(["generate", "--model", "qwen3-30b-a3b", "--prompt-ids", "1,2", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    # 30.5 B parameters in bfloat16, and 48 layers x 4 KV heads x 128 x 2 (K, V) x 2 bytes x 16 x 1024 positions
+    assert err == ("megatron-rollout generate: error: --model qwen3-30b-a3b needs at least 58.4 GiB per rank on cpu "
+                   "(56.9 GiB of bfloat16 weights, 1.5 GiB of KV cache for --num-blocks 1024 x --block-size 16) but "
+                   "16.0 GiB are available: use a smaller model (tiny-moe, qwen3-30b-a3b-12l), a device with more "
+                   "memory, more ranks (--atp/--adp), or fewer --num-blocks\n")
+
+
+def test_the_memory_check_reads_this_host_and_passes_a_model_that_fits(capsys, monkeypatch):
+    from megatron_rollout import launch
+
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    free = launch.available_bytes(torch.device("cpu"))
+    assert 0 < free <= int(meminfo["MemTotal"].split()[0]) * 1024
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # four ranks on this host share it
+    assert launch.available_bytes(torch.device("cpu")) == pytest.approx(free / 4, rel=0.05)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    # tiny-moe: 0.8 MiB of float32 weights, 12.0 MiB of KV cache (1024 blocks of 16 positions)
+    monkeypatch.setattr(launch, "available_bytes", lambda device: 16 * 2**20)
+    assert cli.main(["generate", "--prompt-ids", "1,2", "--max-new-tokens", "1", "--device", "cpu", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"]) == 1
+    monkeypatch.setattr(launch, "available_bytes", lambda device: 8 * 2**20)
+    assert cli.main(["generate", "--prompt-ids", "1,2", "--device", "cpu"]) == 2
+    assert ("--model tiny-moe needs at least 12.8 MiB per rank on cpu (0.8 MiB of float32 weights, 12.0 MiB of KV "
+            "cache for --num-blocks 1024 x --block-size 16) but 8.0 MiB are available") in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", ["generate", "replay", "replay-compare"])
 def test_an_unwritable_timeline_is_refused_before_any_work(capsys, tmp_path, monkeypatch, command):
     """Before, the whole run went first and then crashed opening the file: no report."""

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Transformer Engine 2.20.2 for the H200, bundled HERE (a CPU machine that reaches the package
-# registry) and cut into pieces small enough to send to the GPU machine one at a time (docs/te.md; the device side is
+# registry) and cut into pieces small enough to send to the GPU machine one at a time (docs/fp8-te.md; the device side is
 # benchmarks/device/te_session.sh).
 #
 # What goes in (nothing is recompressed: the wheels are zips already; the pieces are `split` of one tar):

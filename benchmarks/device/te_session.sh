@@ -2,7 +2,7 @@
 # Transformer Engine on the H200, as named stages run in order; a device machine that keeps /tmp
 # between commands may run them over several commands. The bundle comes from
 # benchmarks/device/te_bundle.sh as pieces .cb0/ .. .cb6/ (cuBLAS 13.6's libraries) and .te0/ ..
-# .te5/ (TE) beside the code, a few at a time (docs/te.md):
+# .te5/ (TE) beside the code, a few at a time (docs/fp8-te.md):
 #
 #   bash benchmarks/device/te_session.sh piece              (as often as pieces arrive)
 #   bash benchmarks/device/te_session.sh piece build check  (with the last piece)

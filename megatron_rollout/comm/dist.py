@@ -108,6 +108,15 @@ class CommConfig:
             raise ValueError(f"CommConfig.p_max_tokens must be an int >= 1, got {self.p_max_tokens!r}")
 
 
+def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """`x` from every rank of `group`, concatenated into `out`. torch 2.13 names this
+    `all_gather_single` and warns (FutureWarning, once per rank and call site) on the older
+    `all_gather_into_tensor`, which is all that torch before it has. Looked up at each call, so a
+    test that wraps `torch.distributed`'s collectives sees it."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x, group=group)
+
+
 class RendezvousTimeout(CrossRankTimeout):
     """Some ranks did not reach a rendezvous within the timeout (or the store's host is gone)."""
 
@@ -375,7 +384,7 @@ class DistComm(Comm):
             return x.unsqueeze(0)
         x = x.detach().contiguous()  # collectives carry no gradient (gloo refuses to fill views of one)
         out = x.new_empty((group.size() * x.shape[0], *x.shape[1:]))  # concatenated: what gloo and NCCL both take
-        self._on_route(phase, "all_gather", axis, lambda: dist.all_gather_into_tensor(out, x, group=group), (x,))
+        self._on_route(phase, "all_gather", axis, lambda: _all_gather_single(out, x, group), (x,))
         return out.view(group.size(), *x.shape)
 
     def all_to_all(self, chunks: list[torch.Tensor], axis: Axis, phase: Phase) -> list[torch.Tensor]:
@@ -404,5 +413,5 @@ class DistComm(Comm):
 
     def _gather_counts(self, n: int, group: dist.ProcessGroup) -> list[int]:
         counts = torch.empty(group.size(), dtype=torch.int64, device=self.device)
-        dist.all_gather_into_tensor(counts, torch.tensor([n], device=self.device), group=group)
+        _all_gather_single(counts, torch.tensor([n], device=self.device), group)
         return counts.tolist()

@@ -242,7 +242,7 @@ def remove_orphan_segments() -> list[Path]:
 @dataclass(frozen=True)
 class ShmBarrierConfig:
     """How a waiting rank waits. The defaults were tuned with `python -m benchmarks.rendezvous`
-    on a 2-core machine with 2 to 8 ranks (docs/rendezvous.md)."""
+    on a 2-core machine with 2 to 8 ranks (docs/multi-gpu.md)."""
 
     spin_us: float | None = None
     """Busy-wait this long before yielding. None: 5 us when every rank of the group can have a

@@ -17,7 +17,7 @@ update and before replaying graphs captured earlier.
 Experts: `te.pytorch.GroupedLinear` is used only when its native grouped-tensor path applies (device
 `m_splits`, no host sync; TE 2.20 needs Hopper and cuBLASLt >= 13.4 for bf16, 13.5 for current
 scaling, 13.6 for block scaling, and has no delayed scaling there; torch 2.11's wheels bring 13.1,
-examples/te_session.sh carries 13.6). Of the FP8 recipes that leaves current scaling: block
+benchmarks/device/te_session.sh carries 13.6). Of the FP8 recipes that leaves current scaling: block
 scaling's grouped quantize needs every expert's rows to be a multiple of 128. A grouped GEMM takes
 at most `TE_MAX_GROUPS` experts, so larger layers run in chunks (`TEGroupedExperts`). Otherwise TE
 falls back to a path that reads the splits on the host, which breaks sync-free decode and graphs,
@@ -42,8 +42,9 @@ log = logging.getLogger(__name__)
 
 RECIPES = ("delayed", "current", "block")
 DEFAULT_INCLUDE = ("*linear_qkv", "*linear_proj", "*mlp.linear_fc1", "*mlp.linear_fc2")
-INSTALL_HINT = ("Transformer Engine is not importable: build it on the GPU machine with the bundle of "
-                "examples/te_bundle.sh and `bash examples/te_session.sh piece build check` (docs/te.md)")
+INSTALL_HINT = ("Transformer Engine is not importable: install it beside your CUDA torch "
+                "(pip install transformer-engine-cu13 transformer-engine-torch; docs/fp8-te.md shows a source "
+                "build of its torch part where no wheel matches, with benchmarks/device/te_session.sh)")
 _ROW_MULTIPLE = 16  # TE's FP8 GEMMs need leading dims % 8 (block scaling: % 16 is the safe choice)
 
 

@@ -81,7 +81,7 @@ class LoadSelectedConfig:
     (pre-D, post-D). The D enqueue is not counted: D iterates whether or not P is split. 210 =
     2 x 104 us, the native (shared-memory) rendezvous median at 8 unpinned ranks measured with
     `python -m benchmarks.rendezvous --ranks 8 --json` on the 2-core CPU VM (103.7 us
-    quiet, 104.5 us loaded; pinned ranks: 31-38 us; docs/rendezvous.md). Groups that span hosts use
+    quiet, 104.5 us loaded; pinned ranks: 31-38 us; docs/multi-gpu.md). Groups that span hosts use
     the store rendezvous (1.4-2.4 ms per meeting at 8 ranks there): raise it to ~5000."""
     segment_us_per_token: float = 0.05
     """P device time of one segment per prefill token, in microseconds (one sub-layer of the

@@ -7,6 +7,13 @@ collective while a `mux` epoch is in flight: `os._exit` (its connections close: 
 about a second) or SIGSTOP (its connections stay open: survivors wait out the timeout). The parent
 SIGKILLs a stopped victim in cleanup. Survivors report the error's type, `.missing`, `.states`
 (dead or stopped ranks found in /proc), its text, and when they saw it.
+
+Only the faulty generation runs under the short timeout's clock: every rank imports, loads the
+native extension and builds its model and engine first, each step closed by a barrier under the
+world's long timeout, so a loaded machine that starts one rank seconds late is not a fault. Whether
+a survivor waited out the timeout is read from its error (the message says "within", or "failed
+after ... (connection closed)"), not from the wall clock; the wall clock only bounds the wait
+(`SLACK_S` above the timeout, for a machine whose cores are all busy).
 """
 from __future__ import annotations
 
@@ -21,7 +28,9 @@ from megatron_rollout.engine import MuxConfig, SchedulerConfig
 from tests.world import free_port
 
 TIMEOUT_S = 3.0
+SLACK_S = 30.0  # how late a survivor may see its error after the timeout on a loaded 2-core machine
 FAULT_AT = 3  # the victim's n-th collective inside a mux epoch
+SETUP_S = 420.0  # spawn, imports and a native build (which another checkout's build can hold up) under load
 
 
 def _rank(rank: int, n: int, port: int, victim: int, fault: str, out, release) -> None:
@@ -32,17 +41,26 @@ def _rank(rank: int, n: int, port: int, victim: int, fault: str, out, release) -
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n),
                       LOCAL_RANK=str(rank))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=n, timeout=timedelta(seconds=60))
+        from megatron_rollout.comm import shm_rendezvous
         from megatron_rollout.comm.errors import CrossRankTimeout
         from megatron_rollout.distributed import Runtime
         from megatron_rollout.engine import EngineConfig, SamplingParams
         from megatron_rollout.model.config import preset
         from megatron_rollout.model.transformer import MoETransformer
 
+        try:  # loaded (or found missing) now, not inside the turnstile's first short-timeout rendezvous
+            shm_rendezvous.load_extension()
+        except shm_rendezvous.NativeUnavailable:
+            pass
+        dist.init_process_group("gloo", rank=rank, world_size=n, timeout=timedelta(seconds=60))
+        dist.barrier()  # each barrier: the default group's 60 s timeout, not TIMEOUT_S
         runtime = Runtime.start(2 if n == 4 else 1, 2, "cpu", timeout_s=TIMEOUT_S)
         model = MoETransformer(preset("tiny-moe"), comm=runtime.comm).init_weights(seed=3)
+        dist.barrier()
         engine = runtime.engine(model, EngineConfig(scheduler=SchedulerConfig("mux", block_size=4, max_batch_tokens=8),
                                                     mux=MuxConfig(span="fixed:1")))
+        dist.barrier()
+        out.put((rank, "ready", None))
         if rank == victim:
             calls, waiting = [0], runtime.comm._waiting
 
@@ -83,14 +101,19 @@ def _run(n: int, victim: int, fault: str) -> tuple[dict, dict[int, dict]]:
     for p in procs:
         p.start()
     got: dict[int, tuple[str, object]] = {}
-    fault_info = None
+    fault_info, ready = None, set()
     try:
         while len(got) < n - 1 or fault_info is None:
-            rank, kind, info = out.get(timeout=120)
-            if kind == "fault":
+            # set-up is waited for as long as a loaded machine needs; the faulty run only 120 s
+            rank, kind, info = out.get(timeout=120 if len(ready) == n else SETUP_S)
+            if kind == "ready":
+                ready.add(rank)
+            elif kind == "fault":
                 fault_info = info
             else:
                 got[rank] = (kind, info)
+            if victim in got or any(k == "crashed" for k, _ in got.values()):
+                break  # the fault cannot come any more: report what happened instead of waiting
     finally:
         release.set()
         if fault == "stop":
@@ -101,10 +124,11 @@ def _run(n: int, victim: int, fault: str) -> tuple[dict, dict[int, dict]]:
             if p.is_alive():
                 p.kill()
     assert victim not in got, got.get(victim)
-    assert all(kind == "error" for kind, _ in got.values()), got
+    assert all(kind == "error" for kind, _ in got.values()) and fault_info is not None, got
     return fault_info, {r: info for r, (_, info) in got.items()}
 
 
+@pytest.mark.timeout(SETUP_S + 180)
 @pytest.mark.parametrize("n, victim", [(2, 1), (4, 2)])
 @pytest.mark.parametrize("fault", ["kill", "stop"])
 def test_survivors_name_the_faulty_rank_in_bounded_time(n, victim, fault):
@@ -116,10 +140,11 @@ def test_survivors_name_the_faulty_rank_in_bounded_time(n, victim, fault):
         assert err["states"].get(victim) == state, (rank, err)
         assert f"rank {victim} (pid " in err["text"] and f"is {state}" in err["text"], (rank, err["text"])
         took = err["t"] - fault_info["t"]
-        assert took < TIMEOUT_S + 5, (rank, took, err["text"])
+        assert took < TIMEOUT_S + SLACK_S, (rank, took, err["text"])
         assert err["elapsed_s"] is not None and 0 <= err["elapsed_s"] <= took + 0.5, (rank, err)
         if fault == "kill":  # connections close or the process is seen gone: no need to wait out the timeout
-            assert took < TIMEOUT_S, (rank, took, err["text"])
+            # "failed after 0.2 s (connection closed)", "(the wait failed after 1.0 s of 3.0s)"
+            assert "failed after" in err["text"] and f"within {TIMEOUT_S}s" not in err["text"], (rank, err["text"])
         else:
             assert took >= TIMEOUT_S * 0.9 and f"within {TIMEOUT_S}s" in err["text"], (rank, took, err["text"])
 

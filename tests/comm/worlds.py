@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 TIMEOUT_S = 30.0  # generous for a loaded CI machine; the failure checks use their own short ones
 SHORT_TIMEOUT_S = 2.0
+SLACK_S = 10.0  # how late past a timeout a waiting rank may run on a loaded 2-core machine
 CHECK_FAILED = "check failed"  # key of a check's traceback in its result
 
 

@@ -8,7 +8,7 @@ communicators; the comm's router is bound to the runner's streams and moves a re
 collective onto D's stream with events both ways. Checked against the single-rank `CudaRunner`
 and the eager `ModelRunner` on the same weights: logits, greedy tokens, and whole engine runs.
 
-What one rank cannot show (see the coordinator's notes and examples/multigpu_validate.sh): that
+What one rank cannot show (see the coordinator's notes and benchmarks/device/multigpu_validate.sh): that
 peers pair up their collectives (capture warm-ups across ranks, ranks replaying different
 buckets, a rank with no decode rows), the ATP all-reduce and ATP all-gather from the model (ATP
 is 1: only captured directly here), the crossed-group ordering the routed collective exists for,

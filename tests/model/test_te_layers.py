@@ -41,7 +41,7 @@ def test_missing_te_names_the_install_commands(monkeypatch):
     te_layers.te_missing.cache_clear()
     try:
         why = te_layers.te_missing()
-        assert why is not None and "examples/te_bundle.sh" in why and "te_session.sh piece build check" in why
+        assert why is not None and "pip install transformer-engine" in why and "docs/fp8-te.md" in why
         with pytest.raises(RuntimeError, match="te_session.sh"):
             te_layers.apply_te(MoETransformer(CFG), te_layers.TEConfig())
         from megatron_rollout.engine import RolloutEngine
@@ -222,7 +222,7 @@ def test_fake_te_experts_are_not_bypassed_by_the_small_batch_kernels(fake_te):
 
 
 def test_fake_te_engine_mode_puts_the_model_on_te_and_updates_refresh_its_caches(fake_te):
-    """`EngineConfig(fp8="te-current")` puts the engine's model on TE when the engine is built, and
+    """`RunnerConfig(fp8="te-current")` puts the engine's model on TE when the engine is built, and
     every weight update re-quantises TE's caches in place (a decode graph replays them and would
     never rebuild them itself): the TE module's next call after `update_weights` is a refresh."""
     from megatron_rollout.engine import RolloutEngine, SamplingParams
@@ -254,7 +254,7 @@ def test_fake_te_refuses_shapes_te_cannot_run(fake_te):
 
 # ---------------------------------------------------------------- the real TE (GPU)
 
-TE_MISSING = "Transformer Engine not installed (docs/te.md)"
+TE_MISSING = "Transformer Engine not installed (docs/fp8-te.md)"
 
 
 def _te_model(num_layers: int, seed: int = 0, experts: int = 16):

@@ -231,7 +231,7 @@ def test_without_cuda_the_run_says_so():
 
 @pytest.mark.gpu
 def test_megatron_te_spec_step_hot_swaps_into_the_rollout_with_logit_parity():
-    pytest.importorskip("transformer_engine.pytorch", reason="Transformer Engine not installed (docs/te.md)")
+    pytest.importorskip("transformer_engine.pytorch", reason="Transformer Engine not installed (docs/fp8-te.md)")
     pytest.importorskip("megatron.core")
     result = tm.run(tm.TEMegatronConfig(model="tiny-moe", num_layers=3, batch=2, seq_len=64, fp8_recipes=()))
     print(tm.summary(result))

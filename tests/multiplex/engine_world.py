@@ -77,8 +77,8 @@ def _run_engine(runtime, model, kind: str, faulty: int, at: int) -> dict:
 def recording(log: list):
     """Record (op, ranks of the group) of every torch.distributed collective issued inside."""
     names = {"all_reduce": "all_reduce", "all_gather": "all_gather", "all_gather_into_tensor": "all_gather",
-             "all_to_all_single": "all_to_all"}
-    saved = {name: getattr(dist, name) for name in names}
+             "all_gather_single": "all_gather", "all_to_all_single": "all_to_all"}
+    saved = {name: getattr(dist, name) for name in names if hasattr(dist, name)}  # all_gather_single: torch >= 2.13
 
     def wrap(name, fn):
         def call(*args, group=None, **kwargs):

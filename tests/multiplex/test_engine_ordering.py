@@ -28,7 +28,7 @@ CFG = preset("tiny-moe")
 FIRST = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]  # decoding while the second wave prefills
 SECOND = [[20 + i for i in range(30)], [60 + i for i in range(25)], [100 + i for i in range(28)], [140] * 22]
 PARAMS = SamplingParams(temperature=0.0, max_new_tokens=10)
-STALL_S = 4.0
+STALL_S = 8.0  # a collective not done after this is a stall: a peer late by seconds on a loaded machine is not
 CASES = (("off", "turnstile", 2, 2), ("mux", "turnstile", 2, 2), ("off", "turnstile", 4, 1),
          ("mux", "naive", 4, 1), ("off", "turnstile", 1, 4), ("mux", "naive", 1, 4), ("mux", "naive", 2, 2))
 

@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch.distributed as dist
 
 from megatron_rollout.comm import shm_rendezvous as shm
 from megatron_rollout.multiplex.native_rendezvous import NativeRendezvous, NativeRendezvousTimeout, make_rendezvous
@@ -19,6 +20,7 @@ from tests.world import _entry, free_port, run_world
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROUNDS = 2000
 TAGS = ("pre-D", "post-D")
+SLACK_S = 10.0  # how late past its timeout a waiting rank may be scheduled on a loaded 2-core machine
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -61,7 +63,9 @@ def four_ranks(rank: int) -> dict:
         mism.meet(2, 5, "pre-D")
     except RuntimeError as exc:
         out["mismatch_poisoned"] = str(exc)
-    # Rank 3 never comes (it sleeps past the others' timeout).
+    # Rank 3 never comes (it sleeps past the others' timeout). Built right after a barrier: its
+    # attach runs under the same 1 s timeout, which a rank started late on a busy machine would miss.
+    dist.barrier()
     late = NativeRendezvous(timeout_s=1.0, name="native-timeout")
     if rank < 3:
         t0 = time.monotonic()
@@ -107,8 +111,9 @@ def test_four_ranks():
     for r in res[:3]:
         kind, missing, epoch, boundary, tag, elapsed, dead, msg, waited = r["timeout"]
         assert (kind, missing, epoch, boundary, tag, dead) == ("NativeRendezvousTimeout", (3,), 9, 13, "post-D", {})
-        assert "rank(s) [3] did not arrive at the post-D rendezvous of epoch 9, boundary 13: waited 1.0" in msg
-        assert 1.0 <= elapsed < 1.3 and 1.0 <= waited < 1.5
+        assert (f"rank(s) [3] did not arrive at the post-D rendezvous of epoch 9, boundary 13: waited {elapsed:.3f}s "
+                "(not within 1.0s;") in msg
+        assert 1.0 <= elapsed <= waited < 1.0 + SLACK_S  # the timeout, then at most a busy machine's delay
         assert "used after a failure" in r["poisoned"]
     assert "timeout" not in res[3]
 
@@ -153,7 +158,13 @@ def test_killed_rank_is_named_dead():
     assert pids[1][0] == procs[1].pid and procs[1].exitcode == -signal.SIGKILL
     assert (missing, dead, epoch, boundary) == ((1,), {1: procs[1].pid}, 3, 8)
     assert f"rank 1 (pid {procs[1].pid}) is dead" in msg and "gave up early" in msg
-    assert waited < 5.0
+    assert waited < 20.0  # not the timeout's wait
+
+
+def _build_outputs() -> dict[str, tuple[int, int]]:
+    """{file name: (inode, mtime in ns)} of the cached build's library and object files."""
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in shm.extension_dir().iterdir()
+            if p.suffix in (".so", ".o")}
 
 
 def two_ranks_stopped(rank: int, queue) -> None:
@@ -197,15 +208,15 @@ def test_stopped_rank_is_named_stopped():
 
 
 def test_build_is_cached():
+    """A second process loads the library built above and compiles nothing: its build outputs are
+    the same files, untouched (what a rebuild would change, however long it took)."""
     so = list(shm.extension_dir().glob("*.so"))
     assert len(so) == 1, so
-    code = ("import time; from megatron_rollout.comm import shm_rendezvous as s\n"
-            "t = time.perf_counter(); s.load_extension(); print('loaded', time.perf_counter() - t)\n")
+    before = _build_outputs()
+    code = "from megatron_rollout.comm import shm_rendezvous as s; print(s.load_extension().__file__)"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    kind, seconds = res.stdout.split()
-    assert kind == "loaded" and float(seconds) < 30.0, res.stdout + res.stderr  # a rebuild: 15 s idle, 60 s busy
-    # Loaded from the cache, not built again: the same library file, unchanged.
-    assert list(shm.extension_dir().glob("*.so")) == so and so[0].stat().st_mtime < time.time() - 1
+    assert res.returncode == 0 and res.stdout.strip() == str(so[0]), res.stdout + res.stderr
+    assert _build_outputs() == before
 
 
 def test_checkouts_of_one_source_share_a_build_and_an_edit_gets_its_own(tmp_path, monkeypatch):

@@ -62,15 +62,34 @@ def test_single_turn_trajectories(policy, tok):
     assert not engine.has_work() and not engine.seqs  # every session closed
 
 
+class _CountedGuess(GuessDigitEnv):
+    """Records how many tool calls (`step`s) of its episodes are in flight at once."""
+
+    def __init__(self, tok, calls: dict, **kwargs) -> None:
+        super().__init__(tok, **kwargs)
+        self.calls = calls
+
+    async def step(self, generated_ids):
+        self.calls["now"] += 1
+        self.calls["peak"] = max(self.calls["peak"], self.calls["now"])
+        try:
+            return await super().step(generated_ids)
+        finally:
+            self.calls["now"] -= 1
+
+
 def test_multi_turn_with_tool_latency(policy, tok):
     engine = _engine(policy, "mux")
     n, latency, turns = 12, 0.05, 3
     cfg = RolloutConfig(SamplingParams(max_new_tokens=3), max_turns=turns)
-    res = rollout(engine, _guess(tok, n, latency, turns), cfg)
+    calls = {"now": 0, "peak": 0}
+    episodes = [Episode(_CountedGuess(tok, calls, latency_s=latency, max_turns=turns), seed=i // 2, group_id=i // 2,
+                        sample_seed=i) for i in range(n)]
+    res = rollout(engine, episodes, cfg)
     trajs = res.trajectories
     assert res.stats.num_turns == sum(t.num_turns for t in trajs) and res.stats.num_turns > n
-    tool_calls = res.stats.num_turns  # one env.step (with its sleep) per turn
-    assert res.stats.makespan_s < tool_calls * latency, "tool calls did not overlap"
+    # Overlap counted, not timed: the engine's own compute on a loaded machine would blur a makespan bound.
+    assert calls["peak"] > 1 and calls["now"] == 0, "tool calls did not overlap"
     for t in trajs:
         text = tok.decode([i for i, m in zip(t.token_ids, t.loss_mask) if not m])
         replies = text.count("\nno digit\n") + text.count("\nhigher\n") + text.count("\nlower\n")
