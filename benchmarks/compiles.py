@@ -1,6 +1,6 @@
 """Count JIT compilations inside a timed region: Triton kernel compilations and torch.compile frames.
 
-A benchmark figure counts only if nothing compiled while it was timed (DESIGN.md §9): a cold
+A benchmark figure counts only if nothing compiled while it was timed (docs/design.md §9): a cold
 Triton cache once made the first schedule of a run look twice as slow as the others. This module
 measures that instead of assuming it:
 

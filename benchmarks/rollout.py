@@ -1,4 +1,4 @@
-"""`python -m benchmarks.rollout`: the one-GPU rollout benchmark, one command (DESIGN.md §9).
+"""`python -m benchmarks.rollout`: the one-GPU rollout benchmark, one command (docs/design.md §9).
 
 A figure counts only warm, repeated, each schedule at its best token budget, next to the peer:
 

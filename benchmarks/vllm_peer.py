@@ -1,4 +1,4 @@
-"""The vLLM peer: the same trace, token ids and model shape through vLLM's async engine (DESIGN.md §9).
+"""The vLLM peer: the same trace, token ids and model shape through vLLM's async engine (docs/design.md §9).
 
 `python -m benchmarks.vllm_peer --trace T.jsonl --out vllm.json --model qwen3-30b-a3b-12l`
 runs in its own process (the benchmark starts it after its own engines have freed the GPU). It

@@ -1,7 +1,7 @@
-"""The forward primitives that model, comm, multiplex and the runners share (DESIGN.md §3, ground floor).
+"""The forward primitives that model, comm, multiplex and the runners share (docs/design.md §3, ground floor).
 
 A forward that may cross ranks is a generator: it yields a `BoundaryPoint` right before each
-collective, so a caller can run P's forward segment by segment (DESIGN.md §6); `run_to_end` is
+collective, so a caller can run P's forward segment by segment (docs/design.md §6); `run_to_end` is
 the plain forward. `Experts` is the protocol an expert exchange computes with: comm needs only
 that shape, never the model's module. Kept below both model and comm so that neither imports the
 other's internals; nothing here holds state or issues a collective.

@@ -20,7 +20,7 @@ class Phase(enum.Enum):
 
 
 class Axis(enum.Enum):
-    """A parallel axis; each maps to one of Megatron's process groups (DESIGN.md §5)."""
+    """A parallel axis; each maps to one of Megatron's process groups (docs/design.md §5)."""
 
     ATP = "ATP"  # attention tensor parallel = Megatron tensor-model-parallel group
     ADP = "ADP"  # attention data parallel = Megatron data-parallel group

@@ -1,6 +1,6 @@
 """Training a Megatron-core `GPTModel` in the colocated loop, and the model built to match ours.
 
-The native inference model uses Megatron's parameter names and shapes (DESIGN.md §4), so a
+The native inference model uses Megatron's parameter names and shapes (docs/design.md §4), so a
 `GPTModel` built from the same `ModelConfig` with the local (non-Transformer-Engine) layer spec
 has exactly the names of `sharding.full_shapes`: `MegatronTrainer.named_weights()` feeds
 `engine.update_weights` with no renaming. The constructor checks that 1:1 mapping and fails with

@@ -1,4 +1,4 @@
-"""The package's import graph keeps the shape of DESIGN.md §3: no cycles, no import downwards-up.
+"""The package's import graph keeps the shape of docs/design.md §3: no cycles, no import downwards-up.
 
 Every `.py` file under `megatron_rollout/`, `rl/` and `benchmarks/` is parsed with `ast` (nothing is imported).
 All imports count: module level, inside functions, and under `if TYPE_CHECKING:`. A type-only

@@ -1,4 +1,4 @@
-"""The all-gather expert exchange: P's full-group path (DESIGN.md §5).
+"""The all-gather expert exchange: P's full-group path (docs/design.md §5).
 
 Every rank gathers the tokens (and their routing) of all ADP replicas over its ADP group, runs
 its own experts on all of them, and a sum over the full group adds each expert's contribution
@@ -7,7 +7,7 @@ then keeps its own replica's rows. The ATP ranks of a replica hold identical tok
 them gathers the same rows; they differ only in which experts they run.
 
 This is the path whose full-group all-reduce conflicts with D's ADP all-gather (two ranks can
-enqueue them in opposite orders; DESIGN.md §5-6), so the exchange yields
+enqueue them in opposite orders; docs/design.md §5-6), so the exchange yields
 `BoundaryPoint(layer, MOE_DATA)` right before that all-reduce: the turnstile orders it after D.
 
 With a `capacity` (device-side counts, `CommConfig.counts`), every replica pads its rows to

@@ -1,7 +1,7 @@
 """Dispatch domains on torch.distributed all-to-all (gloo on CPU, NCCL on GPU), and the exchange.
 
 The portable backend: it runs wherever torch.distributed does, and is what CPU tests and machines
-without DeepEP use (DESIGN.md §8). Two domains, one per phase's needs:
+without DeepEP use (docs/design.md §8). Two domains, one per phase's needs:
 
 - `NormalAllToAllDomain` (P): variable-size all-to-all. The host reads the exchanged counts to
   size the receive, as DeepEP's normal mode does; buffers are allocated per dispatch.

@@ -1,4 +1,4 @@
-"""`DistComm`: the comm facade over torch.distributed, one communicator per (axis, phase) (DESIGN.md §5).
+"""`DistComm`: the comm facade over torch.distributed, one communicator per (axis, phase) (docs/design.md §5).
 
 Built once per process, on every rank in the same order (torch's `new_group` demands it):
 1. a CPU gloo group over all ranks (`cpu_group`), for planning and rendezvous;
@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 _BACKENDS = ("alltoall", "deepep")
 _EXCHANGES = ("allgather", "alltoall")
 _COUNTS = ("auto", "host", "device")
-# Which kind of dispatch domain each phase owns (DESIGN.md §5): wired here, nowhere else.
+# Which kind of dispatch domain each phase owns (docs/design.md §5): wired here, nowhere else.
 _DOMAIN_MODE = {Phase.P: "normal", Phase.D: "low_latency"}
 _DOMAINS = {("alltoall", "normal"): "megatron_rollout.comm.alltoall:NormalAllToAllDomain",
             ("alltoall", "low_latency"): "megatron_rollout.comm.alltoall:LowLatencyAllToAllDomain",

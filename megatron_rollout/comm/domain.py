@@ -1,4 +1,4 @@
-"""Dispatch domains: the mutable expert-dispatch state one phase owns (DESIGN.md §2, §6; paper §5).
+"""Dispatch domains: the mutable expert-dispatch state one phase owns (docs/design.md §2, §6; paper §5).
 
 A domain is one phase's communicator over the EP ranks plus everything its dispatches mutate:
 send/recv buffers, the count-exchange workspace, a sequence number and a generation. P and D each

@@ -1,4 +1,4 @@
-"""The comm facade: the only code that issues collectives (DESIGN.md §3, §5).
+"""The comm facade: the only code that issues collectives (docs/design.md §3, §5).
 
 Every collective names an axis and a phase. The model never sees a process group; it calls
 `comm.all_reduce(x, Axis.ATP, Phase.P)` and the facade picks the communicator that phase owns on

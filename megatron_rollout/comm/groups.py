@@ -1,4 +1,4 @@
-"""Which ranks form ATP, ADP, EP and FULL, read from Megatron's `parallel_state` (DESIGN.md §5).
+"""Which ranks form ATP, ADP, EP and FULL, read from Megatron's `parallel_state` (docs/design.md §5).
 
 The rollout never invents its own rank arithmetic: the trainer (or, when it has not, this module)
 calls Megatron's `initialize_model_parallel(tensor_model_parallel_size=ATP,

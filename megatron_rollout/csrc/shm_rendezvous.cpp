@@ -1,4 +1,4 @@
-// A shared-memory barrier for the turnstile's intra-node rendezvous (DESIGN.md section 6).
+// A shared-memory barrier for the turnstile's intra-node rendezvous (docs/design.md §6).
 //
 // Why native: the store rendezvous costs a TCP round trip per rank per meeting (milliseconds at 8
 // ranks); ranks on one host can meet through a few cache lines instead. The Python side

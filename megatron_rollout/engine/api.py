@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 
 class Schedule(enum.Enum):
-    """How prefill (P) and decode (D) share a step (DESIGN.md §9)."""
+    """How prefill (P) and decode (D) share a step (docs/design.md §9)."""
 
     OFF = "off"  # a whole prefill batch runs before decode resumes
     CHUNKED = "chunked"  # prefill chunks ride in decode steps under a token budget

@@ -10,7 +10,7 @@ The ATP ranks of one replica serve the same requests. Only the replica's *leader
 takes submissions from a driver; it ships them as ops in the same gather and its ATP peers replay
 them before planning, so their engines are exact mirrors. Each peer then checks that its state
 equals the leader's, which is how every ATP rank confirms that it owns a request before it is
-promoted (DESIGN.md §7).
+promoted (docs/design.md §7).
 
 The same gather carries every rank's offer of a pending weight update (`engine.weight_vote`), so
 every rank decides an update from the same offers at the same step.

@@ -1,7 +1,7 @@
 """Step planning: a pure function from the engine's state (Python numbers) to a plan.
 
 Every rank can run `plan_step` on the same gathered state and get the same plan, so plans agree
-without a leader (DESIGN.md §7). The rules:
+without a leader (docs/design.md §7). The rules:
 1. Decode first: every decode row that fits gets its next position, oldest first; when KV runs
    short the youngest requests younger than the row are preempted (their blocks freed, recomputed
    later), never dropped: decode rows, and under `chunked` half-finished prefills. A request

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out of the native model's Megatron names (DESIGN.md §4).
+"""Hugging Face checkpoints in and out of the native model's Megatron names (docs/design.md §4).
 
 Users start from HF checkpoints; the rollout runs on Megatron names so that weight hot-swap is a
 name-for-name copy. This module converts once, at load time: it reads config.json with

@@ -7,7 +7,7 @@ router and the shared expert are replicated (small next to the experts, and it k
 routing free of collectives).
 
 Forward methods that may cross ranks are generators: they `yield` a `BoundaryPoint` right
-before each collective, so a caller can run P's forward segment by segment (DESIGN.md §6).
+before each collective, so a caller can run P's forward segment by segment (docs/design.md §6).
 Driving a generator to its end (`run_to_end`) is the plain forward. Those primitives live in
 `megatron_rollout.forward` (below both model and comm) and are re-exported here.
 """

@@ -1,7 +1,7 @@
 """Transformer Engine FP8 path for the native model's linears (and, where TE can do it without a host
 sync, its routed experts).
 
-Why: DESIGN.md names TE's FP8 layers; `fp8.py` quantises weights to its own e4m3 copy and runs
+Why: the design (docs/design.md) names TE's FP8 layers; `fp8.py` quantises weights to its own e4m3 copy and runs
 `torch._scaled_mm`. Here TE keeps the scales instead (delayed, current, or Hopper 128x128 block
 scaling, picked by `TEConfig.recipe`), and its modules read **the model's own bf16 weight storage**:
 each matching `Linear` gets a `TEWeight` in its `fp8` slot (the slot `Linear.forward` already

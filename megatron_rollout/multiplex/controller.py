@@ -1,4 +1,4 @@
-"""The boundary controller: which P boundaries may run, checked event by event (DESIGN.md §6).
+"""The boundary controller: which P boundaries may run, checked event by event (docs/design.md §6).
 
 P publishes the id of every safe boundary it reaches; the controller accepts a publish only when
 it belongs to the open epoch, is exactly the next id, and lies within the *permitted endpoint*

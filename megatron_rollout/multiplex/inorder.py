@@ -1,4 +1,4 @@
-"""The ordering model of DESIGN.md §8: an *in-order device* per rank, on CPU.
+"""The ordering model of docs/design.md §8: an *in-order device* per rank, on CPU.
 
 A GPU stream (or several streams starved of SMs) executes what the host enqueued strictly in
 enqueue order, and a collective blocks its stream until every member rank reaches it. That is the

@@ -1,5 +1,5 @@
 """The turnstile's rendezvous through shared memory, for groups whose ranks share one host, and
-`make_rendezvous`, which picks it or the store rendezvous (DESIGN.md §6).
+`make_rendezvous`, which picks it or the store rendezvous (docs/design.md §6).
 
 Why: the turnstile meets twice per round, so the meeting's cost bounds how short a round can be
 (`LoadSelected` trades it against D's waiting). The store rendezvous costs milliseconds at 8 ranks;

@@ -1,4 +1,4 @@
-"""Segment policies: how many P segments each turnstile round releases (DESIGN.md §6).
+"""Segment policies: how many P segments each turnstile round releases (docs/design.md §6).
 
 A span is the only thing a policy decides. Short spans let D iterate often during a long prefill
 (low decode wait) but pay two CPU rendezvous per round; long spans amortise the rendezvous but

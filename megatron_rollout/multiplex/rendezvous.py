@@ -1,5 +1,5 @@
 """CPU rendezvous for the turnstile: every rank of the full group meets, or everyone learns who
-did not come (DESIGN.md §6).
+did not come (docs/design.md §6).
 
 Why not `dist.barrier` on a gloo group: a gloo barrier that times out says nothing about *which*
 rank is missing, and `monitored_barrier(wait_all_ranks=True)` names the missing ranks on rank 0

@@ -1,4 +1,4 @@
-"""Selective device ordering: which P collective runs on D's route (DESIGN.md §6 step 3).
+"""Selective device ordering: which P collective runs on D's route (docs/design.md §6 step 3).
 
 In crossed topologies (ATP > 1 and ADP > 1) D's DP-attention all-gather over ADP and P's
 full-group all-reduce involve intersecting rank sets. The turnstile makes every rank enqueue D's
@@ -14,7 +14,7 @@ its own phase's route, so unrelated P work still overlaps with D.
   producer waits for the collective's completion event before going on. So an unrouted
   collective issued on its phase's stream runs right there, and the routed P collective runs on
   the D stream after this round's D iteration and after P's producing kernels, with P's stream
-  waiting on its completion (DESIGN.md §6 rule 3). Tensors crossing streams are recorded on the
+  waiting on its completion (docs/design.md §6 rule 3). Tensors crossing streams are recorded on the
   consuming stream so the caching allocator does not reuse them early.
 - CPU (no streams): routes are labels and execution is program order; the ordering still holds
   because the caller (the turnstile, or the in-order device model in `inorder.py`) enqueues in
@@ -74,7 +74,7 @@ class ConflictRegistry:
 
     @classmethod
     def for_topology(cls, atp_size: int, adp_size: int) -> "ConflictRegistry":
-        """DESIGN.md §5's default paths: the pair crosses only when both axes exceed 1."""
+        """docs/design.md §5's default paths: the pair crosses only when both axes exceed 1."""
         if atp_size < 1 or adp_size < 1:
             raise ValueError(f"bad topology ATP{atp_size}/ADP{adp_size}")
         reg = cls()
@@ -98,7 +98,7 @@ class ConflictRegistry:
 
 
 # -- the registry derived from the layout and the phases' real paths ------------------------------
-# (`derive_conflicts`; `ConflictRegistry.for_topology` above is DESIGN.md §5's hand-written default.)
+# (`derive_conflicts`; `ConflictRegistry.for_topology` above is docs/design.md §5's hand-written default.)
 
 EXCHANGE_PATHS: dict[str, dict[Site, tuple[CollectiveSite, ...]]] = {
     # comm.allgather: ADP all-gathers (counts, rows, routing), then the FULL all-reduce.

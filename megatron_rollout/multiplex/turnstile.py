@@ -1,5 +1,5 @@
 """The turnstile: one host driver per rank that interleaves D iterations with P segments in the
-same order on every rank (DESIGN.md §6).
+same order on every rank (docs/design.md §6).
 
 How the engine calls it, once per admitted prefill batch (an epoch, numbered the same on all ranks):
 

@@ -1,6 +1,6 @@
 """The CUDA runner: decode (D) as CUDA-graph replays on a high-priority stream, prefill (P) on its
 own stream (piecewise graphs on one rank, eager on many), over the same weights and the same paged
-KV, on one rank or many (DESIGN.md §3, §5, §6, §8).
+KV, on one rank or many (docs/design.md §3, §5, §6, §8).
 
 What it adds to `base.ModelRunner` (same `forward(inputs, phase) -> Forward` contract, so the
 engine and the mux driver are unchanged):
@@ -28,7 +28,7 @@ engine and the mux driver are unchanged):
   router is bound to these two streams (`Router.bind_streams`), so every collective a phase issues
   runs on that phase's stream, and the registered conflicting P collective runs on `d_stream`
   right after D's iteration, after an event from P's stream, with P's stream waiting for its
-  completion (DESIGN.md §6 rule 3). A forward first waits for the caller's stream (weight copies,
+  completion (docs/design.md §6 rule 3). A forward first waits for the caller's stream (weight copies,
   earlier host-to-device copies) when it starts; a P forward's later segments wait for nothing on
   the host side (weights cannot change during an epoch, P's and D's KV blocks are disjoint). The
   result is handed back through an event, so sampling on the caller's stream reads finished

@@ -18,7 +18,7 @@ input in place.
 - **Boundaries.** The points the model yields inside a piece are yielded after that piece is
   launched, in the same order, so a `mux` epoch still stops at every boundary of the plan. On one
   rank a boundary has no collective behind it; many ranks keep the eager path (P's collectives
-  must be enqueued at their boundaries, DESIGN.md §6).
+  must be enqueued at their boundaries, docs/design.md §6).
 - **Memory.** The pieces of every bucket share one private pool, separate from the decode graphs'
   (a decode replay in a `mux` round between two P pieces must not reuse P's live activations);
   forwards of different buckets never interleave, which is what sharing one pool needs. Each

@@ -1,4 +1,4 @@
-"""Synthetic agentic traces shaped like the paper's workload (AInfer-PD §7, DESIGN.md §9).
+"""Synthetic agentic traces shaped like the paper's workload (AInfer-PD §7, docs/design.md §9).
 
 The paper replays 1,265 requests from 128 conversations that consume 6,574,104 input and 220,862
 output tokens: 9.88 turns per conversation, 5,197 input and 174.6 output tokens per request

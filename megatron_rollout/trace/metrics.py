@@ -1,4 +1,4 @@
-"""Rollout figures from finished requests: the numbers DESIGN.md §9 compares between schedules.
+"""Rollout figures from finished requests: the numbers docs/design.md §9 compares between schedules.
 
 A `ReplayReport` is computed from the engine's `RequestOutput`s (their `times` are
 `time.perf_counter` marks), which conversation each request belongs to, the replay's start time

@@ -1,4 +1,4 @@
-"""Drive an engine through a trace in real wall time and measure it (DESIGN.md §9).
+"""Drive an engine through a trace in real wall time and measure it (docs/design.md §9).
 
 Every conversation becomes one engine session. Turn 0 is released at replay start + its wait;
 turn k > 0 is released `wait_ms` after turn k-1 finished (the engine's own `times.finish` mark,

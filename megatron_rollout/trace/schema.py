@@ -1,4 +1,4 @@
-"""The rollout trace format: one JSON object per line, one line per request (DESIGN.md §9).
+"""The rollout trace format: one JSON object per line, one line per request (docs/design.md §9).
 
     {"conversation": "c7", "turn": 2, "input_tokens": 4810, "output_tokens": 131, "wait_ms": 640.5}
 

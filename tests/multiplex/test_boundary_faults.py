@@ -1,4 +1,4 @@
-"""The boundary controller inside the engine (DESIGN.md §6): under `mux`, P's boundary ids come
+"""The boundary controller inside the engine (docs/design.md §6): under `mux`, P's boundary ids come
 from the points the model's forward really yields, and a rank whose P skips or repeats a
 boundary makes every rank fail with the controller's `BoundaryError`, on 2 and 4 gloo ranks.
 

@@ -1,4 +1,4 @@
-"""The paper's ordering result with the real engine (DESIGN.md §8), on 4 gloo processes whose
+"""The paper's ordering result with the real engine (docs/design.md §8), on 4 gloo processes whose
 collectives each run on one in-order worker per rank (a single stream).
 
 Naive multiplexing (`mux_ordering="naive"`: no rendezvous, no routing; each rank enqueues D's

@@ -1,7 +1,7 @@
-"""The ordering proof of DESIGN.md §8 on four gloo ranks with in-order devices (ATP2/ADP2),
+"""The ordering proof of docs/design.md §8 on four gloo ranks with in-order devices (ATP2/ADP2),
 run inside the shared `mux_world` (conftest.py).
 
-Layout as Megatron builds it for TP=2, DP=2 (DESIGN.md §5): ATP groups {0,1},{2,3}; ADP groups
+Layout as Megatron builds it for TP=2, DP=2 (docs/design.md §5): ATP groups {0,1},{2,3}; ADP groups
 {0,2},{1,3}; FULL {0,1,2,3}. An ATP group is one ADP replica (replica = rank // 2). Each rank has
 one in-order device (a single stream): collectives run strictly in the order the host enqueued
 them. P's forward (2 layers) issues per layer an ATP all-reduce and a FULL all-reduce; every D

@@ -1,4 +1,4 @@
-"""The `mux` schedule: in-place P/D multiplexing inside the engine (DESIGN.md §6).
+"""The `mux` schedule: in-place P/D multiplexing inside the engine (docs/design.md §6).
 
 An admitted prefill batch is an *epoch*: its forward is the model's generator, which stops at
 every safe boundary. Each engine step is one turnstile round (`multiplex.turnstile`): pre-D

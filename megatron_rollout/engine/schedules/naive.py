@@ -1,5 +1,5 @@
 """The naive ordering baseline of `mux` (`MuxConfig.ordering="naive"`): the unsafe schedule the
-ordering experiments compare the turnstile against (DESIGN.md §8). Never use it across ranks.
+ordering experiments compare the turnstile against (docs/design.md §8). Never use it across ranks.
 
 No rendezvous, no routing: P and D progress independently. One host thread per rank drives both
 forwards boundary by boundary, and each step enqueues D's iteration and P's next segment in an
