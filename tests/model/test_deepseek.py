@@ -292,7 +292,8 @@ def test_model_config_checks_mla_and_routing_fields():
 
 
 def test_cuda_runner_refuses_mla_until_it_has_kernels():
-    from megatron_rollout.engine.cuda_runner import RunnerConfig, make_runner
+    from megatron_rollout.runner.config import RunnerConfig
+    from megatron_rollout.runner.cuda import make_runner
 
     cfg = ckpt.config_from_hf(deepseek_config("plain-qproj"))
     model = MoETransformer(cfg)
