@@ -86,7 +86,8 @@ class StepExecutor:
             self.timeline.record(self.rank, phase.value, "prefill" if phase is Phase.P else "decode", t0, t1,
                                  rows=len(plan.decode), prefill=len(plan.prefill))
         outs = self.complete(owners, logits, draw)
-        self.log.add(step_record(phase.value, rows, len(plan.decode), t0, time.perf_counter()))
+        if self.log.enabled:
+            self.log.add(step_record(phase.value, rows, len(plan.decode), t0, time.perf_counter()))
         return outs
 
     def draw(self, owners: list[SampleOwner], logits: torch.Tensor) -> PendingDraw:

@@ -14,7 +14,8 @@ tool waits (the replay knows when it released each turn).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from megatron_rollout.types import SpanInput
@@ -65,10 +66,21 @@ def step_record(phase: str, rows: Sequence[SpanInput], decode_rows: int, start: 
 
 
 class StepLog:
-    """The engine's step records, in the order the forwards ran. Appending is one list append."""
+    """The engine's step records, in the order the forwards ran, taken only while `enabled` (a replay
+    turns it on for its duration): an RL job's rollouts pay nothing for them, per step or in memory."""
 
     def __init__(self) -> None:
         self.records: list[StepRecord] = []
+        self.enabled = False
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Record the forwards run inside the block (nested blocks keep recording until the outer ends)."""
+        before, self.enabled = self.enabled, True
+        try:
+            yield
+        finally:
+            self.enabled = before
 
     def add(self, record: StepRecord) -> None:
         self.records.append(record)

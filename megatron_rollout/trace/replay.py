@@ -24,6 +24,7 @@ itself, tool execution (waits are sleeps) and multi-rank driving (the distribute
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import heapq
 import logging
@@ -111,38 +112,39 @@ def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, prog
     heapq.heapify(releases)
     bar = tqdm(total=total, desc="replay", unit="req", file=sys.stderr, disable=not progress,
                dynamic_ncols=True)
-    try:
-        while releases or owner:
-            now = time.perf_counter()
-            while releases and releases[0][0] <= now:
-                _, index = heapq.heappop(releases)
-                conv = conversations[index]
-                if not _submit(engine, conv, seed, vocab_size, owner, conversation_of, turn_of, temperature):
-                    refused.append(conv.key)
-                    skipped_now = _end_after_failure(conv)
-                    skipped += skipped_now
-                    bar.update(1 + skipped_now)
-            if owner or engine.has_work():
-                for out in engine.step():
-                    conv = owner.pop(out.request_id, None)
-                    if conv is None:
-                        logger.warning("engine finished request %d, which this replay did not submit",
-                                       out.request_id)
-                        continue
-                    outputs.append(out)
-                    bar.update(1)
-                    skipped_now = _finish_turn(conv, out, turn_of[out.request_id], releases)
-                    skipped += skipped_now
-                    bar.update(skipped_now)
-                if owner and not engine.has_work():
-                    raise RuntimeError(f"engine has no work but request(s) {sorted(owner)[:10]} never "
-                                       f"finished; the engine lost them")
-            elif releases:
-                time.sleep(max(0.0, releases[0][0] - time.perf_counter()))
-    finally:
-        bar.close()
-        for conv in conversations:
-            _close(conv)
+    with log.recording() if log is not None else contextlib.nullcontext():
+        try:
+            while releases or owner:
+                now = time.perf_counter()
+                while releases and releases[0][0] <= now:
+                    _, index = heapq.heappop(releases)
+                    conv = conversations[index]
+                    if not _submit(engine, conv, seed, vocab_size, owner, conversation_of, turn_of, temperature):
+                        refused.append(conv.key)
+                        skipped_now = _end_after_failure(conv)
+                        skipped += skipped_now
+                        bar.update(1 + skipped_now)
+                if owner or engine.has_work():
+                    for out in engine.step():
+                        conv = owner.pop(out.request_id, None)
+                        if conv is None:
+                            logger.warning("engine finished request %d, which this replay did not submit",
+                                           out.request_id)
+                            continue
+                        outputs.append(out)
+                        bar.update(1)
+                        skipped_now = _finish_turn(conv, out, turn_of[out.request_id], releases)
+                        skipped += skipped_now
+                        bar.update(skipped_now)
+                    if owner and not engine.has_work():
+                        raise RuntimeError(f"engine has no work but request(s) {sorted(owner)[:10]} never "
+                                           f"finished; the engine lost them")
+                elif releases:
+                    time.sleep(max(0.0, releases[0][0] - time.perf_counter()))
+        finally:
+            bar.close()
+            for conv in conversations:
+                _close(conv)
 
     if details is not None:
         details.update(conversation_of=conversation_of, turn_of=turn_of, start=start, skipped=skipped,

@@ -28,7 +28,11 @@ def test_sizes_come_from_the_rows_spans():
 @pytest.mark.parametrize("schedule", ["off", "chunked"])
 def test_one_record_per_forward_with_its_sizes(model, schedule):
     engine = RolloutEngine(model, EngineConfig(scheduler=SchedulerConfig(schedule), kv=KVConfig(num_blocks=64)))
-    engine.generate([[1] * 10, [2] * 7], SamplingParams(max_new_tokens=3))
+    engine.generate([[0] * 4], SamplingParams(max_new_tokens=2))
+    assert len(engine.step_log) == 0  # off by default: a rollout outside a replay pays nothing
+    with engine.step_log.recording():
+        engine.generate([[1] * 10, [2] * 7], SamplingParams(max_new_tokens=3))
+    engine.generate([[0] * 4], SamplingParams(max_new_tokens=2))
     recs = engine.step_log.records
     # One prefill of both prompts (10 + 7 tokens), then two decode steps over both rows.
     assert [(r.phase, r.decode_rows, r.prefill_rows, r.prefill_tokens) for r in recs] == [
@@ -41,12 +45,13 @@ def test_one_record_per_forward_with_its_sizes(model, schedule):
 def test_mux_segments_carry_their_epoch_and_its_sizes_once(model):
     engine = RolloutEngine(model, EngineConfig(scheduler=SchedulerConfig(schedule="mux"), kv=KVConfig(num_blocks=64),
                                                mux=MuxConfig(span="fixed:1")))
-    engine.add_request([3] * 12, SamplingParams(max_new_tokens=8))
-    engine.step()
-    engine.step()  # the first request decodes while the second one's epoch runs segment by segment
-    engine.add_request([4] * 9, SamplingParams(max_new_tokens=2))
-    while engine.has_work():
+    with engine.step_log.recording():
+        engine.add_request([3] * 12, SamplingParams(max_new_tokens=8))
         engine.step()
+        engine.step()  # the first request decodes while the second one's epoch runs segment by segment
+        engine.add_request([4] * 9, SamplingParams(max_new_tokens=2))
+        while engine.has_work():
+            engine.step()
     segments = [r for r in engine.step_log.records if r.epoch is not None]
     second = [r for r in segments if r.epoch == 2]
     assert len(second) > 1  # one segment per round while decode rows ran

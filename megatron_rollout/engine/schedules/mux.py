@@ -167,8 +167,9 @@ class MuxSchedule(EpochSchedule):
     def _record_segment(self) -> None:
         ex, rec = self.executor, self.turnstile.records[-1]
         rows, self.epoch.rows = self.epoch.rows, []
-        ex.log.add(step_record(Phase.P.value, rows, 0, rec.t_post_d + self._clock, rec.t_end + self._clock,
-                               epoch=rec.epoch))
+        if ex.log.enabled:
+            ex.log.add(step_record(Phase.P.value, rows, 0, rec.t_post_d + self._clock, rec.t_end + self._clock,
+                                   epoch=rec.epoch))
         if ex.timeline is not None:
             ex.timeline.record(ex.rank, Phase.P.value, f"epoch {rec.epoch} segment", rec.t_post_d + self._clock,
                                rec.t_end + self._clock, boundaries=f"{rec.first_boundary}..{rec.last_boundary}",
