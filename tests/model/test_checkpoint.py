@@ -92,9 +92,9 @@ def incremental(model: MoETransformer, seqs: list[torch.Tensor], rounds: list[li
     return [torch.cat(o) for o in out]
 
 
-def test_logits_match_transformers(family):
-    name, hf, _, model = family
-    seqs = _prompts()
+def max_logit_diff(hf, model, seqs: list[torch.Tensor]) -> float:
+    """Largest |logit| difference against transformers over `seqs`, for the native model's padded
+    full-sequence forward and for its incremental (chunked prefill, then decode) forward."""
     with torch.no_grad():
         ref = [hf(s[None]).logits[0] for s in seqs]
         padded = torch.zeros(len(seqs), max(len(s) for s in seqs), dtype=torch.long)
@@ -103,8 +103,13 @@ def test_logits_match_transformers(family):
         full = model(padded)
         inc = incremental(model, seqs, [[4, 2, 1, 7], [5, 0, 0, 1], [0, 3, 0, 4]])
     assert ref[0].abs().max() > 1.0, "logits too small for the comparison to mean anything"
-    diff = max(max((full[i, : len(s)] - r).abs().max().item(), (inc[i] - r).abs().max().item())
+    return max(max((full[i, : len(s)] - r).abs().max().item(), (inc[i] - r).abs().max().item())
                for i, (s, r) in enumerate(zip(seqs, ref)))
+
+
+def test_logits_match_transformers(family):
+    name, hf, _, model = family
+    diff = max_logit_diff(hf, model, _prompts())
     MAX_DIFF[name] = diff
     print(f"\n[{name}] max |logit diff| vs transformers (fp32): {diff:.2e}")
     assert diff < 1e-4

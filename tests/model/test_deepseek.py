@@ -16,7 +16,7 @@ from megatron_rollout.model.rope import rope_for
 from megatron_rollout.model.router import ScoredRouter
 from megatron_rollout.model.sharding import full_shapes
 from megatron_rollout.model.transformer import MoETransformer
-from tests.model.test_checkpoint import _prompts, incremental
+from tests.model.test_checkpoint import _prompts, max_logit_diff
 
 V = 96
 
@@ -101,18 +101,7 @@ def test_config_maps_every_option(family):
 
 def test_logits_match_transformers(family):
     _, hf, _, model = family
-    seqs = _prompts()
-    with torch.no_grad():
-        ref = [hf(s[None]).logits[0] for s in seqs]
-        padded = torch.zeros(len(seqs), max(len(s) for s in seqs), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            padded[i, : len(s)] = s
-        full = model(padded)
-        inc = incremental(model, seqs, [[4, 2, 1, 7], [5, 0, 0, 1], [0, 3, 0, 4]])
-    assert ref[0].abs().max() > 1.0, "logits too small for the comparison to mean anything"
-    diff = max(max((full[i, : len(s)] - r).abs().max().item(), (inc[i] - r).abs().max().item())
-               for i, (s, r) in enumerate(zip(seqs, ref)))
-    assert diff < 1e-4
+    assert max_logit_diff(hf, model, _prompts()) < 1e-4
 
 
 def test_greedy_tokens_and_logprobs_match_transformers(family):

@@ -67,8 +67,7 @@ def _turn_seeded(rows, params, generators):
     logp = sampler.filtered_logprobs(rows, params)
     us = []
     for g in generators:
-        pos = int(torch.randint(2**31, (1,), generator=g))  # advance g; its position is what we key on
-        del pos
+        torch.rand(1, generator=g)  # keep every stream's position as ours would
         us.append(torch.rand(1, generator=torch.Generator().manual_seed(g.initial_seed() % 1000)))
     token = sampler._inverse_cdf(logp, torch.cat(us))
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
