@@ -67,9 +67,8 @@ def run_one(args: argparse.Namespace, seed: int) -> dict:
         wrapper = out / "train_patched.py"
         wrapper.write_text(PATCHED.format(root=str(ROOT), draw=args.draw, script=script))
         script = str(wrapper)
-    launch = [sys.executable] if args.nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
-        "--master_port", str(29500 + seed % 1000 + 7 * (os.getpid() % 100))]
+    launch = [sys.executable] if args.nproc == 1 else [  # --standalone: each run on a free port of its own
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc)]
     cmd = [*launch, script, "--config", str(out / "config.yaml"), "--out", str(out / "run"), "--overwrite",
            *shlex.split(args.train_args)]
     env = {**os.environ, "OMP_NUM_THREADS": "1",
