@@ -156,11 +156,11 @@ def _gpu_run(rank):
     run = GRPORun(cfg)
     try:
         engine, trainer = run.engine, run.trainer
-        prompts = [[256, 72, 105], [256, 50, 51, 52], [256, 1, 2, 3, 4, 5]]
+        prompts = [[256, 72, 105, 33], [256, 50, 51, 52], [256, 1, 2, 3]]  # one length: one batch below
         before = _greedy(engine, prompts)
         # The engine generates from the trainer's weights: the trainer scores the engine's tokens alike.
-        ids = torch.tensor([p[:3] + t for p, t in zip(prompts, before[0])], device=engine.model.device)
-        trainer_lp = trainer.logprobs(ids)[:, 2:].float().cpu()
+        ids = torch.tensor([p + t for p, t in zip(prompts, before[0])], device=engine.model.device)
+        trainer_lp = trainer.logprobs(ids)[:, 3:].float().cpu()  # column t scores token t + 1
         engine_lp = torch.tensor(before[1])
         parity = float((trainer_lp - engine_lp).abs().max())
         metrics = [run.step(), run.step()]
