@@ -214,6 +214,11 @@ class GRPORun:
         self.cuda = self.engine.model.device.type == "cuda"
         self._weights_mode = "shared" if self.megatron is not None and self.megatron.shared else "copied"
 
+    @property
+    def policy(self) -> torch.nn.Module:
+        """The trained model: the native `MoETransformer`, or the GPTModel (in Megatron's DDP wrapper)."""
+        return self.trainer.model
+
     def _native(self, cfg: GRPOConfig) -> tuple[RolloutEngine, NativeTrainer]:
         policy = MoETransformer(preset(cfg.model)).init_weights(cfg.seed)
         if self.place.distributed:
