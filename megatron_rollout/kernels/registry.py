@@ -217,6 +217,32 @@ def resolve_attention(name: str, device: torch.device | str) -> AttentionKernels
     raise AssertionError("the portable attention backend always runs")
 
 
+def resolve_mla_attention(name: str, latent: int, device: torch.device | str) -> AttentionKernels:
+    """Kernels for a multi-latent-attention model (`model.mla`, a cached row of `latent` latent
+    columns then the RoPE key): 'auto' or 'triton' give the Triton MLA kernels
+    (`kernels.mla_attention`; 'auto' falls back to portable where they cannot run), 'portable' the
+    reference. Other backends read per-group K/V and are refused with the reason."""
+    device = torch.device(device)
+    if name == "portable":
+        return PortableAttention()
+    if name not in ("auto", "triton"):
+        raise ValueError(f"attention backend {name!r} has no multi-latent attention kernels; choose 'auto', "
+                         f"'triton' or 'portable' for this model")
+    why = None
+    try:
+        from megatron_rollout.kernels.mla_attention import TritonMLA
+    except ImportError as exc:
+        why = f"{exc} (pip install triton; it ships with CUDA builds of torch)"
+    else:
+        why = TritonMLA.missing(device)
+    if why is None:
+        return TritonMLA(latent)
+    if name == "triton":
+        raise RuntimeError(f"attention backend 'triton' was asked for but cannot run on {device}: {why}")
+    log.info("MLA attention kernels cannot run on %s (%s): portable attention", device, why)
+    return PortableAttention()
+
+
 def history_slots(table: np.ndarray, length: int, block_size: int) -> np.ndarray:
     """Slot of every position 0..length-1 of a sequence with this block table."""
     pos = np.arange(length)
