@@ -61,7 +61,7 @@ def _case(device: str, spec: list[tuple[int, int]], heads: int, latent: int, rop
     kernels = resolve_mla_attention("triton", latent, device)
     dev = torch.device(device)
     if static_rows:
-        layout = StaticDecodeLayout(static_rows, 64, bs, kernels, heads, 1, latent, dev, num_sms=132)
+        layout = StaticDecodeLayout(static_rows, 64, bs, kernels, heads, 1, latent, dev, num_sms=16)  # 2 splits
         layout.fill(spans, [0] * n)
         pad = static_rows - n  # padded rows: slot -1, length 0
         q = torch.cat([q, torch.randn(pad, heads, width, generator=gen).to(device, dt)])
@@ -143,3 +143,49 @@ def test_kernels_refuse_a_cache_that_is_not_one_latent_row():
         kernels._widths(q, torch.zeros(8, 2, 48))
     with pytest.raises(ValueError, match="positive"):
         type(kernels)(0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not _INTERPRET, reason="needs TRITON_INTERPRET=1 and triton")
+def test_tiny_deepseek_decodes_through_a_static_layout_like_the_portable_runner():
+    """What the CUDA runner does for an MLA model, on CPU: prefill through `build_layout`, then
+    greedy decode steps through a decode graph's padded static layout, both with the Triton MLA
+    kernels; the portable runner on its own copy of the model and cache is the reference."""
+    from megatron_rollout.model.config import preset
+    from megatron_rollout.model.layers import run_to_end
+    from megatron_rollout.model.transformer import MoETransformer
+    from megatron_rollout.runner.base import ModelRunner
+    from megatron_rollout.types import Phase, SpanInput
+
+    cfg = preset("tiny-deepseek")
+    model = MoETransformer(cfg).init_weights(3)
+    bs, blocks = 4, 32
+    ref = ModelRunner(model, PagedKVCache(cfg, blocks, bs, 1))
+    cache = PagedKVCache(cfg, blocks, bs, 1)
+    kernels = resolve_mla_attention("auto", cfg.kv_lora_rank, "cpu")
+    assert type(kernels).__name__ == "TritonMLA"
+    heads, dev = cfg.num_attention_heads, torch.device("cpu")
+    tables = [tuple(range(0, 12)), tuple(range(12, 24))]
+    prompts = [[5, 70, 101, 33, 9, 250, 17], [44, 2, 199]]
+    with torch.no_grad():
+        inputs = [SpanInput(SeqSpan(t, 0, len(p)), p, True) for t, p in zip(tables, prompts)]
+        want = run_to_end(ref.forward(inputs, Phase.P))
+        layout = build_layout([i.span for i in inputs], prompts, [True, True], bs, kernels, heads, 1,
+                              cfg.kv_lora_rank, dev, num_sms=132)
+        got = run_to_end(model.step(layout.tokens, layout.positions, KernelPagedBatch(cache, layout, kernels),
+                                    Phase.P, logits_index=layout.logits_rows))
+        assert _rel(got, want) < 1e-4
+        static = StaticDecodeLayout(4, 12, bs, kernels, heads, 1, cfg.kv_lora_rank, dev, num_sms=4)  # 1 split
+        attn = KernelPagedBatch(cache, static.layout, kernels)
+        tokens, lens = want.argmax(-1).tolist(), [len(p) for p in prompts]
+        for _ in range(3):
+            step = [SpanInput(SeqSpan(t, n, 1), [tok], True) for t, n, tok in zip(tables, lens, tokens)]
+            want = run_to_end(ref.forward(step, Phase.D))
+            static.fill([s.span for s in step], tokens)
+            got = run_to_end(model.step(static.tokens, static.positions, attn, Phase.D,
+                                        logits_index=static.logits_rows))[:2]
+            assert _rel(got, want) < 1e-4
+            assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+            tokens, lens = want.argmax(-1).tolist(), [n + 1 for n in lens]
+    used = [s for t in tables for s in t]
+    assert torch.allclose(cache.k[:, used], ref.cache.k[:, used], atol=1e-5)
