@@ -35,8 +35,14 @@ import triton.language as tl
 from megatron_rollout.kernels import pdl
 from megatron_rollout.kernels.pdl import entry as pdl_entry
 from megatron_rollout.kernels.registry import DecodeMeta, PrefillMeta
-from megatron_rollout.kernels.triton_attention import (LOG2E, MAX_SPLITS, TritonAttention, _decode_reduce_kernel,
-                                                        _pow2, decode_workspace)
+from megatron_rollout.kernels.triton_attention import (
+    LOG2E,
+    MAX_SPLITS,
+    TritonAttention,
+    _decode_reduce_kernel,
+    _pow2,
+    decode_workspace,
+)
 
 _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": fully masked rows stay free of NaN
 
