@@ -10,7 +10,7 @@ Here a program owns `BLOCK_H` heads (the M side of `tl.dot`), reads each key blo
 latent part and its RoPE part, scores `q_lat c^T + q_pe k_pe^T` and accumulates `p c`
 (`[BLOCK_H, kv_lora_rank]` in fp32):
 
-- `_mla_decode_kernel`: flash-decoding, program (row, head block, split) over its share of the
+- `_mla_decode_kernel`: flash-decoding, program (head block, row, split) over its share of the
   row's history; the partial results are merged by `triton_attention`'s reduce kernel, whose width
   is the latent's here. Grid and workspace are static per batch, so a decode graph captures it;
   rows of length 0 produce zeros.
@@ -64,8 +64,8 @@ def _mla_decode_kernel(Q, KV, Tables, Lens, QStart, Seq, PartO, PartM, PartL, sc
                        DR: tl.constexpr, DR_P: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                        PDL: tl.constexpr = False):
     pdl_entry(PDL)
-    b = tl.program_id(0)
-    hb = tl.program_id(1)
+    hb = tl.program_id(0)  # fastest: the head blocks of one row and split run together, sharing its keys in L2
+    b = tl.program_id(1)
     split = tl.program_id(2)
     splits = tl.num_programs(2)
     seq = tl.load(Seq + b)
@@ -116,8 +116,8 @@ def _mla_prefill_kernel(Q, KV, Out, Tables, QStart, Past, New, TileSeq, TileStar
                         R_P: tl.constexpr, DR: tl.constexpr, DR_P: tl.constexpr, BLOCK_N: tl.constexpr,
                         PAGE: tl.constexpr, PDL: tl.constexpr = False):
     pdl_entry(PDL)
-    tile = tl.program_id(0)
-    hb = tl.program_id(1)
+    hb = tl.program_id(0)  # fastest, as in decode
+    tile = tl.program_id(1)
     seq = tl.load(TileSeq + tile)
     t0 = tl.load(TileStart + tile)
     qs = tl.load(QStart + seq)
@@ -175,7 +175,7 @@ class TritonMLA(TritonAttention):
     prefill_block_m = 64  # rows of a prefill tile = tokens x heads of one head block
     prefill_block_n = 32
     prefill_stages = 2
-    prefill_warps = 4
+    prefill_warps = 8  # a 64 x 512 fp32 accumulator: 128 registers a thread over 8 warps
 
     def __init__(self, latent: int) -> None:
         if latent <= 0:
@@ -183,7 +183,11 @@ class TritonMLA(TritonAttention):
         self.latent = latent
 
     def tile_tokens(self, group: int) -> int:
-        return max(1, self.prefill_block_m // self.prefill_block_h)
+        bh, bm = self.prefill_block_h, self.prefill_block_m
+        if bh < 16 or bm % bh or bh & (bh - 1) or bm & (bm - 1) or self.decode_block_h < 16:
+            raise ValueError(f"MLA tiles: block_h (decode {self.decode_block_h}, prefill {bh}) must be powers of two "
+                             f">= 16 and prefill_block_m ({bm}) a power-of-two multiple of prefill_block_h")
+        return bm // bh
 
     def _widths(self, q: torch.Tensor, cache: torch.Tensor) -> tuple[int, int]:
         if cache.shape[1] != 1 or q.shape[-1] != cache.shape[-1] or q.shape[-1] <= self.latent:
@@ -205,7 +209,7 @@ class TritonMLA(TritonAttention):
         if po.shape[-1] < r or po.shape[1] < heads:
             raise ValueError(f"decode workspace {tuple(po.shape)} is too small for {heads} heads of width {r}")
         bh = self.decode_block_h
-        _mla_decode_kernel[(rows, triton.cdiv(heads, bh), splits)](
+        _mla_decode_kernel[(triton.cdiv(heads, bh), rows, splits)](
             q, k_cache, meta.tables, meta.lens, meta.q_start, meta.seq, po, pm, pl, (1.0 / math.sqrt(r + dr)) * LOG2E,
             q.stride(0), q.stride(1), k_cache.stride(0), meta.tables.stride(0),
             po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1),
@@ -223,7 +227,7 @@ class TritonMLA(TritonAttention):
         self._check(k_cache, q, "prefill")
         r, dr = self._widths(q, k_cache)
         heads, bh = q.shape[1], self.prefill_block_h
-        _mla_prefill_kernel[(meta.tiles, triton.cdiv(heads, bh))](
+        _mla_prefill_kernel[(triton.cdiv(heads, bh), meta.tiles)](
             q, k_cache, out, meta.tables, meta.q_start, meta.past, meta.new, meta.tile_seq, meta.tile_start,
             (1.0 / math.sqrt(r + dr)) * LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), meta.tables.stride(0),

@@ -143,6 +143,9 @@ def test_kernels_refuse_a_cache_that_is_not_one_latent_row():
         kernels._widths(q, torch.zeros(8, 2, 48))
     with pytest.raises(ValueError, match="positive"):
         type(kernels)(0)
+    kernels.prefill_block_m = 24  # not a power-of-two multiple of prefill_block_h
+    with pytest.raises(ValueError, match="MLA tiles"):
+        kernels.tile_tokens(4)
 
 
 @pytest.mark.timeout(120)
