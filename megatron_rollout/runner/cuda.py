@@ -56,7 +56,7 @@ engine and the mux driver are unchanged):
 
 - **MLA.** A multi-latent-attention model (DeepSeek-V3) attends through `kernels.mla_attention`
   (`registry.resolve_mla_attention`), in its decode graphs and between its piecewise P graphs'
-  pieces alike; the fused small ops (per-group attention, plain RoPE) are not installed on it.
+  pieces alike; of the fused small ops it uses those it calls (norms, SwiGLU, the combine).
 
 Green contexts (SM partitions for D and P) are measured by `benchmarks.micro` and not used here: see
 docs/benchmarks.md. FP8 experts (`model.fp8`, stacked) are captured like bf16 ones on one rank
@@ -215,9 +215,6 @@ class CudaRunner:
     def _install_fused_ops(self) -> dict:
         if not self.config.fused_ops:
             return {"backend": "none", "installed": False, "reason": "RunnerConfig.fused_ops is False"}
-        if self.cfg.multi_latent_attention:
-            return {"backend": "none", "installed": False,
-                    "reason": "the fused ops cover per-group attention and its RoPE, not multi-latent attention"}
         from megatron_rollout.kernels.fused import install_fused_ops
 
         return install_fused_ops(self.model)
