@@ -54,14 +54,14 @@ def main() -> None:
     prompts, greedy = [[1, 2, 3], [4, 5, 6, 7]], SamplingParams(temperature=0, max_new_tokens=6)
     before = engine.generate(prompts, greedy)
 
-    engine.release_kv()  # the trainer gets the KV memory while it trains
+    engine.sleep()  # KV cache, graphs and the weight copy go to the trainer while it trains
     optimizer = torch.optim.SGD(gpt.parameters(), lr=0.1)
     loss = sum((p.float() ** 2).sum() for p in gpt.parameters())  # CPU stand-in for the RL loss (see above)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
 
-    engine.reclaim_kv()
+    engine.wake_up()
     engine.update_weights(trainer_weights(gpt), version=1)  # validated whole, then copied in place
     after = engine.generate(prompts, greedy)
     for b, a in zip(before, after):

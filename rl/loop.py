@@ -203,10 +203,10 @@ class GRPORun:
     def step(self) -> dict[str, Any]:
         cfg, step, place = self.cfg, self.step_index, self.place
         t0 = time.perf_counter()
-        self.engine.reclaim_kv()
+        self.engine.wake_up(tags=["kv"])
         episodes = _episodes(cfg, self.tok, step, place.rollout_index, place.rollout_replicas)
         local = place.rollout(self.engine, episodes, self.rollout_cfg)
-        self.engine.release_kv()
+        self.engine.sleep(tags=["kv"])  # the trainer steps in the memory it frees
         mine = local.result
         gathered = place.all_gather((mine.trajectories, mine.stats) if mine is not None else None)
         trajs: list[Trajectory] = [t for g in gathered if g is not None for t in g[0]]
