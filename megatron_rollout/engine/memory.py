@@ -123,6 +123,15 @@ class _Moved:
     note: str = ""
 
 
+def _measured(moved: _Moved, before: DeviceMemory | None, after: DeviceMemory | None, freed: bool) -> TagReport:
+    """`moved` with the device's change around it: bytes freed (`freed`) or taken."""
+    if before is None or after is None:
+        return TagReport(moved.changed, moved.tensor_bytes, None, None, moved.note)
+    sign = 1 if freed else -1
+    return TagReport(moved.changed, moved.tensor_bytes, sign * (before.allocated - after.allocated),
+                     sign * (before.reserved - after.reserved), moved.note)
+
+
 def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     """A uint8 tensor over the whole storage (a view, no copy)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
@@ -212,25 +221,22 @@ class EngineMemory:
 
     # -- one call: the tags in order, each measured --------------------------------------------
     def _run(self, action: str, order: list[Tag], asked: frozenset[Tag]) -> dict:
+        sleeping = action == "sleep"
+        moves = self._SLEEP if sleeping else self._WAKE
         start = time.perf_counter()
         first = last = DeviceMemory.read(self.device)
-        moves = self._SLEEP if action == "sleep" else self._WAKE
         tags: dict[str, dict] = {}
         for tag in order:
-            before = last
-            moved = moves[tag](self) if (tag in self.asleep) != (action == "sleep") else \
-                _Moved(False, note=f"already {'asleep' if action == 'sleep' else 'awake'}")
+            if (tag in self.asleep) == sleeping:
+                moved = _Moved(False, note="already asleep" if sleeping else "already awake")
+            else:
+                moved = moves[tag](self)
             if moved.changed:
-                (self.asleep.add if action == "sleep" else self.asleep.discard)(tag)
-            if tag not in asked and moved.changed:  # implied by another tag: say which
-                with_ = '/'.join(sorted(a.value for a in asked))
-                moved = dataclasses.replace(moved, note=f"{moved.note}; with {with_}")
-            last = DeviceMemory.read(self.device)
-            sign = 1 if action == "sleep" else -1
-            tags[tag.value] = dataclasses.asdict(TagReport(
-                moved.changed, moved.tensor_bytes,
-                None if last is None else sign * (before.allocated - last.allocated),
-                None if last is None else sign * (before.reserved - last.reserved), moved.note))
+                (self.asleep.add if sleeping else self.asleep.discard)(tag)
+                if tag not in asked:  # implied by the tags asked for: say which
+                    moved = dataclasses.replace(moved, note=f"{moved.note}; with {'/'.join(sorted(asked))}")
+            before, last = last, DeviceMemory.read(self.device)
+            tags[tag.value] = dataclasses.asdict(_measured(moved, before, last, sleeping))
         return {"action": action, "tags": tags, "asleep": sorted(t.value for t in self.asleep),
                 "tensor_bytes": sum(r["tensor_bytes"] for r in tags.values()),
                 "device": str(self.device), "seconds": time.perf_counter() - start,

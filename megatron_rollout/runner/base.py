@@ -59,6 +59,11 @@ class Runner(Protocol):
         now; its logits, or None where this runner cannot (the caller then waits for the host)."""
         ...
 
+    @property
+    def captured(self) -> CapturedGraphs:
+        """The graphs captured now."""
+        ...
+
     def release_graphs(self) -> CapturedGraphs:
         """Drop every captured graph and its memory pool (no forward in flight); what was captured."""
         ...
@@ -99,8 +104,12 @@ class ModelRunner:
         rows = [SpanInput(i.span, [t], i.sample, i.key) for i, t in zip(inputs, ids, strict=True)]
         return run_to_end(self.forward(rows, Phase.D))
 
-    def release_graphs(self) -> CapturedGraphs:
+    @property
+    def captured(self) -> CapturedGraphs:
         """The portable runner captures nothing."""
+        return CapturedGraphs()
+
+    def release_graphs(self) -> CapturedGraphs:
         return CapturedGraphs()
 
     def restore_graphs(self, held: CapturedGraphs) -> str:

@@ -312,9 +312,14 @@ class CudaRunner:
         (it runs eagerly: many ranks, graphs off or failed, or too many tokens or sampled rows)."""
         return self._prefill_bucket(inputs)
 
+    @property
+    def captured(self) -> CapturedGraphs:
+        """The decode and piecewise prefill buckets captured now."""
+        return CapturedGraphs(tuple(sorted(self._graphs)), tuple(sorted(self._p_graphs)))
+
     def release_graphs(self) -> CapturedGraphs:
         """`Runner.release_graphs`: every graph and pool dropped (`drop_graphs`); the buckets held."""
-        held = CapturedGraphs(tuple(sorted(self._graphs)), tuple(sorted(self._p_graphs)))
+        held = self.captured
         torch.cuda.synchronize(self.device)  # no replay still reads a pool being freed
         self.drop_graphs()
         return held

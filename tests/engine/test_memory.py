@@ -214,8 +214,8 @@ def test_cuda_sleep_frees_device_memory_and_graphs_replay_after_wake():
     params = SamplingParams(temperature=0.0, max_new_tokens=16)
     before = engine.generate(BATCH, params)
     runner = engine.runner
-    held = (sorted(runner._graphs), sorted(runner._p_graphs))
-    assert held[0], "the first generate captured no decode graph"
+    held = runner.captured
+    assert held.decode and held.prefill, f"the first generate captured {held.describe()}"
     kv_bytes = runner.cache.k.nbytes + runner.cache.v.nbytes
     weight_bytes = _storage_bytes(model)
     report = engine.sleep()
@@ -223,10 +223,10 @@ def test_cuda_sleep_frees_device_memory_and_graphs_replay_after_wake():
     assert tags["kv"]["allocated_bytes"] >= kv_bytes and tags["weights"]["allocated_bytes"] >= 0.99 * weight_bytes
     assert tags["graphs"]["reserved_bytes"] > 0  # the pools went back to the driver
     assert report["after"]["free"] - report["before"]["free"] >= kv_bytes + weight_bytes
-    assert not runner._graphs and not runner._p_graphs
+    assert runner.captured == ((), ())
     woke = engine.wake_up()
     assert woke["tags"]["kv"]["allocated_bytes"] >= kv_bytes and woke["tags"]["graphs"]["allocated_bytes"] > 0
-    assert (sorted(runner._graphs), sorted(runner._p_graphs)) == held  # the same buckets, captured again
+    assert runner.captured == held  # the same buckets, captured again
     replays = runner.stats["graph_replays"]
     after = engine.generate(BATCH, params)
     assert runner.stats["graph_replays"] > replays and runner.graph_safe
