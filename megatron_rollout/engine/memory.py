@@ -10,7 +10,8 @@ next rollout:
   memory pools. On wake, one rank captures again the buckets it held; many ranks capture
   collectively at their first decode step, as after construction (`Runner.restore_graphs`).
 - `weights`: every storage under the engine's parameters is copied to host memory (pinned on
-  CUDA) and resized to zero bytes; on wake it is allocated again and copied back, bit for bit.
+  CUDA, in 1 GiB chunks: `HostBytes`) and resized to zero bytes; on wake it is allocated again and
+  copied back, bit for bit.
   Resizing the storages, rather than re-pointing the parameters, keeps every view a view (the
   CUDA runner's stacked experts). An engine over the trainer's own tensors (`from_megatron`
   sharing storage, `WeightStore.bind`) holds no copy: nothing is moved, and the report says so.
@@ -25,7 +26,8 @@ This module holds the state (which tags sleep, the host copies) and moves the me
 decides when it may (no request in flight) and refuses to generate while any tag sleeps.
 Left out: address-stable device memory (a virtual-memory allocator, as vLLM's and SGLang's
 memory savers use), which would keep captured graphs valid without capturing them again; the
-comm's dispatch buffers; FP8 and Transformer Engine copies derived from the weights (they stay).
+comm's dispatch buffers; FP8 and Transformer Engine copies derived from the weights (they stay);
+giving back pinned host memory (torch's host allocator keeps it after the wake, for the next sleep).
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ import enum
 import gc
 import itertools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -137,12 +139,35 @@ def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+class HostBytes:
+    """`nbytes` of host memory as chunks of `CHUNK` bytes, pinned on CUDA hosts. The pinned allocator
+    rounds every allocation up to a power of two: one buffer per storage, or one for all of them,
+    could take up to twice the bytes; chunks waste less than one chunk."""
+
+    CHUNK = 1 << 30
+
+    def __init__(self, nbytes: int, pinned: bool) -> None:
+        self.nbytes = nbytes
+        self.chunks = [torch.empty(min(self.CHUNK, nbytes - at), dtype=torch.uint8, pin_memory=pinned)
+                       for at in range(0, nbytes, self.CHUNK)]
+
+    def pieces(self, offset: int, length: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """The host bytes [offset, offset + length) in pieces: (position in the range, bytes)."""
+        pos = 0
+        while pos < length:
+            chunk, at = divmod(offset + pos, self.CHUNK)
+            n = min(length - pos, self.CHUNK - at)
+            yield pos, self.chunks[chunk][at:at + n]
+            pos += n
+
+
 class WeightOffload:
     """The storages under a model's parameters and buffers, moved to host memory and back."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self._held: list[tuple[torch.UntypedStorage, torch.Tensor]] = []  # (emptied storage, its bytes on the host)
+        self._held: list[tuple[torch.UntypedStorage, int]] = []  # emptied, and their sizes, in `_host`'s order
+        self._host: HostBytes | None = None
 
     def storages(self) -> list[torch.UntypedStorage]:
         """Each non-empty storage once (tied weights and stacked experts share one)."""
@@ -156,26 +181,33 @@ class WeightOffload:
 
     def offload(self) -> int:
         """Copy every storage to the host, then empty it on the device; the bytes moved."""
-        held = []
-        for storage in self.storages():
-            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
-            host.copy_(_as_bytes(storage), non_blocking=True)
-            held.append((storage, host))
-        _synchronize(s for s, _ in held)  # every copy has landed before its source is freed
-        for storage, _ in held:
+        storages = self.storages()
+        sizes = [s.nbytes() for s in storages]
+        host = HostBytes(sum(sizes), pinned=any(s.device.type == "cuda" for s in storages))
+        for storage, offset, size in zip(storages, itertools.accumulate([0] + sizes), sizes):
+            device = _as_bytes(storage)
+            for pos, piece in host.pieces(offset, size):
+                piece.copy_(device[pos:pos + piece.numel()], non_blocking=True)
+        _synchronize(storages)  # every copy has landed before its source is freed
+        for storage in storages:
             storage.resize_(0)
-        self._held = held
-        return sum(h.numel() for _, h in held)
+        self._held, self._host = list(zip(storages, sizes)), host
+        return host.nbytes
 
     def restore(self) -> int:
         """Allocate every storage again and copy its bytes back; the bytes moved."""
-        for storage, host in self._held:
-            storage.resize_(host.numel())
-            _as_bytes(storage).copy_(host, non_blocking=True)
-        _synchronize(s for s, _ in self._held)  # the host copies may be dropped once these have landed
-        moved, self._held = sum(h.numel() for _, h in self._held), []
-        return moved
-
+        host, offset = self._host, 0
+        if host is None:
+            return 0
+        for storage, size in self._held:
+            storage.resize_(size)
+            device = _as_bytes(storage)
+            for pos, piece in host.pieces(offset, size):
+                device[pos:pos + piece.numel()].copy_(piece, non_blocking=True)
+            offset += size
+        _synchronize(s for s, _ in self._held)  # the host bytes may be dropped once these copies have landed
+        self._held, self._host = [], None
+        return host.nbytes
 
 def _synchronize(storages: Iterable[torch.UntypedStorage]) -> None:
     for device in {s.device for s in storages if s.device.type == "cuda"}:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_rollout.engine import EngineAsleep, FinishReason, RunnerConfig, SamplingParams
-from megatron_rollout.engine.memory import Tag, parse_tags
+from megatron_rollout.engine.memory import HostBytes, Tag, WeightOffload, parse_tags
 
 from .common import GREEDY, SCHEDULES, SMALL, assert_same, drain, prompts, reference, small
 
@@ -122,6 +122,24 @@ def test_weights_go_to_the_host_and_come_back_bit_for_bit(make_engine, model):
     assert all(p.data_ptr() != 0 for p in model.parameters())
 
 
+def test_offload_keeps_views_shared_and_spans_host_chunks(monkeypatch):
+    monkeypatch.setattr(HostBytes, "CHUNK", 7)  # 7-byte chunks: every storage is split across several
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 2))
+    with torch.no_grad():
+        model[1].weight.data = model[0].weight.data[1:]  # a view, as stacked experts are: one storage
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    offload = WeightOffload(model)
+    assert offload.offload() == (15 + 3 + 2) * 4  # the shared storage once
+    assert len(offload._host.chunks) == 12 and offload._host.chunks[-1].numel() == 80 - 11 * 7
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    assert offload.restore() == 80 and offload.restore() == 0  # twice: nothing held the second time
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    assert model[1].weight.untyped_storage().data_ptr() == model[0].weight.untyped_storage().data_ptr()
+    with torch.no_grad():
+        model[0].weight[2, 0] = 42.0  # still a view after the round trip
+    assert model[1].weight[1, 0] == 42.0
+
+
 def test_weights_update_between_waking_the_weights_and_the_kv(make_engine, model):
     """The RL order: sleep everything, train, wake the weights, update them, wake the KV."""
     engine = make_engine(model, SMALL)
@@ -200,14 +218,15 @@ def test_greedy_tokens_are_the_same_after_a_sleep(make_engine, model, schedule):
 
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
-def test_cuda_sleep_frees_device_memory_and_graphs_replay_after_wake():
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_cuda_sleep_frees_device_memory_and_graphs_replay_after_wake(schedule):
     from megatron_rollout.engine import EngineConfig, KVConfig, RolloutEngine, SchedulerConfig
     from megatron_rollout.model.config import preset
     from megatron_rollout.model.transformer import MoETransformer
 
     cfg = preset("tiny-moe").replace(dtype="bfloat16", max_position_embeddings=512)
     model = MoETransformer(cfg, device="cuda").init_weights(0)
-    config = EngineConfig(scheduler=SchedulerConfig(block_size=16), kv=KVConfig(num_blocks=4096),
+    config = EngineConfig(scheduler=SchedulerConfig(schedule, block_size=16), kv=KVConfig(num_blocks=4096),
                           runner=RunnerConfig(kind="cuda", graph_batch_sizes=(1, 2, 4, 8),
                                               prefill_graph_tokens=(64, 128)))
     engine = RolloutEngine(model, config)
