@@ -134,6 +134,12 @@ def _measured(moved: _Moved, before: DeviceMemory | None, after: DeviceMemory | 
                      sign * (before.reserved - after.reserved), moved.note)
 
 
+def _kv_bytes(cache: PagedKVCache | None) -> int:
+    if cache is None:
+        return 0
+    return cache.k.nbytes + (cache.v.nbytes if cache.v is not cache.k else 0)  # MLA: one tensor is both
+
+
 def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     """A uint8 tensor over the whole storage (a view, no copy)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
@@ -277,8 +283,7 @@ class EngineMemory:
 
     # -- the moves ---------------------------------------------------------------------------
     def _sleep_kv(self) -> _Moved:
-        cache = self.runner.cache
-        nbytes = 0 if cache is None else cache.k.nbytes + (cache.v.nbytes if cache.v is not cache.k else 0)
+        nbytes = _kv_bytes(self.runner.cache)
         self.table.evict_all()
         self.table.new_pool()  # cached prefixes point into the K/V being freed
         self.runner.cache = None
@@ -286,8 +291,7 @@ class EngineMemory:
 
     def _wake_kv(self) -> _Moved:
         cache = self.runner.cache = self.new_cache()
-        nbytes = cache.k.nbytes + (cache.v.nbytes if cache.v is not cache.k else 0)
-        return _Moved(True, nbytes, f"KV cache allocated ({cache.num_blocks} blocks)")
+        return _Moved(True, _kv_bytes(cache), f"KV cache allocated ({cache.num_blocks} blocks)")
 
     def _sleep_graphs(self) -> _Moved:
         self._graphs = self.runner.release_graphs()
