@@ -4,12 +4,12 @@ One process (per rank) holds both the trainer's model and the engine's model: th
 as separate modules, a Megatron trainer's (`trainer: megatron`, `rl.megatron_policy`) as the engine
 built from its GPTModel, sharing its tensors where the runner allows. Every step ends with
 `engine.update_weights(trainer.named_weights(), version + 1)`, so the hot-swap path is exercised
-exactly as a Megatron trainer would use it, and the engine sleeps (hands its KV memory back) while
-the trainer runs. Under torch.distributed the rollout is either replicated (every
-rank a full engine) or sharded ATP x ADP over all ranks (`rl.placement`); either way the step's
-trajectories are gathered to every rank, GRPO advantages are computed over all of them, each
-trainer replica trains on its share of the groups and gradients are averaged over ranks. Only
-rank 0 writes outputs.
+exactly as a Megatron trainer would use it, and the engine sleeps while the trainer runs
+(`engine.sleep(sleep_tags)`: its KV cache, the graphs over it, and its weight copy where asked).
+Under torch.distributed the rollout is either replicated (every rank a full engine) or sharded
+ATP x ADP over all ranks (`rl.placement`); either way the step's trajectories are gathered to
+every rank, GRPO advantages are computed over all of them, each trainer replica trains on its
+share of the groups and gradients are averaged over ranks. Only rank 0 writes outputs.
 
 Left out: asynchronous (off-policy) rollouts overlapping training, rollout/trainer on separate
 devices, checkpointing, evaluation sets, and learning-rate schedules.
@@ -87,6 +87,10 @@ class GRPOConfig:
     """Rollout attention data parallel replicas; each replica's leader drives its own episodes."""
     ep: int | None = None
     """Rollout expert parallel size; must be ATP x ADP (ETP = 1); None means exactly that."""
+    sleep_tags: tuple[str, ...] = ("kv",)
+    """What the engine hands back while the trainer steps (`engine.sleep`): kv (with the graphs over
+    it) | graphs | weights (its own copy, to host memory; an engine sharing the trainer's tensors
+    holds none)."""
     max_engine_errors: float = 0.1
     """Largest share of a step's episodes the engine may end (refused: the KV pool is too small;
     failed) before the run stops with the figure; any such episode is logged as a warning."""
@@ -126,6 +130,9 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.tool_latency_s must be >= 0, got {self.tool_latency_s}")
         if not 0 <= self.max_engine_errors <= 1:
             raise ValueError(f"GRPOConfig.max_engine_errors must be in [0, 1], got {self.max_engine_errors}")
+        if not self.sleep_tags or not set(self.sleep_tags) <= {"kv", "graphs", "weights"}:
+            raise ValueError(f"GRPOConfig.sleep_tags must name some of kv, graphs, weights, got "
+                             f"{list(self.sleep_tags)}")
         if self.trainer.kind == "megatron" and (self.atp, self.adp, self.ep or 1) != (1, 1, 1):
             raise ValueError(f"trainer 'megatron' runs one unsharded engine in one process: set atp = adp = 1 "
                              f"(got atp={self.atp}, adp={self.adp}, ep={self.ep})")
@@ -247,7 +254,8 @@ class GRPORun:
         local = place.rollout(self.engine, episodes, self.rollout_cfg)
         rollout_peak = self._peak_gib()
         ts = time.perf_counter()
-        sleep(self.engine)
+        freed = [r["allocated_bytes"] for r in sleep(self.engine, cfg.sleep_tags)["tags"].values()
+                 if r["allocated_bytes"] is not None]  # measured on CUDA only
         sleep_s = time.perf_counter() - ts
         asleep_gib = torch.cuda.memory_allocated() / 2**30 if self.cuda else None
         mine = local.result
@@ -291,6 +299,7 @@ class GRPORun:
                 "update_weights_s": max(t[2] for t in times), "sleep_s": max(t[3] for t in times),
                 "wake_s": max(t[4] for t in times), "weights": self._weights_mode,
                 "rollout_peak_gib": rollout_peak, "train_peak_gib": train_peak, "asleep_gib": asleep_gib,
+                "sleep_freed_gib": sum(freed) / 2**30 if freed else None,
                 "peak_gpu_mem_gib": max(rollout_peak, train_peak) if self.cuda else None}
 
     def sync_weights(self) -> int:
@@ -322,14 +331,14 @@ class GRPORun:
             self.megatron.close()
 
 
-def sleep(engine: RolloutEngine) -> None:
-    """Hand the engine's memory back for the training step (its KV cache; sessions keep their tokens)."""
-    engine.release_kv()
+def sleep(engine: RolloutEngine, tags: tuple[str, ...] = ("kv",)) -> dict:
+    """Hand the engine's memory back for the training step (sessions keep their tokens); its report."""
+    return engine.sleep(tags)
 
 
-def wake(engine: RolloutEngine) -> None:
-    """Take the engine's memory again before the weight update and the next rollout."""
-    engine.reclaim_kv()
+def wake(engine: RolloutEngine) -> dict:
+    """Take the engine's memory again before the weight update and the next rollout; its report."""
+    return engine.wake_up()
 
 
 def _mean(values: list[float]) -> float | None:

@@ -17,7 +17,7 @@ from typing import Any
 PARTS = (("rollout_s", "rollout"), ("sleep_s", "sleep"), ("train_s", "train"), ("wake_s", "wake"),
          ("update_weights_s", "weight sync"))
 MEMORY = (("rollout_peak_gib", "rollout peak"), ("train_peak_gib", "training peak"),
-          ("asleep_gib", "engine asleep"))
+          ("asleep_gib", "engine asleep"), ("sleep_freed_gib", "freed by sleep"))
 
 
 def load(out: str | Path) -> list[dict[str, Any]]:

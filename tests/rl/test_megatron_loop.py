@@ -112,7 +112,7 @@ def _cpu_run(rank, weights):
                 p.add_(torch.randn(p.shape, generator=gen) * 0.05)
         stale = _greedy(engine, prompts)
         sleep(engine)
-        asleep = engine.runner.cache is None
+        asleep = "kv" in engine.asleep
         wake(engine)
         version = run.sync_weights()
         after = _greedy(engine, prompts)
