@@ -35,6 +35,8 @@ def test_trainer_megatron_is_selected_by_config():
     ({"trainer": "megatron", "megatron": {"spec": "transformer_engine"}}, "megatron.spec must be one of"),
     ({"trainer": "megatron", "megatron": {"weights": "bind"}}, "megatron.weights must be one of"),
     ({"trainer": "megatron", "megatron": {"sharding": 2}}, "unknown megatron keys ['sharding']"),
+    ({"sleep_tags": ["kv", "optimizer"]}, "sleep_tags must name some of kv, graphs, weights"),
+    ({"sleep_tags": []}, "sleep_tags must name some of kv, graphs, weights"),
 ])
 def test_bad_megatron_combinations_are_refused(raw, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -111,7 +113,7 @@ def _cpu_run(rank, weights):
             for p in gpt.parameters():
                 p.add_(torch.randn(p.shape, generator=gen) * 0.05)
         stale = _greedy(engine, prompts)
-        sleep(engine)
+        report = sleep(engine, ("kv", "weights"))
         asleep = "kv" in engine.asleep
         wake(engine)
         version = run.sync_weights()
@@ -121,7 +123,8 @@ def _cpu_run(rank, weights):
                     megatron=isinstance(run.trainer, MegatronTrainer), same_init=same_init, before=before,
                     want_before=want_before, stale=stale, after=after, want_after=want_after, version=version,
                     episodes=len(episodes), generated=sum(t.num_generated for t in episodes),
-                    asleep=asleep)
+                    asleep=asleep, weights_moved=report["tags"]["weights"]["changed"],
+                    weight_bytes=report["tags"]["weights"]["tensor_bytes"])
     finally:
         run.close()
 
@@ -139,6 +142,8 @@ def test_megatron_run_on_cpu_serves_the_trainer_weights(weights):
     else:  # its own copy: the old weights until the update
         assert res["stale"][:2] == res["before"][:2]
     assert res["asleep"]
+    # sleeping "weights": a copy goes to host memory (and comes back on wake); shared tensors stay put
+    assert res["weights_moved"] == (weights == "copy") and (res["weight_bytes"] > 0) == (weights == "copy")
     assert res["version"] == 1 and res["after"][2] == [[1] * 5] * 2
     assert res["after"][0] == res["want_after"][0]
     for got, want in zip(res["after"][1], res["want_after"][1]):
