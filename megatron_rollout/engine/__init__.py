@@ -8,7 +8,7 @@ from megatron_rollout.engine.api import (
                                          SamplingParams,
                                          Schedule,
 )
-from megatron_rollout.engine.config import EngineConfig, KVConfig, MuxConfig
+from megatron_rollout.engine.config import EngineConfig, KVConfig, MuxConfig, SpeculativeConfig
 from megatron_rollout.engine.engine import RolloutEngine
 from megatron_rollout.engine.scheduler import SchedulerConfig
 from megatron_rollout.engine.session import Session, SessionClosed
@@ -17,4 +17,4 @@ from megatron_rollout.runner.config import RunnerConfig
 
 __all__ = ["CommConfig", "EngineConfig", "EngineStats", "FinishReason", "GenerationResult", "KVConfig", "MuxConfig",
            "RequestError", "RequestOutput", "RolloutEngine", "RunnerConfig", "SamplingParams", "Schedule",
-           "SchedulerConfig", "Session", "SessionClosed"]
+           "SchedulerConfig", "Session", "SessionClosed", "SpeculativeConfig"]

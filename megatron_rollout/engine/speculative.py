@@ -22,11 +22,23 @@ rejected drafts (written by the verifying forward, then simply overwritten), are
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from megatron_rollout.engine.api import SamplingParams
 from megatron_rollout.engine.sampler import filtered_logprobs
+
+
+class VerifyRow(NamedTuple):
+    """What a speculative forward returns for one input row, and what the MTP layer runs inside it."""
+
+    logits: int
+    """The row's last `logits` positions return logits and hidden states: 1 for a sampled row, k + 1
+    for a decode row carrying k drafts, 0 for a partial prefill chunk."""
+    follow: tuple[int, ...] = ()
+    """The token after each of the row's first positions, where known before the forward (a prefill
+    chunk's): the MTP layer runs over those positions inside the forward."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +55,7 @@ def _uniform(generator: torch.Generator | None) -> float:
     return float(torch.rand(1, generator=generator))
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+def draw_index(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """Inverse-CDF draw from `probs` [V] (not necessarily normalised) with one host uniform."""
     cdf = probs.double().cumsum(0)
     index = int(torch.searchsorted(cdf, _uniform(generator) * cdf[-1], right=True))
@@ -70,11 +82,11 @@ def verify(target_logits: torch.Tensor, drafts: list[int], draft_logprobs: torch
             q = 1.0 if draft_logprobs is None else float(draft_logprobs[i, x].exp())
             keep = _uniform(generator) * q < float(logp[i, x].exp())  # u < p/q, without dividing by q = 0
         if not keep:
-            tokens.append(int(logp[i].argmax()) if greedy else _draw(_residual(logp[i], draft_logprobs, i, x),
+            tokens.append(int(logp[i].argmax()) if greedy else draw_index(_residual(logp[i], draft_logprobs, i, x),
                                                                        generator))
             return _verdict(i, tokens, logp)
         tokens.append(x)
-    tokens.append(int(logp[k].argmax()) if greedy else _draw(logp[k].exp(), generator))
+    tokens.append(int(logp[k].argmax()) if greedy else draw_index(logp[k].exp(), generator))
     return _verdict(k, tokens, logp)
 
 
