@@ -1,7 +1,8 @@
 """The rollout engine: wiring, the public API, and `step()` (gather state -> plan -> run -> finish).
 
 The constructor wires the parts: the request table (bookkeeping, `engine.bookkeeping`), the
-runner over the paged KV, the step executor (`engine.execution`), the coordinator that plans a
+runner over the paged KV, the step executor (`engine.execution`; `engine.drafting` with speculative
+decoding), the coordinator that plans a
 step on every rank alike, and the schedule that runs the planned forwards (`engine.schedules`:
 `off`/`chunked` or `mux`). Prefill (P) and decode (D) are explicit phases in every forward.
 What a step does lives in those parts; this file only says in which order they are called.

@@ -6,9 +6,8 @@ which also drafts the next token. So an iteration emits one or two tokens whose 
 the target's, and the logprobs are the target's. KV of a rejected draft is not rolled back: the
 next forward starts at the first unconfirmed position and overwrites it.
 
-This is the algorithm the engine's decode iteration would run per row; the engine's schedules do
-not use it yet (left out: batching rows, the scheduler's KV reservation for the draft position,
-stop tokens, and CUDA graphs).
+This is the algorithm the engine's decode iteration runs per row (`engine.drafting`, batched,
+inside every schedule), kept as the plain one-sequence reference the engine is tested against.
 """
 from __future__ import annotations
 

@@ -5,7 +5,9 @@ without a leader (docs/design.md §7). The rules:
 1. Decode first: every decode row that fits gets its next position, oldest first; when KV runs
    short the youngest requests younger than the row are preempted (their blocks freed, recomputed
    later), never dropped: decode rows, and under `chunked` half-finished prefills. A request
-   mid-prefill in a `mux` epoch is never preempted: its blocks are reserved.
+   mid-prefill in a `mux` epoch is never preempted: its blocks are reserved. A decode row's
+   drafted tokens (`SeqView.lookahead`, speculative decoding) are planned with it, and dropped,
+   never preempting anyone, where its blocks do not fit them.
 2. Then prefill, into what is left: `chunked` packs prefill chunks into the decode step's token
    budget, and a prefill cut short by KV ends the step's admissions (a second half-finished
    prefill beside it would only take the blocks it waits for); `off` and `mux` admit whole prompts

@@ -9,8 +9,9 @@ the next target forward verifies it (`engine.speculative`).
 
 Names: `mtp.layers.K.{enorm,hnorm,eh_proj,transformer_layer.*,final_layernorm}.weight`, as
 Megatron's MultiTokenPredictionBlock (the embedding and output layer are the model's own).
-DeepSeek checkpoints' MTP layers load with the rest (`model.deepseek_checkpoint`). Left out:
-drafting with more than the first MTP layer, and MTP inside the engine's schedules.
+DeepSeek checkpoints' MTP layers load with the rest (`model.deepseek_checkpoint`). The engine
+drafts with the first layer inside its decode iterations (`engine.drafting`). Left out: drafting
+with more than the first MTP layer.
 """
 from __future__ import annotations
 
