@@ -22,7 +22,7 @@ drafts stay with the row, which needs them next). Prefill forwards run the MTP l
 same forward (so inside `mux`'s P segments, whose boundaries count its layer) over every position
 whose next token is known. The last prompt position waits for the sampled token: under `off` and
 `chunked` it runs in step 3 of the same step, after a `mux` epoch at the row's first decode
-iteration (its hidden state is carried until then). A missing or stale MTP KV entry only lowers
+iteration (its hidden state is kept until then, `Deferred`). A missing or stale MTP KV entry only lowers
 the acceptance rate, never changes a token: every token is the target's.
 
 The planner sees each decoding row's drafts as lookahead (`SeqView.lookahead`): their KV positions
@@ -67,7 +67,7 @@ class Draft:
 
 
 @dataclass(frozen=True)
-class Carry:
+class Deferred:
     """The decoder's hidden state [H] at a row's last prompt position, kept from a `mux` epoch until
     the row's first decode iteration runs the MTP layer there (its next token was not known before)."""
 
@@ -115,7 +115,7 @@ class SpeculativeExecutor(StepExecutor):
         self.model, self.k = model, k
         self.mtp_norm = model.mtp.layers[0].final_layernorm
         self.drafts: dict[int, Draft] = {}
-        self.carries: dict[int, Carry] = {}
+        self.deferred: dict[int, Deferred] = {}
 
     # -- planning and inputs ----------------------------------------------------------------------
     def planning_view(self, state: SchedulerState) -> SchedulerState:
@@ -130,7 +130,7 @@ class SpeculativeExecutor(StepExecutor):
 
     def inputs(self, decode: Iterable[int], prefill: Iterable[PrefillChunk], lookahead: tuple[int, ...] = ()
                ) -> StepInputs:
-        """Decode rows carry the drafts the plan gave them room for; prefill rows name the token
+        """Decode rows hold the drafts the plan gave them room for; prefill rows name the token
         after each position that the MTP layer can run over inside the forward."""
         rows, owners, verify_rows = [], [], []
         decode = tuple(decode)
@@ -205,14 +205,14 @@ class SpeculativeExecutor(StepExecutor):
 
     def complete(self, owners: list[SampleOwner], logits, draw: PendingDraw | None = None,
                  version: int | None = None) -> list[RequestOutput]:
-        """A `mux` epoch's end: sample its rows; each row that goes on to decode carries its last
-        prompt position's hidden state to its first decode iteration."""
+        """A `mux` epoch's end: sample its rows; each row that goes on to decode keeps its last
+        prompt position's hidden state for its first decode iteration."""
         if not isinstance(logits, SpecOutput):
             return super().complete(owners, logits, draw, version)
         outs = super().complete(owners, logits.logits, version=version)
         for i, owner in enumerate(owners):
             if self.table.is_live(owner):
-                self.carries[owner.request.rid] = Carry(owner.lifetime, owner.context - 1, logits.hidden[i])
+                self.deferred[owner.request.rid] = Deferred(owner.lifetime, owner.context - 1, logits.hidden[i])
         return outs
 
     def _verdicts(self, step: StepInputs, out: SpecOutput) -> list[_Row]:
@@ -254,9 +254,9 @@ class SpeculativeExecutor(StepExecutor):
         for row in rows:
             req, n = row.owner.request, len(row.verdict.tokens)
             past, h, nxt = row.first, [row.hidden[:n]], list(row.verdict.tokens)
-            carry = self.carries.pop(req.rid, None)
-            if carry is not None and carry.lifetime == req.lifetime and carry.position == past - 1:
-                past, h, nxt = past - 1, [carry.hidden[None]] + h, [req.seq.tokens[past]] + nxt
+            late = self.deferred.pop(req.rid, None)
+            if late is not None and late.lifetime == req.lifetime and late.position == past - 1:
+                past, h, nxt = past - 1, [late.hidden[None]] + h, [req.seq.tokens[past]] + nxt
             spans.append(SeqSpan(row.table, past, len(nxt)))
             hidden.extend(h)
             tokens.extend(nxt)
@@ -328,7 +328,7 @@ class SpeculativeExecutor(StepExecutor):
                 if out is not None:
                     outs.append(out)
                     break
-        for entries in (self.drafts, self.carries):  # forget finished, preempted and cancelled requests
+        for entries in (self.drafts, self.deferred):  # forget finished, preempted and cancelled requests
             for rid in [rid for rid, e in entries.items()
                         if (req := self.table.requests.get(rid)) is None or req.lifetime != e.lifetime]:
                 del entries[rid]

@@ -35,7 +35,7 @@ class VerifyRow(NamedTuple):
 
     logits: int
     """The row's last `logits` positions return logits and hidden states: 1 for a sampled row, k + 1
-    for a decode row carrying k drafts, 0 for a partial prefill chunk."""
+    for a decode row with k drafts, 0 for a partial prefill chunk."""
     follow: tuple[int, ...] = ()
     """The token after each of the row's first positions, where known before the forward (a prefill
     chunk's): the MTP layer runs over those positions inside the forward."""

@@ -158,3 +158,29 @@ def test_refusals_name_the_reason():
         SpeculativeConfig(method="eagle")
     assert EngineConfig.from_dict({"speculative": {"k": 2}}).speculative == SpeculativeConfig(k=2)
     assert EngineConfig.from_dict({"speculative": None}).speculative is None
+
+
+def _mtp_kv(m: MoETransformer, schedule: str) -> torch.Tensor:
+    """The MTP layer's cached K/V rows of one request's computed positions, three tokens in."""
+    engine = RolloutEngine(m, spec(schedule, 1))
+    rid = engine.add_request(PROMPTS[2], SamplingParams(temperature=0.0, max_new_tokens=8, ignore_stop=True))
+    req = engine.requests[rid]
+    while len(req.output) < 3:
+        engine.step()
+    bs = engine.config.scheduler.block_size
+    slots = [b * bs + i for b in engine.pool.table(req.seq.sid) for i in range(bs)][:req.seq.computed]
+    return engine.runner.cache.k[m.cfg.num_layers][slots].flatten(1)  # [computed, width]
+
+
+@pytest.mark.timeout(120)
+def test_the_mtp_layer_has_kv_at_every_computed_position(tiny):
+    """Prompt positions inside the prefill forward, the last one after its token is sampled (same
+    step under off and chunked, the first decode iteration after a mux epoch), then every accepted
+    position: the same rows under every schedule, none left unwritten (the cache starts at zero)."""
+    m, _ = tiny
+    ref = _mtp_kv(m, "off")
+    assert ref.shape[0] >= len(PROMPTS[2]) + 1 and bool((ref.abs().amax(-1) > 0).all())
+    for schedule in ("chunked", "mux"):
+        got = _mtp_kv(m, schedule)
+        n = min(len(got), len(ref))
+        assert torch.allclose(got[:n], ref[:n], atol=1e-5), schedule
