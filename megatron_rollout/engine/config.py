@@ -119,7 +119,8 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"SpeculativeConfig.method must be one of {list(SPECULATIVE_METHODS)}, got {self.method!r}")
+            raise ValueError(f"SpeculativeConfig.method must be one of {list(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}")
         if type(self.k) is not int or not 1 <= self.k <= 8:
             raise ValueError(f"SpeculativeConfig.k must be an int in [1, 8], got {self.k!r}")
 

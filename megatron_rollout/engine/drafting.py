@@ -1,36 +1,26 @@
 """Speculative decoding inside every schedule: MTP drafts, verified in the same decode iteration.
 
-`SpeculativeExecutor` is the step executor (`engine.execution`) of an engine with
-`EngineConfig.speculative`. The schedules call the same `inputs`, `forward`, `run` and `complete`,
-so `off`, `chunked` and `mux` (its turnstile and boundaries) are unchanged. One decode iteration,
-for a row whose pending token t_n sits at position n with drafts d_1..d_k:
-
-1. one target forward over [t_n, d_1..d_k] (positions n..n+k) gives the logits and the decoder's
-   hidden states at all k + 1 positions;
+`SpeculativeExecutor` is the step executor of an engine with `EngineConfig.speculative`; the
+schedules call the same `inputs`, `forward`, `run` and `complete`, so `off`, `chunked` and `mux`
+(its turnstile, its boundaries) are unchanged. One decode iteration, for a row whose pending token
+t_n sits at position n with drafts d_1..d_k:
+1. one target forward over [t_n, d_1..d_k] gives the logits and hidden states at n..n+k;
 2. `speculative.verify` keeps a drafts and adds one token of the target's: 1 to k + 1 tokens whose
-   law is exactly the target's (at temperature 0, the tokens of plain greedy decoding), with the
-   target's logprobs;
-3. the first MTP layer runs over the confirmed positions n..n+a (hidden state h_i, next token
-   t_{i+1}), writing its KV there, and drafts d'_1 for the next iteration from its last position;
-   d'_2.. come from the same layer applied in a chain to its own output (the KV it writes at those
-   positions is rewritten by the next iteration's step 3).
+   law is the target's (at temperature 0, plain greedy decoding's tokens), with its logprobs;
+3. the first MTP layer runs over the confirmed positions n..n+a (hidden h_i, next token t_{i+1}),
+   writing its KV, and drafts d'_1 from its last position; d'_2.. come from the same layer chained
+   on its own output (the KV it writes there is rewritten by the next iteration's step 3).
+Under `mux` the three are one D slot of a turnstile round. Rejected drafts are rolled back in the
+bookkeeping: `computed` stops after the accepted positions and the next forward overwrites the K/V
+past it. Prefill forwards run the MTP layer inside the forward (inside `mux`'s P segments, whose
+boundaries count its layer) over every position whose next token is known; the last prompt
+position waits for the sampled token: step 3 of the same step under `off` and `chunked`, the row's
+first decode iteration after a `mux` epoch (`Deferred`). A missing or stale MTP KV entry lowers
+the acceptance rate only: every token is the target's. The planner sees drafts as lookahead
+(`SeqView.lookahead`); acceptance is counted in `EngineStats`.
 
-All three run inside `run`, one decode iteration: under `mux` one D slot of a turnstile round.
-Rejected drafts are rolled back in the bookkeeping: the request's `computed` stops after the
-accepted positions and the next forward overwrites the K/V written past it (blocks grown for
-drafts stay with the row, which needs them next). Prefill forwards run the MTP layer inside the
-same forward (so inside `mux`'s P segments, whose boundaries count its layer) over every position
-whose next token is known. The last prompt position waits for the sampled token: under `off` and
-`chunked` it runs in step 3 of the same step, after a `mux` epoch at the row's first decode
-iteration (its hidden state is kept until then, `Deferred`). A missing or stale MTP KV entry only lowers
-the acceptance rate, never changes a token: every token is the target's.
-
-The planner sees each decoding row's drafts as lookahead (`SeqView.lookahead`): their KV positions
-are planned with the row, and dropped rather than preempting anything. Acceptance is counted in
-`EngineStats.drafted_tokens` / `accepted_tokens`.
-
-Left out: the CUDA runner (its decode graphs hold one token per row and return no hidden states),
-decode ahead, the naive ordering baseline, and MTP layers beyond the first.
+Left out: the CUDA runner (one token per row in its decode graphs, no hidden states out), decode
+ahead, the naive ordering baseline, MTP layers beyond the first.
 """
 from __future__ import annotations
 
@@ -39,7 +29,6 @@ import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
@@ -48,12 +37,13 @@ from megatron_rollout.engine.bookkeeping import RequestTable, SampleOwner
 from megatron_rollout.engine.execution import StepExecutor, StepInputs
 from megatron_rollout.engine.sampler import PendingDraw, filtered_logprobs, sample_row
 from megatron_rollout.engine.scheduler import PrefillChunk, SchedulerState, Stage, StepPlan
-from megatron_rollout.engine.speculative import Verdict, VerifyRow, draw_index, verify
+from megatron_rollout.engine.speculative import Verdict, draw_index, verify
 from megatron_rollout.engine.stats import EngineStats
 from megatron_rollout.engine.weights import WeightStore
 from megatron_rollout.forward import Forward, run_to_end
 from megatron_rollout.runner.base import ModelRunner, Runner
-from megatron_rollout.types import Phase, SeqSpan, SpanInput
+from megatron_rollout.runner.speculative import SpecOutput, VerifyRow, verify_forward
+from megatron_rollout.types import Phase, SeqSpan
 
 
 @dataclass(frozen=True)
@@ -74,15 +64,6 @@ class Deferred:
     lifetime: int
     position: int
     hidden: torch.Tensor
-
-
-class SpecOutput(NamedTuple):
-    """A speculative forward's result: for every input row, its last `VerifyRow.logits` positions."""
-
-    logits: torch.Tensor
-    """[rows, V]."""
-    hidden: torch.Tensor
-    """[rows, H]: the decoder's hidden states at the same positions (before the final norm)."""
 
 
 @dataclass
@@ -110,7 +91,7 @@ class SpeculativeExecutor(StepExecutor):
         if not isinstance(runner, ModelRunner):
             raise ValueError(f"speculative decoding (EngineConfig.speculative) runs on the portable runner only: "
                              f"{type(runner).__name__}'s decode graphs hold one token per row and return no hidden "
-                             f"states for the MTP layer; pass RunnerConfig(kind='eager')")
+                             f"states for the MTP layer; pass RunnerConfig(kind='eager') or 'auto'")
         super().__init__(table, runner, weights, stats, seed, timeline, rank)
         self.model, self.k = model, k
         self.mtp_norm = model.mtp.layers[0].final_layernorm
@@ -154,27 +135,10 @@ class SpeculativeExecutor(StepExecutor):
 
     # -- the forwards ---------------------------------------------------------------------------------
     def forward(self, step: StepInputs, phase: Phase) -> Forward:
-        """The target forward (and, in P, the MTP layer over the prefill positions it can run);
-        returns a `SpecOutput`. A `mux` epoch resumes it boundary by boundary."""
-        rows = step.rows
-        return self._forward(rows, step.verify or [VerifyRow(int(r.sample)) for r in rows], phase)
-
-    def _forward(self, rows: list[SpanInput], verify_rows: list[VerifyRow], phase: Phase) -> Forward:
-        h = yield from self.runner.forward_hidden(rows, phase)  # [tokens, H]
-        pick: list[int] = []
-        spans, at, follow, start = [], [], [], 0
-        for row, v in zip(rows, verify_rows, strict=True):
-            end = start + row.span.new
-            pick.extend(range(end - v.logits, end))
-            if v.follow:
-                spans.append(SeqSpan(row.span.table, row.span.past, len(v.follow)))
-                at.extend(range(start, start + len(v.follow)))
-                follow.extend(v.follow)
-            start = end
-        if phase is Phase.P:  # every rank's P forward runs it, maybe over nothing: its collectives pair up
-            yield from self.runner.forward_mtp(spans, h[self._index(at)], self._index(follow), phase)
-        hidden = h[self._index(pick)]
-        return SpecOutput(self.model.logits(hidden), hidden)
+        """The target forward (in P, with the MTP layer over the prefill positions it can run); returns
+        a `SpecOutput`. A `mux` epoch resumes it boundary by boundary."""
+        return verify_forward(self.runner, step.rows, step.verify or [VerifyRow(int(r.sample)) for r in step.rows],
+                              phase)
 
     def _index(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.model.device)
@@ -320,8 +284,8 @@ class SpeculativeExecutor(StepExecutor):
         for row in rows:
             owner, req = row.owner, row.owner.request
             if row.verdict is None:
-                outs.append(self.table.finish(req, FinishReason.ERROR, f"request {req.rid}: {row.error} at position "
-                                                                       f"{owner.context} under weight version {version}"))
+                why = f"request {req.rid}: {row.error} at position {owner.context} under weight version {version}"
+                outs.append(self.table.finish(req, FinishReason.ERROR, why))
                 continue
             for j, (token, logprob) in enumerate(zip(row.verdict.tokens, row.verdict.logprobs)):
                 out = self.table.accept(owner._replace(context=owner.context + j), token, logprob, version, now)

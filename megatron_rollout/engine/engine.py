@@ -26,6 +26,7 @@ every tag is awake again.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
@@ -97,7 +98,9 @@ class RolloutEngine:
             te_layers.apply_te(model, te_layers.TEConfig(recipe=TE_FP8_MODES[c.runner.fp8]))
         elif c.runner.fp8 != "off":  # before the runner: it stacks the FP8 experts for its graphs
             fp8.quantize_model_fp8(model, block=FP8_MODES[c.runner.fp8])
-        self.runner = make_runner(model, PagedKVCache(*self._kv_shape, device=model.device), c.runner)
+        runner = c.runner if c.speculative is None or c.runner.kind != "auto" else \
+            dataclasses.replace(c.runner, kind="eager")  # drafting runs on the portable runner (engine.drafting)
+        self.runner = make_runner(model, PagedKVCache(*self._kv_shape, device=model.device), runner)
         if c.speculative is None:
             self.executor = StepExecutor(self.table, self.runner, self.weights, self.stats, c.seed, timeline, rank)
         else:

@@ -22,23 +22,11 @@ rejected drafts (written by the verifying forward, then simply overwritten), are
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
 from megatron_rollout.engine.api import SamplingParams
 from megatron_rollout.engine.sampler import filtered_logprobs
-
-
-class VerifyRow(NamedTuple):
-    """What a speculative forward returns for one input row, and what the MTP layer runs inside it."""
-
-    logits: int
-    """The row's last `logits` positions return logits and hidden states: 1 for a sampled row, k + 1
-    for a decode row with k drafts, 0 for a partial prefill chunk."""
-    follow: tuple[int, ...] = ()
-    """The token after each of the row's first positions, where known before the forward (a prefill
-    chunk's): the MTP layer runs over those positions inside the forward."""
 
 
 @dataclass(frozen=True)

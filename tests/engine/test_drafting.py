@@ -20,11 +20,11 @@ from megatron_rollout.engine import (
     SamplingParams,
     SchedulerConfig,
     SpeculativeConfig,
+    drafting,
 )
-from megatron_rollout.engine import drafting
 from megatron_rollout.engine.speculative import Verdict
 from megatron_rollout.model.transformer import MoETransformer
-from tests.engine.test_mtp_decode import CFG, PROMPTS
+from tests.model.test_mtp import CFG, PROMPTS
 
 from .common import SCHEDULES, small
 

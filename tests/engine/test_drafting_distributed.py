@@ -7,7 +7,7 @@ import pytest
 
 from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams, SchedulerConfig, SpeculativeConfig
 from megatron_rollout.model.transformer import MoETransformer
-from tests.engine.test_mtp_decode import CFG
+from tests.model.test_mtp import CFG
 from tests.world import run_world
 
 PROMPTS = [[1, 2, 3, 4, 5], [7], [3, 3, 9, 0, 11, 2, 6]]
