@@ -184,3 +184,17 @@ def test_the_mtp_layer_has_kv_at_every_computed_position(tiny):
         got = _mtp_kv(m, schedule)
         n = min(len(got), len(ref))
         assert torch.allclose(got[:n], ref[:n], atol=1e-5), schedule
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_on_the_gpu_drafting_runs_on_the_portable_runner_and_keeps_greedy_tokens(make_engine):
+    m = MoETransformer(CFG, device=torch.device("cuda")).init_weights(seed=0, std=0.3)
+    eager = RunnerConfig(kind="eager")
+    want = make_engine(m, small("chunked", runner=eager)).generate(PROMPTS, GREEDY)
+    for schedule in SCHEDULES:
+        engine = make_engine(m, spec(schedule, 2))  # runner kind auto: the portable runner
+        assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == [r.token_ids for r in want], schedule
+        assert engine.stats.drafted_tokens > 0
+    with pytest.raises(ValueError, match="decode graphs hold one token per row"):
+        RolloutEngine(m, spec("chunked", 1, runner=RunnerConfig(kind="cuda")))
