@@ -198,3 +198,14 @@ def test_on_the_gpu_drafting_runs_on_the_portable_runner_and_keeps_greedy_tokens
         assert engine.stats.drafted_tokens > 0
     with pytest.raises(ValueError, match="decode graphs hold one token per row"):
         RolloutEngine(m, spec("chunked", 1, runner=RunnerConfig(kind="cuda")))
+
+
+def test_the_command_line_spells_it_mtp_k():
+    import argparse
+
+    from megatron_rollout.options import add_engine_args, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config(parser.parse_args(["--mtp", "2"])).speculative == SpeculativeConfig(k=2)
+    assert engine_config(parser.parse_args([])).speculative is None
