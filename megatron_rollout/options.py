@@ -18,6 +18,7 @@ from megatron_rollout.engine.config import (
     EngineConfig,
     KVConfig,
     MuxConfig,
+    SpeculativeConfig,
     parse_span,
 )
 from megatron_rollout.engine.scheduler import SchedulerConfig
@@ -95,6 +96,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8", default="off", choices=("off", "tensor", "block", "te-delayed", "te-current", "te-block"),
                    help="FP8 weights for the linears and experts: off | tensor (per-tensor scales) | block (128x128) "
                         "| te-<recipe> (Transformer Engine's FP8 layers, where TE is installed)")
+    p.add_argument("--mtp", type=int, default=0, metavar="K",
+                   help="speculative decoding: the model's MTP layer drafts K tokens per decode iteration (0: off)")
     p.add_argument("--device", default=None, help="cpu | cuda; None takes cuda when available")
     p.add_argument("--timeline", default=None, help="write a Chrome/Perfetto trace of P and D work here")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -116,4 +119,5 @@ def engine_config(args: argparse.Namespace, schedule: str | None = None) -> Engi
         runner=RunnerConfig(kind=args.runner or runner_kind_from_env(), attention=args.attention,
                             decode_ahead=args.decode_ahead, fp8=args.fp8),
         comm=CommConfig(backend=args.comm_backend, timeout_s=args.timeout, p_exchange=args.p_exchange,
-                        d_exchange=args.d_exchange))
+                        d_exchange=args.d_exchange),
+        speculative=SpeculativeConfig(k=args.mtp) if args.mtp else None)

@@ -310,10 +310,11 @@ class RequestTable:
                        prefix_key=(seq.block_hashes(self.pool.block_size) or [None])[0] if twin else None)
 
     # -- rows of a forward and their samples -----------------------------------------------------
-    def decode_row(self, rid: int) -> tuple[SpanInput, SampleOwner]:
-        """Grow the request's KV by its pending token; its input row and sample owner."""
+    def decode_row(self, rid: int, drafts: tuple[int, ...] = ()) -> tuple[SpanInput, SampleOwner]:
+        """Grow the request's KV by its pending token and the `drafts` after it (verified by the same
+        forward, `engine.drafting`); its input row and the sample owner of its pending token."""
         req = self.requests[rid]
-        return self._decode_row(req, req.seq.computed, req.seq.tokens[req.seq.computed:])
+        return self._decode_row(req, req.seq.computed, req.seq.tokens[req.seq.computed:] + list(drafts))
 
     def ahead_row(self, req: Request) -> tuple[SpanInput, SampleOwner]:
         """The decode row `req` runs next, one position past the token being drawn now (its KV
@@ -321,8 +322,8 @@ class RequestTable:
         return self._decode_row(req, len(req.seq.tokens), [0])
 
     def _decode_row(self, req: Request, past: int, token: list[int]) -> tuple[SpanInput, SampleOwner]:
-        self.pool.grow(req.seq.sid, past + 1)
-        span = SeqSpan(tuple(self.pool.table(req.seq.sid)), past, 1)
+        self.pool.grow(req.seq.sid, past + len(token))
+        span = SeqSpan(tuple(self.pool.table(req.seq.sid)), past, len(token))
         row = SpanInput(span, token, sample=True, key=(req.rid, req.lifetime))
         return row, SampleOwner(req, req.lifetime, past + 1)
 

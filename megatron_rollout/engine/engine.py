@@ -1,7 +1,8 @@
 """The rollout engine: wiring, the public API, and `step()` (gather state -> plan -> run -> finish).
 
 The constructor wires the parts: the request table (bookkeeping, `engine.bookkeeping`), the
-runner over the paged KV, the step executor (`engine.execution`), the coordinator that plans a
+runner over the paged KV, the step executor (`engine.execution`; `engine.drafting` with speculative
+decoding), the coordinator that plans a
 step on every rank alike, and the schedule that runs the planned forwards (`engine.schedules`:
 `off`/`chunked` or `mux`). Prefill (P) and decode (D) are explicit phases in every forward.
 What a step does lives in those parts; this file only says in which order they are called.
@@ -25,6 +26,7 @@ every tag is awake again.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
@@ -39,6 +41,7 @@ from megatron_rollout.engine.api import FinishReason, GenerationResult, RequestE
 from megatron_rollout.engine.bookkeeping import Abort, AddRequest, Append, Close, Op, OpenSession, RequestTable, Submit
 from megatron_rollout.engine.config import EngineConfig
 from megatron_rollout.engine.coordinator import GlobalView, LocalCoordinator, RankSharedCoordinator
+from megatron_rollout.engine.drafting import SpeculativeExecutor
 from megatron_rollout.engine.execution import StepExecutor
 from megatron_rollout.engine.memory import EngineAsleep, EngineMemory, Tag
 from megatron_rollout.engine.prefix import PrefixCache
@@ -95,8 +98,14 @@ class RolloutEngine:
             te_layers.apply_te(model, te_layers.TEConfig(recipe=TE_FP8_MODES[c.runner.fp8]))
         elif c.runner.fp8 != "off":  # before the runner: it stacks the FP8 experts for its graphs
             fp8.quantize_model_fp8(model, block=FP8_MODES[c.runner.fp8])
-        self.runner = make_runner(model, PagedKVCache(*self._kv_shape, device=model.device), c.runner)
-        self.executor = StepExecutor(self.table, self.runner, self.weights, self.stats, c.seed, timeline, rank)
+        runner = c.runner if c.speculative is None or c.runner.kind != "auto" else \
+            dataclasses.replace(c.runner, kind="eager")  # drafting runs on the portable runner (engine.drafting)
+        self.runner = make_runner(model, PagedKVCache(*self._kv_shape, device=model.device), runner)
+        if c.speculative is None:
+            self.executor = StepExecutor(self.table, self.runner, self.weights, self.stats, c.seed, timeline, rank)
+        else:
+            self.executor = SpeculativeExecutor(self.table, self.runner, self.weights, self.stats, c.seed,
+                                                c.speculative.k, timeline, rank)
         self.schedule: ScheduleDriver = make_schedule(c, self.table, self.executor, model, rendezvous, router)
         if self._decode_ahead(c.runner.decode_ahead):
             self.executor.ahead = DecodeAhead(self.table, self.runner, self.stats)
@@ -131,6 +140,11 @@ class RolloutEngine:
         return engine
 
     def _decode_ahead(self, mode: str) -> bool:
+        if self.config.speculative is not None:
+            if mode == "on":
+                raise ValueError("decode_ahead='on' and EngineConfig.speculative exclude each other: a forward issued "
+                                 "ahead runs one token per row, before the drafts it would verify exist")
+            return False
         one_rank = not self.distributed and isinstance(self.model.comm, LocalComm)
         if mode == "on" and not one_rank:
             raise ValueError("decode_ahead='on' needs a single-rank engine: on many ranks every rank plans "
@@ -346,8 +360,9 @@ class RolloutEngine:
             raise
 
     def _planning_state(self) -> SchedulerState:
-        return self.table.planning_state(self.weights.version, epoch_in_flight=self.schedule.busy,
-                                         max_batch_tokens=self.config.scheduler.max_batch_tokens)
+        state = self.table.planning_state(self.weights.version, epoch_in_flight=self.schedule.busy,
+                                          max_batch_tokens=self.config.scheduler.max_batch_tokens)
+        return self.executor.planning_view(state)
 
     # -- mirroring (distributed) -----------------------------------------------------------
     def _apply_ops(self, ops: list[Op]) -> None:
