@@ -13,6 +13,7 @@ under a negative owner id until `end_in_flight`, so no block is handed out while
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import numbers
 import time
@@ -24,6 +25,7 @@ import torch
 
 from megatron_rollout.engine.api import FinishReason, RequestError, RequestOutput, SamplingParams
 from megatron_rollout.engine.prefix import PrefixCache
+from megatron_rollout.engine.priority import Fifo, Priority, RequestInfo
 from megatron_rollout.engine.request import Request, Seq
 from megatron_rollout.engine.scheduler import PrefillChunk, SchedulerState, SeqView, Stage
 from megatron_rollout.engine.stats import EngineStats
@@ -80,8 +82,11 @@ Op = OpenSession | AddRequest | Abort | Append | Submit | Close
 
 class RequestTable:
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool, max_model_len: int,
-                 vocab_size: int, stats: EngineStats, recording: bool = False) -> None:
+                 vocab_size: int, stats: EngineStats, recording: bool = False, priority: Priority | None = None) -> None:
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
+        self.priority = priority or Fifo()
+        """Keys the planner's service order (`engine.priority`)."""
+        self._fifo = isinstance(self.priority, Fifo)
         self.max_model_len, self.vocab_size, self.stats = max_model_len, vocab_size, stats
         self.recording = recording
         """Record submissions as ops (a distributed replica's leader)."""
@@ -165,7 +170,9 @@ class RequestTable:
                                f"raise EngineConfig.kv.num_blocks or shorten it")
         rid = next(self._ids)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        req = Request(rid, seq, params, next(self._order), len(seq.tokens) - seq.computed, generator=gen)
+        order = next(self._order)
+        key = self.priority.key(RequestInfo(order, seq.turns, len(seq.tokens), seq.generated))
+        req = Request(rid, seq, params, order, len(seq.tokens) - seq.computed, (key, order), generator=gen)
         seq.request = req
         self.requests[rid] = req
         return rid
@@ -206,6 +213,8 @@ class RequestTable:
         req.lifetime += 1
         seq.request = None
         seq.last_used = time.perf_counter()
+        seq.turns += 1
+        seq.generated += len(req.output)
         self._park(req)  # first: blocks a forward in flight still writes must not be freed
         if reason in (FinishReason.ABORT, FinishReason.ERROR) and req.stage is not Stage.DECODE:
             self.evict(seq)  # a half-computed prefill must not look cached
@@ -281,13 +290,17 @@ class RequestTable:
         blocks). The planner admits waiting requests in age order until that budget is spent and
         never looks further, so younger ones are left out: viewing the whole queue every step made a
         long queue cost quadratic time. A waiting request that shares its first block with one
-        already in view counts nothing: the planner skips it (its twin's blocks are reused later)."""
-        active = sorted(self._active.values(), key=lambda r: r.order)
+        already in view counts nothing: the planner skips it (its twin's blocks are reused later).
+        Under a priority other than FIFO "oldest first" is "highest priority first", and each
+        view's `order` is its request's rank among the viewed ones."""
+        active = sorted(self._active.values(), key=lambda r: r.rank_key)
         views = [self._view(req) for req in active]
         keys = {v.prefix_key for v in views if v.stage is Stage.PREFILL and v.prefix_key is not None}
         headroom = self.pool.num_free - sum(r.stage is Stage.DECODE for r in active)
         left = max_batch_tokens
-        for req in self.requests.values():  # insertion order is age order
+        queue = self.requests.values() if self._fifo else sorted(  # insertion order is age order
+            (r for r in self.requests.values() if r.stage is Stage.WAITING), key=lambda r: r.rank_key)
+        for req in queue:
             if left <= 0:
                 break
             if req.stage is not Stage.WAITING:
@@ -300,6 +313,10 @@ class RequestTable:
             if view.prefix_key is not None:
                 keys.add(view.prefix_key)
         views.sort(key=lambda v: v.order)
+        if not self._fifo:
+            rank = {r.rid: i for i, r in enumerate(sorted((self.requests[v.rid] for v in views),
+                                                          key=lambda r: r.rank_key))}
+            views = sorted((dataclasses.replace(v, order=rank[v.rid]) for v in views), key=lambda v: v.order)
         return SchedulerState(tuple(views), self.pool.num_free, epoch_in_flight=epoch_in_flight)
 
     def _view(self, req: Request) -> SeqView:
