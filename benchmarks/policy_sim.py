@@ -11,9 +11,12 @@ real replays is in docs/benchmarks.md. For each trace (`--conversations` x `--se
 ordering of `sim.policy.POLICIES` is simulated, and each `--stretch` value of
 `SchedulerConfig.stretch_tokens` under `chunked`; the result is one JSON object (`--out`).
 
-`--check` is the bench check: it exits 1 when the engine's default priority (`SchedulerConfig`'s)
-no longer gives a shorter median makespan than FIFO on these traces, where it was chosen for
-doing so, or when any policy beats the lower bound (a broken simulator or bound). Left out: real
+`--check` is the bench check of the engine's default priority (`SchedulerConfig.priority`): it
+exits 1 when that choice stops being the evidence's. A default other than FIFO must shorten the
+median simulated makespan against FIFO on every row (size, schedule, budget); FIFO, the default
+while no priority gains (2026-12-02: none, the oracle included, gained more than 0.7%), must not
+be beaten by any priority by more than `MARGIN`. Any makespan under the lower bound fails it too
+(a broken simulator or bound). Left out: real
 replays (`benchmarks.rollout --schedules 'mux+most-turns'` runs a priority on the GPU).
 """
 from __future__ import annotations
@@ -39,6 +42,10 @@ from megatron_rollout.sim.simulator import SimConfig, simulate
 from megatron_rollout.trace.make import make_trace
 
 log = logging.getLogger("benchmarks.policy_sim")
+
+MARGIN = 0.01
+"""How much shorter than FIFO's a priority's median makespan may be before FIFO stops being the
+right default (the simulator's own noise between orderings is about 0.5%)."""
 
 MICRO = ("benchmarks/results/2026-12-02-rollout-vllm-two-settings/micro-flash.json",
          "benchmarks/results/2026-12-02-prefill-fa3-kernels-pdl/micro-fa3/micro-flash.json")
@@ -136,11 +143,16 @@ def check(result: dict[str, Any]) -> list[str]:
             if r["makespan_s"] < t["lower_bound_s"] * (1 - 1e-9):
                 wrong.append(f"{r['policy']} under {r['schedule']}@{r['budget']} on {t['conversations']} conversations "
                              f"seed {t['seed']}: {r['makespan_s']:.3f} s beats the lower bound {t['lower_bound_s']:.3f} s")
-    if chosen != "fifo":
-        for label, row in result["summary"].items():
-            if label.endswith(f"/{chosen}") and not row["over_fifo"] < 1.0:
-                wrong.append(f"{label}: the default priority {chosen!r} no longer shortens the simulated makespan "
-                             f"(median {row['over_fifo']:.4f} of FIFO's)")
+    for label, row in result["summary"].items():
+        policy = label.split("/")[2]
+        if "stretch" in label or policy == "oracle":
+            continue
+        if chosen != "fifo" and policy == chosen and not row["over_fifo"] < 1.0:
+            wrong.append(f"{label}: the default priority {chosen!r} no longer shortens the simulated makespan "
+                         f"(median {row['over_fifo']:.4f} of FIFO's)")
+        if chosen == "fifo" and row["over_fifo"] < 1.0 - MARGIN:
+            wrong.append(f"{label}: {policy!r} is {100 * (1 - row['over_fifo']):.1f}% faster than the default FIFO "
+                         f"(median over seeds): make it SchedulerConfig's default, or say why not")
     return wrong
 
 
