@@ -13,15 +13,17 @@ A figure counts only warm, repeated, each schedule at its best token budget, nex
    instead). Same-budget ratios come from this pass;
 3. the timed repeats: `--repeats` rounds, interleaved (off, chunked, mux, mux-epoch, mux-load,
    off, ...), each replay in a fresh engine over the same model and token ids, at the schedule's
-   best budget. `mux` runs its default segment policy (`--mux-span`, `WaitBudget`); the paper's
+   best budget (a `schedule+priority` spec at its schedule's). `mux` runs its default segment
+   policy (`--mux-span`, `WaitBudget`); the paper's
    ablation runs beside it at mux's budget: `mux-epoch`, one segment per epoch (whole-epoch
    asynchronous enqueue, `mux_span="fixed:1000000000"`), and `mux-load`, LoadSelected's fine
    segments. Decode graphs and piecewise P graphs are captured when the engine is built, before
    the clock starts; every timed replay runs inside a
    `benchmarks.compiles.CompileCounter`, and its Triton and torch compilations are in the JSON and
    the table (a figure with compilations is marked cold and left out of the medians);
-4. per schedule: `repeats` (the reports) and `median` / `min` / `max` of every figure; ratios
-   from medians (best budget against best budget), and the issue's targets for the profile;
+4. per schedule: `repeats` (the reports) and `median` / `min` / `max` of every figure, and of
+   where its time went (`breakdown`: `BREAKDOWN_FIGURES`, from each report's `trace.breakdown`);
+   ratios from medians (best budget against best budget), and the issue's targets for the profile;
 5. the vLLM peer (`benchmarks.vllm_peer`) in its own process after this one has freed the GPU, on
    the same trace file and token ids; its figures join the table and the ratios.
 
@@ -100,7 +102,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="weights and input token ids")
     ap.add_argument("--schedules", default="off,chunked,mux",
                     help="comma-separated; 'mux@fixed:K' runs mux with another segment policy, 'off/sync' a schedule "
-                         "without decode ahead; '' runs none")
+                         "without decode ahead, 'mux+most-turns' one under an engine priority; '' runs none")
     ap.add_argument("--ablation", action=argparse.BooleanOptionalAction, default=True,
                     help="add mux-epoch (one segment per epoch) when mux runs")
     ap.add_argument("--repeats", type=int, default=3)
