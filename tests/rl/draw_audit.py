@@ -137,10 +137,10 @@ def run_loop_draws(cfg: GRPOConfig, draw: DrawFn, steps: int, sharpen: float = 1
             for k, ep in enumerate(episodes):
                 for turn in range(cfg.max_turns):
                     slots[(ep.sample_seed * 1000 + turn) % 2**64] = Slot(step, ep.group_id, k % cfg.group_size, turn)
-            run.engine.reclaim_kv()
+            run.engine.wake_up(tags=["kv"])
             with recording(draw, draws):
                 rollout(run.engine, episodes, run.rollout_cfg)
-            run.engine.release_kv()
+            run.engine.sleep(tags=["kv"])
         return draws, slots
     finally:
         run.close()
