@@ -142,7 +142,8 @@ def check(result: dict[str, Any]) -> list[str]:
         for r in t["runs"]:
             if r["makespan_s"] < t["lower_bound_s"] * (1 - 1e-9):
                 wrong.append(f"{r['policy']} under {r['schedule']}@{r['budget']} on {t['conversations']} conversations "
-                             f"seed {t['seed']}: {r['makespan_s']:.3f} s beats the lower bound {t['lower_bound_s']:.3f} s")
+                             f"seed {t['seed']}: {r['makespan_s']:.3f} s beats the lower bound "
+                             f"{t['lower_bound_s']:.3f} s")
     for label, row in result["summary"].items():
         policy = label.split("/")[2]
         if "stretch" in label or policy == "oracle":
@@ -168,7 +169,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--stretch", default="65536,262144", help="chunked stretch_tokens values tried under FIFO")
     ap.add_argument("--max-decode-rows", type=int, default=256)
     ap.add_argument("--num-blocks", type=int, default=109_226,
-                    help="KV blocks (40 GiB of the 12-layer preset's KV, 16 positions a block, as benchmarks.rollout --kv-gb 40)")
+                    help="KV blocks (40 GiB of the 12-layer preset's KV at 16 positions a block, as "
+                         "benchmarks.rollout --kv-gb 40)")
     ap.add_argument("--out", default="policy-sim.json")
     ap.add_argument("--check", action="store_true", help="exit 1 when the check fails (module docstring)")
     return ap

@@ -82,7 +82,8 @@ Op = OpenSession | AddRequest | Abort | Append | Submit | Close
 
 class RequestTable:
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool, max_model_len: int,
-                 vocab_size: int, stats: EngineStats, recording: bool = False, priority: Priority | None = None) -> None:
+                 vocab_size: int, stats: EngineStats, recording: bool = False,
+                 priority: Priority | None = None) -> None:
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
         self.priority = priority or Fifo()
         """Keys the planner's service order (`engine.priority`)."""

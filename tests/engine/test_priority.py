@@ -116,7 +116,8 @@ def test_every_request_finishes_or_fails_with_a_reason_under_kv_pressure(model, 
 def test_stretch_tokens_shrinks_chunks_with_decode_rows():
     from megatron_rollout.engine.scheduler import SchedulerState, SeqView, plan_step
 
-    seqs = tuple(SeqView(i, Stage.DECODE, 9, 8, 3, 3, i) for i in range(4)) + (SeqView(9, Stage.WAITING, 200, 0, 0, 0, 9),)
+    seqs = tuple(SeqView(i, Stage.DECODE, 9, 8, 3, 3, i) for i in range(4))
+    seqs += (SeqView(9, Stage.WAITING, 200, 0, 0, 0, 9),)
     state = SchedulerState(seqs, free_blocks=100)
     plain = SchedulerConfig(schedule="chunked", block_size=4, max_batch_tokens=128)
     assert plan_step(state, plain).prefill[0].tokens == 124
