@@ -80,6 +80,14 @@ class Close:
 Op = OpenSession | AddRequest | Abort | Append | Submit | Close
 
 
+def _by_order(req: Request) -> int:
+    return req.order
+
+
+def _by_rank(req: Request) -> tuple[float, int]:
+    return req.rank_key
+
+
 class RequestTable:
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool, max_model_len: int,
                  vocab_size: int, stats: EngineStats, recording: bool = False,
@@ -294,13 +302,13 @@ class RequestTable:
         already in view counts nothing: the planner skips it (its twin's blocks are reused later).
         Under a priority other than FIFO "oldest first" is "highest priority first", and each
         view's `order` is its request's rank among the viewed ones."""
-        active = sorted(self._active.values(), key=lambda r: r.rank_key)
+        active = sorted(self._active.values(), key=_by_order if self._fifo else _by_rank)
         views = [self._view(req) for req in active]
         keys = {v.prefix_key for v in views if v.stage is Stage.PREFILL and v.prefix_key is not None}
         headroom = self.pool.num_free - sum(r.stage is Stage.DECODE for r in active)
         left = max_batch_tokens
         queue = self.requests.values() if self._fifo else sorted(  # insertion order is age order
-            (r for r in self.requests.values() if r.stage is Stage.WAITING), key=lambda r: r.rank_key)
+            (r for r in self.requests.values() if r.stage is Stage.WAITING), key=_by_rank)
         for req in queue:
             if left <= 0:
                 break
@@ -315,8 +323,7 @@ class RequestTable:
                 keys.add(view.prefix_key)
         views.sort(key=lambda v: v.order)
         if not self._fifo:
-            rank = {r.rid: i for i, r in enumerate(sorted((self.requests[v.rid] for v in views),
-                                                          key=lambda r: r.rank_key))}
+            rank = {r.rid: i for i, r in enumerate(sorted((self.requests[v.rid] for v in views), key=_by_rank))}
             views = sorted((dataclasses.replace(v, order=rank[v.rid]) for v in views), key=lambda v: v.order)
         return SchedulerState(tuple(views), self.pool.num_free, epoch_in_flight=epoch_in_flight)
 
