@@ -13,7 +13,6 @@ under a negative owner id until `end_in_flight`, so no block is handed out while
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import numbers
 import time
@@ -301,38 +300,46 @@ class RequestTable:
         long queue cost quadratic time. A waiting request that shares its first block with one
         already in view counts nothing: the planner skips it (its twin's blocks are reused later).
         Under a priority other than FIFO "oldest first" is "highest priority first", and each
-        view's `order` is its request's rank among the viewed ones."""
-        active = sorted(self._active.values(), key=_by_order if self._fifo else _by_rank)
-        views = [self._view(req) for req in active]
+        view's `order` is its request's rank among all requests."""
+        if self._fifo:
+            active = sorted(self._active.values(), key=_by_order)
+            queue: Iterable[Request] = self.requests.values()  # insertion order is age order
+            order = {}
+        else:  # every request's rank: the views' order, and the waiting ones' queue
+            ranked = sorted(self.requests.values(), key=_by_rank)
+            order = {r.rid: i for i, r in enumerate(ranked)}
+            active = [r for r in ranked if r.rid in self._active]
+            queue = [r for r in ranked if r.stage is Stage.WAITING]
+        views = [self._view(req, order.get(req.rid, req.order)) for req in active]
         keys = {v.prefix_key for v in views if v.stage is Stage.PREFILL and v.prefix_key is not None}
         headroom = self.pool.num_free - sum(r.stage is Stage.DECODE for r in active)
         left = max_batch_tokens
-        queue = self.requests.values() if self._fifo else sorted(  # insertion order is age order
-            (r for r in self.requests.values() if r.stage is Stage.WAITING), key=_by_rank)
         for req in queue:
             if left <= 0:
                 break
             if req.stage is not Stage.WAITING:
                 continue
             headroom = self.prefix.attach(req, version, headroom)
-            view = self._view(req)
+            view = self._view(req, order.get(req.rid, req.order))
             views.append(view)
             if not (view.computed == 0 and view.prefix_key in keys):
                 left -= view.tokens - view.computed
             if view.prefix_key is not None:
                 keys.add(view.prefix_key)
         views.sort(key=lambda v: v.order)
-        if not self._fifo:
-            rank = {r.rid: i for i, r in enumerate(sorted((self.requests[v.rid] for v in views), key=_by_rank))}
-            views = sorted((dataclasses.replace(v, order=rank[v.rid]) for v in views), key=lambda v: v.order)
         return SchedulerState(tuple(views), self.pool.num_free, epoch_in_flight=epoch_in_flight)
 
-    def _view(self, req: Request) -> SeqView:
+    def _prefix_key(self, req: Request) -> int | None:
+        """The hash of its first full block, where it may share it with a twin (`SeqView.prefix_key`)."""
         seq = req.seq
         twin = self.prefix_caching and (seq.computed == 0 or req.stage is Stage.PREFILL)
+        return (seq.block_hashes(self.pool.block_size) or [None])[0] if twin else None
+
+    def _view(self, req: Request, order: int) -> SeqView:
+        seq = req.seq
         return SeqView(rid=req.rid, stage=req.stage, tokens=len(seq.tokens), computed=seq.computed,
-                       blocks=len(self.pool.table(seq.sid)), freeable=self.pool.exclusive(seq.sid), order=req.order,
-                       prefix_key=(seq.block_hashes(self.pool.block_size) or [None])[0] if twin else None)
+                       blocks=len(self.pool.table(seq.sid)), freeable=self.pool.exclusive(seq.sid), order=order,
+                       prefix_key=self._prefix_key(req))
 
     # -- rows of a forward and their samples -----------------------------------------------------
     def decode_row(self, rid: int) -> tuple[SpanInput, SampleOwner]:
