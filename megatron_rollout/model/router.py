@@ -27,7 +27,7 @@ def uses_scored_router(cfg: ModelConfig) -> bool:
 class ScoredRouter(nn.Module):
     def __init__(self, cfg: ModelConfig, device=None) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.topk = cfg, cfg.moe_router_topk
         self.weight = nn.Parameter(torch.empty(cfg.num_moe_experts, cfg.hidden_size, dtype=cfg.torch_dtype,
                                                device=device))
         if cfg.moe_router_enable_expert_bias:
