@@ -21,6 +21,7 @@ from megatron_rollout.engine.config import (
     SpeculativeConfig,
     parse_span,
 )
+from megatron_rollout.engine.priority import PRIORITIES
 from megatron_rollout.engine.scheduler import SchedulerConfig
 from megatron_rollout.runner.config import RUNNER_ENV, RUNNER_KINDS, RunnerConfig, runner_kind_from_env
 
@@ -87,6 +88,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=DEFAULT_NUM_BLOCKS, help="KV blocks per rank")
     p.add_argument("--block-size", type=int, default=16, help="token positions per KV block")
     p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens one engine step may run (P and D)")
+    p.add_argument("--priority", default="fifo", choices=sorted(PRIORITIES),
+                   help="which requests are served first: fifo (arrival) or a critical-path guess (docs/design.md)")
     p.add_argument("--runner", default=None, choices=RUNNER_KINDS,
                    help=f"auto | eager | cuda; where not given, ${RUNNER_ENV}, else auto")
     p.add_argument("--attention", default="auto",
@@ -113,7 +116,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace, schedule: str | None = None) -> EngineConfig:
     """The `EngineConfig` these arguments describe (`schedule` overrides `--schedule`)."""
     return EngineConfig(
-        scheduler=SchedulerConfig(Schedule(schedule or args.schedule), args.block_size, args.max_batch_tokens),
+        scheduler=SchedulerConfig(Schedule(schedule or args.schedule), args.block_size, args.max_batch_tokens,
+                                  priority=args.priority),
         kv=KVConfig(num_blocks=args.num_blocks),
         mux=MuxConfig(span=parse_span(args.mux_span)),
         runner=RunnerConfig(kind=args.runner or runner_kind_from_env(), attention=args.attention,

@@ -45,6 +45,7 @@ from megatron_rollout.engine.drafting import SpeculativeExecutor
 from megatron_rollout.engine.execution import StepExecutor
 from megatron_rollout.engine.memory import EngineAsleep, EngineMemory, Tag
 from megatron_rollout.engine.prefix import PrefixCache
+from megatron_rollout.engine.priority import make_priority
 from megatron_rollout.engine.records import StepLog
 from megatron_rollout.engine.request import Request, Seq
 from megatron_rollout.engine.scheduler import SchedulerState
@@ -91,7 +92,8 @@ class RolloutEngine:
         self.weights = WeightStore(model)
         self.comm_config = comm_config_of(c, model.comm.config)
         self.table = RequestTable(c.kv.num_blocks, c.scheduler.block_size, c.kv.prefix_caching, self.max_model_len,
-                                  cfg.vocab_size, self.stats, recording=self.distributed and self.coordinator.leader)
+                                  cfg.vocab_size, self.stats, recording=self.distributed and self.coordinator.leader,
+                                  priority=make_priority(c.scheduler.priority))
         kv_heads = cfg.num_query_groups // model.comm.size(Axis.ATP)
         self._kv_shape = (cfg, c.kv.num_blocks, c.scheduler.block_size, kv_heads)
         if c.runner.fp8 in TE_FP8_MODES:  # before the runner: its graphs capture the TE modules

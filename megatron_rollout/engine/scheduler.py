@@ -15,6 +15,7 @@ without a leader (docs/design.md §7). The rules:
    it with decode iterations (the engine's job).
 3. Requests whose prompt shares its first block with a prompt being prefilled wait, so they can
    reuse its blocks from the prefix cache instead of computing them again (GRPO groups).
+"Oldest" is `SeqView.order`: arrival order, or the rank a `priority.Priority` gave the request.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import enum
 from dataclasses import dataclass
 
 from megatron_rollout.engine.api import Schedule
+from megatron_rollout.engine.priority import PRIORITIES
 
 
 class Stage(enum.Enum):
@@ -44,7 +46,7 @@ class SeqView:
     freeable: int
     """Blocks that preempting it would return to the pool (not shared with others)."""
     order: int
-    """Arrival order (smaller is older)."""
+    """Service order (smaller first): arrival, or the request's rank under `SchedulerConfig.priority`."""
     prefix_key: int | None = None
     """Hash of the first full block, for prefix sharing; None if shorter than a block."""
     lookahead: int = 0
@@ -62,6 +64,13 @@ class SchedulerConfig:
     epoch (a single longer prompt is still admitted alone)."""
     max_decode_rows: int = 256
     """Decode rows per iteration."""
+    priority: str = "fifo"
+    """Which requests are served first (`engine.priority`): "fifo" (arrival), "most-turns",
+    "longest-context" or "most-generated"."""
+    stretch_tokens: int | None = None
+    """`chunked`: the most prefill tokens times decode rows one step may carry, so the prefill
+    mixed into a decode step stretches many rows only a little (a chunk of at least one block
+    still runs); None: the token budget alone decides."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", Schedule(self.schedule))
@@ -69,6 +78,11 @@ class SchedulerConfig:
             value = getattr(self, name)
             if type(value) is not int or value <= 0:  # bool, float (2.5, inf) and numpy scalars refused
                 raise ValueError(f"SchedulerConfig.{name} must be a positive int, got {value!r}")
+        if self.priority not in PRIORITIES:
+            raise ValueError(f"SchedulerConfig.priority must be one of {sorted(PRIORITIES)}, got {self.priority!r}")
+        if self.stretch_tokens is not None and (type(self.stretch_tokens) is not int or self.stretch_tokens <= 0):
+            raise ValueError(f"SchedulerConfig.stretch_tokens must be a positive int or None, "
+                             f"got {self.stretch_tokens!r}")
 
 
 @dataclass(frozen=True)
@@ -156,6 +170,8 @@ def plan_step(state: SchedulerState, cfg: SchedulerConfig) -> StepPlan:
         prefill = () if state.epoch_in_flight else _admit_whole(by_age, free, cfg, reserve=len(rows))
         return StepPlan(decode=tuple(s.rid for s in rows), prefill=prefill, preempt=tuple(preempt), lookahead=ahead)
     budget = cfg.max_batch_tokens - len(rows) - sum(lookahead)
+    if cfg.stretch_tokens is not None and rows:
+        budget = min(budget, max(cfg.block_size, cfg.stretch_tokens // len(rows)))
     prefill = _admit_chunks(by_age, free, cfg, budget=budget, reserve=len(rows))
     return StepPlan(decode=tuple(s.rid for s in rows), prefill=prefill, preempt=tuple(preempt), lookahead=ahead)
 
