@@ -39,11 +39,11 @@ from megatron_rollout.engine.sampler import PendingDraw, filtered_logprobs, samp
 from megatron_rollout.engine.scheduler import PrefillChunk, SchedulerState, Stage, StepPlan
 from megatron_rollout.engine.speculative import Verdict, draw_index, verify
 from megatron_rollout.engine.stats import EngineStats
-from megatron_rollout.engine.weights import WeightStore
 from megatron_rollout.forward import Forward, run_to_end
 from megatron_rollout.runner.base import ModelRunner, Runner
 from megatron_rollout.runner.speculative import SpecOutput, VerifyRow, verify_forward
 from megatron_rollout.types import Phase, SeqSpan
+from megatron_rollout.weights.store import WeightStore
 
 
 @dataclass(frozen=True)

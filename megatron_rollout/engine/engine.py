@@ -13,7 +13,7 @@ holds it for its whole duration (plan, forwards, draws, bookkeeping), so an upda
 step in flight and never overlaps a forward. Submissions (`add_request`, `abort`, sessions) take it
 too, because an update may run steps itself (below).
 
-A weight update is decided by every rank of the model (`engine.weight_vote`): each rank's offer
+A weight update is decided by every rank of the model (`weights.vote`): each rank's offer
 rides the step gather, so `update_weights` steps the engine until every rank's offer has been
 seen, and the update lands at the start of a step, before its first forward, on every rank alike.
 On one rank that is at once, except mid-epoch under `mux`: then the update runs the engine's steps
@@ -52,8 +52,6 @@ from megatron_rollout.engine.scheduler import SchedulerState
 from megatron_rollout.engine.schedules import ScheduleDriver, make_schedule
 from megatron_rollout.engine.session import Session
 from megatron_rollout.engine.stats import EngineStats
-from megatron_rollout.engine.weight_vote import Decision, UpdateGate, Verdict, Vote, WeightVoteTimeout, decide
-from megatron_rollout.engine.weights import WeightStore, WeightVersionError
 from megatron_rollout.kv.block_pool import BlockPool
 from megatron_rollout.kv.paged import PagedKVCache
 from megatron_rollout.model import fp8, te_layers
@@ -61,6 +59,8 @@ from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.runner.config import FP8_MODES, TE_FP8_MODES
 from megatron_rollout.runner.cuda import make_runner
 from megatron_rollout.types import Axis
+from megatron_rollout.weights.store import WeightStore, WeightVersionError
+from megatron_rollout.weights.vote import Decision, UpdateGate, Verdict, Vote, WeightVoteTimeout, decide
 
 
 def comm_config_of(config: EngineConfig, built: CommConfig | None) -> CommConfig | None:
@@ -130,8 +130,8 @@ class RolloutEngine:
         (TP = EP = 1) the engine's parameters are the trainer's tensors (`share_storage`, the default
         there): in-place optimizer steps are served with no `update_weights`. Otherwise (or with
         `share_storage=False`) the weights are copied, gathered over the trainer's groups where it is
-        sharded (a collective). See `model.megatron_bridge`."""
-        from megatron_rollout.model.megatron_bridge import layouts_match, native_from_megatron, shares_storage
+        sharded (a collective). See `weights.megatron_bridge`."""
+        from megatron_rollout.weights.megatron_bridge import layouts_match, native_from_megatron, shares_storage
 
         engine = cls(native_from_megatron(gpt, share_storage), config)
         sharing = layouts_match(gpt) if share_storage is None else share_storage

@@ -22,11 +22,11 @@ from megatron_rollout.engine.records import StepLog, step_record
 from megatron_rollout.engine.sampler import PendingDraw
 from megatron_rollout.engine.scheduler import PrefillChunk, SchedulerState, StepPlan
 from megatron_rollout.engine.stats import EngineStats
-from megatron_rollout.engine.weights import WeightStore
 from megatron_rollout.forward import Forward, run_to_end
 from megatron_rollout.runner.base import Runner
 from megatron_rollout.runner.speculative import VerifyRow
 from megatron_rollout.types import Phase, SpanInput
+from megatron_rollout.weights.store import WeightStore
 
 
 class StepInputs(NamedTuple):
