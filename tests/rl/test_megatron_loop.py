@@ -202,61 +202,30 @@ def test_colocated_megatron_grpo_on_gpu():
     assert res["after"][1] != res["before"][1]
 
 
-def _gpu_dense_share(rank):
-    from megatron_rollout.engine import EngineConfig, KVConfig, RolloutEngine, SamplingParams
+def _gpu_bf16_share(rank):
+    from megatron_rollout.engine import EngineConfig, KVConfig
     from megatron_rollout.model.config import preset
-    from megatron_rollout.tokenizer import ByteTokenizer
-    from megatron_rollout.weights.megatron_bridge import shares_storage
-    from rl.envs import SingleTurnEnv
-    from rl.envs.single_turn import TASKS
     from rl.megatron_policy import MegatronOptions, build_megatron_policy
     from rl.objective import LossConfig
-    from rl.rollout import Episode, RolloutConfig, rollout
     from rl.trainer import TrainerConfig
-    from rl.trajectory import collate
 
-    # Dense: the CUDA runner keeps the weights where they lie, so the engine reads the trainer's tensors.
     cfg = preset("tiny-moe").replace(num_moe_experts=0, moe_layer_freq=(), moe_ffn_hidden_size=0,
                                      moe_shared_expert_intermediate_size=0)
-    config = EngineConfig(kv=KVConfig(num_blocks=64))
-    pol = build_megatron_policy(cfg, MegatronOptions(weights="share"), config, seed=0, lr=0.05, betas=(0.9, 0.99),
-                                loss=LossConfig(), trainer=TrainerConfig(kind="megatron"))
     try:
-        engine, trainer = pol.engine, pol.trainer
-        prompts = [[256, 72, 105, 33], [256, 50, 51, 52]]
-        before = _greedy(engine, prompts)
-        graphs = dict(engine.runner._graphs)
-        tok = ByteTokenizer()
-        task, rubric = TASKS["digits"]
-        eps = [Episode(SingleTurnEnv(task, rubric, tok), 0, 0, sample_seed=i) for i in range(4)]
-        batch = collate(rollout(engine, eps, RolloutConfig(SamplingParams(max_new_tokens=6))).trajectories, tok.pad_id)
-        device = engine.model.device
-        metrics = trainer.train_step(batch.to(device), torch.tensor([1.0, -1.0, 1.0, -1.0], device=device))
-        replays = engine.runner.stats["graph_replays"]
-        stepped = _greedy(engine, prompts)  # no update_weights: the optimizer wrote the shared tensors
-        replayed = engine.runner.stats["graph_replays"] - replays
-        same_graphs = all(engine.runner._graphs.get(k) is g for k, g in graphs.items())
-        fresh = _greedy(RolloutEngine.from_megatron(trainer.gpt, config, share_storage=False), prompts)
-        engine.update_weights(trainer.named_weights(), 1)  # each tensor onto itself: the version moves
-        versioned = _greedy(engine, prompts)
-        return dict(shared=pol.shared, ptrs=shares_storage(engine.model, trainer.gpt), loss=metrics["loss"],
-                    before=before, stepped=stepped, fresh=fresh, versioned=versioned, replayed=replayed,
-                    same_graphs=same_graphs, graphs=len(graphs), optimizer=type(trainer.optimizer).__name__)
-    finally:
-        pol.close()
+        pol = build_megatron_policy(cfg, MegatronOptions(weights="share"), EngineConfig(kv=KVConfig(num_blocks=64)),
+                                    seed=0, lr=0.05, betas=(0.9, 0.99), loss=LossConfig(),
+                                    trainer=TrainerConfig(kind="megatron"))
+    except ValueError as exc:
+        return str(exc)
+    pol.close()
+    return "shared"
 
 
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
-def test_shared_storage_decode_graphs_follow_megatron_optimizer_steps_on_gpu():
-    """A dense GPTModel whose tensors the engine reads: after Megatron's optimizer step, the decode
-    graphs captured before it replay the new weights (no update_weights), as a fresh engine does."""
-    res = run_world(_gpu_dense_share, 1, timeout=290, backend="nccl")[0]
-    print({k: v for k, v in res.items() if k not in ("before", "stepped", "fresh", "versioned")})
-    assert res["shared"] and res["ptrs"] and res["optimizer"] != "AdamW" and res["loss"] == res["loss"]
-    assert res["graphs"] > 0 and res["same_graphs"] and res["replayed"] > 0
-    assert res["stepped"][2] == [[0] * 5] * 2 and res["versioned"][2] == [[1] * 5] * 2
-    assert res["stepped"][0] == res["fresh"][0] == res["versioned"][0]
-    for got, want in zip(res["stepped"][1], res["fresh"][1]):
-        assert got == pytest.approx(want, abs=2e-3)
-    assert res["stepped"][1] != res["before"][1]
+def test_a_bf16_megatron_model_cannot_share_its_storage_and_says_why_on_gpu():
+    """Megatron keeps a bf16 GPTModel's norm weights in fp32 (what the H200 run showed), while the
+    native model is bf16 throughout: sharing is refused, naming the tensors, and `weights: auto`
+    copies instead (test_colocated_megatron_grpo_on_gpu). Sharing itself is tested in fp32 on CPU."""
+    res = run_world(_gpu_bf16_share, 1, timeout=290, backend="nccl")[0]
+    assert res.startswith("cannot share storage") and "layernorm.weight (torch.float32)" in res, res
