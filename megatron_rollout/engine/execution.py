@@ -9,6 +9,7 @@ Left out: planning (the pure `scheduler.plan_step`) and anything that changes wh
 """
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -17,7 +18,7 @@ import torch
 
 from megatron_rollout.engine.ahead import DecodeAhead
 from megatron_rollout.engine.api import FinishReason, RequestOutput
-from megatron_rollout.engine.bookkeeping import RequestTable, SampleOwner
+from megatron_rollout.engine.bookkeeping import Drawn, RequestTable, SampleOwner
 from megatron_rollout.engine.records import StepLog, step_record
 from megatron_rollout.engine.sampler import PendingDraw
 from megatron_rollout.engine.scheduler import PrefillChunk, StepPlan
@@ -91,9 +92,17 @@ class StepExecutor:
         return outs
 
     def draw(self, owners: list[SampleOwner], logits: torch.Tensor) -> PendingDraw:
-        """Every row's token, issued now (`sampler.PendingDraw`); each request's own generator."""
-        return PendingDraw(logits, [o.request.params for o in owners],
-                           [o.request.generator or self.generator for o in owners])
+        """Every row's tokens, issued now (`sampler.PendingDraw`), each from its request's own
+        generator; a row that forks a request's n samples is drawn n times (`engine.samples`), in order."""
+        counts = [self.table.draws(o) for o in owners]
+        if all(c == 1 for c in counts):
+            return PendingDraw(logits, [o.request.params for o in owners],
+                               [o.request.generator or self.generator for o in owners])
+        index = [i for i, c in enumerate(counts) for _ in range(c)]
+        gens = [g or self.generator for o, c in zip(owners, counts)
+                for g in (o.request.group.generators if c > 1 else [o.request.generator])]
+        index_t = torch.tensor(index, dtype=torch.long, device=logits.device)
+        return PendingDraw(logits[index_t], [owners[i].request.params for i in index], gens)
 
     def complete(self, owners: list[SampleOwner], logits: torch.Tensor, draw: PendingDraw | None = None,
                  version: int | None = None) -> list[RequestOutput]:
@@ -105,19 +114,30 @@ class StepExecutor:
         live = [(i, o) for i, o in enumerate(owners) if self.table.is_live(o)]
         if draw is None:
             rows = logits if len(live) == len(owners) else logits[[i for i, _ in live]]
-            picked = self.draw([o for _, o in live], rows).result(range(len(live)))
+            covered = [o for _, o in live]
+            draw, positions = self.draw(covered, rows), range(len(live))
         else:
-            picked = draw.result([i for i, _ in live])
+            covered, positions = owners, [i for i, _ in live]
+        # the draw's rows: each covered owner's `draws` tokens, after every earlier owner's
+        first = list(itertools.accumulate((self.table.draws(o) for o in covered), initial=0))
+        picked = iter(draw.result([r for j in positions for r in range(first[j], first[j + 1])]))
         now, outs = time.perf_counter(), []
         version = self.weights.version if version is None else version
-        for (_, owner), s in zip(live, picked):
-            if s.error is not None:
+        for j, (_, owner) in zip(positions, live):
+            samples = [next(picked) for _ in range(first[j + 1] - first[j])]
+            if samples[0].error is not None:
                 req = owner.request
-                outs.append(self.table.finish(req, FinishReason.ERROR,
-                                              f"request {req.rid}: {s.error} at position {owner.context} "
-                                              f"under weight version {version}"))
+                out = self.table.finish(req, FinishReason.ERROR, f"request {req.rid}: {samples[0].error} at position "
+                                        f"{owner.context} under weight version {version}")
+                outs += [out] if out is not None else []
                 continue
-            out = self.table.accept(owner, s.token, s.logprob, version, now)
-            if out is not None:
-                outs.append(out)
+            outs += self.table.accept(owner, [Drawn(s.token, s.logprob, s.top) for s in samples], version, now)
+        self._copy_blocks()
         return outs
+
+    def _copy_blocks(self) -> None:
+        """KV blocks that forked samples asked for, copied on the caller's stream (every later forward
+        waits for it) before any forward writes them."""
+        copies, self.table.copies = self.table.copies, []
+        if copies:
+            self.runner.cache.copy_blocks([c.src for c in copies], [c.dst for c in copies])

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_rollout.engine.api import FinishReason, GenerationResult, RequestOutput, RequestTimes, SamplingParams
+from megatron_rollout.engine.samples import SampleGroup
 from megatron_rollout.engine.scheduler import Stage
 
 
@@ -32,6 +33,8 @@ class Seq:
     kv_version: int | None = None
     """Weight version every cached position was computed under; None when nothing is cached, -1
     when versions are mixed (such K/V is never offered for reuse)."""
+    forks: list["Seq"] = field(default_factory=list)
+    """A session's: the sequences its last n > 1 turn forked for samples 1..n-1, not yet taken."""
 
     def reset_kv(self) -> None:
         self.computed, self.registered, self.kv_version = 0, 0, None
@@ -64,8 +67,29 @@ class Request:
     """When its first prefill row was built (admission); TTFT = queue (admitted - arrival) + the rest."""
     ready_at: float | None = None
     """When its pending token was sampled (decode wait is measured from here)."""
+    group: SampleGroup | None = None
+    """The n samples this request is one of (`SamplingParams.n` > 1)."""
+    index: int = 0
+    """Its sample index in `group`."""
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    """Per generated token, with `params.logprobs`."""
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    """Per prompt token, with `params.prompt_logprobs` (filled as its prefill chunks run)."""
 
-    def finish(self, reason: FinishReason, error: str | None = None) -> RequestOutput:
-        result = GenerationResult(list(self.output), list(self.logprobs), reason, list(self.versions), error)
+    def result(self, reason: FinishReason, error: str | None = None) -> GenerationResult:
+        p = self.params
+        return GenerationResult(list(self.output), list(self.logprobs), reason, list(self.versions), error,
+                                list(self.top_logprobs) if p.logprobs is not None else None,
+                                list(self.prompt_logprobs) if p.prompt_logprobs is not None else None)
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> RequestOutput | None:
+        """Its output, or None while other samples of its group still run."""
+        result = self.result(reason, error)
+        group = self.group
+        if group is not None and not group.done(self.index, result):
+            return None
         times = RequestTimes(self.arrival, self.first_token, time.perf_counter(), self.admitted)
-        return RequestOutput(self.rid, result, times, self.prompt_tokens)
+        if group is None:
+            return RequestOutput(self.rid, result, times, self.prompt_tokens)
+        results = tuple(r for r in group.results if r is not None)
+        return RequestOutput(group.rid, results[0], times, self.prompt_tokens, results)
