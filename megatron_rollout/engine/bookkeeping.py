@@ -41,6 +41,9 @@ class SampleOwner(NamedTuple):
     """The request's lifetime then; a sample for an older lifetime is dropped."""
     context: int
     """Context length the sample completes (the sequence's `computed` once it lands)."""
+    scores: int | None = None
+    """None: the row samples the request's next token. Else the row's logits score the prompt token
+    after position `scores` (`SamplingParams.prompt_logprobs`): nothing is drawn from them."""
 
 
 # -- the op record: what an ATP peer replays, in order, to mirror its leader ---------------------
@@ -200,6 +203,8 @@ class RequestTable:
         rid = next(self._ids)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         req = Request(rid, seq, params, next(self._order), len(seq.tokens) - seq.computed, generator=gen)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * req.prompt_tokens
         if params.n > 1:
             req.group = self.groups[rid] = SampleGroup.of(rid, params)
             req.generator = req.group.generators[0]
@@ -382,22 +387,41 @@ class RequestTable:
         row = SpanInput(span, token, sample=True, key=(req.rid, req.lifetime))
         return row, SampleOwner(req, req.lifetime, past + 1)
 
-    def prefill_row(self, chunk: PrefillChunk) -> tuple[SpanInput, SampleOwner | None]:
-        """Reserve KV for the chunk; its input row, and its sample owner if the chunk completes
-        the context (a partial chunk samples nothing and counts as computed at once)."""
+    def prefill_rows(self, chunk: PrefillChunk) -> tuple[list[SpanInput], list[SampleOwner]]:
+        """Reserve KV for the chunk; its input rows, and the owners of the rows that return logits:
+        the sample owner if the chunk completes the context (a partial chunk samples nothing and
+        counts as computed at once), and with `prompt_logprobs` one scoring owner per prompt
+        position (`SampleOwner.scores`): those positions run as one-token rows that each return
+        logits (one forward still computes each position once)."""
         req = self.requests[chunk.rid]
         seq = req.seq
         req.stage = Stage.PREFILL
         self._active[req.rid] = req
         req.admitted = req.admitted or time.perf_counter()
         self.pool.reserve(seq.sid, seq.computed + chunk.tokens)
-        span = SeqSpan(tuple(self.pool.table(seq.sid)), seq.computed, chunk.tokens)
-        row = SpanInput(span, seq.tokens[seq.computed:seq.computed + chunk.tokens], chunk.completes)
+        table, start, end = tuple(self.pool.table(seq.sid)), seq.computed, seq.computed + chunk.tokens
         self.stats.prefill_tokens += chunk.tokens
+        # positions whose logits score the prompt token after them (the request's first prefilled
+        # token has no position before it in this request; the last one samples)
+        first = len(seq.tokens) - req.prompt_tokens if req.params.prompt_logprobs is not None and not req.output \
+            else len(seq.tokens)
+        split = min(max(start, first), end)
+        rows = [SpanInput(SeqSpan(table, start, split - start), seq.tokens[start:split],
+                          chunk.completes and split == end)] if split > start else []
+        owners = []
+        for p in range(split, end):
+            rows.append(SpanInput(SeqSpan(table, p, 1), [seq.tokens[p]], True))
+            if p + 1 < len(seq.tokens):
+                owners.append(SampleOwner(req, req.lifetime, p + 1, scores=p))
         if chunk.completes:
-            return row, SampleOwner(req, req.lifetime, len(seq.tokens))
-        seq.computed += chunk.tokens
-        return row, None
+            return rows, owners + [SampleOwner(req, req.lifetime, len(seq.tokens))]
+        seq.computed = end
+        return rows, owners
+
+    def score(self, owner: SampleOwner, entry: dict[int, float]) -> None:
+        """Record a live scoring owner's prompt logprobs (token id -> logprob, the prompt token first)."""
+        req = owner.request
+        req.prompt_logprobs[owner.scores + 1 - (len(req.seq.tokens) - req.prompt_tokens)] = entry
 
     def is_live(self, owner: SampleOwner) -> bool:
         """The owner's request still runs, in the lifetime its row was built for."""

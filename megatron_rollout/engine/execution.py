@@ -56,10 +56,9 @@ class StepExecutor:
             rows.append(row)
             owners.append(owner)
         for chunk in prefill:
-            row, owner = self.table.prefill_row(chunk)
-            rows.append(row)
-            if owner is not None:
-                owners.append(owner)
+            chunk_rows, chunk_owners = self.table.prefill_rows(chunk)
+            rows += chunk_rows
+            owners += chunk_owners
         return StepInputs(rows, owners)
 
     def forward(self, rows: list[SpanInput], phase: Phase) -> Forward:
@@ -79,6 +78,7 @@ class StepExecutor:
         with torch.no_grad():
             if logits is None:
                 logits = run_to_end(self.runner.forward(rows, phase))
+            owners, logits = self.score(owners, logits)
             draw = self.draw(owners, logits)
             if self.ahead is not None and phase is Phase.D and plan.decode and not plan.prefill:
                 self.ahead.issue(owners, draw)  # before this step's tokens reach the host
@@ -111,6 +111,7 @@ class StepExecutor:
         `draw`: every row's draw, issued already (`logits` may be overwritten by a later forward).
         `version`: the weight version the forward ran under, the tokens' tag (default: the current
         one; a forward that spans steps passes the one it started under)."""
+        owners, logits = self.score(owners, logits)
         live = [(i, o) for i, o in enumerate(owners) if self.table.is_live(o)]
         if draw is None:
             rows = logits if len(live) == len(owners) else logits[[i for i, _ in live]]
@@ -134,6 +135,30 @@ class StepExecutor:
             outs += self.table.accept(owner, [Drawn(s.token, s.logprob, s.top) for s in samples], version, now)
         self._copy_blocks()
         return outs
+
+    def score(self, owners: list[SampleOwner], logits: torch.Tensor) -> tuple[list[SampleOwner], torch.Tensor]:
+        """Record the prompt logprobs of the live scoring rows (`SampleOwner.scores`): the model's
+        log-softmax (no temperature) at each, for the prompt token that follows and the k most
+        likely; the sampling owners and their logits rows, which the draw reads."""
+        scoring = [i for i, o in enumerate(owners) if o.scores is not None]
+        if not scoring:
+            return owners, logits
+        keep = [i for i, o in enumerate(owners) if o.scores is None]
+        live = [i for i in scoring if self.table.is_live(owners[i])]
+        if live:
+            logp = logits[live].float().log_softmax(-1)  # [scored, V]
+            target = [owners[i].request.seq.tokens[owners[i].scores + 1] for i in live]
+            chosen = logp.gather(-1, torch.tensor(target, device=logp.device)[:, None])[:, 0].tolist()
+            k = max(owners[i].request.params.prompt_logprobs for i in live)
+            top = logp.topk(min(k, logp.shape[-1]), dim=-1) if k else None
+            ids, values = (top.indices.tolist(), top.values.tolist()) if top is not None else ([[]] * len(live),) * 2
+            for j, i in enumerate(live):
+                want = owners[i].request.params.prompt_logprobs
+                entry = {target[j]: chosen[j]}
+                for t, v in zip(ids[j][:want], values[j][:want]):
+                    entry.setdefault(t, v)
+                self.table.score(owners[i], entry)
+        return [owners[i] for i in keep], logits[keep] if len(keep) < len(owners) else logits
 
     def _copy_blocks(self) -> None:
         """KV blocks that forked samples asked for, copied on the caller's stream (every later forward
