@@ -1,4 +1,4 @@
-"""Fused Triton kernels for a decode step's small operations, and `install_fused_ops` that swaps them in.
+"""Fused Triton kernels for a decode step's small operations, the model's ops interface implemented by them.
 
 Why: at decode sizes a layer's GEMMs are short and the step is dominated by small eager kernels
 (RMSNorm is six, RoPE about five each for q and k, the router's fp32 linear + softmax + top-k +
@@ -7,7 +7,7 @@ Four kernels replace them, one launch each:
 
 - `rmsnorm`: `weight * (x.float() * rsqrt(mean(x^2) + eps)).to(dtype)` per row;
 - `add_rmsnorm`: `h = h + delta` and `rmsnorm(h)` in one pass (between attention and MLP, and
-  between layers: `install_fused_ops` carries each layer's MLP output to the next layer's norm);
+  between layers: the model carries each layer's MLP output to the next layer's norm);
 - `qkv_norm_rope`: from the QKV projection's per-query-group layout (each group's query heads,
   then its key head, then its value head) to contiguous q [N, hq, d], k, v [N, hkv, d], with the
   per-head QK-norm and rotate-half RoPE of `layers.apply_rope` (cos/sin from `layers.rope_tables`);
@@ -35,14 +35,14 @@ in the same (descending) order; on exactly equal logits it takes the lowest expe
 (`torch.topk` does not specify an order); values within the fp32 rounding of the dot products
 (~1e-6 relative) can come out in either order. NaN logits give undefined but in-range ids.
 
-`install_fused_ops(model)` replaces `forward` on module *instances* (RMSNorm, SelfAttention,
-Router, TransformerLayer), `activation` on Experts, and the model's `step`, so the model code is
-unchanged and a model without it runs as before; `uninstall_fused_ops` removes them. Backends: "triton" (these kernels;
-on CPU only under `TRITON_INTERPRET=1`) and "torch" (the same wiring over the reference ops, so the
-wiring itself is tested on CPU: bit-identical to the unfused model). Every fused op falls back to
-the reference when autograd needs it, the dtype is not bf16, or the shapes do not fit the kernels.
-On CUDA, installing first runs `self_check` (each kernel once at the model's sizes against its
-reference): a kernel that does not build or disagrees on the device leaves the model portable.
+`TritonOps` holds these kernels behind `model.ops.ModelOps`, the interface every layer calls its
+small ops through; `install_fused_ops(model)` chooses it for a model (`MoETransformer.use_ops`), so
+the model code is one and a model without it runs the reference; `uninstall_fused_ops` restores
+the reference. The kernels run on CUDA, or on CPU under `TRITON_INTERPRET=1` (how the tests check
+them). Every fused op falls back to the reference when autograd needs it, the dtype is not bf16,
+or the shapes do not fit the kernels. On CUDA, installing first runs `self_check` (each kernel once
+at the model's sizes against its reference): a kernel that does not build or disagrees on the
+device leaves the model on the reference.
 
 Left out: fp16/fp32 kernels, fusing the RoPE output into the KV store, the gather into expert
 order (the sort of a decode batch is `kernels.expert_sort`), and backward passes (inference only).
@@ -51,23 +51,13 @@ from __future__ import annotations
 
 import logging
 import os
-import types
 from typing import NamedTuple
 
 import torch
 
-from megatron_rollout.forward import BoundaryPoint, Forward, Site
 from megatron_rollout.kernels import pdl
-from megatron_rollout.model.layers import (
-    Experts,
-    RMSNorm,
-    Router,
-    SelfAttention,
-    TransformerLayer,
-    apply_rope,
-    rope_tables,
-)
-from megatron_rollout.types import Axis
+from megatron_rollout.model.layers import Experts, Router, SelfAttention, TransformerLayer, rope_tables
+from megatron_rollout.model.ops import QKV, REFERENCE, AddNorm, ModelOps, Routing  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -107,22 +97,6 @@ SPLIT_MAX_ROWS = 64
 round trip costs; H200, `bench.kernels`, commit 77fa576)."""
 
 
-class AddNorm(NamedTuple):
-    h: torch.Tensor  # h + delta, [N, H]
-    normed: torch.Tensor  # rmsnorm(h + delta), [N, H]
-
-
-class QKV(NamedTuple):
-    q: torch.Tensor  # [N, hq, d], QK-norm and RoPE applied, contiguous
-    k: torch.Tensor  # [N, hkv, d], likewise
-    v: torch.Tensor  # [N, hkv, d], contiguous copy
-
-
-class Routing(NamedTuple):
-    weights: torch.Tensor  # [N, k] in x's dtype
-    ids: torch.Tensor  # [N, k] int64 expert ids, by descending probability
-
-
 def interpreting() -> bool:
     """True under Triton's CPU interpreter (`TRITON_INTERPRET=1`)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -134,50 +108,30 @@ def triton_available() -> bool:
 
 # -- references: the model's own math ---------------------------------------------------------
 
-def _norm_like(weight: torch.Tensor, eps: float) -> types.SimpleNamespace:
-    return types.SimpleNamespace(weight=weight, eps=eps)
-
-
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`layers.RMSNorm.forward` itself (the class's, never an installed replacement)."""
-    return RMSNorm.forward(_norm_like(weight, eps), x)  # type: ignore[arg-type]
+    return REFERENCE.rmsnorm(x, weight, eps)
 
 
 def add_rmsnorm_ref(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> AddNorm:
-    h = h + delta
-    return AddNorm(h, rmsnorm_ref(h, weight, eps))
+    return REFERENCE.add_rmsnorm(h, delta, weight, eps)
 
 
 def qkv_norm_rope_ref(qkv: torch.Tensor, groups: int, per_group: int, head_dim: int, cos: torch.Tensor,
                       sin: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                       eps: float) -> QKV:
-    """What `SelfAttention.forward` does between `linear_qkv` and `attend`. qkv: [N, G*(P+2)*d]."""
-    n, d = qkv.shape[0], head_dim
-    view = qkv.view(n, groups, per_group + 2, d)
-    q = view[:, :, :per_group].reshape(n, groups * per_group, d)
-    k, v = view[:, :, -2], view[:, :, -1]
-    if q_weight is not None:
-        q, k = rmsnorm_ref(q, q_weight, eps), rmsnorm_ref(k, k_weight, eps)
-    return QKV(apply_rope(q, cos, sin).contiguous(), apply_rope(k, cos, sin).contiguous(), v.contiguous())
+    return REFERENCE.qkv(qkv, groups, per_group, head_dim, (cos, sin), q_weight, k_weight, eps)
 
 
 def router_ref(x: torch.Tensor, weight: torch.Tensor, topk: int, renormalize: bool) -> Routing:
-    """`layers.Router.forward` itself."""
-    ns = types.SimpleNamespace(weight=weight, topk=topk, renormalize=renormalize)
-    return Routing(*Router.forward(ns, x))  # type: ignore[arg-type]
+    return REFERENCE.router(x, weight, topk, renormalize)
 
 
 def silu_mul_ref(h: torch.Tensor) -> torch.Tensor:
-    """`layers.Experts.activation` itself: h [n, 2F] (gate | up) -> silu(gate) * up."""
-    return Experts.activation(h)
+    return REFERENCE.silu_mul(h)
 
 
 def moe_combine_ref(ys: torch.Tensor, dest: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """What `kernels.moe.routed_experts` does after the experts: out[n] = sum_j weights[n, j] *
-    ys[dest[n, j]]. ys: [P, H] expert-sorted rows; dest, weights: [N, k]."""
-    n, k = dest.shape
-    y = ys.index_select(0, dest.reshape(-1)).view(n, k, -1)
-    return (y * weights.unsqueeze(-1).to(y.dtype)).sum(1)
+    return REFERENCE.combine(ys, dest, weights)
 
 
 # -- Triton kernels ---------------------------------------------------------------------------
@@ -599,50 +553,27 @@ def moe_combine(ys: torch.Tensor, dest: torch.Tensor, weights: torch.Tensor,
     return y
 
 
-# -- backends: the ops over model modules ------------------------------------------------------
+# -- the kernel set behind the model's ops interface --------------------------------------------
 
-class TorchOps:
-    """The reference ops (the model's own math) behind the fused wiring."""
-
-    name = "torch"
-
-    def rmsnorm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        return rmsnorm_ref(x, norm.weight, norm.eps)
-
-    def add_rmsnorm(self, norm: RMSNorm, h: torch.Tensor, delta: torch.Tensor) -> AddNorm:
-        return add_rmsnorm_ref(h, delta, norm.weight, norm.eps)
-
-    def qkv(self, attn: SelfAttention, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> QKV:
-        qw, kw, eps = _qk_weights(attn)
-        return qkv_norm_rope_ref(qkv, attn.groups, attn.per_group, attn.cfg.kv_channels, *rope, qw, kw, eps)
-
-    def router(self, router: Router, x: torch.Tensor) -> Routing:
-        return router_ref(x, router.weight, router.topk, router.renormalize)
-
-    def silu_mul(self, h: torch.Tensor) -> torch.Tensor:
-        return silu_mul_ref(h)
-
-    def combine(self, ys: torch.Tensor, dest: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return moe_combine_ref(ys, dest, weights)
-
-
-class TritonOps(TorchOps):
+class TritonOps(ModelOps):
     """The fused kernels; each falls back to the reference where it does not apply."""
 
     name = "triton"
+    fuses_combine = True
 
-    def rmsnorm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        return rmsnorm(x, norm.weight, norm.eps)
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rmsnorm(x, weight, eps)
 
-    def add_rmsnorm(self, norm: RMSNorm, h: torch.Tensor, delta: torch.Tensor) -> AddNorm:
-        return add_rmsnorm(h, delta, norm.weight, norm.eps)
+    def add_rmsnorm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> AddNorm:
+        return add_rmsnorm(h, delta, weight, eps)
 
-    def qkv(self, attn: SelfAttention, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> QKV:
-        qw, kw, eps = _qk_weights(attn)
-        return qkv_norm_rope(qkv, attn.groups, attn.per_group, attn.cfg.kv_channels, *rope, qw, kw, eps)
+    def qkv(self, qkv: torch.Tensor, groups: int, per_group: int, head_dim: int,
+            rope: tuple[torch.Tensor, torch.Tensor], q_weight: torch.Tensor | None,
+            k_weight: torch.Tensor | None, eps: float) -> QKV:
+        return qkv_norm_rope(qkv, groups, per_group, head_dim, *rope, q_weight, k_weight, eps)
 
-    def router(self, router: Router, x: torch.Tensor) -> Routing:
-        return router_topk(x, router.weight, router.topk, router.renormalize)
+    def router(self, x: torch.Tensor, weight: torch.Tensor, topk: int, renormalize: bool) -> Routing:
+        return router_topk(x, weight, topk, renormalize)
 
     def silu_mul(self, h: torch.Tensor) -> torch.Tensor:
         return silu_mul(h)
@@ -651,91 +582,21 @@ class TritonOps(TorchOps):
         return moe_combine(ys, dest, weights)
 
 
-def _qk_weights(attn: SelfAttention) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
-    if not attn.cfg.qk_layernorm:
-        return None, None, attn.cfg.layernorm_epsilon
-    return attn.q_layernorm.weight, attn.k_layernorm.weight, attn.q_layernorm.eps
-
-
-# -- the replacement forwards (bound to module instances) ---------------------------------------
-
-def _norm_forward(self: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    return self._fused_ops.rmsnorm(self, x)
-
-
-def _experts_activation(self: Experts, h: torch.Tensor) -> torch.Tensor:
-    return self._fused_ops.silu_mul(h)
-
-
-def _router_forward(self: Router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    weights, ids = self._fused_ops.router(self, x)
-    return weights, ids
-
-
-def _attention_forward(self: SelfAttention, x: torch.Tensor, rope, attn, comm, phase) -> Forward:
-    """`SelfAttention.forward` with the split, QK-norm and RoPE in one kernel."""
-    n, d = x.shape[0], self.cfg.kv_channels
-    q, k, v = self._fused_ops.qkv(self, self.linear_qkv(x), rope)
-    out = self.linear_proj(attn.attend(self.layer, q, k, v).reshape(n, self.groups * self.per_group * d))
-    if comm.size(Axis.ATP) > 1:
-        yield BoundaryPoint(self.layer, Site.ATTN_REDUCE)
-        out = comm.all_reduce(out, Axis.ATP, phase)
-    return out
-
-
-def _layer_pair(layer: TransformerLayer, ops: TorchOps, h: torch.Tensor, delta: torch.Tensor | None, rope, attn,
-                comm, phase):
-    """One layer on the residual stream `h + delta` (delta: the previous layer's MLP output, not yet
-    added, or None). Returns (h, mlp output): the caller adds them, fused with the next norm."""
-    if delta is None:
-        x = ops.rmsnorm(layer.input_layernorm, h)
-    else:
-        h, x = ops.add_rmsnorm(layer.input_layernorm, h, delta)
-    a = yield from layer.self_attention(x, rope, attn, comm, phase)
-    h, x = ops.add_rmsnorm(layer.pre_mlp_layernorm, h, a)
-    m = yield from layer.mlp(x, comm, phase)
-    return h, m
-
-
-def _layer_forward(self: TransformerLayer, h: torch.Tensor, rope, attn, comm, phase) -> Forward:
-    h, m = yield from _layer_pair(self, self._fused_ops, h, None, rope, attn, comm, phase)
-    return h + m
-
-
-def _step(self, tokens: torch.Tensor, positions: torch.Tensor, attn, phase,
-          logits_index: torch.Tensor | None = None) -> Forward:
-    """`MoETransformer.step` with each residual add fused into the next layer's first norm."""
-    cfg, ops = self.cfg, self._fused_ops
-    h = self.embedding.word_embeddings(tokens)  # [N, H]
-    rope = rope_tables(positions, cfg.kv_channels, cfg.rotary_base, h.dtype)
-    delta = None
-    for layer in self.decoder.layers:
-        h, delta = yield from _layer_pair(layer, ops, h, delta, rope, attn, self.comm, phase)
-    if logits_index is not None:
-        h, delta = h[logits_index], delta[logits_index]
-    return self.logits(h + delta)
-
-
-_SWAPS = ((RMSNorm, "forward", _norm_forward), (Router, "forward", _router_forward),
-          (SelfAttention, "forward", _attention_forward), (TransformerLayer, "forward", _layer_forward),
-          (Experts, "activation", _experts_activation))
-
-
-def _make_ops(model: torch.nn.Module, backend: str) -> tuple[TorchOps | None, str]:
-    """The ops for `backend`, or (None, why not) for "auto" where the kernels do not apply."""
+def _make_ops(model: torch.nn.Module, backend: str) -> tuple[ModelOps, str]:
+    """The ops for `backend`, and why the reference was kept where "auto" finds the kernels do not apply."""
     if backend not in BACKENDS:
         raise ValueError(f"fused-ops backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch":
-        return TorchOps(), ""
+        return REFERENCE, "the reference ops were asked for"
     cfg = model.cfg
     device = next(model.parameters()).device
     if backend == "auto":
         if triton is None:
-            return None, "triton is not installed"
+            return REFERENCE, "triton is not installed"
         if device.type != "cuda":
-            return None, f"model is on {device}, the fused kernels run on CUDA"
+            return REFERENCE, f"model is on {device}, the fused kernels run on CUDA"
         if cfg.torch_dtype != torch.bfloat16:
-            return None, f"model dtype is {cfg.dtype}, the fused kernels are bf16"
+            return REFERENCE, f"model dtype is {cfg.dtype}, the fused kernels are bf16"
         return TritonOps(), ""
     if triton is None:
         raise ImportError("fused-ops backend 'triton' needs Triton: pip install triton (it comes with CUDA torch)")
@@ -745,10 +606,10 @@ def _make_ops(model: torch.nn.Module, backend: str) -> tuple[TorchOps | None, st
     return TritonOps(), ""
 
 
-def self_check(model: torch.nn.Module, ops: TorchOps, rows: int = 16, tol: float = 1e-2) -> str | None:
+def self_check(model: torch.nn.Module, ops: ModelOps, rows: int = 16, tol: float = 1e-2) -> str | None:
     """Run each op once on random inputs at the model's sizes (this compiles the kernels) and compare
     with the reference. Returns None when all agree, else what failed: a kernel that does not build
-    or disagrees on this device is then not installed, and the model keeps its portable path."""
+    or disagrees on this device is then not installed, and the model keeps the reference."""
     first = next((m for m in model.modules() if isinstance(m, TransformerLayer)), None)
     router = next((m for m in model.modules() if isinstance(m, Router)), None)
     if first is None:
@@ -758,33 +619,36 @@ def self_check(model: torch.nn.Module, ops: TorchOps, rows: int = 16, tol: float
     gen = torch.Generator(device=dev).manual_seed(0)
     h = (torch.randn(rows, norm.weight.shape[0], device=dev, generator=gen)).to(dt)
     delta = (torch.randn(rows, norm.weight.shape[0], device=dev, generator=gen)).to(dt)
-    d, groups, per = attn.cfg.kv_channels, attn.groups, attn.per_group
-    qkv = torch.randn(rows, groups * (per + 2) * d, device=dev, generator=gen).to(dt)
-    rope = rope_tables(torch.arange(rows, device=dev) * 37, d, attn.cfg.rotary_base, dt)
-    ref = TorchOps()
-    checks = [("rmsnorm", lambda o: (o.rmsnorm(norm, h),)),
-              ("add_rmsnorm", lambda o: tuple(o.add_rmsnorm(norm, h, delta))),
-              ("qkv_norm_rope", lambda o: tuple(o.qkv(attn, qkv, rope)))]
+    w, eps = norm.weight, norm.eps
+    checks = [("rmsnorm", lambda o: (o.rmsnorm(h, w, eps),)),
+              ("add_rmsnorm", lambda o: tuple(o.add_rmsnorm(h, delta, w, eps)))]
+    if isinstance(attn, SelfAttention):
+        d, groups, per = attn.cfg.kv_channels, attn.groups, attn.per_group
+        qkv = torch.randn(rows, groups * (per + 2) * d, device=dev, generator=gen).to(dt)
+        rope = rope_tables(torch.arange(rows, device=dev) * 37, d, attn.cfg.rotary_base, dt)
+        qk = ((attn.q_layernorm.weight, attn.k_layernorm.weight, attn.q_layernorm.eps) if attn.cfg.qk_layernorm
+              else (None, None, attn.cfg.layernorm_epsilon))
+        checks.append(("qkv_norm_rope", lambda o: tuple(o.qkv(qkv, groups, per, d, rope, *qk))))
     if router is not None:
         x = torch.randn(rows, router.weight.shape[1], device=dev, generator=gen).to(dt)
-        checks.append(("router_topk", lambda o: tuple(o.router(router, x))))
+        checks.append(("router_topk", lambda o: tuple(o.router(x, router.weight, router.topk, router.renormalize))))
     experts = next((m for m in model.modules() if isinstance(m, Experts)), None)
     if experts is not None:
         ffn, hidden, k = experts.local_experts[0].linear_fc2.weight.shape[1], norm.weight.shape[0], 4
         gu = torch.randn(rows, 2 * ffn, device=dev, generator=gen).to(dt)
         ys = torch.randn(rows * k, hidden, device=dev, generator=gen).to(dt)
         dest = torch.randperm(rows * k, device=dev, generator=gen).view(rows, k)
-        w = torch.rand(rows, k, device=dev, generator=gen).to(dt)
-        checks += [("silu_mul", lambda o: (o.silu_mul(gu),)), ("moe_combine", lambda o: (o.combine(ys, dest, w),))]
+        cw = torch.rand(rows, k, device=dev, generator=gen).to(dt)
+        checks += [("silu_mul", lambda o: (o.silu_mul(gu),)), ("moe_combine", lambda o: (o.combine(ys, dest, cw),))]
     with torch.no_grad():
         for name, run in checks:
             try:
                 got = run(ops)
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
-            except Exception as exc:  # a kernel that does not build here: keep the portable path
+            except Exception as exc:  # a kernel that does not build here: keep the reference
                 return f"{name} failed: {type(exc).__name__}: {exc}"
-            for g, r in zip(got, run(ref)):
+            for g, r in zip(got, run(REFERENCE)):
                 if g.shape != r.shape or g.dtype != r.dtype:
                     return f"{name}: got {g.dtype} {tuple(g.shape)}, expected {r.dtype} {tuple(r.shape)}"
                 if not g.is_floating_point():  # router ids: near-ties may swap a few
@@ -799,52 +663,34 @@ def self_check(model: torch.nn.Module, ops: TorchOps, rows: int = 16, tol: float
 
 
 def install_fused_ops(model: torch.nn.Module, backend: str = "auto", verify: bool | None = None) -> dict:
-    """Swap the fused ops into a built `MoETransformer` (idempotent; `uninstall_fused_ops` undoes).
+    """Choose the fused kernels for a built `MoETransformer` (`model.use_ops`; idempotent).
 
-    "auto" installs the Triton kernels for a bf16 model on CUDA and nothing otherwise; "triton"
-    forces them (CPU only under TRITON_INTERPRET=1); "torch" installs the same wiring over the
-    reference ops. `verify` (default: on CUDA) runs `self_check` first and installs nothing if a
-    kernel fails to build or disagrees. Returns what was done: backend, installed, per-kind module
-    counts, reason."""
+    "auto" chooses the Triton kernels for a bf16 model on CUDA and keeps the reference otherwise;
+    "triton" forces them (CPU only under TRITON_INTERPRET=1); "torch" keeps the reference.
+    `verify` (default: on CUDA) runs `self_check` first and keeps the reference if a kernel fails
+    to build or disagrees. Returns what was done: backend, installed, modules (how many modules call
+    the ops), reason (why the reference stays, where it does), verified."""
     ops, reason = _make_ops(model, backend)
-    if ops is not None and isinstance(ops, TritonOps):
-        if verify is None:
-            verify = next(model.parameters()).device.type == "cuda"
-        failure = self_check(model, ops) if verify else None
+    verify = bool(next(model.parameters()).device.type == "cuda" if verify is None else verify)
+    if ops is not REFERENCE and verify:
+        failure = self_check(model, ops)
         if failure is not None:
-            log.warning("fused ops not installed, the portable path stays: %s", failure)
-            ops, reason = None, failure
-    if ops is None:
+            log.warning("fused ops not installed, the reference stays: %s", failure)
+            ops, reason = REFERENCE, failure
+    modules = model.use_ops(None if ops is REFERENCE else ops)
+    if ops is REFERENCE:
         log.info("fused ops not installed: %s", reason)
         return {"backend": "none", "installed": False, "reason": reason}
-    counts = {cls.__name__: 0 for cls, _, _ in _SWAPS}
-    for module in model.modules():
-        for cls, attr, fn in _SWAPS:
-            if isinstance(module, cls):
-                module._fused_ops = ops
-                setattr(module, attr, types.MethodType(fn, module))
-                counts[cls.__name__] += 1
-    model._fused_ops = ops
-    model.step = types.MethodType(_step, model)
-    log.info("fused ops (%s) installed: %s", ops.name, counts)
-    return {"backend": ops.name, "installed": True, "modules": counts, "step": True, "reason": reason,
-            "verified": bool(verify)}
+    log.info("fused ops (%s) installed on %d modules", ops.name, modules)
+    return {"backend": ops.name, "installed": True, "modules": modules, "reason": reason, "verified": verify}
 
 
 def uninstall_fused_ops(model: torch.nn.Module) -> int:
-    """Remove what `install_fused_ops` set; returns the number of modules restored."""
-    restored = 0
-    for module in model.modules():
-        if "_fused_ops" in module.__dict__:
-            for attr in ("forward", "step", "activation"):
-                if isinstance(module.__dict__.get(attr), types.MethodType):
-                    delattr(module, attr)
-            del module._fused_ops
-            restored += 1
-    return restored
+    """Put the model back on the reference ops; returns how many modules call them."""
+    return model.use_ops(None)
 
 
 def installed_backend(model: torch.nn.Module) -> str | None:
-    """The backend installed on `model` ("triton", "torch") or None."""
-    ops = model.__dict__.get("_fused_ops")
-    return None if ops is None else ops.name
+    """The kernel set chosen for `model` ("triton"), or None on the reference."""
+    ops = model.ops
+    return None if ops is REFERENCE else ops.name

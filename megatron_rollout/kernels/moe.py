@@ -89,9 +89,9 @@ def _routed_experts_fp8(x, ids, weights, experts: Experts, fp8) -> torch.Tensor:
 
 
 def _combine(experts: Experts):
-    """The fused ops' combine (`kernels.fused.install_fused_ops`), or None where not installed."""
-    ops = experts.__dict__.get("_fused_ops")
-    return ops.combine if ops is not None else None
+    """The model ops' combine where it is a fused kernel (`ModelOps.fuses_combine`), else None (the
+    expert GEMMs then weigh their rows themselves)."""
+    return experts.ops.combine if experts.ops.fuses_combine else None
 
 
 def _on_te(experts: Experts) -> bool:
@@ -167,7 +167,7 @@ def choose_small_kernels(model: torch.nn.Module, rows: int = 64) -> dict:
     if not moe_triton.supported(cfg_h, ffn):
         return {"choice": "grouped_mm", "reason": f"hidden {cfg_h} / ffn {ffn} not tileable"}
     key = (str(fc1.device), torch.cuda.get_device_name(fc1.device), tuple(fc1.shape), tuple(fc2.shape),
-           layer.router.topk, rows, "fused" if "_fused_ops" in layer.experts.__dict__ else "plain")
+           layer.router.topk, rows, layer.experts.ops.name)
     if key in _CHOSEN:
         comm.device_exchange.small = _CHOSEN[key]["choice"]
         return {**_CHOSEN[key], "reused": True}

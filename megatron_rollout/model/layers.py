@@ -24,36 +24,18 @@ from megatron_rollout.comm.facade import Comm, Shard
 from megatron_rollout.forward import BoundaryPoint, Forward, Site, run_to_end  # noqa: F401 (re-exported)
 from megatron_rollout.model.attention import AttentionBackend
 from megatron_rollout.model.config import ModelConfig
+from megatron_rollout.model.ops import ROW_MULTIPLE, Routing, UsesOps, apply_rope, linear  # noqa: F401 (re-exported)
 from megatron_rollout.types import Axis, Phase
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(UsesOps, nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device=None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-ROW_MULTIPLE = 8
-"""CPU matmuls see a multiple of this many rows (zero rows appended, their results dropped). The CPU
-BLAS picks its kernel and its split over threads by the row count, and the rounding of a row's
-result follows that choice; at multiples of 8 rows (measured with 1, 2 and 4 threads up to 4,096
-rows) it is one choice, so a row's output does not depend on how many rows share its batch. That
-is what makes a seeded request's tokens and logprobs independent of the schedule and of the other
-requests (tests/engine/test_batch_invariance.py), and a GRPO run on CPU reproducible."""
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`x @ weight.T` for x [rows, in]; on CPU each row's result is independent of the other rows."""
-    pad = -x.shape[0] % ROW_MULTIPLE if x.device.type == "cpu" and x.dim() == 2 else 0
-    if pad == 0:
-        return F.linear(x, weight)
-    return F.linear(torch.cat([x, x.new_zeros(pad, x.shape[1])]), weight)[: x.shape[0]]
+        return self.ops.rmsnorm(x, self.weight, self.eps)
 
 
 class Linear(nn.Module):
@@ -78,14 +60,7 @@ def rope_tables(positions: torch.Tensor, dim: int, base: float, dtype: torch.dty
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [N, heads, dim]; cos, sin: [N, dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
-class SelfAttention(nn.Module):
+class SelfAttention(UsesOps, nn.Module):
     """Grouped-query attention, heads split over ATP (column-parallel QKV, row-parallel proj).
 
     `linear_qkv` uses Megatron's per-query-group layout: for each local group, its query heads,
@@ -109,13 +84,10 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend,
                 comm: Comm, phase: Phase) -> Forward:
         n, d = x.shape[0], self.cfg.kv_channels
-        qkv = self.linear_qkv(x).view(n, self.groups, self.per_group + 2, d)
-        q = qkv[:, :, : self.per_group].reshape(n, self.groups * self.per_group, d)  # [N, hq, d]
-        k, v = qkv[:, :, -2], qkv[:, :, -1]  # [N, hkv, d]
-        if self.cfg.qk_layernorm:
-            q, k = self.q_layernorm(q), self.k_layernorm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        heads = attn.attend(self.layer, q, k, v.contiguous())  # [N, hq, d]
+        qk_norm = (self.q_layernorm.weight, self.k_layernorm.weight, self.q_layernorm.eps) if self.cfg.qk_layernorm \
+            else (None, None, self.cfg.layernorm_epsilon)
+        q, k, v = self.ops.qkv(self.linear_qkv(x), self.groups, self.per_group, d, rope, *qk_norm)
+        heads = attn.attend(self.layer, q, k, v)  # [N, hq, d]
         out = self.linear_proj(heads.reshape(n, self.groups * self.per_group * d))
         if comm.size(Axis.ATP) > 1:
             yield BoundaryPoint(self.layer, Site.ATTN_REDUCE)
@@ -157,24 +129,20 @@ class DenseMLP(MLP):
         return out
 
 
-class Router(nn.Module):
+class Router(UsesOps, nn.Module):
     def __init__(self, cfg: ModelConfig, device=None) -> None:
         super().__init__()
         self.topk, self.renormalize = cfg.moe_router_topk, cfg.moe_renormalize_topk
         self.weight = nn.Parameter(torch.empty(cfg.num_moe_experts, cfg.hidden_size,
                                                dtype=cfg.torch_dtype, device=device))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> Routing:
         """Softmax over all experts in fp32, then top-k. Returns weights [N, k] (x's dtype) and
         expert ids [N, k]."""
-        probs = linear(x.float(), self.weight.float()).softmax(dim=-1)
-        weights, ids = probs.topk(self.topk, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), ids
+        return self.ops.router(x, self.weight, self.topk, self.renormalize)
 
 
-class Experts(nn.Module):
+class Experts(UsesOps, nn.Module):
     """This rank's routed experts, `local_experts.K` = global expert `first + K`."""
 
     def __init__(self, cfg: ModelConfig, shard: Shard, device=None) -> None:
@@ -237,12 +205,9 @@ class Experts(nn.Module):
         h = torch._grouped_mm(x, fc1.transpose(1, 2), offs=offsets)  # [n, 2F]
         return torch._grouped_mm(self.activation(h), fc2.transpose(1, 2), offs=offsets)  # [n, H]
 
-    @staticmethod
-    def activation(h: torch.Tensor) -> torch.Tensor:
-        """SwiGLU between the grouped projections: h [n, 2F] (gate | up) -> silu(gate) * up [n, F].
-        `kernels.fused.install_fused_ops` replaces it on the instance by one kernel."""
-        gate, up = h.chunk(2, dim=-1)
-        return F.silu(gate) * up
+    def activation(self, h: torch.Tensor) -> torch.Tensor:
+        """SwiGLU between the grouped projections: h [n, 2F] (gate | up) -> silu(gate) * up [n, F]."""
+        return self.ops.silu_mul(h)
 
 
 @dataclass(frozen=True)
@@ -274,7 +239,7 @@ class MoELayer(nn.Module):
         return out
 
 
-class TransformerLayer(nn.Module):
+class TransformerLayer(UsesOps, nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, shard: Shard, device=None,
                  parts: LayerParts = LayerParts()) -> None:
         super().__init__()
@@ -286,5 +251,20 @@ class TransformerLayer(nn.Module):
         self.mlp = MoELayer(cfg, layer, shard, device, parts.router) if moe else DenseMLP(cfg, layer, shard, device)
 
     def forward(self, h: torch.Tensor, rope, attn: AttentionBackend, comm: Comm, phase: Phase) -> Forward:
-        h = h + (yield from self.self_attention(self.input_layernorm(h), rope, attn, comm, phase))
-        return h + (yield from self.mlp(self.pre_mlp_layernorm(h), comm, phase))
+        h, m = yield from self.residual(h, None, rope, attn, comm, phase)
+        return h + m
+
+    def residual(self, h: torch.Tensor, delta: torch.Tensor | None, rope, attn: AttentionBackend, comm: Comm,
+                 phase: Phase) -> Forward:
+        """This layer on the residual stream `h + delta` (delta: the previous layer's MLP output, not
+        yet added, or None). Returns (h, this layer's MLP output), unadded, so that the caller adds
+        them together with the next layer's first norm (`ModelOps.add_rmsnorm`)."""
+        norm, ops = self.input_layernorm, self.ops
+        if delta is None:
+            x = ops.rmsnorm(h, norm.weight, norm.eps)
+        else:
+            h, x = ops.add_rmsnorm(h, delta, norm.weight, norm.eps)
+        a = yield from self.self_attention(x, rope, attn, comm, phase)
+        h, x = ops.add_rmsnorm(h, a, self.pre_mlp_layernorm.weight, self.pre_mlp_layernorm.eps)
+        m = yield from self.mlp(x, comm, phase)
+        return h, m

@@ -17,6 +17,7 @@ from megatron_rollout.forward import Forward, run_to_end
 from megatron_rollout.model.attention import AttentionBackend, CausalBatch
 from megatron_rollout.model.config import ModelConfig
 from megatron_rollout.model.layers import Linear, RMSNorm, TransformerLayer, linear
+from megatron_rollout.model.ops import REFERENCE, ModelOps, UsesOps
 from megatron_rollout.model.parts import layer_parts
 from megatron_rollout.model.rope import rope_for
 from megatron_rollout.types import Phase
@@ -104,9 +105,28 @@ class MoETransformer(nn.Module):
         """`step` up to the decoder's last hidden states [N, H], before the final norm (what MTP reads)."""
         h = self.embedding.word_embeddings(tokens)  # [N, H]
         rope = rope_for(self.cfg, positions, h.dtype)
+        delta = None  # each layer's MLP output is added together with the next layer's first norm
         for layer in self.decoder.layers:
-            h = yield from layer(h, rope, attn, self.comm, phase)
-        return h
+            h, delta = yield from layer.residual(h, delta, rope, attn, self.comm, phase)
+        return h if delta is None else h + delta
+
+    def use_ops(self, ops: ModelOps | None) -> int:
+        """Point every module that calls the small ops (`model.ops.UsesOps`) at `ops`; None restores
+        the reference. Returns how many modules now use it. The hook through which a kernel library
+        (`kernels.fused`) is chosen: the forward code stays one."""
+        users = [m for m in self.modules() if isinstance(m, UsesOps)]
+        for module in users:
+            if ops is None:
+                module.__dict__.pop("ops", None)
+            else:
+                module.ops = ops
+        return len(users)
+
+    @property
+    def ops(self) -> ModelOps:
+        """The small ops this model's layers call (`use_ops`)."""
+        first = next((m for m in self.modules() if isinstance(m, UsesOps)), None)
+        return REFERENCE if first is None else first.ops
 
     def forward(self, input_ids: torch.Tensor, phase: Phase = Phase.P) -> torch.Tensor:
         """Full-sequence forward of a right-padded batch. input_ids: [B, T] -> logits [B, T, V]."""

@@ -46,8 +46,8 @@ class RunnerConfig:
     measure_expert_kernels: bool = True
     """Time the Triton and grouped-GEMM expert kernels at decode size once and use the faster."""
     fused_ops: bool = True
-    """Install the fused small-op kernels (`kernels.fused.install_fused_ops`: verified once on the
-    device, skipped where they do not apply) on the CUDA runner's model."""
+    """Choose the fused small-op kernels for the CUDA runner's model (`kernels.fused.install_fused_ops`
+    through the model's ops hook: verified once on the device, skipped where they do not apply)."""
     decode_ahead: str = "auto"
     """Issue the next decode forward before the host has read this one's tokens (`engine.ahead`):
     auto (on for the CUDA runner on one rank) | on (any single-rank runner; the portable one gains

@@ -48,8 +48,9 @@ engine and the mux driver are unchanged):
   on the device; after each forward their counters are copied to pinned memory on the forward's
   stream and read once that copy has completed, at a later forward (never waiting): a rank-order
   mismatch raises `SequenceMismatch` there.
-- **Fused ops.** `kernels.fused.install_fused_ops` replaces a decode step's small ops by Triton
-  kernels where they apply (`RunnerConfig.fused_ops`), after the expert exchange is installed.
+- **Fused ops.** `kernels.fused.install_fused_ops` chooses the Triton kernel set for the model's
+  small ops (`MoETransformer.use_ops`) where they apply (`RunnerConfig.fused_ops`), after the
+  expert exchange is installed.
 
 `EngineConfig.runner` (`RunnerConfig`) picks the runner (`kind`) and holds this runner's knobs.
 

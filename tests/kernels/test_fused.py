@@ -17,8 +17,8 @@ fused ops installed against the portable runner; no Triton compilation after war
 
 Devices: the cases marked `gpu` run on CUDA; the `interpret` cases run the same kernels on CPU
 through Triton's interpreter (`TRITON_INTERPRET=1 PYTHONPATH=<triton> pytest -m interpret`) at
-smaller sizes, and skip where Triton is missing (CI). The "torch" backend's wiring is tested on
-CPU unconditionally: it must be bit-identical to the model without it.
+smaller sizes, and skip where Triton is missing (CI). The ops hook itself (`MoETransformer.use_ops`)
+and the residual wiring the kernels rely on are tested on CPU unconditionally.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from megatron_rollout.kernels import fused
 from megatron_rollout.model.attention import DenseKVCache
 from megatron_rollout.model.config import ModelConfig, preset
 from megatron_rollout.model.layers import RMSNorm, Router, rope_tables
+from megatron_rollout.model.ops import REFERENCE, ModelOps
 from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.types import Phase
 
@@ -182,7 +183,7 @@ def test_routed_experts_with_fused_ops_match(tokens):
     assert _launched("silu_mul", before) == 1 and _launched("moe_combine", before) == 1
     assert _rel(got, ref) < 1e-2, _rel(got, ref)
     fused.uninstall_fused_ops(model)
-    assert "activation" not in layer.experts.__dict__
+    assert fused.installed_backend(model) is None and layer.experts.ops is REFERENCE
 
 
 def test_moe_ops_fall_back_where_they_do_not_apply():
@@ -474,46 +475,70 @@ def _variants() -> list[ModelConfig]:
             TINY.replace(moe_renormalize_topk=False, moe_layer_freq=(1, 0, 1))]
 
 
-@pytest.mark.parametrize("cfg", _variants(), ids=["fp32", "bf16", "noqknorm-tied", "plain-topk"])
-def test_torch_backend_wiring_is_bit_identical(cfg):
-    ref, fast = _models(cfg, "cpu", 1, "torch")
-    gen = torch.Generator().manual_seed(2)
-    ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=gen)
-    with torch.no_grad():
-        assert torch.equal(fast(ids), ref(ids))  # the full-sequence forward goes through step too
-        caches = DenseKVCache(cfg.num_layers, 1), DenseKVCache(cfg.num_layers, 1)
-        feed = ids[0, :4].tolist()
-        for _ in range(4):
-            a, b = _decode(ref, caches[0], feed, "cpu"), _decode(fast, caches[1], feed, "cpu")
-            assert torch.equal(a, b)
-            feed = [int(a.argmax())]
-
-
 def test_install_auto_on_cpu_installs_nothing_and_says_why():
     model = MoETransformer(TINY).init_weights(0)
     report = fused.install_fused_ops(model)
     assert report["installed"] is False and report["reason"]
-    assert fused.installed_backend(model) is None and "step" not in model.__dict__
+    assert fused.installed_backend(model) is None and model.ops is REFERENCE
     with pytest.raises(ValueError, match="backend must be one of"):
         fused.install_fused_ops(model, "cuda")
 
 
-def test_install_is_idempotent_uninstall_restores_and_deepcopy_rebinds():
+class _Counting(ModelOps):
+    """The reference ops, counting which ones the model calls."""
+
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+
+    def __getattribute__(self, attr):
+        if attr in ("rmsnorm", "add_rmsnorm", "qkv", "router", "silu_mul", "combine"):
+            calls = object.__getattribute__(self, "calls")
+            calls[attr] = calls.get(attr, 0) + 1
+        return object.__getattribute__(self, attr)
+
+
+def test_the_ops_hook_routes_every_small_op_and_uninstall_restores():
     model = MoETransformer(TINY).init_weights(0)
-    first = fused.install_fused_ops(model, "torch")
-    assert first["modules"] == fused.install_fused_ops(model, "torch")["modules"]
-    # 3 layers x (input, pre-MLP, q, k) norms + the final norm; 2 MoE routers and expert sets; 3 attentions
-    # and layers
-    assert first["modules"] == {"RMSNorm": 13, "Router": 2, "SelfAttention": 3, "TransformerLayer": 3,
-                                "Experts": 2}
+    ids = torch.randint(0, TINY.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(ids)
+        ops = _Counting()
+        # 3 layers x (input, pre-MLP, q, k) norms + the final norm; 2 routers and expert sets; 3 attentions
+        # and layers
+        assert model.use_ops(ops) == 13 + 2 + 2 + 3 + 3 == model.use_ops(ops)
+        assert model.ops is ops and fused.installed_backend(model) == "counting"
+        assert torch.equal(model(ids), before)  # the reference's math, called through the hook
+    # every layer: the first norm (rmsnorm), the residual adds fused into norms, the QKV ops, the router
+    assert ops.calls["qkv"] == 3 and ops.calls["router"] == 2 and ops.calls["add_rmsnorm"] == 3 + 2
+    # layer 0's input norm and the final norm, and the reference's add_rmsnorm (5) and QK-norms (2 x 3) call it
+    assert ops.calls["rmsnorm"] == 2 + 5 + 6
     clone = copy.deepcopy(model)
-    norm = clone.decoder.final_layernorm
-    assert clone.step.__self__ is clone and norm.forward.__self__ is norm  # bound to the copy, not the original
-    assert fused.uninstall_fused_ops(model) == 1 + 13 + 2 + 3 + 3 + 2
-    assert fused.installed_backend(model) is None
-    assert all("forward" not in m.__dict__ and "activation" not in m.__dict__ for m in model.modules())
-    assert "step" not in model.__dict__
-    assert fused.installed_backend(clone) == "torch"
+    assert fused.installed_backend(clone) == "counting" and clone.ops is not ops  # the copy has its own
+    assert fused.uninstall_fused_ops(model) == 23 and model.ops is REFERENCE
+    assert all("ops" not in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("cfg", _variants(), ids=["fp32", "bf16", "noqknorm-tied", "plain-topk"])
+def test_the_fused_residual_wiring_equals_plain_residual_layers(cfg):
+    """`MoETransformer.step` carries each layer's MLP output to the next layer's norm; that must be
+    bit for bit the plain `h + attention(norm(h))`, `h + mlp(norm(h))` layer after layer."""
+    from megatron_rollout.forward import run_to_end as run
+    from megatron_rollout.model.attention import CausalBatch
+    from megatron_rollout.model.rope import rope_for
+
+    model = MoETransformer(cfg).init_weights(1)
+    ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        attn, positions = CausalBatch(2, 9), torch.arange(9).repeat(2)
+        h = model.embedding.word_embeddings(ids.reshape(-1))
+        rope = rope_for(cfg, positions, h.dtype)
+        for layer in model.decoder.layers:
+            x = layer.self_attention(layer.input_layernorm(h), rope, attn, model.comm, Phase.P)
+            h = h + run(x)
+            h = h + run(layer.mlp(layer.pre_mlp_layernorm(h), model.comm, Phase.P))
+        assert torch.equal(model.logits(h).view(2, 9, -1), model(ids))
 
 
 @pytest.mark.skipif(_INTERPRET, reason="the interpreter runs the kernels on CPU")
@@ -531,19 +556,19 @@ def test_kernels_fall_back_to_the_references_where_they_cannot_run():
     assert fused.LAUNCHES == before  # CPU without the interpreter: no kernel ran
 
 
-class _WrongNorm(fused.TorchOps):
-    def rmsnorm(self, norm, x):
-        return super().rmsnorm(norm, x) * 1.1
+class _WrongNorm(ModelOps):
+    def rmsnorm(self, x, weight, eps):
+        return super().rmsnorm(x, weight, eps) * 1.1
 
 
-class _BrokenRouter(fused.TorchOps):
-    def router(self, router, x):
+class _BrokenRouter(ModelOps):
+    def router(self, x, weight, topk, renormalize):
         raise RuntimeError("no kernel image is available")
 
 
 def test_self_check_catches_a_wrong_or_failing_kernel():
     model = MoETransformer(TINY.replace(dtype="bfloat16")).init_weights(0)
-    assert fused.self_check(model, fused.TorchOps()) is None
+    assert fused.self_check(model, ModelOps()) is None
     assert fused.self_check(model, _WrongNorm()).startswith("rmsnorm: rel err")
     assert "router_topk failed: RuntimeError: no kernel image" in fused.self_check(model, _BrokenRouter())
 
