@@ -21,7 +21,7 @@ from typing import Any
 
 from megatron_rollout.aio import AsyncEngine, AsyncSession
 from megatron_rollout.engine import RequestError
-from megatron_rollout.engine.api import FinishReason, GenerationResult, RequestOutput, SamplingParams
+from megatron_rollout.engine.api import FinishReason, GenerationResult, SamplingParams
 from rl.envs.base import Env, Observation
 from rl.fields import check_types
 from rl.trajectory import NOT_GENERATED, Trajectory
@@ -108,28 +108,28 @@ async def _run_group(aengine: AsyncEngine, eps: list[Episode], cfg: RolloutConfi
     own (`AsyncSession.forks`)."""
     resets = await asyncio.gather(*(ep.env.reset(ep.seed) for ep in eps))
     prompt = list(resets[0].token_ids)
-    if not cfg.share_prompt or len(eps) == 1 or any(list(o.token_ids) != prompt for o in resets):
+
+    async def alone() -> list[Trajectory]:
         return list(await asyncio.gather(*(_run_episode(aengine, ep, cfg, o) for ep, o in zip(eps, resets))))
+
+    if not cfg.share_prompt or len(eps) == 1 or any(list(o.token_ids) != prompt for o in resets):
+        return await alone()
     session = aengine.open_session()
     session.append(prompt)
     try:
-        first: RequestOutput | RequestError = await session.generate(
-            dataclasses.replace(_turn_params(cfg, eps[0], 0), n=len(eps)))
-        sessions = [session, *session.forks()]
-    except RequestError as exc:  # e.g. the group's KV does not fit: every episode ends with it
-        first, sessions = exc, [session]
-    if len(sessions) < len(eps):  # the request ended before its samples were drawn: no forks
-        sessions += [aengine.open_session() for _ in range(len(eps) - len(sessions))]
-        for fork in sessions[1:]:
-            fork.append(prompt)
-    opening = first.results if isinstance(first, RequestOutput) else [first] * len(eps)
+        first = await session.generate(dataclasses.replace(_turn_params(cfg, eps[0], 0), n=len(eps)))
+    except RequestError as exc:  # e.g. n samples' KV at once does not fit: one request per episode
+        log.info("group %d: one request per episode (%s)", eps[0].group_id, exc)
+        session.close()
+        return await alone()
+    sessions: list[AsyncSession | None] = [session, *session.forks()]
+    sessions += [None] * (len(eps) - len(sessions))  # none forked: the request ended before its draw
     return list(await asyncio.gather(*(_run_episode(aengine, ep, cfg, o, s, r)
-                                       for ep, o, s, r in zip(eps, resets, sessions, opening))))
+                                       for ep, o, s, r in zip(eps, resets, sessions, first.results))))
 
 
 async def _run_episode(aengine: AsyncEngine, ep: Episode, cfg: RolloutConfig, obs: Observation,
-                       session: AsyncSession | None = None,
-                       opening: GenerationResult | RequestError | None = None) -> Trajectory:
+                       session: AsyncSession | None = None, opening: GenerationResult | None = None) -> Trajectory:
     """One episode from its first observation; `session` holds it already with `opening`, its
     turn 0 (drawn with its group's), where given."""
     n = len(obs.token_ids)
@@ -141,12 +141,8 @@ async def _run_episode(aengine: AsyncEngine, ep: Episode, cfg: RolloutConfig, ob
     try:
         while not done and turns < cfg.max_turns:
             try:
-                if opening is not None and turns == 0:
-                    if isinstance(opening, RequestError):
-                        raise opening
-                    res = opening
-                else:
-                    res = (await session.generate(_turn_params(cfg, ep, turns))).result
+                res = opening if opening is not None and turns == 0 else \
+                    (await session.generate(_turn_params(cfg, ep, turns))).result
             except RequestError as exc:  # e.g. the context no longer fits: end this episode only
                 log.warning("episode seed=%d group=%d ends at turn %d: %s", ep.seed, ep.group_id, turns, exc)
                 error = f"refused at turn {turns}: {exc}"

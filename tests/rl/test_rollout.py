@@ -143,3 +143,11 @@ def test_a_group_prompt_is_prefilled_once(policy, tok):
     # sample 0 of each group draws with its episode's own turn-0 seed: the same tokens either way
     assert [shared.trajectories[i].token_ids for i in (0, 4, 8)] == [alone.trajectories[i].token_ids for i in (0, 4, 8)]
     assert len({t.token_ids for t in shared.trajectories[:4]}) > 1
+
+
+def test_a_group_too_large_for_the_pool_at_once_runs_episode_by_episode(policy, tok):
+    # 21 prompt tokens + 6: one episode needs 2 blocks of 16, the group of 4 at once 1 + 4 x 1 = 5 of the 4
+    engine = RolloutEngine(copy.deepcopy(policy), EngineConfig(kv=KVConfig(num_blocks=4)))
+    res = rollout(engine, _digits(tok, groups=2, size=4), RolloutConfig(SamplingParams(max_new_tokens=6)))
+    assert res.stats.engine_errors == 0 and all(t.num_generated == 6 for t in res.trajectories)
+    assert res.stats.prefill_tokens > 2 * 21
