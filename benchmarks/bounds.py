@@ -15,6 +15,8 @@ benchmark can be recomputed by hand:
   FLOPs at peak or its bytes at full bandwidth (with decode batched at the largest possible
   batch), whichever is larger. The makespan is at least their maximum.
 
+Multi-latent attention (DeepSeek-V3) is counted in its absorbed form, as the model runs it.
+
 Left out: communication (one device), the host (Python scheduling costs are what the benchmark
 measures against these), and MTP / speculative decoding (one token per step).
 """
@@ -85,6 +87,9 @@ def model_costs(cfg: ModelConfig) -> ModelCosts:
     hq, hkv = cfg.num_attention_heads, cfg.num_query_groups
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.dtype]
     attn = cfg.num_layers * (h * (hq + 2 * hkv) * d + hq * d * h + (2 * d if cfg.qk_layernorm else 0))
+    kv_per_token, flops_per_pair = 2 * cfg.num_layers * hkv * d, 4 * cfg.num_layers * hq * d
+    if cfg.multi_latent_attention:
+        attn, kv_per_token, flops_per_pair = _mla_costs(cfg)
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     dense_layers = cfg.num_layers - moe_layers
     return ModelCosts(
@@ -99,9 +104,22 @@ def model_costs(cfg: ModelConfig) -> ModelCosts:
         topk=cfg.moe_router_topk if moe_layers else 0,
         vocab_hidden=cfg.vocab_size * h,
         hidden=h,
-        kv_bytes_per_token=2 * cfg.num_layers * hkv * d * itemsize,
-        attn_flops_per_pair=4 * cfg.num_layers * hq * d,
+        kv_bytes_per_token=kv_per_token * itemsize,
+        attn_flops_per_pair=flops_per_pair,
     )
+
+
+def _mla_costs(cfg: ModelConfig) -> tuple[int, int, int]:
+    """Multi-latent attention (`model.mla`, absorbed): (attention parameters, cached elements per
+    token, FLOPs per (query, key) pair), all layers. Every token multiplies each weight once
+    (`linear_kv_up_proj` too: absorbed into the query and applied to the output's latent); the
+    cache holds one latent + RoPE row per token; a pair scores over latent + RoPE and sums the
+    latent."""
+    h, hq, layers = cfg.hidden_size, cfg.num_attention_heads, cfg.num_layers
+    r, dr, dn, dv, ql = cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim, cfg.qk_head_dim, cfg.v_head_dim, cfg.q_lora_rank
+    query = h * hq * (dn + dr) if ql is None else h * ql + ql + ql * hq * (dn + dr)
+    per_layer = query + h * (r + dr) + r + r * hq * (dn + dv) + hq * dv * h
+    return layers * per_layer, layers * (r + dr), layers * hq * (2 * (r + dr) + 2 * r)
 
 
 def decode_roofline_s(costs: ModelCosts, rows: int, context_tokens: int, bandwidth: float) -> float:

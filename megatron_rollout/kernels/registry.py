@@ -21,6 +21,7 @@ reads the host copies of the indices (`host` fields), so it never synchronises o
 from __future__ import annotations
 
 import abc
+import importlib
 import logging
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -215,6 +216,34 @@ def resolve_attention(name: str, device: torch.device | str) -> AttentionKernels
             return cls.for_auto()
         log.info("attention backend %s cannot run on %s: %s", candidate, device, why)
     raise AssertionError("the portable attention backend always runs")
+
+
+_MLA_MODULE = "megatron_rollout.kernels.mla_attention"
+
+
+def resolve_mla_attention(name: str, latent: int, device: torch.device | str) -> AttentionKernels:
+    """Kernels for a multi-latent-attention model (`model.mla`, a cached row of `latent` latent
+    columns then the RoPE key): 'auto' or 'triton' give the Triton MLA kernels
+    (`kernels.mla_attention`; 'auto' falls back to portable where they cannot run), 'portable' the
+    reference. Other backends read per-group K/V and are refused with the reason."""
+    device = torch.device(device)
+    if name == "portable":
+        return PortableAttention()
+    if name not in ("auto", "triton"):
+        raise ValueError(f"attention backend {name!r} has no multi-latent attention kernels; choose 'auto', "
+                         f"'triton' or 'portable' for this model")
+    try:  # by name, as `_LAZY`: the module imports this one
+        mla = importlib.import_module(_MLA_MODULE).TritonMLA
+    except ImportError as exc:
+        why = f"{exc} (pip install triton; it ships with CUDA builds of torch)"
+    else:
+        why = mla.missing(device)
+    if why is None:
+        return mla(latent)
+    if name == "triton":
+        raise RuntimeError(f"attention backend 'triton' was asked for but cannot run on {device}: {why}")
+    log.info("MLA attention kernels cannot run on %s (%s): portable attention", device, why)
+    return PortableAttention()
 
 
 def history_slots(table: np.ndarray, length: int, block_size: int) -> np.ndarray:

@@ -201,6 +201,29 @@ PRESETS: dict[str, ModelConfig] = {
         rotary_base=1_000_000.0, max_position_embeddings=40960, dtype="bfloat16"),
 }
 PRESETS["qwen3-30b-a3b-12l"] = PRESETS["qwen3-30b-a3b"].replace(num_layers=12)
+# DeepSeek-V3's widths (MLA, 256 routed experts top-8 in 8 groups pick 4, one shared expert,
+# sigmoid scores with a bias, YaRN) in 6 layers, 2 of them dense: 6 x 1 + 4 MoE x 11.5 + 1.9 (embedding
+# and output) = about 49B parameters, 98 GB in bf16, so one H200 keeps ~40 GB for KV and graphs. The
+# full model has 61 layers, 3 dense. Random init; GPU benchmarks (`benchmarks.mla`).
+PRESETS["deepseek-v3"] = ModelConfig(
+    vocab_size=129280, hidden_size=7168, num_layers=6, num_attention_heads=128, num_query_groups=128,
+    kv_channels=192, ffn_hidden_size=18432, num_moe_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048,
+    moe_shared_expert_intermediate_size=2048, moe_layer_freq=(0, 0, 1, 1, 1, 1), moe_renormalize_topk=True,
+    layernorm_epsilon=1e-6, rotary_base=10000.0, max_position_embeddings=163840, dtype="bfloat16",
+    multi_latent_attention=True, q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64,
+    v_head_dim=128, rope_type="yarn", rotary_scaling_factor=40.0, original_max_position_embeddings=4096,
+    beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True, moe_router_num_groups=8, moe_router_group_topk=4,
+    moe_router_topk_scaling_factor=2.5)
+# The same architecture at tiny-moe's scale (byte-level vocabulary): milliseconds per step on CPU.
+PRESETS["tiny-deepseek"] = ModelConfig(
+    vocab_size=260, hidden_size=64, num_layers=3, num_attention_heads=8, num_query_groups=8, kv_channels=24,
+    ffn_hidden_size=128, num_moe_experts=8, moe_router_topk=4, moe_ffn_hidden_size=32,
+    moe_shared_expert_intermediate_size=32, moe_layer_freq=(0, 1, 1), max_position_embeddings=8192,
+    multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
+    v_head_dim=16, rope_type="yarn", rotary_scaling_factor=4.0, original_max_position_embeddings=1024,
+    mscale_all_dim=1.0, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+    moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5)
 
 
 def preset(name: str) -> ModelConfig:

@@ -9,8 +9,9 @@ is multiplied into latent space (`q_nope W_UK[h]`), so every head attends over t
 qk_pos_emb_head_dim), and the output's latent part is projected by W_UV afterwards. The cache
 therefore holds the latent and the RoPE key only, and the backend is the ordinary
 `AttentionBackend` with the cached row as both key and value (the value's trailing RoPE columns
-are dropped from the output; a paged MLA cache stores the row once, `kv.paged`). The backend's
-1/sqrt(width) scale is folded into the query so the logits carry MLA's own scale.
+are dropped from the output; a paged MLA cache stores the row once, `kv.paged`; on CUDA the
+Triton kernels of `kernels.mla_attention` read it). The backend's 1/sqrt(width) scale is folded
+into the query so the logits carry MLA's own scale.
 
 RoPE follows Megatron's MLA convention (and DeepSeek's interleaved checkpoints): the rotated
 dimensions come in pairs, de-interleaved before the rotate-half rotation.

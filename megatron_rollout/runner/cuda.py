@@ -54,6 +54,10 @@ engine and the mux driver are unchanged):
 
 `EngineConfig.runner` (`RunnerConfig`) picks the runner (`kind`) and holds this runner's knobs.
 
+- **MLA.** A multi-latent-attention model (DeepSeek-V3) attends through `kernels.mla_attention`
+  (`registry.resolve_mla_attention`), in its decode graphs and between its piecewise P graphs'
+  pieces alike; of the fused small ops it uses those it calls (norms, SwiGLU, the combine).
+
 Green contexts (SM partitions for D and P) are measured by `benchmarks.micro` and not used here: see
 docs/benchmarks.md. FP8 experts (`model.fp8`, stacked) are captured like bf16 ones on one rank
 (`kernels.moe_triton`'s weight-only kernels). Left out: MTP lookahead, and FP8 experts on several
@@ -73,14 +77,14 @@ from megatron_rollout.comm.facade import LocalComm
 from megatron_rollout.forward import BoundaryPoint, Forward, Site, run_to_end
 from megatron_rollout.kernels.layout import KernelPagedBatch, StaticDecodeLayout, build_layout
 from megatron_rollout.kernels.moe import DeviceLocalComm, install_device_exchange
-from megatron_rollout.kernels.registry import resolve_attention
+from megatron_rollout.kernels.registry import resolve_attention, resolve_mla_attention
 from megatron_rollout.kv.paged import PagedKVCache
 from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.multiplex.routing import PhaseStreams
 from megatron_rollout.runner.base import ModelRunner, Runner
 from megatron_rollout.runner.config import RUNNER_ENV, RunnerConfig
 from megatron_rollout.runner.piecewise import PiecewiseGraph, SharedOutputs
-from megatron_rollout.types import Phase, SpanInput
+from megatron_rollout.types import Axis, Phase, SpanInput
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +95,6 @@ def make_runner(model: MoETransformer, cache: PagedKVCache, config: RunnerConfig
     """The runner `config.kind` names, chosen here only: `CudaRunner` for a model on CUDA, one rank
     or many ("auto", "cuda"), else `ModelRunner` ("auto", "eager")."""
     if config.kind == "eager" or (config.kind == "auto" and model.device.type != "cuda"):
-        return ModelRunner(model, cache)
-    if model.cfg.multi_latent_attention:  # its kernels and graphs read per-group K/V, not MLA's latent row
-        if config.kind == "cuda":
-            raise RuntimeError("runner kind 'cuda' has no multi-latent attention kernels yet; run DeepSeek-V3-style "
-                               "models with runner kind 'eager' (or 'auto', which picks it)")
-        log.info("multi-latent attention: the portable (eager) runner runs this model")
         return ModelRunner(model, cache)
     if model.device.type != "cuda":
         raise RuntimeError(f"runner kind 'cuda' (--runner cuda, or ${RUNNER_ENV}=cuda) needs a single-rank model "
@@ -112,7 +110,7 @@ class DecodeGraph:
     def __init__(self, runner: "CudaRunner", rows: int) -> None:
         self.rows = rows
         self.static = StaticDecodeLayout(rows, runner.table_width, runner.cache.block_size, runner.kernels,
-                                         runner.q_heads, runner.kv_heads, runner.cfg.kv_channels, runner.device,
+                                         runner.q_heads, runner.kv_heads, runner.head_dim, runner.device,
                                          runner.num_sms)
         self.attn = KernelPagedBatch(runner.cache, self.static.layout, runner.kernels)
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -183,10 +181,12 @@ class CudaRunner:
         self.device = model.device
         self.multi_rank = not isinstance(model.comm, LocalComm)
         """The model's comm crosses ranks (a `DistComm`): graphs are captured collectively."""
-        self.kernels = resolve_attention(self.config.attention, self.device)
-        self.q_heads = cache.k.shape[2] * self.cfg.heads_per_group if cache is not None else 0
-        self.kv_heads = cache.k.shape[2] if cache is not None else 0
-        self.table_width = -(-self.cfg.max_position_embeddings // (cache.block_size if cache is not None else 16))
+        if self.cfg.multi_latent_attention:  # one latent row per token: `kernels.mla_attention`
+            self.kernels = resolve_mla_attention(self.config.attention, self.cfg.kv_lora_rank, self.device)
+        else:
+            self.kernels = resolve_attention(self.config.attention, self.device)
+        self.q_heads = self.kv_heads = self.head_dim = 0
+        self._set_dims(cache)
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.d_stream = torch.cuda.Stream(self.device, priority=self.config.d_priority)
         self.p_stream = torch.cuda.Stream(self.device, priority=0)
@@ -243,9 +243,22 @@ class CudaRunner:
             self.drop_graphs()  # decode graphs read the old tensors; P graphs' pool goes with the KV
         self._cache = cache
         if cache is not None:
-            self.kv_heads = cache.k.shape[2]
+            self._set_dims(cache)
+
+    def _set_dims(self, cache: PagedKVCache | None) -> None:
+        """Query heads, cached heads and attention output width of this rank, from its cache. Under
+        MLA the cache holds one row for every local query head, and the output that matters is the
+        latent (`kv_lora_rank` wide: the split-K workspace's width)."""
+        self.table_width = -(-self.cfg.max_position_embeddings // (cache.block_size if cache is not None else 16))
+        if cache is None:
+            return
+        self.kv_heads = cache.k.shape[2]
+        if self.cfg.multi_latent_attention:
+            self.q_heads = self.cfg.num_attention_heads // self.model.comm.size(Axis.ATP)
+            self.head_dim = self.cfg.kv_lora_rank
+        else:
             self.q_heads = self.kv_heads * self.cfg.heads_per_group
-            self.table_width = -(-self.cfg.max_position_embeddings // cache.block_size)
+            self.head_dim = self.cfg.kv_channels
 
     # -- public -------------------------------------------------------------------------------
     def forward(self, inputs: list[SpanInput], phase: Phase) -> Forward:
@@ -487,7 +500,7 @@ class CudaRunner:
             stream.wait_stream(caller)  # weight copies and earlier host-to-device copies
             layout = build_layout([i.span for i in inputs], [i.token_ids for i in inputs], [i.sample for i in inputs],
                                   self.cache.block_size, self.kernels, self.q_heads, self.kv_heads,
-                                  self.cfg.kv_channels, self.device, self.num_sms)
+                                  self.head_dim, self.device, self.num_sms)
             attn = KernelPagedBatch(self.cache, layout, self.kernels)
             if graph is not None:
                 gen = graph.run(layout, attn)

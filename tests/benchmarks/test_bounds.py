@@ -56,3 +56,25 @@ def test_qwen3_30b_a3b_12l_decode_bytes_are_plausible():
     # 12 layers x 128 experts x 3 x 2048 x 768 bf16 = 14.5 GB of experts, nearly all touched at batch 64
     assert 14.5e9 < c.decode_weight_bytes(64) < 16.5e9
     assert c.kv_bytes_per_token == 2 * 12 * 4 * 128 * 2
+
+
+def test_mla_costs_by_hand():
+    """Multi-latent attention, absorbed: one latent + RoPE row cached per token, every weight
+    (the KV up projection too) multiplied once per token, a pair costs 2(r + dr) + 2r per head."""
+    cfg = ModelConfig(vocab_size=10, hidden_size=8, num_layers=2, num_attention_heads=2, num_query_groups=2,
+                      kv_channels=6, multi_latent_attention=True, q_lora_rank=3, kv_lora_rank=4, qk_head_dim=4,
+                      qk_pos_emb_head_dim=2, v_head_dim=5, ffn_hidden_size=7, dtype="bfloat16")
+    c = model_costs(cfg)
+    # q: 8*3 + 3 (norm) + 3*2*6; kv down: 8*6 + 4 (norm); kv up: 4*2*9; proj: 2*5*8
+    assert c.attention_params == 2 * (27 + 36 + 52 + 72 + 80)
+    assert c.kv_bytes_per_token == 2 * 6 * 2
+    assert c.attn_flops_per_pair == 2 * 2 * (2 * 6 + 2 * 4)
+    assert c.dense_params == 2 * 3 * 8 * 7
+
+
+def test_deepseek_v3_preset_costs():
+    c = model_costs(preset("deepseek-v3"))
+    assert c.moe_layers == 4 and c.topk == 8 and c.num_experts == 256
+    assert c.kv_bytes_per_token == 6 * 576 * 2
+    assert 48e9 < c.attention_params + c.dense_params + c.router_params + c.shared_params \
+        + 4 * 256 * c.expert_params + 2 * c.vocab_hidden < 50e9  # the preset's 49.0B parameters
