@@ -112,3 +112,15 @@ def test_sample_seed_rule():
     seeds = {sample_seed(s, i) for s in range(50) for i in range(1, 9)}
     assert len(seeds) == 50 * 8 and not seeds & set(range(50))  # nearby seeds never share a stream
     assert all(0 <= s < 2**64 for s in seeds)
+
+
+def test_samples_over_a_latent_cache(make_engine):
+    """MLA caches one row per position for both K and V: a fork copies that row's block."""
+    from megatron_rollout.model.config import preset
+    from megatron_rollout.model.transformer import MoETransformer
+
+    model = MoETransformer(preset("tiny-deepseek")).init_weights(0)
+    (prompt,) = prompts([10], seed=9)
+    params = dataclasses.replace(SAMPLED, n=3)
+    got = make_engine(model, small("chunked")).generate([prompt], params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in separately(make_engine, model, "chunked", prompt, params)]
