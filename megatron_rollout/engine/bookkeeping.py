@@ -7,6 +7,10 @@ planner cannot (`unblock`); and on a distributed replica leader it records every
 typed `Op`, which the step gather ships to the ATP peers (`engine.coordinator`). It never touches a
 tensor: sampling and forwards are `engine.execution`'s.
 
+A request with n samples runs as one until its prompt's logits are drawn n times; `accept` then
+forks samples 1..n-1 onto sequences that share the prompt's blocks (`engine.samples`), and asks
+the executor to copy the partial last block (`copies`).
+
 A forward in flight across steps (a `mux` prefill epoch) still writes the blocks of the requests
 it will sample. `begin_in_flight` names them; one of them finishing early has its blocks *parked*
 under a negative owner id until `end_in_flight`, so no block is handed out while it is written.
