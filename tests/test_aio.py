@@ -133,7 +133,7 @@ def test_n_samples_and_forked_sessions_equal_separate_sessions(model):
     async def main():
         engine = engine_of(model)
         async with AsyncEngine(engine) as aengine:
-            many = await aengine.generate_many([prompt], SamplingParams(temperature=1.0, max_new_tokens=5, seed=11, n=n))
+            many = await aengine.generate_many([prompt], dataclasses.replace(SAMPLED, n=n))
             prefilled = engine.stats.prefill_tokens
             session = aengine.open_session()
             session.append(prompt)

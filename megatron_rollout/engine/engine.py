@@ -32,8 +32,17 @@ from megatron_rollout.comm.errors import CrossRankTimeout
 from megatron_rollout.comm.facade import LocalComm
 from megatron_rollout.engine.ahead import DecodeAhead
 from megatron_rollout.engine.api import FinishReason, GenerationResult, RequestError, RequestOutput, SamplingParams
-from megatron_rollout.engine.bookkeeping import (Abort, AddRequest, Append, Close, Op, OpenSession, RequestTable, Submit,
-                                                 TakeForks)
+from megatron_rollout.engine.bookkeeping import (
+    Abort,
+    AddRequest,
+    Append,
+    Close,
+    Op,
+    OpenSession,
+    RequestTable,
+    Submit,
+    TakeForks,
+)
 from megatron_rollout.engine.config import EngineConfig
 from megatron_rollout.engine.coordinator import GlobalView, LocalCoordinator, RankSharedCoordinator
 from megatron_rollout.engine.execution import StepExecutor
