@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from megatron_rollout.runner.config import RunnerConfig
     from megatron_rollout.runner.cuda import CudaRunner
 
-    cfg = preset(args.model)
+    cfg = preset(args.model).replace(dtype="bfloat16")  # the graphed paths are bf16
     if args.layers:
         cfg = cfg.replace(num_layers=args.layers, moe_layer_freq=cfg.moe_layer_freq[:args.layers])
     if not cfg.multi_latent_attention:
@@ -181,6 +181,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     buckets = tuple(sorted({r for r, _ in points} | {1}))
     tokens = tuple(int(t) for t in args.prefill_buckets.split(",") if t.strip())
     runner = CudaRunner(model, cache, RunnerConfig(graph_batch_sizes=buckets, prefill_graph_tokens=tokens))
+    if not runner.graph_safe:
+        raise SystemExit(f"--model {args.model}: the MoE layers are not graph-safe here, nothing to measure")
     costs = model_costs(cfg)
     rng = np.random.default_rng(args.seed)
     result: dict[str, Any] = {

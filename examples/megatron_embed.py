@@ -1,12 +1,12 @@
-"""The rollout engine inside a Megatron-core trainer: generate, free the KV, train, update, generate.
+"""The rollout engine inside a Megatron-core trainer: generate, sleep, train, wake, update, generate.
 
     python examples/megatron_embed.py
 
 One process, a one-rank gloo world. The trainer is a Megatron-core `GPTModel` built from the
 rollout model's `ModelConfig`, so both have the same parameter names and shapes and weights move
 name for name, with no renaming. The rollout is built from the trainer's weights, generates,
-gives its KV memory back while the trainer steps, then takes the new weights (a new version) and
-generates again.
+sleeps while the trainer steps (its KV cache, graphs and weight copy handed back), wakes, takes
+the new weights (a new version) and generates again.
 
 On CPU, Megatron's GPTModel builds but its forward needs CUDA, so the training step here is an
 optimizer step on a loss of the parameters alone (an L2 pull towards zero), not on a forward
@@ -54,14 +54,14 @@ def main() -> None:
     prompts, greedy = [[1, 2, 3], [4, 5, 6, 7]], SamplingParams(temperature=0, max_new_tokens=6)
     before = engine.generate(prompts, greedy)
 
-    engine.release_kv()  # the trainer gets the KV memory while it trains
+    engine.sleep()  # KV cache, graphs and the weight copy go to the trainer while it trains
     optimizer = torch.optim.SGD(gpt.parameters(), lr=0.1)
     loss = sum((p.float() ** 2).sum() for p in gpt.parameters())  # CPU stand-in for the RL loss (see above)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
 
-    engine.reclaim_kv()
+    engine.wake_up()
     engine.update_weights(trainer_weights(gpt), version=1)  # validated whole, then copied in place
     after = engine.generate(prompts, greedy)
     for b, a in zip(before, after):

@@ -13,6 +13,10 @@ later tokens tagged with the new weight version. `await aengine.pause(drain=True
 request already submitted finish, holding back the ones submitted meanwhile (they start on
 `resume()`). `async with aengine.paused(): engine.update_weights(...)` does both ends.
 
+Memory handed back between rollouts: `await aengine.sleep(tags)` drains as `pause(drain=True)` does,
+then sleeps the engine (`RolloutEngine.sleep`); requests submitted while it sleeps wait, and start
+once `aengine.wake_up(tags)` has left every tag awake.
+
 Left out: requests spread over threads (the engine is driven from the event loop's thread, as in a
 trainer's process), streaming partial outputs, and per-request deadlines.
 """
@@ -144,6 +148,25 @@ class AsyncEngine:
             yield
         finally:
             self.resume()
+
+    # -- memory handed back between rollouts -------------------------------------------------------
+    async def sleep(self, tags: str | Sequence[str] | None = None) -> dict:
+        """Drain (every request submitted so far finishes, later ones wait), then `engine.sleep(tags)`;
+        its report. The pump stays paused until `wake_up` leaves every tag awake."""
+        await self.pause(drain=True)
+        try:
+            return self.engine.sleep(tags)
+        except BaseException:
+            if not self.engine.asleep:  # nothing sleeps: do not leave the requests held back
+                self.resume()
+            raise
+
+    async def wake_up(self, tags: str | Sequence[str] | None = None) -> dict:
+        """`engine.wake_up(tags)`; once nothing sleeps, steps and submissions resume. Its report."""
+        report = self.engine.wake_up(tags)
+        if not self.engine.asleep:
+            self.resume()
+        return report
 
     # -- internals ---------------------------------------------------------------------------------
     async def _admission(self) -> None:

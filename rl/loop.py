@@ -2,12 +2,12 @@
 
 One process (per rank) holds both the trainer's model and the engine's model, as separate
 modules: every step ends with `engine.update_weights(trainer.named_weights(), version + 1)`, so
-the hot-swap path is exercised exactly as a Megatron trainer would use it, and KV memory is
-released while the trainer runs. Under torch.distributed the rollout is either replicated (every
-rank a full engine) or sharded ATP x ADP over all ranks (`rl.placement`); either way the step's
-trajectories are gathered to every rank, GRPO advantages are computed over all of them, each
-trainer replica trains on its share of the groups and gradients are averaged over ranks. Only
-rank 0 writes outputs.
+the hot-swap path is exercised exactly as a Megatron trainer would use it, and the engine's KV
+cache sleeps while the trainer runs (`engine.sleep(tags=["kv"])`). Under torch.distributed the
+rollout is either replicated (every rank a full engine) or sharded ATP x ADP over all ranks
+(`rl.placement`); either way the step's trajectories are gathered to every rank, GRPO advantages
+are computed over all of them, each trainer replica trains on its share of the groups and
+gradients are averaged over ranks. Only rank 0 writes outputs.
 
 Left out: asynchronous (off-policy) rollouts overlapping training, rollout/trainer on separate
 devices, checkpointing, evaluation sets, and learning-rate schedules.
@@ -203,10 +203,10 @@ class GRPORun:
     def step(self) -> dict[str, Any]:
         cfg, step, place = self.cfg, self.step_index, self.place
         t0 = time.perf_counter()
-        self.engine.reclaim_kv()
+        self.engine.wake_up(tags=["kv"])
         episodes = _episodes(cfg, self.tok, step, place.rollout_index, place.rollout_replicas)
         local = place.rollout(self.engine, episodes, self.rollout_cfg)
-        self.engine.release_kv()
+        self.engine.sleep(tags=["kv"])  # the trainer steps in the memory it frees
         mine = local.result
         gathered = place.all_gather((mine.trajectories, mine.stats) if mine is not None else None)
         trajs: list[Trajectory] = [t for g in gathered if g is not None for t in g[0]]

@@ -86,6 +86,27 @@ def test_drain_finishes_what_was_submitted_and_holds_new_requests(model):
     assert late.result.token_ids == early[0].result.token_ids
 
 
+def test_sleep_drains_then_holds_new_requests_until_everything_is_awake(model):
+    engine = engine_of(model)
+    want = [o.token_ids for o in engine_of(model).generate(PROMPTS, GREEDY)]
+
+    async def main():
+        async with AsyncEngine(engine) as aengine:
+            early = [asyncio.create_task(aengine.generate(p, GREEDY)) for p in PROMPTS]
+            await asyncio.sleep(0)  # they are submitted
+            report = await aengine.sleep()
+            assert all(t.done() for t in early) and report["asleep"] == ["graphs", "kv", "weights"]
+            late = asyncio.create_task(aengine.generate(PROMPTS[0], GREEDY))
+            await aengine.wake_up(tags=["weights"])
+            await asyncio.sleep(0.05)
+            assert not late.done() and not engine.has_work() and engine.asleep == {"kv", "graphs"}
+            await aengine.wake_up()
+            return await late, [t.result() for t in early]
+
+    late, early = asyncio.run(main())
+    assert [o.result.token_ids for o in early] == want and late.result.token_ids == want[0]
+
+
 def test_a_cancelled_await_aborts_its_request(model):
     engine = engine_of(model)
 

@@ -277,3 +277,26 @@ def test_the_request_table_reaches_no_device_module():
         found = sorted(m for m in reachable(edges, table) if m.startswith(DEVICE_SIDE))
         assert not found, f"{table} reaches device modules: {found}"
     assert reachable({"a": {"b"}, "b": {"c"}}, "a") == {"b", "c"}
+
+
+LARGEST_SHARE = 0.20
+"""No folder of the package holds more than this share of its lines: a folder that outgrows it
+holds two concerns (the measuring lab once held a quarter of the package)."""
+
+
+def folder_shares(root: Path = ROOT / "megatron_rollout") -> dict[str, float]:
+    """Lines of `.py` files per top-level folder of the package, as a share of all its lines."""
+    lines = {path: len(path.read_text().splitlines()) for path in root.rglob("*.py")}
+    total = sum(lines.values())
+    shares: dict[str, float] = {}
+    for path, n in lines.items():
+        rel = path.relative_to(root)
+        if len(rel.parts) > 1:
+            shares[rel.parts[0]] = shares.get(rel.parts[0], 0.0) + n / total
+    return shares
+
+
+def test_no_folder_holds_more_than_a_fifth_of_the_package():
+    shares = folder_shares()
+    assert {"engine", "model", "kernels", "comm"} <= shares.keys()
+    assert max(shares.values()) <= LARGEST_SHARE, {k: round(v, 3) for k, v in shares.items()}

@@ -35,6 +35,10 @@ for stage in "$@"; do
       cd /tmp/run
       timeout 100 python3 -m benchmarks.hotswap --model qwen3-30b-a3b --json \
         > "$OUT/hotswap.json" 2> "$OUT/hotswap.err"; tail -c 1200 "$OUT/hotswap.json"; tail -3 "$OUT/hotswap.err" ;;
+    sleepwake)  # memory handed back: sleep/wake every tag at full size, graphs replayed and tokens kept after it
+      cd /tmp/run
+      timeout 400 python3 -m benchmarks.sleep_wake --out "$OUT" > /tmp/res/sleep_wake.log 2> /tmp/res/sleep_wake.err
+      grep -E "cycle|built" /tmp/res/sleep_wake.err | tail -5; grep '"ok"' "$OUT/sleep_wake.json" ;;
     current)  # our schedules: budget sweep, then 3 interleaved warm repeats
       cd /tmp/run
       bench --profile current --schedules "${SCHEDULES:-off,chunked,mux}" ${ABLATION:---ablation} --repeats 3 \

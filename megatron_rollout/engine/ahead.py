@@ -20,8 +20,8 @@ Why a dropped or partly taken forward is harmless: it only writes K/V at each ro
 position, in the row's own blocks. A row that continues gets that position written again by the
 forward that runs for it; a row that finished had its blocks freed after the forward was issued,
 and every later forward is ordered after it on the device (the decode stream's work is joined
-into the caller's stream, which every later forward's stream waits on). Weight updates and KV
-release wait for it first (`drop(wait=True)`). Tokens are the same with and without: the rows'
+into the caller's stream, which every later forward's stream waits on). Weight updates and
+`engine.sleep` wait for it first (`drop(wait=True)`). Tokens are the same with and without: the rows'
 inputs are the same, only the time the forward is issued moves.
 
 Left out: many ranks, mixed steps.

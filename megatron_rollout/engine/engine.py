@@ -18,6 +18,10 @@ seen, and the update lands at the start of a step, before its first forward, on 
 On one rank that is at once, except mid-epoch under `mux`: then the update runs the engine's steps
 until the epoch has finished (its tokens stay deliverable by `step` and `run_until`) and lands
 after it, so no forward ever mixes two versions.
+
+Between rollouts the engine hands memory back to the trainer (`sleep`, `wake_up`; `engine.memory`):
+only while no request is in flight (an `AsyncEngine` drains first), and nothing is generated until
+every tag is awake again.
 """
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ from megatron_rollout.engine.bookkeeping import (
 from megatron_rollout.engine.config import EngineConfig
 from megatron_rollout.engine.coordinator import GlobalView, LocalCoordinator, RankSharedCoordinator
 from megatron_rollout.engine.execution import StepExecutor
+from megatron_rollout.engine.memory import EngineAsleep, EngineMemory, Tag
 from megatron_rollout.engine.prefix import PrefixCache
 from megatron_rollout.engine.records import StepLog
 from megatron_rollout.engine.request import Request, Seq
@@ -113,6 +118,8 @@ class RolloutEngine:
         self._gate = UpdateGate()
         self._lock = self._gate.lock  # held by every step and every change (module docstring)
         self._vote: Vote | None = None  # this rank's side of the weight update in progress
+        self.memory = EngineMemory(self.runner, self.table, self.weights,
+                                   lambda: PagedKVCache(*self._kv_shape, device=model.device), self._stop_ahead)
 
     @classmethod
     def from_megatron(cls, gpt, config: EngineConfig | None = None, share_storage: bool | None = None
@@ -130,6 +137,7 @@ class RolloutEngine:
         if sharing and not shares_storage(engine.model, gpt):  # e.g. the CUDA runner stacks the experts (a copy)
             raise ValueError(f"runner {type(engine.runner).__name__} re-laid the weights out of the trainer's "
                              "storage; pass share_storage=False to copy them, or RunnerConfig(kind='eager')")
+        engine.weights.shared = sharing  # sleep(tags=["weights"]) must not free the trainer's own tensors
         return engine
 
     def _decode_ahead(self, mode: str) -> bool:
@@ -175,7 +183,9 @@ class RolloutEngine:
             return Session(self.table, self.table.open_seq(), self.run_until, self._lock)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> int:
+        """Raises `EngineAsleep` while any memory tag sleeps (nothing is added)."""
         with self._lock:
+            self._check_awake("adding a request")
             return self.table.add(prompt_ids, params)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
@@ -213,6 +223,9 @@ class RolloutEngine:
         Raises, on every rank alike, what `WeightStore.update` raises: this rank's own error where
         it refused, WeightVersionError where another rank refused or the ranks were given different
         versions or chunks, and `WeightVoteTimeout` when a rank did not take part in time."""
+        if Tag.WEIGHTS in self.memory.asleep:
+            raise EngineAsleep("the engine's weights are offloaded to host memory (engine.sleep): call "
+                               "engine.wake_up(tags=['weights']) before update_weights")
         with self._gate.update():
             vote = self._vote = Vote(self.weights.prepare(named_tensors, version, final), time.monotonic())
             try:
@@ -259,22 +272,39 @@ class RolloutEngine:
             self.weights.commit(vote.prepared)
         vote.decision = decision
 
-    def release_kv(self) -> None:
-        """Free the KV tensors (e.g. while the trainer runs). Sessions keep their tokens and
-        recompute their KV on their next turn."""
-        if self.table.requests:
-            raise RuntimeError(f"cannot release KV with {len(self.table.requests)} requests in flight")
-        if self.executor.ahead is not None:
-            self.executor.ahead.drop(wait=True)  # it writes the K/V being freed
-        self.table.evict_all()
-        self.table.new_pool()  # cached prefixes point into the K/V being freed
-        self.runner.cache = None
-        if torch.cuda.is_available() and self.model.device.type == "cuda":
-            torch.cuda.empty_cache()
+    # -- memory handed back between rollouts (`engine.memory`) -----------------------------
+    def sleep(self, tags: str | Iterable[str] | None = None) -> dict:
+        """Free memory for the trainer: tags "kv", "graphs", "weights" (None: all of them; sleeping
+        "kv" or "weights" sleeps "graphs" too). Refused (RuntimeError) while requests are in flight:
+        finish or abort them first, or sleep through `AsyncEngine.sleep`, which drains. Sleeping a
+        tag that sleeps already is a no-op. Returns the report of `EngineMemory`: per tag whether it
+        changed, tensor bytes freed and, on CUDA, the fall of allocated and reserved bytes."""
+        with self._lock:
+            if self.table.requests or self.schedule.busy:
+                raise RuntimeError(f"cannot sleep with {len(self.table.requests)} requests in flight: let them "
+                                   f"finish (run_until, or AsyncEngine.sleep, which drains first) or abort them")
+            return self.memory.sleep(tags)
 
-    def reclaim_kv(self) -> None:
-        if self.runner.cache is None:
-            self.runner.cache = PagedKVCache(*self._kv_shape, device=self.model.device)
+    def wake_up(self, tags: str | Iterable[str] | None = None) -> dict:
+        """Take the memory back (None: every tag); "graphs" wake with the call that leaves "kv" and
+        "weights" both awake. Waking an awake tag is a no-op. Returns the same report as `sleep`,
+        with bytes re-taken."""
+        with self._lock:
+            return self.memory.wake_up(tags)
+
+    @property
+    def asleep(self) -> frozenset[str]:
+        """The memory tags asleep now (empty: the engine can generate)."""
+        return frozenset(t.value for t in self.memory.asleep)
+
+    def _check_awake(self, doing: str) -> None:
+        if self.memory.asleep:
+            raise EngineAsleep(f"the engine is asleep ({', '.join(sorted(self.asleep))}): call engine.wake_up() "
+                               f"before {doing}")
+
+    def _stop_ahead(self) -> None:
+        if self.executor.ahead is not None:
+            self.executor.ahead.drop(wait=True)  # it reads and writes the memory being freed
 
     def run_until(self, rids: list[int]) -> dict[int, RequestOutput]:
         """Step until these requests finish; other finished requests stay deliverable by `step`."""
@@ -310,8 +340,8 @@ class RolloutEngine:
     def _step(self) -> list[RequestOutput]:
         if not self.table.requests and not self.distributed and not self.schedule.busy:
             return []
-        if self.runner.cache is None and (self.table.requests or self._vote is None):  # a vote's step needs no KV
-            raise RuntimeError("KV memory was released: call engine.reclaim_kv() before generating")
+        if self.table.requests or self._vote is None:  # a vote's step runs no forward: it may run asleep
+            self._check_awake("generating")
         self.stats.steps += 1
         offer = self._vote.prepared.offer if self._vote is not None else None
         plan, view = self.coordinator.plan(self._planning_state, self.config.scheduler, self.stats.steps,

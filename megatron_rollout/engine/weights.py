@@ -76,6 +76,9 @@ class WeightStore:
         self._chunks = 0  # chunks of the pending version staged so far
         self._staged: dict[str, torch.Tensor | None] = {}  # full name -> host copy of this rank's slice
         self._shapes = full_shapes(model.cfg)
+        self.shared = False
+        """The parameters are another model's own tensors (`bind`, `RolloutEngine.from_megatron` sharing
+        storage): the engine holds no copy of them, so sleeping its `weights` moves nothing."""
 
     @property
     def pending(self) -> int | None:
@@ -172,7 +175,7 @@ class WeightStore:
         for name, t in params.items():
             own[name].data = t.detach()
         _follow_weights(self.model)
-        self.version = version
+        self.version, self.shared = version, True
 
     # -- validation -----------------------------------------------------------------------------
     def _check_version(self, version: object) -> int:

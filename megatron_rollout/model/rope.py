@@ -24,9 +24,10 @@ def _yarn_mscale(factor: float, coefficient: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * coefficient * math.log(factor) + 1.0
 
 
-def yarn_inv_freq(cfg: ModelConfig, dim: int) -> torch.Tensor:
+def yarn_inv_freq(cfg: ModelConfig, dim: int, device: torch.device | str | None = None) -> torch.Tensor:
     """[dim / 2] fp32 inverse frequencies, interpolated where a frequency turns fewer than
-    `beta_slow` times over the original context and kept where it turns more than `beta_fast`."""
+    `beta_slow` times over the original context and kept where it turns more than `beta_fast`.
+    Built on `device` (no host-to-device copy: a CUDA graph may be capturing)."""
     base, factor, orig = cfg.rotary_base, cfg.rotary_scaling_factor, cfg.original_max_position_embeddings
 
     def correction_dim(rotations: float) -> float:
@@ -34,8 +35,8 @@ def yarn_inv_freq(cfg: ModelConfig, dim: int) -> torch.Tensor:
 
     low = max(math.floor(correction_dim(cfg.beta_fast)), 0)
     high = min(math.ceil(correction_dim(cfg.beta_slow)), dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
-    extrapolated = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    extrapolated = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
     return extrapolated / factor * ramp + extrapolated * (1 - ramp)
 
 
@@ -59,7 +60,7 @@ def rope_for(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype) -> t
     """cos, sin: [N, rope_dim(cfg)] for rotate-half RoPE at `positions`, computed in fp32."""
     dim = rope_dim(cfg)
     if cfg.rope_type == "yarn":
-        inv_freq = yarn_inv_freq(cfg, dim).to(positions.device)
+        inv_freq = yarn_inv_freq(cfg, dim, positions.device)
     else:
         inv_freq = 1.0 / (cfg.rotary_base ** (torch.arange(0, dim, 2, device=positions.device,
                                                              dtype=torch.float32) / dim))

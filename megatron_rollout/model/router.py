@@ -27,7 +27,7 @@ def uses_scored_router(cfg: ModelConfig) -> bool:
 class ScoredRouter(nn.Module):
     def __init__(self, cfg: ModelConfig, device=None) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.topk = cfg, cfg.moe_router_topk
         self.weight = nn.Parameter(torch.empty(cfg.num_moe_experts, cfg.hidden_size, dtype=cfg.torch_dtype,
                                                device=device))
         if cfg.moe_router_enable_expert_bias:
@@ -42,7 +42,7 @@ class ScoredRouter(nn.Module):
         choice = scores + self.expert_bias if cfg.moe_router_enable_expert_bias else scores
         if cfg.moe_router_num_groups:
             choice = self._mask_groups(choice)
-        ids = choice.topk(cfg.moe_router_topk, dim=-1, sorted=False).indices  # [N, k]
+        ids = choice.topk(cfg.moe_router_topk, dim=-1).indices  # [N, k], sorted: the sum below has one order
         weights = scores.gather(1, ids)
         if cfg.moe_renormalize_topk and cfg.moe_router_topk > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

@@ -11,7 +11,7 @@ complete, a runner runs the deferred checks of the comm's sync-free dispatch dom
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -22,9 +22,22 @@ from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.types import Phase, SpanInput
 
 
+class CapturedGraphs(NamedTuple):
+    """What a runner had captured when it let its graphs go (`Runner.release_graphs`): the buckets
+    `Runner.restore_graphs` captures again."""
+
+    decode: tuple[int, ...] = ()
+    """Decode buckets (rows)."""
+    prefill: tuple[int, ...] = ()
+    """Piecewise prefill buckets (tokens)."""
+
+    def describe(self) -> str:
+        return f"{len(self.decode)} decode and {len(self.prefill)} prefill graphs"
+
+
 class Runner(Protocol):
-    """What the engine needs of a runner, all of it. `cache` may be set to None (KV released) and
-    back; `model` is the model it runs (its weights are updated in place between forwards)."""
+    """What the engine needs of a runner, all of it. `cache` may be set to None (the KV asleep,
+    `engine.memory`) and back; `model` is the model it runs (its weights are updated in place between forwards)."""
 
     model: MoETransformer
     cache: PagedKVCache | None
@@ -44,6 +57,20 @@ class Runner(Protocol):
         """A D forward over one-token rows whose tokens are `tokens` [rows] on the device (drawn by
         the previous forward, not read by the host; the rows' `token_ids` are placeholders), issued
         now; its logits, or None where this runner cannot (the caller then waits for the host)."""
+        ...
+
+    @property
+    def captured(self) -> CapturedGraphs:
+        """The graphs captured now."""
+        ...
+
+    def release_graphs(self) -> CapturedGraphs:
+        """Drop every captured graph and its memory pool (no forward in flight); what was captured."""
+        ...
+
+    def restore_graphs(self, held: CapturedGraphs) -> str:
+        """Capture `held` again (over the current KV and weights, whose addresses may be new); says
+        what was done."""
         ...
 
 
@@ -76,6 +103,17 @@ class ModelRunner:
         ids = tokens.tolist()
         rows = [SpanInput(i.span, [t], i.sample, i.key) for i, t in zip(inputs, ids, strict=True)]
         return run_to_end(self.forward(rows, Phase.D))
+
+    @property
+    def captured(self) -> CapturedGraphs:
+        """The portable runner captures nothing."""
+        return CapturedGraphs()
+
+    def release_graphs(self) -> CapturedGraphs:
+        return CapturedGraphs()
+
+    def restore_graphs(self, held: CapturedGraphs) -> str:
+        return "no graphs: the portable runner runs every forward eagerly"
 
     def _checked(self, forward: Forward) -> Forward:
         logits = yield from forward

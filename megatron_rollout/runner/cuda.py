@@ -9,8 +9,9 @@ engine and the mux driver are unchanged):
   and replayed from a graph captured once per bucket. The graph reads static int32 buffers
   (`StaticDecodeLayout`) refilled by one pinned copy; the KV cache and the weights keep their
   addresses, since `update_weights` copies in place (the expert weights are stacked views,
-  `Experts.restack`). Replacing `cache` (engine.release_kv / reclaim_kv) drops the graphs; they are
-  captured again on next use. On one rank buckets are captured lazily, when first used.
+  `Experts.restack`). Replacing `cache` drops the graphs; `engine.sleep` releases them with their
+  pools and `restore_graphs` captures the same buckets again (`engine.memory`). On one rank
+  buckets are captured lazily, when first used.
 - **P and mixed graphs (one rank).** A P forward, or a `chunked` mixed step, of up to 4,096 new
   tokens replays as pieces between attention calls, one CUDA graph per token bucket
   (`runner.piecewise`, `RunnerConfig.prefill_graph_tokens`), in a pool of its own; larger ones,
@@ -81,7 +82,7 @@ from megatron_rollout.kernels.registry import resolve_attention, resolve_mla_att
 from megatron_rollout.kv.paged import PagedKVCache
 from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.multiplex.routing import PhaseStreams
-from megatron_rollout.runner.base import ModelRunner, Runner
+from megatron_rollout.runner.base import CapturedGraphs, ModelRunner, Runner
 from megatron_rollout.runner.config import RUNNER_ENV, RunnerConfig
 from megatron_rollout.runner.piecewise import PiecewiseGraph, SharedOutputs
 from megatron_rollout.types import Axis, Phase, SpanInput
@@ -324,6 +325,35 @@ class CudaRunner:
         """The token bucket whose piecewise graph a P or mixed forward of `inputs` replays, or None
         (it runs eagerly: many ranks, graphs off or failed, or too many tokens or sampled rows)."""
         return self._prefill_bucket(inputs)
+
+    @property
+    def captured(self) -> CapturedGraphs:
+        """The decode and piecewise prefill buckets captured now."""
+        return CapturedGraphs(tuple(sorted(self._graphs)), tuple(sorted(self._p_graphs)))
+
+    def release_graphs(self) -> CapturedGraphs:
+        """`Runner.release_graphs`: every graph and pool dropped (`drop_graphs`); the buckets held."""
+        held = self.captured
+        torch.cuda.synchronize(self.device)  # no replay still reads a pool being freed
+        self.drop_graphs()
+        return held
+
+    def restore_graphs(self, held: CapturedGraphs) -> str:
+        """`Runner.restore_graphs`: on one rank the buckets held are captured now, over the current
+        weights (re-allocated weights have new addresses, which is not a re-bind: graphs stay on);
+        on many ranks capture is collective and runs at the first decode step, on every rank alike."""
+        self._weights_ptr = self.model.embedding.word_embeddings.weight.data_ptr()
+        if self.multi_rank:
+            return f"{held.describe()} to capture at the first decode step (collective on many ranks)"
+        if not (self.config.use_graphs and self.graph_safe):
+            return "nothing captured: decode runs eagerly" + (f" ({self.capture_error})" if self.capture_error else "")
+        decode = sum(self._try_graph(rows) is not None for rows in sorted(held.decode, reverse=True))
+        prefill = 0
+        for tokens in sorted(held.prefill, reverse=True):
+            if self._prefill_graph(tokens) is None:
+                break
+            prefill += 1
+        return f"captured {decode} of {len(held.decode)} decode and {prefill} of {len(held.prefill)} prefill graphs"
 
     def drop_graphs(self) -> None:
         """Forget every captured graph, decode and piecewise, with their memory pools; they are

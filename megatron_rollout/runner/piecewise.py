@@ -29,8 +29,8 @@ input in place.
   over the buckets), outputs 0.4 GB (8 KB per token and layer of the largest bucket), bf16 logits
   of up to 256 sampled rows per bucket 1.0 GB (a computed figure, not a measured one; the ten
   buckets up to 2,048 tokens with unshared outputs came to 2.8 GB; the 48-layer preset needs about
-  four times as much). `engine.release_kv` frees
-  them with the decode graphs.
+  four times as much). `engine.sleep` frees
+  them with the decode graphs (its `graphs` tag).
 
 Left out: many ranks, more sampled rows than the bucket holds (eager then).
 """

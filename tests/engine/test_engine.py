@@ -13,7 +13,7 @@ import torch
 from megatron_rollout.engine import FinishReason, SamplingParams
 from megatron_rollout.engine.weights import WeightVersionError
 
-from .common import GREEDY, SCHEDULES, SMALL, assert_same, drain, hf_greedy, prompts, reference, small
+from .common import GREEDY, SCHEDULES, SMALL, assert_same, drain, hf_greedy, prompts, small
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -109,37 +109,6 @@ def test_tokens_record_the_version_they_were_sampled_under(make_engine, qwen):
     out = engine.run_until([rid])[rid].result
     k = out.weight_versions.count(0)
     assert k >= 2 and out.weight_versions == [0] * k + [7] * (6 - k)
-
-
-def test_release_and_reclaim_kv(make_engine, qwen):
-    _, model = qwen
-    params = SamplingParams(temperature=0.0, max_new_tokens=4)
-    engine = make_engine(model, SMALL)
-    session = engine.open_session()
-    context = prompts([9], seed=19)[0]
-    session.append(context)
-    first = session.generate(params)
-    rid = engine.add_request([1, 2, 3], params)
-    with pytest.raises(RuntimeError, match="1 requests in flight"):
-        engine.release_kv()
-    drain(engine)
-    engine.release_kv()
-    assert engine.runner.cache is None and engine.pool.num_free == engine.pool.num_blocks
-    assert engine.pool.table(session.sid) == [] and rid not in engine.requests
-    engine.check_integrity()
-    session.append([7])
-    rid = session.submit(params)
-    with pytest.raises(RuntimeError, match="reclaim_kv"):
-        engine.step()
-    engine.reclaim_kv()
-    engine.reclaim_kv()  # twice: no-op
-    before = engine.stats.prefill_tokens
-    out = engine.run_until([rid])[rid]
-    full_context = context + first.token_ids + [7]
-    assert out.prompt_tokens == len(full_context)  # the whole context was recomputed
-    assert engine.stats.prefill_tokens - before == len(full_context)
-    assert_same([out.result], reference(make_engine, model, [full_context], params))
-    session.close()
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -96,9 +96,9 @@ def _votes(rank: int, atp: int, adp: int, silent_rank: bool) -> dict:
     attempt("v2 in two chunks", ({k: v2[k] for k in names[:4]}, 2, False), ({k: v2[k] for k in names[4:]}, 2, True))
     results = runtime.generate(engine, PROMPTS, PARAMS)
     out["v2 tokens"] = None if results is None else [r.token_ids for r in results]
-    engine.release_kv()  # as an RL loop does while its trainer steps: the vote needs no KV
+    engine.sleep(tags=["kv"])  # as an RL loop does while its trainer steps: the vote needs no KV
     attempt("v3 with KV released", (v1, 3, True))
-    engine.reclaim_kv()
+    engine.wake_up(tags=["kv"])
     if silent_rank:  # the last case: a failed gather poisons the communicator
         engine.done = False  # this rank's driver is not done: its peers keep stepping with it
         if rank == 0:

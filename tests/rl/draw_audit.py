@@ -142,10 +142,10 @@ def run_loop_draws(cfg: GRPOConfig, draw: DrawFn, steps: int, sharpen: float = 1
                     if turn == 0 and run.rollout_cfg.share_prompt:  # the group's one request, n = group size
                         seed = sample_seed(episodes[k - member].sample_seed * 1000, member)
                     slots[seed % 2**64] = Slot(step, ep.group_id, member, turn)
-            run.engine.reclaim_kv()
+            run.engine.wake_up(tags=["kv"])
             with recording(draw, draws):
                 rollout(run.engine, episodes, run.rollout_cfg)
-            run.engine.release_kv()
+            run.engine.sleep(tags=["kv"])
         return draws, slots
     finally:
         run.close()

@@ -1,0 +1,317 @@
+"""Memory handed back to the trainer between rollouts: `sleep(tags)` and `wake_up(tags)` by tag.
+
+The engine is a guest in the trainer's device memory (docs/design.md §10). While the trainer
+steps, the engine gives back what it holds, one tag at a time, and takes it again before the
+next rollout:
+
+- `kv`: the paged KV tensors. The block pool is emptied with them: sessions keep their tokens and
+  recompute their KV on their next turn. On wake, new tensors of the same shape.
+- `graphs`: the runner's captured CUDA graphs (decode and piecewise prefill buckets) and their
+  memory pools. On wake, one rank captures again the buckets it held; many ranks capture
+  collectively at their first decode step, as after construction (`Runner.restore_graphs`).
+- `weights`: every storage under the engine's parameters is copied to host memory (pinned on
+  CUDA, in 1 GiB chunks: `HostBytes`) and resized to zero bytes; on wake it is allocated again and
+  copied back, bit for bit.
+  Resizing the storages, rather than re-pointing the parameters, keeps every view a view (the
+  CUDA runner's stacked experts). An engine over the trainer's own tensors (`from_megatron`
+  sharing storage, `WeightStore.bind`) holds no copy: nothing is moved, and the report says so.
+
+Graphs read the addresses of the KV and of the weights, and re-allocated memory has new ones: so
+sleeping `kv` or `weights` sleeps `graphs` too, and `graphs` wake with the call that leaves both
+awake. Every call returns a report (`TagReport` per tag, as a dict): whether the tag changed, the
+bytes of the tensors freed or re-taken, and on CUDA the change of `memory_allocated` and
+`memory_reserved` around that tag's work (freed blocks returned to the driver first).
+
+This module holds the state (which tags sleep, the host copies) and moves the memory; the engine
+decides when it may (no request in flight) and refuses to generate while any tag sleeps.
+Left out: address-stable device memory (a virtual-memory allocator, as vLLM's and SGLang's
+memory savers use), which would keep captured graphs valid without capturing them again; the
+comm's dispatch buffers; FP8 and Transformer Engine copies derived from the weights (they stay);
+giving back pinned host memory (torch's host allocator keeps it after the wake, for the next sleep).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import gc
+import itertools
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megatron_rollout.engine.bookkeeping import RequestTable
+from megatron_rollout.engine.weights import WeightStore
+from megatron_rollout.kv.paged import PagedKVCache
+from megatron_rollout.runner.base import CapturedGraphs, Runner
+
+
+class Tag(str, enum.Enum):
+    """What `sleep` frees and `wake_up` takes again."""
+
+    KV = "kv"
+    GRAPHS = "graphs"
+    WEIGHTS = "weights"
+
+
+class EngineAsleep(RuntimeError):
+    """The engine was asked to work while some of its memory is handed back."""
+
+
+def parse_tags(tags: str | Iterable[str] | None) -> frozenset[Tag]:
+    """None: every tag; a single name or an iterable of names ("kv", "graphs", "weights")."""
+    if tags is None:
+        return frozenset(Tag)
+    names = [tags] if isinstance(tags, str) else list(tags)
+    if not names:
+        raise ValueError(f"no memory tags given: pass some of {[t.value for t in Tag]}, or None for all of them")
+    out = set()
+    for name in names:
+        try:
+            out.add(Tag(name))
+        except ValueError:
+            raise ValueError(f"unknown memory tag {name!r}: the tags are {[t.value for t in Tag]} "
+                             f"(None: all of them)") from None
+    return frozenset(out)
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """A CUDA device's memory as torch sees it, read after freed blocks went back to the driver."""
+
+    allocated: int
+    """`torch.cuda.memory_allocated`: bytes in live tensors (graph pools included)."""
+    reserved: int
+    """`torch.cuda.memory_reserved`: bytes the caching allocator holds."""
+    free: int
+    """`torch.cuda.mem_get_info()[0]`: bytes free on the device, whoever holds the rest."""
+
+    @staticmethod
+    def read(device: torch.device) -> "DeviceMemory | None":
+        """None off CUDA (host memory is not measured)."""
+        if device.type != "cuda":
+            return None
+        torch.cuda.synchronize(device)
+        gc.collect()  # a graph or a cache kept alive only by a reference cycle is freed now, not later
+        torch.cuda.empty_cache()
+        return DeviceMemory(torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device),
+                            torch.cuda.mem_get_info(device)[0])
+
+
+@dataclass(frozen=True)
+class TagReport:
+    """What one tag of one `sleep` or `wake_up` call did."""
+
+    changed: bool
+    """False where the tag was in the asked state already, or had nothing to move (`note` says which)."""
+    tensor_bytes: int
+    """Bytes of the tensors freed (sleep) or allocated (wake), counted from their sizes; graphs: 0
+    (their pools are the allocator's, measured below)."""
+    allocated_bytes: int | None
+    """CUDA: how much `memory_allocated` fell (sleep) or rose (wake) around this tag; None elsewhere."""
+    reserved_bytes: int | None
+    """CUDA: the same for `memory_reserved`, after `empty_cache`."""
+    note: str
+
+
+@dataclass(frozen=True)
+class _Moved:
+    """A tag's own account of its work; `EngineMemory` adds the measurements."""
+
+    changed: bool
+    tensor_bytes: int = 0
+    note: str = ""
+
+
+def _measured(moved: _Moved, before: DeviceMemory | None, after: DeviceMemory | None, freed: bool) -> TagReport:
+    """`moved` with the device's change around it: bytes freed (`freed`) or taken."""
+    if before is None or after is None:
+        return TagReport(moved.changed, moved.tensor_bytes, None, None, moved.note)
+    sign = 1 if freed else -1
+    return TagReport(moved.changed, moved.tensor_bytes, sign * (before.allocated - after.allocated),
+                     sign * (before.reserved - after.reserved), moved.note)
+
+
+def _kv_bytes(cache: PagedKVCache | None) -> int:
+    if cache is None:
+        return 0
+    return cache.k.nbytes + (cache.v.nbytes if cache.v is not cache.k else 0)  # MLA: one tensor is both
+
+
+def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole storage (a view, no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class HostBytes:
+    """`nbytes` of host memory as chunks of `CHUNK` bytes, pinned on CUDA hosts. The pinned allocator
+    rounds every allocation up to a power of two: one buffer per storage, or one for all of them,
+    could take up to twice the bytes; chunks waste less than one chunk."""
+
+    CHUNK = 1 << 30
+
+    def __init__(self, nbytes: int, pinned: bool) -> None:
+        self.nbytes = nbytes
+        self.chunks = [torch.empty(min(self.CHUNK, nbytes - at), dtype=torch.uint8, pin_memory=pinned)
+                       for at in range(0, nbytes, self.CHUNK)]
+
+    def pieces(self, offset: int, length: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """The host bytes [offset, offset + length) in pieces: (position in the range, bytes)."""
+        pos = 0
+        while pos < length:
+            chunk, at = divmod(offset + pos, self.CHUNK)
+            n = min(length - pos, self.CHUNK - at)
+            yield pos, self.chunks[chunk][at:at + n]
+            pos += n
+
+
+class WeightOffload:
+    """The storages under a model's parameters and buffers, moved to host memory and back."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._held: list[tuple[torch.UntypedStorage, int]] = []  # emptied, and their sizes, in `_host`'s order
+        self._host: HostBytes | None = None
+
+    def storages(self) -> list[torch.UntypedStorage]:
+        """Each non-empty storage once (tied weights and stacked experts share one)."""
+        seen, out = set(), []
+        for t in itertools.chain(self.model.parameters(), self.model.buffers()):
+            storage = t.untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                out.append(storage)
+        return out
+
+    def offload(self) -> int:
+        """Copy every storage to the host, then empty it on the device; the bytes moved."""
+        storages = self.storages()
+        sizes = [s.nbytes() for s in storages]
+        host = HostBytes(sum(sizes), pinned=any(s.device.type == "cuda" for s in storages))
+        for storage, offset, size in zip(storages, itertools.accumulate([0] + sizes), sizes):
+            device = _as_bytes(storage)
+            for pos, piece in host.pieces(offset, size):
+                piece.copy_(device[pos:pos + piece.numel()], non_blocking=True)
+        _synchronize(storages)  # every copy has landed before its source is freed
+        for storage in storages:
+            storage.resize_(0)
+        self._held, self._host = list(zip(storages, sizes)), host
+        return host.nbytes
+
+    def restore(self) -> int:
+        """Allocate every storage again and copy its bytes back; the bytes moved."""
+        host, offset = self._host, 0
+        if host is None:
+            return 0
+        for storage, size in self._held:
+            storage.resize_(size)
+            device = _as_bytes(storage)
+            for pos, piece in host.pieces(offset, size):
+                device[pos:pos + piece.numel()].copy_(piece, non_blocking=True)
+            offset += size
+        _synchronize(s for s, _ in self._held)  # the host bytes may be dropped once these copies have landed
+        self._held, self._host = [], None
+        return host.nbytes
+
+def _synchronize(storages: Iterable[torch.UntypedStorage]) -> None:
+    for device in {s.device for s in storages if s.device.type == "cuda"}:
+        torch.cuda.synchronize(device)
+
+
+class EngineMemory:
+    """Which tags sleep, and the moves that put them to sleep and wake them (module docstring).
+    The engine calls it under its lock, with no request in flight."""
+
+    def __init__(self, runner: Runner, table: RequestTable, weights: WeightStore,
+                 new_cache: Callable[[], PagedKVCache], before_sleep: Callable[[], None]) -> None:
+        self.runner, self.table, self.weights = runner, table, weights
+        self.new_cache = new_cache
+        """A fresh KV cache of the engine's shape, on its device."""
+        self.before_sleep = before_sleep
+        """Stops device work that reads the memory being freed (the decode issued ahead)."""
+        self.device = weights.model.device
+        self.asleep: set[Tag] = set()
+        self._offload = WeightOffload(weights.model)
+        self._graphs = CapturedGraphs()
+
+    def sleep(self, tags: str | Iterable[str] | None = None) -> dict:
+        asked = parse_tags(tags)
+        todo = set(asked)
+        if Tag.KV in asked or (Tag.WEIGHTS in asked and not self.weights.shared):
+            todo.add(Tag.GRAPHS)  # they read the addresses being freed
+        self.before_sleep()
+        return self._run("sleep", [t for t in (Tag.GRAPHS, Tag.KV, Tag.WEIGHTS) if t in todo], asked)
+
+    def wake_up(self, tags: str | Iterable[str] | None = None) -> dict:
+        asked = parse_tags(tags)
+        todo = set(asked)
+        stay = (self.asleep - asked) & {Tag.KV, Tag.WEIGHTS}
+        if Tag.GRAPHS in asked and stay:
+            raise ValueError(f"graphs are captured over the KV cache and the weights, and "
+                             f"{sorted(t.value for t in stay)} stay asleep: wake them in the same call "
+                             f"(wake_up(tags=None) wakes everything)")
+        woke = self.asleep & asked & {Tag.KV, Tag.WEIGHTS}
+        if Tag.GRAPHS in self.asleep and woke and not stay:
+            todo.add(Tag.GRAPHS)  # put to sleep with them: back with them
+        return self._run("wake_up", [t for t in (Tag.WEIGHTS, Tag.KV, Tag.GRAPHS) if t in todo], asked)
+
+    # -- one call: the tags in order, each measured --------------------------------------------
+    def _run(self, action: str, order: list[Tag], asked: frozenset[Tag]) -> dict:
+        sleeping = action == "sleep"
+        moves = self._SLEEP if sleeping else self._WAKE
+        start = time.perf_counter()
+        first = last = DeviceMemory.read(self.device)
+        tags: dict[str, dict] = {}
+        for tag in order:
+            if (tag in self.asleep) == sleeping:
+                moved = _Moved(False, note="already asleep" if sleeping else "already awake")
+            else:
+                moved = moves[tag](self)
+            if moved.changed:
+                (self.asleep.add if sleeping else self.asleep.discard)(tag)
+                if tag not in asked:  # implied by the tags asked for: say which
+                    moved = dataclasses.replace(moved, note=f"{moved.note}; with {'/'.join(sorted(asked))}")
+            before, last = last, DeviceMemory.read(self.device)
+            tags[tag.value] = dataclasses.asdict(_measured(moved, before, last, sleeping))
+        return {"action": action, "tags": tags, "asleep": sorted(t.value for t in self.asleep),
+                "tensor_bytes": sum(r["tensor_bytes"] for r in tags.values()),
+                "device": str(self.device), "seconds": time.perf_counter() - start,
+                "before": None if first is None else dataclasses.asdict(first),
+                "after": None if last is None else dataclasses.asdict(last)}
+
+    # -- the moves ---------------------------------------------------------------------------
+    def _sleep_kv(self) -> _Moved:
+        nbytes = _kv_bytes(self.runner.cache)
+        self.table.evict_all()
+        self.table.new_pool()  # cached prefixes point into the K/V being freed
+        self.runner.cache = None
+        return _Moved(True, nbytes, "KV cache freed; sessions recompute their KV on their next turn")
+
+    def _wake_kv(self) -> _Moved:
+        cache = self.runner.cache = self.new_cache()
+        return _Moved(True, _kv_bytes(cache), f"KV cache allocated ({cache.num_blocks} blocks)")
+
+    def _sleep_graphs(self) -> _Moved:
+        self._graphs = self.runner.release_graphs()
+        return _Moved(True, 0, f"released {self._graphs.describe()}")
+
+    def _wake_graphs(self) -> _Moved:
+        held, self._graphs = self._graphs, CapturedGraphs()
+        return _Moved(True, 0, self.runner.restore_graphs(held))
+
+    def _sleep_weights(self) -> _Moved:
+        if self.weights.shared:
+            return _Moved(False, note="the engine's parameters are the trainer's own tensors (shared storage): "
+                                      "there is no copy to offload")
+        pinned = " (pinned)" if self.device.type == "cuda" else ""
+        return _Moved(True, self._offload.offload(), f"weights offloaded to host memory{pinned}")
+
+    def _wake_weights(self) -> _Moved:
+        return _Moved(True, self._offload.restore(), "weights copied back from host memory")
+
+    _SLEEP: dict[Tag, Callable[["EngineMemory"], _Moved]] = {
+        Tag.KV: _sleep_kv, Tag.GRAPHS: _sleep_graphs, Tag.WEIGHTS: _sleep_weights}
+    _WAKE: dict[Tag, Callable[["EngineMemory"], _Moved]] = {
+        Tag.KV: _wake_kv, Tag.GRAPHS: _wake_graphs, Tag.WEIGHTS: _wake_weights}

@@ -1,0 +1,21 @@
+"""The sleep/wake benchmark runs end to end on CPU with tiny-moe and reports what it promises."""
+import json
+
+import pytest
+
+from benchmarks import sleep_wake
+
+
+@pytest.mark.timeout(120)
+def test_sleep_wake_smoke_json(tmp_path, capsys):
+    sleep_wake.main(["--model", "tiny-moe", "--device", "cpu", "--cycles", "2", "--rows", "3", "--prompt-len", "12",
+                     "--new-tokens", "5", "--out", str(tmp_path)])
+    out = json.loads((tmp_path / "sleep_wake.json").read_text())
+    assert out == json.loads(capsys.readouterr().out)
+    assert out["model"] == "tiny-moe" and out["ok"] is True and len(out["cycles"]) == 2
+    assert out["kv_blocks"] == 3 * 2  # 17 positions a row, 16 a block
+    for cycle in out["cycles"]:
+        assert cycle["tokens_match"] and cycle["max_logprob_diff"] == 0.0 and cycle["freed_gib"] is None
+        assert cycle["sleep"]["asleep"] == ["graphs", "kv", "weights"] and cycle["wake"]["asleep"] == []
+        assert cycle["sleep"]["tags"]["weights"]["tensor_bytes"] == out["model_bytes"]
+        assert cycle["wake"]["tags"]["kv"]["tensor_bytes"] == pytest.approx(out["kv_gib"] * 2 ** 30)
