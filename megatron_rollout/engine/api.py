@@ -46,14 +46,11 @@ class SamplingParams:
     """Per-request seed: the same seed and weights give the same tokens. With `n` > 1, sample i
     draws from `sample_seed(seed, i)` (sample 0 from `seed` itself)."""
     n: int = 1
-    """Samples of this prompt. The prompt is prefilled once; its KV blocks are shared by the n
-    samples, which are drawn independently (see `seed`) and come back as `RequestOutput.results`."""
+    """Samples of the prompt, prefilled once, drawn independently (`RequestOutput.results`)."""
     logprobs: int | None = None
-    """Per generated token, the k most likely tokens' model log-probabilities (raw logits' softmax:
-    no temperature, top-k or top-p), plus the sampled token's; None: none."""
+    """k: per generated token, the k most likely tokens' and the sampled one's model logprobs."""
     prompt_logprobs: int | None = None
-    """Per prompt token after the first, its model log-probability given the tokens before it, plus
-    the k most likely tokens' there; None: none. The prompt is then computed in full (no cached prefix)."""
+    """k: per prompt token, its model logprob given the tokens before it, and the k most likely's."""
 
     def __post_init__(self) -> None:
         # Checked here, at submission, so that one bad value is refused for its request alone
@@ -95,11 +92,7 @@ class SamplingParams:
                                      f"to report), got {k}")
 
 
-MAX_SAMPLES = 1024
-"""Most samples `SamplingParams.n` asks for in one request."""
-MAX_LOGPROBS = 64
-"""Most top tokens `SamplingParams.logprobs` / `prompt_logprobs` report per position."""
-_GOLDEN = 0x9E3779B97F4A7C15
+MAX_SAMPLES, MAX_LOGPROBS = 1024, 64  # most samples of one request; most top tokens per position
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -108,7 +101,7 @@ def sample_seed(seed: int, index: int) -> int:
     a GRPO loop's consecutive groups) never share a stream."""
     if index == 0:
         return seed
-    z = (seed + index * _GOLDEN) & 0xFFFFFFFFFFFFFFFF
+    z = (seed + index * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return z ^ (z >> 31)
@@ -146,12 +139,9 @@ class GenerationResult:
     """Weight version each token was sampled under."""
     error: str | None = None
     top_logprobs: list[dict[int, float]] | None = None
-    """With `SamplingParams.logprobs=k`: per generated token, token id -> model log-probability of
-    the k most likely tokens (most likely first) and of the sampled one; None otherwise."""
+    """`logprobs=k`: per token, id -> model logprob of the k most likely (first) and the sampled one."""
     prompt_logprobs: list[dict[int, float] | None] | None = None
-    """With `SamplingParams.prompt_logprobs=k`: per prompt token, None for the first, then token id ->
-    model log-probability given the tokens before it, for that prompt token (first) and the k most
-    likely; None otherwise (and for a session turn, the turn's new tokens only)."""
+    """`prompt_logprobs=k`: per prompt token (None first), id -> model logprob, its own then the k best."""
 
     @property
     def weight_version(self) -> int:

@@ -7,9 +7,8 @@ planner cannot (`unblock`); and on a distributed replica leader it records every
 typed `Op`, which the step gather ships to the ATP peers (`engine.coordinator`). It never touches a
 tensor: sampling and forwards are `engine.execution`'s.
 
-A request with n samples runs as one until its prompt's logits are drawn n times; `accept` then
-forks samples 1..n-1 onto sequences that share the prompt's blocks (`engine.samples`), and asks
-the executor to copy the partial last block (`copies`).
+A request with n samples is forked by `accept` once its prompt's logits are drawn n times
+(`request.SampleGroup`); the executor copies the partial blocks forks ask for (`copies`).
 
 A forward in flight across steps (a `mux` prefill epoch) still writes the blocks of the requests
 it will sample. `begin_in_flight` names them; one of them finishing early has its blocks *parked*
@@ -29,8 +28,7 @@ import torch
 
 from megatron_rollout.engine.api import FinishReason, RequestError, RequestOutput, SamplingParams, sample_seed
 from megatron_rollout.engine.prefix import PrefixCache
-from megatron_rollout.engine.request import Request, Seq
-from megatron_rollout.engine.samples import SampleGroup
+from megatron_rollout.engine.request import Request, Sampled, SampleGroup, Seq
 from megatron_rollout.engine.scheduler import PrefillChunk, SchedulerState, SeqView, Stage
 from megatron_rollout.engine.stats import EngineStats
 from megatron_rollout.kv.block_pool import BlockPool
@@ -46,8 +44,7 @@ class SampleOwner(NamedTuple):
     context: int
     """Context length the sample completes (the sequence's `computed` once it lands)."""
     scores: int | None = None
-    """None: the row samples the request's next token. Else the row's logits score the prompt token
-    after position `scores` (`SamplingParams.prompt_logprobs`): nothing is drawn from them."""
+    """None: the row samples. Else its logits score the prompt token after position `scores` (no draw)."""
 
 
 # -- the op record: what an ATP peer replays, in order, to mirror its leader ---------------------
@@ -90,15 +87,6 @@ class TakeForks:
 
 
 Op = OpenSession | AddRequest | Abort | Append | Submit | Close | TakeForks
-
-
-class Drawn(NamedTuple):
-    """One sampled token as the table records it."""
-
-    token: int
-    logprob: float
-    top: dict[int, float] | None = None
-    """With `params.logprobs`: the top tokens' model log-probabilities."""
 
 
 class BlockCopy(NamedTuple):
@@ -197,8 +185,8 @@ class RequestTable:
         each = self.pool.blocks_for(min(len(seq.tokens) + params.max_new_tokens, self.max_model_len)) - shared
         need = shared + params.n * each
         if need > self.pool.num_blocks:
-            raise RequestError(f"request needs {need} KV blocks" + (f" for its n={params.n} samples" if params.n > 1
-                               else "") + f", the pool holds {self.pool.num_blocks}; "
+            samples = f" for its n={params.n} samples" if params.n > 1 else ""
+            raise RequestError(f"request needs {need} KV blocks{samples}, the pool holds {self.pool.num_blocks}; "
                                f"raise EngineConfig.kv.num_blocks or shorten it")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
@@ -209,9 +197,10 @@ class RequestTable:
         req = Request(rid, seq, params, next(self._order), len(seq.tokens) - seq.computed, generator=gen)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * req.prompt_tokens
-        if params.n > 1:
-            req.group = self.groups[rid] = SampleGroup.of(rid, params)
-            req.generator = req.group.generators[0]
+        if params.n > 1:  # sample i draws from its own stream (`api.sample_seed`)
+            gens = [gen] + [None if params.seed is None else torch.Generator().manual_seed(sample_seed(params.seed, i))
+                            for i in range(1, params.n)]
+            req.group = self.groups[rid] = SampleGroup(rid, gens, [None] * params.n)
         seq.request = req
         self.requests[rid] = req
         return rid
@@ -392,11 +381,9 @@ class RequestTable:
         return row, SampleOwner(req, req.lifetime, past + 1)
 
     def prefill_rows(self, chunk: PrefillChunk) -> tuple[list[SpanInput], list[SampleOwner]]:
-        """Reserve KV for the chunk; its input rows, and the owners of the rows that return logits:
-        the sample owner if the chunk completes the context (a partial chunk samples nothing and
-        counts as computed at once), and with `prompt_logprobs` one scoring owner per prompt
-        position (`SampleOwner.scores`): those positions run as one-token rows that each return
-        logits (one forward still computes each position once)."""
+        """Reserve KV for the chunk; its input rows, and the owners of their logits rows: the sample
+        owner if the chunk completes the context (a partial chunk counts as computed at once), and with
+        `prompt_logprobs` one scoring owner per prompt position, each run as a one-token row."""
         req = self.requests[chunk.rid]
         seq = req.seq
         req.stage = Stage.PREFILL
@@ -405,8 +392,7 @@ class RequestTable:
         self.pool.reserve(seq.sid, seq.computed + chunk.tokens)
         table, start, end = tuple(self.pool.table(seq.sid)), seq.computed, seq.computed + chunk.tokens
         self.stats.prefill_tokens += chunk.tokens
-        # positions whose logits score the prompt token after them (the request's first prefilled
-        # token has no position before it in this request; the last one samples)
+        # positions from `first` score the prompt token after them (the last position samples)
         first = len(seq.tokens) - req.prompt_tokens if req.params.prompt_logprobs is not None and not req.output \
             else len(seq.tokens)
         split = min(max(start, first), end)
@@ -446,7 +432,7 @@ class RequestTable:
         group = owner.request.group
         return 1 if group is None else group.draws()
 
-    def accept(self, owner: SampleOwner, drawn: list[Drawn], version: int, now: float) -> list[RequestOutput]:
+    def accept(self, owner: SampleOwner, drawn: list[Sampled], version: int, now: float) -> list[RequestOutput]:
         """Advance a live owner's request by its sampled token (`draws(owner)` of them: the first
         is its own, the others fork its samples); the outputs of the requests that finished."""
         req = owner.request
@@ -461,7 +447,7 @@ class RequestTable:
         outs = [self._advance(r, d, version, now) for r, d in zip([req, *children], drawn, strict=True)]
         return [out for out in outs if out is not None]
 
-    def _advance(self, req: Request, drawn: Drawn, version: int, now: float) -> RequestOutput | None:
+    def _advance(self, req: Request, drawn: Sampled, version: int, now: float) -> RequestOutput | None:
         seq = req.seq
         if req.stage is not Stage.WAITING:
             req.stage, req.ready_at = Stage.DECODE, now
@@ -476,24 +462,20 @@ class RequestTable:
         return None if reason is None else self.finish(req, reason)
 
     def _fork(self, req: Request, n: int, now: float) -> list[Request]:
-        """Samples 1..n-1 of `req`, whose prompt is computed: each on a new sequence sharing the
-        prompt's full blocks, with a copy of its partial last block where a block is free (else it
-        waits and recomputes that block's positions: correct, just not shared)."""
+        """Samples 1..n-1 of `req`, whose prompt is computed: each on a new sequence (`BlockPool.fork`;
+        with no block free for the partial one, it waits and recomputes that block's positions)."""
         group, seq, bs = req.group, req.seq, self.block_size
         assert group is not None and not group.forked and n == group.n, "only an unforked group draws n tokens"
         group.forked, group.live = True, n
-        table, full = self.pool.table(seq.sid), seq.computed // bs
-        partial = seq.computed % bs != 0
+        full, partial = seq.computed // bs, seq.computed % bs != 0
         children = []
         for i in range(1, n):
             child = Seq(next(self._ids), list(seq.tokens), session=seq.session, last_used=now,
                         hashes=list(seq.hashes[:full]), kv_version=seq.kv_version, registered=min(seq.registered, full))
             self.seqs[child.sid] = child
-            self.pool.share(child.sid, table[:full])
-            child.computed = full * bs
-            if partial and self.pool.num_free:
-                self.copies.append(BlockCopy(table[full], self.pool.grow(child.sid, seq.computed)[0]))
-                child.computed = seq.computed
+            copy = self.pool.fork(seq.sid, child.sid, seq.computed)
+            child.computed = seq.computed if copy is not None or not partial else full * bs
+            self.copies += [BlockCopy(*copy)] if copy is not None else []
             if seq.session:
                 seq.forks.append(child)
             seed = req.params.seed

@@ -377,10 +377,6 @@ class RolloutEngine:
     def _close_mirror(self, op: Close) -> None:
         self._mirrors.pop(op.sid).close()
 
-    def _take_mirror_forks(self, op: TakeForks) -> None:
-        for fork in self._mirrors[op.sid].forks():
-            self._mirrors[fork.sid] = fork
-
     _REPLAY: dict[type, Callable[["RolloutEngine", Op], None]] = {
         OpenSession: _open_mirror,
         AddRequest: lambda e, op: e.add_request(op.prompt, op.params),
@@ -388,6 +384,6 @@ class RolloutEngine:
         Append: lambda e, op: e._mirrors[op.sid].append(op.token_ids),
         Submit: lambda e, op: e._mirrors[op.sid].submit(op.params),
         Close: _close_mirror,
-        TakeForks: _take_mirror_forks,
+        TakeForks: lambda e, op: e._mirrors.update((f.sid, f) for f in e._mirrors[op.sid].forks()),
     }
     """How an ATP peer replays each op: through the same public calls its leader made."""

@@ -18,7 +18,7 @@ import torch
 
 from megatron_rollout.engine.ahead import DecodeAhead
 from megatron_rollout.engine.api import FinishReason, RequestOutput
-from megatron_rollout.engine.bookkeeping import Drawn, RequestTable, SampleOwner
+from megatron_rollout.engine.bookkeeping import RequestTable, SampleOwner
 from megatron_rollout.engine.records import StepLog, step_record
 from megatron_rollout.engine.sampler import PendingDraw
 from megatron_rollout.engine.scheduler import PrefillChunk, StepPlan
@@ -93,7 +93,7 @@ class StepExecutor:
 
     def draw(self, owners: list[SampleOwner], logits: torch.Tensor) -> PendingDraw:
         """Every row's tokens, issued now (`sampler.PendingDraw`), each from its request's own
-        generator; a row that forks a request's n samples is drawn n times (`engine.samples`), in order."""
+        generator; a row that forks a request's n samples is drawn n times (`request.SampleGroup`), in order."""
         counts = [self.table.draws(o) for o in owners]
         if all(c == 1 for c in counts):
             return PendingDraw(logits, [o.request.params for o in owners],
@@ -132,37 +132,27 @@ class StepExecutor:
                                         f"{owner.context} under weight version {version}")
                 outs += [out] if out is not None else []
                 continue
-            outs += self.table.accept(owner, [Drawn(s.token, s.logprob, s.top) for s in samples], version, now)
+            outs += self.table.accept(owner, samples, version, now)
         self._copy_blocks()
         return outs
 
     def score(self, owners: list[SampleOwner], logits: torch.Tensor) -> tuple[list[SampleOwner], torch.Tensor]:
-        """Record the prompt logprobs of the live scoring rows (`SampleOwner.scores`): the model's
-        log-softmax (no temperature) at each, for the prompt token that follows and the k most
-        likely; the sampling owners and their logits rows, which the draw reads."""
-        scoring = [i for i, o in enumerate(owners) if o.scores is not None]
-        if not scoring:
-            return owners, logits
+        """Record the live scoring rows' prompt logprobs (`SampleOwner.scores`; the model's log-softmax:
+        the next prompt token's, then the k most likely); the sampling owners and their logits rows."""
         keep = [i for i, o in enumerate(owners) if o.scores is None]
-        live = [i for i in scoring if self.table.is_live(owners[i])]
+        live = [i for i, o in enumerate(owners) if o.scores is not None and self.table.is_live(o)]
         if live:
             logp = logits[live].float().log_softmax(-1)  # [scored, V]
             target = [owners[i].request.seq.tokens[owners[i].scores + 1] for i in live]
             chosen = logp.gather(-1, torch.tensor(target, device=logp.device)[:, None])[:, 0].tolist()
-            k = max(owners[i].request.params.prompt_logprobs for i in live)
-            top = logp.topk(min(k, logp.shape[-1]), dim=-1) if k else None
-            ids, values = (top.indices.tolist(), top.values.tolist()) if top is not None else ([[]] * len(live),) * 2
-            for j, i in enumerate(live):
+            top = logp.topk(min(max(owners[i].request.params.prompt_logprobs for i in live), logp.shape[-1]), dim=-1)
+            for i, t, c, ids, values in zip(live, target, chosen, top.indices.tolist(), top.values.tolist()):
                 want = owners[i].request.params.prompt_logprobs
-                entry = {target[j]: chosen[j]}
-                for t, v in zip(ids[j][:want], values[j][:want]):
-                    entry.setdefault(t, v)
-                self.table.score(owners[i], entry)
+                self.table.score(owners[i], {t: c} | {k: v for k, v in zip(ids[:want], values[:want]) if k != t})
         return [owners[i] for i in keep], logits[keep] if len(keep) < len(owners) else logits
 
     def _copy_blocks(self) -> None:
-        """KV blocks that forked samples asked for, copied on the caller's stream (every later forward
-        waits for it) before any forward writes them."""
+        """Forked samples' KV blocks, copied on the caller's stream (which every later forward waits for)."""
         copies, self.table.copies = self.table.copies, []
         if copies:
             self.runner.cache.copy_blocks([c.src for c in copies], [c.dst for c in copies])

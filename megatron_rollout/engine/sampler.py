@@ -17,37 +17,19 @@ pinned host memory are issued at once, the host reads them later; `sample` is bo
 host has seen them (`engine.ahead`). Sampled rows draw by inverse CDF from one host uniform per
 row (from the request's own generator), so no row's probabilities cross to the host.
 
-Top logprobs (`SamplingParams.logprobs`) are read from the same logits rows, as the model's own
-log-probabilities: the raw logits' log-softmax, whatever temperature, top-k or top-p the draw used,
-so they compare with a trainer's `token_logprobs` at any temperature.
+Top logprobs (`SamplingParams.logprobs`) are the same rows' raw log-softmax (the model's, whatever
+temperature, top-k or top-p the draw used: what a trainer's `token_logprobs` computes).
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from megatron_rollout.engine.api import SamplingParams
+from megatron_rollout.engine.request import Sampled
 from megatron_rollout.kernels.layout import to_device
-
-
-@dataclass(frozen=True)
-class Sampled:
-    """One row's draw: a token and its logprob, or (`error` set) why the row has none."""
-
-    token: int | None
-    logprob: float | None
-    error: str | None = None
-    """e.g. "non-finite logits (nan)"; the caller adds where (position, weight version)."""
-    top: dict[int, float] | None = None
-    """With `params.logprobs=k`: token id -> model log-probability (the raw logits' softmax) of the
-    k most likely tokens, most likely first, and of the sampled token."""
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
 
 
 def _non_finite(row_max: float) -> Sampled:

@@ -65,10 +65,8 @@ class Session:
         return self._run_until([rid])[rid].result
 
     def forks(self) -> list["Session"]:
-        """The sessions that continue samples 1..n-1 of this session's turns with `n` > 1 (this
-        session continues sample 0), each with its own tokens and its copy of the shared prompt's
-        KV; taken once: a second call returns the forks made since. The caller closes them;
-        forks not taken are closed with this session."""
+        """The sessions of samples 1..n-1 of this session's turns with `n` > 1 (it continues sample 0),
+        taken once; the caller closes them (forks not taken are closed with this session)."""
         with self._lock:
             self._check_open()
             seqs, self._seq.forks = self._seq.forks, []

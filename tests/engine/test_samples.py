@@ -1,4 +1,5 @@
-"""n samples of one prompt (`engine/samples.py`): one prefill, shared blocks, the seeds' streams."""
+"""n samples of one prompt (`request.SampleGroup`, `RequestTable.accept`): one prefill, shared blocks,
+the seeds' streams."""
 from __future__ import annotations
 
 import dataclasses
