@@ -1,15 +1,17 @@
-"""Colocated GRPO on CPU: rollout engine and trainer in one process, weights hot-swapped each step.
+"""Colocated GRPO: rollout engine and trainer in one process, weights hot-swapped each step.
 
     python examples/train_grpo.py --config configs/grpo_tool_cpu.yaml --out /tmp/tool
     torchrun --nproc_per_node 4 examples/train_grpo.py --config configs/grpo_tool_cpu.yaml --atp 2 --adp 2 --ep 4 \\
         --out /tmp/tool4
     python examples/train_grpo.py --config configs/grpo_tiny_cpu.yaml --steps 30 --out /tmp/smoke   # quick smoke
+    python examples/train_grpo.py --config configs/grpo_megatron_gpu.yaml --out /tmp/gpu   # one GPU, Megatron
 
 What was simplified, and why:
 - The policy is the tiny byte-level MoE from a random init; the tool task (`lookup`: call a tool,
   copy the code it returns into the answer) is one it can learn on a CPU in minutes and cannot
   game (ignoring the tool's reply scores at most 0.1). `digits` is the quick smoke task.
-- The trainer is the native model (a Megatron GPTModel trains only on GPU; see rl.megatron_trainer).
+- The trainer is the native model, or (`trainer: megatron`, one GPU) a Megatron-core GPTModel
+  trained by Megatron's optimizer with the engine built from it (rl.megatron_policy).
 - Rollout and training alternate synchronously (fully on-policy); no async/off-policy overlap.
 - Under torchrun, `--atp/--adp` (ATP x ADP = processes) shard the rollout engine (mux schedule,
   experts over EP = all ranks) while every rank trains a data-parallel replica of the unsharded

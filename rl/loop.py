@@ -1,13 +1,15 @@
 """The colocated GRPO loop: rollout with the engine, train, hot-swap the new weights, repeat.
 
-One process (per rank) holds both the trainer's model and the engine's model, as separate
-modules: every step ends with `engine.update_weights(trainer.named_weights(), version + 1)`, so
-the hot-swap path is exercised exactly as a Megatron trainer would use it, and the engine's KV
-cache sleeps while the trainer runs (`engine.sleep(tags=["kv"])`). Under torch.distributed the
-rollout is either replicated (every rank a full engine) or sharded ATP x ADP over all ranks
-(`rl.placement`); either way the step's trajectories are gathered to every rank, GRPO advantages
-are computed over all of them, each trainer replica trains on its share of the groups and
-gradients are averaged over ranks. Only rank 0 writes outputs.
+One process (per rank) holds both the trainer's model and the engine's model: the native trainer's
+as separate modules, a Megatron trainer's (`trainer: megatron`, `rl.megatron_policy`) as the engine
+built from its GPTModel, sharing its tensors where the runner allows. Every step ends with
+`engine.update_weights(trainer.named_weights(), version + 1)`, so the hot-swap path is exercised
+exactly as a Megatron trainer would use it, and the engine sleeps while the trainer runs
+(`engine.sleep(sleep_tags)`: its KV cache, the graphs over it, and its weight copy where asked).
+Under torch.distributed the rollout is either replicated (every rank a full engine) or sharded
+ATP x ADP over all ranks (`rl.placement`); either way the step's trajectories are gathered to
+every rank, GRPO advantages are computed over all of them, each trainer replica trains on its
+share of the groups and gradients are averaged over ranks. Only rank 0 writes outputs.
 
 Left out: asynchronous (off-policy) rollouts overlapping training, rollout/trainer on separate
 devices, checkpointing, evaluation sets, and learning-rate schedules.
@@ -31,7 +33,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from megatron_rollout.engine import EngineConfig, SamplingParams
+from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
 from megatron_rollout.model.config import preset
 from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.tokenizer import ByteTokenizer
@@ -40,6 +42,7 @@ from rl.envs import Env, GuessDigitEnv, SingleTurnEnv
 from rl.envs.lookup import LookupEnv
 from rl.envs.single_turn import TASKS
 from rl.fields import ConfigTypeError, build, check_types
+from rl.megatron_policy import MegatronOptions, build_megatron_policy
 from rl.objective import LossConfig
 from rl.placement import Placement
 from rl.rollout import Episode, RolloutConfig
@@ -84,6 +87,10 @@ class GRPOConfig:
     """Rollout attention data parallel replicas; each replica's leader drives its own episodes."""
     ep: int | None = None
     """Rollout expert parallel size; must be ATP x ADP (ETP = 1); None means exactly that."""
+    sleep_tags: tuple[str, ...] = ("kv",)
+    """What the engine hands back while the trainer steps (`engine.sleep`): kv (with the graphs over
+    it) | graphs | weights (its own copy, to host memory; an engine sharing the trainer's tensors
+    holds none)."""
     max_engine_errors: float = 0.1
     """Largest share of a step's episodes the engine may end (refused: the KV pool is too small;
     failed) before the run stops with the figure; any such episode is logged as a warning."""
@@ -93,6 +100,9 @@ class GRPOConfig:
     loss: LossConfig = LossConfig()
     advantages: AdvantageConfig = AdvantageConfig()
     trainer: TrainerConfig = TrainerConfig()
+    """`trainer: megatron` is short for `trainer: {kind: megatron}`."""
+    megatron: MegatronOptions = MegatronOptions()
+    """How the Megatron trainer and its engine are built; only with `trainer.kind: megatron`."""
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -120,6 +130,15 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.tool_latency_s must be >= 0, got {self.tool_latency_s}")
         if not 0 <= self.max_engine_errors <= 1:
             raise ValueError(f"GRPOConfig.max_engine_errors must be in [0, 1], got {self.max_engine_errors}")
+        if not self.sleep_tags or not set(self.sleep_tags) <= {"kv", "graphs", "weights"}:
+            raise ValueError(f"GRPOConfig.sleep_tags must name some of kv, graphs, weights, got "
+                             f"{list(self.sleep_tags)}")
+        if self.trainer.kind == "megatron" and (self.atp, self.adp, self.ep or 1) != (1, 1, 1):
+            raise ValueError(f"trainer 'megatron' runs one unsharded engine in one process: set atp = adp = 1 "
+                             f"(got atp={self.atp}, adp={self.adp}, ep={self.ep})")
+        if self.trainer.kind != "megatron" and self.megatron != MegatronOptions():
+            raise ValueError(f"megatron options {self.megatron} are given but trainer.kind is "
+                             f"{self.trainer.kind!r}: set trainer: megatron, or drop the megatron block")
         _ = self.engine_config  # validate early, with the engine's own messages
 
     @property
@@ -141,7 +160,10 @@ class GRPOConfig:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"unknown GRPO config keys {unknown}; known: {sorted(known)}")
-        nested = {"loss": LossConfig, "advantages": AdvantageConfig, "trainer": TrainerConfig}
+        if isinstance(raw.get("trainer"), str):  # `trainer: megatron`
+            raw["trainer"] = {"kind": raw["trainer"]}
+        nested = {"loss": LossConfig, "advantages": AdvantageConfig, "trainer": TrainerConfig,
+                  "megatron": MegatronOptions}
         for key, kind in nested.items():
             if key in raw:
                 raw[key] = build(kind, raw[key], key)
@@ -184,29 +206,58 @@ class GRPORun:
         self.rank = self.place.rank
         self.tok = ByteTokenizer()
         torch.manual_seed(cfg.seed)
-        self.policy = MoETransformer(preset(cfg.model)).init_weights(cfg.seed)
-        if self.place.distributed:
-            for p in self.policy.parameters():  # identical start on every rank, whatever the init did
-                dist.broadcast(p.data, src=0, group=self.place.group)
-        # A separate module for the engine (a shard of it when sharded): every update is a hot swap.
-        self.engine = self.place.make_engine(self.policy, cfg.engine_config)
-        optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=0.0)
-        # The initial policy is the reference whatever kl_coef is, so the KL is always measured.
-        self.trainer = NativeTrainer(self.policy, optimizer, cfg.loss, cfg.trainer,
-                                     ref_model=copy.deepcopy(self.policy), process_group=self.place.group)
+        self.megatron = None
+        if cfg.trainer.kind == "megatron":
+            self.megatron = build_megatron_policy(preset(cfg.model), cfg.megatron, cfg.engine_config, seed=cfg.seed,
+                                                  lr=cfg.lr, betas=cfg.betas, loss=cfg.loss, trainer=cfg.trainer)
+            self.engine, self.trainer = self.megatron.engine, self.megatron.trainer
+        else:
+            self.engine, self.trainer = self._native(cfg)
         budgets = (cfg.max_new_tokens,) if isinstance(cfg.max_new_tokens, int) else cfg.max_new_tokens
         sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=max(budgets),
                                   stop_token_ids=(self.tok.eos_id,))
         self.rollout_cfg = RolloutConfig(sampling, max_turns=cfg.max_turns, turn_max_new_tokens=budgets)
         self.step_index = 0
+        self.cuda = self.engine.model.device.type == "cuda"
+        self._weights_mode = "shared" if self.megatron is not None and self.megatron.shared else "copied"
+
+    @property
+    def policy(self) -> torch.nn.Module:
+        """The trained model: the native `MoETransformer`, or the GPTModel (in Megatron's DDP wrapper)."""
+        return self.trainer.model
+
+    def _native(self, cfg: GRPOConfig) -> tuple[RolloutEngine, NativeTrainer]:
+        policy = MoETransformer(preset(cfg.model)).init_weights(cfg.seed)
+        if self.place.distributed:
+            for p in policy.parameters():  # identical start on every rank, whatever the init did
+                dist.broadcast(p.data, src=0, group=self.place.group)
+        # A separate module for the engine (a shard of it when sharded): every update is a hot swap.
+        engine = self.place.make_engine(policy, cfg.engine_config)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=0.0)
+        # The initial policy is the reference whatever kl_coef is, so the KL is always measured.
+        return engine, NativeTrainer(policy, optimizer, cfg.loss, cfg.trainer, ref_model=copy.deepcopy(policy),
+                                     process_group=self.place.group)
+
+    def _peak_gib(self) -> float | None:
+        """Peak GPU memory allocated since the last call (None off the GPU)."""
+        if not self.cuda:
+            return None
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+        return peak
 
     def step(self) -> dict[str, Any]:
         cfg, step, place = self.cfg, self.step_index, self.place
+        self._peak_gib()
         t0 = time.perf_counter()
-        self.engine.wake_up(tags=["kv"])
         episodes = _episodes(cfg, self.tok, step, place.rollout_index, place.rollout_replicas)
         local = place.rollout(self.engine, episodes, self.rollout_cfg)
-        self.engine.sleep(tags=["kv"])  # the trainer steps in the memory it frees
+        rollout_peak = self._peak_gib()
+        ts = time.perf_counter()
+        freed = [r["allocated_bytes"] for r in sleep(self.engine, cfg.sleep_tags)["tags"].values()
+                 if r["allocated_bytes"] is not None]  # measured on CUDA only
+        sleep_s = time.perf_counter() - ts
+        asleep_gib = torch.cuda.memory_allocated() / 2**30 if self.cuda else None
         mine = local.result
         gathered = place.all_gather((mine.trajectories, mine.stats) if mine is not None else None)
         trajs: list[Trajectory] = [t for g in gathered if g is not None for t in g[0]]
@@ -217,13 +268,18 @@ class GRPORun:
         adv = grpo_advantages(batch.rewards, batch.group_ids, cfg.advantages)
         # This trainer replica's share: whole groups, round-robin over ranks.
         keep = (adv.keep & (batch.group_ids % place.world == place.rank)).nonzero().squeeze(-1)
-        sub = batch.select(keep) if keep.numel() else None
-        train = self.trainer.train_step(sub, adv.values[keep] if sub is not None else None)
+        device = next(self.trainer.model.parameters()).device
+        sub = batch.select(keep).to(device) if keep.numel() else None
+        train = self.trainer.train_step(sub, adv.values[keep].to(device) if sub is not None else None)
+        if self.cuda:
+            torch.cuda.synchronize()
         t2 = time.perf_counter()
-        version = self.engine.weight_version + 1
-        self.engine.update_weights(self.trainer.named_weights(), version)
+        train_peak = self._peak_gib()
+        wake(self.engine)
+        tw = time.perf_counter()
+        version = self.sync_weights()
         t3 = time.perf_counter()
-        per_rank = place.all_gather((train, (t1 - t0, t2 - t1, t3 - t2)))
+        per_rank = place.all_gather((train, (ts - t0, t2 - t1, t3 - tw, sleep_s, tw - t2)))
         metrics = {k: _mean([r[0][k] for r in per_rank if k in r[0]]) for k in TRAIN_KEYS}
         times = [r[1] for r in per_rank]
         rewards = batch.rewards
@@ -240,7 +296,18 @@ class GRPORun:
                 "engine_errors": sum(t.error is not None for t in trajs), "generated_tokens": generated,
                 "rollout_makespan_s": makespan, "tokens_per_s": generated / makespan if makespan > 0 else 0.0,
                 "rollout_s": max(t[0] for t in times), "train_s": max(t[1] for t in times),
-                "update_weights_s": max(t[2] for t in times)}
+                "update_weights_s": max(t[2] for t in times), "sleep_s": max(t[3] for t in times),
+                "wake_s": max(t[4] for t in times), "weights": self._weights_mode,
+                "rollout_peak_gib": rollout_peak, "train_peak_gib": train_peak, "asleep_gib": asleep_gib,
+                "sleep_freed_gib": sum(freed) / 2**30 if freed else None,
+                "peak_gpu_mem_gib": max(rollout_peak, train_peak) if self.cuda else None}
+
+    def sync_weights(self) -> int:
+        """The trainer's weights into the engine as the next version (on a shared store, each tensor
+        copied onto itself: only the version moves); returns that version."""
+        version = self.engine.weight_version + 1
+        self.engine.update_weights(self.trainer.named_weights(), version)
+        return version
 
     def _check_engine_errors(self, trajs: list[Trajectory], step: int) -> None:
         """Same gathered trajectories on every rank, so every rank decides alike (no rank left waiting)."""
@@ -260,6 +327,18 @@ class GRPORun:
 
     def close(self) -> None:
         self.place.close()
+        if self.megatron is not None:
+            self.megatron.close()
+
+
+def sleep(engine: RolloutEngine, tags: tuple[str, ...] = ("kv",)) -> dict:
+    """Hand the engine's memory back for the training step (sessions keep their tokens); its report."""
+    return engine.sleep(tags)
+
+
+def wake(engine: RolloutEngine) -> dict:
+    """Take the engine's memory again before the weight update and the next rollout; its report."""
+    return engine.wake_up()
 
 
 def _mean(values: list[float]) -> float | None:

@@ -9,8 +9,11 @@ the weights the rollout used ("old") and the reference model's; then for each PP
 minibatch, a forward, the loss, backward, a gradient all-reduce over the data-parallel group
 (each rank trains on its own rollouts), clipping, and the optimizer step.
 
-Left out: gradient accumulation across micro-batches, mixed precision, and sharded optimizers
-(Megatron's distributed optimizer needs its own step protocol).
+`zero_grad` and `apply_grads` are the optimizer's protocol: a torch optimizer here, Megatron's
+(gradient buffers of its DDP wrapper, clipping inside its step) in `MegatronTrainer`.
+
+Left out: gradient accumulation across micro-batches, mixed precision in the native trainer, and
+sharded optimizers (Megatron's distributed optimizer).
 """
 from __future__ import annotations
 
@@ -31,8 +34,14 @@ from rl.trajectory import TrajectoryBatch
 log = logging.getLogger(__name__)
 
 
+TRAINER_KINDS = ("native", "megatron")
+
+
 @dataclass(frozen=True)
 class TrainerConfig:
+    kind: str = "native"
+    """native (`NativeTrainer`: the native model, CPU or GPU) | megatron (`MegatronTrainer`: a
+    Megatron-core GPTModel, its training step on CUDA; built from `GRPOConfig.megatron`)."""
     num_minibatches: int = 1
     """Optimizer steps per epoch over the rollout batch; > 1 makes the ratio (and clipping) live."""
     ppo_epochs: int = 1
@@ -42,6 +51,8 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
+        if self.kind not in TRAINER_KINDS:
+            raise ValueError(f"trainer.kind must be one of {TRAINER_KINDS}, got {self.kind!r}")
         if self.num_minibatches < 1 or self.ppo_epochs < 1:
             raise ValueError(f"num_minibatches and ppo_epochs must be >= 1, got {self.num_minibatches}, "
                              f"{self.ppo_epochs}")
@@ -124,7 +135,7 @@ class PolicyTrainer(abc.ABC):
 
     def _minibatch(self, batch: TrajectoryBatch | None, advantages: torch.Tensor | None, old: torch.Tensor | None,
                    ref: torch.Tensor | None, rows: torch.Tensor) -> dict[str, float]:
-        self.optimizer.zero_grad(set_to_none=True)
+        self.zero_grad()
         metrics: dict[str, float] = {}
         if batch is not None and rows.numel():
             mb = batch.select(rows)
@@ -136,14 +147,24 @@ class PolicyTrainer(abc.ABC):
                               entropy=ent if self.loss_cfg.entropy_coef else ent.detach())
             out.loss.backward()
             metrics = out.metrics
+        norm = self.apply_grads()
+        if metrics and norm is not None:
+            metrics["grad_norm"] = norm
+        return metrics
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def apply_grads(self) -> float | None:
+        """Average gradients over the data-parallel group, clip, step; the gradient norm before
+        clipping (None when not clipped)."""
         if self.distributed:
             all_reduce_grads(self.params, self.process_group)
+        norm = None
         if self.cfg.grad_clip is not None:
-            norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
-            if metrics:
-                metrics["grad_norm"] = float(norm)
+            norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
         self.optimizer.step()
-        return metrics
+        return norm
 
 
 class NativeTrainer(PolicyTrainer):

@@ -12,6 +12,7 @@ trajectories into one row, and left padding (the trainer's forward takes right-p
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -84,6 +85,9 @@ class TrajectoryBatch:
     @property
     def size(self) -> int:
         return self.input_ids.shape[0]
+
+    def to(self, device: torch.device | str) -> "TrajectoryBatch":
+        return TrajectoryBatch(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
 
     def select(self, rows: torch.Tensor | Sequence[int]) -> "TrajectoryBatch":
         """The sub-batch of the given rows, trimmed to its longest row."""

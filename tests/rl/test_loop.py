@@ -106,6 +106,12 @@ def test_metrics_record_times_turns_and_kl(tmp_path):
         assert m["rollout_s"] >= 0.01 and m["train_s"] > 0 and m["update_weights_s"] > 0
         assert m["rollout_s"] >= m["rollout_makespan_s"] > 0
         assert 0 < m["generated_tokens"] <= 8 * (2 + 4)
+        assert m["sleep_s"] > 0 and m["wake_s"] > 0 and m["weights"] == "copied"
+        assert m["peak_gpu_mem_gib"] is None and m["asleep_gib"] is None  # CPU: no GPU figures
+    from rl.plot import main as plot_main
+
+    plot_main([str(tmp_path)])
+    assert (tmp_path / "steps.png").stat().st_size > 0
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and REQUIRED <= set(lines[0]) and lines[1]["rollout_s"] == history[1]["rollout_s"]
     # digits: dense rewards, so a step with a scored sample moves the policy (step 0's 8 samples may
