@@ -92,7 +92,7 @@ def half_layer_state(cfg: ModelConfig, device: torch.device, seed: int) -> dict[
 
 def tp2_split(name: str, full: torch.Tensor) -> list[torch.Tensor]:
     """A TP 2 trainer's two slices of `name` (routed experts and norms are whole: one entry)."""
-    from megatron_rollout.model.megatron_layout import tp_split_dim
+    from megatron_rollout.weights.megatron_layout import tp_split_dim
 
     dim = tp_split_dim(name)
     if dim is None:
@@ -183,7 +183,7 @@ def run(model_name: str, device: str, repeats: int = 3, bw_bytes: int = 4 << 30,
     del split
 
     def reshard() -> None:
-        from megatron_rollout.model.megatron_layout import join_tp
+        from megatron_rollout.weights.megatron_layout import join_tp
 
         full = {name: join_tp(name, parts) for name, parts in tp2.items()}
         for name, src in lend.items():
@@ -196,7 +196,7 @@ def run(model_name: str, device: str, repeats: int = 3, bw_bytes: int = 4 << 30,
     out["modes"]["reshard"] = _report(times, model_bytes, copy_bw, traffic=2)  # the copy's r+w; joins on top
     # Routed experts are whole under TP (ETP = 1): only attention, dense MLPs, shared experts,
     # embedding and output layer are joined from halves.
-    from megatron_rollout.model.megatron_layout import tp_split_dim
+    from megatron_rollout.weights.megatron_layout import tp_split_dim
 
     itemsize = torch.empty(0, dtype=cfg.torch_dtype).element_size()
     joined = sum(torch.Size(shape).numel() * itemsize for n, shape in full_shapes(cfg).items()

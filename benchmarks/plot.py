@@ -3,7 +3,9 @@
 Left panel: median makespan, p99 request and p99 trajectory completion per schedule (each at its
 best budget, error bars from the repeats' min to max) and the vLLM peer, with the trace's lower
 bound as a line. Right panels: three seconds of the host timeline (P segments above, D
-iterations below) from the middle of the first timed `off` and `mux` replays. Needs matplotlib (a
+iterations below) from the middle of the first timed `off` and `mux` replays. Beside it, where
+the time went (`plot_breakdowns`): decode step stretch beside decode wait per schedule, and each
+schedule's busy-over-time and critical-path figure. Needs matplotlib (a
 plotting extra, not a dependency of the package).
 """
 from __future__ import annotations
@@ -80,12 +82,55 @@ def plot(result: dict, path: str | Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def plot_breakdowns(result: dict, path: str | Path) -> list[Path]:
+    """Beside the main figure at `path`: `<stem>.stretch.png`, each schedule's decode step stretch
+    beside its mean decode wait (medians, min-max bars), and `<stem>.breakdown.<schedule>.png`,
+    `trace.breakdown.plot_breakdown` of its first finished repeat. Returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from megatron_rollout.trace.breakdown import plot_breakdown
+
+    path = Path(path)
+    written = []
+    rows = {name: s["breakdown"] for name, s in result.get("schedules", {}).items()
+            if ((s.get("breakdown") or {}).get("median") or {}).get("decode_step_stretch") is not None}
+    if rows:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+        for ax, key, label in ((axes[0], "decode_step_stretch", "decode step stretch (x pure decode)"),
+                               (axes[1], "mean_decode_wait_ms", "mean decode wait (ms)")):
+            med = [b["median"][key] or 0.0 for b in rows.values()]
+            lo = [m - (b["min"][key] or 0.0) for m, b in zip(med, rows.values())]
+            hi = [(b["max"][key] or 0.0) - m for m, b in zip(med, rows.values())]
+            bars = ax.bar(range(len(rows)), med, yerr=[lo, hi], capsize=2)
+            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+            ax.set_xticks(range(len(rows)), list(rows), rotation=30, fontsize=7)
+            ax.set_title(label, fontsize=9)
+        fig.tight_layout()
+        out = path.with_name(f"{path.stem}.stretch.png")
+        fig.savefig(out, dpi=110)
+        plt.close(fig)
+        written.append(out)
+    for name, s in result.get("schedules", {}).items():
+        first = next((r["report"]["breakdown"] for r in s.get("repeats") or []
+                      if r.get("finished") and (r.get("report") or {}).get("breakdown")), None)
+        if first is not None:
+            out = path.with_name(f"{path.stem}.breakdown.{name.replace('/', '-')}.png")
+            plot_breakdown(first, str(out))
+            written.append(out)
+    return written
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
         print("usage: python -m benchmarks.plot ROLLOUT_JSON OUT_PNG", file=sys.stderr)
         return 2
-    plot(json.loads(Path(args[0]).read_text()), args[1])
+    result = json.loads(Path(args[0]).read_text())
+    plot(result, args[1])
+    plot_breakdowns(result, args[1])
     return 0
 
 

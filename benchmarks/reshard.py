@@ -1,5 +1,5 @@
 """The resharding path's speed: a TP/EP-sharded Megatron trainer's weights gathered into full rollout
-tensors (`megatron_rollout.model.megatron_reshard.gather_megatron_state`), bytes and GB/s.
+tensors (`megatron_rollout.weights.megatron_reshard.gather_megatron_state`), bytes and GB/s.
 
 `--ranks` processes form one world: gloo on CPU (the default), NCCL with one GPU per rank
 (`--backend nccl`). Each rank holds Megatron's slices of the preset's model in its dtype (values are
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from megatron_rollout.model.config import ModelConfig, preset
-from megatron_rollout.model.megatron_reshard import DEFAULT_BUCKET_BYTES, gather_megatron_state, megatron_local_state
 from megatron_rollout.model.sharding import full_shapes
+from megatron_rollout.weights.megatron_reshard import DEFAULT_BUCKET_BYTES, gather_megatron_state, megatron_local_state
 
 log = logging.getLogger(__name__)
 

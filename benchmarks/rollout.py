@@ -13,15 +13,17 @@ A figure counts only warm, repeated, each schedule at its best token budget, nex
    instead). Same-budget ratios come from this pass;
 3. the timed repeats: `--repeats` rounds, interleaved (off, chunked, mux, mux-epoch, mux-load,
    off, ...), each replay in a fresh engine over the same model and token ids, at the schedule's
-   best budget. `mux` runs its default segment policy (`--mux-span`, `WaitBudget`); the paper's
+   best budget (a `schedule+priority` spec at its schedule's). `mux` runs its default segment
+   policy (`--mux-span`, `WaitBudget`); the paper's
    ablation runs beside it at mux's budget: `mux-epoch`, one segment per epoch (whole-epoch
    asynchronous enqueue, `mux_span="fixed:1000000000"`), and `mux-load`, LoadSelected's fine
    segments. Decode graphs and piecewise P graphs are captured when the engine is built, before
    the clock starts; every timed replay runs inside a
    `benchmarks.compiles.CompileCounter`, and its Triton and torch compilations are in the JSON and
    the table (a figure with compilations is marked cold and left out of the medians);
-4. per schedule: `repeats` (the reports) and `median` / `min` / `max` of every figure; ratios
-   from medians (best budget against best budget), and the issue's targets for the profile;
+4. per schedule: `repeats` (the reports) and `median` / `min` / `max` of every figure, and of
+   where its time went (`breakdown`: `BREAKDOWN_FIGURES`, from each report's `trace.breakdown`);
+   ratios from medians (best budget against best budget), and the issue's targets for the profile;
 5. the vLLM peer (`benchmarks.vllm_peer`) in its own process after this one has freed the GPU, on
    the same trace file and token ids; its figures join the table and the ratios.
 
@@ -47,7 +49,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -55,6 +57,7 @@ import torch
 from benchmarks.bounds import model_costs, trace_lower_bound
 from benchmarks.compiles import CompileCounter
 from megatron_rollout.engine.config import DEFAULT_SPAN
+from megatron_rollout.engine.priority import PRIORITIES
 from megatron_rollout.model.config import PRESETS, ModelConfig
 from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.trace.make import PROFILES, make_trace, max_context
@@ -99,7 +102,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="weights and input token ids")
     ap.add_argument("--schedules", default="off,chunked,mux",
                     help="comma-separated; 'mux@fixed:K' runs mux with another segment policy, 'off/sync' a schedule "
-                         "without decode ahead; '' runs none")
+                         "without decode ahead, 'mux+most-turns' one under an engine priority; '' runs none")
     ap.add_argument("--ablation", action=argparse.BooleanOptionalAction, default=True,
                     help="add mux-epoch (one segment per epoch) when mux runs")
     ap.add_argument("--repeats", type=int, default=3)
@@ -204,22 +207,39 @@ class Run:
         return time.perf_counter() + need <= (self.sweep_deadline if kind == "sweep" else self.deadline)
 
 
-def _split(spec: str) -> tuple[str, str | None, str | None]:
-    """'schedule[@span][/sync]' -> (schedule, span, decode_ahead): '/sync' turns decode ahead off."""
+class Spec(NamedTuple):
+    """What a schedule spec 'schedule[@span][+priority][/sync]' asks for."""
+
+    schedule: str
+    span: str | None
+    """mux's segment policy (None: --mux-span)."""
+    ahead: str | None
+    """"off" for '/sync' (decode ahead off); None: --decode-ahead."""
+    priority: str | None
+    """The engine's priority (`engine.priority`); None: SchedulerConfig's default."""
+
+
+def _split(spec: str) -> Spec:
+    """'schedule[@span][+priority][/sync]' -> its parts: '/sync' turns decode ahead off, '+name' picks
+    the engine's priority (e.g. 'mux+most-turns')."""
     core, _, flag = spec.partition("/")
     if flag not in ("", "sync"):
         raise SystemExit(f"schedule {spec!r}: the only suffix is '/sync' (decode ahead off)")
+    core, _, priority = core.partition("+")
+    if priority and priority not in PRIORITIES:
+        raise SystemExit(f"schedule {spec!r}: unknown priority {priority!r}; choose from {sorted(PRIORITIES)}")
     schedule, _, span = core.partition("@")
-    return schedule, span or None, "off" if flag else None
+    return Spec(schedule, span or None, "off" if flag else None, priority or None)
 
 
-def _engine_config(run: Run, schedule: str, span: str | None, budget: int, ahead: str | None = None):
+def _engine_config(run: Run, schedule: str, span: str | None, budget: int, ahead: str | None = None,
+                   priority: str | None = None):
     from megatron_rollout.engine import EngineConfig, KVConfig, MuxConfig, RunnerConfig, SchedulerConfig
 
     a = run.args
     return EngineConfig(
         scheduler=SchedulerConfig(schedule, block_size=a.block_size, max_batch_tokens=budget,
-                                  max_decode_rows=a.max_decode_rows),
+                                  max_decode_rows=a.max_decode_rows, priority=priority or SchedulerConfig.priority),
         kv=KVConfig(num_blocks=run.num_blocks), mux=MuxConfig(span or a.mux_span),
         runner=RunnerConfig(attention=a.attention, measure_expert_kernels=run.expert_choice is None,
                             decode_ahead=ahead or a.decode_ahead),
@@ -288,9 +308,9 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str) -> dict
     from megatron_rollout.trace.timeline import Timeline
 
     args, cfg = run.args, run.cfg
-    schedule, span, ahead = _split(spec)
+    schedule, span, ahead, priority = _split(spec)
     t0 = time.perf_counter()
-    engine = RolloutEngine(run.model, _engine_config(run, schedule, span, budget, ahead), timeline=Timeline())
+    engine = RolloutEngine(run.model, _engine_config(run, schedule, span, budget, ahead, priority), timeline=Timeline())
     runner = engine.runner
     if run.expert_choice is None and _expert_small(run.model) is not None:
         run.expert_choice = _expert_small(run.model)
@@ -377,11 +397,54 @@ def summarize(repeats: list[dict]) -> dict[str, Any]:
     use = warm or done
     out: dict[str, Any] = {"n": len(use), "n_cold": len(done) - len(warm), "median_warm": bool(warm) or not done,
                            "compilations": sum(r.get("compilations", {}).get("total", 0) for r in repeats)}
+    figures = [breakdown_figures(r["report"].get("breakdown")) for r in use]
+    out["breakdown"] = {}
     for stat, fn in (("median", np.median), ("min", np.min), ("max", np.max)):
         out[stat] = {}
         for key in REPORT_FIGURES:
             values = [r["report"][key] for r in use if isinstance(r["report"].get(key), (int, float))]
             out[stat][key] = float(fn(values)) if values else None
+        out["breakdown"][stat] = {}
+        for key in BREAKDOWN_FIGURES:
+            values = [f[key] for f in figures if isinstance(f.get(key), (int, float))]
+            out["breakdown"][stat][key] = float(fn(values)) if values else None
+    return out
+
+
+BREAKDOWN_FIGURES = (
+    "decode_step_stretch", "mean_decode_wait_ms", "pure_decode_step_ms", "decode_step_ms",
+    "busy_prefill", "busy_decode", "busy_mixed", "idle",
+    "critical_end_s", "critical_turns", "critical_tool_wait_s", "critical_release_s", "critical_queue_s",
+    "critical_prefill_s", "critical_decode_s", "critical_decode_in_mixed_s", "critical_decode_behind_prefill_s",
+    "critical_tpot_ms", "all_queue_s", "all_prefill_s", "all_decode_s", "all_decode_in_mixed_s")
+"""The figures of a replay's breakdown (`trace.breakdown`) summarised per schedule: decode step
+stretch beside decode wait; the engine's shares of the makespan in prefill, decode and mixed
+forwards and idle; the critical conversation's path (tool waits, queueing, prefill, decode, and
+how much of its decode ran inside mixed steps or waited behind prefill-only forwards); and the
+sums over every request."""
+
+
+def breakdown_figures(b: dict | None) -> dict[str, float | None]:
+    """The `BREAKDOWN_FIGURES` of one report's breakdown (empty when it has none)."""
+    if not b:
+        return {}
+    span = b["makespan_s"] or float("nan")
+    e, c, a = b["engine"], b.get("critical") or {}, b["all_requests"]
+
+    def total(occupancy):
+        return sum(occupancy[f"{k}_s"] for k in ("prefill", "decode", "mixed", "idle"))
+
+    out = {k: b.get(k) for k in ("decode_step_stretch", "mean_decode_wait_ms", "pure_decode_step_ms", "decode_step_ms")}
+    out.update(busy_prefill=e["prefill_s"] / span, busy_decode=e["decode_s"] / span, busy_mixed=e["mixed_s"] / span,
+               idle=e["idle_s"] / span)
+    if c:
+        out.update(critical_end_s=c["end_s"], critical_turns=c["requests"], critical_tool_wait_s=c["tool_wait_s"],
+                   critical_release_s=c["release_s"], critical_queue_s=total(c["queue"]),
+                   critical_prefill_s=total(c["prefill"]), critical_decode_s=total(c["decode"]),
+                   critical_decode_in_mixed_s=c["decode"]["mixed_s"],
+                   critical_decode_behind_prefill_s=c["decode"]["prefill_s"], critical_tpot_ms=c.get("tpot_ms"))
+    out.update(all_queue_s=total(a["queue"]), all_prefill_s=total(a["prefill"]), all_decode_s=total(a["decode"]),
+               all_decode_in_mixed_s=a["decode"]["mixed_s"])
     return out
 
 
@@ -428,6 +491,25 @@ def _fmt(v, spec):
     return format(v, spec) if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v)) else "-"
 
 
+def _breakdown_lines(result: dict) -> list[str]:
+    """Where each schedule's time went (medians of `BREAKDOWN_FIGURES`)."""
+    lines = []
+    for name, s in result.get("schedules", {}).items():
+        b = (s.get("breakdown") or {}).get("median") or {}
+        if b.get("busy_decode") is None:
+            continue
+        lines.append(
+            f"  {name}: engine busy P {_fmt(100 * b['busy_prefill'], '.0f')}% D {_fmt(100 * b['busy_decode'], '.0f')}% "
+            f"mixed {_fmt(100 * b['busy_mixed'], '.0f')}% idle {_fmt(100 * b['idle'], '.0f')}%; decode step "
+            f"{_fmt(b.get('decode_step_ms'), '.2f')} ms over pure {_fmt(b.get('pure_decode_step_ms'), '.2f')} ms; "
+            f"critical path {_fmt(b.get('critical_end_s'), '.2f')} s ({_fmt(b.get('critical_turns'), '.0f')} turns): "
+            f"tool {_fmt(b.get('critical_tool_wait_s'), '.2f')} queue {_fmt(b.get('critical_queue_s'), '.2f')} "
+            f"prefill {_fmt(b.get('critical_prefill_s'), '.2f')} decode {_fmt(b.get('critical_decode_s'), '.2f')} s "
+            f"(in mixed steps {_fmt(b.get('critical_decode_in_mixed_s'), '.2f')}, behind prefill "
+            f"{_fmt(b.get('critical_decode_behind_prefill_s'), '.2f')})")
+    return ["where the time went (medians):"] + lines if lines else []
+
+
 def table(result: dict) -> str:
     """The printed summary: everything the notes need, from the JSON alone."""
     t = result.get("trace", {})
@@ -437,7 +519,7 @@ def table(result: dict) -> str:
              f"{result.get('device')}"]
     w = max([11] + [len(n) + 1 for n in result.get("schedules", {})])  # label column
     head = (f"{'schedule':<{w}}{'budget':>7}{'n':>3}{'makespan_s med [min-max]':>26}{'p50_req':>8}{'p99_req':>8}"
-            f"{'p99_traj':>9}{'ttft_s':>8}{'dwait_ms':>9}{'tok/s':>7}{'compiles':>9}")
+            f"{'p99_traj':>9}{'ttft_s':>8}{'dwait_ms':>9}{'stretch':>8}{'tok/s':>7}{'compiles':>9}")
     lines.append(head)
     for name, s in result.get("schedules", {}).items():
         m, lo, hi = s.get("median") or {}, s.get("min") or {}, s.get("max") or {}
@@ -450,8 +532,10 @@ def table(result: dict) -> str:
         lines.append(f"{name:<{w}}{_fmt(s.get('budget'), '7d')}{s.get('n', 0):>3}{span:>26}"
                      f"{_fmt(m.get('p50_request_s'), '8.2f')}{_fmt(m.get('p99_request_s'), '8.2f')}"
                      f"{_fmt(m.get('p99_trajectory_s'), '9.2f')}{_fmt(m.get('mean_ttft_s'), '8.3f')}"
-                     f"{_fmt(m.get('mean_decode_wait_ms'), '9.1f')}{_fmt(m.get('tokens_per_s'), '7.0f')}"
-                     f"{s.get('compilations', 0):>9d}{cold}")
+                     f"{_fmt(m.get('mean_decode_wait_ms'), '9.1f')}"
+                     f"{_fmt(((s.get('breakdown') or {}).get('median') or {}).get('decode_step_stretch'), '8.2f')}"
+                     f"{_fmt(m.get('tokens_per_s'), '7.0f')}{s.get('compilations', 0):>9d}{cold}")
+    lines += _breakdown_lines(result)
     v = result.get("vllm")
     if v:
         m = v.get("median") or {}
@@ -461,7 +545,7 @@ def table(result: dict) -> str:
             lines.append(f"{'vllm':<{w}}{str(v.get('best_budget')):>7}{len(passes):>3}{span:>26}"
                          f"{_fmt(m.get('p50_request_s'), '8.2f')}{_fmt(m.get('p99_request_s'), '8.2f')}"
                          f"{_fmt(m.get('p99_trajectory_s'), '9.2f')}{_fmt(m.get('mean_ttft_s'), '8.3f')}"
-                         f"{'n/a':>9}{_fmt(m.get('tokens_per_s'), '7.0f')}{'-':>9}")
+                         f"{'n/a':>9}{'n/a':>8}{_fmt(m.get('tokens_per_s'), '7.0f')}{'-':>9}")
             chosen = {k: e.get("chosen", {}) for k, e in (v.get("budgets") or {}).items()}
             for k, c in chosen.items():
                 lines.append(f"  vllm@{k}: budget {c.get('max_num_batched_tokens')}, seqs {c.get('max_num_seqs')}, "

@@ -2,7 +2,7 @@
 rollout through `update_weights`, and the rollout on TE (bf16) must give the trainer's logits (GPU only).
 
 Why: issue 18 asks that a Megatron TE-spec trainer feed the rollout with a copy. The rollout keeps the
-local spec's parameter names; `megatron_rollout.model.megatron_names` maps the TE spec's (fused norms,
+local spec's parameter names; `megatron_rollout.weights.megatron_names` maps the TE spec's (fused norms,
 grouped experts, `_extra_state`) onto them and refuses any other name; the engine's `update_weights`
 then checks shapes, dtypes and values as for any trainer.
 
@@ -42,8 +42,8 @@ from torch import nn
 
 from megatron_rollout.model import te_layers
 from megatron_rollout.model.config import ModelConfig, preset
-from megatron_rollout.model.megatron_layout import transformer_config
-from megatron_rollout.model.megatron_names import megatron_state_to_rollout
+from megatron_rollout.weights.megatron_layout import transformer_config
+from megatron_rollout.weights.megatron_names import megatron_state_to_rollout
 
 log = logging.getLogger(__name__)
 

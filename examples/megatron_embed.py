@@ -26,8 +26,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
 from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams
 from megatron_rollout.model.config import PRESETS
-from megatron_rollout.model.megatron_layout import transformer_config
 from megatron_rollout.model.transformer import MoETransformer
+from megatron_rollout.weights.megatron_layout import transformer_config
 
 
 def trainer_weights(gpt: torch.nn.Module) -> dict[str, torch.Tensor]:

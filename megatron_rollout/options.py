@@ -18,8 +18,10 @@ from megatron_rollout.engine.config import (
     EngineConfig,
     KVConfig,
     MuxConfig,
+    SpeculativeConfig,
     parse_span,
 )
+from megatron_rollout.engine.priority import PRIORITIES
 from megatron_rollout.engine.scheduler import SchedulerConfig
 from megatron_rollout.runner.config import RUNNER_ENV, RUNNER_KINDS, RunnerConfig, runner_kind_from_env
 
@@ -86,6 +88,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=DEFAULT_NUM_BLOCKS, help="KV blocks per rank")
     p.add_argument("--block-size", type=int, default=16, help="token positions per KV block")
     p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens one engine step may run (P and D)")
+    p.add_argument("--priority", default="fifo", choices=sorted(PRIORITIES),
+                   help="which requests are served first: fifo (arrival) or a critical-path guess (docs/design.md)")
     p.add_argument("--runner", default=None, choices=RUNNER_KINDS,
                    help=f"auto | eager | cuda; where not given, ${RUNNER_ENV}, else auto")
     p.add_argument("--attention", default="auto",
@@ -95,6 +99,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8", default="off", choices=("off", "tensor", "block", "te-delayed", "te-current", "te-block"),
                    help="FP8 weights for the linears and experts: off | tensor (per-tensor scales) | block (128x128) "
                         "| te-<recipe> (Transformer Engine's FP8 layers, where TE is installed)")
+    p.add_argument("--mtp", type=int, default=0, metavar="K",
+                   help="speculative decoding: the model's MTP layer drafts K tokens per decode iteration (0: off)")
     p.add_argument("--device", default=None, help="cpu | cuda; None takes cuda when available")
     p.add_argument("--timeline", default=None, help="write a Chrome/Perfetto trace of P and D work here")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -110,10 +116,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace, schedule: str | None = None) -> EngineConfig:
     """The `EngineConfig` these arguments describe (`schedule` overrides `--schedule`)."""
     return EngineConfig(
-        scheduler=SchedulerConfig(Schedule(schedule or args.schedule), args.block_size, args.max_batch_tokens),
+        scheduler=SchedulerConfig(Schedule(schedule or args.schedule), args.block_size, args.max_batch_tokens,
+                                  priority=args.priority),
         kv=KVConfig(num_blocks=args.num_blocks),
         mux=MuxConfig(span=parse_span(args.mux_span)),
         runner=RunnerConfig(kind=args.runner or runner_kind_from_env(), attention=args.attention,
                             decode_ahead=args.decode_ahead, fp8=args.fp8),
         comm=CommConfig(backend=args.comm_backend, timeout_s=args.timeout, p_exchange=args.p_exchange,
-                        d_exchange=args.d_exchange))
+                        d_exchange=args.d_exchange),
+        speculative=SpeculativeConfig(k=args.mtp) if args.mtp else None)

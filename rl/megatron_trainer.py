@@ -35,9 +35,9 @@ import torch
 from torch import nn
 
 from megatron_rollout.model.config import ModelConfig
-from megatron_rollout.model.megatron_layout import join_tp, tp_split_dim, transformer_config  # noqa: F401 (re-exported)
-from megatron_rollout.model.megatron_names import megatron_state_to_rollout
 from megatron_rollout.model.sharding import full_shapes
+from megatron_rollout.weights.megatron_layout import join_tp, tp_split_dim, transformer_config  # noqa: F401 (re-exported)
+from megatron_rollout.weights.megatron_names import megatron_state_to_rollout
 from rl.trainer import PolicyTrainer
 
 log = logging.getLogger(__name__)

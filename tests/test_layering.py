@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("megatron_rollout.comm",),  # phase-owned communicators, dispatch domains, collective sites
     ("megatron_rollout.model",),  # the native MoE transformer (calls only the comm facade)
     ("megatron_rollout.kv",),  # paged KV store and block pool (an AttentionBackend of the model)
+    ("megatron_rollout.weights",),  # the weight store, the update vote, the Megatron bridge
     ("megatron_rollout.kernels", "megatron_rollout.multiplex"),  # device fast paths | turnstile, routing
     ("megatron_rollout.runner",),  # device execution: the runner contract, the portable and CUDA runners
     ("megatron_rollout.engine",),  # planner, bookkeeping, execution, schedules
@@ -246,9 +247,9 @@ def test_the_checks_can_fail():
     assert cycles(edges) == [["megatron_rollout.comm.dist", "megatron_rollout.multiplex.routing"]]
     assert violations(edges) == [
         "megatron_rollout.comm.dist (layer 1: megatron_rollout.comm) imports megatron_rollout.multiplex.routing "
-        "(a higher layer, layer 4: megatron_rollout.multiplex)",
-        "megatron_rollout.kernels.moe (layer 4: megatron_rollout.kernels) imports megatron_rollout.multiplex.turnstile "
-        "(a peer of its layer, layer 4: megatron_rollout.multiplex)"]
+        "(a higher layer, layer 5: megatron_rollout.multiplex)",
+        "megatron_rollout.kernels.moe (layer 5: megatron_rollout.kernels) imports megatron_rollout.multiplex.turnstile "
+        "(a peer of its layer, layer 5: megatron_rollout.multiplex)"]
     known = {"megatron_rollout.types", "megatron_rollout.engine", "megatron_rollout.engine.api"}
     src = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from megatron_rollout.engine import api\n"
            "def f():\n    import megatron_rollout.types\n")
@@ -298,5 +299,5 @@ def folder_shares(root: Path = ROOT / "megatron_rollout") -> dict[str, float]:
 
 def test_no_folder_holds_more_than_a_fifth_of_the_package():
     shares = folder_shares()
-    assert {"engine", "model", "kernels", "comm"} <= shares.keys()
+    assert {"engine", "model", "kernels", "comm", "weights"} <= shares.keys()
     assert max(shares.values()) <= LARGEST_SHARE, {k: round(v, 3) for k, v in shares.items()}

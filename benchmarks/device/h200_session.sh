@@ -55,6 +55,16 @@ for stage in "$@"; do
       bench --profile prefill --conversations 16 --budgets "${BUDGETS:-2048,4096,8192,16384}" ${ABLATION:---ablation} \
         --repeats 3 --no-vllm --deadline-s "${DEADLINE:-300}" --out /tmp/res/prefill > /tmp/res/prefill.log 2>&1
       tail -16 /tmp/res/prefill.log; cp /tmp/res/prefill/rollout.json "$OUT/prefill.json" ;;
+    policy64|policy128)  # the engine's priorities on prefill (64 or 128 conversations): interleaved repeats, plots
+      cd /tmp/run
+      n=${stage#policy}
+      specs="chunked,mux,chunked+most-turns,mux+most-turns"
+      [ "$n" = 64 ] && specs="$specs,chunked+longest-context,mux+longest-context"
+      bench --profile prefill --conversations "$n" --budgets "${BUDGETS:-8192}" --schedules "${SCHEDULES:-$specs}" \
+        --no-ablation --repeats 2 --no-vllm --deadline-s "${DEADLINE:-570}" --schedule-budget-s 90 \
+        --out "/tmp/res/$stage" > "/tmp/res/$stage.log" 2>&1
+      tail -24 "/tmp/res/$stage.log"; cp "/tmp/res/$stage/rollout.json" "$OUT/$stage.json"
+      python3 -m benchmarks.plot "$OUT/$stage.json" "$OUT/$stage.png" ;;
     p48)  # the full 48-layer preset on the prefill profile: off and mux, one budget, one repeat
       cd /tmp/run
       bench --model qwen3-30b-a3b --profile prefill --conversations 6 --schedules off,mux --no-ablation \

@@ -8,7 +8,7 @@ from megatron_rollout.engine.api import (
                                          SamplingParams,
                                          Schedule,
 )
-from megatron_rollout.engine.config import EngineConfig, KVConfig, MuxConfig
+from megatron_rollout.engine.config import EngineConfig, KVConfig, MuxConfig, SpeculativeConfig
 from megatron_rollout.engine.engine import RolloutEngine
 from megatron_rollout.engine.memory import EngineAsleep
 from megatron_rollout.engine.scheduler import SchedulerConfig
@@ -18,4 +18,4 @@ from megatron_rollout.runner.config import RunnerConfig
 
 __all__ = ["CommConfig", "EngineAsleep", "EngineConfig", "EngineStats", "FinishReason", "GenerationResult",
            "KVConfig", "MuxConfig", "RequestError", "RequestOutput", "RolloutEngine", "RunnerConfig", "SamplingParams",
-           "Schedule", "SchedulerConfig", "Session", "SessionClosed"]
+           "Schedule", "SchedulerConfig", "Session", "SessionClosed", "SpeculativeConfig"]

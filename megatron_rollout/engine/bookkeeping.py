@@ -28,6 +28,7 @@ import torch
 
 from megatron_rollout.engine.api import FinishReason, RequestError, RequestOutput, SamplingParams, sample_seed
 from megatron_rollout.engine.prefix import PrefixCache
+from megatron_rollout.engine.priority import Fifo, Priority, RequestInfo
 from megatron_rollout.engine.request import Request, Sampled, SampleGroup, Seq
 from megatron_rollout.engine.scheduler import PrefillChunk, SchedulerState, SeqView, Stage
 from megatron_rollout.engine.stats import EngineStats
@@ -96,10 +97,22 @@ class BlockCopy(NamedTuple):
     dst: int
 
 
+def _by_order(req: Request) -> int:
+    return req.order
+
+
+def _by_rank(req: Request) -> tuple[float, int]:
+    return req.rank_key
+
+
 class RequestTable:
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool, max_model_len: int,
-                 vocab_size: int, stats: EngineStats, recording: bool = False) -> None:
+                 vocab_size: int, stats: EngineStats, recording: bool = False,
+                 priority: Priority | None = None) -> None:
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
+        self.priority = priority or Fifo()
+        """Keys the planner's service order (`engine.priority`)."""
+        self._fifo = isinstance(self.priority, Fifo)
         self.max_model_len, self.vocab_size, self.stats = max_model_len, vocab_size, stats
         self.recording = recording
         """Record submissions as ops (a distributed replica's leader)."""
@@ -194,7 +207,9 @@ class RequestTable:
                 raise RequestError(f"{name}={k} asks for more tokens than the vocabulary's {self.vocab_size}")
         rid = next(self._ids)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        req = Request(rid, seq, params, next(self._order), len(seq.tokens) - seq.computed, generator=gen)
+        order = next(self._order)
+        key = self.priority.key(RequestInfo(order, seq.turns, len(seq.tokens), seq.generated))
+        req = Request(rid, seq, params, order, len(seq.tokens) - seq.computed, (key, order), generator=gen)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * req.prompt_tokens
         if params.n > 1:  # sample i draws from its own stream (`api.sample_seed`)
@@ -256,6 +271,8 @@ class RequestTable:
         req.lifetime += 1
         seq.request = None
         seq.last_used = time.perf_counter()
+        seq.turns += 1
+        seq.generated += len(req.output)
         self._park(req)  # first: blocks a forward in flight still writes must not be freed
         if reason in (FinishReason.ABORT, FinishReason.ERROR) and req.stage is not Stage.DECODE:
             self.evict(seq)  # a half-computed prefill must not look cached
@@ -335,19 +352,29 @@ class RequestTable:
         blocks). The planner admits waiting requests in age order until that budget is spent and
         never looks further, so younger ones are left out: viewing the whole queue every step made a
         long queue cost quadratic time. A waiting request that shares its first block with one
-        already in view counts nothing: the planner skips it (its twin's blocks are reused later)."""
-        active = sorted(self._active.values(), key=lambda r: r.order)
-        views = [self._view(req) for req in active]
+        already in view counts nothing: the planner skips it (its twin's blocks are reused later).
+        Under a priority other than FIFO "oldest first" is "highest priority first", and each
+        view's `order` is its request's rank among all requests."""
+        if self._fifo:
+            active = sorted(self._active.values(), key=_by_order)
+            queue: Iterable[Request] = self.requests.values()  # insertion order is age order
+            order = {}
+        else:  # every request's rank: the views' order, and the waiting ones' queue
+            ranked = sorted(self.requests.values(), key=_by_rank)
+            order = {r.rid: i for i, r in enumerate(ranked)}
+            active = [r for r in ranked if r.rid in self._active]
+            queue = [r for r in ranked if r.stage is Stage.WAITING]
+        views = [self._view(req, order.get(req.rid, req.order)) for req in active]
         keys = {v.prefix_key for v in views if v.stage is Stage.PREFILL and v.prefix_key is not None}
         headroom = self.pool.num_free - sum(r.stage is Stage.DECODE for r in active)
         left = max_batch_tokens
-        for req in self.requests.values():  # insertion order is age order
+        for req in queue:
             if left <= 0:
                 break
             if req.stage is not Stage.WAITING:
                 continue
             headroom = self.prefix.attach(req, version, headroom)
-            view = self._view(req)
+            view = self._view(req, order.get(req.rid, req.order))
             views.append(view)
             if not (view.computed == 0 and view.prefix_key in keys):
                 left -= view.tokens - view.computed
@@ -356,18 +383,24 @@ class RequestTable:
         views.sort(key=lambda v: v.order)
         return SchedulerState(tuple(views), self.pool.num_free, epoch_in_flight=epoch_in_flight)
 
-    def _view(self, req: Request) -> SeqView:
+    def _prefix_key(self, req: Request) -> int | None:
+        """The hash of its first full block, where it may share it with a twin (`SeqView.prefix_key`)."""
         seq = req.seq
         twin = self.prefix_caching and (seq.computed == 0 or req.stage is Stage.PREFILL)
+        return (seq.block_hashes(self.pool.block_size) or [None])[0] if twin else None
+
+    def _view(self, req: Request, order: int) -> SeqView:
+        seq = req.seq
         return SeqView(rid=req.rid, stage=req.stage, tokens=len(seq.tokens), computed=seq.computed,
-                       blocks=len(self.pool.table(seq.sid)), freeable=self.pool.exclusive(seq.sid), order=req.order,
-                       prefix_key=(seq.block_hashes(self.pool.block_size) or [None])[0] if twin else None)
+                       blocks=len(self.pool.table(seq.sid)), freeable=self.pool.exclusive(seq.sid), order=order,
+                       prefix_key=self._prefix_key(req))
 
     # -- rows of a forward and their samples -----------------------------------------------------
-    def decode_row(self, rid: int) -> tuple[SpanInput, SampleOwner]:
-        """Grow the request's KV by its pending token; its input row and sample owner."""
+    def decode_row(self, rid: int, drafts: tuple[int, ...] = ()) -> tuple[SpanInput, SampleOwner]:
+        """Grow the request's KV by its pending token and the `drafts` after it (verified by the same
+        forward, `engine.drafting`); its input row and the sample owner of its pending token."""
         req = self.requests[rid]
-        return self._decode_row(req, req.seq.computed, req.seq.tokens[req.seq.computed:])
+        return self._decode_row(req, req.seq.computed, req.seq.tokens[req.seq.computed:] + list(drafts))
 
     def ahead_row(self, req: Request) -> tuple[SpanInput, SampleOwner]:
         """The decode row `req` runs next, one position past the token being drawn now (its KV
@@ -375,8 +408,8 @@ class RequestTable:
         return self._decode_row(req, len(req.seq.tokens), [0])
 
     def _decode_row(self, req: Request, past: int, token: list[int]) -> tuple[SpanInput, SampleOwner]:
-        self.pool.grow(req.seq.sid, past + 1)
-        span = SeqSpan(tuple(self.pool.table(req.seq.sid)), past, 1)
+        self.pool.grow(req.seq.sid, past + len(token))
+        span = SeqSpan(tuple(self.pool.table(req.seq.sid)), past, len(token))
         row = SpanInput(span, token, sample=True, key=(req.rid, req.lifetime))
         return row, SampleOwner(req, req.lifetime, past + 1)
 
@@ -480,7 +513,8 @@ class RequestTable:
                 seq.forks.append(child)
             seed = req.params.seed
             params = dataclasses.replace(req.params, n=1, seed=None if seed is None else sample_seed(seed, i))
-            r = Request(next(self._ids), child, params, next(self._order), req.prompt_tokens,
+            order = next(self._order)  # served like its parent (its priority key), after it
+            r = Request(next(self._ids), child, params, order, req.prompt_tokens, (req.rank_key[0], order),
                         stage=Stage.DECODE if child.computed == seq.computed else Stage.WAITING,
                         generator=group.generators[i], arrival=req.arrival, admitted=req.admitted,
                         group=group, index=i, prompt_logprobs=list(req.prompt_logprobs))

@@ -104,6 +104,27 @@ class MuxConfig:
             raise ValueError(f"MuxConfig.ordering must be 'turnstile' or 'naive', got {self.ordering!r}")
 
 
+SPECULATIVE_METHODS = ("mtp",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding inside every schedule's decode iteration (`engine.drafting`)."""
+
+    method: str = "mtp"
+    """Who drafts: "mtp", the model's first multi-token-prediction layer (`model.mtp`)."""
+    k: int = 1
+    """Drafted tokens per row and decode iteration (the first MTP layer applied k times in a chain);
+    an iteration then emits between 1 and k + 1 tokens per row."""
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"SpeculativeConfig.method must be one of {list(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}")
+        if type(self.k) is not int or not 1 <= self.k <= 8:
+            raise ValueError(f"SpeculativeConfig.k must be an int in [1, 8], got {self.k!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -120,6 +141,9 @@ class EngineConfig:
     whatever the model's comm was built with. A one-process model has no communicators to
     configure. P's padded domain must hold a whole prefill epoch, so `comm.p_max_tokens` is raised
     to `scheduler.max_batch_tokens` where it is smaller."""
+    speculative: SpeculativeConfig | None = None
+    """Draft tokens with the model's MTP layer and verify them in the same decode iteration
+    (`engine.drafting`); None: plain decoding. Tokens at temperature 0 are the same either way."""
     max_model_len: int | None = None
     """Longest context; None means the model's max_position_embeddings. Longer than that is
     refused unless `allow_long_context` (see `context_length`)."""
@@ -132,7 +156,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name, kind in COMPONENTS.items():
             value = getattr(self, name)
-            if not isinstance(value, kind) and not (name == "comm" and value is None):
+            if not isinstance(value, kind) and not (name in OPTIONAL and value is None):
                 raise TypeError(f"EngineConfig.{name} must be a {kind.__name__}, got {value!r}: pass "
                                 f"{name}={kind.__name__}(...), or mappings to EngineConfig.from_dict")
         if self.comm is not None and self.comm.p_max_tokens < self.scheduler.max_batch_tokens:
@@ -172,8 +196,10 @@ class EngineConfig:
 
 
 COMPONENTS: dict[str, type] = {"scheduler": SchedulerConfig, "kv": KVConfig, "mux": MuxConfig,
-                               "runner": RunnerConfig, "comm": CommConfig}
+                               "runner": RunnerConfig, "comm": CommConfig, "speculative": SpeculativeConfig}
 """`EngineConfig`'s component fields and their config types."""
+OPTIONAL = ("comm", "speculative")
+"""The components that may be None."""
 
 
 def _component(name: str, value: Any) -> Any:

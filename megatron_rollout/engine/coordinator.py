@@ -12,7 +12,7 @@ them before planning, so their engines are exact mirrors. Each peer then checks 
 equals the leader's, which is how every ATP rank confirms that it owns a request before it is
 promoted (docs/design.md §7).
 
-The same gather carries every rank's offer of a pending weight update (`engine.weight_vote`), so
+The same gather carries every rank's offer of a pending weight update (`weights.vote`), so
 every rank decides an update from the same offers at the same step.
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import NamedTuple
 
 from megatron_rollout.engine.api import Schedule
 from megatron_rollout.engine.scheduler import SchedulerConfig, SchedulerState, StepPlan, plan_step
-from megatron_rollout.engine.weight_vote import WeightOffer
 from megatron_rollout.types import Axis, Phase
+from megatron_rollout.weights.vote import WeightOffer
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class GlobalView:
     all_done: bool = False
     """Every rank has said it will submit nothing more (distributed drivers stop stepping)."""
     offers: tuple = ()
-    """Per global rank, its `weight_vote.WeightOffer` for an update in progress, or None."""
+    """Per global rank, its `weights.vote.WeightOffer` for an update in progress, or None."""
 
 
 class ReplicaReport(NamedTuple):
@@ -59,7 +59,7 @@ class ReplicaReport(NamedTuple):
     done: bool
     """This rank's driver will submit nothing more."""
     offer: WeightOffer | None = None
-    """This rank's side of a weight update in progress (`engine.weight_vote`)."""
+    """This rank's side of a weight update in progress (`weights.vote`)."""
 
 
 def _view(plans: list[StepPlan], states: list[SchedulerState], all_done: bool = False, offers: tuple = ()

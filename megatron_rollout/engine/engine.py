@@ -1,7 +1,8 @@
 """The rollout engine: wiring, the public API, and `step()` (gather state -> plan -> run -> finish).
 
 The constructor wires the parts: the request table (bookkeeping, `engine.bookkeeping`), the
-runner over the paged KV, the step executor (`engine.execution`), the coordinator that plans a
+runner over the paged KV, the step executor (`engine.execution`; `engine.drafting` with speculative
+decoding), the coordinator that plans a
 step on every rank alike, and the schedule that runs the planned forwards (`engine.schedules`:
 `off`/`chunked` or `mux`). Prefill (P) and decode (D) are explicit phases in every forward.
 What a step does lives in those parts; this file only says in which order they are called.
@@ -12,7 +13,7 @@ holds it for its whole duration (plan, forwards, draws, bookkeeping), so an upda
 step in flight and never overlaps a forward. Submissions (`add_request`, `abort`, sessions) take it
 too, because an update may run steps itself (below).
 
-A weight update is decided by every rank of the model (`engine.weight_vote`): each rank's offer
+A weight update is decided by every rank of the model (`weights.vote`): each rank's offer
 rides the step gather, so `update_weights` steps the engine until every rank's offer has been
 seen, and the update lands at the start of a step, before its first forward, on every rank alike.
 On one rank that is at once, except mid-epoch under `mux`: then the update runs the engine's steps
@@ -25,6 +26,7 @@ every tag is awake again.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
@@ -49,17 +51,17 @@ from megatron_rollout.engine.bookkeeping import (
 )
 from megatron_rollout.engine.config import EngineConfig
 from megatron_rollout.engine.coordinator import GlobalView, LocalCoordinator, RankSharedCoordinator
+from megatron_rollout.engine.drafting import SpeculativeExecutor
 from megatron_rollout.engine.execution import StepExecutor
 from megatron_rollout.engine.memory import EngineAsleep, EngineMemory, Tag
 from megatron_rollout.engine.prefix import PrefixCache
+from megatron_rollout.engine.priority import make_priority
 from megatron_rollout.engine.records import StepLog
 from megatron_rollout.engine.request import Request, Seq
 from megatron_rollout.engine.scheduler import SchedulerState
 from megatron_rollout.engine.schedules import ScheduleDriver, make_schedule
 from megatron_rollout.engine.session import Session
 from megatron_rollout.engine.stats import EngineStats
-from megatron_rollout.engine.weight_vote import Decision, UpdateGate, Verdict, Vote, WeightVoteTimeout, decide
-from megatron_rollout.engine.weights import WeightStore, WeightVersionError
 from megatron_rollout.kv.block_pool import BlockPool
 from megatron_rollout.kv.paged import PagedKVCache
 from megatron_rollout.model import fp8, te_layers
@@ -67,6 +69,8 @@ from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.runner.config import FP8_MODES, TE_FP8_MODES
 from megatron_rollout.runner.cuda import make_runner
 from megatron_rollout.types import Axis
+from megatron_rollout.weights.store import WeightStore, WeightVersionError
+from megatron_rollout.weights.vote import Decision, UpdateGate, Verdict, Vote, WeightVoteTimeout, decide
 
 
 def comm_config_of(config: EngineConfig, built: CommConfig | None) -> CommConfig | None:
@@ -98,15 +102,22 @@ class RolloutEngine:
         self.weights = WeightStore(model)
         self.comm_config = comm_config_of(c, model.comm.config)
         self.table = RequestTable(c.kv.num_blocks, c.scheduler.block_size, c.kv.prefix_caching, self.max_model_len,
-                                  cfg.vocab_size, self.stats, recording=self.distributed and self.coordinator.leader)
+                                  cfg.vocab_size, self.stats, recording=self.distributed and self.coordinator.leader,
+                                  priority=make_priority(c.scheduler.priority))
         kv_heads = cfg.num_query_groups // model.comm.size(Axis.ATP)
         self._kv_shape = (cfg, c.kv.num_blocks, c.scheduler.block_size, kv_heads)
         if c.runner.fp8 in TE_FP8_MODES:  # before the runner: its graphs capture the TE modules
             te_layers.apply_te(model, te_layers.TEConfig(recipe=TE_FP8_MODES[c.runner.fp8]))
         elif c.runner.fp8 != "off":  # before the runner: it stacks the FP8 experts for its graphs
             fp8.quantize_model_fp8(model, block=FP8_MODES[c.runner.fp8])
-        self.runner = make_runner(model, PagedKVCache(*self._kv_shape, device=model.device), c.runner)
-        self.executor = StepExecutor(self.table, self.runner, self.weights, self.stats, c.seed, timeline, rank)
+        runner = c.runner if c.speculative is None or c.runner.kind != "auto" else \
+            dataclasses.replace(c.runner, kind="eager")  # drafting runs on the portable runner (engine.drafting)
+        self.runner = make_runner(model, PagedKVCache(*self._kv_shape, device=model.device), runner)
+        if c.speculative is None:
+            self.executor = StepExecutor(self.table, self.runner, self.weights, self.stats, c.seed, timeline, rank)
+        else:
+            self.executor = SpeculativeExecutor(self.table, self.runner, self.weights, self.stats, c.seed,
+                                                c.speculative.k, timeline, rank)
         self.schedule: ScheduleDriver = make_schedule(c, self.table, self.executor, model, rendezvous, router)
         if self._decode_ahead(c.runner.decode_ahead):
             self.executor.ahead = DecodeAhead(self.table, self.runner, self.stats)
@@ -129,8 +140,8 @@ class RolloutEngine:
         (TP = EP = 1) the engine's parameters are the trainer's tensors (`share_storage`, the default
         there): in-place optimizer steps are served with no `update_weights`. Otherwise (or with
         `share_storage=False`) the weights are copied, gathered over the trainer's groups where it is
-        sharded (a collective). See `model.megatron_bridge`."""
-        from megatron_rollout.model.megatron_bridge import layouts_match, native_from_megatron, shares_storage
+        sharded (a collective). See `weights.megatron_bridge`."""
+        from megatron_rollout.weights.megatron_bridge import layouts_match, native_from_megatron, shares_storage
 
         engine = cls(native_from_megatron(gpt, share_storage), config)
         sharing = layouts_match(gpt) if share_storage is None else share_storage
@@ -141,6 +152,11 @@ class RolloutEngine:
         return engine
 
     def _decode_ahead(self, mode: str) -> bool:
+        if self.config.speculative is not None:
+            if mode == "on":
+                raise ValueError("decode_ahead='on' and EngineConfig.speculative exclude each other: a forward issued "
+                                 "ahead runs one token per row, before the drafts it would verify exist")
+            return False
         one_rank = not self.distributed and isinstance(self.model.comm, LocalComm)
         if mode == "on" and not one_rank:
             raise ValueError("decode_ahead='on' needs a single-rank engine: on many ranks every rank plans "
@@ -358,8 +374,9 @@ class RolloutEngine:
             raise
 
     def _planning_state(self) -> SchedulerState:
-        return self.table.planning_state(self.weights.version, epoch_in_flight=self.schedule.busy,
-                                         max_batch_tokens=self.config.scheduler.max_batch_tokens)
+        state = self.table.planning_state(self.weights.version, epoch_in_flight=self.schedule.busy,
+                                          max_batch_tokens=self.config.scheduler.max_batch_tokens)
+        return self.executor.planning_view(state)
 
     # -- mirroring (distributed) -----------------------------------------------------------
     def _apply_ops(self, ops: list[Op]) -> None:

@@ -21,12 +21,13 @@ from megatron_rollout.engine.api import FinishReason, RequestOutput
 from megatron_rollout.engine.bookkeeping import RequestTable, SampleOwner
 from megatron_rollout.engine.records import StepLog, step_record
 from megatron_rollout.engine.sampler import PendingDraw
-from megatron_rollout.engine.scheduler import PrefillChunk, StepPlan
+from megatron_rollout.engine.scheduler import PrefillChunk, SchedulerState, StepPlan
 from megatron_rollout.engine.stats import EngineStats
-from megatron_rollout.engine.weights import WeightStore
 from megatron_rollout.forward import Forward, run_to_end
 from megatron_rollout.runner.base import Runner
+from megatron_rollout.runner.speculative import VerifyRow
 from megatron_rollout.types import Phase, SpanInput
+from megatron_rollout.weights.store import WeightStore
 
 
 class StepInputs(NamedTuple):
@@ -34,6 +35,8 @@ class StepInputs(NamedTuple):
 
     rows: list[SpanInput]
     owners: list[SampleOwner]
+    verify: list[VerifyRow] | None = None
+    """Speculative decoding (`engine.drafting`): what the forward returns for each row."""
 
 
 class StepExecutor:
@@ -61,11 +64,16 @@ class StepExecutor:
             owners += chunk_owners
         return StepInputs(rows, owners)
 
-    def forward(self, rows: list[SpanInput], phase: Phase) -> Forward:
-        """The runner's resumable forward over `rows` (a `mux` epoch drives it segment by segment)."""
+    def forward(self, step: StepInputs, phase: Phase) -> Forward:
+        """The runner's resumable forward over the step's rows (a `mux` epoch drives it segment by
+        segment)."""
         if phase is Phase.D and self.ahead is not None:
             self.ahead.drop()  # a decode forward outside `run` moves the rows past it
-        return self.runner.forward(rows, phase)
+        return self.runner.forward(step.rows, phase)
+
+    def planning_view(self, state: SchedulerState) -> SchedulerState:
+        """What the planner sees of the table's state (a speculative executor adds its drafts)."""
+        return state
 
     def run(self, plan: StepPlan, phase: Phase) -> list[RequestOutput]:
         """One forward in `phase` over the plan's rows (none: a matched no-work forward), run to its
@@ -73,7 +81,7 @@ class StepExecutor:
         any, and issues the next one before reading its own tokens (`engine.ahead`)."""
         taken = self.ahead.take(plan) if self.ahead is not None else None
         t0 = time.perf_counter()
-        rows, owners, logits = taken or (*self.inputs(plan.decode, plan.prefill), None)
+        rows, owners, logits = taken or (*self.inputs(plan.decode, plan.prefill)[:2], None)
         self.table.note_decode_wait(plan.decode, t0)
         with torch.no_grad():
             if logits is None:
@@ -82,14 +90,19 @@ class StepExecutor:
             draw = self.draw(owners, logits)
             if self.ahead is not None and phase is Phase.D and plan.decode and not plan.prefill:
                 self.ahead.issue(owners, draw)  # before this step's tokens reach the host
-        t1 = time.perf_counter()
-        if self.timeline is not None:
-            self.timeline.record(self.rank, phase.value, "prefill" if phase is Phase.P else "decode", t0, t1,
-                                 rows=len(plan.decode), prefill=len(plan.prefill))
+        self._record_time(plan, phase, t0)
         outs = self.complete(owners, logits, draw)
+        self._record_step(plan, phase, rows, t0)
+        return outs
+
+    def _record_time(self, plan: StepPlan, phase: Phase, t0: float) -> None:
+        if self.timeline is not None:
+            self.timeline.record(self.rank, phase.value, "prefill" if phase is Phase.P else "decode", t0,
+                                 time.perf_counter(), rows=len(plan.decode), prefill=len(plan.prefill))
+
+    def _record_step(self, plan: StepPlan, phase: Phase, rows: list[SpanInput], t0: float) -> None:
         if self.log.enabled:
             self.log.add(step_record(phase.value, rows, len(plan.decode), t0, time.perf_counter()))
-        return outs
 
     def draw(self, owners: list[SampleOwner], logits: torch.Tensor) -> PendingDraw:
         """Every row's tokens, issued now (`sampler.PendingDraw`), each from its request's own

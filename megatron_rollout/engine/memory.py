@@ -43,9 +43,9 @@ import torch
 from torch import nn
 
 from megatron_rollout.engine.bookkeeping import RequestTable
-from megatron_rollout.engine.weights import WeightStore
 from megatron_rollout.kv.paged import PagedKVCache
 from megatron_rollout.runner.base import CapturedGraphs, Runner
+from megatron_rollout.weights.store import WeightStore
 
 
 class Tag(str, enum.Enum):

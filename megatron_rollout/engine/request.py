@@ -32,6 +32,10 @@ class Seq:
     kv_version: int | None = None
     """Weight version every cached position was computed under; None when nothing is cached, -1
     when versions are mixed (such K/V is never offered for reuse)."""
+    turns: int = 0
+    """Requests that finished on this sequence (a session's earlier turns)."""
+    generated: int = 0
+    """Tokens those requests generated."""
     forks: list["Seq"] = field(default_factory=list)  # a session's samples 1..n-1 not yet taken (`Session.forks`)
 
     def reset_kv(self) -> None:
@@ -100,6 +104,8 @@ class Request:
     params: SamplingParams
     order: int
     prompt_tokens: int
+    rank_key: tuple[float, int] = (0.0, 0)
+    """(priority key, order): the planner serves smaller first (`engine.priority`)."""
     stage: Stage = Stage.WAITING
     lifetime: int = 0
     output: list[int] = field(default_factory=list)

@@ -5,7 +5,9 @@ without a leader (docs/design.md §7). The rules:
 1. Decode first: every decode row that fits gets its next position, oldest first; when KV runs
    short the youngest requests younger than the row are preempted (their blocks freed, recomputed
    later), never dropped: decode rows, and under `chunked` half-finished prefills. A request
-   mid-prefill in a `mux` epoch is never preempted: its blocks are reserved.
+   mid-prefill in a `mux` epoch is never preempted: its blocks are reserved. A decode row's
+   drafted tokens (`SeqView.lookahead`, speculative decoding) are planned with it, and dropped,
+   never preempting anyone, where its blocks do not fit them.
 2. Then prefill, into what is left: `chunked` packs prefill chunks into the decode step's token
    budget, and a prefill cut short by KV ends the step's admissions (a second half-finished
    prefill beside it would only take the blocks it waits for); `off` and `mux` admit whole prompts
@@ -13,13 +15,16 @@ without a leader (docs/design.md §7). The rules:
    it with decode iterations (the engine's job).
 3. Requests whose prompt shares its first block with a prompt being prefilled wait, so they can
    reuse its blocks from the prefix cache instead of computing them again (GRPO groups).
+"Oldest" is `SeqView.order`: arrival order, or the rank a `priority.Priority` gave the request.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
 from megatron_rollout.engine.api import Schedule
+from megatron_rollout.engine.priority import PRIORITIES
 
 
 class Stage(enum.Enum):
@@ -41,9 +46,11 @@ class SeqView:
     freeable: int
     """Blocks that preempting it would return to the pool (not shared with others)."""
     order: int
-    """Arrival order (smaller is older)."""
+    """Service order (smaller first): arrival, or the request's rank under `SchedulerConfig.priority`."""
     prefix_key: int | None = None
     """Hash of the first full block, for prefix sharing; None if shorter than a block."""
+    lookahead: int = 0
+    """Drafted tokens a decode row would verify beyond `tokens` (speculative decoding)."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,13 @@ class SchedulerConfig:
     epoch (a single longer prompt is still admitted alone)."""
     max_decode_rows: int = 256
     """Decode rows per iteration."""
+    priority: str = "fifo"
+    """Which requests are served first (`engine.priority`): "fifo" (arrival), "most-turns",
+    "longest-context" or "most-generated"."""
+    stretch_tokens: int | None = None
+    """`chunked`: the most prefill tokens times decode rows one step may carry, so the prefill
+    mixed into a decode step stretches many rows only a little (a chunk of at least one block
+    still runs); None: the token budget alone decides."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", Schedule(self.schedule))
@@ -64,6 +78,11 @@ class SchedulerConfig:
             value = getattr(self, name)
             if type(value) is not int or value <= 0:  # bool, float (2.5, inf) and numpy scalars refused
                 raise ValueError(f"SchedulerConfig.{name} must be a positive int, got {value!r}")
+        if self.priority not in PRIORITIES:
+            raise ValueError(f"SchedulerConfig.priority must be one of {sorted(PRIORITIES)}, got {self.priority!r}")
+        if self.stretch_tokens is not None and (type(self.stretch_tokens) is not int or self.stretch_tokens <= 0):
+            raise ValueError(f"SchedulerConfig.stretch_tokens must be a positive int or None, "
+                             f"got {self.stretch_tokens!r}")
 
 
 @dataclass(frozen=True)
@@ -88,10 +107,17 @@ class StepPlan:
     decode: tuple[int, ...] = ()
     prefill: tuple[PrefillChunk, ...] = ()
     preempt: tuple[int, ...] = ()
+    lookahead: tuple[int, ...] = ()
+    """Per decode row (aligned with `decode`; empty: none), the drafted tokens it verifies."""
 
     @property
     def empty(self) -> bool:
         return not (self.decode or self.prefill)
+
+    @property
+    def decode_part(self) -> StepPlan:
+        """The decode rows alone (a `mux` decode iteration), with their lookahead."""
+        return StepPlan(decode=self.decode, lookahead=self.lookahead)
 
 
 def _blocks(tokens: int, block_size: int) -> int:
@@ -108,11 +134,14 @@ def plan_step(state: SchedulerState, cfg: SchedulerConfig) -> StepPlan:
     halfway = [s for s in by_age if s.stage is Stage.PREFILL and s.freeable] if chunked else []
 
     rows: list[SeqView] = []
+    lookahead: list[int] = []
     preempt: list[int] = []
     queue = list(decoding)
     while queue and len(rows) < cfg.max_decode_rows:
         seq = queue.pop(0)
-        need = _blocks(seq.tokens, bs) - seq.blocks
+        need = _blocks(seq.tokens + seq.lookahead, bs) - seq.blocks
+        if seq.lookahead and need > free:  # drafts never preempt: the row runs without them
+            need, seq = _blocks(seq.tokens, bs) - seq.blocks, dataclasses.replace(seq, lookahead=0)
         while need > free:  # make room by preempting the youngest of those younger than this row
             victim = _youngest(queue, halfway, younger_than=seq.order)
             if victim is None:
@@ -121,6 +150,7 @@ def plan_step(state: SchedulerState, cfg: SchedulerConfig) -> StepPlan:
             free += victim.freeable
         if need <= free:
             rows.append(seq)
+            lookahead.append(seq.lookahead)
             free -= need
         else:
             preempt.append(seq.rid)
@@ -128,18 +158,22 @@ def plan_step(state: SchedulerState, cfg: SchedulerConfig) -> StepPlan:
     if preempt:
         gone = set(preempt)
         by_age = [s for s in by_age if s.rid not in gone]
+    ahead = tuple(lookahead) if any(lookahead) else ()
 
     if cfg.schedule is Schedule.OFF:
         prefill = _admit_whole(by_age, free, cfg, reserve=0)
         if prefill:  # a whole prefill runs before decode resumes
             return StepPlan(decode=(), prefill=prefill, preempt=tuple(preempt))
-        return StepPlan(decode=tuple(s.rid for s in rows), preempt=tuple(preempt))
+        return StepPlan(decode=tuple(s.rid for s in rows), preempt=tuple(preempt), lookahead=ahead)
     if cfg.schedule is Schedule.MUX:
         # Decode rows keep growing while the epoch runs: keep one block per row in hand.
         prefill = () if state.epoch_in_flight else _admit_whole(by_age, free, cfg, reserve=len(rows))
-        return StepPlan(decode=tuple(s.rid for s in rows), prefill=prefill, preempt=tuple(preempt))
-    prefill = _admit_chunks(by_age, free, cfg, budget=cfg.max_batch_tokens - len(rows), reserve=len(rows))
-    return StepPlan(decode=tuple(s.rid for s in rows), prefill=prefill, preempt=tuple(preempt))
+        return StepPlan(decode=tuple(s.rid for s in rows), prefill=prefill, preempt=tuple(preempt), lookahead=ahead)
+    budget = cfg.max_batch_tokens - len(rows) - sum(lookahead)
+    if cfg.stretch_tokens is not None and rows:
+        budget = min(budget, max(cfg.block_size, cfg.stretch_tokens // len(rows)))
+    prefill = _admit_chunks(by_age, free, cfg, budget=budget, reserve=len(rows))
+    return StepPlan(decode=tuple(s.rid for s in rows), prefill=prefill, preempt=tuple(preempt), lookahead=ahead)
 
 
 def _youngest(queue: list[SeqView], halfway: list[SeqView], younger_than: int) -> SeqView | None:

@@ -43,7 +43,7 @@ def _uniform(generator: torch.Generator | None) -> float:
     return float(torch.rand(1, generator=generator))
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+def draw_index(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """Inverse-CDF draw from `probs` [V] (not necessarily normalised) with one host uniform."""
     cdf = probs.double().cumsum(0)
     index = int(torch.searchsorted(cdf, _uniform(generator) * cdf[-1], right=True))
@@ -70,11 +70,11 @@ def verify(target_logits: torch.Tensor, drafts: list[int], draft_logprobs: torch
             q = 1.0 if draft_logprobs is None else float(draft_logprobs[i, x].exp())
             keep = _uniform(generator) * q < float(logp[i, x].exp())  # u < p/q, without dividing by q = 0
         if not keep:
-            tokens.append(int(logp[i].argmax()) if greedy else _draw(_residual(logp[i], draft_logprobs, i, x),
+            tokens.append(int(logp[i].argmax()) if greedy else draw_index(_residual(logp[i], draft_logprobs, i, x),
                                                                        generator))
             return _verdict(i, tokens, logp)
         tokens.append(x)
-    tokens.append(int(logp[k].argmax()) if greedy else _draw(logp[k].exp(), generator))
+    tokens.append(int(logp[k].argmax()) if greedy else draw_index(logp[k].exp(), generator))
     return _verdict(k, tokens, logp)
 
 

@@ -23,6 +23,15 @@ class EngineStats:
     """Of those, the ones a step's plan took (in whole or in part)."""
     ahead_dropped: int = 0
     """The ones dropped (the next plan was not among their rows; weights or KV changed first)."""
+    drafted_tokens: int = 0
+    """Speculative decoding (`engine.drafting`): drafted tokens verified by a decode iteration."""
+    accepted_tokens: int = 0
+    """Of those, the ones the target accepted."""
+
+    @property
+    def acceptance_rate(self) -> float:
+        """accepted / drafted tokens (0.0 before any draft was verified)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
     @property
     def mean_decode_wait_ms(self) -> float:

@@ -5,12 +5,13 @@ the *next* token t_{i+1}: `x = eh_proj([enorm(embed(t_{i+1})) ; hnorm(h_i)])`, o
 layer over x (its own attention, whose KV the cache holds as layer `num_layers`), then
 `final_layernorm` and the model's shared output layer give logits for t_{i+2}. That makes it a
 drafter that costs one layer: after the target has produced t_{n+1}, MTP proposes t_{n+2}, and
-the next target forward verifies it (`engine.speculative`).
+the next target forward verifies it (`engine.speculative`, `engine.drafting`).
 
 Names: `mtp.layers.K.{enorm,hnorm,eh_proj,transformer_layer.*,final_layernorm}.weight`, as
 Megatron's MultiTokenPredictionBlock (the embedding and output layer are the model's own).
-DeepSeek checkpoints' MTP layers load with the rest (`model.deepseek_checkpoint`). Left out:
-drafting with more than the first MTP layer, and MTP inside the engine's schedules.
+DeepSeek checkpoints' MTP layers load with the rest (`model.deepseek_checkpoint`). The engine
+drafts with the first layer inside its decode iterations (`engine.drafting`). Left out: drafting
+with more than the first MTP layer.
 """
 from __future__ import annotations
 

@@ -50,10 +50,10 @@ class ScoredRouter(nn.Module):
 
     def _mask_groups(self, choice: torch.Tensor) -> torch.Tensor:
         """choice [N, E] with every expert outside the token's best groups set to -inf."""
-        cfg, n = self.cfg, choice.shape[0]
-        groups = choice.view(n, cfg.moe_router_num_groups, -1)  # [N, G, E/G]
+        cfg, (n, e) = self.cfg, choice.shape
+        groups = choice.view(n, cfg.moe_router_num_groups, e // cfg.moe_router_num_groups)  # [N, G, E/G]; N may be 0
         per_group = cfg.moe_router_topk // cfg.moe_router_group_topk
         group_scores = groups.topk(per_group, dim=-1).values.sum(dim=-1)  # [N, G]
         best = group_scores.topk(cfg.moe_router_group_topk, dim=-1, sorted=False).indices
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # [N, G]
-        return groups.masked_fill(~keep[:, :, None], float("-inf")).view(n, -1)
+        return groups.masked_fill(~keep[:, :, None], float("-inf")).view(n, e)

@@ -18,8 +18,9 @@ import torch
 from megatron_rollout.comm.alltoall import check_domains
 from megatron_rollout.forward import Forward, run_to_end
 from megatron_rollout.kv.paged import PagedBatch, PagedKVCache
+from megatron_rollout.model.rope import rope_for
 from megatron_rollout.model.transformer import MoETransformer
-from megatron_rollout.types import Phase, SpanInput
+from megatron_rollout.types import Phase, SeqSpan, SpanInput
 
 
 class CapturedGraphs(NamedTuple):
@@ -97,6 +98,24 @@ class ModelRunner:
         rows = ends[[k for k, i in enumerate(inputs) if i.sample]]
         dev = self.device
         return self._checked(self.model.step(tokens.to(dev), batch.positions, batch, phase, logits_index=rows.to(dev)))
+
+    def forward_hidden(self, inputs: list[SpanInput], phase: Phase) -> Forward:
+        """The decoder's last hidden states [new tokens, H] (before the final norm) of every new
+        token, in input order: what speculative decoding verifies and the MTP layer reads."""
+        batch = PagedBatch(self.cache, [i.span for i in inputs])
+        tokens = torch.tensor([t for i in inputs for t in i.token_ids], dtype=torch.long)
+        return self._checked(self.model.hidden_step(tokens.to(self.device), batch.positions, batch, phase))
+
+    def forward_mtp(self, spans: list[SeqSpan], hidden: torch.Tensor, next_tokens: torch.Tensor,
+                    phase: Phase) -> Forward:
+        """The first MTP layer over `spans` (its own KV layer): `hidden` [N, H] the decoder's hidden
+        state at each position (or a previous MTP output, drafting in a chain), `next_tokens` [N]
+        the token after each position. Returns the layer's output [N, H], before its final norm."""
+        model, mtp = self.model, self.model.mtp.layers[0]
+        batch = PagedBatch(self.cache, spans)
+        embedded = model.embedding.word_embeddings(next_tokens.to(self.device))
+        rope = rope_for(model.cfg, batch.positions, hidden.dtype)
+        return self._checked(mtp(embedded, hidden, rope, batch, model.comm, phase))
 
     def forward_fed(self, inputs: list[SpanInput], tokens: torch.Tensor) -> torch.Tensor:
         """Portable: reads the tokens (a host wait on a device) and runs the forward now."""

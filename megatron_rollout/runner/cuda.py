@@ -61,8 +61,9 @@ engine and the mux driver are unchanged):
 
 Green contexts (SM partitions for D and P) are measured by `benchmarks.micro` and not used here: see
 docs/benchmarks.md. FP8 experts (`model.fp8`, stacked) are captured like bf16 ones on one rank
-(`kernels.moe_triton`'s weight-only kernels). Left out: MTP lookahead, and FP8 experts on several
-ranks (such models run D eagerly).
+(`kernels.moe_triton`'s weight-only kernels). Left out: MTP speculative decoding (the decode graphs
+hold one token per row and return no hidden states: the engine refuses it on this runner), and FP8
+experts on several ranks (such models run D eagerly).
 """
 from __future__ import annotations
 

@@ -1,89 +1,48 @@
-"""Orderings the simulator can try: which waiting or running request the planner serves first.
+"""Orderings the simulator can try: the engine's priorities (`engine.priority`), and an oracle.
 
-The engine's planner (`engine.scheduler.plan_step`) serves requests by their `order` (smaller
-first: decode rows, admission, and, reversed, preemption victims). A policy gives each request a
-key; the simulator ranks the keys into that order each step. `Fifo` is the engine's own (arrival
-order); `Oracle` knows every conversation's future turns and serves the longest remaining chain
-first (the critical path first), which no real engine can: it is the yardstick a policy without
-that knowledge is compared to.
-
-Left out: the engine side (a policy proven here is wired into the scheduler separately).
+The engine's planner serves requests by a rank its priority gives them at submission
+(`engine.priority`); the simulator ranks them the same way, with the very same priority objects,
+so a priority's simulated makespan is the engine's under that priority. `Oracle` also knows every
+conversation's future turns and serves the longest remaining chain first (the critical path
+first), which no real engine can: it is the yardstick the priorities without that knowledge are
+compared to.
 """
 from __future__ import annotations
 
-import abc
 from dataclasses import dataclass
+
+from megatron_rollout.engine.priority import PRIORITIES, Fifo, Priority, RequestInfo
+
+__all__ = ["POLICIES", "Fifo", "Foresight", "Oracle", "Priority", "RequestInfo", "make_policy"]
 
 
 @dataclass(frozen=True)
-class RequestInfo:
-    """What a policy may look at for one request (the oracle also reads `remaining_chain_s`)."""
+class Foresight(RequestInfo):
+    """A request as the simulator knows it: what the engine knows, and its future."""
 
-    arrival_order: int
-    """Submission order over the whole simulation (the engine's own order)."""
-    turn: int
-    """Position in its conversation (0-based)."""
-    context: int
-    """Tokens of its conversation's context, its new input included."""
-    attained_s: float
-    """Modelled engine time its conversation has received so far (its earlier turns at batch 1)."""
-    remaining_chain_s: float
-    """Future knowledge: this turn and every later turn of its conversation (tool waits, prefill and
-    decode at batch 1). Only an oracle may read it."""
+    remaining_chain_s: float = 0.0
+    """This turn and every later turn of its conversation (tool waits, prefill and decode at
+    batch 1). Only an oracle may read it."""
 
 
-class Policy(abc.ABC):
-    name: str = ""
-
-    @abc.abstractmethod
-    def key(self, request: RequestInfo) -> float:
-        """Smaller keys are served first."""
-
-
-class Fifo(Policy):
-    """The engine's ordering: oldest submission first."""
-
-    name = "fifo"
-
-    def key(self, request: RequestInfo) -> float:
-        return request.arrival_order
-
-
-class Oracle(Policy):
+class Oracle(Priority):
     """Longest remaining chain first, knowing each conversation's future."""
 
     name = "oracle"
 
     def key(self, request: RequestInfo) -> float:
+        if not isinstance(request, Foresight):
+            raise TypeError(f"the oracle needs the future (a sim.policy.Foresight), got {type(request).__name__}: "
+                            f"it runs in the simulator only")
         return -request.remaining_chain_s
 
 
-class MostAttained(Policy):
-    """The conversation that has received the most engine time first: where turn counts have a
-    heavy tail, one that has run long is likely to run longer (no future knowledge)."""
-
-    name = "most-attained"
-
-    def key(self, request: RequestInfo) -> float:
-        return -request.attained_s
+POLICIES: dict[str, type[Priority]] = {**PRIORITIES, Oracle.name: Oracle}
+"""Every ordering the simulator tries: the engine's priorities, then the oracle."""
 
 
-class MostTurns(Policy):
-    """The conversation with the most turns behind it first."""
-
-    name = "most-turns"
-
-    def key(self, request: RequestInfo) -> float:
-        return -request.turn
-
-
-class LongestContext(Policy):
-    """The longest context first: its turns cost the most attention per token."""
-
-    name = "longest-context"
-
-    def key(self, request: RequestInfo) -> float:
-        return -request.context
-
-
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Fifo, Oracle, MostAttained, MostTurns, LongestContext)}
+def make_policy(name: str) -> Priority:
+    """The ordering called `name`, or ValueError naming the known ones."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; the simulator knows {list(POLICIES)}")
+    return POLICIES[name]()

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from megatron_rollout.engine.api import Schedule
 from megatron_rollout.engine.scheduler import PrefillChunk, SchedulerConfig, SchedulerState, SeqView, Stage, plan_step
 from megatron_rollout.sim.cost import CostModel, StepSize, chunk_pairs
-from megatron_rollout.sim.policy import Fifo, Policy, RequestInfo
+from megatron_rollout.sim.policy import Foresight, Priority, make_policy
 from megatron_rollout.trace.schema import ConversationId, TraceRequest, group_conversations
 
 
@@ -109,7 +109,8 @@ class _Conv:
     computed: int = 0
     blocks: int = 0
     last_used: float = 0.0
-    attained_s: float = 0.0
+    generated: int = 0
+    """Output tokens of its finished turns."""
     request: _Req | None = None
 
 
@@ -121,6 +122,8 @@ class _Req:
     turn: TraceRequest
     arrival: float
     output_left: int
+    rank_key: tuple[float, int]
+    """(policy key at submission, order), as the engine's `Request.rank_key`."""
     stage: Stage = Stage.WAITING
     admitted: float | None = None
     first_token: float | None = None
@@ -140,7 +143,7 @@ def _blocks(tokens: int, block_size: int) -> int:
 class Simulator:
     """One simulation run (`simulate` is the entry point)."""
 
-    def __init__(self, trace: Sequence[TraceRequest], cost: CostModel, config: SimConfig, policy: Policy) -> None:
+    def __init__(self, trace: Sequence[TraceRequest], cost: CostModel, config: SimConfig, policy: Priority) -> None:
         self.cost, self.config, self.policy = cost, config, policy
         self.bs = config.scheduler.block_size
         self.convs = [self._conv(i, key, turns) for i, (key, turns) in enumerate(group_conversations(trace).items())]
@@ -186,15 +189,16 @@ class Simulator:
         if need > self.config.num_blocks:  # the engine refuses it at submission (`RequestTable.submit`)
             raise SimulationError(f"conversation {conv.key!r} turn {turn.turn} needs {need} KV blocks, the pool "
                                   f"holds {self.config.num_blocks}; raise SimConfig.num_blocks")
-        req = _Req(next(self._ids), conv, next(self._order), turn, self.now, turn.output_tokens)
+        order = next(self._order)
+        key = self.policy.key(Foresight(order, conv.next_turn, conv.tokens, conv.generated,
+                                        conv.chain_after[conv.next_turn]))
+        req = _Req(next(self._ids), conv, order, turn, self.now, turn.output_tokens, (key, order))
         conv.request = req
         self.active[req.rid] = req
 
     def _state(self) -> SchedulerState:
         reqs = list(self.active.values())
-        keys = [self.policy.key(RequestInfo(r.order, r.turn.turn, r.conv.tokens, r.conv.attained_s,
-                                            r.conv.chain_after[r.turn.turn])) for r in reqs]
-        rank = {r.rid: i for i, (_, r) in enumerate(sorted(zip(keys, reqs), key=lambda kr: (kr[0], kr[1].order)))}
+        rank = {r.rid: i for i, r in enumerate(sorted(reqs, key=lambda r: r.rank_key))}
         views = tuple(SeqView(r.rid, r.stage, r.conv.tokens, r.conv.computed, r.conv.blocks, r.conv.blocks,
                               rank[r.rid]) for r in reqs)
         return SchedulerState(views, self.config.num_blocks - self.used_blocks, self.epoch is not None)
@@ -294,7 +298,7 @@ class Simulator:
             return
         del self.active[req.rid]
         conv.request, conv.last_used = None, self.now
-        conv.attained_s += conv.turn_s[req.turn.turn]
+        conv.generated += req.turn.output_tokens
         admitted = req.admitted if req.admitted is not None else req.arrival
         first = req.first_token if req.first_token is not None else self.now
         self.done.append(SimRequest(conv.key, req.turn.turn, req.arrival, admitted, first, self.now))
@@ -339,7 +343,8 @@ class Simulator:
 
 
 def simulate(trace: Sequence[TraceRequest], cost: CostModel, config: SimConfig | None = None,
-             policy: Policy | None = None) -> SimResult:
-    """Simulate the engine of `config` with step costs `cost` on `trace` under `policy` (FIFO: the
-    engine's own order)."""
-    return Simulator(trace, cost, config or SimConfig(), policy or Fifo()).run()
+             policy: Priority | None = None) -> SimResult:
+    """Simulate the engine of `config` with step costs `cost` on `trace` under `policy` (default:
+    the priority `config.scheduler.priority` names, as the engine would run)."""
+    config = config or SimConfig()
+    return Simulator(trace, cost, config, policy or make_policy(config.scheduler.priority)).run()

@@ -35,7 +35,7 @@ def test_half_layer_source_lends_only_equal_shapes():
 
 
 def test_tp2_split_round_trips_through_join():
-    from megatron_rollout.model.megatron_layout import join_tp
+    from megatron_rollout.weights.megatron_layout import join_tp
 
     full = torch.arange(8 * 4.0).reshape(8, 4)
     for name in ("decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.0.self_attention.linear_proj.weight",

@@ -14,7 +14,8 @@ from benchmarks import rollout
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     code = rollout.main(["--model", "tiny-moe", "--device", "cpu", "--repeats", "2", "--conversations", "3",
-                         "--scale", "0.003", "--budgets", "32,64", "--out", str(out), "--no-progress"])
+                         "--scale", "0.003", "--budgets", "32,64", "--out", str(out), "--no-progress",
+                         "--schedules", "off,chunked,mux,chunked+most-turns"])
     assert code == 0
     return out, json.loads((out / "rollout.json").read_text())
 
@@ -34,8 +35,9 @@ def test_sweep_picks_each_schedules_best_budget(run):
 
 def test_repeats_are_interleaved_warm_and_summarised(run):
     _, result = run
-    assert list(result["schedules"]) == ["off", "chunked", "mux", "mux-epoch", "mux-load"]
+    assert list(result["schedules"]) == ["off", "chunked", "mux", "chunked+most-turns", "mux-epoch", "mux-load"]
     assert result["schedules"]["mux-load"]["spec"] == "mux@load"
+    assert result["schedules"]["chunked+most-turns"]["budget"] == result["best_budget"]["chunked"]
     for s in result["schedules"].values():
         assert [r["repeat"] for r in s["repeats"]] == [0, 1]
         for r in s["repeats"]:
@@ -49,6 +51,18 @@ def test_repeats_are_interleaved_warm_and_summarised(run):
         assert s["median"]["makespan_s"] == pytest.approx(float(np.median(spans)))
         assert s["min"]["makespan_s"] == min(spans) and s["max"]["makespan_s"] == max(spans)
         assert s["n"] == 2 and s["n_cold"] == 0 and s["compilations"] == 0
+        # where the time went, summarised from each repeat's breakdown
+        figures = [rollout.breakdown_figures(r["report"]["breakdown"]) for r in s["repeats"]]
+        b = s["breakdown"]["median"]
+        assert b["decode_step_stretch"] == pytest.approx(float(np.median([f["decode_step_stretch"] for f in figures])))
+        if not s["spec"].startswith("chunked"):  # decode rows never share a forward with prefill there
+            assert b["decode_step_stretch"] == pytest.approx(1.0)
+        for f, r in zip(figures, s["repeats"]):
+            assert f["busy_prefill"] + f["busy_decode"] + f["busy_mixed"] + f["idle"] == pytest.approx(1.0)
+            assert f["critical_end_s"] == pytest.approx(r["report"]["makespan_s"])
+            assert f["critical_decode_in_mixed_s"] <= f["critical_decode_s"] + 1e-9
+            mixed = f["all_decode_in_mixed_s"]
+            assert mixed > 0 if s["spec"].startswith("chunked") else mixed == 0
     ratios = result["ratios"]
     med = {n: s["median"]["makespan_s"] for n, s in result["schedules"].items()}
     assert ratios["mux_over_off"] == pytest.approx(med["mux"] / med["off"])
@@ -63,11 +77,15 @@ def test_table_and_plot(run, capsys):
     text = rollout.table(result)
     assert "makespan_s med [min-max]" in text and "compiles" in text and "mux-epoch" in text
     assert "sweep (short pass" in text
+    assert "stretch" in text.splitlines()[1] and "where the time went" in text and "critical path" in text
     pytest.importorskip("matplotlib")
     from benchmarks.plot import main as plot_main
 
     assert plot_main([str(out / "rollout.json"), str(out / "plot.png")]) == 0
     assert (out / "plot.png").stat().st_size > 1000
+    assert (out / "plot.stretch.png").stat().st_size > 1000
+    for name in result["schedules"]:
+        assert (out / f"plot.breakdown.{name}.png").stat().st_size > 1000
 
 
 def test_deadline_stops_cleanly_and_keeps_what_it_measured(tmp_path):
@@ -170,10 +188,13 @@ def test_ratios_are_medians_over_medians_against_the_peer():
 
 
 def test_spec_suffix_sync_turns_decode_ahead_off():
-    assert rollout._split("mux@fixed:4/sync") == ("mux", "fixed:4", "off")
-    assert rollout._split("off") == ("off", None, None)
+    assert rollout._split("mux@fixed:4/sync") == ("mux", "fixed:4", "off", None)
+    assert rollout._split("off") == ("off", None, None, None)
+    assert rollout._split("mux@fixed:4+most-turns/sync") == ("mux", "fixed:4", "off", "most-turns")
     with pytest.raises(SystemExit, match="only suffix is '/sync'"):
         rollout._split("off/fast")
+    with pytest.raises(SystemExit, match="unknown priority 'oracle'"):
+        rollout._split("off+oracle")
     r = rollout.ratios({"schedules": {"off": {"median": {"makespan_s": 3.0}},
                                       "off/sync": {"median": {"makespan_s": 4.0}}}})
     assert r["off_over_off_sync"] == pytest.approx(0.75)

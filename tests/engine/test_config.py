@@ -113,6 +113,10 @@ def test_cli_arguments_build_the_same_config():
     assert engine_config(p.parse_args(["--fp8", "block"])).runner.fp8 == "block" and config.runner.fp8 == "off"
     budget = engine_config(p.parse_args(["--max-batch-tokens", "8192"]))
     assert budget.comm.p_max_tokens == 8192  # the config's rule, not the CLI's
+    assert engine_config(p.parse_args(["--priority", "most-turns"])).scheduler.priority == "most-turns"
+    assert config.scheduler.priority == "fifo"
+    from_yaml = EngineConfig.from_dict({"scheduler": {"priority": "longest-context"}})
+    assert from_yaml.scheduler.priority == "longest-context"
 
 
 def test_fp8_mode_is_checked():

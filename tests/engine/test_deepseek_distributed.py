@@ -37,7 +37,7 @@ def _world(rank: int, atp: int, adp: int, path: str) -> dict:
         if results is not None:
             out[schedule] = [(r.token_ids, r.logprobs) for r in results]
     # This layout's shards gather back to the checkpoint's full Megatron state (MLA names included) ...
-    from megatron_rollout.engine.weights import gather_full_state
+    from megatron_rollout.weights.store import gather_full_state
 
     full = gather_full_state(model.state_dict(), model.cfg, runtime.comm.shard,
                              lambda obj: runtime.comm.all_gather_object(obj, context="weights"))

@@ -52,7 +52,7 @@ def _world(rank: int, atp: int, adp: int) -> dict:
         out["versions"] = {v for r in results for v in r.weight_versions}
     model.init_weights(seed=3)  # back to the first weights
     # A trainer sharded like this layout hands its local state over: gathered to full tensors.
-    from megatron_rollout.engine.weights import gather_full_state
+    from megatron_rollout.weights.store import gather_full_state
 
     full = gather_full_state(model.state_dict(), CFG, runtime.comm.shard,
                              lambda obj: runtime.comm.all_gather_object(obj, context="weights"))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_rollout.engine import FinishReason, SamplingParams
-from megatron_rollout.engine.weights import WeightVersionError
+from megatron_rollout.weights.store import WeightVersionError
 
 from .common import GREEDY, SCHEDULES, SMALL, assert_same, drain, hf_greedy, prompts, small
 

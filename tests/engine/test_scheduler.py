@@ -4,6 +4,7 @@ prefix twins wait for the blocks their twin computes."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 
 import pytest
@@ -237,3 +238,21 @@ def test_plans_respect_their_invariants(state, schedule, budget, rows):
         assert plan.prefill == ()
     keys = [by_rid[r].prefix_key for r in prefill if by_rid[r].prefix_key is not None and by_rid[r].computed == 0]
     assert len(keys) == len(set(keys))  # no two twins computed side by side
+
+
+@pytest.mark.parametrize("schedule", list(Schedule))
+def test_drafts_are_planned_with_their_row_and_dropped_rather_than_preempting(schedule):
+    # Both rows' pending tokens fit their blocks; their drafts (lookahead) each need one more block.
+    rows = (dataclasses.replace(decoding(0, 8), lookahead=2), dataclasses.replace(decoding(1, 8, order=1), lookahead=1))
+    assert plan_step(SchedulerState(rows, free_blocks=2), cfg(schedule)).lookahead == (2, 1)
+    plan = plan_step(SchedulerState(rows, free_blocks=1), cfg(schedule))  # the younger row runs without its draft
+    assert (plan.decode, plan.lookahead, plan.preempt) == ((0, 1), (2, 0), ())
+    plan = plan_step(SchedulerState(rows, free_blocks=0), cfg(schedule))
+    assert (plan.decode, plan.lookahead, plan.preempt) == ((0, 1), (), ())
+    assert plan.decode_part == StepPlan(decode=(0, 1))
+
+
+def test_chunked_counts_drafted_tokens_in_the_step_budget():
+    rows = (dataclasses.replace(decoding(0, 8), lookahead=3), waiting(1, 20))
+    plan = plan_step(SchedulerState(rows, free_blocks=20), cfg(Schedule.CHUNKED, budget=16))
+    assert plan.lookahead == (3,) and plan.prefill == (PrefillChunk(1, 12, completes=False),)

@@ -21,7 +21,7 @@ from megatron_rollout.engine import (
     SamplingParams,
     SchedulerConfig,
 )
-from megatron_rollout.engine.weights import WeightVersionError
+from megatron_rollout.weights.store import WeightVersionError
 
 from .common import replay_under_tags
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from megatron_rollout.engine import EngineConfig, RolloutEngine, SamplingParams, SchedulerConfig
-from megatron_rollout.engine.weight_vote import Decision, Verdict, WeightOffer, decide, waiting_for
 from megatron_rollout.model.config import preset
 from megatron_rollout.model.transformer import MoETransformer
+from megatron_rollout.weights.vote import Decision, Verdict, WeightOffer, decide, waiting_for
 from tests.world import run_world
 
 CFG = preset("tiny-moe")

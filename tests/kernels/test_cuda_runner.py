@@ -158,7 +158,7 @@ def test_engine_sessions_complete_on_the_cuda_runner(schedule):
 @pytest.mark.gpu
 def test_bind_drops_graphs_and_stays_correct():
     """WeightStore.bind re-points every parameter: graphs must not replay stale weights."""
-    from megatron_rollout.engine.weights import WeightStore
+    from megatron_rollout.weights.store import WeightStore
 
     gen = torch.Generator().manual_seed(4)
     ref, fast = _pair(4)

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from megatron_rollout.model import checkpoint as ckpt
-from megatron_rollout.model.megatron_layout import transformer_config
 from megatron_rollout.model.sharding import full_shapes
 from megatron_rollout.model.transformer import MoETransformer
+from megatron_rollout.weights.megatron_layout import transformer_config
 from tests.model.test_deepseek import deepseek_config
 from tests.model.test_megatron_names import gloo_world, megatron_weights  # noqa: F401 (fixture)
 

@@ -18,12 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_rollout.engine import EngineConfig, KVConfig, RolloutEngine, SamplingParams
-from megatron_rollout.engine.weights import WeightVersionError
 from megatron_rollout.model.config import PRESETS
-from megatron_rollout.model.megatron_bridge import native_from_megatron, shares_storage
-from megatron_rollout.model.megatron_config import model_config_from_megatron, model_config_of
-from megatron_rollout.model.megatron_layout import transformer_config
 from megatron_rollout.model.transformer import MoETransformer
+from megatron_rollout.weights.megatron_bridge import native_from_megatron, shares_storage
+from megatron_rollout.weights.megatron_config import model_config_from_megatron, model_config_of
+from megatron_rollout.weights.megatron_layout import transformer_config
+from megatron_rollout.weights.store import WeightVersionError
 from tests.model import test_megatron_names
 from tests.model.test_megatron_names import CONFIGS, build_megatron, megatron_weights
 from tests.model.test_te_megatron import te_spec_state

@@ -1,4 +1,4 @@
-"""model.megatron_reshard: a TP/EP-sharded Megatron trainer's state gathered into full rollout tensors
+"""weights.megatron_reshard: a TP/EP-sharded Megatron trainer's state gathered into full rollout tensors
 with bucketed collectives, in a 2-process gloo world (tests/world.py).
 
 Each rank holds Megatron's slices of one full model (`megatron_local_state`: vocab-parallel embedding
@@ -12,8 +12,8 @@ import torch
 
 from megatron_rollout.engine import KVConfig
 from megatron_rollout.model.config import PRESETS
-from megatron_rollout.model.megatron_reshard import _buckets, megatron_local_state
 from megatron_rollout.model.transformer import MoETransformer
+from megatron_rollout.weights.megatron_reshard import _buckets, megatron_local_state
 from tests.world import run_world
 
 CFG = PRESETS["tiny-moe"]  # dense layer, MoE layers with a shared expert, qk norm, untied output layer
@@ -22,7 +22,7 @@ CFG = PRESETS["tiny-moe"]  # dense layer, MoE layers with a shared expert, qk no
 def _gather_everything(rank: int) -> dict:
     import torch.distributed as dist
 
-    from megatron_rollout.model.megatron_reshard import gather_megatron_state
+    from megatron_rollout.weights.megatron_reshard import gather_megatron_state
 
     def refuse(*args, **kwargs):
         raise AssertionError("all_gather_object was called: tensors must not be pickled")
@@ -80,7 +80,7 @@ def test_buckets_keep_one_dtype_and_a_size_bound():
 
 @pytest.mark.parametrize("bad", [0, -1])
 def test_a_bucket_size_must_be_positive(bad):
-    from megatron_rollout.model.megatron_reshard import gather_megatron_state
+    from megatron_rollout.weights.megatron_reshard import gather_megatron_state
 
     with pytest.raises(ValueError, match=f"bucket_bytes must be positive, got {bad}"):
         gather_megatron_state({}, CFG, bucket_bytes=bad)
@@ -96,7 +96,7 @@ def _sharded_gpt_into_engine(rank: int) -> dict:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     from megatron_rollout.engine import EngineConfig, RolloutEngine
-    from megatron_rollout.model.megatron_layout import transformer_config
+    from megatron_rollout.weights.megatron_layout import transformer_config
 
     ps.initialize_model_parallel(2, 1, expert_model_parallel_size=2, expert_tensor_parallel_size=1)
     tp, ep = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()

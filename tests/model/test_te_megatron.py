@@ -28,10 +28,10 @@ import torch
 
 from benchmarks import te_megatron as tm
 from megatron_rollout.engine import EngineConfig, KVConfig, RolloutEngine, SamplingParams
-from megatron_rollout.model import megatron_names as mn
 from megatron_rollout.model.config import PRESETS, ModelConfig
 from megatron_rollout.model.sharding import full_shapes
 from megatron_rollout.model.transformer import MoETransformer
+from megatron_rollout.weights import megatron_names as mn
 
 # Layer 0 dense, layer 1 MoE (2 experts, a shared expert), qk norm, untied output layer.
 SMALL = ModelConfig(vocab_size=32, hidden_size=16, num_layers=2, num_attention_heads=2, num_query_groups=1,

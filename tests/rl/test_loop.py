@@ -176,7 +176,7 @@ def test_two_ranks_stay_in_sync_and_only_rank0_writes(tmp_path):
 def _sharded_run(rank, out):
     import torch
 
-    from megatron_rollout.engine.weights import gather_full_state
+    from megatron_rollout.weights.store import gather_full_state
     from rl.loop import GRPORun
     from rl.placement import Placement
 

@@ -92,8 +92,8 @@ def _cpu_run(rank, weights):
 
     warnings.filterwarnings("ignore")
     from megatron_rollout.model.config import preset
-    from megatron_rollout.model.megatron_bridge import shares_storage
     from megatron_rollout.model.transformer import MoETransformer
+    from megatron_rollout.weights.megatron_bridge import shares_storage
     from rl.loop import GRPORun, _episodes, sleep, wake
     from rl.megatron_trainer import MegatronTrainer
 
@@ -205,8 +205,8 @@ def test_colocated_megatron_grpo_on_gpu():
 def _gpu_dense_share(rank):
     from megatron_rollout.engine import EngineConfig, KVConfig, RolloutEngine, SamplingParams
     from megatron_rollout.model.config import preset
-    from megatron_rollout.model.megatron_bridge import shares_storage
     from megatron_rollout.tokenizer import ByteTokenizer
+    from megatron_rollout.weights.megatron_bridge import shares_storage
     from rl.envs import SingleTurnEnv
     from rl.envs.single_turn import TASKS
     from rl.megatron_policy import MegatronOptions, build_megatron_policy

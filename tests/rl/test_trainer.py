@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from megatron_rollout.engine import EngineConfig, KVConfig, RolloutEngine, SamplingParams
-from megatron_rollout.engine.weights import WeightVersionError
 from megatron_rollout.model.sharding import full_shapes
+from megatron_rollout.weights.store import WeightVersionError
 from rl.envs import SingleTurnEnv
 from rl.envs.single_turn import TASKS
 from rl.objective import LossConfig

@@ -29,5 +29,9 @@ def make_schedule(config: EngineConfig, table: RequestTable, executor: StepExecu
     if config.scheduler.schedule is not Schedule.MUX:
         return PlainSchedule(table, executor)
     if config.mux.ordering == "naive":
+        if config.speculative is not None:
+            raise ValueError("the naive ordering baseline (MuxConfig.ordering='naive') has no speculative decoding: "
+                             "leave EngineConfig.speculative None, or use ordering 'turnstile'")
         return NaiveSchedule(table, executor, model.comm, rendezvous)
-    return MuxSchedule(config.mux, table, executor, model, rendezvous, router)
+    return MuxSchedule(config.mux, table, executor, model, rendezvous, router,
+                       speculative=config.speculative is not None)

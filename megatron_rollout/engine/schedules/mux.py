@@ -45,16 +45,17 @@ from megatron_rollout.multiplex.turnstile import Turnstile
 from megatron_rollout.types import Axis, Phase
 
 
-def boundary_plan(model, phase: Phase) -> tuple[BoundaryPoint, ...] | None:
+def boundary_plan(model, phase: Phase, mtp_layers: int = 0) -> tuple[BoundaryPoint, ...] | None:
     """The points `model.step(..., phase)` yields, in order (None for a runner without a model of
-    this shape: the turnstile then numbers yields by position). Mirrors `model.layers`; the test
-    tests/multiplex/test_boundary_faults.py checks it against real yields."""
+    this shape: the turnstile then numbers yields by position), then those of `mtp_layers` MTP
+    layers run after it (speculative decoding's P forward, `engine.drafting`). Mirrors
+    `model.layers`; the test tests/multiplex/test_boundary_faults.py checks it against real yields."""
     cfg, comm = getattr(model, "cfg", None), getattr(model, "comm", None)
     if cfg is None or comm is None or not hasattr(cfg, "is_moe_layer"):
         return None
     tp, split = comm.size(Axis.ATP) > 1, comm.exchange(phase).data_boundary
     points: list[BoundaryPoint] = []
-    for layer in range(cfg.num_layers):
+    for layer in range(cfg.num_layers + mtp_layers):
         if tp:
             points.append(BoundaryPoint(layer, Site.ATTN_REDUCE))
         if cfg.is_moe_layer(layer):
@@ -97,14 +98,14 @@ class EpochSchedule(ScheduleDriver):
     def step(self, plan: StepPlan, view: GlobalView) -> list[RequestOutput]:
         ex = self.executor
         if view.any_prefill and self.epoch is None:  # every rank starts the epoch, maybe with no rows
-            rows, owners = ex.inputs((), plan.prefill)
-            self.epoch = Epoch(next(self._numbers), owners, ex.weights.version, rows)
-            self.table.begin_in_flight(owners)
-            self._begin(ex.forward(rows, Phase.P), view)
+            step = ex.inputs((), plan.prefill)
+            self.epoch = Epoch(next(self._numbers), step.owners, ex.weights.version, step.rows)
+            self.table.begin_in_flight(step.owners)
+            self._begin(ex.forward(step, Phase.P), view)
         if self.epoch is None:
             if not view.any_decode:
                 return self.table.unblock() if self.table.requests else []
-            return ex.run(StepPlan(decode=plan.decode), Phase.D)
+            return ex.run(plan.decode_part, Phase.D)
         with torch.no_grad():  # grad mode is read each time P's generator resumes
             return self._advance(plan, view)
 
@@ -129,11 +130,12 @@ class MuxSchedule(EpochSchedule):
     """The turnstile: each step is one round (pre-D rendezvous, D, post-D rendezvous, P's segment)."""
 
     def __init__(self, config: MuxConfig, table: RequestTable, executor: StepExecutor, model: MoETransformer,
-                 rendezvous: RendezvousBase | None = None, router: Router | None = None) -> None:
+                 rendezvous: RendezvousBase | None = None, router: Router | None = None,
+                 speculative: bool = False) -> None:
         super().__init__(table, executor)
         self.rendezvous = rendezvous or LocalRendezvous()
         self.turnstile = Turnstile(self.rendezvous, BoundaryController(), build_policy(config.span), router)
-        self.plan = boundary_plan(model, Phase.P)
+        self.plan = boundary_plan(model, Phase.P, mtp_layers=1 if speculative else 0)
         self._clock = time.perf_counter() - time.time()  # turnstile records use time.time()
 
     @property
@@ -149,7 +151,7 @@ class MuxSchedule(EpochSchedule):
 
         def decode_iteration() -> None:
             if view.any_decode:
-                outs.extend(self.executor.run(StepPlan(decode=plan.decode), Phase.D))
+                outs.extend(self.executor.run(plan.decode_part, Phase.D))
 
         rows = lambda: len(plan.decode)  # noqa: E731
         finished = self.turnstile.round(decode_iteration, rows)

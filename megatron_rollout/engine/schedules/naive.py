@@ -67,7 +67,7 @@ class NaiveSchedule(EpochSchedule):
         if view.any_decode:
             step = ex.inputs(plan.decode, ())
             self.table.note_decode_wait(plan.decode, time.perf_counter())
-            d, d_at = ex.forward(step.rows, Phase.D), None
+            d, d_at = ex.forward(step, Phase.D), None
             while d is not None:
                 if p_pending and (p_first or self._next_ranks(Phase.P, self._p_at) and
                                   self._next_ranks(Phase.P, self._p_at) == self._next_ranks(Phase.D, d_at)):

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_rollout.model.config import ModelConfig
-from megatron_rollout.model.megatron_layout import join_tp, tp_split_dim
-from megatron_rollout.model.megatron_names import rollout_key
 from megatron_rollout.model.sharding import full_shapes
+from megatron_rollout.weights.megatron_layout import join_tp, tp_split_dim
+from megatron_rollout.weights.megatron_names import rollout_key
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 """Bytes one rank sends per collective: large enough that NCCL runs near bandwidth, small enough

@@ -16,7 +16,7 @@ FP8 copies of the weights (`model.fp8`) are re-rounded from the new values in pl
 update.
 
 Checking (`prepare`) and changing the weights (`commit`, `abandon`) are separate steps so that the
-engine can let every rank of the model vote between them (`engine.weight_vote`); `update` does
+engine can let every rank of the model vote between them (`weights.vote`); `update` does
 both for one rank. Left out: staging in device memory (it would hold a second model where chunking
 exists to bound memory) and rollback of a copy that fails half-way on the device itself.
 """
@@ -31,12 +31,12 @@ from typing import NamedTuple
 import torch
 
 from megatron_rollout.comm.facade import Shard
-from megatron_rollout.engine.weight_vote import Prepared, WeightOffer
 from megatron_rollout.model import fp8, te_layers
 from megatron_rollout.model.config import ModelConfig
-from megatron_rollout.model.megatron_names import rollout_pairs
 from megatron_rollout.model.sharding import full_name, full_shapes, local_name, shard_tensor, unshard_tensor
 from megatron_rollout.model.transformer import MoETransformer
+from megatron_rollout.weights.megatron_names import rollout_pairs
+from megatron_rollout.weights.vote import Prepared, WeightOffer
 
 log = logging.getLogger(__name__)
 

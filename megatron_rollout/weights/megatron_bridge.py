@@ -22,9 +22,9 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_rollout.model.config import ModelConfig
-from megatron_rollout.model.megatron_config import model_config_of
-from megatron_rollout.model.megatron_names import megatron_state_to_rollout
 from megatron_rollout.model.transformer import MoETransformer
+from megatron_rollout.weights.megatron_config import model_config_of
+from megatron_rollout.weights.megatron_names import megatron_state_to_rollout
 
 
 def trainer_groups(gpt: Any) -> tuple[Any, Any]:
@@ -85,7 +85,7 @@ def native_from_megatron(gpt: nn.Module, share_storage: bool | None = None, tp_g
     if match:
         tensors = megatron_state_to_rollout(gpt.state_dict(), cfg).tensors
     else:
-        from megatron_rollout.model.megatron_reshard import gather_megatron_state
+        from megatron_rollout.weights.megatron_reshard import gather_megatron_state
 
         own_tp, own_ep = trainer_groups(gpt)
         tensors = gather_megatron_state(gpt.state_dict(), cfg, tp_group or own_tp, ep_group or own_ep).tensors

@@ -1,0 +1,299 @@
+"""Speculative decoding inside every schedule: MTP drafts, verified in the same decode iteration.
+
+`SpeculativeExecutor` is the step executor of an engine with `EngineConfig.speculative`; the
+schedules call the same `inputs`, `forward`, `run` and `complete`, so `off`, `chunked` and `mux`
+(its turnstile, its boundaries) are unchanged. One decode iteration, for a row whose pending token
+t_n sits at position n with drafts d_1..d_k:
+1. one target forward over [t_n, d_1..d_k] gives the logits and hidden states at n..n+k;
+2. `speculative.verify` keeps a drafts and adds one token of the target's: 1 to k + 1 tokens whose
+   law is the target's (at temperature 0, plain greedy decoding's tokens), with its logprobs;
+3. the first MTP layer runs over the confirmed positions n..n+a (hidden h_i, next token t_{i+1}),
+   writing its KV, and drafts d'_1 from its last position; d'_2.. come from the same layer chained
+   on its own output (the KV it writes there is rewritten by the next iteration's step 3).
+Under `mux` the three are one D slot of a turnstile round. Rejected drafts are rolled back in the
+bookkeeping: `computed` stops after the accepted positions and the next forward overwrites the K/V
+past it. Prefill forwards run the MTP layer inside the forward (inside `mux`'s P segments, whose
+boundaries count its layer) over every position whose next token is known; the last prompt
+position waits for the sampled token: step 3 of the same step under `off` and `chunked`, the row's
+first decode iteration after a `mux` epoch (`Deferred`). A missing or stale MTP KV entry lowers
+the acceptance rate only: every token is the target's. The planner sees drafts as lookahead
+(`SeqView.lookahead`); acceptance is counted in `EngineStats`.
+
+Left out: the CUDA runner (one token per row in its decode graphs, no hidden states out), decode
+ahead, the naive ordering baseline, MTP layers beyond the first.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rollout.engine.api import FinishReason, RequestOutput, SamplingParams
+from megatron_rollout.engine.bookkeeping import RequestTable, SampleOwner
+from megatron_rollout.engine.execution import StepExecutor, StepInputs
+from megatron_rollout.engine.sampler import PendingDraw, filtered_logprobs, sample_row
+from megatron_rollout.engine.scheduler import PrefillChunk, SchedulerState, Stage, StepPlan
+from megatron_rollout.engine.speculative import Verdict, draw_index, verify
+from megatron_rollout.engine.stats import EngineStats
+from megatron_rollout.forward import Forward, run_to_end
+from megatron_rollout.runner.base import ModelRunner, Runner
+from megatron_rollout.runner.speculative import SpecOutput, VerifyRow, verify_forward
+from megatron_rollout.types import Phase, SeqSpan
+from megatron_rollout.weights.store import WeightStore
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A decoding row's drafted tokens for its next iteration."""
+
+    lifetime: int
+    tokens: tuple[int, ...]
+    logq: torch.Tensor | None
+    """[len(tokens), V]: the law q_i each draft was drawn from (log); None: greedy drafts (one-hot q)."""
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """The decoder's hidden state [H] at a row's last prompt position, kept from a `mux` epoch until
+    the row's first decode iteration runs the MTP layer there (its next token was not known before)."""
+
+    lifetime: int
+    position: int
+    hidden: torch.Tensor
+
+
+@dataclass
+class _Row:
+    """One sampled row of a speculative step, from its verdict to its acceptance."""
+
+    owner: SampleOwner
+    first: int
+    """Position of its first logits row (n for a decode row, the last prompt position for a prefill)."""
+    table: tuple[int, ...]
+    hidden: torch.Tensor
+    """[logits rows, H]."""
+    verdict: Verdict | None
+    error: str | None = None
+
+
+class SpeculativeExecutor(StepExecutor):
+    def __init__(self, table: RequestTable, runner: Runner, weights: WeightStore, stats: EngineStats, seed: int,
+                 k: int, timeline=None, rank: int = 0) -> None:
+        model = runner.model
+        if not model.cfg.mtp_num_layers:
+            raise ValueError("EngineConfig.speculative (method 'mtp') needs a model with an MTP layer, this one has "
+                             "mtp_num_layers=0: load a checkpoint that has one (DeepSeek-V3's) or build one with "
+                             "mtp_num_layers >= 1, or leave EngineConfig.speculative None")
+        if not isinstance(runner, ModelRunner):
+            raise ValueError(f"speculative decoding (EngineConfig.speculative) runs on the portable runner only: "
+                             f"{type(runner).__name__}'s decode graphs hold one token per row and return no hidden "
+                             f"states for the MTP layer; pass RunnerConfig(kind='eager') or 'auto'")
+        super().__init__(table, runner, weights, stats, seed, timeline, rank)
+        self.model, self.k = model, k
+        self.mtp_norm = model.mtp.layers[0].final_layernorm
+        self.drafts: dict[int, Draft] = {}
+        self.deferred: dict[int, Deferred] = {}
+
+    # -- planning and inputs ----------------------------------------------------------------------
+    def planning_view(self, state: SchedulerState) -> SchedulerState:
+        """Each decoding row with drafts looks `len(drafts)` positions ahead."""
+        seqs = tuple(dataclasses.replace(v, lookahead=len(d.tokens))
+                     if v.stage is Stage.DECODE and (d := self._draft(v.rid)) is not None else v for v in state.seqs)
+        return dataclasses.replace(state, seqs=seqs)
+
+    def _draft(self, rid: int) -> Draft | None:
+        draft, req = self.drafts.get(rid), self.table.requests.get(rid)
+        return draft if draft is not None and req is not None and draft.lifetime == req.lifetime else None
+
+    def inputs(self, decode: Iterable[int], prefill: Iterable[PrefillChunk], lookahead: tuple[int, ...] = ()
+               ) -> StepInputs:
+        """Decode rows hold the drafts the plan gave them room for; prefill rows name the token
+        after each position that the MTP layer can run over inside the forward."""
+        rows, owners, verify_rows = [], [], []
+        decode = tuple(decode)
+        room = dict(zip(decode, lookahead))
+        for rid in decode:
+            draft = self._draft(rid)
+            drafts = draft.tokens[:room.get(rid, 0)] if draft is not None else ()
+            row, owner = self.table.decode_row(rid, drafts)
+            rows.append(row)
+            owners.append(owner)
+            verify_rows.append(VerifyRow(1 + len(drafts)))
+        for chunk in prefill:
+            tokens = self.table.requests[chunk.rid].seq.tokens
+            row, owner = self.table.prefill_row(chunk)
+            past, new = row.span.past, row.span.new
+            rows.append(row)
+            verify_rows.append(VerifyRow(int(owner is not None), tuple(tokens[past + 1:past + new + 1])))
+            if owner is not None:
+                owners.append(owner)
+        return StepInputs(rows, owners, verify_rows)
+
+    # -- the forwards ---------------------------------------------------------------------------------
+    def forward(self, step: StepInputs, phase: Phase) -> Forward:
+        """The target forward (in P, with the MTP layer over the prefill positions it can run); returns
+        a `SpecOutput`. A `mux` epoch resumes it boundary by boundary."""
+        return verify_forward(self.runner, step.rows, step.verify or [VerifyRow(int(r.sample)) for r in step.rows],
+                              phase)
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.model.device)
+
+    def _mtp(self, spans: list[SeqSpan], hidden: list[torch.Tensor], tokens: list[int], phase: Phase
+             ) -> torch.Tensor:
+        """The MTP layer over `spans`; its output [positions, H]."""
+        h = torch.cat(hidden) if hidden else torch.zeros(0, self.model.cfg.hidden_size,
+                                                           dtype=self.model.cfg.torch_dtype, device=self.model.device)
+        return run_to_end(self.runner.forward_mtp(spans, h, self._index(tokens), phase))
+
+    # -- one step ---------------------------------------------------------------------------------------
+    def run(self, plan: StepPlan, phase: Phase) -> list[RequestOutput]:
+        """One step: the target forward, the verdicts, the MTP layer's pass and the next drafts (all in
+        `phase`: every rank runs the same forwards), then the tokens into the request table."""
+        t0 = time.perf_counter()
+        step = self.inputs(plan.decode, plan.prefill, plan.lookahead)
+        self.table.note_decode_wait(plan.decode, t0)
+        version = self.weights.version
+        with torch.no_grad():
+            out = run_to_end(self.forward(step, phase))
+            rows = self._verdicts(step, out)
+            self._draft_next(rows, phase)
+        self._record_time(plan, phase, t0)
+        outs = self._accept(rows, version)
+        self._record_step(plan, phase, step.rows, t0)
+        return outs
+
+    def complete(self, owners: list[SampleOwner], logits, draw: PendingDraw | None = None,
+                 version: int | None = None) -> list[RequestOutput]:
+        """A `mux` epoch's end: sample its rows; each row that goes on to decode keeps its last
+        prompt position's hidden state for its first decode iteration."""
+        if not isinstance(logits, SpecOutput):
+            return super().complete(owners, logits, draw, version)
+        outs = super().complete(owners, logits.logits, version=version)
+        for i, owner in enumerate(owners):
+            if self.table.is_live(owner):
+                self.deferred[owner.request.rid] = Deferred(owner.lifetime, owner.context - 1, logits.hidden[i])
+        return outs
+
+    def _verdicts(self, step: StepInputs, out: SpecOutput) -> list[_Row]:
+        rows, at, owners = [], 0, iter(step.owners)
+        for row, v in zip(step.rows, step.verify, strict=True):
+            if not v.logits:
+                continue
+            owner, sl = next(owners), slice(at, at + v.logits)
+            at += v.logits
+            if self.table.is_live(owner):
+                first = row.span.past + row.span.new - v.logits
+                rows.append(self._verdict(owner, first, row.span.table, tuple(row.token_ids[1:v.logits]),
+                                          out.logits[sl], out.hidden[sl]))
+        return rows
+
+    def _verdict(self, owner: SampleOwner, first: int, table: tuple[int, ...], drafts: tuple[int, ...],
+                 logits: torch.Tensor, hidden: torch.Tensor) -> _Row:
+        req = owner.request
+        params, gen = req.params, req.generator or self.generator
+        bad = [i for i, m in enumerate(logits.float().amax(-1).tolist()) if not math.isfinite(m)]
+        if bad:
+            return _Row(owner, first, table, hidden, None, sample_row(logits[bad[0]], params, gen).error)
+        if not drafts:  # the plain sampler's draw
+            s = sample_row(logits[0], params, gen)
+            return _Row(owner, first, table, hidden, Verdict(0, (s.token,), (s.logprob,)))
+        draft = self._draft(req.rid)
+        logq = None if draft is None or draft.logq is None else draft.logq[:len(drafts)]
+        verdict = verify(logits, list(drafts), logq, params, gen)
+        self.stats.drafted_tokens += len(drafts)
+        self.stats.accepted_tokens += verdict.accepted
+        return _Row(owner, first, table, hidden, verdict)
+
+    def _draft_next(self, rows: list[_Row], phase: Phase) -> None:
+        """Step 3 (module docstring): the MTP layer over every row's confirmed positions, then up to
+        k drafts per row, the layer chained on its own output. Always 1 + (k - 1) MTP forwards, each
+        maybe over no row, so that every rank runs the same ones."""
+        rows = [r for r in rows if r.verdict is not None]
+        spans, hidden, tokens = [], [], []
+        for row in rows:
+            req, n = row.owner.request, len(row.verdict.tokens)
+            past, h, nxt = row.first, [row.hidden[:n]], list(row.verdict.tokens)
+            late = self.deferred.pop(req.rid, None)
+            if late is not None and late.lifetime == req.lifetime and late.position == past - 1:
+                past, h, nxt = past - 1, [late.hidden[None]] + h, [req.seq.tokens[past]] + nxt
+            spans.append(SeqSpan(row.table, past, len(nxt)))
+            hidden.extend(h)
+            tokens.extend(nxt)
+        x = self._mtp(spans, hidden, tokens, phase)
+        last = [r - 1 for r in torch.tensor([s.new for s in spans], dtype=torch.long).cumsum(0).tolist()]
+        x = x[self._index(last)]  # [rows, H]: the layer's output at each row's last confirmed position
+        want = [self._room(row) for row in rows]
+        drafted: list[list[int]] = [[] for _ in rows]
+        logq: list[list[torch.Tensor]] = [[] for _ in rows]
+        for j in range(self.k):
+            if j:  # the chain: position n' + j - 1, hidden = the layer's previous output, token = draft j
+                chain = [i for i in range(len(rows)) if len(drafted[i]) == j and want[i] > j]
+                table = self.table
+                spans = [SeqSpan(tuple(table.pool.table(rows[i].owner.request.seq.sid)),
+                                 rows[i].first + len(rows[i].verdict.tokens) + j - 1, 1) for i in chain]
+                y = self._mtp(spans, [x[self._index(chain)]], [drafted[i][-1] for i in chain], phase)
+                x = x.index_copy(0, self._index(chain), y)
+            else:
+                chain = [i for i in range(len(rows)) if want[i] > 0]
+            q = self.model.logits(x[self._index(chain)], self.mtp_norm)  # [chain, V]
+            for c, i in enumerate(chain):
+                picked = self._pick(q[c], rows[i].owner.request)
+                if picked is not None:
+                    drafted[i].append(picked[0])
+                    logq[i].append(picked[1])
+        for i, row in enumerate(rows):
+            req = row.owner.request
+            if drafted[i]:
+                laws = None if req.params.temperature == 0.0 else torch.stack(logq[i])
+                self.drafts[req.rid] = Draft(req.lifetime, tuple(drafted[i]), laws)
+            else:
+                self.drafts.pop(req.rid, None)
+
+    def _room(self, row: _Row) -> int:
+        """Drafts worth making for the row's next iteration: no more than it may still emit, minus the
+        token it emits anyway, and (k > 1) only as far as free KV holds the chain's MTP positions."""
+        req, emitted = row.owner.request, len(row.verdict.tokens)
+        left = min(req.params.max_new_tokens - len(req.output), self.table.max_model_len - len(req.seq.tokens))
+        want = max(0, min(self.k, left - emitted - 1))
+        pool, sid = self.table.pool, req.seq.sid
+        pending = row.first + emitted  # the position of the token this iteration leaves pending
+        while want > 1 and pool.blocks_to_grow(sid, pending + want - 1) > pool.num_free:
+            want -= 1
+        if want > 1:
+            pool.grow(sid, pending + want - 1)
+        return want
+
+    def _pick(self, logits: torch.Tensor, req) -> tuple[int, torch.Tensor | None] | None:
+        """One draft from the MTP layer's logits [V] under the request's sampling params, and its law
+        (None: greedy); None where the logits are not finite (the row does not draft)."""
+        params: SamplingParams = req.params
+        if not math.isfinite(float(logits.float().amax())):
+            return None
+        if params.temperature == 0.0:
+            return int(logits.argmax()), None
+        logq = filtered_logprobs(logits[None], params)[0]
+        return draw_index(logq.exp(), req.generator or self.generator), logq
+
+    def _accept(self, rows: list[_Row], version: int) -> list[RequestOutput]:
+        now, outs = time.perf_counter(), []
+        for row in rows:
+            owner, req = row.owner, row.owner.request
+            if row.verdict is None:
+                why = f"request {req.rid}: {row.error} at position {owner.context} under weight version {version}"
+                outs.append(self.table.finish(req, FinishReason.ERROR, why))
+                continue
+            for j, (token, logprob) in enumerate(zip(row.verdict.tokens, row.verdict.logprobs)):
+                out = self.table.accept(owner._replace(context=owner.context + j), token, logprob, version, now)
+                if out is not None:
+                    outs.append(out)
+                    break
+        for entries in (self.drafts, self.deferred):  # forget finished, preempted and cancelled requests
+            for rid in [rid for rid, e in entries.items()
+                        if (req := self.table.requests.get(rid)) is None or req.lifetime != e.lifetime]:
+                del entries[rid]
+        return outs

@@ -1,0 +1,60 @@
+"""The forwards of speculative decoding on the portable runner (`engine.drafting` decides, this runs).
+
+`verify_forward` is one target forward that returns, for every row, the logits and the decoder's
+hidden states of its last `VerifyRow.logits` positions (all of a decode row's drafts, to verify
+them), and that runs, in P, the first MTP layer over the prefill positions whose next token is
+known, so that `mux`'s P segments hold it. Left out: the CUDA runner (its decode graphs hold one
+token per row and return no hidden states).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from megatron_rollout.forward import Forward
+from megatron_rollout.runner.base import ModelRunner
+from megatron_rollout.types import Phase, SeqSpan, SpanInput
+
+
+class VerifyRow(NamedTuple):
+    """What a speculative forward returns for one input row, and what the MTP layer runs inside it."""
+
+    logits: int
+    """The row's last `logits` positions return logits and hidden states: 1 for a sampled row, k + 1
+    for a decode row with k drafts, 0 for a partial prefill chunk."""
+    follow: tuple[int, ...] = ()
+    """The token after each of the row's first positions, where known before the forward (a prefill
+    chunk's): the MTP layer runs over those positions inside the forward."""
+
+
+class SpecOutput(NamedTuple):
+    """A speculative forward's result: for every input row, its last `VerifyRow.logits` positions."""
+
+    logits: torch.Tensor
+    """[rows, V]."""
+    hidden: torch.Tensor
+    """[rows, H]: the decoder's hidden states at the same positions (before the final norm)."""
+
+
+def verify_forward(runner: ModelRunner, rows: list[SpanInput], verify_rows: list[VerifyRow], phase: Phase
+                   ) -> Forward:
+    """`SpecOutput` of the rows (see the module docstring); yields at the target's and the MTP
+    layer's boundaries."""
+    model = runner.model
+    h = yield from runner.forward_hidden(rows, phase)  # [tokens, H]
+    pick: list[int] = []
+    spans, at, follow, start = [], [], [], 0
+    for row, v in zip(rows, verify_rows, strict=True):
+        end = start + row.span.new
+        pick.extend(range(end - v.logits, end))
+        if v.follow:
+            spans.append(SeqSpan(row.span.table, row.span.past, len(v.follow)))
+            at.extend(range(start, start + len(v.follow)))
+            follow.extend(v.follow)
+        start = end
+    index = lambda values: torch.tensor(values, dtype=torch.long, device=model.device)  # noqa: E731
+    if phase is Phase.P:  # every rank's P forward runs it, maybe over nothing: its collectives pair up
+        yield from runner.forward_mtp(spans, h[index(at)], index(follow), phase)
+    hidden = h[index(pick)]
+    return SpecOutput(model.logits(hidden), hidden)

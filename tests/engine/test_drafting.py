@@ -1,0 +1,211 @@
+"""MTP speculative decoding inside the engine (`engine.drafting`) on a tiny DeepSeek-V3 with an MTP
+layer: greedy tokens equal plain decoding under off, chunked and mux; the returned logprobs are
+the target's; a copying MTP layer is always right (acceptance 1, fewer decode iterations); the
+sampled law is the plain sampler's (chi-square), and the same test rejects a broken acceptance
+rule."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from benchmarks.mtp import make_copying
+from megatron_rollout.engine import (
+    EngineConfig,
+    KVConfig,
+    MuxConfig,
+    RolloutEngine,
+    RunnerConfig,
+    SamplingParams,
+    SchedulerConfig,
+    SpeculativeConfig,
+    drafting,
+)
+from megatron_rollout.engine.speculative import Verdict
+from megatron_rollout.model.transformer import MoETransformer
+from tests.model.test_mtp import CFG, PROMPTS
+
+from .common import SCHEDULES, small
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_stop=True)
+
+
+def model(seed: int = 0, vocab: int = 12) -> MoETransformer:
+    return MoETransformer(CFG.replace(vocab_size=vocab)).init_weights(seed=seed, std=0.3)
+
+
+def spec(schedule: str, k: int, **components) -> EngineConfig:
+    return small(schedule, speculative=SpeculativeConfig(k=k), **components)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    m = model()
+    plain = RolloutEngine(m, small("chunked")).generate(PROMPTS, GREEDY)
+    return m, plain
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule,k", [("off", 1), ("chunked", 2), ("mux", 1), ("mux", 3)])
+def test_greedy_tokens_equal_plain_decoding(tiny, make_engine, schedule, k):
+    m, plain = tiny
+    engine = make_engine(m, spec(schedule, k))
+    got = engine.generate(PROMPTS, GREEDY)
+    assert [r.token_ids for r in got] == [r.token_ids for r in plain]
+    for r, ref in zip(got, plain):
+        assert r.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+    assert engine.stats.drafted_tokens > 0  # drafts were verified (random weights: mostly rejected)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_copying_mtp_layer_is_always_accepted(make_engine, schedule):
+    m = make_copying(model(1))
+    whole = SchedulerConfig(schedule=schedule, block_size=4, max_batch_tokens=64)  # every prompt in one prefill
+    plain = make_engine(m, small(schedule, scheduler=whole))
+    want = plain.generate(PROMPTS, GREEDY)
+    engine = make_engine(m, spec(schedule, 1, scheduler=whole))
+    got = engine.generate(PROMPTS, GREEDY)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    s = engine.stats
+    assert s.acceptance_rate == 1.0 and s.accepted_tokens == s.drafted_tokens > 0
+    # every iteration after a row's first emits two tokens: about half the plain iterations
+    assert s.decode_iterations <= plain.stats.decode_iterations * 2 // 3, (s, plain.stats)
+    assert s.decode_tokens == plain.stats.decode_tokens
+
+
+@pytest.mark.timeout(120)
+def test_chained_drafts_of_a_copying_layer_are_accepted(make_engine):
+    m = make_copying(model(1))
+    engine = make_engine(m, spec("chunked", 3))
+    got = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=13, ignore_stop=True))
+    want = make_engine(m, small("chunked")).generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=13,
+                                                                               ignore_stop=True))
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert engine.stats.acceptance_rate == 1.0 and engine.stats.drafted_tokens >= 3 * len(PROMPTS) * 2
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["chunked", "mux"])
+def test_sampled_logprobs_are_the_targets(tiny, make_engine, schedule):
+    m, _ = tiny
+    engine = make_engine(m, spec(schedule, 2))
+    params = [SamplingParams(temperature=1.0, max_new_tokens=10, ignore_stop=True, seed=i) for i in range(3)]
+    got = engine.generate(PROMPTS, params)
+    assert engine.stats.drafted_tokens > 0
+    for prompt, r in zip(PROMPTS, got):
+        with torch.no_grad():
+            teacher = m.token_logprobs(torch.tensor([prompt + r.token_ids]))[0, len(prompt) - 1:]
+        assert torch.allclose(torch.tensor(r.logprobs), teacher, atol=1e-4)
+
+
+def _accept_every_draft(target, drafts, q, params, generator):
+    """A broken rule: keeps every draft (the drafter's law, not the target's)."""
+    from megatron_rollout.engine.sampler import sample_row
+
+    last = sample_row(target[-1], params, generator)
+    return Verdict(len(drafts), (*drafts, last.token), (0.0,) * len(drafts) + (last.logprob,))
+
+
+def _counts(m: MoETransformer, config: EngineConfig, prompt: list[int], n: int) -> tuple[list[int], float]:
+    params = SamplingParams(temperature=1.0, max_new_tokens=3, ignore_stop=True)
+    engine = RolloutEngine(m, config)
+    cells = list(itertools.product(range(m.cfg.vocab_size), repeat=3))
+    counts = [0] * len(cells)
+    for r in engine.generate([prompt] * n, params):
+        counts[cells.index(tuple(r.token_ids))] += 1
+    return counts, engine.stats.acceptance_rate
+
+
+@pytest.mark.timeout(300)
+def test_sampled_law_is_the_plain_samplers_and_a_broken_rule_is_caught(monkeypatch):
+    """Three tokens after one prompt on a 3-token vocabulary (27 cells), n runs each: MTP sampling
+    against the exact law and against the plain sampler; accepting every draft fails the same test."""
+    stats = pytest.importorskip("scipy.stats")
+    m = model(seed=2, vocab=3)
+    prompt, n = [1, 2, 0], 300
+    cells = list(itertools.product(range(3), repeat=3))
+    with torch.no_grad():
+        law = m.token_logprobs(torch.tensor([prompt + list(c) for c in cells]))[:, len(prompt) - 1:].sum(-1).exp()
+    expected = (law.double() / law.double().sum() * n).tolist()
+    roomy = dict(scheduler=SchedulerConfig(block_size=4, max_batch_tokens=512, max_decode_rows=512),
+                 kv=KVConfig(num_blocks=4096))
+    config = EngineConfig(**roomy, speculative=SpeculativeConfig(k=1), seed=5)
+    mtp, acceptance = _counts(m, config, prompt, n)
+    assert 0.1 < acceptance < 0.95, acceptance  # accepted and rejected drafts both exercised
+    plain, _ = _counts(m, EngineConfig(**roomy, seed=6), prompt, n)
+    assert stats.chisquare(mtp, expected).pvalue > 1e-3
+    assert stats.chisquare(plain, expected).pvalue > 1e-3
+    seen = [i for i in range(len(cells)) if mtp[i] + plain[i]]
+    assert stats.chi2_contingency([[mtp[i] for i in seen], [plain[i] for i in seen]]).pvalue > 1e-3
+    monkeypatch.setattr(drafting, "verify", _accept_every_draft)
+    broken, acceptance = _counts(m, config, prompt, n)
+    assert acceptance == 1.0
+    assert stats.chisquare(broken, expected).pvalue < 1e-6
+
+
+def test_refusals_name_the_reason():
+    with pytest.raises(ValueError, match="mtp_num_layers=0"):
+        RolloutEngine(MoETransformer(CFG.replace(mtp_num_layers=0)), spec("chunked", 1))
+    with pytest.raises(ValueError, match="decode_ahead='on'"):
+        RolloutEngine(model(), spec("chunked", 1, runner=RunnerConfig(decode_ahead="on")))
+    with pytest.raises(ValueError, match="naive ordering"):
+        RolloutEngine(model(), spec("mux", 1, mux=MuxConfig("fixed:1", ordering="naive")))
+    with pytest.raises(ValueError, match=r"SpeculativeConfig.k must be an int in \[1, 8\]"):
+        SpeculativeConfig(k=0)
+    with pytest.raises(ValueError, match="method"):
+        SpeculativeConfig(method="eagle")
+    assert EngineConfig.from_dict({"speculative": {"k": 2}}).speculative == SpeculativeConfig(k=2)
+    assert EngineConfig.from_dict({"speculative": None}).speculative is None
+
+
+def _mtp_kv(m: MoETransformer, schedule: str) -> torch.Tensor:
+    """The MTP layer's cached K/V rows of one request's computed positions, three tokens in."""
+    engine = RolloutEngine(m, spec(schedule, 1))
+    rid = engine.add_request(PROMPTS[2], SamplingParams(temperature=0.0, max_new_tokens=8, ignore_stop=True))
+    req = engine.requests[rid]
+    while len(req.output) < 3:
+        engine.step()
+    bs = engine.config.scheduler.block_size
+    slots = [b * bs + i for b in engine.pool.table(req.seq.sid) for i in range(bs)][:req.seq.computed]
+    return engine.runner.cache.k[m.cfg.num_layers][slots].flatten(1)  # [computed, width]
+
+
+@pytest.mark.timeout(120)
+def test_the_mtp_layer_has_kv_at_every_computed_position(tiny):
+    """Prompt positions inside the prefill forward, the last one after its token is sampled (same
+    step under off and chunked, the first decode iteration after a mux epoch), then every accepted
+    position: the same rows under every schedule, none left unwritten (the cache starts at zero)."""
+    m, _ = tiny
+    ref = _mtp_kv(m, "off")
+    assert ref.shape[0] >= len(PROMPTS[2]) + 1 and bool((ref.abs().amax(-1) > 0).all())
+    for schedule in ("chunked", "mux"):
+        got = _mtp_kv(m, schedule)
+        n = min(len(got), len(ref))
+        assert torch.allclose(got[:n], ref[:n], atol=1e-5), schedule
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_on_the_gpu_drafting_runs_on_the_portable_runner_and_keeps_greedy_tokens(make_engine):
+    m = MoETransformer(CFG, device=torch.device("cuda")).init_weights(seed=0, std=0.3)
+    eager = RunnerConfig(kind="eager")
+    want = make_engine(m, small("chunked", runner=eager)).generate(PROMPTS, GREEDY)
+    for schedule in SCHEDULES:
+        engine = make_engine(m, spec(schedule, 2))  # runner kind auto: the portable runner
+        assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == [r.token_ids for r in want], schedule
+        assert engine.stats.drafted_tokens > 0
+    with pytest.raises(ValueError, match="decode graphs hold one token per row"):
+        RolloutEngine(m, spec("chunked", 1, runner=RunnerConfig(kind="cuda")))
+
+
+def test_the_command_line_spells_it_mtp_k():
+    import argparse
+
+    from megatron_rollout.options import add_engine_args, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config(parser.parse_args(["--mtp", "2"])).speculative == SpeculativeConfig(k=2)
+    assert engine_config(parser.parse_args([])).speculative is None
