@@ -23,14 +23,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, n: int, port: int, fn: Callable, args: tuple, queue, pg_timeout: float) -> None:
+def _entry(rank: int, n: int, port: int, fn: Callable, args: tuple, queue, pg_timeout: float, backend: str) -> None:
     import torch
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n),
                       LOCAL_RANK=str(rank))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=n, timeout=timedelta(seconds=pg_timeout))
+        if backend == "nccl":  # one GPU per rank
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=n, timeout=timedelta(seconds=pg_timeout))
         queue.put((rank, "ok", fn(rank, *args)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent with its traceback
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
@@ -47,13 +49,14 @@ def _entry(rank: int, n: int, port: int, fn: Callable, args: tuple, queue, pg_ti
 
 
 def run_world(fn: Callable, n: int, *args: Any, timeout: float = 120.0, pg_timeout: float = 60.0,
-              allow_errors: bool = False) -> list[Any]:
+              allow_errors: bool = False, backend: str = "gloo") -> list[Any]:
     """Results of `fn(rank, *args)` per rank. With `allow_errors`, a failing rank's entry is the
-    error text (a str starting with the exception type) instead of raising."""
+    error text (a str starting with the exception type) instead of raising. `backend="nccl"` joins
+    the ranks over NCCL, one GPU each (what a Megatron optimizer's collectives on CUDA tensors need)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, n, port, fn, args, queue, pg_timeout), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(r, n, port, fn, args, queue, pg_timeout, backend), daemon=True)
              for r in range(n)]
     for p in procs:
         p.start()

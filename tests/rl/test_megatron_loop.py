@@ -186,7 +186,7 @@ def test_colocated_megatron_grpo_on_gpu():
     """Generate from the trainer's weights, two GRPO steps (Megatron's optimizer, the engine asleep
     while it runs), then decode graphs replay the new weights: the same tokens and log-probs as a
     fresh engine built from the trained GPTModel."""
-    res = run_world(_gpu_run, 1, timeout=290)[0]
+    res = run_world(_gpu_run, 1, timeout=290, backend="nccl")[0]
     print({k: v for k, v in res.items() if k not in ("before", "after", "fresh")})
     assert res["runner"] == "CudaRunner" and res["optimizer"] != "AdamW"
     assert res["parity"] < 0.15, res["parity"]  # bf16 trainer forward vs the engine's kernels
@@ -251,7 +251,7 @@ def _gpu_dense_share(rank):
 def test_shared_storage_decode_graphs_follow_megatron_optimizer_steps_on_gpu():
     """A dense GPTModel whose tensors the engine reads: after Megatron's optimizer step, the decode
     graphs captured before it replay the new weights (no update_weights), as a fresh engine does."""
-    res = run_world(_gpu_dense_share, 1, timeout=290)[0]
+    res = run_world(_gpu_dense_share, 1, timeout=290, backend="nccl")[0]
     print({k: v for k, v in res.items() if k not in ("before", "stepped", "fresh", "versioned")})
     assert res["shared"] and res["ptrs"] and res["optimizer"] != "AdamW" and res["loss"] == res["loss"]
     assert res["graphs"] > 0 and res["same_graphs"] and res["replayed"] > 0
