@@ -36,9 +36,9 @@ log = logging.getLogger(__name__)
 class AsyncSession:
     """A multi-turn context whose turns are awaited: `append` tokens, `await generate(params)`."""
 
-    def __init__(self, owner: "AsyncEngine") -> None:
+    def __init__(self, owner: "AsyncEngine", session: Any = None) -> None:
         self._owner = owner
-        self._session = owner.engine.open_session()
+        self._session = session if session is not None else owner.engine.open_session()
 
     @property
     def token_ids(self) -> list[int]:
@@ -48,9 +48,16 @@ class AsyncSession:
         self._session.append(list(token_ids))
 
     async def generate(self, params: SamplingParams | None = None) -> RequestOutput:
-        """The next turn, generated after everything appended so far (appended to the context too)."""
+        """The next turn, generated after everything appended so far (appended to the context too).
+        With `params.n` > 1 the prompt is prefilled once for n samples (`RequestOutput.results`); this
+        session continues sample 0, and `forks()` gives the sessions that continue the others."""
         await self._owner._admission()
         return await self._owner._await(self._session.submit(params))
+
+    def forks(self) -> list["AsyncSession"]:
+        """The sessions of samples 1..n-1 of this session's turns with n > 1, in sample order (see
+        `engine.Session.forks`); close them too."""
+        return [AsyncSession(self._owner, fork) for fork in self._session.forks()]
 
     def close(self) -> None:
         self._session.close()
@@ -107,8 +114,9 @@ class AsyncEngine:
 
     async def generate_many(self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None
                             ) -> list[GenerationResult]:
+        """Every prompt's results, in order (with `params.n` > 1: n per prompt, one after the other)."""
         outs = await asyncio.gather(*(self.generate(p, params) for p in prompts))
-        return [o.result for o in outs]
+        return [r for o in outs for r in o.results]
 
     def open_session(self) -> AsyncSession:
         return AsyncSession(self)

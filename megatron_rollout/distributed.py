@@ -171,22 +171,22 @@ class Runtime:
 
     def generate(self, engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams
                  ) -> list[GenerationResult] | None:
-        """Results in prompt order at rank 0 (None elsewhere)."""
-        mine: dict[int, int | GenerationResult] = {}
+        """Results in prompt order at rank 0 (None elsewhere); n per prompt with `params.n` samples."""
+        mine: dict[int, int | tuple[GenerationResult, ...]] = {}
         for i in range(self.replica, len(prompts), self.replicas):
             if not self.leader:
                 continue
             try:
                 mine[i] = engine.add_request(prompts[i], params)
             except RequestError as exc:
-                mine[i] = GenerationResult([], [], FinishReason.ERROR, [], str(exc))
-        by_rid = {out.request_id: out.result for out in self.drain(engine)}
-        local = {i: r if isinstance(r, GenerationResult) else by_rid[r] for i, r in mine.items()}
+                mine[i] = (GenerationResult([], [], FinishReason.ERROR, [], str(exc)),) * params.n
+        by_rid = {out.request_id: out.results for out in self.drain(engine)}
+        local = {i: r if isinstance(r, tuple) else by_rid[r] for i, r in mine.items()}
         gathered = self.comm.all_gather_object(local, context="generate results")
         if not self.is_main:
             return None
         merged = {i: r for part in gathered for i, r in part.items()}
-        return [merged[i] for i in range(len(prompts))]
+        return [r for i in range(len(prompts)) for r in merged[i]]
 
     def replay(self, engine: RolloutEngine, requests, *, seed: int, progress: bool, vocab_size: int,
                schedule: str) -> dict | None:

@@ -1,6 +1,7 @@
 """The asyncio face of the engine: concurrent requests and sessions, pause/drain/resume around a
 weight update, cancellation."""
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -131,3 +132,65 @@ def test_requests_need_a_running_engine(model):
     with pytest.raises(RuntimeError, match="not running"):
         asyncio.run(main())
     torch.manual_seed(0)
+
+
+SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=5, seed=11)
+
+
+def test_n_samples_and_forked_sessions_equal_separate_sessions(model):
+    from megatron_rollout.engine.api import sample_seed
+
+    prompt, reply, n = PROMPTS[2] * 3, [21, 22, 23], 4
+    turn1 = SamplingParams(temperature=1.0, max_new_tokens=4, seed=99)
+    want = []
+    for i in range(n):  # n sessions, each with the derived seed of its sample
+        session = engine_of(model).open_session()
+        session.append(prompt)
+        session.generate(SamplingParams(temperature=1.0, max_new_tokens=5, seed=sample_seed(11, i)))
+        session.append(reply)
+        session.generate(turn1)
+        want.append(session.token_ids)
+
+    async def main():
+        engine = engine_of(model)
+        async with AsyncEngine(engine) as aengine:
+            many = await aengine.generate_many([prompt], dataclasses.replace(SAMPLED, n=n))
+            prefilled = engine.stats.prefill_tokens
+            session = aengine.open_session()
+            session.append(prompt)
+            first = await session.generate(dataclasses.replace(SAMPLED, n=n))
+            sessions = [session, *session.forks()]
+            for s in sessions:
+                s.append(reply)
+            await asyncio.gather(*(s.generate(turn1) for s in sessions))
+            contexts = [s.token_ids for s in sessions]
+            for s in sessions:
+                s.close()
+            return many, first, prefilled, contexts, engine
+
+    many, first, prefilled, contexts, engine = asyncio.run(main())
+    assert prefilled == len(prompt)  # n samples: the prompt once
+    assert [r.token_ids for r in first.results] == [r.token_ids for r in many]
+    assert contexts == want
+    assert len({tuple(c) for c in contexts}) > 1
+    engine.check_integrity()
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_a_cancelled_group_aborts_every_sample(model):
+    engine = engine_of(model)
+
+    async def main():
+        async with AsyncEngine(engine) as aengine:
+            task = asyncio.create_task(aengine.generate(PROMPTS[0], SamplingParams(max_new_tokens=40, n=3)))
+            while len(engine.requests) < 3:
+                await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            while engine.has_work():
+                await asyncio.sleep(0.001)
+
+    asyncio.run(main())
+    engine.check_integrity()
+    assert engine.pool.num_free == engine.pool.num_blocks

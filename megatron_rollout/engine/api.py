@@ -43,7 +43,14 @@ class SamplingParams:
     ignore_stop: bool = False
     """Generate exactly max_new_tokens (trace replay forces output lengths this way)."""
     seed: int | None = None
-    """Per-request seed: the same seed and weights give the same tokens."""
+    """Per-request seed: the same seed and weights give the same tokens. With `n` > 1, sample i
+    draws from `sample_seed(seed, i)` (sample 0 from `seed` itself)."""
+    n: int = 1
+    """Samples of the prompt, prefilled once, drawn independently (`RequestOutput.results`)."""
+    logprobs: int | None = None
+    """k: per generated token, the k most likely tokens' and the sampled one's model logprobs."""
+    prompt_logprobs: int | None = None
+    """k: per prompt token, its model logprob given the tokens before it, and the k most likely's."""
 
     def __post_init__(self) -> None:
         # Checked here, at submission, so that one bad value is refused for its request alone
@@ -73,6 +80,31 @@ class SamplingParams:
             set_("seed", _integer("seed", self.seed))
             if not 0 <= self.seed < 2**64:
                 raise ValueError(f"seed must be in [0, 2**64) (a torch.Generator seed), got {self.seed}")
+        set_("n", _integer("n", self.n))
+        if not 1 <= self.n <= MAX_SAMPLES:
+            raise ValueError(f"n must be in [1, {MAX_SAMPLES}] (samples of one prompt), got {self.n}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None:
+                set_(name, _integer(name, k))
+                if not 0 <= k <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be None or in [0, {MAX_LOGPROBS}] (the most likely tokens "
+                                     f"to report), got {k}")
+
+
+MAX_SAMPLES, MAX_LOGPROBS = 1024, 64  # most samples of one request; most top tokens per position
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded `seed`: `seed` itself for sample 0, and a
+    splitmix64 hash of (seed, index) for the others, so the samples of nearby seeds (seed, seed + 1:
+    a GRPO loop's consecutive groups) never share a stream."""
+    if index == 0:
+        return seed
+    z = (seed + index * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)
 
 
 def _describe(value: object) -> str:
@@ -106,6 +138,10 @@ class GenerationResult:
     weight_versions: list[int]
     """Weight version each token was sampled under."""
     error: str | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    """`logprobs=k`: per token, id -> model logprob of the k most likely (first) and the sampled one."""
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """`prompt_logprobs=k`: per prompt token (None first), id -> model logprob, its own then the k best."""
 
     @property
     def weight_version(self) -> int:
@@ -132,4 +168,11 @@ class RequestOutput:
     result: GenerationResult
     times: RequestTimes
     prompt_tokens: int
-    """Tokens this request prefilled (for a session turn: the new tokens only)."""
+    """Tokens this request prefilled (for a session turn: the new tokens only), once for all n samples."""
+    samples: tuple[GenerationResult, ...] = ()
+    """With `SamplingParams.n` > 1: every sample's result, sample 0 first (`result` is sample 0)."""
+
+    @property
+    def results(self) -> tuple[GenerationResult, ...]:
+        """The n samples' results (one: `(result,)`)."""
+        return self.samples or (self.result,)

@@ -7,12 +7,16 @@ planner cannot (`unblock`); and on a distributed replica leader it records every
 typed `Op`, which the step gather ships to the ATP peers (`engine.coordinator`). It never touches a
 tensor: sampling and forwards are `engine.execution`'s.
 
+A request with n samples is forked by `accept` once its prompt's logits are drawn n times
+(`request.SampleGroup`); the executor copies the partial blocks forks ask for (`copies`).
+
 A forward in flight across steps (a `mux` prefill epoch) still writes the blocks of the requests
 it will sample. `begin_in_flight` names them; one of them finishing early has its blocks *parked*
 under a negative owner id until `end_in_flight`, so no block is handed out while it is written.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import numbers
 import time
@@ -22,10 +26,10 @@ from typing import NamedTuple
 
 import torch
 
-from megatron_rollout.engine.api import FinishReason, RequestError, RequestOutput, SamplingParams
+from megatron_rollout.engine.api import FinishReason, RequestError, RequestOutput, SamplingParams, sample_seed
 from megatron_rollout.engine.prefix import PrefixCache
 from megatron_rollout.engine.priority import Fifo, Priority, RequestInfo
-from megatron_rollout.engine.request import Request, Seq
+from megatron_rollout.engine.request import Request, Sampled, SampleGroup, Seq
 from megatron_rollout.engine.scheduler import PrefillChunk, SchedulerState, SeqView, Stage
 from megatron_rollout.engine.stats import EngineStats
 from megatron_rollout.kv.block_pool import BlockPool
@@ -40,6 +44,8 @@ class SampleOwner(NamedTuple):
     """The request's lifetime then; a sample for an older lifetime is dropped."""
     context: int
     """Context length the sample completes (the sequence's `computed` once it lands)."""
+    scores: int | None = None
+    """None: the row samples. Else its logits score the prompt token after position `scores` (no draw)."""
 
 
 # -- the op record: what an ATP peer replays, in order, to mirror its leader ---------------------
@@ -76,7 +82,19 @@ class Close:
     sid: int
 
 
-Op = OpenSession | AddRequest | Abort | Append | Submit | Close
+@dataclass(frozen=True)
+class TakeForks:
+    sid: int
+
+
+Op = OpenSession | AddRequest | Abort | Append | Submit | Close | TakeForks
+
+
+class BlockCopy(NamedTuple):
+    """A KV block to copy on the device before the next forward (a forked sample's partial block)."""
+
+    src: int
+    dst: int
 
 
 def _by_order(req: Request) -> int:
@@ -102,6 +120,10 @@ class RequestTable:
         self.requests: dict[int, Request] = {}
         self.undelivered: list[RequestOutput] = []
         """Requests finished outside a step (aborts), handed out by the next `engine.step()`."""
+        self.groups: dict[int, SampleGroup] = {}
+        """Requests with n > 1 samples, by the id their caller holds, until the last sample ends."""
+        self.copies: list[BlockCopy] = []
+        """KV blocks forks asked for, copied by the executor before the next forward."""
         self._ops: list[Op] = []
         self._ids = itertools.count()
         self._order = itertools.count()
@@ -172,28 +194,55 @@ class RequestTable:
         if len(seq.tokens) >= self.max_model_len:
             raise RequestError(f"context of {len(seq.tokens)} tokens leaves no room to generate "
                                f"(max_model_len {self.max_model_len})")
-        need = self.pool.blocks_for(min(len(seq.tokens) + params.max_new_tokens, self.max_model_len))
+        shared = len(seq.tokens) // self.block_size  # the prompt's full blocks, shared by n samples
+        each = self.pool.blocks_for(min(len(seq.tokens) + params.max_new_tokens, self.max_model_len)) - shared
+        need = shared + params.n * each
         if need > self.pool.num_blocks:
-            raise RequestError(f"request needs {need} KV blocks, the pool holds {self.pool.num_blocks}; "
+            samples = f" for its n={params.n} samples" if params.n > 1 else ""
+            raise RequestError(f"request needs {need} KV blocks{samples}, the pool holds {self.pool.num_blocks}; "
                                f"raise EngineConfig.kv.num_blocks or shorten it")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.vocab_size:
+                raise RequestError(f"{name}={k} asks for more tokens than the vocabulary's {self.vocab_size}")
         rid = next(self._ids)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         order = next(self._order)
         key = self.priority.key(RequestInfo(order, seq.turns, len(seq.tokens), seq.generated))
         req = Request(rid, seq, params, order, len(seq.tokens) - seq.computed, (key, order), generator=gen)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * req.prompt_tokens
+        if params.n > 1:  # sample i draws from its own stream (`api.sample_seed`)
+            gens = [gen] + [None if params.seed is None else torch.Generator().manual_seed(sample_seed(params.seed, i))
+                            for i in range(1, params.n)]
+            req.group = self.groups[rid] = SampleGroup(rid, gens, [None] * params.n)
         seq.request = req
         self.requests[rid] = req
         return rid
 
+    def running(self, rid: int) -> bool:
+        """The request (for n > 1: any of its samples) has not finished."""
+        return rid in self.requests or rid in self.groups
+
     def abort(self, rid: int) -> None:
         """Cancel a request (unknown or finished: nothing happens); its output is undelivered."""
         self.record(Abort(rid))
-        req = self.requests.get(rid)
-        if req is not None:
-            self.undelivered.append(self.finish(req, FinishReason.ABORT))
+        group = self.groups.get(rid)
+        members = [r for r in self.requests.values() if r.group is group] if group is not None else \
+            [self.requests[rid]] if rid in self.requests else []
+        for req in members:
+            self._abort(req)
+
+    def _abort(self, req: Request) -> None:
+        out = self.finish(req, FinishReason.ABORT)
+        if out is not None:
+            self.undelivered.append(out)
 
     def drop_seq(self, seq: Seq) -> None:
-        """Forget a closed session's sequence and free its KV."""
+        """Forget a closed session's sequence and free its KV; a request running on it (one sample
+        of a group: the group's others run on) is aborted."""
+        if seq.request is not None:
+            self._abort(seq.request)
         self.evict(seq)
         self.seqs.pop(seq.sid, None)
 
@@ -214,7 +263,8 @@ class RequestTable:
             self._active.pop(rid, None)
             self.stats.preemptions += 1
 
-    def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
+    def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> RequestOutput | None:
+        """End `req`; its output, or None while other samples of its group still run."""
         seq = req.seq
         del self.requests[req.rid]
         self._active.pop(req.rid, None)
@@ -231,7 +281,10 @@ class RequestTable:
             del self.seqs[seq.sid]
         else:
             self.pool.promote(seq.sid)
-        return req.finish(reason, error)
+        out = req.finish(reason, error)
+        if out is not None and req.group is not None:
+            del self.groups[req.group.rid]
+        return out
 
     def unblock(self) -> list[RequestOutput]:  # local only: changes no collective
         """Nothing fits: free KV, the least costly first: an idle session's (least recently used),
@@ -258,10 +311,11 @@ class RequestTable:
             return []
         oldest = min(self.requests.values(), key=lambda r: r.order)
         need = self.pool.blocks_for(len(oldest.seq.tokens))
-        return [self.finish(oldest, FinishReason.ERROR,
-                            f"request {oldest.rid} does not fit in the KV pool: its {len(oldest.seq.tokens)}-token "
-                            f"context needs {need} blocks and {self.pool.num_free} of {self.pool.num_blocks} are "
-                            f"free with no other request or session holding any; raise EngineConfig.kv.num_blocks")]
+        out = self.finish(oldest, FinishReason.ERROR,
+                          f"request {oldest.rid} does not fit in the KV pool: its {len(oldest.seq.tokens)}-token "
+                          f"context needs {need} blocks and {self.pool.num_free} of {self.pool.num_blocks} are "
+                          f"free with no other request or session holding any; raise EngineConfig.kv.num_blocks")
+        return [out] if out is not None else []
 
     # -- a forward in flight across steps --------------------------------------------------------
     def begin_in_flight(self, owners: Iterable[SampleOwner]) -> None:
@@ -359,22 +413,38 @@ class RequestTable:
         row = SpanInput(span, token, sample=True, key=(req.rid, req.lifetime))
         return row, SampleOwner(req, req.lifetime, past + 1)
 
-    def prefill_row(self, chunk: PrefillChunk) -> tuple[SpanInput, SampleOwner | None]:
-        """Reserve KV for the chunk; its input row, and its sample owner if the chunk completes
-        the context (a partial chunk samples nothing and counts as computed at once)."""
+    def prefill_rows(self, chunk: PrefillChunk) -> tuple[list[SpanInput], list[SampleOwner]]:
+        """Reserve KV for the chunk; its input rows, and the owners of their logits rows: the sample
+        owner if the chunk completes the context (a partial chunk counts as computed at once), and with
+        `prompt_logprobs` one scoring owner per prompt position, each run as a one-token row."""
         req = self.requests[chunk.rid]
         seq = req.seq
         req.stage = Stage.PREFILL
         self._active[req.rid] = req
         req.admitted = req.admitted or time.perf_counter()
         self.pool.reserve(seq.sid, seq.computed + chunk.tokens)
-        span = SeqSpan(tuple(self.pool.table(seq.sid)), seq.computed, chunk.tokens)
-        row = SpanInput(span, seq.tokens[seq.computed:seq.computed + chunk.tokens], chunk.completes)
+        table, start, end = tuple(self.pool.table(seq.sid)), seq.computed, seq.computed + chunk.tokens
         self.stats.prefill_tokens += chunk.tokens
+        # positions from `first` score the prompt token after them (the last position samples)
+        first = len(seq.tokens) - req.prompt_tokens if req.params.prompt_logprobs is not None and not req.output \
+            else len(seq.tokens)
+        split = min(max(start, first), end)
+        rows = [SpanInput(SeqSpan(table, start, split - start), seq.tokens[start:split],
+                          chunk.completes and split == end)] if split > start else []
+        owners = []
+        for p in range(split, end):
+            rows.append(SpanInput(SeqSpan(table, p, 1), [seq.tokens[p]], True))
+            if p + 1 < len(seq.tokens):
+                owners.append(SampleOwner(req, req.lifetime, p + 1, scores=p))
         if chunk.completes:
-            return row, SampleOwner(req, req.lifetime, len(seq.tokens))
-        seq.computed += chunk.tokens
-        return row, None
+            return rows, owners + [SampleOwner(req, req.lifetime, len(seq.tokens))]
+        seq.computed = end
+        return rows, owners
+
+    def score(self, owner: SampleOwner, entry: dict[int, float]) -> None:
+        """Record a live scoring owner's prompt logprobs (token id -> logprob, the prompt token first)."""
+        req = owner.request
+        req.prompt_logprobs[owner.scores + 1 - (len(req.seq.tokens) - req.prompt_tokens)] = entry
 
     def is_live(self, owner: SampleOwner) -> bool:
         """The owner's request still runs, in the lifetime its row was built for."""
@@ -390,9 +460,14 @@ class RequestTable:
         if decode:
             self.stats.decode_iterations += 1
 
-    def accept(self, owner: SampleOwner, token: int, logprob: float, version: int, now: float
-               ) -> RequestOutput | None:
-        """Advance a live owner's request by one sampled token; its output if that finished it."""
+    def draws(self, owner: SampleOwner) -> int:
+        """Tokens to draw from the owner's logits row: n where it forks a request's samples."""
+        group = owner.request.group
+        return 1 if group is None else group.draws()
+
+    def accept(self, owner: SampleOwner, drawn: list[Sampled], version: int, now: float) -> list[RequestOutput]:
+        """Advance a live owner's request by its sampled token (`draws(owner)` of them: the first
+        is its own, the others fork its samples); the outputs of the requests that finished."""
         req = owner.request
         seq = req.seq
         seq.computed = owner.context
@@ -401,14 +476,54 @@ class RequestTable:
         else:
             self.stats.decode_tokens += 1
         self.prefix.offer(seq, version)
-        req.stage, req.ready_at = Stage.DECODE, now
+        children = self._fork(req, len(drawn), now) if len(drawn) > 1 else []
+        outs = [self._advance(r, d, version, now) for r, d in zip([req, *children], drawn, strict=True)]
+        return [out for out in outs if out is not None]
+
+    def _advance(self, req: Request, drawn: Sampled, version: int, now: float) -> RequestOutput | None:
+        seq = req.seq
+        if req.stage is not Stage.WAITING:
+            req.stage, req.ready_at = Stage.DECODE, now
         req.first_token = req.first_token or now
-        req.output.append(token)
-        req.logprobs.append(logprob)
+        req.output.append(drawn.token)
+        req.logprobs.append(drawn.logprob)
         req.versions.append(version)
-        seq.tokens.append(token)
-        reason = self._stop_reason(req, token)
+        if drawn.top is not None:
+            req.top_logprobs.append(drawn.top)
+        seq.tokens.append(drawn.token)
+        reason = self._stop_reason(req, drawn.token)
         return None if reason is None else self.finish(req, reason)
+
+    def _fork(self, req: Request, n: int, now: float) -> list[Request]:
+        """Samples 1..n-1 of `req`, whose prompt is computed: each on a new sequence (`BlockPool.fork`;
+        with no block free for the partial one, it waits and recomputes that block's positions)."""
+        group, seq, bs = req.group, req.seq, self.block_size
+        assert group is not None and not group.forked and n == group.n, "only an unforked group draws n tokens"
+        group.forked, group.live = True, n
+        full, partial = seq.computed // bs, seq.computed % bs != 0
+        children = []
+        for i in range(1, n):
+            child = Seq(next(self._ids), list(seq.tokens), session=seq.session, last_used=now,
+                        hashes=list(seq.hashes[:full]), kv_version=seq.kv_version, registered=min(seq.registered, full))
+            self.seqs[child.sid] = child
+            copy = self.pool.fork(seq.sid, child.sid, seq.computed)
+            child.computed = seq.computed if copy is not None or not partial else full * bs
+            self.copies += [BlockCopy(*copy)] if copy is not None else []
+            if seq.session:
+                seq.forks.append(child)
+            seed = req.params.seed
+            params = dataclasses.replace(req.params, n=1, seed=None if seed is None else sample_seed(seed, i))
+            order = next(self._order)  # served like its parent (its priority key), after it
+            r = Request(next(self._ids), child, params, order, req.prompt_tokens, (req.rank_key[0], order),
+                        stage=Stage.DECODE if child.computed == seq.computed else Stage.WAITING,
+                        generator=group.generators[i], arrival=req.arrival, admitted=req.admitted,
+                        group=group, index=i, prompt_logprobs=list(req.prompt_logprobs))
+            child.request = r
+            self.requests[r.rid] = r
+            if r.stage is Stage.DECODE:
+                self._active[r.rid] = r
+            children.append(r)
+        return children
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         p = req.params

@@ -38,7 +38,17 @@ from megatron_rollout.comm.errors import CrossRankTimeout
 from megatron_rollout.comm.facade import LocalComm
 from megatron_rollout.engine.ahead import DecodeAhead
 from megatron_rollout.engine.api import FinishReason, GenerationResult, RequestError, RequestOutput, SamplingParams
-from megatron_rollout.engine.bookkeeping import Abort, AddRequest, Append, Close, Op, OpenSession, RequestTable, Submit
+from megatron_rollout.engine.bookkeeping import (
+    Abort,
+    AddRequest,
+    Append,
+    Close,
+    Op,
+    OpenSession,
+    RequestTable,
+    Submit,
+    TakeForks,
+)
 from megatron_rollout.engine.config import EngineConfig
 from megatron_rollout.engine.coordinator import GlobalView, LocalCoordinator, RankSharedCoordinator
 from megatron_rollout.engine.drafting import SpeculativeExecutor
@@ -196,7 +206,8 @@ class RolloutEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[GenerationResult]:
-        """Run all prompts together; a refused prompt gets an ERROR result, the rest run."""
+        """Run all prompts together; a refused prompt gets an ERROR result, the rest run. A prompt
+        whose params ask for n samples has n results, one after the other."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
@@ -207,7 +218,8 @@ class RolloutEngine:
             except RequestError as exc:
                 rids.append(GenerationResult([], [], FinishReason.ERROR, [], str(exc)))
         done = self.run_until([r for r in rids if isinstance(r, int)])
-        return [r if isinstance(r, GenerationResult) else done[r].result for r in rids]
+        return [res for r, p in zip(rids, plist) for res in
+                ((r,) * (p or SamplingParams()).n if isinstance(r, GenerationResult) else done[r].results)]
 
     def abort(self, rid: int) -> None:
         with self._lock:
@@ -321,7 +333,7 @@ class RolloutEngine:
                     done[out.request_id] = out
                 if not want - done.keys():
                     return done
-                lost = want - done.keys() - self.table.requests.keys()
+                lost = {rid for rid in want - done.keys() if not self.table.running(rid)}
                 if lost:
                     raise KeyError(f"requests {sorted(lost)} are not running (unknown, or already returned by step())")
                 for out in self._step():
@@ -389,5 +401,6 @@ class RolloutEngine:
         Append: lambda e, op: e._mirrors[op.sid].append(op.token_ids),
         Submit: lambda e, op: e._mirrors[op.sid].submit(op.params),
         Close: _close_mirror,
+        TakeForks: lambda e, op: e._mirrors.update((f.sid, f) for f in e._mirrors[op.sid].forks()),
     }
     """How an ATP peer replays each op: through the same public calls its leader made."""

@@ -9,6 +9,7 @@ Left out: planning (the pure `scheduler.plan_step`) and anything that changes wh
 """
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -58,10 +59,9 @@ class StepExecutor:
             rows.append(row)
             owners.append(owner)
         for chunk in prefill:
-            row, owner = self.table.prefill_row(chunk)
-            rows.append(row)
-            if owner is not None:
-                owners.append(owner)
+            chunk_rows, chunk_owners = self.table.prefill_rows(chunk)
+            rows += chunk_rows
+            owners += chunk_owners
         return StepInputs(rows, owners)
 
     def forward(self, step: StepInputs, phase: Phase) -> Forward:
@@ -86,6 +86,7 @@ class StepExecutor:
         with torch.no_grad():
             if logits is None:
                 logits = run_to_end(self.runner.forward(rows, phase))
+            owners, logits = self.score(owners, logits)
             draw = self.draw(owners, logits)
             if self.ahead is not None and phase is Phase.D and plan.decode and not plan.prefill:
                 self.ahead.issue(owners, draw)  # before this step's tokens reach the host
@@ -104,9 +105,17 @@ class StepExecutor:
             self.log.add(step_record(phase.value, rows, len(plan.decode), t0, time.perf_counter()))
 
     def draw(self, owners: list[SampleOwner], logits: torch.Tensor) -> PendingDraw:
-        """Every row's token, issued now (`sampler.PendingDraw`); each request's own generator."""
-        return PendingDraw(logits, [o.request.params for o in owners],
-                           [o.request.generator or self.generator for o in owners])
+        """Every row's tokens, issued now (`sampler.PendingDraw`), each from its request's own
+        generator; a row that forks a request's n samples is drawn n times (`request.SampleGroup`), in order."""
+        counts = [self.table.draws(o) for o in owners]
+        if all(c == 1 for c in counts):
+            return PendingDraw(logits, [o.request.params for o in owners],
+                               [o.request.generator or self.generator for o in owners])
+        index = [i for i, c in enumerate(counts) for _ in range(c)]
+        gens = [g or self.generator for o, c in zip(owners, counts)
+                for g in (o.request.group.generators if c > 1 else [o.request.generator])]
+        index_t = torch.tensor(index, dtype=torch.long, device=logits.device)
+        return PendingDraw(logits[index_t], [owners[i].request.params for i in index], gens)
 
     def complete(self, owners: list[SampleOwner], logits: torch.Tensor, draw: PendingDraw | None = None,
                  version: int | None = None) -> list[RequestOutput]:
@@ -115,22 +124,48 @@ class StepExecutor:
         `draw`: every row's draw, issued already (`logits` may be overwritten by a later forward).
         `version`: the weight version the forward ran under, the tokens' tag (default: the current
         one; a forward that spans steps passes the one it started under)."""
+        owners, logits = self.score(owners, logits)
         live = [(i, o) for i, o in enumerate(owners) if self.table.is_live(o)]
         if draw is None:
             rows = logits if len(live) == len(owners) else logits[[i for i, _ in live]]
-            picked = self.draw([o for _, o in live], rows).result(range(len(live)))
+            covered = [o for _, o in live]
+            draw, positions = self.draw(covered, rows), range(len(live))
         else:
-            picked = draw.result([i for i, _ in live])
+            covered, positions = owners, [i for i, _ in live]
+        # the draw's rows: each covered owner's `draws` tokens, after every earlier owner's
+        first = list(itertools.accumulate((self.table.draws(o) for o in covered), initial=0))
+        picked = iter(draw.result([r for j in positions for r in range(first[j], first[j + 1])]))
         now, outs = time.perf_counter(), []
         version = self.weights.version if version is None else version
-        for (_, owner), s in zip(live, picked):
-            if s.error is not None:
+        for j, (_, owner) in zip(positions, live):
+            samples = [next(picked) for _ in range(first[j + 1] - first[j])]
+            if samples[0].error is not None:
                 req = owner.request
-                outs.append(self.table.finish(req, FinishReason.ERROR,
-                                              f"request {req.rid}: {s.error} at position {owner.context} "
-                                              f"under weight version {version}"))
+                out = self.table.finish(req, FinishReason.ERROR, f"request {req.rid}: {samples[0].error} at position "
+                                        f"{owner.context} under weight version {version}")
+                outs += [out] if out is not None else []
                 continue
-            out = self.table.accept(owner, s.token, s.logprob, version, now)
-            if out is not None:
-                outs.append(out)
+            outs += self.table.accept(owner, samples, version, now)
+        self._copy_blocks()
         return outs
+
+    def score(self, owners: list[SampleOwner], logits: torch.Tensor) -> tuple[list[SampleOwner], torch.Tensor]:
+        """Record the live scoring rows' prompt logprobs (`SampleOwner.scores`; the model's log-softmax:
+        the next prompt token's, then the k most likely); the sampling owners and their logits rows."""
+        keep = [i for i, o in enumerate(owners) if o.scores is None]
+        live = [i for i, o in enumerate(owners) if o.scores is not None and self.table.is_live(o)]
+        if live:
+            logp = logits[live].float().log_softmax(-1)  # [scored, V]
+            target = [owners[i].request.seq.tokens[owners[i].scores + 1] for i in live]
+            chosen = logp.gather(-1, torch.tensor(target, device=logp.device)[:, None])[:, 0].tolist()
+            top = logp.topk(min(max(owners[i].request.params.prompt_logprobs for i in live), logp.shape[-1]), dim=-1)
+            for i, t, c, ids, values in zip(live, target, chosen, top.indices.tolist(), top.values.tolist()):
+                want = owners[i].request.params.prompt_logprobs
+                self.table.score(owners[i], {t: c} | {k: v for k, v in zip(ids[:want], values[:want]) if k != t})
+        return [owners[i] for i in keep], logits[keep] if len(keep) < len(owners) else logits
+
+    def _copy_blocks(self) -> None:
+        """Forked samples' KV blocks, copied on the caller's stream (which every later forward waits for)."""
+        copies, self.table.copies = self.table.copies, []
+        if copies:
+            self.runner.cache.copy_blocks([c.src for c in copies], [c.dst for c in copies])

@@ -31,6 +31,8 @@ class PrefixCache:
         seq, pool, bs = req.seq, self.pool, self.pool.block_size
         if not self.enabled or req.stage is not Stage.WAITING or seq.computed or pool.table(seq.sid):
             return headroom
+        if req.params.prompt_logprobs is not None and not req.output:  # every prompt position is scored
+            return headroom
         usable = (len(seq.tokens) - 1) // bs  # always compute at least the last token
         blocks = pool.lookup(self.keys(seq.block_hashes(bs)[:usable], version))
         revived = sum(pool.refcount[b] == 0 for b in blocks)

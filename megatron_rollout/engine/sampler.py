@@ -16,31 +16,20 @@ pinned host memory are issued at once, the host reads them later; `sample` is bo
 `tokens` stay on the device, where the next decode forward can take them as input before the
 host has seen them (`engine.ahead`). Sampled rows draw by inverse CDF from one host uniform per
 row (from the request's own generator), so no row's probabilities cross to the host.
+
+Top logprobs (`SamplingParams.logprobs`) are the same rows' raw log-softmax (the model's, whatever
+temperature, top-k or top-p the draw used: what a trainer's `token_logprobs` computes).
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from megatron_rollout.engine.api import SamplingParams
+from megatron_rollout.engine.request import Sampled
 from megatron_rollout.kernels.layout import to_device
-
-
-@dataclass(frozen=True)
-class Sampled:
-    """One row's draw: a token and its logprob, or (`error` set) why the row has none."""
-
-    token: int | None
-    logprob: float | None
-    error: str | None = None
-    """e.g. "non-finite logits (nan)"; the caller adds where (position, weight version)."""
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
 
 
 def _non_finite(row_max: float) -> Sampled:
@@ -135,7 +124,15 @@ class PendingDraw:
                 index = to_device(torch.tensor(members, dtype=torch.long), logits.device)
                 self.tokens[index], logprobs[index] = _draw(logits[index], params[members[0]],
                                                             [generators[i] for i in members])
-        packed = torch.cat([row_max, self.tokens.float(), logprobs])
+        parts = [row_max, self.tokens.float(), logprobs]
+        self._want = [p.logprobs for p in params]
+        self._k = max((k for k in self._want if k is not None), default=None)
+        if self._k is not None:  # [rows, k] top tokens and values, [rows] the sampled token's: one copy with the rest
+            raw = logits.float().log_softmax(-1)
+            top = raw.topk(min(self._k, raw.shape[-1]), dim=-1)
+            self._k = top.values.shape[-1]
+            parts += [top.indices.float().flatten(), top.values.flatten(), raw.gather(-1, self.tokens[:, None])[:, 0]]
+        packed = torch.cat(parts)
         self._ready: torch.cuda.Event | None = None
         self._host = packed
         if packed.is_cuda:
@@ -152,5 +149,17 @@ class PendingDraw:
         out = []
         for i in rows:  # a token id below 2**24 is exact in fp32
             m = host[i]
-            out.append(Sampled(int(host[n + i]), host[2 * n + i]) if math.isfinite(m) else _non_finite(m))
+            out.append(Sampled(int(host[n + i]), host[2 * n + i], top=self._top(host, i)) if math.isfinite(m)
+                       else _non_finite(m))
         return out
+
+    def _top(self, host: list[float], i: int) -> dict[int, float] | None:
+        """Row i's top logprobs from the host copy (laid out by `__init__`), or None if not asked for."""
+        want = self._want[i]
+        if want is None:
+            return None
+        n, k = self.rows, self._k
+        ids, values = 3 * n + i * k, 3 * n + n * k + i * k
+        top = {int(host[ids + j]): host[values + j] for j in range(min(want, k))}
+        top.setdefault(int(host[n + i]), host[3 * n + 2 * n * k + i])
+        return top

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 from megatron_rollout.engine.api import GenerationResult, RequestError, RequestOutput, SamplingParams
-from megatron_rollout.engine.bookkeeping import Append, Close, RequestTable, Submit
+from megatron_rollout.engine.bookkeeping import Append, Close, RequestTable, Submit, TakeForks
 from megatron_rollout.engine.request import Seq
 
 
@@ -60,8 +60,18 @@ class Session:
             return rid
 
     def generate(self, params: SamplingParams | None = None) -> GenerationResult:
+        """One turn (with `params.n` > 1: sample 0's result; `forks()` holds the others)."""
         rid = self.submit(params)
         return self._run_until([rid])[rid].result
+
+    def forks(self) -> list["Session"]:
+        """The sessions of samples 1..n-1 of this session's turns with `n` > 1 (it continues sample 0),
+        taken once; the caller closes them (forks not taken are closed with this session)."""
+        with self._lock:
+            self._check_open()
+            seqs, self._seq.forks = self._seq.forks, []
+            self._table.record(TakeForks(self.sid))
+            return [Session(self._table, seq, self._run_until, self._lock) for seq in seqs]
 
     def close(self) -> None:
         with self._lock:
@@ -70,6 +80,6 @@ class Session:
             self.closed = True
             table, seq = self._table, self._seq
             table.record(Close(seq.sid))
-            if seq.request is not None:
-                table.abort(seq.request.rid)
-            table.drop_seq(seq)
+            for fork in [seq, *seq.forks]:
+                table.drop_seq(fork)
+            seq.forks = []

@@ -114,6 +114,16 @@ class BlockPool:
             self._hold(owner, block)
             table.append(block)
 
+    def fork(self, owner: int, new_owner: int, tokens: int) -> tuple[int, int] | None:
+        """Give `new_owner` (no blocks yet) `owner`'s first `tokens` positions: the full blocks shared,
+        a partial last one as a fresh block where one is free. Returns (owner's block, the fresh one)
+        for the caller to copy the K/V of, or None (no partial block, or no block free for it)."""
+        table, full = self.table(owner), tokens // self.block_size
+        self.share(new_owner, table[:full])
+        if tokens % self.block_size == 0 or not self._free:
+            return None
+        return table[full], self.grow(new_owner, tokens)[0]
+
     def release(self, owner: int) -> None:
         """Drop every block of `owner` (end of a sequence, preemption, cancellation)."""
         self.reserved.discard(owner)

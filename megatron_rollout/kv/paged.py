@@ -28,6 +28,17 @@ class PagedKVCache:
         # MLA caches one row per token that is both key and value: `v` is the same storage
         self.v = self.k if cfg.kv_cache_dims else torch.zeros(shape, dtype=cfg.torch_dtype, device=device)
 
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """K/V of blocks `src` into blocks `dst` (pairwise), every layer: a forked sequence's own
+        copy of a shared partial block. Issued on the current stream."""
+        bs = self.block_size
+        offsets = torch.arange(bs)
+        s = (torch.tensor(src)[:, None] * bs + offsets).flatten().to(self.k.device)  # [copies * block_size]
+        d = (torch.tensor(dst)[:, None] * bs + offsets).flatten().to(self.k.device)
+        self.k[:, d] = self.k[:, s]
+        if self.v is not self.k:
+            self.v[:, d] = self.v[:, s]
+
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, kv_heads: int) -> int:
         itemsize = torch.empty((), dtype=cfg.torch_dtype).element_size()

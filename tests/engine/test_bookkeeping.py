@@ -155,7 +155,7 @@ def test_a_request_finished_under_a_forward_in_flight_parks_its_blocks():
 
     table = _table()
     rid = table.add(list(range(1, 10)), SamplingParams(max_new_tokens=2))  # 9 tokens: 3 blocks of 4
-    row, owner = table.prefill_row(PrefillChunk(rid, 9, True))
+    (row,), (owner,) = table.prefill_rows(PrefillChunk(rid, 9, True))
     assert row.span.new == 9 and len(row.span.table) == 3 and owner.context == 9
     table.begin_in_flight([owner])
     free = table.pool.num_free
@@ -166,3 +166,17 @@ def test_a_request_finished_under_a_forward_in_flight_parks_its_blocks():
     table.end_in_flight()
     assert table.parked == [] and table.pool.num_free == table.pool.num_blocks
     table.check_integrity()
+
+
+def test_prompt_logprobs_split_the_prompt_into_scoring_rows():
+    from megatron_rollout.engine.scheduler import PrefillChunk
+
+    table = _table()
+    rid = table.add(list(range(1, 10)), SamplingParams(max_new_tokens=2, prompt_logprobs=1))
+    rows, owners = table.prefill_rows(PrefillChunk(rid, 5, False))  # a partial chunk: positions 0..4
+    assert [(r.span.past, r.span.new, r.sample) for r in rows] == [(p, 1, True) for p in range(5)]
+    assert [o.scores for o in owners] == [0, 1, 2, 3, 4]
+    rows, owners = table.prefill_rows(PrefillChunk(rid, 4, True))  # the rest: 5..8, position 8 samples
+    assert [r.span.past for r in rows] == [5, 6, 7, 8] and all(r.sample for r in rows)
+    assert [o.scores for o in owners] == [5, 6, 7, None] and owners[-1].context == 9
+    assert table.stats.prefill_tokens == 9

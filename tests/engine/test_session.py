@@ -88,3 +88,32 @@ def test_idle_sessions_lose_their_kv_under_pressure_and_recompute_it(make_engine
     assert engine.stats.prefill_tokens - before == len(context) + len(first.token_ids)
     assert_same([second], reference(make_engine, model, [context + first.token_ids], params))
     session.close()
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_turn_with_n_samples_forks_the_session(make_engine, qwen, schedule):
+    _, model = qwen
+    system, tool = prompts([10, 3], seed=31)
+    engine = make_engine(model, small(schedule))
+    session = engine.open_session()
+    session.append(system)
+    rid = session.submit(SamplingParams(max_new_tokens=4, seed=2, n=3))
+    out = engine.run_until([rid])[rid]
+    forks = session.forks()
+    assert session.forks() == []  # taken once
+    assert [s.token_ids for s in [session, *forks]] == [system + r.token_ids for r in out.results]
+    # a fork closed while its turn runs ends that turn alone
+    for s in [session, *forks]:
+        s.append(tool)
+    rids = [s.submit(SamplingParams(max_new_tokens=30, seed=3)) for s in (session, forks[0])]
+    engine.step()
+    forks[0].close()
+    done = engine.run_until([rids[0]])
+    assert done[rids[0]].result.finish_reason is FinishReason.LENGTH
+    assert [o.result.finish_reason for o in drain(engine).values()] == [FinishReason.ABORT]
+    # forks never taken are closed with their session
+    session.append(tool)
+    session.generate(SamplingParams(max_new_tokens=2, seed=4, n=4))
+    session.close()
+    forks[1].close()
+    assert engine.pool.num_free == engine.pool.num_blocks and not engine.seqs

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from megatron_rollout.engine import sampler
+from megatron_rollout.engine.api import sample_seed
 from rl.loop import GRPOConfig, GRPORun, _episodes
 from rl.rollout import rollout
 
@@ -79,7 +80,7 @@ draw_functions: dict[str, DrawFn] = {"ours": OURS, "multinomial": _multinomial, 
 
 @dataclasses.dataclass
 class Draw:
-    seed: int  # the request's generator seed: sample_seed * 1000 + turn
+    seed: int  # the request's generator seed: sample_seed * 1000 + turn (a shared turn 0: `api.sample_seed`)
     index: int  # how many draws this generator made before
     call: int  # which batch (one `_draw` call) it was drawn in
     row: int  # its row in that batch
@@ -135,8 +136,12 @@ def run_loop_draws(cfg: GRPOConfig, draw: DrawFn, steps: int, sharpen: float = 1
         for step in range(steps):
             episodes = _episodes(cfg, run.tok, step, 0, 1)
             for k, ep in enumerate(episodes):
+                member = k % cfg.group_size
                 for turn in range(cfg.max_turns):
-                    slots[(ep.sample_seed * 1000 + turn) % 2**64] = Slot(step, ep.group_id, k % cfg.group_size, turn)
+                    seed = ep.sample_seed * 1000 + turn
+                    if turn == 0 and run.rollout_cfg.share_prompt:  # the group's one request, n = group size
+                        seed = sample_seed(episodes[k - member].sample_seed * 1000, member)
+                    slots[seed % 2**64] = Slot(step, ep.group_id, member, turn)
             run.engine.wake_up(tags=["kv"])
             with recording(draw, draws):
                 rollout(run.engine, episodes, run.rollout_cfg)

@@ -18,7 +18,7 @@ from tests.rl.draw_audit import draw_functions
 from tests.rl.test_loop import TOOL_CONFIG
 
 STEPS = 100
-TIMING = {"rollout_makespan_s", "tokens_per_s", "rollout_s", "train_s", "update_weights_s"}
+TIMING = {"rollout_makespan_s", "tokens_per_s", "rollout_s", "train_s", "update_weights_s", "sleep_s", "wake_s"}
 
 
 @pytest.fixture(autouse=True)

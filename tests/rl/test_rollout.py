@@ -129,3 +129,25 @@ def test_refused_turn_truncates_only_that_episode(policy, tok):
     assert all(t.truncated for t in res.trajectories if t.reward == 0.0)
     assert res.stats.truncated >= 1
     assert not engine.seqs
+
+
+def test_a_group_prompt_is_prefilled_once(policy, tok):
+    episodes = _digits(tok, groups=3, size=4)
+    prompts = [len(tok.encode(TASKS["digits"][0](g).text)) + 1 for g in range(3)]  # + BOS
+    shared = rollout(_engine(policy), episodes, RolloutConfig(SamplingParams(max_new_tokens=6)))
+    alone = rollout(_engine(policy), _digits(tok, groups=3, size=4),
+                    RolloutConfig(SamplingParams(max_new_tokens=6), share_prompt=False))
+    assert shared.stats.prefill_tokens == sum(prompts)
+    assert alone.stats.prefill_tokens > sum(prompts)
+    assert [t.group_id for t in shared.trajectories] == [t.group_id for t in alone.trajectories]
+    # sample 0 of each group draws with its episode's own turn-0 seed: the same tokens either way
+    assert [shared.trajectories[i].token_ids for i in (0, 4, 8)] == [alone.trajectories[i].token_ids for i in (0, 4, 8)]
+    assert len({t.token_ids for t in shared.trajectories[:4]}) > 1
+
+
+def test_a_group_too_large_for_the_pool_at_once_runs_episode_by_episode(policy, tok):
+    # 21 prompt tokens + 6: one episode needs 2 blocks of 16, the group of 4 at once 1 + 4 x 1 = 5 of the 4
+    engine = RolloutEngine(copy.deepcopy(policy), EngineConfig(kv=KVConfig(num_blocks=4)))
+    res = rollout(engine, _digits(tok, groups=2, size=4), RolloutConfig(SamplingParams(max_new_tokens=6)))
+    assert res.stats.engine_errors == 0 and all(t.num_generated == 6 for t in res.trajectories)
+    assert res.stats.prefill_tokens > 2 * 21
