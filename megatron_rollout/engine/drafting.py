@@ -35,6 +35,7 @@ import torch
 from megatron_rollout.engine.api import FinishReason, RequestOutput, SamplingParams
 from megatron_rollout.engine.bookkeeping import RequestTable, SampleOwner
 from megatron_rollout.engine.execution import StepExecutor, StepInputs
+from megatron_rollout.engine.request import Sampled
 from megatron_rollout.engine.sampler import PendingDraw, filtered_logprobs, sample_row
 from megatron_rollout.engine.scheduler import PrefillChunk, SchedulerState, Stage, StepPlan
 from megatron_rollout.engine.speculative import Verdict, draw_index, verify
@@ -125,12 +126,12 @@ class SpeculativeExecutor(StepExecutor):
             verify_rows.append(VerifyRow(1 + len(drafts)))
         for chunk in prefill:
             tokens = self.table.requests[chunk.rid].seq.tokens
-            row, owner = self.table.prefill_row(chunk)
-            past, new = row.span.past, row.span.new
-            rows.append(row)
-            verify_rows.append(VerifyRow(int(owner is not None), tuple(tokens[past + 1:past + new + 1])))
-            if owner is not None:
-                owners.append(owner)
+            chunk_rows, chunk_owners = self.table.prefill_rows(chunk)
+            for row in chunk_rows:
+                past, new = row.span.past, row.span.new
+                verify_rows.append(VerifyRow(int(row.sample), tuple(tokens[past + 1:past + new + 1])))
+            rows += chunk_rows
+            owners += chunk_owners
         return StepInputs(rows, owners, verify_rows)
 
     # -- the forwards ---------------------------------------------------------------------------------
@@ -288,9 +289,10 @@ class SpeculativeExecutor(StepExecutor):
                 outs.append(self.table.finish(req, FinishReason.ERROR, why))
                 continue
             for j, (token, logprob) in enumerate(zip(row.verdict.tokens, row.verdict.logprobs)):
-                out = self.table.accept(owner._replace(context=owner.context + j), token, logprob, version, now)
-                if out is not None:
-                    outs.append(out)
+                done = self.table.accept(owner._replace(context=owner.context + j), [Sampled(token, logprob)],
+                                         version, now)
+                if done:
+                    outs += done
                     break
         for entries in (self.drafts, self.deferred):  # forget finished, preempted and cancelled requests
             for rid in [rid for rid, e in entries.items()

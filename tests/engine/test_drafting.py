@@ -5,6 +5,7 @@ sampled law is the plain sampler's (chi-square), and the same test rejects a bro
 rule."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from benchmarks.mtp import make_copying
 from megatron_rollout.engine import (
     EngineConfig,
+    FinishReason,
     KVConfig,
     MuxConfig,
     RolloutEngine,
@@ -209,3 +211,16 @@ def test_the_command_line_spells_it_mtp_k():
     add_engine_args(parser)
     assert engine_config(parser.parse_args(["--mtp", "2"])).speculative == SpeculativeConfig(k=2)
     assert engine_config(parser.parse_args([])).speculative is None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ask", [{"n": 2}, {"logprobs": 3}, {"prompt_logprobs": 1}])
+def test_what_one_draw_per_row_cannot_serve_is_refused_per_request(tiny, make_engine, ask):
+    """Speculative decoding verifies one token per row and returns its logprob only: a request for
+    n samples or for top/prompt logprobs is refused alone (an ERROR result naming why), not served
+    with samples or logprobs silently missing; the others in the batch run."""
+    m, plain = tiny
+    engine = make_engine(m, spec("chunked", 1))
+    bad, good = engine.generate(PROMPTS[:2], [dataclasses.replace(GREEDY, **ask), GREEDY])[-2:]
+    assert bad.finish_reason is FinishReason.ERROR and "speculative decoding" in bad.error
+    assert good.token_ids == plain[1].token_ids
