@@ -23,7 +23,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, n: int, port: int, fn: Callable, args: tuple, queue, pg_timeout: float, backend: str) -> None:
+def _entry(rank: int, n: int, port: int, fn: Callable, args: tuple, queue, pg_timeout: float,
+           backend: str = "gloo") -> None:
     import torch
 
     torch.set_num_threads(1)
