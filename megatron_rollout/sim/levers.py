@@ -4,8 +4,10 @@ Every ordering gives the critical conversation about the same service on the `pr
 is admitted early anyway, and each of its decode steps carries every other row and the prefill
 mixed in. What changes the chain's own time is what its steps cost and how many there are:
 
-- `critical_first` (decode priority): while one of the best-ranked requests decodes, steps carry
-  no prefill (prefill runs only in the gaps of those chains: their tool waits and prefills).
+- `critical_first` (decode priority): while one of the best-ranked requests decodes, prefill gets
+  at most `critical_share` of the device (`mux`: each decode iteration is followed by a prefill
+  segment at most share / (1 - share) of its time; share 0, any schedule: no prefill at all, it
+  runs only in the gaps of those chains, their tool waits and prefills).
 - `Overlap` (spatial P/D multiplexing, `mux` only): a decode iteration runs beside the prefill
   epoch on its own SM partition; each runs slower than alone, by `decode_factor` and
   `prefill_factor`, instead of one after the other.
@@ -90,6 +92,8 @@ class Levers:
     """Decode priority: while any of this many best-ranked active requests has a decode row, a
     step carries no prefill (0: off). Under the oracle ordering the best-ranked is the critical
     chain; under FIFO the oldest request."""
+    critical_share: float = 0.0
+    """The share of the device prefill keeps while held (`mux` only; 0: none)."""
     overlap: Overlap | None = None
     """Spatial P/D overlap (`mux` only); None: decode and prefill serial on one stream."""
     speculation: Speculation | None = None
@@ -98,13 +102,20 @@ class Levers:
     def __post_init__(self) -> None:
         if type(self.critical_first) is not int or self.critical_first < 0:
             raise ValueError(f"Levers.critical_first must be an int >= 0, got {self.critical_first!r}")
+        if isinstance(self.critical_share, bool) or not 0.0 <= self.critical_share < 1.0:
+            raise ValueError(f"Levers.critical_share must be in [0, 1), got {self.critical_share!r}")
+
+    def segment_cap_s(self, decode_s: float) -> float:
+        """The longest prefill segment after a held decode iteration of `decode_s`."""
+        return decode_s * self.critical_share / (1.0 - self.critical_share)
 
     @property
     def label(self) -> str:
         """A short name of the levers pulled ('' when none)."""
         parts = []
         if self.critical_first:
-            parts.append(f"critical-first:{self.critical_first}")
+            parts.append(f"critical-first:{self.critical_first}"
+                         + (f"/share:{self.critical_share:g}" if self.critical_share else ""))
         if self.overlap:
             parts.append(f"overlap:{self.overlap.decode_factor:g}x{self.overlap.prefill_factor:g}")
         if s := self.speculation:

@@ -60,9 +60,10 @@ class SimConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"SimConfig.{name} must be a positive int, got {value!r}")
-        if self.levers.overlap is not None and self.scheduler.schedule is not Schedule.MUX:
-            raise ValueError(f"Levers.overlap runs decode beside a prefill epoch: it needs the mux schedule, "
-                             f"got {self.scheduler.schedule.value!r}")
+        if (self.levers.overlap is not None or self.levers.critical_share) \
+                and self.scheduler.schedule is not Schedule.MUX:
+            raise ValueError(f"Levers.overlap and Levers.critical_share act on a prefill epoch beside decode: they "
+                             f"need the mux schedule, got {self.scheduler.schedule.value!r}")
 
     @classmethod
     def of_engine(cls, config) -> SimConfig:
@@ -281,7 +282,7 @@ class Simulator:
 
     def _step(self) -> None:
         hold = bool(self.levers.critical_first) and self._holding()
-        plan = plan_step(self._state(decode_only=hold), self.config.scheduler)
+        plan = plan_step(self._state(decode_only=hold and not self.levers.critical_share), self.config.scheduler)
         for rid in plan.preempt:
             req = self.active[rid]
             self._set_blocks(req.conv, 0)
@@ -317,7 +318,8 @@ class Simulator:
         decode_s = self._decode_s(d_size, spec) if decode else 0.0
         if decode:
             self.sizes.append(d_size)
-        ep = None if hold else self.epoch  # decode priority: the epoch waits while the critical row decodes
+        # decode priority: the epoch waits, or runs short segments, while the critical row decodes
+        ep = None if hold and not self.levers.critical_share else self.epoch
         overlap = self.levers.overlap
         if ep is not None and decode and overlap is not None:
             seconds, done = overlap.step_s(decode_s, ep.left_s)
@@ -331,6 +333,8 @@ class Simulator:
                 self._record(decode_s, d_size)
             if ep is not None:
                 segment = min(ep.left_s, ep.segment_s) if decode else ep.left_s
+                if hold:
+                    segment = min(segment, self.levers.segment_cap_s(decode_s))
                 ep.left_s -= segment
                 self._record(segment, ep.part(segment), ep.index, start=self.now + decode_s)
                 seconds += segment
