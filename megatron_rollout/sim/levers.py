@@ -13,7 +13,7 @@ mixed in. What changes the chain's own time is what its steps cost and how many 
   `prefill_factor`, instead of one after the other.
 - `Speculation`: decode iterations of at most `max_rows` rows verify `draft_tokens` drafted
   tokens per row and keep `1 + acceptance * draft_tokens` tokens per row on average, at the cost
-  of a forward with that many more rows, times `overhead`.
+  of a forward with `1 + draft_tokens` times the rows (each row's KV read once), times `overhead`.
 
 Left out: what a real implementation costs beyond these factors (graph captures per partition,
 the drafter's own forward), and any lower bound under them (`sim.bounds` assumes serial
@@ -67,8 +67,8 @@ class Speculation:
     """a: the fraction of drafted tokens accepted; a row keeps 1 + a * k tokens an iteration on
     average (kept deterministically: fractions carry over to the row's next iteration)."""
     overhead: float = 1.0
-    """The verifying iteration's time over a plain iteration of rows * (1 + k) rows (>= 1: the
-    drafter, verification on the host)."""
+    """The verifying iteration's time over a plain iteration of rows * (1 + k) rows over the same
+    context (>= 1: the drafter, verification on the host)."""
 
     def __post_init__(self) -> None:
         for name in ("max_rows", "draft_tokens"):

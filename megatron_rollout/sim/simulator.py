@@ -274,11 +274,12 @@ class Simulator:
         return spec if spec is not None and 0 < rows <= spec.max_rows else None
 
     def _decode_s(self, size: StepSize, spec: Speculation | None) -> float:
-        """A decode iteration's forward; speculating, one of (1 + k) times the rows and context."""
+        """A decode iteration's forward; speculating, one of (1 + k) times the rows over the same
+        context (a row's k + 1 positions read its KV once, as a decode attention kernel does)."""
         if spec is None:
             return self.cost.step_s(size)
-        wide = 1 + spec.draft_tokens
-        return spec.overhead * self.cost.step_s(StepSize(size.decode_rows * wide, size.decode_context * wide))
+        return spec.overhead * self.cost.step_s(StepSize(size.decode_rows * (1 + spec.draft_tokens),
+                                                         size.decode_context))
 
     def _step(self) -> None:
         hold = bool(self.levers.critical_first) and self._holding()
