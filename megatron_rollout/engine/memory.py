@@ -5,7 +5,12 @@ steps, the engine gives back what it holds, one tag at a time, and takes it agai
 next rollout:
 
 - `kv`: the paged KV tensors. The block pool is emptied with them: sessions keep their tokens and
-  recompute their KV on their next turn. On wake, new tensors of the same shape.
+  recompute their KV on their next turn. Two paths (the report's `path` says which ran):
+  `vmm` where the cache is address-stable (`KVConfig.stable_memory`, CUDA with the driver's virtual
+  memory management: `vmm.StableBuffer`): its physical memory goes back to the driver and comes
+  back, zero-filled, at the same addresses, so the graphs over it stay captured; `reallocate`
+  elsewhere (CPU, a driver without VMM, `stable_memory="off"`): the tensors are dropped, and new
+  ones of the same shape allocated on wake.
 - `graphs`: the runner's captured CUDA graphs (decode and piecewise prefill buckets) and their
   memory pools. On wake, one rank captures again the buckets it held; many ranks capture
   collectively at their first decode step, as after construction (`Runner.restore_graphs`).
@@ -17,17 +22,19 @@ next rollout:
   sharing storage, `WeightStore.bind`) holds no copy: nothing is moved, and the report says so.
 
 Graphs read the addresses of the KV and of the weights, and re-allocated memory has new ones: so
-sleeping `kv` or `weights` sleeps `graphs` too, and `graphs` wake with the call that leaves both
-awake. Every call returns a report (`TagReport` per tag, as a dict): whether the tag changed, the
-bytes of the tensors freed or re-taken, and on CUDA the change of `memory_allocated` and
-`memory_reserved` around that tag's work (freed blocks returned to the driver first).
+sleeping `kv` (on the `reallocate` path) or `weights` sleeps `graphs` too, and `graphs` wake with
+the call that leaves both awake. Graphs may not wake while the KV sleeps on either path (their
+capture runs forwards over it). Every call returns a report (`TagReport` per tag, as a dict):
+whether the tag changed and by which path, the bytes of the tensors freed or re-taken, and on
+CUDA the change of `memory_allocated` and `memory_reserved` around that tag's work (freed blocks
+returned to the driver first), and the device's free bytes before and after the call.
 
 This module holds the state (which tags sleep, the host copies) and moves the memory; the engine
 decides when it may (no request in flight) and refuses to generate while any tag sleeps.
-Left out: address-stable device memory (a virtual-memory allocator, as vLLM's and SGLang's
-memory savers use), which would keep captured graphs valid without capturing them again; the
-comm's dispatch buffers; FP8 and Transformer Engine copies derived from the weights (they stay);
-giving back pinned host memory (torch's host allocator keeps it after the wake, for the next sleep).
+Left out: address-stable memory for the weight copy (it is re-allocated, so sleeping `weights`
+still costs a capture on wake); the comm's dispatch buffers; FP8 and Transformer Engine copies
+derived from the weights (they stay); giving back pinned host memory (torch's host allocator
+keeps it after the wake, for the next sleep).
 """
 from __future__ import annotations
 
@@ -112,8 +119,12 @@ class TagReport:
     allocated_bytes: int | None
     """CUDA: how much `memory_allocated` fell (sleep) or rose (wake) around this tag; None elsewhere."""
     reserved_bytes: int | None
-    """CUDA: the same for `memory_reserved`, after `empty_cache`."""
+    """CUDA: the same for `memory_reserved`, after `empty_cache` (memory released on the `vmm` path is
+    not torch's: it shows in `DeviceMemory.free` only)."""
     note: str
+    path: str | None = None
+    """How the memory moved: "vmm" (physical memory released and re-mapped at the same addresses),
+    "reallocate" (freed, allocated anew), "offload" (copied to the host and back); None: nothing moved."""
 
 
 @dataclass(frozen=True)
@@ -123,15 +134,16 @@ class _Moved:
     changed: bool
     tensor_bytes: int = 0
     note: str = ""
+    path: str | None = None
 
 
 def _measured(moved: _Moved, before: DeviceMemory | None, after: DeviceMemory | None, freed: bool) -> TagReport:
     """`moved` with the device's change around it: bytes freed (`freed`) or taken."""
     if before is None or after is None:
-        return TagReport(moved.changed, moved.tensor_bytes, None, None, moved.note)
+        return TagReport(moved.changed, moved.tensor_bytes, None, None, moved.note, moved.path)
     sign = 1 if freed else -1
     return TagReport(moved.changed, moved.tensor_bytes, sign * (before.allocated - after.allocated),
-                     sign * (before.reserved - after.reserved), moved.note)
+                     sign * (before.reserved - after.reserved), moved.note, moved.path)
 
 
 def _kv_bytes(cache: PagedKVCache | None) -> int:
@@ -235,11 +247,13 @@ class EngineMemory:
         self.asleep: set[Tag] = set()
         self._offload = WeightOffload(weights.model)
         self._graphs = CapturedGraphs()
+        self.kv_stable = runner.cache is not None and runner.cache.memory is not None
+        """The KV cache is address-stable: it sleeps and wakes under the graphs (the `vmm` path)."""
 
     def sleep(self, tags: str | Iterable[str] | None = None) -> dict:
         asked = parse_tags(tags)
         todo = set(asked)
-        if Tag.KV in asked or (Tag.WEIGHTS in asked and not self.weights.shared):
+        if (Tag.KV in asked and not self.kv_stable) or (Tag.WEIGHTS in asked and not self.weights.shared):
             todo.add(Tag.GRAPHS)  # they read the addresses being freed
         self.before_sleep()
         return self._run("sleep", [t for t in (Tag.GRAPHS, Tag.KV, Tag.WEIGHTS) if t in todo], asked)
@@ -283,15 +297,25 @@ class EngineMemory:
 
     # -- the moves ---------------------------------------------------------------------------
     def _sleep_kv(self) -> _Moved:
-        nbytes = _kv_bytes(self.runner.cache)
+        cache = self.runner.cache
+        nbytes = _kv_bytes(cache)
         self.table.evict_all()
         self.table.new_pool()  # cached prefixes point into the K/V being freed
+        if self.kv_stable:
+            cache.release()
+            return _Moved(True, nbytes, "KV cache's memory released to the driver at kept addresses (graphs stay); "
+                                        "sessions recompute their KV on their next turn", "vmm")
         self.runner.cache = None
-        return _Moved(True, nbytes, "KV cache freed; sessions recompute their KV on their next turn")
+        return _Moved(True, nbytes, "KV cache freed; sessions recompute their KV on their next turn", "reallocate")
 
     def _wake_kv(self) -> _Moved:
+        if self.kv_stable:
+            cache = self.runner.cache
+            cache.restore()  # on failure (out of memory) the KV stays asleep, released: wake_up may be retried
+            return _Moved(True, _kv_bytes(cache), f"KV cache mapped again at its addresses ({cache.num_blocks} "
+                                                  f"blocks, zero-filled)", "vmm")
         cache = self.runner.cache = self.new_cache()
-        return _Moved(True, _kv_bytes(cache), f"KV cache allocated ({cache.num_blocks} blocks)")
+        return _Moved(True, _kv_bytes(cache), f"KV cache allocated ({cache.num_blocks} blocks)", "reallocate")
 
     def _sleep_graphs(self) -> _Moved:
         self._graphs = self.runner.release_graphs()
@@ -306,10 +330,10 @@ class EngineMemory:
             return _Moved(False, note="the engine's parameters are the trainer's own tensors (shared storage): "
                                       "there is no copy to offload")
         pinned = " (pinned)" if self.device.type == "cuda" else ""
-        return _Moved(True, self._offload.offload(), f"weights offloaded to host memory{pinned}")
+        return _Moved(True, self._offload.offload(), f"weights offloaded to host memory{pinned}", "offload")
 
     def _wake_weights(self) -> _Moved:
-        return _Moved(True, self._offload.restore(), "weights copied back from host memory")
+        return _Moved(True, self._offload.restore(), "weights copied back from host memory", "offload")
 
     _SLEEP: dict[Tag, Callable[["EngineMemory"], _Moved]] = {
         Tag.KV: _sleep_kv, Tag.GRAPHS: _sleep_graphs, Tag.WEIGHTS: _sleep_weights}
