@@ -216,20 +216,26 @@ def test_greedy_tokens_are_the_same_after_a_sleep(make_engine, model, schedule):
 
 # -- GPU -----------------------------------------------------------------------------------
 
-@pytest.mark.gpu
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_cuda_sleep_frees_device_memory_and_graphs_replay_after_wake(schedule):
+def _cuda_engine(schedule, stable_memory: str):
     from megatron_rollout.engine import EngineConfig, KVConfig, RolloutEngine, SchedulerConfig
     from megatron_rollout.model.config import preset
     from megatron_rollout.model.transformer import MoETransformer
 
     cfg = preset("tiny-moe").replace(dtype="bfloat16", max_position_embeddings=512)
     model = MoETransformer(cfg, device="cuda").init_weights(0)
-    config = EngineConfig(scheduler=SchedulerConfig(schedule, block_size=16), kv=KVConfig(num_blocks=4096),
+    config = EngineConfig(scheduler=SchedulerConfig(schedule, block_size=16),
+                          kv=KVConfig(num_blocks=4096, stable_memory=stable_memory),
                           runner=RunnerConfig(kind="cuda", graph_batch_sizes=(1, 2, 4, 8),
                                               prefill_graph_tokens=(64, 128)))
-    engine = RolloutEngine(model, config)
+    return RolloutEngine(model, config), model
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_cuda_sleep_frees_device_memory_and_graphs_replay_after_wake(schedule):
+    """The `reallocate` path: the KV freed, new tensors and graphs captured again on wake."""
+    engine, model = _cuda_engine(schedule, "off")
     params = SamplingParams(temperature=0.0, max_new_tokens=16)
     before = engine.generate(BATCH, params)
     runner = engine.runner
@@ -241,6 +247,7 @@ def test_cuda_sleep_frees_device_memory_and_graphs_replay_after_wake(schedule):
     tags = report["tags"]
     assert tags["kv"]["allocated_bytes"] >= kv_bytes and tags["weights"]["allocated_bytes"] >= 0.99 * weight_bytes
     assert tags["graphs"]["reserved_bytes"] > 0  # the pools went back to the driver
+    assert tags["kv"]["path"] == "reallocate" and tags["weights"]["path"] == "offload"
     assert report["after"]["free"] - report["before"]["free"] >= kv_bytes + weight_bytes
     assert runner.captured == ((), ())
     woke = engine.wake_up()
@@ -250,3 +257,44 @@ def test_cuda_sleep_frees_device_memory_and_graphs_replay_after_wake(schedule):
     after = engine.generate(BATCH, params)
     assert runner.stats["graph_replays"] > replays and runner.graph_safe
     assert [r.token_ids for r in after] == [r.token_ids for r in before]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_cuda_kv_sleeps_at_kept_addresses_and_its_graphs_replay_uncaptured(schedule):
+    """The `vmm` path: the KV's memory goes back to the driver and returns at the same addresses;
+    no graph is released or captured again, and the tokens and logprobs are those before the sleep."""
+    engine, _ = _cuda_engine(schedule, "on")
+    params = SamplingParams(temperature=0.0, max_new_tokens=16)
+    before = engine.generate(BATCH, params)
+    runner = engine.runner
+    held, captures = runner.captured, runner.stats["graph_captures"]
+    assert held.decode and captures == len(held.decode) + len(held.prefill) > 0
+    cache = runner.cache
+    kv_bytes, addresses = cache.k.nbytes + cache.v.nbytes, (cache.k.data_ptr(), cache.v.data_ptr())
+    assert engine.memory.kv_stable and cache.memory is not None
+    report = engine.sleep(tags=["kv"])
+    kv = report["tags"]["kv"]
+    assert kv["changed"] and kv["path"] == "vmm" and kv["tensor_bytes"] == kv_bytes
+    assert "graphs" not in report["tags"] and engine.asleep == {"kv"} and cache.released
+    assert report["after"]["free"] - report["before"]["free"] >= kv_bytes  # the driver has it back
+    assert runner.captured == held
+    with pytest.raises(ValueError, match=r"\['kv'\] stay asleep"):  # capture would run over the released KV
+        engine.wake_up(tags=["graphs"])
+    woke = engine.wake_up()
+    assert woke["tags"]["kv"]["path"] == "vmm" and not woke["tags"]["graphs"]["changed"]
+    assert report["after"]["free"] - woke["after"]["free"] >= kv_bytes  # taken again
+    assert runner.cache is cache and (cache.k.data_ptr(), cache.v.data_ptr()) == addresses
+    replays = runner.stats["graph_replays"]
+    after = engine.generate(BATCH, params)
+    assert runner.stats["graph_captures"] == captures  # nothing captured again
+    assert runner.stats["graph_replays"] > replays and runner.graph_safe
+    assert [r.token_ids for r in after] == [r.token_ids for r in before]
+    assert [r.logprobs for r in after] == [r.logprobs for r in before]
+    engine.sleep()  # every tag: the weights' copy is re-allocated, so the graphs go with it
+    assert engine.asleep == {"kv", "graphs", "weights"}
+    engine.wake_up()
+    assert runner.stats["graph_captures"] > captures and runner.cache is cache
+    again = engine.generate(BATCH, params)
+    assert [r.token_ids for r in again] == [r.token_ids for r in before]
