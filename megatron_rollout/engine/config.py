@@ -83,9 +83,10 @@ class KVConfig:
     """Reuse computed full blocks of identical prefixes (GRPO groups share their prompt)."""
     stable_memory: str = "auto"
     """K and V in address-stable memory (`vmm.StableBuffer`), so `engine.sleep(tags=["kv"])` keeps the
-    captured graphs: "auto" where the device and driver allow it (CUDA with virtual memory
-    management), "on" (an error where they do not), "off" (plain tensors: the KV sleeps by being freed,
-    and the graphs over it with it)."""
+    captured graphs; the engine's weight copy moves there too at its first sleep (`weights.offload`).
+    "auto" where the device and driver allow it (CUDA with virtual memory management), "on" (an
+    error where they do not), "off" (plain tensors: what sleeps is freed, and the graphs over it
+    with it)."""
 
     def __post_init__(self) -> None:
         if type(self.num_blocks) is not int or self.num_blocks <= 0:

@@ -134,7 +134,7 @@ class RolloutEngine:
         self._vote: Vote | None = None  # this rank's side of the weight update in progress
         self.memory = EngineMemory(self.runner, self.table, self.weights,
                                    lambda: PagedKVCache(*self._kv_shape, device=model.device, stable=stable),
-                                   self._stop_ahead)
+                                   self._stop_ahead, stable)
 
     @classmethod
     def from_megatron(cls, gpt, config: EngineConfig | None = None, share_storage: bool | None = None

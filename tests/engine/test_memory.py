@@ -9,12 +9,14 @@ every schedule. GPU: the CUDA runner's graphs released and captured again, devic
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
 
 from megatron_rollout.engine import EngineAsleep, FinishReason, RunnerConfig, SamplingParams
-from megatron_rollout.engine.memory import HostBytes, Tag, WeightOffload, parse_tags
+from megatron_rollout.engine.memory import Tag, parse_tags
+from megatron_rollout.weights.offload import HostBytes, StableWeights, WeightOffload, stable_holders
 
 from .common import GREEDY, SCHEDULES, SMALL, assert_same, drain, prompts, reference, small
 
@@ -212,6 +214,111 @@ def test_greedy_tokens_are_the_same_after_a_sleep(make_engine, model, schedule):
     ref.append([3, 4])
     assert again.token_ids == ref.generate(GREEDY).token_ids
     drain(engine)
+
+
+class HostBuffer:
+    """A `StableBuffer` stand-in on the host: `release` scribbles over the bytes (memory the device
+    gave back reads as anything), `restore` zero-fills them; the address never changes."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.mapped, self.releases = True, 0
+
+    def release(self) -> int:
+        self.tensor.fill_(0xAB)
+        self.mapped, self.releases = False, self.releases + 1
+        return self.tensor.numel()
+
+    def restore(self) -> int:
+        self.tensor.zero_()
+        self.mapped = True
+        return self.tensor.numel()
+
+
+def _restacked(model: torch.nn.Module) -> list:
+    experts = [m for m in model.modules() if hasattr(m, "restack")]
+    for m in experts:
+        m.restack()  # as the CUDA runner does: expert weights become views of one stacked tensor
+    return experts
+
+
+def _inside(t: torch.Tensor, buffer: HostBuffer) -> bool:
+    start = buffer.tensor.data_ptr()
+    return start <= t.data_ptr() < start + buffer.tensor.numel()
+
+
+def test_stable_weights_move_once_then_keep_their_addresses(model):
+    experts = _restacked(model)
+    assert experts
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    weights = StableWeights(model, HostBuffer)
+    nbytes = weights.offload()  # the move: storages to the host, freed, re-pointed into the buffer
+    buffer = weights.buffer
+    assert weights.moved and not buffer.mapped and nbytes == buffer.tensor.numel() >= _storage_bytes(model)
+    assert all(_inside(t, buffer) for t in itertools.chain(model.parameters(), model.buffers()))
+    assert weights.offload() == 0  # offloaded already
+    assert weights.restore() == nbytes and weights.restore() == 0
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    addresses = [p.data_ptr() for p in model.parameters()]
+    for _ in range(2):
+        weights.offload()
+        assert buffer.releases >= 2 and not any(torch.equal(saved[k], v) for k, v in model.state_dict().items()
+                                                if v.numel() > 1 and v.abs().sum() > 0)
+        weights.restore()
+        assert [p.data_ptr() for p in model.parameters()] == addresses
+        assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    first = experts[0]
+    fc1 = first._stacked[0]
+    assert first.local_experts[1].linear_fc1.weight.data_ptr() == fc1[1].data_ptr()  # still views of the stack
+    with torch.no_grad():
+        fc1[1, 0, 0] = 42.0
+    assert first.local_experts[1].linear_fc1.weight[0, 0] == 42.0
+
+
+def test_stable_weights_refuse_a_holder_they_cannot_see(model):
+    kept = model.state_dict()  # detached tensors over the weights, held outside the model's modules
+    why = stable_holders(model)
+    assert isinstance(why, str) and "held by 1 tensor(s) outside the model's modules" in why
+    weights = StableWeights(model, HostBuffer)
+    with pytest.raises(ValueError, match="cannot move to address-stable memory: a storage of"):
+        weights.offload()
+    assert not weights.moved and all(p.untyped_storage().nbytes() > 0 for p in model.parameters())  # untouched
+    del kept
+    assert isinstance(stable_holders(model), dict)
+
+
+def test_engine_weights_on_the_stable_path_sleep_without_their_graphs_after_the_first(make_engine, model):
+    engine = make_engine(model, SMALL)
+    _restacked(model)
+    engine.memory._stable_weights = StableWeights(model, HostBuffer)  # what CUDA with VMM builds
+    before = engine.generate(BATCH, GREEDY)
+    first = engine.sleep(tags=["weights"])
+    assert first["tags"]["weights"]["path"] == "vmm" and "moved into address-stable memory" in \
+        first["tags"]["weights"]["note"]
+    assert engine.asleep == {"weights", "graphs"}  # the move changed the addresses: the graphs go
+    engine.wake_up(tags=["weights"])
+    assert [r.logprobs for r in engine.generate(BATCH, GREEDY)] == [r.logprobs for r in before]
+    again = engine.sleep(tags=["weights"])
+    assert "graphs" not in again["tags"] and engine.asleep == {"weights"}
+    assert "addresses kept" in again["tags"]["weights"]["note"]
+    with pytest.raises(EngineAsleep):
+        engine.generate(BATCH, GREEDY)
+    assert engine.wake_up()["tags"]["weights"]["path"] == "vmm"
+    after = engine.generate(BATCH, GREEDY)
+    assert [r.token_ids for r in after] == [r.token_ids for r in before]
+    assert [r.logprobs for r in after] == [r.logprobs for r in before]
+
+
+def test_engine_weights_fall_back_to_the_offload_path_when_the_move_is_refused(make_engine, model):
+    engine = make_engine(model, SMALL)
+    engine.memory._stable_weights = StableWeights(model, HostBuffer)
+    kept = dict(model.named_parameters())  # the same tensors: no extra holder
+    assert isinstance(stable_holders(model), dict)
+    outside = [p.detach() for p in kept.values()]  # these are extra holders
+    report = engine.sleep(tags=["weights"])["tags"]["weights"]
+    assert report["path"] == "offload" and "outside the model's modules" in report["note"]
+    engine.wake_up()
+    assert engine.memory._stable_weights is None and all(torch.equal(a, b) for a, b in zip(outside, kept.values()))
 
 
 # -- GPU -----------------------------------------------------------------------------------
