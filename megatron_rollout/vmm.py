@@ -386,7 +386,13 @@ class StableBuffer:
             raise RuntimeError("this StableBuffer was closed: its memory cannot be restored")
         if self.mapped:
             return 0
-        nbytes = self.range.map()
+        try:
+            nbytes = self.range.map()
+        except CudaDriverError as exc:
+            if not exc.out_of_memory:
+                raise
+            torch.cuda.empty_cache()  # torch's allocator may cache what the driver lacks; once more
+            nbytes = self.range.map()
         self.tensor.zero_()  # new pages hold whatever they held: make them what the old ones began as
         return nbytes
 

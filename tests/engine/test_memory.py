@@ -369,9 +369,10 @@ def test_cuda_sleep_frees_device_memory_and_graphs_replay_after_wake(schedule):
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_cuda_kv_sleeps_at_kept_addresses_and_its_graphs_replay_uncaptured(schedule):
+def test_cuda_kv_and_weights_sleep_at_kept_addresses_and_graphs_replay_uncaptured(schedule):
     """The `vmm` path: the KV's memory goes back to the driver and returns at the same addresses;
-    no graph is released or captured again, and the tokens and logprobs are those before the sleep."""
+    no graph is released or captured again, and the tokens and logprobs are those before the sleep.
+    The weights join after their first sleep (the move into address-stable memory)."""
     engine, _ = _cuda_engine(schedule, "on")
     params = SamplingParams(temperature=0.0, max_new_tokens=16)
     before = engine.generate(BATCH, params)
@@ -399,9 +400,21 @@ def test_cuda_kv_sleeps_at_kept_addresses_and_its_graphs_replay_uncaptured(sched
     assert runner.stats["graph_replays"] > replays and runner.graph_safe
     assert [r.token_ids for r in after] == [r.token_ids for r in before]
     assert [r.logprobs for r in after] == [r.logprobs for r in before]
-    engine.sleep()  # every tag: the weights' copy is re-allocated, so the graphs go with it
+    first = engine.sleep()  # every tag; the weights' first sleep moves them (new addresses): the graphs go
+    assert first["tags"]["weights"]["path"] == "vmm", first["tags"]["weights"]["note"]
     assert engine.asleep == {"kv", "graphs", "weights"}
     engine.wake_up()
     assert runner.stats["graph_captures"] > captures and runner.cache is cache
-    again = engine.generate(BATCH, params)
-    assert [r.token_ids for r in again] == [r.token_ids for r in before]
+    assert [r.token_ids for r in engine.generate(BATCH, params)] == [r.token_ids for r in before]
+    captures, weight_bytes = runner.stats["graph_captures"], _storage_bytes(engine.model)
+    for _ in range(2):  # from now on the weights sleep at kept addresses too: no graph is touched
+        report = engine.sleep()
+        assert report["tags"]["weights"]["path"] == "vmm" and not report["tags"]["graphs"]["changed"]
+        assert engine.asleep == {"kv", "weights"}
+        assert report["after"]["free"] - report["before"]["free"] >= kv_bytes + weight_bytes
+        woke = engine.wake_up()
+        assert report["after"]["free"] - woke["after"]["free"] >= kv_bytes + weight_bytes
+        after = engine.generate(BATCH, params)
+        assert runner.stats["graph_captures"] == captures
+        assert [r.token_ids for r in after] == [r.token_ids for r in before]
+        assert [r.logprobs for r in after] == [r.logprobs for r in before]
