@@ -666,10 +666,14 @@ def timed_stage(run: Run, result: dict, out: Path, trace: list, specs: list[tupl
 
 
 def vllm_stage(run: Run, result: dict, out: Path, trace: list, deadline_total: float) -> dict[str, Any]:
-    """The peer in its own process, on the trace file the replays used."""
+    """The peer on the trace file the replays used: vLLM's async engine with its core in its own process
+    at each of `--vllm-budgets`, then its in-process engine at each of `--vllm-in-process`. Each mode
+    runs in a process of its own, after ours has freed the GPU. A resumed run adds to the budgets an
+    earlier run measured (`--vllm-budgets ''` runs none of the own-process ones again)."""
     from megatron_rollout.trace.schema import write_trace
 
     args = run.args
+    earlier = result.get("vllm") or {}  # a resumed run keeps the peer's settings measured before
     trace_path = out / "trace.jsonl"
     write_trace(trace_path, trace)
     budgets = []
@@ -684,7 +688,7 @@ def vllm_stage(run: Run, result: dict, out: Path, trace: list, deadline_total: f
             budgets.append(b)
     remaining = deadline_total - time.perf_counter() - 10
     if remaining < 90:
-        return {"ran": False, "reason": f"only {remaining:.0f} s left of --deadline-s for the peer"}
+        return {**earlier, "reason": f"only {remaining:.0f} s left of --deadline-s for the peer"}
     env = dict(os.environ)
     from benchmarks.vllm_peer import ENV
 
@@ -692,21 +696,32 @@ def vllm_stage(run: Run, result: dict, out: Path, trace: list, deadline_total: f
     repo = str(Path(__file__).resolve().parents[2])
     site = [args.vllm_site, os.path.join(args.vllm_site, "nvidia_cutlass_dsl", "dsl_packages")]
     env["PYTHONPATH"] = os.pathsep.join([p for p in site if os.path.isdir(p)] + [repo, env.get("PYTHONPATH", "")])
-    peer = _peer_process(args, env, out, trace_path, run.max_model_len, budgets, remaining, in_process=False)
-    inproc = [peer.get("best_budget", "default").split("/")[0] if b.strip() == "best" else b.strip()
+    peer = (_peer_process(args, env, out, trace_path, run.max_model_len, budgets, remaining, in_process=False)
+            if budgets else {k: v for k, v in earlier.items() if k != "budgets"})
+    peer["budgets"] = {**(earlier.get("budgets") or {}), **(peer.get("budgets") or {})}
+    own = _best_pass(peer["budgets"], in_process=False)
+    inproc = [(own or "default") if b.strip() == "best" else b.strip()
               for b in args.vllm_in_process.split(",") if b.strip()]
     left = deadline_total - time.perf_counter() - 10
     if inproc and left >= 90:
         colocated = _peer_process(args, env, out, trace_path, run.max_model_len, inproc, left, in_process=True)
-        peer.setdefault("budgets", {}).update(colocated.get("budgets") or {})
+        peer["budgets"].update(colocated.get("budgets") or {})
+        peer.setdefault("vllm", colocated.get("vllm"))
         peer["in_process"] = {k: colocated.get(k) for k in ("command", "exit", "wall_s", "error") if k in colocated}
-        timed = {k: e for k, e in peer["budgets"].items() if (e.get("median") or {}).get("makespan_s")}
-        if timed:
-            best = min(timed, key=lambda k: timed[k]["median"]["makespan_s"])
-            peer.update(ran=True, best_budget=best, median=timed[best]["median"], repeats=timed[best]["passes"])
     elif inproc:
         peer["in_process"] = {"error": f"only {left:.0f} s left of --deadline-s"}
+    best = _best_pass(peer["budgets"])
+    if best is not None:
+        entry = peer["budgets"][best]
+        peer.update(ran=True, best_budget=best, median=entry["median"], repeats=entry["passes"])
     return peer
+
+
+def _best_pass(budgets: dict[str, Any], in_process: bool | None = None) -> str | None:
+    """The budget key with the shortest median makespan (own-process keys only, in-process only, or any)."""
+    timed = {k: e for k, e in budgets.items() if (e.get("median") or {}).get("makespan_s") is not None
+             and (in_process is None or k.endswith("/in-process") == in_process)}
+    return min(timed, key=lambda k: timed[k]["median"]["makespan_s"]) if timed else None
 
 
 def _peer_process(args, env: dict[str, str], out: Path, trace_path: Path, max_model_len: int, budgets: list[str],

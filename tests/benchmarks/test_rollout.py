@@ -180,6 +180,15 @@ def test_vllm_stage_runs_the_peer_in_its_own_process(tmp_path):
     own_best = min(("default", "2048"), key=lambda k: peer["budgets"][k]["median"]["makespan_s"])
     assert set(peer["budgets"]) == {"default", "2048", f"{own_best}/in-process"}
     assert len(peer["budgets"][f"{own_best}/in-process"]["passes"]) == 2
+    code = rollout.main(["--model", "qwen3-30b-a3b-12l", "--device", "cpu", "--conversations", "2",
+                         "--scale", "0.001", "--schedules", "", "--vllm", "--vllm-site", str(site),
+                         "--vllm-budgets", "", "--vllm-in-process", "2048", "--vllm-passes", "1", "--deadline-s", "200",
+                         "--resume", str(out), "--no-progress"])
+    assert code == 0
+    again = json.loads((out / "rollout.json").read_text())["vllm"]
+    assert set(again["budgets"]) == set(peer["budgets"]) | {"2048/in-process"}  # what was measured is kept
+    assert again["budgets"]["default"] == peer["budgets"]["default"]
+    assert len(again["budgets"]["2048/in-process"]["passes"]) == 1
     assert peer["budgets"]["default"]["chosen"]["max_num_batched_tokens"] == 8192
     assert len(peer["repeats"]) == 2 and peer["repeats"][0]["requests"] == result["trace"]["requests"]
     assert peer["repeats"][0]["output_tokens"] == result["trace"]["output_tokens"]
