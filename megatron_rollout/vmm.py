@@ -214,12 +214,26 @@ def vmm_unavailable(device: torch.device | str) -> str | None:
         return f"address-stable memory needs a CUDA device, got {device}"
     if torch.version.hip is not None:
         return "address-stable memory uses the CUDA driver's VMM calls; this torch is built for ROCm"
+    return _probe(_index(device))
+
+
+@functools.cache
+def _probe(index: int) -> str | None:
+    """Once per device: the driver's support, then one granule through the whole cycle (torch must
+    see the mapped range as memory of this device)."""
     try:
         driver = CudaDriver.load()
-        ok = driver.supports_vmm(_index(device))
-    except (OSError, AttributeError, CudaDriverError) as exc:  # no libcuda, an old one, or a failing call
-        return f"the CUDA driver offers no virtual memory management here: {type(exc).__name__}: {exc}"
-    return None if ok else f"device {device} reports no virtual memory management support"
+        if not driver.supports_vmm(index):
+            return f"device cuda:{index} reports no virtual memory management support"
+        buffer = StableBuffer(1, torch.device("cuda", index), driver)
+        buffer.tensor.fill_(7)
+        buffer.release()
+        buffer.restore()
+        ok = int(buffer.tensor.sum()) == 0  # restore zero-fills
+        buffer.close()
+    except Exception as exc:  # no libcuda, an old one, a failing call, a view torch refuses: all mean "not here"
+        return f"the CUDA driver's virtual memory management does not work here: {type(exc).__name__}: {exc}"
+    return None if ok else "a probe's memory was not zero after a restore"
 
 
 STABLE_MODES = ("auto", "on", "off")
@@ -330,11 +344,12 @@ class StableBuffer:
     memory for good; the addresses are freed once no tensor over them is left (garbage collection)."""
 
     def __init__(self, nbytes: int, device: torch.device | str, driver: Driver | None = None) -> None:
-        self.device = torch.device(device)
-        why = None if driver is not None else vmm_unavailable(self.device)
+        device = torch.device(device)
+        why = None if driver is not None else vmm_unavailable(device)
         if why is not None:
             raise RuntimeError(f"cannot allocate address-stable memory: {why}")
-        self.range = VirtualRange(nbytes, _index(self.device), driver or CudaDriver.load())
+        self.device = torch.device(device.type, _index(device))  # "cuda" -> "cuda:N", as tensors report it
+        self.range = VirtualRange(nbytes, self.device.index, driver or CudaDriver.load())
         self.nbytes = nbytes
         self.closed = False
         window = _Window(self.range.address, self.range.size)
@@ -343,12 +358,12 @@ class StableBuffer:
         try:
             self.range.map()
             self.tensor = torch.as_tensor(window, device=self.device)  # [size] uint8, the range's bytes
+            if self.tensor.device != self.device or self.tensor.data_ptr() != self.range.address:
+                raise RuntimeError(f"torch placed the range at {self.tensor.device} {self.tensor.data_ptr():#x}, "
+                                   f"expected {self.device} {self.range.address:#x} (a copy, not a view)")
         except BaseException:
             self._finalizer()
             raise
-        if self.tensor.device != self.device or self.tensor.data_ptr() != self.range.address:
-            raise RuntimeError(f"torch placed the range at {self.tensor.device} {self.tensor.data_ptr():#x}, "
-                               f"expected {self.device} {self.range.address:#x}")
         self.tensor.zero_()
 
     @property

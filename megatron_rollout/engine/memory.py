@@ -34,9 +34,9 @@ device's free bytes before and after the call.
 
 This module holds the state (which tags sleep, the host copies) and moves the memory; the engine
 decides when it may (no request in flight) and refuses to generate while any tag sleeps.
-Left out: the comm's dispatch buffers; FP8 and Transformer Engine copies
-derived from the weights (they stay); giving back pinned host memory (torch's host allocator
-keeps it after the wake, for the next sleep).
+Left out: the comm's dispatch buffers and the graphs' pools on the `vmm` path (they stay unless
+`graphs` is asked for); FP8 and Transformer Engine copies derived from the weights (they stay);
+giving back pinned host memory (torch's host allocator keeps it after the wake, for the next sleep).
 """
 from __future__ import annotations
 
