@@ -1,15 +1,18 @@
 """Memory handed back between rollouts, measured: `engine.sleep()` and `engine.wake_up()` at full size.
 
-    python -m benchmarks.sleep_wake --out benchmarks/results/sleep-wake          # one H200, ~6 min
-    python -m benchmarks.sleep_wake --tags kv --out benchmarks/results/sleep-wake-kv
+    python -m benchmarks.sleep_wake --out benchmarks/results/sleep-wake          # one H200, both paths
+    python -m benchmarks.sleep_wake --tags all --out benchmarks/results/sleep-wake-all
     python -m benchmarks.sleep_wake --model tiny-moe --device cpu --cycles 1    # smoke
 
 A preset model with random weights (`--model`, drawn on the device) and a KV cache of `--kv-gb`
 GiB are built; every decode and prefill graph bucket is captured; a greedy batch is generated.
-Then, `--cycles` times: sleep `--tags` (default every tag: KV cache, graphs, weights), wake every
-tag, generate the batch again. This runs once per KV memory in `--stable-memory` (default on CUDA:
-"on", the address-stable `vmm` path, then "off", the `reallocate` path; one engine at a time), so
-the two paths' seconds sit side by side.
+Then, `--cycles` times: sleep `--tags` (default `kv,weights`: the graphs sleep with them where
+their memory is re-allocated, and stay where it is address-stable; `all` adds the graphs
+themselves), wake every tag, generate the batch again. This runs once per memory kind in
+`--stable-memory` (default on CUDA: "on", the address-stable `vmm` path, then "off", the
+`reallocate`/`offload` path; one engine at a time), so the two paths' seconds sit side by side.
+On the `vmm` path the first cycle moves the weights into address-stable memory (graphs captured
+again, once); the later cycles show the steady state.
 
 Reported per cycle: the device's free bytes before and after the sleep and after the wake
 (`torch.cuda.mem_get_info`: what a trainer sharing the GPU would see), the engine's own report
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--tags", default=None, help="tags to sleep, comma-separated (default: all of them)")
+    parser.add_argument("--tags", default="kv,weights", help="tags to sleep, comma-separated, or 'all'")
     parser.add_argument("--stable-memory", default=None,
                         help="KV memories to run, comma-separated, of auto/on/off (default: on,off on CUDA; off)")
     parser.add_argument("--out", type=Path, default=None, help="folder for sleep_wake.json")
@@ -146,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     blocks = args.num_blocks or (args.rows * -(-(args.prompt_len + args.new_tokens) // 16) if args.device == "cpu"
                                  else None)
     modes = (args.stable_memory or ("on,off" if args.device.startswith("cuda") else "off")).split(",")
-    tags = tuple(args.tags.split(",")) if args.tags else None
+    tags = None if args.tags == "all" else tuple(args.tags.split(","))
     runs = []
     for mode in modes:  # one engine at a time: the previous one is freed before the next is built
         runs.append(run(args.model, args.device, args.kv_gb, args.cycles, args.rows, args.prompt_len,

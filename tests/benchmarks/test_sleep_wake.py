@@ -9,7 +9,7 @@ from benchmarks import sleep_wake
 @pytest.mark.timeout(120)
 def test_sleep_wake_smoke_json(tmp_path, capsys):
     sleep_wake.main(["--model", "tiny-moe", "--device", "cpu", "--cycles", "2", "--rows", "3", "--prompt-len", "12",
-                     "--new-tokens", "5", "--out", str(tmp_path)])
+                     "--new-tokens", "5", "--tags", "all", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "sleep_wake.json").read_text())
     assert result == json.loads(capsys.readouterr().out)
     assert result["ok"] is True and [r["stable_memory"] for r in result["runs"]] == ["off"]  # CPU: one path
