@@ -186,8 +186,8 @@ class StableWeights:
 
     def offload(self) -> int:
         """Copy the weights to the host and give their device memory back to the driver; the bytes
-        copied. The first call moves them into the buffer (new addresses): see `stable_holders` for
-        when it refuses (ValueError, nothing changed)."""
+        copied. The first call moves them into the buffer (new addresses); it refuses (ValueError,
+        the weights as they were) where `stable_holders` does or the buffer cannot be built."""
         if self._host is not None:
             return 0
         if self.buffer is None:
@@ -223,9 +223,18 @@ class StableWeights:
         for storage, offset in zip(storages, offsets):
             _copy_out(host, offset, _as_bytes(storage))
         _synchronize(storages)
+        sizes = [s.nbytes() for s in storages]
         for storage in storages:
             storage.resize_(0)
-        buffer = self.make_buffer(nbytes, device)
+        try:
+            buffer = self.make_buffer(nbytes, device)
+        except Exception as exc:  # e.g. the driver out of memory: the weights go back where they were
+            for storage, offset, size in zip(storages, offsets, sizes):
+                storage.resize_(size)
+                _copy_in(host, offset, _as_bytes(storage))
+            _synchronize(storages)
+            raise ValueError(f"no address-stable memory for {nbytes} bytes of weights: "
+                             f"{type(exc).__name__}: {exc}") from exc
         whole = buffer.tensor.untyped_storage()
         start = buffer.tensor.storage_offset()  # bytes: the buffer's tensor is uint8
         for holders, offset in zip(groups.values(), offsets):

@@ -287,6 +287,19 @@ def test_stable_weights_refuse_a_holder_they_cannot_see(model):
     assert isinstance(stable_holders(model), dict)
 
 
+def test_stable_weights_left_as_they_were_when_the_buffer_cannot_be_built(model):
+    def no_memory(nbytes, device):
+        raise RuntimeError("cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY (2)")
+
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    weights = StableWeights(model, no_memory)
+    with pytest.raises(ValueError, match=r"no address-stable memory for \d+ bytes of weights: RuntimeError: "
+                                         r"cuMemCreate failed"):
+        weights.offload()
+    assert not weights.moved and all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+
+
 def test_engine_weights_on_the_stable_path_sleep_without_their_graphs_after_the_first(make_engine, model):
     engine = make_engine(model, SMALL)
     _restacked(model)
