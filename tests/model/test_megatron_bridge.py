@@ -352,6 +352,63 @@ def test_on_cuda_the_engine_gives_megatrons_logits_before_and_after_an_adam_step
     assert shares_storage(engine.model, gpt)
 
 
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_on_cuda_decode_graphs_over_a_shared_bf16_trainer_follow_an_adam_step(gloo_world, monkeypatch):
+    """A bf16 GPTModel (fp32 norms, per-expert tensors) shared by the CUDA runner with decode graphs:
+    Megatron's logits, then an in-place Adam step served by the graphs captured before it (no
+    re-capture, no update call), as a fresh engine over the updated weights generates."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.moe import moe_utils
+
+    from megatron_rollout.engine.config import RunnerConfig
+
+    monkeypatch.setattr(moe_utils, "te_general_gemm", getattr(moe_utils, "te_general_gemm", None), raising=False)
+    cfg = CONFIGS["tiny-moe"].replace(dtype="bfloat16")
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    gpt = build_megatron(cfg)
+    with torch.no_grad():  # larger than Megatron's init so that routing is not a tie
+        for k, p in gpt.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if k.endswith("layernorm.weight") else 0.2 * torch.randn_like(p))
+    gpt = gpt.cuda()
+    config = EngineConfig(kv=KVConfig(num_blocks=64),
+                          runner=RunnerConfig(kind="cuda", graph_batch_sizes=(1, 2, 4), prefill_graph_tokens=()))
+    engine = RolloutEngine.from_megatron(gpt, config)
+    runner = engine.runner
+    assert type(runner).__name__ == "CudaRunner" and runner.graph_safe and engine.weights.shared
+    assert shares_storage(engine.model, gpt)
+    assert engine.model.get_parameter("decoder.final_layernorm.weight").dtype == torch.float32
+    prompts, greedy = [[256, 72, 105], [256, 50, 51, 52]], SamplingParams(temperature=0.0, max_new_tokens=6)
+    before = engine.generate(prompts, greedy)
+    graphs = dict(runner._graphs)
+    assert graphs and runner.stats["graph_replays"] > 0
+
+    ids = IDS.cuda()
+    positions = torch.arange(ids.shape[1], device="cuda")[None].expand_as(ids)
+    mask = torch.ones(1, 1, ids.shape[1], ids.shape[1], dtype=torch.bool, device="cuda").triu(1)
+    gpt.eval()
+    with torch.no_grad():
+        theirs, ours = gpt(ids, positions, mask).float(), engine.model(ids).float()
+    assert float((theirs - ours).abs().max() / theirs.abs().max()) < 0.03  # bf16 kernels on both sides
+    gpt.train()
+    opt = torch.optim.Adam(gpt.parameters(), lr=1e-2)
+    logits = gpt(ids, positions, mask)
+    F.cross_entropy(logits[:, :-1].float().reshape(-1, cfg.vocab_size), ids[:, 1:].reshape(-1)).backward()
+    opt.step()
+
+    replays = runner.stats["graph_replays"]
+    after = engine.generate(prompts, greedy)
+    assert runner.stats["graph_replays"] > replays  # decode replayed the graphs captured before the step
+    assert runner._graphs.keys() == graphs.keys() and all(runner._graphs[b] is g for b, g in graphs.items())
+    assert shares_storage(engine.model, gpt) and engine.weight_version == 0
+    want = RolloutEngine.from_megatron(gpt, config).generate(prompts, greedy)  # graphs over the new weights
+    assert [o.token_ids for o in after] == [o.token_ids for o in want]
+    for got, fresh in zip(after, want):
+        assert got.logprobs == pytest.approx(fresh.logprobs, abs=2e-3)
+    assert [o.logprobs for o in after] != [o.logprobs for o in before]
+
+
 def test_deepseek_routing_is_read_and_its_fp32_expert_bias_shared(gloo_world, monkeypatch):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
