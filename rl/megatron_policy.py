@@ -13,8 +13,9 @@ as they are, its routed experts moved into the stacks the CUDA runner's kernels 
 use), so an optimizer step is what the next rollout serves, decode graphs included; otherwise
 (`weights: copy`, or `auto` where sharing cannot be, e.g. experts inside a distributed optimizer's
 buffer) it holds a copy that the loop's `update_weights` refreshes every step. Either way the loop
-calls `update_weights` with the trainer's tensors each step: a copy, or (shared) a copy of each
-tensor onto itself that moves the weight version.
+calls `update_weights` with the trainer's tensors each step: a copy, or (shared) nothing but the
+weight version moving (each tensor is the engine's own parameter: `WeightStore` neither checks nor
+copies it), so the per-step `update_weights_s` of a shared run is the name checks alone.
 
 Left out: several processes (data, tensor or expert parallel trainers: `rl.megatron_trainer` holds
 the gather, the loop does not wire it), pipeline parallelism, learning-rate schedules, and

@@ -125,6 +125,9 @@ def native_from_megatron(gpt: nn.Module, share_storage: bool | None = None, tp_g
 
 
 def shares_storage(model: nn.Module, gpt: nn.Module) -> bool:
-    """Whether every native parameter lies at the address of the trainer tensor of its name."""
+    """Whether every native parameter lies at the address of the trainer tensor of its name (never
+    for a sharded trainer, whose local tensors have other shapes)."""
+    if not layouts_match(gpt):
+        return False
     theirs = megatron_state_to_rollout(gpt.state_dict(keep_vars=True), model.cfg).tensors
     return all(p.data_ptr() == theirs[n].data_ptr() for n, p in model.named_parameters())
