@@ -30,9 +30,12 @@ class CapturedGraphs(NamedTuple):
     """Decode buckets (rows)."""
     prefill: tuple[int, ...] = ()
     """Piecewise prefill buckets (tokens)."""
+    speculative: tuple[tuple[str, int], ...] = ()
+    """Speculative decoding's verify and draft graphs: (what they compute, one-query rows)."""
 
     def describe(self) -> str:
-        return f"{len(self.decode)} decode and {len(self.prefill)} prefill graphs"
+        spec = f" and {len(self.speculative)} verify/draft graphs" if self.speculative else ""
+        return f"{len(self.decode)} decode and {len(self.prefill)} prefill graphs{spec}"
 
 
 class Runner(Protocol):

@@ -365,7 +365,8 @@ class CudaRunner:
     @property
     def captured(self) -> CapturedGraphs:
         """The decode and piecewise prefill buckets captured now."""
-        return CapturedGraphs(tuple(sorted(self._graphs)), tuple(sorted(self._p_graphs)))
+        return CapturedGraphs(tuple(sorted(self._graphs)), tuple(sorted(self._p_graphs)),
+                              tuple(sorted((output.value, rows) for output, rows in self._spec_graphs)))
 
     def release_graphs(self) -> CapturedGraphs:
         """`Runner.release_graphs`: every graph and pool dropped (`drop_graphs`); the buckets held."""
@@ -384,12 +385,15 @@ class CudaRunner:
         if not (self.config.use_graphs and self.graph_safe):
             return "nothing captured: decode runs eagerly" + (f" ({self.capture_error})" if self.capture_error else "")
         decode = sum(self._try_graph(rows) is not None for rows in sorted(held.decode, reverse=True))
+        spec = sum(self._capture_spec(DecodeOutput(output), rows) is not None
+                   for output, rows in sorted(held.speculative, key=lambda h: -h[1]))
         prefill = 0
         for tokens in sorted(held.prefill, reverse=True):
             if self._prefill_graph(tokens) is None:
                 break
             prefill += 1
-        return f"captured {decode} of {len(held.decode)} decode and {prefill} of {len(held.prefill)} prefill graphs"
+        return (f"captured {decode} of {len(held.decode)} decode, {spec} of {len(held.speculative)} verify/draft "
+                f"and {prefill} of {len(held.prefill)} prefill graphs")
 
     def drop_graphs(self) -> None:
         """Forget every captured graph, decode and piecewise, with their memory pools; they are
@@ -564,9 +568,13 @@ class CudaRunner:
         """The `output` graph of the bucket holding these one-token rows, captured on first use (in
         the decode graphs' pool), or None: they run eagerly (graphs off, many ranks, no bucket, a
         table too wide, or a capture that failed: verify and draft graphs stay off from then on)."""
-        if self.multi_rank or self.spec_capture_error is not None or not self._graphable(rows):
+        if self.multi_rank or not self._graphable(rows):
             return None
-        bucket = self.bucket(len(rows))
+        return self._capture_spec(output, self.bucket(len(rows)))
+
+    def _capture_spec(self, output: DecodeOutput, bucket: int) -> DecodeGraph | None:
+        if self.spec_capture_error is not None:
+            return None
         graph = self._spec_graphs.get((output, bucket))
         if graph is not None:
             return graph

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -150,6 +151,8 @@ def test_sampled_law_is_the_plain_samplers_and_a_broken_rule_is_caught(monkeypat
 def test_refusals_name_the_reason():
     with pytest.raises(ValueError, match="mtp_num_layers=0"):
         RolloutEngine(MoETransformer(CFG.replace(mtp_num_layers=0)), spec("chunked", 1))
+    with pytest.raises(ValueError, match="on many ranks pass RunnerConfig"):  # a multi-rank CudaRunner
+        drafting.SpeculativeExecutor(None, SimpleNamespace(model=model(), multi_rank=True), None, None, 0, 1)
     with pytest.raises(ValueError, match="decode_ahead='on'"):
         RolloutEngine(model(), spec("chunked", 1, runner=RunnerConfig(decode_ahead="on")))
     with pytest.raises(ValueError, match="naive ordering"):
@@ -189,17 +192,31 @@ def test_the_mtp_layer_has_kv_at_every_computed_position(tiny):
 
 
 @pytest.mark.gpu
-@pytest.mark.timeout(300)
-def test_on_the_gpu_drafting_runs_on_the_portable_runner_and_keeps_greedy_tokens(make_engine):
+@pytest.mark.timeout(600)
+def test_on_the_cuda_runner_drafting_replays_graphs_and_keeps_greedy_tokens(make_engine):
+    """MTP on equals MTP off, both on the CUDA runner with decode graphs, under every schedule; the
+    verify and draft forwards of decode steps were graph replays; a copying MTP layer is always
+    accepted there too."""
     m = MoETransformer(CFG, device=torch.device("cuda")).init_weights(seed=0, std=0.3)
-    eager = RunnerConfig(kind="eager")
-    want = make_engine(m, small("chunked", runner=eager)).generate(PROMPTS, GREEDY)
+    cuda = RunnerConfig(kind="cuda")
     for schedule in SCHEDULES:
-        engine = make_engine(m, spec(schedule, 2))  # runner kind auto: the portable runner
-        assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == [r.token_ids for r in want], schedule
-        assert engine.stats.drafted_tokens > 0
-    with pytest.raises(ValueError, match="decode graphs hold one token per row"):
-        RolloutEngine(m, spec("chunked", 1, runner=RunnerConfig(kind="cuda")))
+        plain = make_engine(m, small(schedule, runner=cuda))
+        want = plain.generate(PROMPTS, GREEDY)
+        assert plain.runner.stats["graph_replays"] > 0, schedule
+        engine = make_engine(m, spec(schedule, 2, runner=cuda))
+        got = engine.generate(PROMPTS, GREEDY)
+        assert [r.token_ids for r in got] == [r.token_ids for r in want], schedule
+        for r, ref in zip(got, want):
+            assert r.logprobs == pytest.approx(ref.logprobs, abs=1e-3), schedule
+        stats = engine.runner.stats
+        assert engine.stats.drafted_tokens > 0 and engine.runner.spec_capture_error is None, schedule
+        assert stats["verify_replays"] > 0 and stats["draft_replays"] >= stats["verify_replays"], (schedule, stats)
+        assert stats["graph_replays"] == 0, stats  # plain decode graphs are not what drafting runs
+    copying = make_copying(MoETransformer(CFG, device=torch.device("cuda")).init_weights(seed=1, std=0.3))
+    engine = make_engine(copying, spec("chunked", 2, runner=cuda))
+    want = make_engine(copying, small("chunked", runner=cuda)).generate(PROMPTS, GREEDY)
+    assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == [r.token_ids for r in want]
+    assert engine.stats.acceptance_rate == 1.0 and engine.runner.stats["verify_replays"] > 0
 
 
 def test_the_command_line_spells_it_mtp_k():
