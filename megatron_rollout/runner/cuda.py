@@ -59,18 +59,18 @@ engine and the mux driver are unchanged):
   `engine.drafting`: in D the verify forward (a row's pending token and its k drafts) and the MTP
   layer's forwards run as decode graphs over one-query rows (`runner.speculative.flatten`), one
   graph per `DecodeOutput` and row bucket, captured lazily in the decode graphs' pool; a D batch
-  past the largest bucket, and every P or mixed forward (the piecewise graphs return no hidden
-  states), run eagerly. Rejected drafts need nothing from the runner: the next forward rewrites
-  their K/V. Many ranks are refused (these graphs are not captured collectively).
+  past the largest bucket runs eagerly. P and mixed forwards replay piecewise graphs of hidden
+  states (`PiecewiseGraph(hidden=True)`), their MTP layer runs eagerly. Rejected drafts need
+  nothing from the runner: the next forward rewrites their K/V. Many ranks are refused (these
+  graphs are not captured collectively).
 - **MLA.** A multi-latent-attention model (DeepSeek-V3) attends through `kernels.mla_attention`
   (`registry.resolve_mla_attention`), in its decode graphs and between its piecewise P graphs'
   pieces alike; of the fused small ops it uses those it calls (norms, SwiGLU, the combine).
 
 Green contexts (SM partitions for D and P) are measured by `benchmarks.micro` and not used here: see
 docs/benchmarks.md. FP8 experts (`model.fp8`, stacked) are captured like bf16 ones on one rank
-(`kernels.moe_triton`'s weight-only kernels). Left out: speculative decoding on many ranks, P
-forwards of speculative decoding in piecewise graphs, and FP8 experts on several ranks (such models
-run D eagerly).
+(`kernels.moe_triton`'s weight-only kernels). Left out: speculative decoding on many ranks, the MTP
+layer of P forwards in graphs, and FP8 experts on several ranks (such models run D eagerly).
 """
 from __future__ import annotations
 
@@ -99,6 +99,8 @@ from megatron_rollout.types import Axis, Phase, SeqSpan, SpanInput
 
 log = logging.getLogger(__name__)
 
+PREFILL_HIDDEN = "prefill-hidden"
+"""`CapturedGraphs.speculative`'s name for a piecewise P graph of hidden states."""
 COMPLETION = BoundaryPoint(-1, Site.MOE_DATA)
 """Yielded by an asynchronous P forward after its last layer while the device finishes it."""
 
@@ -238,6 +240,7 @@ class CudaRunner:
         self._spec_graphs: dict[tuple[DecodeOutput, int], DecodeGraph] = {}  # verify and draft graphs (one rank)
         self.spec_capture_error: str | None = None  # why they failed to capture (they then run eagerly)
         self._p_graphs: dict[int, PiecewiseGraph] = {}  # P / mixed forwards by token bucket (one rank)
+        self._p_hidden: dict[int, PiecewiseGraph] = {}  # the same, of hidden states (speculative decoding)
         self._p_pool = None  # their pool: never shared with decode graphs (see runner.piecewise)
         self._p_outputs = self._shared_outputs()  # their attention outputs, shared by the buckets
         self.prefill_capture_error: str | None = None  # why piecewise P capture failed (P then runs eagerly)
@@ -365,8 +368,9 @@ class CudaRunner:
     @property
     def captured(self) -> CapturedGraphs:
         """The decode and piecewise prefill buckets captured now."""
+        spec = [(output.value, rows) for output, rows in self._spec_graphs]
         return CapturedGraphs(tuple(sorted(self._graphs)), tuple(sorted(self._p_graphs)),
-                              tuple(sorted((output.value, rows) for output, rows in self._spec_graphs)))
+                              tuple(sorted(spec + [(PREFILL_HIDDEN, tokens) for tokens in self._p_hidden])))
 
     def release_graphs(self) -> CapturedGraphs:
         """`Runner.release_graphs`: every graph and pool dropped (`drop_graphs`); the buckets held."""
@@ -385,8 +389,9 @@ class CudaRunner:
         if not (self.config.use_graphs and self.graph_safe):
             return "nothing captured: decode runs eagerly" + (f" ({self.capture_error})" if self.capture_error else "")
         decode = sum(self._try_graph(rows) is not None for rows in sorted(held.decode, reverse=True))
-        spec = sum(self._capture_spec(DecodeOutput(output), rows) is not None
-                   for output, rows in sorted(held.speculative, key=lambda h: -h[1]))
+        spec = sum((self._prefill_graph(size, hidden=True) if output == PREFILL_HIDDEN else
+                    self._capture_spec(DecodeOutput(output), size)) is not None
+                   for output, size in sorted(held.speculative, key=lambda h: -h[1]))
         prefill = 0
         for tokens in sorted(held.prefill, reverse=True):
             if self._prefill_graph(tokens) is None:
@@ -403,6 +408,7 @@ class CudaRunner:
         self._spec_graphs.clear()
         self._pool = None
         self._p_graphs.clear()
+        self._p_hidden.clear()
         self._p_pool, self._p_outputs = None, self._shared_outputs()
         self._captured = False
 
@@ -447,6 +453,7 @@ class CudaRunner:
             self._graphs.clear()
             self._spec_graphs.clear()
             self._p_graphs.clear()
+            self._p_hidden.clear()
             self._p_outputs = self._shared_outputs()
         return self.graph_safe
 
@@ -605,24 +612,26 @@ class CudaRunner:
             return None
         return buckets[i]
 
-    def _prefill_graph(self, tokens: int) -> PiecewiseGraph | None:
-        """The piecewise graph of `tokens` tokens, captured on first use; None (eager from now on) if
-        capture fails."""
-        graph = self._p_graphs.get(tokens)
+    def _prefill_graph(self, tokens: int, hidden: bool = False) -> PiecewiseGraph | None:
+        """The piecewise graph of `tokens` tokens (of hidden states: `hidden`), captured on first use;
+        None (eager from now on) if capture fails."""
+        graphs = self._p_hidden if hidden else self._p_graphs
+        graph = graphs.get(tokens)
         if graph is not None or self.prefill_capture_error is not None:  # callers checked graph_safe, one rank
             return graph
         try:
             if self._p_pool is None:
                 self._p_pool = torch.cuda.graph_pool_handle()
-            graph = PiecewiseGraph(tokens, min(tokens, self.config.prefill_graph_rows), self.device)
+            graph = PiecewiseGraph(tokens, min(tokens, self.config.prefill_graph_rows), self.device, hidden)
             graph.capture(self.model, self.p_stream, self._p_pool, self._p_outputs)
         except Exception as exc:  # P must not stop: it runs eagerly
             log.warning("piecewise capture of %d tokens failed, P and mixed forwards run eagerly: %s", tokens, exc)
             self.prefill_capture_error = f"{type(exc).__name__}: {exc}"
             self._p_graphs.clear()
+            self._p_hidden.clear()
             torch.cuda.synchronize(self.device)
             return None
-        self._p_graphs[tokens] = graph
+        graphs[tokens] = graph
         log.info("captured piecewise forward for %d tokens (%d pieces)", tokens, len(graph.pieces))
         return graph
 
@@ -634,8 +643,8 @@ class CudaRunner:
         stream = self.p_stream if phase is Phase.P else self.d_stream
         caller = torch.cuda.current_stream()
         self._graphable_weights()  # drops every graph if the parameters were re-bound
-        bucket = self._prefill_bucket(inputs) if output is DecodeOutput.LOGITS else None
-        graph = self._prefill_graph(bucket) if bucket is not None else None
+        bucket = self._prefill_bucket(inputs) if output is not DecodeOutput.MTP else None
+        graph = self._prefill_graph(bucket, hidden=output is DecodeOutput.HIDDEN) if bucket is not None else None
         self.stats["piecewise_forwards" if graph is not None else "eager_forwards"] += 1
         with torch.cuda.stream(stream):
             stream.wait_stream(caller)  # weight copies and earlier host-to-device copies

@@ -212,6 +212,8 @@ def test_on_the_cuda_runner_drafting_replays_graphs_and_keeps_greedy_tokens(make
         assert engine.stats.drafted_tokens > 0 and engine.runner.spec_capture_error is None, schedule
         assert stats["verify_replays"] > 0 and stats["draft_replays"] >= stats["verify_replays"], (schedule, stats)
         assert stats["graph_replays"] == 0, stats  # plain decode graphs are not what drafting runs
+        assert stats["piecewise_forwards"] > 0 and engine.runner.prefill_capture_error is None, stats
+        assert {name for name, _ in engine.runner.captured.speculative} == {"hidden", "mtp", "prefill-hidden"}
     copying = make_copying(MoETransformer(CFG, device=torch.device("cuda")).init_weights(seed=1, std=0.3))
     engine = make_engine(copying, spec("chunked", 2, runner=cuda))
     want = make_engine(copying, small("chunked", runner=cuda)).generate(PROMPTS, GREEDY)

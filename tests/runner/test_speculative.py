@@ -3,7 +3,8 @@
 CPU: `flatten` makes one query row per new position; those rows, through the decode path of the
 attention kernels (portable here), compute what the verify forward over multi-token spans
 computes, for the target and for the MTP layer, on the tiny DeepSeek-V3 (MLA) with an MTP layer.
-GPU: the CUDA runner's verify and draft graphs against the portable runner on the same model.
+GPU: the CUDA runner's verify, draft and piecewise prefill graphs of hidden states against the
+portable runner on the same model; they are let go and captured again (sleep and wake).
 """
 from __future__ import annotations
 
@@ -89,7 +90,8 @@ def test_the_cuda_runner_replays_verify_and_draft_graphs_like_the_portable_runne
     ref = ModelRunner(MoETransformer(cfg, device="cuda").init_weights(0, std=0.1),
                       PagedKVCache(cfg, 64, 16, 1, device="cuda"))
     fast = make_runner(MoETransformer(cfg, device="cuda").init_weights(0, std=0.1),
-                       PagedKVCache(cfg, 64, 16, 1, device="cuda"), RunnerConfig(graph_batch_sizes=(1, 2, 4, 8, 16)))
+                       PagedKVCache(cfg, 64, 16, 1, device="cuda"),
+                       RunnerConfig(graph_batch_sizes=(1, 2, 4, 8, 16), prefill_graph_tokens=(64, 256)))
     assert isinstance(fast, CudaRunner)
     gen = torch.Generator().manual_seed(0)
     tables = [tuple(range(i * 16, (i + 1) * 16)) for i in range(3)]
@@ -97,8 +99,10 @@ def test_the_cuda_runner_replays_verify_and_draft_graphs_like_the_portable_runne
     with torch.no_grad():
         prompts = [SpanInput(SeqSpan(t, 0, n), torch.randint(0, 256, (n,), generator=gen).tolist(), True)
                    for t, n in zip(tables, lens)]
-        run_to_end(ref.forward(prompts, Phase.P))
-        run_to_end(fast.forward(prompts, Phase.P))
+        a = run_to_end(ref.forward_hidden(prompts, Phase.P))
+        b = run_to_end(fast.forward_hidden(prompts, Phase.P))  # 162 tokens: a piecewise graph of hidden states
+        assert b.shape == a.shape == (162, cfg.hidden_size) and _rel(b, a) < 3e-2
+        assert fast.stats["piecewise_forwards"] == 1 and fast.captured.speculative == (("prefill-hidden", 256),)
         for step in range(3):  # 3 rows with 2, 0 and 3 drafts: 9 one-query rows in the bucket of 16
             rows = [SpanInput(SeqSpan(t, n, d + 1), torch.randint(0, 256, (d + 1,), generator=gen).tolist(), True,
                               key=i) for i, (t, n, d) in enumerate(zip(tables, lens, (2, 0, 3)))]
@@ -113,3 +117,7 @@ def test_the_cuda_runner_replays_verify_and_draft_graphs_like_the_portable_runne
             lens = [n + 1 + step for n in lens]  # some drafts accepted: the next rows start further on
     assert fast.stats["verify_replays"] == 3 and fast.stats["draft_replays"] == 3, fast.stats
     assert fast.spec_capture_error is None
+    held = fast.release_graphs()  # sleep and wake: the same verify, draft and prefill graphs again
+    assert held.speculative == (("hidden", 16), ("mtp", 16), ("prefill-hidden", 256))
+    assert fast.captured.speculative == ()
+    assert "3 of 3 verify/draft" in fast.restore_graphs(held) and fast.captured == held
