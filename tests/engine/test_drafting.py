@@ -221,6 +221,15 @@ def test_on_the_cuda_runner_drafting_replays_graphs_and_keeps_greedy_tokens(make
     assert engine.stats.acceptance_rate == 1.0 and engine.runner.stats["verify_replays"] > 0
 
 
+def test_greedy_choices_are_read_for_every_row_at_once():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 3.0, -1.0], [0.0, float("nan"), 1.0]])
+    best = drafting._best(logits)
+    logp = logits[:2].log_softmax(-1)
+    assert [b.token for b in best[:2]] == [1, 0]  # a tie: the first index, as argmax
+    assert [b.logprob for b in best[:2]] == pytest.approx([float(logp[0, 1]), float(logp[1, 0])])
+    assert [b.finite for b in best] == [True, True, False]
+
+
 def test_the_command_line_spells_it_mtp_k():
     import argparse
 
