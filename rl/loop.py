@@ -303,8 +303,9 @@ class GRPORun:
                 "peak_gpu_mem_gib": max(rollout_peak, train_peak) if self.cuda else None}
 
     def sync_weights(self) -> int:
-        """The trainer's weights into the engine as the next version (on a shared store, each tensor
-        copied onto itself: only the version moves); returns that version."""
+        """The trainer's weights into the engine as the next version (sharing the trainer's storage,
+        the engine copies and checks nothing: each tensor is its own parameter, only the version
+        moves); returns that version."""
         version = self.engine.weight_version + 1
         self.engine.update_weights(self.trainer.named_weights(), version)
         return version

@@ -140,14 +140,17 @@ class RolloutEngine:
         """A single-rank engine over an in-process Megatron-core `GPTModel` (local or Transformer Engine
         spec), its architecture read from the GPTModel's `TransformerConfig`. Where the layouts match
         (TP = EP = 1) the engine's parameters are the trainer's tensors (`share_storage`, the default
-        there): in-place optimizer steps are served with no `update_weights`. Otherwise (or with
-        `share_storage=False`) the weights are copied, gathered over the trainer's groups where it is
-        sharded (a collective). See `weights.megatron_bridge`."""
-        from megatron_rollout.weights.megatron_bridge import layouts_match, native_from_megatron, shares_storage
+        there; the trainer's routed experts are moved into the stacks the CUDA runner's kernels read):
+        in-place optimizer steps are served with no `update_weights`, by decode graphs too. Otherwise
+        (or with `share_storage=False`) the weights are copied, gathered over the trainer's groups
+        where it is sharded (a collective). `engine.weights.shared` says which. See
+        `weights.megatron_bridge`."""
+        from megatron_rollout.weights.megatron_bridge import native_from_megatron, shares_storage
 
-        engine = cls(native_from_megatron(gpt, share_storage), config)
-        sharing = layouts_match(gpt) if share_storage is None else share_storage
-        if sharing and not shares_storage(engine.model, gpt):  # e.g. the CUDA runner stacks the experts (a copy)
+        model = native_from_megatron(gpt, share_storage)
+        sharing = shares_storage(model, gpt)
+        engine = cls(model, config)
+        if sharing and not shares_storage(engine.model, gpt):  # a runner that re-lays the weights: a copy
             raise ValueError(f"runner {type(engine.runner).__name__} re-laid the weights out of the trainer's "
                              "storage; pass share_storage=False to copy them, or RunnerConfig(kind='eager')")
         engine.weights.shared = sharing  # sleep(tags=["weights"]) must not free the trainer's own tensors

@@ -9,9 +9,10 @@ engine and the mux driver are unchanged):
   and replayed from a graph captured once per bucket. The graph reads static int32 buffers
   (`StaticDecodeLayout`) refilled by one pinned copy; the KV cache and the weights keep their
   addresses, since `update_weights` copies in place (the expert weights are stacked views,
-  `Experts.restack`). Replacing `cache` drops the graphs; `engine.sleep` releases them with their
-  pools and `restore_graphs` captures the same buckets again (`engine.memory`). On one rank
-  buckets are captured lazily, when first used.
+  `Experts.restack`; over a Megatron trainer's storage, the trainer's own stacks,
+  `weights.megatron_experts`, which its in-place optimizer steps write). Replacing `cache` drops
+  the graphs; `engine.sleep` releases them with their pools and `restore_graphs` captures the
+  same buckets again (`engine.memory`). On one rank buckets are captured lazily, when first used.
 - **P and mixed graphs (one rank).** A P forward, or a `chunked` mixed step, of up to 4,096 new
   tokens replays as pieces between attention calls, one CUDA graph per token bucket
   (`runner.piecewise`, `RunnerConfig.prefill_graph_tokens`), in a pool of its own; larger ones,
