@@ -191,34 +191,55 @@ def test_the_mtp_layer_has_kv_at_every_computed_position(tiny):
         assert torch.allclose(got[:n], ref[:n], atol=1e-5), schedule
 
 
+def _agree_but_for_near_ties(m: MoETransformer, prompt: list[int], got: list[int], want: list[int],
+                             margin: float = 0.05) -> bool:
+    """`got` equals `want`, or first differs where the target's two most likely tokens (the plain
+    tokens teacher-forced) are within `margin` in logit: bf16 kernels of other batch shapes may
+    round such a tie the other way (a verify forward runs k + 1 rows per decode row)."""
+    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if at is None:
+        return len(got) == len(want)
+    with torch.no_grad():
+        logits = m(torch.tensor([prompt + want], device=m.device))[0, len(prompt) - 1 + at].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1]) < margin
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
 def test_on_the_cuda_runner_drafting_replays_graphs_and_keeps_greedy_tokens(make_engine):
-    """MTP on equals MTP off, both on the CUDA runner with decode graphs, under every schedule; the
-    verify and draft forwards of decode steps were graph replays; a copying MTP layer is always
-    accepted there too."""
-    m = MoETransformer(CFG, device=torch.device("cuda")).init_weights(seed=0, std=0.3)
+    """MTP on equals MTP off (bf16: but for near-ties), both on the CUDA runner with its graphs,
+    under every schedule; decode steps' verify and draft forwards were graph replays, prefills
+    piecewise graphs of hidden states; a copying MTP layer is always accepted there too."""
+    m = MoETransformer(CFG.replace(dtype="bfloat16"), device=torch.device("cuda")).init_weights(seed=0, std=0.3)
     cuda = RunnerConfig(kind="cuda")
+    exact = 0
     for schedule in SCHEDULES:
         plain = make_engine(m, small(schedule, runner=cuda))
         want = plain.generate(PROMPTS, GREEDY)
         assert plain.runner.stats["graph_replays"] > 0, schedule
         engine = make_engine(m, spec(schedule, 2, runner=cuda))
         got = engine.generate(PROMPTS, GREEDY)
-        assert [r.token_ids for r in got] == [r.token_ids for r in want], schedule
-        for r, ref in zip(got, want):
-            assert r.logprobs == pytest.approx(ref.logprobs, abs=1e-3), schedule
+        for prompt, r, ref in zip(PROMPTS, got, want):
+            assert _agree_but_for_near_ties(m, prompt, r.token_ids, ref.token_ids), (schedule, r, ref)
+            if r.token_ids == ref.token_ids:
+                exact += 1
+                assert r.logprobs == pytest.approx(ref.logprobs, abs=0.05), schedule
         stats = engine.runner.stats
         assert engine.stats.drafted_tokens > 0 and engine.runner.spec_capture_error is None, schedule
         assert stats["verify_replays"] > 0 and stats["draft_replays"] >= stats["verify_replays"], (schedule, stats)
         assert stats["graph_replays"] == 0, stats  # plain decode graphs are not what drafting runs
         assert stats["piecewise_forwards"] > 0 and engine.runner.prefill_capture_error is None, stats
         assert {name for name, _ in engine.runner.captured.speculative} == {"hidden", "mtp", "prefill-hidden"}
-    copying = make_copying(MoETransformer(CFG, device=torch.device("cuda")).init_weights(seed=1, std=0.3))
+    assert exact >= 2 * len(SCHEDULES), f"only {exact} of {3 * len(SCHEDULES)} requests agree exactly"
+    copying = make_copying(MoETransformer(CFG.replace(dtype="bfloat16"), device=torch.device("cuda"))
+                           .init_weights(seed=1, std=0.3))
     engine = make_engine(copying, spec("chunked", 2, runner=cuda))
     want = make_engine(copying, small("chunked", runner=cuda)).generate(PROMPTS, GREEDY)
-    assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == [r.token_ids for r in want]
-    assert engine.stats.acceptance_rate == 1.0 and engine.runner.stats["verify_replays"] > 0
+    for prompt, r, ref in zip(PROMPTS, engine.generate(PROMPTS, GREEDY), want):
+        assert _agree_but_for_near_ties(copying, prompt, r.token_ids, ref.token_ids)
+    # right by construction, up to bf16 rounding of the MTP layer's extra norm
+    assert engine.stats.acceptance_rate >= 0.9 and engine.runner.stats["verify_replays"] > 0
 
 
 def test_greedy_choices_are_read_for_every_row_at_once():
