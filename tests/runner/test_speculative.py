@@ -2,17 +2,20 @@
 
 CPU: `flatten` makes one query row per new position; those rows, through the decode path of the
 attention kernels (portable here), compute what the verify forward over multi-token spans
-computes, for the target and for the MTP layer, on the tiny DeepSeek-V3 (MLA) with an MTP layer.
+computes, for the target and for the MTP layer, on the tiny DeepSeek-V3 (MLA) with an MTP layer,
+also from a padded static layout as the CUDA runner's graphs read it.
 GPU: the CUDA runner's verify, draft and piecewise prefill graphs of hidden states against the
 portable runner on the same model; they are let go and captured again (sleep and wake).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from megatron_rollout.forward import run_to_end
-from megatron_rollout.kernels.layout import KernelPagedBatch, build_layout
+from megatron_rollout.kernels.layout import KernelPagedBatch, StaticDecodeLayout, build_layout
 from megatron_rollout.kernels.registry import PortableAttention
 from megatron_rollout.kv.paged import PagedKVCache
 from megatron_rollout.model.config import preset
@@ -72,6 +75,44 @@ def test_one_query_rows_compute_the_verify_and_mtp_forwards():
         torch.testing.assert_close(mtp, want, rtol=1e-4, atol=1e-4)
         # the lengths are the causal mask between a row's drafts: n + j + 1 for its row j
         assert layout.decode.host_lens.tolist() == [7, 8, 9, 10, 4, 5, 6]
+
+
+class _StaticPortable(PortableAttention):
+    """The portable decode over a static (CUDA-graph) layout, which keeps its indices on the device only."""
+
+    def decode(self, q, k_cache, v_cache, meta, out):
+        host = {f"host_{name}": getattr(meta, name).numpy().copy() for name in ("seq", "tables", "lens", "q_start")}
+        super().decode(q, k_cache, v_cache, dataclasses.replace(meta, **host), out)
+
+
+@pytest.mark.timeout(120)
+def test_a_padded_static_layout_of_one_query_rows_computes_the_verify_forward():
+    """As the CUDA runner fills its verify and draft graphs: the rows flattened into a bucket's
+    static layout (padding rows: no KV stored, length 0), the MTP layer's input in a static buffer."""
+    model = MoETransformer(CFG).init_weights(seed=1, std=0.3)
+    runner = ModelRunner(model, PagedKVCache(CFG, 16, BS, 1))
+    with torch.no_grad():
+        run_to_end(runner.forward([SpanInput(SeqSpan((0, 1), 0, 5), [1, 2, 3, 4, 5], True)], Phase.P))
+        rows = [SpanInput(SeqSpan((0, 1), 5, 3), [6, 7, 8], True, key=0)]
+        before = runner.cache.k.clone()
+        want = run_to_end(runner.forward_hidden(rows, Phase.D))
+        static = StaticDecodeLayout(8, 4, BS, _StaticPortable(), CFG.num_attention_heads, 1, CFG.kv_lora_rank,
+                                    runner.device, 8)
+        flat = flatten(rows)
+        static.fill([r.span for r in flat], [r.token_ids[0] for r in flat], [r.key for r in flat])
+        attn = KernelPagedBatch(runner.cache, static.layout, _StaticPortable())
+        runner.cache.k.copy_(before)
+        got = run_to_end(model.hidden_step(static.tokens, static.positions, attn, Phase.D))  # [8, H]: 5 padding
+        torch.testing.assert_close(got[:3], want, rtol=1e-4, atol=1e-4)
+        others = [i for i in range(runner.cache.k.shape[1]) if i not in (5, 6, 7)]  # the rows' slots
+        torch.testing.assert_close(runner.cache.k[:, others], before[:, others])  # padding rows stored nothing
+        hidden = torch.zeros(8, CFG.hidden_size)  # the draft graph's static input, stale past the rows
+        hidden[:3] = got[:3]
+        nxt = torch.tensor([7, 8, 2])
+        want = run_to_end(runner.forward_mtp([rows[0].span], got[:3], nxt, Phase.D))
+        static.tokens[:3].copy_(nxt)
+        mtp = run_to_end(model.mtp_step(static.tokens, static.positions, hidden, attn, Phase.D))
+        torch.testing.assert_close(mtp[:3], want, rtol=1e-4, atol=1e-4)
 
 
 # -- GPU -----------------------------------------------------------------------------------
