@@ -69,6 +69,7 @@ from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.runner.config import FP8_MODES, TE_FP8_MODES
 from megatron_rollout.runner.cuda import make_runner
 from megatron_rollout.types import Axis
+from megatron_rollout.vmm import stable_wanted
 from megatron_rollout.weights.store import WeightStore, WeightVersionError
 from megatron_rollout.weights.vote import Decision, UpdateGate, Verdict, Vote, WeightVoteTimeout, decide
 
@@ -113,7 +114,8 @@ class RolloutEngine:
         one_rank = isinstance(model.comm, LocalComm)
         runner = c.runner if c.speculative is None or c.runner.kind != "auto" or one_rank else \
             dataclasses.replace(c.runner, kind="eager")  # on many ranks drafting runs eagerly (engine.drafting)
-        self.runner = make_runner(model, PagedKVCache(*self._kv_shape, device=model.device), runner)
+        stable = stable_wanted(c.kv.stable_memory, model.device)  # KV that sleeps without dropping graphs
+        self.runner = make_runner(model, PagedKVCache(*self._kv_shape, device=model.device, stable=stable), runner)
         if c.speculative is None:
             self.executor = StepExecutor(self.table, self.runner, self.weights, self.stats, c.seed, timeline, rank)
         else:
@@ -132,7 +134,8 @@ class RolloutEngine:
         self._lock = self._gate.lock  # held by every step and every change (module docstring)
         self._vote: Vote | None = None  # this rank's side of the weight update in progress
         self.memory = EngineMemory(self.runner, self.table, self.weights,
-                                   lambda: PagedKVCache(*self._kv_shape, device=model.device), self._stop_ahead)
+                                   lambda: PagedKVCache(*self._kv_shape, device=model.device, stable=stable),
+                                   self._stop_ahead, stable)
 
     @classmethod
     def from_megatron(cls, gpt, config: EngineConfig | None = None, share_storage: bool | None = None
