@@ -373,7 +373,7 @@ def test_cuda_sleep_frees_device_memory_and_graphs_replay_after_wake(schedule):
     # (the vmm path's test pins it)
     released = report["before"]["reserved"] - report["after"]["reserved"]
     assert released > 0 and report["after"]["free"] - report["before"]["free"] >= released
-    assert runner.captured == ((), ())
+    assert not any(runner.captured)  # no graph held
     woke = engine.wake_up()
     assert woke["tags"]["kv"]["allocated_bytes"] >= kv_bytes and woke["tags"]["graphs"]["allocated_bytes"] > 0
     assert runner.captured == held  # the same buckets, captured again

@@ -124,37 +124,54 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 def test_the_cuda_runner_replays_verify_and_draft_graphs_like_the_portable_runner():
+    """The graphed verify and draft forwards are as close to an fp32 forward of the same weights as
+    the portable runner's bf16 forwards are (on the H200 the two bf16 paths differ by about 4%
+    normwise in hidden states, as much as either differs from fp32: comparing them to each other
+    would test bf16's rounding, not the graphs)."""
     from megatron_rollout.runner.config import RunnerConfig
     from megatron_rollout.runner.cuda import CudaRunner, make_runner
 
     cfg = preset("tiny-deepseek").replace(dtype="bfloat16", max_position_embeddings=1024, mtp_num_layers=1)
+    cfg32 = cfg.replace(dtype="float32")
+    exact = ModelRunner(MoETransformer(cfg32, device="cuda").init_weights(0, std=0.1),
+                        PagedKVCache(cfg32, 64, 16, 1, device="cuda"))
     ref = ModelRunner(MoETransformer(cfg, device="cuda").init_weights(0, std=0.1),
                       PagedKVCache(cfg, 64, 16, 1, device="cuda"))
     fast = make_runner(MoETransformer(cfg, device="cuda").init_weights(0, std=0.1),
                        PagedKVCache(cfg, 64, 16, 1, device="cuda"),
                        RunnerConfig(graph_batch_sizes=(1, 2, 4, 8, 16), prefill_graph_tokens=(64, 256)))
     assert isinstance(fast, CudaRunner)
+
+    def as_close(b: torch.Tensor, a: torch.Tensor, want: torch.Tensor) -> None:
+        assert b.shape == a.shape == want.shape
+        assert _rel(b, want) <= 1.5 * _rel(a, want) + 1e-3, (_rel(b, want), _rel(a, want))
+
     gen = torch.Generator().manual_seed(0)
     tables = [tuple(range(i * 16, (i + 1) * 16)) for i in range(3)]
     lens = [37, 120, 5]
     with torch.no_grad():
         prompts = [SpanInput(SeqSpan(t, 0, n), torch.randint(0, 256, (n,), generator=gen).tolist(), True)
                    for t, n in zip(tables, lens)]
+        w = run_to_end(exact.forward_hidden(prompts, Phase.P))
         a = run_to_end(ref.forward_hidden(prompts, Phase.P))
         b = run_to_end(fast.forward_hidden(prompts, Phase.P))  # 162 tokens: a piecewise graph of hidden states
-        assert b.shape == a.shape == (162, cfg.hidden_size) and _rel(b, a) < 3e-2
+        assert b.shape == (162, cfg.hidden_size)
+        as_close(b, a, w)
         assert fast.stats["piecewise_forwards"] == 1 and fast.captured.speculative == (("prefill-hidden", 256),)
         for step in range(3):  # 3 rows with 2, 0 and 3 drafts: 9 one-query rows in the bucket of 16
             rows = [SpanInput(SeqSpan(t, n, d + 1), torch.randint(0, 256, (d + 1,), generator=gen).tolist(), True,
                               key=i) for i, (t, n, d) in enumerate(zip(tables, lens, (2, 0, 3)))]
+            w = run_to_end(exact.forward_hidden(rows, Phase.D))
             a = run_to_end(ref.forward_hidden(rows, Phase.D))
             b = run_to_end(fast.forward_hidden(rows, Phase.D))
-            assert b.shape == a.shape == (9, cfg.hidden_size) and _rel(b, a) < 3e-2
+            assert b.shape == (9, cfg.hidden_size)
+            as_close(b, a, w)
             nxt = torch.randint(0, 256, (9,), generator=gen).cuda()
             spans = [r.span for r in rows]
+            z = run_to_end(exact.forward_mtp(spans, w, nxt, Phase.D))
             x = run_to_end(ref.forward_mtp(spans, a, nxt, Phase.D))
             y = run_to_end(fast.forward_mtp(spans, a, nxt, Phase.D))
-            assert _rel(y, x) < 3e-2
+            as_close(y, x, z)
             lens = [n + 1 + step for n in lens]  # some drafts accepted: the next rows start further on
     assert fast.stats["verify_replays"] == 3 and fast.stats["draft_replays"] == 3, fast.stats
     assert fast.spec_capture_error is None
