@@ -36,8 +36,9 @@ class NgramIndex:
 
     def sync(self, tokens: Sequence[int]) -> None:
         """Take `tokens`, the sequence's whole context: only the tokens past those held are copied.
-        Contexts only grow in the engine; one shorter than held, or whose last held token differs,
-        is taken whole (a stale copy would only lower the acceptance rate: drafts are verified)."""
+        Contexts only grow in the engine (and an index goes with its sequence); as a cheap guard, one
+        shorter than held, or whose token at the held end differs, is taken whole. A stale copy
+        would lower the acceptance rate only: drafts are verified."""
         held = self.length
         if len(tokens) < held or (held and tokens[held - 1] != self.tokens[held - 1]):
             held = 0
