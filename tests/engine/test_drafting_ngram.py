@@ -168,3 +168,18 @@ def test_the_config_names_what_is_wrong():
         SpeculativeConfig("ngram", 2, tail_rows=0)
     got = EngineConfig.from_dict({"speculative": {"method": "ngram", "k": 3, "tail_rows": 8}}).speculative
     assert got == SpeculativeConfig("ngram", 3, tail_rows=8)
+
+
+def test_the_command_line_spells_it_ngram_k():
+    import argparse
+
+    from megatron_rollout.options import add_engine_args, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    got = engine_config(parser.parse_args(["--ngram", "3", "--draft-tail-rows", "4"])).speculative
+    assert got == SpeculativeConfig("ngram", 3, tail_rows=4)
+    with pytest.raises(ValueError, match="two draft sources"):
+        engine_config(parser.parse_args(["--ngram", "3", "--mtp", "1"]))
+    with pytest.raises(ValueError, match="--draft-tail-rows needs"):
+        engine_config(parser.parse_args(["--draft-tail-rows", "4"]))
