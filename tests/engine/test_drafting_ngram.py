@@ -16,6 +16,7 @@ from megatron_rollout.engine import (
     FinishReason,
     KVConfig,
     RolloutEngine,
+    RunnerConfig,
     SamplingParams,
     SchedulerConfig,
     SpeculativeConfig,
@@ -183,3 +184,15 @@ def test_the_command_line_spells_it_ngram_k():
         engine_config(parser.parse_args(["--ngram", "3", "--mtp", "1"]))
     with pytest.raises(ValueError, match="--draft-tail-rows needs"):
         engine_config(parser.parse_args(["--draft-tail-rows", "4"]))
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_on_the_gpu_lookup_drafts_keep_greedy_tokens(make_engine):
+    m = bigram(MoETransformer(CFG.replace(vocab_size=12, mtp_num_layers=0), device=torch.device("cuda"))
+               .init_weights(seed=0, std=0.3))
+    want = make_engine(m, small("chunked", runner=RunnerConfig(kind="eager"))).generate(PROMPTS, GREEDY)
+    for schedule in SCHEDULES:
+        engine = make_engine(m, ngram(schedule, k=4))  # runner kind auto: the portable runner
+        assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == [r.token_ids for r in want], schedule
+        assert engine.stats.acceptance_rate > 0.5, (schedule, engine.stats)
