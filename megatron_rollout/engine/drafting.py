@@ -125,6 +125,7 @@ class SpeculativeExecutor(StepExecutor):
         return dataclasses.replace(state, seqs=seqs)
 
     def _look_up(self, rids: list[int]) -> None:
+        """"ngram": each row's drafts for the step being planned, from its context as it stands now."""
         for rid in rids:
             req = self.table.requests[rid]
             context = self.contexts.get(req.seq.sid)
@@ -168,8 +169,8 @@ class SpeculativeExecutor(StepExecutor):
 
     # -- the forwards ---------------------------------------------------------------------------------
     def forward(self, step: StepInputs, phase: Phase) -> Forward:
-        """The target forward (in P, with the MTP layer over the prefill positions it can run); returns
-        a `SpecOutput`. A `mux` epoch resumes it boundary by boundary."""
+        """The target forward (in P, with the MTP layer over the prefill positions it can run; "ngram":
+        the target alone); returns a `SpecOutput`. A `mux` epoch resumes it boundary by boundary."""
         verify = step.verify or [VerifyRow(int(r.sample)) for r in step.rows]
         if self.mtp:
             return verify_forward(self.runner, step.rows, verify, phase)
