@@ -26,16 +26,20 @@ decodes plainly in the same forward. The drafts are token ids with no law: q is 
 `verify` treats exactly at any temperature. Under `tail_rows` the plan gives drafts room only
 while few rows decode: the planner's input decides, so every rank of a replica agrees.
 
-Left out: the CUDA runner (one token per row in its decode graphs, no hidden states out), decode
-ahead, the naive ordering baseline, MTP layers beyond the first.
+The forwards are the runner's (`Runner.forward_hidden`, `Runner.forward_mtp`): the portable one,
+or the CUDA runner on one rank, whose decode graphs run them as one-query rows
+(`runner.speculative`). Greedy rows are verified and drafted from one host read of every row's
+argmax and logprob (`_best`), sampled rows row by row (`engine.speculative.verify`). Left out:
+the CUDA runner on many ranks, decode ahead, the naive ordering baseline, MTP layers beyond the
+first.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -50,7 +54,7 @@ from megatron_rollout.engine.scheduler import PrefillChunk, SchedulerState, Stag
 from megatron_rollout.engine.speculative import Verdict, draw_index, verify
 from megatron_rollout.engine.stats import EngineStats
 from megatron_rollout.forward import Forward, run_to_end
-from megatron_rollout.runner.base import ModelRunner, Runner
+from megatron_rollout.runner.base import Runner
 from megatron_rollout.runner.speculative import SpecOutput, VerifyRow, verify_forward
 from megatron_rollout.types import Phase, SeqSpan
 from megatron_rollout.weights.store import WeightStore
@@ -76,6 +80,25 @@ class Deferred:
     hidden: torch.Tensor
 
 
+class _Best(NamedTuple):
+    """One logits row's greedy choice, read to the host with every other row's at once."""
+
+    token: int
+    logprob: float
+    """log_softmax at `token`, as the plain greedy sampler reports it."""
+    finite: bool
+
+
+def _best(logits: torch.Tensor) -> list[_Best]:
+    """Greedy choice of every row of `logits` [rows, V] in one host read (not one per row: on the
+    CUDA runner's graphs per-row reads would cost more than the forward)."""
+    logp = logits.float().log_softmax(-1)
+    token = logp.argmax(-1)
+    host = torch.stack([token.double(), logp.gather(-1, token[:, None])[:, 0].double(),
+                        logits.float().amax(-1).isfinite().double()]).tolist()
+    return [_Best(int(t), lp, bool(f)) for t, lp, f in zip(*host)]
+
+
 @dataclass
 class _Row:
     """One sampled row of a speculative step, from its verdict to its acceptance."""
@@ -99,10 +122,10 @@ class SpeculativeExecutor(StepExecutor):
             raise ValueError("EngineConfig.speculative (method 'mtp') needs a model with an MTP layer, this one has "
                              "mtp_num_layers=0: load a checkpoint that has one (DeepSeek-V3's) or build one with "
                              "mtp_num_layers >= 1, or leave EngineConfig.speculative None")
-        if not isinstance(runner, ModelRunner):
-            raise ValueError(f"speculative decoding (EngineConfig.speculative) runs on the portable runner only: "
-                             f"{type(runner).__name__}'s decode graphs hold one token per row and return no hidden "
-                             f"states to verify drafts with; pass RunnerConfig(kind='eager') or 'auto'")
+        if getattr(runner, "multi_rank", False):  # a CudaRunner whose comm crosses ranks
+            raise ValueError(f"speculative decoding (EngineConfig.speculative) on {type(runner).__name__} runs on "
+                             f"one rank: its verify and draft graphs are not captured collectively; on many ranks "
+                             f"pass RunnerConfig(kind='eager') (or 'auto', which picks it)")
         super().__init__(table, runner, weights, stats, seed, timeline, rank)
         self.model, self.k, self.config = model, config.k, config
         self.mtp_norm = model.mtp.layers[0].final_layernorm if self.mtp else None
@@ -217,6 +240,7 @@ class SpeculativeExecutor(StepExecutor):
         return outs
 
     def _verdicts(self, step: StepInputs, out: SpecOutput) -> list[_Row]:
+        best = _best(out.logits)
         rows, at, owners = [], 0, iter(step.owners)
         for row, v in zip(step.rows, step.verify, strict=True):
             if not v.logits:
@@ -226,16 +250,23 @@ class SpeculativeExecutor(StepExecutor):
             if self.table.is_live(owner):
                 first = row.span.past + row.span.new - v.logits
                 rows.append(self._verdict(owner, first, row.span.table, tuple(row.token_ids[1:v.logits]),
-                                          out.logits[sl], out.hidden[sl]))
+                                          out.logits[sl], out.hidden[sl], best[sl]))
         return rows
 
     def _verdict(self, owner: SampleOwner, first: int, table: tuple[int, ...], drafts: tuple[int, ...],
-                 logits: torch.Tensor, hidden: torch.Tensor) -> _Row:
+                 logits: torch.Tensor, hidden: torch.Tensor, best: list[_Best]) -> _Row:
         req = owner.request
         params, gen = req.params, req.generator or self.generator
-        bad = [i for i, m in enumerate(logits.float().amax(-1).tolist()) if not math.isfinite(m)]
+        bad = [i for i, b in enumerate(best) if not b.finite]
         if bad:
             return _Row(owner, first, table, hidden, None, sample_row(logits[bad[0]], params, gen).error)
+        if params.temperature == 0.0:  # `verify`'s greedy rule on the host copies
+            a = next((i for i, d in enumerate(drafts) if d != best[i].token), len(drafts))
+            self.stats.drafted_tokens += len(drafts)
+            self.stats.accepted_tokens += a
+            kept = best[:a + 1]
+            return _Row(owner, first, table, hidden, Verdict(a, tuple(b.token for b in kept),
+                                                             tuple(b.logprob for b in kept)))
         if not drafts:  # the plain sampler's draw
             s = sample_row(logits[0], params, gen)
             return _Row(owner, first, table, hidden, Verdict(0, (s.token,), (s.logprob,)))
@@ -278,8 +309,9 @@ class SpeculativeExecutor(StepExecutor):
             else:
                 chain = [i for i in range(len(rows)) if want[i] > 0]
             q = self.model.logits(x[self._index(chain)], self.mtp_norm)  # [chain, V]
+            best = _best(q)
             for c, i in enumerate(chain):
-                picked = self._pick(q[c], rows[i].owner.request)
+                picked = self._pick(q[c], rows[i].owner.request, best[c])
                 if picked is not None:
                     drafted[i].append(picked[0])
                     logq[i].append(picked[1])
@@ -309,14 +341,14 @@ class SpeculativeExecutor(StepExecutor):
             pool.grow(sid, pending + want - 1)
         return want
 
-    def _pick(self, logits: torch.Tensor, req) -> tuple[int, torch.Tensor | None] | None:
+    def _pick(self, logits: torch.Tensor, req, best: _Best) -> tuple[int, torch.Tensor | None] | None:
         """One draft from the MTP layer's logits [V] under the request's sampling params, and its law
         (None: greedy); None where the logits are not finite (the row does not draft)."""
         params: SamplingParams = req.params
-        if not math.isfinite(float(logits.float().amax())):
+        if not best.finite:
             return None
         if params.temperature == 0.0:
-            return int(logits.argmax()), None
+            return best.token, None
         logq = filtered_logprobs(logits[None], params)[0]
         return draw_index(logq.exp(), req.generator or self.generator), logq
 
@@ -343,7 +375,7 @@ class SpeculativeExecutor(StepExecutor):
         return outs
 
 
-def _target_forward(runner: ModelRunner, rows, verify: list[VerifyRow], phase: Phase) -> Forward:
+def _target_forward(runner: Runner, rows, verify: list[VerifyRow], phase: Phase) -> Forward:
     """The target alone ("ngram"): a `SpecOutput` of each row's last `VerifyRow.logits` positions."""
     h = yield from runner.forward_hidden(rows, phase)  # [tokens, H]
     ends = torch.tensor([row.span.new for row in rows], dtype=torch.long).cumsum(0).tolist()
