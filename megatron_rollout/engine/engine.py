@@ -120,7 +120,7 @@ class RolloutEngine:
             self.executor = StepExecutor(self.table, self.runner, self.weights, self.stats, c.seed, timeline, rank)
         else:
             self.executor = SpeculativeExecutor(self.table, self.runner, self.weights, self.stats, c.seed,
-                                                c.speculative.k, timeline, rank)
+                                                c.speculative, timeline, rank)
             self.table.one_draw_per_row = "speculative decoding verifies one draw per row (EngineConfig.speculative)"
         self.schedule: ScheduleDriver = make_schedule(c, self.table, self.executor, model, rendezvous, router)
         if self._decode_ahead(c.runner.decode_ahead):

@@ -152,7 +152,8 @@ def test_refusals_name_the_reason():
     with pytest.raises(ValueError, match="mtp_num_layers=0"):
         RolloutEngine(MoETransformer(CFG.replace(mtp_num_layers=0)), spec("chunked", 1))
     with pytest.raises(ValueError, match="on many ranks pass RunnerConfig"):  # a multi-rank CudaRunner
-        drafting.SpeculativeExecutor(None, SimpleNamespace(model=model(), multi_rank=True), None, None, 0, 1)
+        drafting.SpeculativeExecutor(None, SimpleNamespace(model=model(), multi_rank=True), None, None, 0,
+                                     SpeculativeConfig(k=1))
     with pytest.raises(ValueError, match="decode_ahead='on'"):
         RolloutEngine(model(), spec("chunked", 1, runner=RunnerConfig(decode_ahead="on")))
     with pytest.raises(ValueError, match="naive ordering"):
