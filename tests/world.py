@@ -4,6 +4,12 @@
 `fn(rank, *args)` and returns the per-rank results (anything picklable) in rank order. An
 exception on any rank is re-raised here with that rank's traceback; a rank that neither returns
 nor fails within `timeout` fails the test instead of hanging it.
+
+Ranks fork from one server process that imported torch and the package once per session
+(`multiprocessing`'s forkserver): a spawned rank paid seconds of imports each, dozens of times a
+suite. Each rank still starts from that clean server (never from pytest's process, whose threads and
+state a plain fork would copy) and takes the caller's environment as it is at the call. NCCL worlds
+keep a fresh interpreter per rank (`spawn`): nothing CUDA-related is shared with a server.
 """
 from __future__ import annotations
 
@@ -23,10 +29,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PRELOAD = ["torch", "torch.distributed", "megatron_rollout.distributed", "megatron_rollout.engine",
+           "megatron_rollout.model.transformer", "tests.world"]
+"""What the fork server imports once; anything else a rank imports as a spawned one would."""
+
+
+def context(backend: str = "gloo"):
+    """The multiprocessing context a world's ranks start from (see the module docstring)."""
+    if backend == "nccl":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (first use); later calls change nothing
+    return ctx
+
+
 def _entry(rank: int, n: int, port: int, fn: Callable, args: tuple, queue, pg_timeout: float,
-           backend: str = "gloo") -> None:
+           backend: str = "gloo", env: dict[str, str] | None = None) -> None:
     import torch
 
+    if env is not None:  # the caller's environment now, not the fork server's from its start
+        os.environ.clear()
+        os.environ.update(env)
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n),
                       LOCAL_RANK=str(rank))
@@ -54,10 +77,11 @@ def run_world(fn: Callable, n: int, *args: Any, timeout: float = 120.0, pg_timeo
     """Results of `fn(rank, *args)` per rank. With `allow_errors`, a failing rank's entry is the
     error text (a str starting with the exception type) instead of raising. `backend="nccl"` joins
     the ranks over NCCL, one GPU each (what a Megatron optimizer's collectives on CUDA tensors need)."""
-    ctx = mp.get_context("spawn")
+    ctx = context(backend)
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, n, port, fn, args, queue, pg_timeout, backend), daemon=True)
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_entry, args=(r, n, port, fn, args, queue, pg_timeout, backend, env), daemon=True)
              for r in range(n)]
     for p in procs:
         p.start()
