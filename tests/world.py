@@ -17,6 +17,7 @@ import os
 import socket
 import traceback
 from datetime import timedelta
+from multiprocessing import reduction
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -30,8 +31,18 @@ def free_port() -> int:
 
 
 PRELOAD = ["torch", "torch.distributed", "megatron_rollout.distributed", "megatron_rollout.engine",
-           "megatron_rollout.model.transformer", "tests.world"]
-"""What the fork server imports once; anything else a rank imports as a spawned one would."""
+           "megatron_rollout.model.transformer", "tests.world",
+           "megatron.core.parallel_state", "megatron.core.models.gpt"]  # ~7 CPU-s, a dozen ranks use it
+"""What the fork server imports once (one that fails to import is left out); anything else a rank
+imports as a spawned one would."""
+
+
+class _CallerStdio:
+    """The caller's stdout and stderr as they are at the rank's start (during a test: pytest's capture
+    of that test), handed to a rank forked from the server, whose own are the server's."""
+
+    def __reduce__(self):  # runs while the rank is being started: the fds travel with it
+        return tuple, ([reduction.DupFd(1), reduction.DupFd(2)],)
 
 
 def context(backend: str = "gloo"):
@@ -44,12 +55,14 @@ def context(backend: str = "gloo"):
 
 
 def _entry(rank: int, n: int, port: int, fn: Callable, args: tuple, queue, pg_timeout: float,
-           backend: str = "gloo", env: dict[str, str] | None = None) -> None:
+           backend: str = "gloo", env: dict[str, str] | None = None, stdio: tuple | None = None) -> None:
     import torch
 
     if env is not None:  # the caller's environment now, not the fork server's from its start
         os.environ.clear()
         os.environ.update(env)
+    for fd, dup in zip((1, 2), stdio or ()):
+        os.dup2(dup.detach(), fd)
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n),
                       LOCAL_RANK=str(rank))
@@ -80,9 +93,9 @@ def run_world(fn: Callable, n: int, *args: Any, timeout: float = 120.0, pg_timeo
     ctx = context(backend)
     queue = ctx.Queue()
     port = free_port()
-    env = dict(os.environ)
-    procs = [ctx.Process(target=_entry, args=(r, n, port, fn, args, queue, pg_timeout, backend, env), daemon=True)
-             for r in range(n)]
+    env, stdio = dict(os.environ), _CallerStdio()
+    procs = [ctx.Process(target=_entry, args=(r, n, port, fn, args, queue, pg_timeout, backend, env, stdio),
+                         daemon=True) for r in range(n)]
     for p in procs:
         p.start()
     results: dict[int, tuple[str, Any]] = {}
