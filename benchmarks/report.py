@@ -81,8 +81,9 @@ def rollout(result: dict) -> str:
         lo = {k: min(p[k] for p in passes) for k in keys}
         hi = {k: max(p[k] for p in passes) for k in lo}
         chosen = (entry.get("chosen") or {}).get("max_num_batched_tokens")
-        label = (f"vLLM {vllm.get('vllm', '')}, its default ({num(chosen, 'd')})" if key == "default"
-                 else f"vLLM {vllm.get('vllm', '')} at {num(chosen, 'd')}")
+        budget, _, mode = str(key).partition("/")
+        label = (f"vLLM {vllm.get('vllm', '')}, its default ({num(chosen, 'd')})" if budget == "default"
+                 else f"vLLM {vllm.get('vllm', '')} at {num(chosen, 'd')}") + (", core in process" if mode else "")
         if str(key) == str(vllm.get("best_budget")):
             label += ": its best"
         rows.append(_rollout_row(label, "-", len(passes), entry.get("median") or {}, lo, hi, "-"))

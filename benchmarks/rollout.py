@@ -132,6 +132,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--vllm-budgets", default="default,best",
                     help="vLLM's max_num_batched_tokens: 'default' (its own) and/or 'best' (our best schedule's)")
     ap.add_argument("--vllm-passes", type=int, default=3)
+    ap.add_argument("--vllm-warmups", type=int, default=2, help="untimed vLLM passes before its timed ones")
+    ap.add_argument("--vllm-in-process", default="",
+                    help="budgets to run again with vLLM's engine core in process (as RL frameworks colocate it), "
+                         "after the own-process run; 'best' = the own-process run's best; '' = none")
     ap.add_argument("--vllm-reserve-s", type=float, default=250.0, help="time kept for the peer")
     ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=False, help="the transformers peer")
     ap.add_argument("--hf-budget-s", type=float, default=60.0)
@@ -662,10 +666,14 @@ def timed_stage(run: Run, result: dict, out: Path, trace: list, specs: list[tupl
 
 
 def vllm_stage(run: Run, result: dict, out: Path, trace: list, deadline_total: float) -> dict[str, Any]:
-    """The peer in its own process, on the trace file the replays used."""
+    """The peer on the trace file the replays used: vLLM's async engine with its core in its own process
+    at each of `--vllm-budgets`, then its in-process engine at each of `--vllm-in-process`. Each mode
+    runs in a process of its own, after ours has freed the GPU. A resumed run adds to the budgets an
+    earlier run measured (`--vllm-budgets ''` runs none of the own-process ones again)."""
     from megatron_rollout.trace.schema import write_trace
 
     args = run.args
+    earlier = result.get("vllm") or {}  # a resumed run keeps the peer's settings measured before
     trace_path = out / "trace.jsonl"
     write_trace(trace_path, trace)
     budgets = []
@@ -680,7 +688,7 @@ def vllm_stage(run: Run, result: dict, out: Path, trace: list, deadline_total: f
             budgets.append(b)
     remaining = deadline_total - time.perf_counter() - 10
     if remaining < 90:
-        return {"ran": False, "reason": f"only {remaining:.0f} s left of --deadline-s for the peer"}
+        return {**earlier, "reason": f"only {remaining:.0f} s left of --deadline-s for the peer"}
     env = dict(os.environ)
     from benchmarks.vllm_peer import ENV
 
@@ -688,20 +696,53 @@ def vllm_stage(run: Run, result: dict, out: Path, trace: list, deadline_total: f
     repo = str(Path(__file__).resolve().parents[2])
     site = [args.vllm_site, os.path.join(args.vllm_site, "nvidia_cutlass_dsl", "dsl_packages")]
     env["PYTHONPATH"] = os.pathsep.join([p for p in site if os.path.isdir(p)] + [repo, env.get("PYTHONPATH", "")])
-    log_path = out / "vllm.log"
+    peer = (_peer_process(args, env, out, trace_path, run.max_model_len, budgets, remaining, in_process=False)
+            if budgets else {k: v for k, v in earlier.items() if k != "budgets"})
+    peer["budgets"] = {**(earlier.get("budgets") or {}), **(peer.get("budgets") or {})}
+    own = _best_pass(peer["budgets"], in_process=False)
+    inproc = [(own or "default") if b.strip() == "best" else b.strip()
+              for b in args.vllm_in_process.split(",") if b.strip()]
+    left = deadline_total - time.perf_counter() - 10
+    if inproc and left >= 90:
+        colocated = _peer_process(args, env, out, trace_path, run.max_model_len, inproc, left, in_process=True)
+        peer["budgets"].update(colocated.get("budgets") or {})
+        peer.setdefault("vllm", colocated.get("vllm"))
+        peer["in_process"] = {k: colocated.get(k) for k in ("command", "exit", "wall_s", "error") if k in colocated}
+    elif inproc:
+        peer["in_process"] = {"error": f"only {left:.0f} s left of --deadline-s"}
+    best = _best_pass(peer["budgets"])
+    if best is not None:
+        entry = peer["budgets"][best]
+        peer.update(ran=True, best_budget=best, median=entry["median"], repeats=entry["passes"])
+    return peer
+
+
+def _best_pass(budgets: dict[str, Any], in_process: bool | None = None) -> str | None:
+    """The budget key with the shortest median makespan (own-process keys only, in-process only, or any)."""
+    timed = {k: e for k, e in budgets.items() if (e.get("median") or {}).get("makespan_s") is not None
+             and (in_process is None or k.endswith("/in-process") == in_process)}
+    return min(timed, key=lambda k: timed[k]["median"]["makespan_s"]) if timed else None
+
+
+def _peer_process(args, env: dict[str, str], out: Path, trace_path: Path, max_model_len: int, budgets: list[str],
+                  seconds: float, in_process: bool) -> dict[str, Any]:
+    """One `benchmarks.vllm_peer` process over `budgets`; its JSON with how it ran."""
+    name = "vllm-in-process" if in_process else "vllm"
+    log_path = out / f"{name}.log"
     cmd = [sys.executable, "-m", "benchmarks.vllm_peer", "--trace", str(trace_path),
-           "--out", str(out / "vllm.json"), "--model", args.model, "--seed", str(args.seed),
-           "--max-model-len", str(run.max_model_len), "--budgets", ",".join(dict.fromkeys(budgets)) or "default",
-           "--passes", str(args.vllm_passes), "--deadline-s", f"{remaining - 15:.0f}", "--log", str(log_path)]
+           "--out", str(out / f"{name}.json"), "--model", args.model, "--seed", str(args.seed),
+           "--max-model-len", str(max_model_len), "--budgets", ",".join(dict.fromkeys(budgets)) or "default",
+           "--passes", str(args.vllm_passes), "--warmups", str(args.vllm_warmups),
+           "--deadline-s", f"{seconds - 15:.0f}", "--log", str(log_path)] + (["--in-process"] if in_process else [])
     log.info("vLLM peer: %s", " ".join(cmd))
     t0 = time.perf_counter()
     with open(log_path, "w") as logf:
         try:
-            proc = subprocess.run(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, timeout=remaining)
+            proc = subprocess.run(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, timeout=seconds)
             code = proc.returncode
         except subprocess.TimeoutExpired:
             code = "timeout"
-    peer = json.loads((out / "vllm.json").read_text()) if (out / "vllm.json").exists() else {}
+    peer = json.loads((out / f"{name}.json").read_text()) if (out / f"{name}.json").exists() else {}
     peer.update(command=" ".join(cmd), exit=code, wall_s=time.perf_counter() - t0)
     if not peer.get("ran"):
         tail = log_path.read_text(errors="replace").splitlines()[-8:] if log_path.exists() else []

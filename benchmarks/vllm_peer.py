@@ -13,10 +13,13 @@ The replay is closed loop, with the rules of `trace.replay`: one coroutine per c
 sends the whole history (earlier turns' new ids and generated ids) plus its new ids, from
 `trace.make.input_ids` (the same ids our replay appends), greedy, forced to the trace's output
 length (`min_tokens = max_tokens`, `ignore_eos`). vLLM's prefix cache finds the history, as our
-sessions keep it. Per token budget (`--budgets`: `default` is vLLM's own): one warm-up pass over
-the whole trace (vLLM JIT-compiles during its first pass), then `--passes` timed passes, each
-after `reset_prefix_cache()`. The JSON is rewritten after every pass, so a killed run keeps what
-it measured; `--deadline-s` stops before a pass that would not fit.
+sessions keep it. Per token budget (`--budgets`: `default` is vLLM's own): `--warmups` untimed passes over the whole
+trace (vLLM JIT-compiles during its first pass), then `--passes` timed passes, each after
+`reset_prefix_cache()`. The JSON is rewritten after every pass, so a killed run keeps what it
+measured; `--deadline-s` stops before a pass that would not fit. `--in-process` runs vLLM the way RL
+frameworks colocate it with a trainer: `LLMEngine` with its engine core in this process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`), stepped by `closed_loop_stepped` (same replay rules); its
+budgets are keyed `<budget>/in-process`. One process runs one mode (the benchmark starts one per mode).
 
 The figures are the replay report's: makespan, p50/p99 request, p99 trajectory, mean/p99 TTFT,
 tokens/s; decode wait is not measured by vLLM (null). Left out: vLLM's own tuning knobs beyond
@@ -149,6 +152,77 @@ async def closed_loop(engine: AsyncGenerateEngine, requests: Sequence[TraceReque
     return start, records
 
 
+class _StepOutput(Protocol):
+    request_id: str
+    outputs: Sequence[_Delta]
+    finished: bool
+
+
+class SteppedEngine(Protocol):
+    """What the in-process driver needs of `LLMEngine` (vLLM without its engine-core process)."""
+
+    def add_request(self, request_id: str, prompt: Any, params: Any) -> Any: ...
+
+    def step(self) -> Sequence[_StepOutput]: ...
+
+
+def closed_loop_stepped(engine: SteppedEngine, requests: Sequence[TraceRequest],
+                        inputs: dict[ConversationId, list[list[int]]], make_prompt: Callable[[list[int]], Any],
+                        make_params: Callable[[int], Any], tag: str) -> tuple[float, list[TurnRecord]]:
+    """`closed_loop`'s replay on an engine the caller steps in its own thread, as an RL trainer that
+    keeps vLLM in process does: turns are added when due, `step()` runs while any is in flight, and
+    the host sleeps only while nothing is. Same rules and records as `closed_loop`."""
+    start = time.perf_counter()
+    records: list[TurnRecord] = []
+    conversations = group_conversations(requests)
+    history: dict[ConversationId, list[int]] = {key: [] for key in conversations}
+    due: list[tuple[float, int, ConversationId]] = [(start + turns[0].wait_ms / 1e3, 0, key)
+                                                    for key, turns in conversations.items()]
+    live: dict[str, tuple[ConversationId, int, float, list[float | None], list[int]]] = {}
+
+    def finish(key: ConversationId, k: int, arrival: float, first: float | None, generated: list[int],
+               error: str | None) -> None:
+        end = time.perf_counter()
+        records.append(TurnRecord(key, k, arrival, first, end, len(inputs[key][k]), len(history[key]),
+                                  len(generated), error))
+        if error is not None:
+            log.warning("conversation %r turn %d failed: %s", key, k, error)
+            return
+        history[key].extend(generated)
+        if k + 1 < len(conversations[key]):
+            due.append((end + conversations[key][k + 1].wait_ms / 1e3, k + 1, key))
+
+    while due or live:
+        now = time.perf_counter()
+        due.sort(key=lambda d: d[0])
+        while due and due[0][0] <= now:
+            _, k, key = due.pop(0)
+            history[key].extend(inputs[key][k])
+            rid, arrival = f"{tag}-{key}-{k}", time.perf_counter()
+            try:
+                params = make_params(conversations[key][k].output_tokens)
+                engine.add_request(rid, make_prompt(list(history[key])), params)
+            except Exception as exc:  # refused: the conversation ends here
+                finish(key, k, arrival, None, [], f"{type(exc).__name__}: {exc}")
+                continue
+            live[rid] = (key, k, arrival, [None], [])
+        if not live:
+            if due:
+                time.sleep(max(0.0, min(d[0] for d in due) - time.perf_counter()))
+            continue
+        for out in engine.step():
+            key, k, arrival, first, generated = live[out.request_id]
+            new = list(out.outputs[0].token_ids) if out.outputs else []
+            if new and first[0] is None:
+                first[0] = time.perf_counter()
+            generated.extend(new)
+            if out.finished:
+                del live[out.request_id]
+                finish(key, k, arrival, first[0], generated, None)
+    records.sort(key=lambda r: r.finish)
+    return start, records
+
+
 def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q, method="linear")) if values else None
 
@@ -215,24 +289,81 @@ def _vllm_choices(engine) -> dict[str, Any]:
     return out
 
 
-def _engine_args(model_dir: Path, max_model_len: int, budget: int | None, args):
-    from vllm.engine.arg_utils import AsyncEngineArgs
+def _engine_args(model_dir: Path, max_model_len: int, budget: int | None, args, in_process: bool = False):
+    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 
     kwargs = dict(model=str(model_dir), dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True,
                   generation_config="vllm", enable_prefix_caching=True, max_model_len=max_model_len,
                   seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization, disable_log_stats=True)
     if budget is not None:
         kwargs["max_num_batched_tokens"] = budget
-    return AsyncEngineArgs(**kwargs)
+    return (EngineArgs if in_process else AsyncEngineArgs)(**kwargs)
+
+
+def _sampling(n: int):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=False,
+                          output_kind=RequestOutputKind.DELTA)
+
+
+def _no_time_for(i: int, last: float | None, deadline: float, args, entry: dict[str, Any]) -> bool:
+    if last is not None and time.perf_counter() + 1.3 * last > deadline:
+        entry["stopped"] = f"deadline: {args.deadline_s:.0f} s would pass during pass {i}"
+        return True
+    return False
+
+
+def _record_pass(entry: dict[str, Any], i: int, rep: dict[str, Any], args) -> None:
+    """Passes before `args.warmups` warm vLLM up (it JIT-compiles during its first); the rest are timed."""
+    if i < args.warmups:
+        entry.setdefault("warmups", []).append(rep)
+    else:
+        entry["passes"].append(rep)
+        entry["median"] = median_report(entry["passes"])
+    log.info("vllm budget %s pass %d%s: makespan %.2f s", entry["budget"], i,
+             " (warm-up)" if i < args.warmups else "", rep["makespan_s"])
+
+
+def _run_budget_in_process(budget: int | None, model_dir: Path, requests: list[TraceRequest], inputs,
+                           max_model_len: int, args, deadline: float,
+                           write: Callable[[dict], None]) -> dict[str, Any]:
+    """One budget on `LLMEngine` in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set before vLLM is
+    imported), stepped by `closed_loop_stepped`: how RL frameworks colocate vLLM with their trainer."""
+    from vllm import TokensPrompt
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    entry: dict[str, Any] = {"budget": _key(budget, True), "passes": [], "in_process": True}
+    t0 = time.perf_counter()
+    engine = LLMEngine.from_engine_args(_engine_args(model_dir, max_model_len, budget, args, in_process=True))
+    entry["startup_s"] = time.perf_counter() - t0
+    entry["chosen"] = _vllm_choices(engine)
+    write(entry)
+    last = None
+    for i in range(args.warmups + args.passes):
+        if _no_time_for(i, last, deadline, args, entry):
+            break
+        engine.reset_prefix_cache()
+        t = time.perf_counter()
+        start, records = closed_loop_stepped(engine, requests, inputs, lambda ids: TokensPrompt(prompt_token_ids=ids),
+                                             _sampling, tag=f"i{budget}-p{i}")
+        last = time.perf_counter() - t
+        _record_pass(entry, i, report(start, records, len(requests)), args)
+        write(entry)
+    return entry
+
+
+def _key(budget: int | None, in_process: bool) -> str:
+    return f"{budget if budget is not None else 'default'}{'/in-process' if in_process else ''}"
 
 
 async def _run_budget(budget: int | None, model_dir: Path, requests: list[TraceRequest], inputs, max_model_len: int,
                       args, deadline: float, write: Callable[[dict], None]) -> dict[str, Any]:
-    from vllm import SamplingParams, TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
+    from vllm import TokensPrompt
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    entry: dict[str, Any] = {"budget": budget if budget is not None else "default", "passes": []}
+    entry: dict[str, Any] = {"budget": _key(budget, False), "passes": []}
     t0 = time.perf_counter()
     engine = AsyncLLM.from_engine_args(_engine_args(model_dir, max_model_len, budget, args))
     entry["startup_s"] = time.perf_counter() - t0
@@ -242,27 +373,16 @@ async def _run_budget(budget: int | None, model_dir: Path, requests: list[TraceR
     def prompt(ids: list[int]):
         return TokensPrompt(prompt_token_ids=ids)
 
-    def params(n: int):
-        return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=False,
-                              output_kind=RequestOutputKind.DELTA)
-
     try:
         last = None
-        for i in range(args.passes + 1):  # pass 0 warms up (vLLM compiles during its first pass)
-            if last is not None and time.perf_counter() + 1.3 * last > deadline:
-                entry["stopped"] = f"deadline: {args.deadline_s:.0f} s would pass during pass {i}"
+        for i in range(args.warmups + args.passes):
+            if _no_time_for(i, last, deadline, args, entry):
                 break
             await engine.reset_prefix_cache()
             t = time.perf_counter()
-            start, records = await closed_loop(engine, requests, inputs, prompt, params, tag=f"b{budget}-p{i}")
+            start, records = await closed_loop(engine, requests, inputs, prompt, _sampling, tag=f"b{budget}-p{i}")
             last = time.perf_counter() - t
-            rep = report(start, records, len(requests))
-            if i == 0:
-                entry["warmup"] = rep
-            else:
-                entry["passes"].append(rep)
-                entry["median"] = median_report(entry["passes"])
-            log.info("vllm budget %s pass %d: makespan %.2f s", entry["budget"], i, rep["makespan_s"])
+            _record_pass(entry, i, report(start, records, len(requests)), args)
             write(entry)
     finally:
         engine.shutdown()
@@ -284,7 +404,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="input token ids (as the benchmark's --seed)")
     ap.add_argument("--max-model-len", type=int, default=None, help="default: the preset's, or the trace's context")
     ap.add_argument("--budgets", default="default", help="comma-separated max_num_batched_tokens; 'default' = vLLM's")
-    ap.add_argument("--passes", type=int, default=3, help="timed passes per budget (after one warm-up pass)")
+    ap.add_argument("--passes", type=int, default=3, help="timed passes per budget (after the warm-up passes)")
+    ap.add_argument("--warmups", type=int, default=2, help="untimed passes first (vLLM JIT-compiles during its first)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="vLLM's engine core in this process (LLMEngine, VLLM_ENABLE_V1_MULTIPROCESSING=0), stepped by "
+                         "the replay's own loop, as RL frameworks colocate it; default: AsyncLLM, its core apart")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--deadline-s", type=float, default=480.0, help="stop before a pass that would end later")
     ap.add_argument("--log", default=None, help="vLLM's log file (read back for its backend choices)")
@@ -297,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     for key, value in ENV.items():
         os.environ.setdefault(key, value)
+    if args.in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     deadline = time.perf_counter() + args.deadline_s
     cfg = PRESETS[args.model]
     requests = load_trace(args.trace)
@@ -332,15 +458,18 @@ def main(argv: list[str] | None = None) -> int:
 
     budgets = [None if b.strip() == "default" else int(b) for b in args.budgets.split(",") if b.strip()]
     for budget in dict.fromkeys(budgets):
+        key = _key(budget, args.in_process)
         if time.perf_counter() + 90 > deadline:  # a start-up alone takes about a minute
-            result.setdefault("skipped_budgets", []).append(budget or "default")
+            result.setdefault("skipped_budgets", []).append(key)
             continue
         try:
-            asyncio.run(_run_budget(budget, model_dir, requests, inputs, max_model_len, args, deadline, write))
+            if args.in_process:
+                _run_budget_in_process(budget, model_dir, requests, inputs, max_model_len, args, deadline, write)
+            else:
+                asyncio.run(_run_budget(budget, model_dir, requests, inputs, max_model_len, args, deadline, write))
         except Exception as exc:  # one budget failing must not lose the others
-            log.exception("vLLM at budget %s failed", budget)
-            result["budgets"][str(budget or "default")] = {"budget": budget or "default",
-                                                          "error": f"{type(exc).__name__}: {exc}"}
+            log.exception("vLLM at budget %s failed", key)
+            result["budgets"][key] = {"budget": key, "error": f"{type(exc).__name__}: {exc}"}
         write()
     write()
     return 0 if result.get("ran") else 1

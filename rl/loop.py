@@ -254,8 +254,9 @@ class GRPORun:
         local = place.rollout(self.engine, episodes, self.rollout_cfg)
         rollout_peak = self._peak_gib()
         ts = time.perf_counter()
-        freed = [r["allocated_bytes"] for r in sleep(self.engine, cfg.sleep_tags)["tags"].values()
-                 if r["allocated_bytes"] is not None]  # measured on CUDA only
+        slept = sleep(self.engine, cfg.sleep_tags)
+        # the device's free bytes (CUDA only): address-stable memory is the driver's, not torch's
+        freed = None if slept["before"] is None else slept["after"]["free"] - slept["before"]["free"]
         sleep_s = time.perf_counter() - ts
         asleep_gib = torch.cuda.memory_allocated() / 2**30 if self.cuda else None
         mine = local.result
@@ -299,12 +300,13 @@ class GRPORun:
                 "update_weights_s": max(t[2] for t in times), "sleep_s": max(t[3] for t in times),
                 "wake_s": max(t[4] for t in times), "weights": self._weights_mode,
                 "rollout_peak_gib": rollout_peak, "train_peak_gib": train_peak, "asleep_gib": asleep_gib,
-                "sleep_freed_gib": sum(freed) / 2**30 if freed else None,
+                "sleep_freed_gib": None if freed is None else freed / 2**30,
                 "peak_gpu_mem_gib": max(rollout_peak, train_peak) if self.cuda else None}
 
     def sync_weights(self) -> int:
-        """The trainer's weights into the engine as the next version (on a shared store, each tensor
-        copied onto itself: only the version moves); returns that version."""
+        """The trainer's weights into the engine as the next version (sharing the trainer's storage,
+        the engine copies and checks nothing: each tensor is its own parameter, only the version
+        moves); returns that version."""
         version = self.engine.weight_version + 1
         self.engine.update_weights(self.trainer.named_weights(), version)
         return version

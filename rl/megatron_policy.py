@@ -7,12 +7,15 @@ Transformer Engine layer spec where TE imports and a GPU is there (the local spe
 the native model's seeded random init so that both trainers start from the same weights; Megatron's
 `DistributedDataParallel` wrapper and `get_megatron_optimizer` (Adam, fp32 main weights for a bf16
 model), or a torch AdamW over the parameters; the `MegatronTrainer`; and the engine,
-`RolloutEngine.from_megatron(gpt)`. The engine reads the trainer's parameter storage where its runner
-keeps the weights where they lie (`weights: share`, or `auto` where it can), so an optimizer step is
-what the next rollout serves; otherwise (`weights: copy`, or `auto` where the runner re-lays them,
-e.g. the CUDA runner's stacked experts) it holds a copy that the loop's `update_weights` refreshes
-every step. Either way the loop calls `update_weights` with the trainer's tensors each step: a copy,
-or (shared) a copy of each tensor onto itself that moves the weight version.
+`RolloutEngine.from_megatron(gpt)`. The engine reads the trainer's parameter storage (`weights: share`,
+or `auto` where `megatron_bridge.sharing_obstacle` finds nothing: a bf16 model's fp32 norms are read
+as they are, its routed experts moved into the stacks the CUDA runner's kernels and the trainer both
+use), so an optimizer step is what the next rollout serves, decode graphs included; otherwise
+(`weights: copy`, or `auto` where sharing cannot be, e.g. experts inside a distributed optimizer's
+buffer) it holds a copy that the loop's `update_weights` refreshes every step. Either way the loop
+calls `update_weights` with the trainer's tensors each step: a copy, or (shared) nothing but the
+weight version moving (each tensor is the engine's own parameter: `WeightStore` neither checks nor
+copies it), so the per-step `update_weights_s` of a shared run is the name checks alone.
 
 Left out: several processes (data, tensor or expert parallel trainers: `rl.megatron_trainer` holds
 the gather, the loop does not wire it), pipeline parallelism, learning-rate schedules, and
@@ -53,8 +56,8 @@ class MegatronOptions:
     """megatron (`get_megatron_optimizer` over the model in Megatron's DDP wrapper; CUDA only) |
     torch (AdamW over the parameters; float32 only: it keeps no fp32 copy of bf16 weights)."""
     weights: str = "auto"
-    """share (the engine reads the trainer's tensors; an error where the runner cannot) | copy (the
-    engine's own copy, refreshed every step) | auto (share where the runner can, else copy)."""
+    """share (the engine reads the trainer's tensors; an error, with the reason, where it cannot) |
+    copy (the engine's own copy, refreshed every step) | auto (share where it can, else copy)."""
     dtype: str = "bfloat16"
     """Parameter dtype of the trainer and the engine (the preset's dtype is replaced): bfloat16 |
     float32. The CUDA runner's decode graphs need bfloat16 experts."""
@@ -179,12 +182,6 @@ def build_megatron_policy(model_cfg: ModelConfig, opts: MegatronOptions, engine_
 
 
 def _engine(gpt: Any, config: EngineConfig, weights: str) -> tuple[RolloutEngine, bool]:
-    if weights != "auto":
-        return RolloutEngine.from_megatron(gpt, config, share_storage=weights == "share"), weights == "share"
-    try:
-        return RolloutEngine.from_megatron(gpt, config, share_storage=True), True
-    except ValueError as exc:  # the runner re-lays the weights (or the layouts differ): a copy
-        log.info("the engine copies the trainer's weights: %s", exc)
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # the first engine's KV cache
-    return RolloutEngine.from_megatron(gpt, config, share_storage=False), False
+    share = {"share": True, "copy": False, "auto": None}[weights]  # None: share where it can (logs why not)
+    engine = RolloutEngine.from_megatron(gpt, config, share_storage=share)
+    return engine, engine.weights.shared

@@ -23,7 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS: list[tuple[str, ...]] = [
-    ("megatron_rollout.types", "megatron_rollout.forward", "megatron_rollout.tokenizer"),  # the ground floor
+    ("megatron_rollout.types", "megatron_rollout.forward", "megatron_rollout.tokenizer",
+     "megatron_rollout.vmm"),  # the ground floor
     ("megatron_rollout.comm",),  # phase-owned communicators, dispatch domains, collective sites
     ("megatron_rollout.model",),  # the native MoE transformer (calls only the comm facade)
     ("megatron_rollout.kv",),  # paged KV store and block pool (an AttentionBackend of the model)

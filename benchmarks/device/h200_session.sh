@@ -65,6 +65,31 @@ for stage in "$@"; do
         --out "/tmp/res/$stage" > "/tmp/res/$stage.log" 2>&1
       tail -24 "/tmp/res/$stage.log"; cp "/tmp/res/$stage/rollout.json" "$OUT/$stage.json"
       python3 -m benchmarks.plot "$OUT/$stage.json" "$OUT/$stage.png" ;;
+    target)  # issue 33's targets on the prefill profile (CONV conversations, 64 by default): our schedules at
+      # both budgets, 2 interleaved warm repeats, the breakdown in the JSON; the peer comes in `peer`
+      cd /tmp/run
+      n=${CONV:-64}
+      bench --profile prefill --conversations "$n" --budgets "${BUDGETS:-8192,16384}" \
+        --schedules "${SCHEDULES:-off,chunked,mux,mux+longest-context}" --no-ablation --repeats 2 --no-vllm \
+        --deadline-s "${DEADLINE:-560}" --schedule-budget-s 90 --out "/tmp/res/target$n" > "/tmp/res/target$n.log" 2>&1
+      tail -24 "/tmp/res/target$n.log"; cp "/tmp/res/target$n/rollout.json" "$OUT/target$n.json"
+      python3 -m benchmarks.plot "$OUT/target$n.json" "$OUT/target$n.png" ;;
+    peer|peerin)  # vLLM on `target`'s trace (its folder in /tmp/res, or carried back as .res/targetN): `peer` at
+      # its default, 8,192 and 16,384 with its core in its own process; `peerin` at its best of those with
+      # the core in process (as RL frameworks colocate it); 2 warm-up passes, 2 timed
+      mkdir -p /tmp/pv/site
+      [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.0* | xz -dc -T8 | tar -x -C /tmp/pv/site)
+      cd /tmp/run
+      n=${CONV:-64}
+      [ -d "/tmp/res/target$n" ] || cp -r "$OLDPWD/.res/target$n" /tmp/res/
+      if [ "$stage" = peer ]; then modes="--vllm-budgets ${VLLM_BUDGETS:-default,8192,16384}"
+      else modes="--vllm-budgets '' --vllm-in-process ${VLLM_INPROC:-best}"; fi
+      eval bench --profile prefill --conversations "$n" --resume "/tmp/res/target$n" --vllm --vllm-site /tmp/pv/site \
+        $modes --vllm-passes 2 --vllm-warmups 2 --deadline-s "${DEADLINE:-570}" --vllm-reserve-s "${DEADLINE:-570}" \
+        > "/tmp/res/$stage$n.log" 2>&1
+      tail -14 "/tmp/res/$stage$n.log"; cp "/tmp/res/target$n/rollout.json" "$OUT/target$n.json"
+      cp /tmp/res/target$n/vllm*.log "$OUT/" 2>/dev/null
+      python3 -m benchmarks.plot "$OUT/target$n.json" "$OUT/target$n.png" ;;
     p48)  # the full 48-layer preset on the prefill profile: off and mux, one budget, one repeat
       cd /tmp/run
       bench --model qwen3-30b-a3b --profile prefill --conversations 6 --schedules off,mux --no-ablation \

@@ -28,6 +28,7 @@ from megatron_rollout.multiplex.policy import (
     WaitBudgetConfig,
 )
 from megatron_rollout.runner.config import RunnerConfig
+from megatron_rollout.vmm import STABLE_MODES
 
 DEFAULT_NUM_BLOCKS = 1024
 """KV blocks per rank when nobody says otherwise (the CLI's `--num-blocks` default too)."""
@@ -80,10 +81,18 @@ class KVConfig:
     """KV blocks in the pool (per rank)."""
     prefix_caching: bool = True
     """Reuse computed full blocks of identical prefixes (GRPO groups share their prompt)."""
+    stable_memory: str = "auto"
+    """K and V in address-stable memory (`vmm.StableBuffer`), so `engine.sleep(tags=["kv"])` keeps the
+    captured graphs; the engine's weight copy moves there too at its first sleep (`weights.offload`).
+    "auto" where the device and driver allow it (CUDA with virtual memory management), "on" (an
+    error where they do not), "off" (plain tensors: what sleeps is freed, and the graphs over it
+    with it)."""
 
     def __post_init__(self) -> None:
         if type(self.num_blocks) is not int or self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive int, got {self.num_blocks!r}")
+        if self.stable_memory not in STABLE_MODES:
+            raise ValueError(f"KVConfig.stable_memory must be one of {STABLE_MODES}, got {self.stable_memory!r}")
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,7 @@ from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.runner.config import FP8_MODES, TE_FP8_MODES
 from megatron_rollout.runner.cuda import make_runner
 from megatron_rollout.types import Axis
+from megatron_rollout.vmm import stable_wanted
 from megatron_rollout.weights.store import WeightStore, WeightVersionError
 from megatron_rollout.weights.vote import Decision, UpdateGate, Verdict, Vote, WeightVoteTimeout, decide
 
@@ -112,7 +113,8 @@ class RolloutEngine:
             fp8.quantize_model_fp8(model, block=FP8_MODES[c.runner.fp8])
         runner = c.runner if c.speculative is None or c.runner.kind != "auto" else \
             dataclasses.replace(c.runner, kind="eager")  # drafting runs on the portable runner (engine.drafting)
-        self.runner = make_runner(model, PagedKVCache(*self._kv_shape, device=model.device), runner)
+        stable = stable_wanted(c.kv.stable_memory, model.device)  # KV that sleeps without dropping graphs
+        self.runner = make_runner(model, PagedKVCache(*self._kv_shape, device=model.device, stable=stable), runner)
         if c.speculative is None:
             self.executor = StepExecutor(self.table, self.runner, self.weights, self.stats, c.seed, timeline, rank)
         else:
@@ -131,7 +133,8 @@ class RolloutEngine:
         self._lock = self._gate.lock  # held by every step and every change (module docstring)
         self._vote: Vote | None = None  # this rank's side of the weight update in progress
         self.memory = EngineMemory(self.runner, self.table, self.weights,
-                                   lambda: PagedKVCache(*self._kv_shape, device=model.device), self._stop_ahead)
+                                   lambda: PagedKVCache(*self._kv_shape, device=model.device, stable=stable),
+                                   self._stop_ahead, stable)
 
     @classmethod
     def from_megatron(cls, gpt, config: EngineConfig | None = None, share_storage: bool | None = None
@@ -139,14 +142,17 @@ class RolloutEngine:
         """A single-rank engine over an in-process Megatron-core `GPTModel` (local or Transformer Engine
         spec), its architecture read from the GPTModel's `TransformerConfig`. Where the layouts match
         (TP = EP = 1) the engine's parameters are the trainer's tensors (`share_storage`, the default
-        there): in-place optimizer steps are served with no `update_weights`. Otherwise (or with
-        `share_storage=False`) the weights are copied, gathered over the trainer's groups where it is
-        sharded (a collective). See `weights.megatron_bridge`."""
-        from megatron_rollout.weights.megatron_bridge import layouts_match, native_from_megatron, shares_storage
+        there; the trainer's routed experts are moved into the stacks the CUDA runner's kernels read):
+        in-place optimizer steps are served with no `update_weights`, by decode graphs too. Otherwise
+        (or with `share_storage=False`) the weights are copied, gathered over the trainer's groups
+        where it is sharded (a collective). `engine.weights.shared` says which. See
+        `weights.megatron_bridge`."""
+        from megatron_rollout.weights.megatron_bridge import native_from_megatron, shares_storage
 
-        engine = cls(native_from_megatron(gpt, share_storage), config)
-        sharing = layouts_match(gpt) if share_storage is None else share_storage
-        if sharing and not shares_storage(engine.model, gpt):  # e.g. the CUDA runner stacks the experts (a copy)
+        model = native_from_megatron(gpt, share_storage)
+        sharing = shares_storage(model, gpt)
+        engine = cls(model, config)
+        if sharing and not shares_storage(engine.model, gpt):  # a runner that re-lays the weights: a copy
             raise ValueError(f"runner {type(engine.runner).__name__} re-laid the weights out of the trainer's "
                              "storage; pass share_storage=False to copy them, or RunnerConfig(kind='eager')")
         engine.weights.shared = sharing  # sleep(tags=["weights"]) must not free the trainer's own tensors

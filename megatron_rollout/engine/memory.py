@@ -5,28 +5,37 @@ steps, the engine gives back what it holds, one tag at a time, and takes it agai
 next rollout:
 
 - `kv`: the paged KV tensors. The block pool is emptied with them: sessions keep their tokens and
-  recompute their KV on their next turn. On wake, new tensors of the same shape.
+  recompute their KV on their next turn. Two paths (the report's `path` says which ran):
+  `vmm` where the cache is address-stable (`KVConfig.stable_memory`, CUDA with the driver's virtual
+  memory management: `vmm.StableBuffer`): its physical memory goes back to the driver and comes
+  back, zero-filled, at the same addresses, so the graphs over it stay captured; `reallocate`
+  elsewhere (CPU, a driver without VMM, `stable_memory="off"`): the tensors are dropped, and new
+  ones of the same shape allocated on wake.
 - `graphs`: the runner's captured CUDA graphs (decode and piecewise prefill buckets) and their
   memory pools. On wake, one rank captures again the buckets it held; many ranks capture
   collectively at their first decode step, as after construction (`Runner.restore_graphs`).
-- `weights`: every storage under the engine's parameters is copied to host memory (pinned on
-  CUDA, in 1 GiB chunks: `HostBytes`) and resized to zero bytes; on wake it is allocated again and
-  copied back, bit for bit.
-  Resizing the storages, rather than re-pointing the parameters, keeps every view a view (the
-  CUDA runner's stacked experts). An engine over the trainer's own tensors (`from_megatron`
-  sharing storage, `WeightStore.bind`) holds no copy: nothing is moved, and the report says so.
+- `weights`: the engine's weight copy goes to pinned host memory and comes back bit for bit
+  (`weights.offload`). Two paths: `vmm` where the memory is address-stable (the same condition as
+  the KV's): the first sleep moves the weights into one `StableBuffer` (new addresses, once), and
+  every sleep releases its memory to the driver, every wake maps it again at the same addresses;
+  `offload` elsewhere, or where the move is refused (a holder of the weights outside the model:
+  the note says which): the storages are emptied and re-allocated at new addresses. An engine over
+  the trainer's own tensors (`from_megatron` sharing storage, `WeightStore.bind`) holds no copy:
+  nothing is moved, and the report says so.
 
 Graphs read the addresses of the KV and of the weights, and re-allocated memory has new ones: so
-sleeping `kv` or `weights` sleeps `graphs` too, and `graphs` wake with the call that leaves both
-awake. Every call returns a report (`TagReport` per tag, as a dict): whether the tag changed, the
-bytes of the tensors freed or re-taken, and on CUDA the change of `memory_allocated` and
-`memory_reserved` around that tag's work (freed blocks returned to the driver first).
+sleeping `kv` on the `reallocate` path, or `weights` on the `offload` path or at their first `vmm`
+sleep (the move), sleeps `graphs` too, and `graphs` wake with the call that leaves both awake.
+Graphs may not wake while the KV sleeps on either path (their capture runs forwards over it).
+Every call returns a report (`TagReport` per tag, as a dict): whether the tag changed and by which
+path, the bytes of the tensors freed or re-taken, and on CUDA the change of `memory_allocated` and
+`memory_reserved` around that tag's work (freed blocks returned to the driver first), and the
+device's free bytes before and after the call.
 
 This module holds the state (which tags sleep, the host copies) and moves the memory; the engine
 decides when it may (no request in flight) and refuses to generate while any tag sleeps.
-Left out: address-stable device memory (a virtual-memory allocator, as vLLM's and SGLang's
-memory savers use), which would keep captured graphs valid without capturing them again; the
-comm's dispatch buffers; FP8 and Transformer Engine copies derived from the weights (they stay);
+Left out: the comm's dispatch buffers and the graphs' pools on the `vmm` path (they stay unless
+`graphs` is asked for); FP8 and Transformer Engine copies derived from the weights (they stay);
 giving back pinned host memory (torch's host allocator keeps it after the wake, for the next sleep).
 """
 from __future__ import annotations
@@ -34,17 +43,16 @@ from __future__ import annotations
 import dataclasses
 import enum
 import gc
-import itertools
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from megatron_rollout.engine.bookkeeping import RequestTable
 from megatron_rollout.kv.paged import PagedKVCache
 from megatron_rollout.runner.base import CapturedGraphs, Runner
+from megatron_rollout.weights.offload import StableWeights, WeightOffload
 from megatron_rollout.weights.store import WeightStore
 
 
@@ -112,8 +120,12 @@ class TagReport:
     allocated_bytes: int | None
     """CUDA: how much `memory_allocated` fell (sleep) or rose (wake) around this tag; None elsewhere."""
     reserved_bytes: int | None
-    """CUDA: the same for `memory_reserved`, after `empty_cache`."""
+    """CUDA: the same for `memory_reserved`, after `empty_cache` (memory released on the `vmm` path is
+    not torch's: it shows in `DeviceMemory.free` only)."""
     note: str
+    path: str | None = None
+    """How the memory moved: "vmm" (physical memory released and re-mapped at the same addresses),
+    "reallocate" (freed, allocated anew), "offload" (copied to the host and back); None: nothing moved."""
 
 
 @dataclass(frozen=True)
@@ -123,15 +135,16 @@ class _Moved:
     changed: bool
     tensor_bytes: int = 0
     note: str = ""
+    path: str | None = None
 
 
 def _measured(moved: _Moved, before: DeviceMemory | None, after: DeviceMemory | None, freed: bool) -> TagReport:
     """`moved` with the device's change around it: bytes freed (`freed`) or taken."""
     if before is None or after is None:
-        return TagReport(moved.changed, moved.tensor_bytes, None, None, moved.note)
+        return TagReport(moved.changed, moved.tensor_bytes, None, None, moved.note, moved.path)
     sign = 1 if freed else -1
     return TagReport(moved.changed, moved.tensor_bytes, sign * (before.allocated - after.allocated),
-                     sign * (before.reserved - after.reserved), moved.note)
+                     sign * (before.reserved - after.reserved), moved.note, moved.path)
 
 
 def _kv_bytes(cache: PagedKVCache | None) -> int:
@@ -140,92 +153,12 @@ def _kv_bytes(cache: PagedKVCache | None) -> int:
     return cache.k.nbytes + (cache.v.nbytes if cache.v is not cache.k else 0)  # MLA: one tensor is both
 
 
-def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A uint8 tensor over the whole storage (a view, no copy)."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-class HostBytes:
-    """`nbytes` of host memory as chunks of `CHUNK` bytes, pinned on CUDA hosts. The pinned allocator
-    rounds every allocation up to a power of two: one buffer per storage, or one for all of them,
-    could take up to twice the bytes; chunks waste less than one chunk."""
-
-    CHUNK = 1 << 30
-
-    def __init__(self, nbytes: int, pinned: bool) -> None:
-        self.nbytes = nbytes
-        self.chunks = [torch.empty(min(self.CHUNK, nbytes - at), dtype=torch.uint8, pin_memory=pinned)
-                       for at in range(0, nbytes, self.CHUNK)]
-
-    def pieces(self, offset: int, length: int) -> Iterator[tuple[int, torch.Tensor]]:
-        """The host bytes [offset, offset + length) in pieces: (position in the range, bytes)."""
-        pos = 0
-        while pos < length:
-            chunk, at = divmod(offset + pos, self.CHUNK)
-            n = min(length - pos, self.CHUNK - at)
-            yield pos, self.chunks[chunk][at:at + n]
-            pos += n
-
-
-class WeightOffload:
-    """The storages under a model's parameters and buffers, moved to host memory and back."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self._held: list[tuple[torch.UntypedStorage, int]] = []  # emptied, and their sizes, in `_host`'s order
-        self._host: HostBytes | None = None
-
-    def storages(self) -> list[torch.UntypedStorage]:
-        """Each non-empty storage once (tied weights and stacked experts share one)."""
-        seen, out = set(), []
-        for t in itertools.chain(self.model.parameters(), self.model.buffers()):
-            storage = t.untyped_storage()
-            if storage.nbytes() and storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                out.append(storage)
-        return out
-
-    def offload(self) -> int:
-        """Copy every storage to the host, then empty it on the device; the bytes moved."""
-        storages = self.storages()
-        sizes = [s.nbytes() for s in storages]
-        host = HostBytes(sum(sizes), pinned=any(s.device.type == "cuda" for s in storages))
-        for storage, offset, size in zip(storages, itertools.accumulate([0] + sizes), sizes):
-            device = _as_bytes(storage)
-            for pos, piece in host.pieces(offset, size):
-                piece.copy_(device[pos:pos + piece.numel()], non_blocking=True)
-        _synchronize(storages)  # every copy has landed before its source is freed
-        for storage in storages:
-            storage.resize_(0)
-        self._held, self._host = list(zip(storages, sizes)), host
-        return host.nbytes
-
-    def restore(self) -> int:
-        """Allocate every storage again and copy its bytes back; the bytes moved."""
-        host, offset = self._host, 0
-        if host is None:
-            return 0
-        for storage, size in self._held:
-            storage.resize_(size)
-            device = _as_bytes(storage)
-            for pos, piece in host.pieces(offset, size):
-                device[pos:pos + piece.numel()].copy_(piece, non_blocking=True)
-            offset += size
-        _synchronize(s for s, _ in self._held)  # the host bytes may be dropped once these copies have landed
-        self._held, self._host = [], None
-        return host.nbytes
-
-def _synchronize(storages: Iterable[torch.UntypedStorage]) -> None:
-    for device in {s.device for s in storages if s.device.type == "cuda"}:
-        torch.cuda.synchronize(device)
-
-
 class EngineMemory:
     """Which tags sleep, and the moves that put them to sleep and wake them (module docstring).
     The engine calls it under its lock, with no request in flight."""
 
     def __init__(self, runner: Runner, table: RequestTable, weights: WeightStore,
-                 new_cache: Callable[[], PagedKVCache], before_sleep: Callable[[], None]) -> None:
+                 new_cache: Callable[[], PagedKVCache], before_sleep: Callable[[], None], stable: bool = False) -> None:
         self.runner, self.table, self.weights = runner, table, weights
         self.new_cache = new_cache
         """A fresh KV cache of the engine's shape, on its device."""
@@ -234,12 +167,17 @@ class EngineMemory:
         self.device = weights.model.device
         self.asleep: set[Tag] = set()
         self._offload = WeightOffload(weights.model)
+        self._stable_weights = StableWeights(weights.model) if stable else None
+        """The `vmm` path of the weights; None where memory is not address-stable or the move was refused."""
         self._graphs = CapturedGraphs()
+        self.kv_stable = runner.cache is not None and runner.cache.memory is not None
+        """The KV cache is address-stable: it sleeps and wakes under the graphs (the `vmm` path)."""
 
     def sleep(self, tags: str | Iterable[str] | None = None) -> dict:
         asked = parse_tags(tags)
         todo = set(asked)
-        if Tag.KV in asked or (Tag.WEIGHTS in asked and not self.weights.shared):
+        weights_stay = self.weights.shared or (self._stable_weights is not None and self._stable_weights.moved)
+        if (Tag.KV in asked and not self.kv_stable) or (Tag.WEIGHTS in asked and not weights_stay):
             todo.add(Tag.GRAPHS)  # they read the addresses being freed
         self.before_sleep()
         return self._run("sleep", [t for t in (Tag.GRAPHS, Tag.KV, Tag.WEIGHTS) if t in todo], asked)
@@ -283,15 +221,25 @@ class EngineMemory:
 
     # -- the moves ---------------------------------------------------------------------------
     def _sleep_kv(self) -> _Moved:
-        nbytes = _kv_bytes(self.runner.cache)
+        cache = self.runner.cache
+        nbytes = _kv_bytes(cache)
         self.table.evict_all()
         self.table.new_pool()  # cached prefixes point into the K/V being freed
+        if self.kv_stable:
+            cache.release()
+            return _Moved(True, nbytes, "KV cache's memory released to the driver at kept addresses (graphs stay); "
+                                        "sessions recompute their KV on their next turn", "vmm")
         self.runner.cache = None
-        return _Moved(True, nbytes, "KV cache freed; sessions recompute their KV on their next turn")
+        return _Moved(True, nbytes, "KV cache freed; sessions recompute their KV on their next turn", "reallocate")
 
     def _wake_kv(self) -> _Moved:
+        if self.kv_stable:
+            cache = self.runner.cache
+            cache.restore()  # on failure (out of memory) the KV stays asleep, released: wake_up may be retried
+            return _Moved(True, _kv_bytes(cache), f"KV cache mapped again at its addresses ({cache.num_blocks} "
+                                                  f"blocks, zero-filled)", "vmm")
         cache = self.runner.cache = self.new_cache()
-        return _Moved(True, _kv_bytes(cache), f"KV cache allocated ({cache.num_blocks} blocks)")
+        return _Moved(True, _kv_bytes(cache), f"KV cache allocated ({cache.num_blocks} blocks)", "reallocate")
 
     def _sleep_graphs(self) -> _Moved:
         self._graphs = self.runner.release_graphs()
@@ -305,11 +253,25 @@ class EngineMemory:
         if self.weights.shared:
             return _Moved(False, note="the engine's parameters are the trainer's own tensors (shared storage): "
                                       "there is no copy to offload")
-        pinned = " (pinned)" if self.device.type == "cuda" else ""
-        return _Moved(True, self._offload.offload(), f"weights offloaded to host memory{pinned}")
+        pinned, why = " (pinned)" if self.device.type == "cuda" else "", ""
+        if self._stable_weights is not None:
+            first = not self._stable_weights.moved
+            try:
+                nbytes = self._stable_weights.offload()
+            except ValueError as exc:  # refused before anything moved: this engine keeps the offload path
+                self._stable_weights, why = None, f" ({exc}; graphs follow the weights)"
+            else:
+                how = "moved into address-stable memory (new addresses, once: graphs captured again on wake)" \
+                    if first else "addresses kept: graphs stay"
+                return _Moved(True, nbytes, f"weights copied to host memory{pinned}, device memory released; {how}",
+                              "vmm")
+        return _Moved(True, self._offload.offload(), f"weights offloaded to host memory{pinned}{why}", "offload")
 
     def _wake_weights(self) -> _Moved:
-        return _Moved(True, self._offload.restore(), "weights copied back from host memory")
+        if self._stable_weights is not None:  # on failure (out of memory) they stay offloaded: wake_up may be retried
+            return _Moved(True, self._stable_weights.restore(), "weights mapped at their addresses and copied back "
+                                                                "from host memory", "vmm")
+        return _Moved(True, self._offload.restore(), "weights copied back from host memory", "offload")
 
     _SLEEP: dict[Tag, Callable[["EngineMemory"], _Moved]] = {
         Tag.KV: _sleep_kv, Tag.GRAPHS: _sleep_graphs, Tag.WEIGHTS: _sleep_weights}

@@ -5,7 +5,8 @@ Why: at decode sizes a layer's GEMMs are short and the step is dominated by smal
 renormalisation about eight, the residual adds): ~0.2 ms per layer inside a CUDA graph at batch 1.
 Four kernels replace them, one launch each:
 
-- `rmsnorm`: `weight * (x.float() * rsqrt(mean(x^2) + eps)).to(dtype)` per row;
+- `rmsnorm`: `weight * (x.float() * rsqrt(mean(x^2) + eps)).to(dtype)` per row (an fp32 weight, a
+  Megatron trainer's norm shared as it is: the fp32 product, rounded once, as `ModelOps.rmsnorm`);
 - `add_rmsnorm`: `h = h + delta` and `rmsnorm(h)` in one pass (between attention and MLP, and
   between layers: the model carries each layer's MLP output to the next layer's norm);
 - `qkv_norm_rope`: from the QKV projection's per-query-group layout (each group's query heads,
@@ -151,7 +152,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n_rows"])  # one variant per shape, whatever the batch
     def _rmsnorm_kernel(X, Dlt, W, Y, Hout, eps, inv_n, n_rows, stride_x, stride_d, stride_y, stride_h,
                         N_COLS: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, ROWS: tl.constexpr,
-                        PDL: tl.constexpr = False):
+                        W_FP32: tl.constexpr = False, PDL: tl.constexpr = False):
         """Program i: rows [i * ROWS, (i + 1) * ROWS) of X, each normalised on its own."""
         pdl_entry(PDL)
         row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -165,16 +166,24 @@ if triton is not None:
             tl.store(Hout + row[:, None] * stride_h + cols[None, :], x.to(Hout.dtype.element_ty), mask=mask)
         r = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_n + eps)[:, None]
         w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        y = _bf16(w * _bf16(x * r))
+        y = _normed(x * r, w, W_FP32)
         tl.store(Y + row[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _head_norm(x, xr, W, c, rot, eps, inv_d):
+    def _normed(xr, w, W_FP32: tl.constexpr):
+        """The weight times the normalised fp32 row: a bf16 weight scales the row rounded to bf16, an
+        fp32 weight the fp32 row (`ModelOps.rmsnorm`); one rounding of the product."""
+        if W_FP32:
+            return _bf16(w * xr)
+        return _bf16(w * _bf16(xr))
+
+    @triton.jit
+    def _head_norm(x, xr, W, c, rot, eps, inv_d, W_FP32: tl.constexpr):
         """RMSNorm of each row of x [R, D]; xr holds the same rows at the rotated columns."""
         r = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_d + eps)[:, None]
         w = tl.load(W + c).to(tl.float32)[None, :]
         wr = tl.load(W + rot).to(tl.float32)[None, :]
-        return _bf16(w * _bf16(x * r)), _bf16(wr * _bf16(xr * r))
+        return _normed(x * r, w, W_FP32), _normed(xr * r, wr, W_FP32)
 
     @triton.jit
     def _rope(x, xr, cos, sin, first):
@@ -187,7 +196,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n_tokens"])
     def _qkv_rope_kernel(QKV_, Q, K, V, Cos, Sin, QW, KW, eps, inv_d, n_tokens, stride_qkv, stride_cos, stride_sin,
                          GROUPS: tl.constexpr, PER: tl.constexpr, PER_P: tl.constexpr, D: tl.constexpr,
-                         NORM: tl.constexpr, TOK: tl.constexpr, PDL: tl.constexpr = False):
+                         NORM: tl.constexpr, TOK: tl.constexpr, W_FP32: tl.constexpr = False,
+                         PDL: tl.constexpr = False):
         """Program (token block, group): TOK tokens' query heads of one group as [TOK * PER_P, D]
         rows, then their key heads [TOK, D], then their value heads copied. Every load is issued
         before the first store (a load after a store to another tensor must wait for it: 5.7 against
@@ -216,13 +226,13 @@ if triton is not None:
         kxr = tl.load(kb + rot[None, :], mask=kmask, other=0.0).to(tl.float32)
         vx = tl.load(kb + D + c[None, :], mask=kmask)
         if NORM:
-            x, xr = _head_norm(x, xr, QW, c, rot, eps, inv_d)
+            x, xr = _head_norm(x, xr, QW, c, rot, eps, inv_d, W_FP32)
         q = _rope(x, xr, cos, sin, first)
         tl.store(Q + n[:, None] * (GROUPS * PER * D) + (g * PER + h)[:, None] * D + c[None, :],
                  q.to(Q.dtype.element_ty), mask=qmask)
         # their key heads: [TOK, D]
         if NORM:
-            kx, kxr = _head_norm(kx, kxr, KW, c, rot, eps, inv_d)
+            kx, kxr = _head_norm(kx, kxr, KW, c, rot, eps, inv_d, W_FP32)
         k = _rope(kx, kxr, cos_t, sin_t, first)
         tl.store(K + t[:, None] * (GROUPS * D) + g * D + c[None, :], k.to(K.dtype.element_ty), mask=kmask)
         # their value heads, copied
@@ -345,13 +355,16 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _runnable(*tensors: torch.Tensor) -> bool:
-    """The kernels can run on these tensors: Triton present, bf16, on CUDA (or interpreting), no autograd."""
+def _runnable(*tensors: torch.Tensor, norm_weights: tuple[torch.Tensor, ...] = ()) -> bool:
+    """The kernels can run on these tensors: Triton present, bf16 (`norm_weights`: bf16 or fp32), on
+    CUDA (or interpreting), no autograd."""
     if triton is None:
         return False
     grad = torch.is_grad_enabled()
-    for t in tensors:
-        if t.dtype != torch.bfloat16 or (grad and t.requires_grad):
+    wide = {id(w) for w in norm_weights}
+    for t in (*tensors, *norm_weights):
+        allowed = (torch.bfloat16, torch.float32) if id(t) in wide else (torch.bfloat16,)
+        if t.dtype not in allowed or (grad and t.requires_grad):
             return False
         if not (t.is_cuda or interpreting()):
             return False
@@ -391,7 +404,7 @@ def _norm_rows(n: int) -> int:
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm over the last dim of x [..., H] (one launch). `out` (optional): the result tensor."""
     hidden = x.shape[-1]
-    if not _runnable(x, weight) or x.numel() == 0 or weight.shape != (hidden,):
+    if not _runnable(x, norm_weights=(weight,)) or x.numel() == 0 or weight.shape != (hidden,):
         ref = rmsnorm_ref(x, weight, eps)
         return ref if out is None else out.copy_(ref)
     x2 = x.reshape(-1, hidden)
@@ -402,7 +415,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor
     LAUNCHES["rmsnorm"] += 1
     _rmsnorm_kernel[(triton.cdiv(x2.shape[0], rows),)](
         x2, x2, weight, y, y, eps, 1.0 / hidden, x2.shape[0], x2.stride(0), x2.stride(0), hidden, hidden,
-        N_COLS=hidden, BLOCK=block, HAS_DELTA=False, ROWS=rows, num_warps=_norm_warps(block * rows),
+        N_COLS=hidden, BLOCK=block, HAS_DELTA=False, ROWS=rows, W_FP32=weight.dtype == torch.float32,
+        num_warps=_norm_warps(block * rows),
         enable_fp_fusion=False, **pdl.options(x.device))
     return y
 
@@ -411,7 +425,7 @@ def add_rmsnorm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps:
                 out_h: torch.Tensor | None = None, out: torch.Tensor | None = None) -> AddNorm:
     """(h + delta, rmsnorm(h + delta)) for h, delta [N, H] (one launch, one read of each)."""
     hidden = h.shape[-1]
-    if (not _runnable(h, delta, weight) or h.numel() == 0 or h.shape != delta.shape or h.dim() != 2
+    if (not _runnable(h, delta, norm_weights=(weight,)) or h.numel() == 0 or h.shape != delta.shape or h.dim() != 2
             or weight.shape != (hidden,)):
         ref = add_rmsnorm_ref(h, delta, weight, eps)
         if out_h is None and out is None:
@@ -427,7 +441,8 @@ def add_rmsnorm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps:
     LAUNCHES["add_rmsnorm"] += 1
     _rmsnorm_kernel[(triton.cdiv(h.shape[0], rows),)](
         h, delta, weight, y, hs, eps, 1.0 / hidden, h.shape[0], h.stride(0), delta.stride(0), hidden, hidden,
-        N_COLS=hidden, BLOCK=block, HAS_DELTA=True, ROWS=rows, num_warps=_norm_warps(block * rows),
+        N_COLS=hidden, BLOCK=block, HAS_DELTA=True, ROWS=rows, W_FP32=weight.dtype == torch.float32,
+        num_warps=_norm_warps(block * rows),
         enable_fp_fusion=False, **pdl.options(h.device))
     return AddNorm(hs, y)
 
@@ -447,8 +462,9 @@ def qkv_norm_rope(qkv: torch.Tensor, groups: int, per_group: int, head_dim: int,
     weights = [w for w in (q_weight, k_weight) if w is not None]
     fits = (qkv.dim() == 2 and qkv.shape[1] == groups * (per_group + 2) * d and d >= 2 and d == _pow2(d)
             and cos.shape == (n, d) and sin.shape == (n, d) and cos.stride(-1) == 1 and sin.stride(-1) == 1
-            and all(w.shape == (d,) for w in weights) and (q_weight is None) == (k_weight is None))
-    if not fits or not _runnable(qkv, cos, sin, *weights) or n == 0:
+            and all(w.shape == (d,) for w in weights) and (q_weight is None) == (k_weight is None)
+            and len({w.dtype for w in weights}) <= 1)
+    if not fits or not _runnable(qkv, cos, sin, norm_weights=tuple(weights)) or n == 0:
         ref = qkv_norm_rope_ref(qkv, groups, per_group, d, cos, sin, q_weight, k_weight, eps)
         return ref if out is None else QKV(*(o.copy_(r) for o, r in zip(out, ref)))
     if qkv.stride(-1) != 1:
@@ -464,6 +480,7 @@ def qkv_norm_rope(qkv: torch.Tensor, groups: int, per_group: int, head_dim: int,
     _qkv_rope_kernel[(triton.cdiv(n, tok), groups)](
         qkv, q, k, v, cos, sin, qw, kw, eps, 1.0 / d, n, qkv.stride(0), cos.stride(0), sin.stride(0), GROUPS=groups,
         PER=per_group, PER_P=_pow2(per_group), D=d, NORM=norm, TOK=tok,
+        W_FP32=norm and q_weight.dtype == torch.float32,
         num_warps=max(1, min(8, d * rows // 256)) if d * rows >= 1024 else 1, enable_fp_fusion=False,
         **pdl.options(qkv.device))
     return QKV(q, k, v)
@@ -615,7 +632,7 @@ def self_check(model: torch.nn.Module, ops: ModelOps, rows: int = 16, tol: float
     if first is None:
         return None
     norm, attn = first.input_layernorm, first.self_attention
-    dev, dt = norm.weight.device, norm.weight.dtype
+    dev, dt = norm.weight.device, model.cfg.torch_dtype  # activations; a shared trainer's norms may be fp32
     gen = torch.Generator(device=dev).manual_seed(0)
     h = (torch.randn(rows, norm.weight.shape[0], device=dev, generator=gen)).to(dt)
     delta = (torch.randn(rows, norm.weight.shape[0], device=dev, generator=gen)).to(dt)

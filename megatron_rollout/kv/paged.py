@@ -8,6 +8,10 @@ Under multi-latent attention (`model.mla`) a slot holds one row, the latent and 
 already cached, how many are new) and is what the model's attention calls. This portable version
 gathers each sequence's K/V and runs torch attention; fused paged kernels plug in behind the same
 `AttentionBackend` interface.
+
+On CUDA the engine builds the cache address-stable where the driver allows (`stable`,
+`KVConfig.stable_memory`): `release` hands its memory back between rollouts and `restore` takes it
+again at the same addresses, so captured graphs over it stay valid (`engine.memory`).
 """
 from __future__ import annotations
 
@@ -16,17 +20,48 @@ import torch
 from megatron_rollout.model.attention import AttentionBackend, causal_attention
 from megatron_rollout.model.config import ModelConfig
 from megatron_rollout.types import SeqSpan
+from megatron_rollout.vmm import StableBuffer
 
 
 class PagedKVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, kv_heads: int,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, stable: bool = False) -> None:
+        """`stable`: K and V live in one `vmm.StableBuffer` (CUDA), so `release` and `restore` keep
+        their addresses and the graphs captured over them; else plain torch tensors."""
         self.num_blocks, self.block_size = num_blocks, block_size
         heads, width = cfg.kv_cache_dims or (kv_heads, cfg.kv_channels)
         shape = (cfg.num_layers + cfg.mtp_num_layers, num_blocks * block_size, heads, width)  # MTP's attention last
+        self.memory: StableBuffer | None = None
+        """The address-stable memory under K and V, or None (plain tensors)."""
+        if stable:
+            one = torch.empty(shape, dtype=cfg.torch_dtype, device="meta").nbytes
+            self.memory = StableBuffer(one if cfg.kv_cache_dims else 2 * one, device)
+            self.k = self.memory.view(cfg.torch_dtype, shape)  # [layers, slots, hkv, d], zeros
+            self.v = self.k if cfg.kv_cache_dims else self.memory.view(cfg.torch_dtype, shape, offset=one)
+            return
         self.k = torch.zeros(shape, dtype=cfg.torch_dtype, device=device)  # [layers, slots, hkv, d]
         # MLA caches one row per token that is both key and value: `v` is the same storage
         self.v = self.k if cfg.kv_cache_dims else torch.zeros(shape, dtype=cfg.torch_dtype, device=device)
+
+    @property
+    def released(self) -> bool:
+        """The physical memory under an address-stable cache is back with the driver (`release`)."""
+        return self.memory is not None and not self.memory.mapped
+
+    def release(self) -> int:
+        """Give an address-stable cache's memory back to the driver, keeping K's and V's addresses;
+        the bytes released. Until `restore` nothing may read or write K or V."""
+        if self.memory is None:
+            raise RuntimeError("this KV cache is not address-stable (PagedKVCache(stable=False)): drop it and "
+                               "build a new one instead")
+        return self.memory.release()
+
+    def restore(self) -> int:
+        """Map new memory under K and V at their addresses, zero-filled (as when built); the bytes mapped."""
+        if self.memory is None:
+            raise RuntimeError("this KV cache is not address-stable (PagedKVCache(stable=False)): it was never "
+                               "released")
+        return self.memory.restore()
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """K/V of blocks `src` into blocks `dst` (pairwise), every layer: a forked sequence's own

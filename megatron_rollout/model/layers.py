@@ -172,25 +172,43 @@ class Experts(UsesOps, nn.Module):
         ([E, 2F, H] and [E, H, F]), so `update_weights` (an in-place copy per Megatron name) lands
         in the tensors the grouped GEMM reads, at stable addresses. Called by the CUDA runner; the
         portable path never needs it. `WeightStore.bind` re-points parameters and undoes it
-        (`stacked()` then returns None and the per-expert path runs)."""
-        if self._stacked is not None and self.stacked() is not None:
-            return  # already stacked and still aliased
+        (`stacked()` then returns None and the per-expert path runs). Experts already stacked (by
+        `adopt`, over a trainer's storage) stay where they are."""
+        if self.aliased():
+            return
         fc1 = torch.stack([e.linear_fc1.weight.detach() for e in self.local_experts])
         fc2 = torch.stack([e.linear_fc2.weight.detach() for e in self.local_experts])
+        self.adopt(fc1, fc2)
+
+    def adopt(self, fc1: torch.Tensor, fc2: torch.Tensor) -> None:
+        """Point expert K's `linear_fc1/fc2.weight` at `fc1[K]` and `fc2[K]` ([E, 2F, H], [E, H, F],
+        contiguous): the stack the grouped paths read (`weights.megatron_experts` hands over a
+        trainer's own)."""
+        want = (self.num_local, *self.local_experts[0].linear_fc1.weight.shape)
+        if tuple(fc1.shape) != want or not fc1.is_contiguous() or not fc2.is_contiguous():
+            raise ValueError(f"expert stacks must be contiguous {want} and its fc2 counterpart, got "
+                             f"{tuple(fc1.shape)} (contiguous={fc1.is_contiguous()}), {tuple(fc2.shape)}")
         for i, e in enumerate(self.local_experts):
             e.linear_fc1.weight.data = fc1[i]
             e.linear_fc2.weight.data = fc2[i]
         self._stacked = (fc1, fc2)
+
+    def aliased(self) -> bool:
+        """Whether the experts' weights are still views of the stack (`restack`, `adopt`)."""
+        st = self._stacked
+        if st is None:
+            return False
+        first, last = self.local_experts[0], self.local_experts[-1]
+        return (first.linear_fc1.weight.data_ptr() == st[0].data_ptr()
+                and last.linear_fc2.weight.data_ptr() == st[1][-1].data_ptr())
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The stacked weights when they still alias the experts' parameters (bf16, not FP8)."""
         st = self._stacked
         if st is None or st[0].dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
             return None
-        first, last = self.local_experts[0], self.local_experts[-1]
-        if (first.linear_fc1.fp8 is not None or first.linear_fc2.fp8 is not None
-                or first.linear_fc1.weight.data_ptr() != st[0].data_ptr()
-                or last.linear_fc2.weight.data_ptr() != st[1][-1].data_ptr()):
+        first = self.local_experts[0]
+        if first.linear_fc1.fp8 is not None or first.linear_fc2.fp8 is not None or not self.aliased():
             return None
         return st
 

@@ -66,8 +66,14 @@ class ModelOps:
     rows inside it (a fused combine saves a pass; the reference does not)."""
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of x's rows in fp32. A weight in x's dtype scales the row rounded to that dtype; a
+        weight in another dtype (a Megatron trainer's fp32 norm, shared by `weights.megatron_bridge`)
+        scales the fp32 row and the product is rounded once to x's dtype, as torch's `rms_norm`
+        (Megatron's local-spec norm) and Transformer Engine's norms compute it."""
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        if weight.dtype != x.dtype:
+            return (xf * weight.float()).to(x.dtype)
         return weight * xf.to(x.dtype)
 
     def add_rmsnorm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> AddNorm:

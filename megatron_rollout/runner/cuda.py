@@ -9,9 +9,13 @@ engine and the mux driver are unchanged):
   and replayed from a graph captured once per bucket. The graph reads static int32 buffers
   (`StaticDecodeLayout`) refilled by one pinned copy; the KV cache and the weights keep their
   addresses, since `update_weights` copies in place (the expert weights are stacked views,
-  `Experts.restack`). Replacing `cache` drops the graphs; `engine.sleep` releases them with their
-  pools and `restore_graphs` captures the same buckets again (`engine.memory`). On one rank
-  buckets are captured lazily, when first used.
+  `Experts.restack`; over a Megatron trainer's storage, the trainer's own stacks,
+  `weights.megatron_experts`, which its in-place optimizer steps write). Replacing `cache` drops
+  the graphs; `engine.sleep` releases them with their pools and `restore_graphs` captures the
+  same buckets again (`engine.memory`), except where the KV and the weights sleep in
+  address-stable memory: the cache object and every address stay, and so do the graphs.
+  `stats["graph_captures"]` counts the captures (decode and piecewise). On one rank buckets are
+  captured lazily, when first used.
 - **P and mixed graphs (one rank).** A P forward, or a `chunked` mixed step, of up to 4,096 new
   tokens replays as pieces between attention calls, one CUDA graph per token bucket
   (`runner.piecewise`, `RunnerConfig.prefill_graph_tokens`), in a pool of its own; larger ones,
@@ -212,7 +216,8 @@ class CudaRunner:
         self._pool = None
         self.capture_error: str | None = None
         self._cache = cache
-        self.stats = {"graph_replays": 0, "eager_forwards": 0, "piecewise_forwards": 0, "completion_polls": 0}
+        self.stats = {"graph_replays": 0, "graph_captures": 0, "eager_forwards": 0, "piecewise_forwards": 0,
+                      "completion_polls": 0}
 
     def _install_fused_ops(self) -> dict:
         if not self.config.fused_ops:
@@ -431,6 +436,7 @@ class CudaRunner:
             graph = DecodeGraph(self, rows)
             graph.capture(self.model, self.d_stream, self._pool, collective=self.multi_rank)
             self._graphs[rows] = graph
+            self.stats["graph_captures"] += 1
             log.info("captured decode graph for %d rows", rows)
         return graph
 
@@ -516,6 +522,7 @@ class CudaRunner:
             torch.cuda.synchronize(self.device)
             return None
         self._p_graphs[tokens] = graph
+        self.stats["graph_captures"] += 1
         log.info("captured piecewise forward for %d tokens (%d pieces)", tokens, len(graph.pieces))
         return graph
 

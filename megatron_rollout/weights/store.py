@@ -12,6 +12,8 @@ to host memory, since the caller may reuse its buffers), and the final chunk cop
 final tensors in place only once the version is complete. Until then the version before keeps
 serving (nothing staged is in the model) and the tokens sampled meanwhile carry its number. A
 version sent whole (one `final=True` call) is validated, then copied in place: no staging copy.
+A tensor that is the engine's own parameter (an engine sharing a trainer's storage, sent the
+trainer's tensors) is neither checked nor copied: it serves already, and only the version moves.
 FP8 copies of the weights (`model.fp8`) are re-rounded from the new values in place after every
 update.
 
@@ -196,6 +198,7 @@ class WeightStore:
         pairs = rollout_pairs(pairs)  # a Megatron state_dict() of either layer spec: `_extra_state` out, TE renamed
         cfg, shard = self.model.cfg, self.model.comm.shard
         seen: set[str] = set()
+        serving: set[str] = set()  # the engine's own parameters (shared storage)
         out: list[_Incoming] = []
         for pair in pairs:
             if not (isinstance(pair, tuple) and len(pair) == 2):
@@ -216,11 +219,20 @@ class WeightStore:
             local = local_name(name, cfg, shard)
             if local is None:
                 out.append(_Incoming(name, None, None))
+            elif _is(tensor, params[local]):  # shared storage: already serving, nothing to check or copy
+                out.append(_Incoming(name, None, None))
+                serving.add(name)
             else:
                 out.append(_Incoming(name, params[local], shard_tensor(name, tensor, cfg, shard)))
         # The whole tensor, not this rank's slice: every rank refuses the same update.
-        _check_values(pairs, version, self.model.cfg.torch_dtype)
+        _check_values([(n, t) for n, t in pairs if n not in serving], version, self.model.cfg.torch_dtype)
         return out
+
+
+def _is(tensor: torch.Tensor, param: torch.Tensor) -> bool:
+    """`tensor` is `param`'s own storage, viewed the same way."""
+    return (tensor.data_ptr() == param.data_ptr() and tensor.dtype == param.dtype and tensor.shape == param.shape
+            and tensor.stride() == param.stride())
 
 
 def _check_tensor(what: str, tensor: object) -> None:

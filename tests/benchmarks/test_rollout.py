@@ -116,7 +116,8 @@ _FAKE_VLLM = {
                         "class SamplingParams:\n    def __init__(self, **kw):\n        self.kw = kw\n"
                         "def TokensPrompt(prompt_token_ids):\n    return prompt_token_ids\n",
     "vllm/engine/__init__.py": "",
-    "vllm/engine/arg_utils.py": "class AsyncEngineArgs:\n    def __init__(self, **kw):\n        self.kw = kw\n",
+    "vllm/engine/arg_utils.py": "class AsyncEngineArgs:\n    def __init__(self, **kw):\n        self.kw = kw\n"
+                                "class EngineArgs(AsyncEngineArgs):\n    pass\n",
     "vllm/sampling_params.py": "class RequestOutputKind:\n    DELTA = 1\n",
     "vllm/v1/__init__.py": "",
     "vllm/v1/engine/__init__.py": "",
@@ -138,6 +139,23 @@ _FAKE_VLLM = {
         "        yield types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[5] * n)], finished=True)\n"
         "    def shutdown(self):\n"
         "        pass\n"),
+    "vllm/v1/engine/llm_engine.py": (
+        "import os, time, types\n"
+        "from vllm.v1.engine.async_llm import AsyncLLM\n"
+        "class LLMEngine:\n"
+        "    @classmethod\n"
+        "    def from_engine_args(cls, args):\n"
+        "        assert os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] == '0'\n"
+        "        e = cls(); e.vllm_config = AsyncLLM.from_engine_args(args).vllm_config; e.live = []\n"
+        "        return e\n"
+        "    def reset_prefix_cache(self):\n"
+        "        return True\n"
+        "    def add_request(self, request_id, prompt, params):\n"
+        "        self.live.append((request_id, params.kw['max_tokens']))\n"
+        "    def step(self):\n"
+        "        time.sleep(0.001); done, self.live = self.live, []\n"
+        "        return [types.SimpleNamespace(request_id=r, outputs=[types.SimpleNamespace(token_ids=[5] * n)],\n"
+        "                                      finished=True) for r, n in done]\n"),
 }
 
 
@@ -152,13 +170,25 @@ def test_vllm_stage_runs_the_peer_in_its_own_process(tmp_path):
     out = tmp_path / "out"
     code = rollout.main(["--model", "qwen3-30b-a3b-12l", "--device", "cpu", "--conversations", "2",
                          "--scale", "0.001", "--schedules", "", "--vllm", "--vllm-site", str(site),
-                         "--vllm-budgets", "default,2048", "--vllm-passes", "2", "--deadline-s", "200",
-                         "--out", str(out), "--no-progress"])
+                         "--vllm-budgets", "default,2048", "--vllm-passes", "2", "--vllm-in-process", "best",
+                         "--deadline-s", "200", "--out", str(out), "--no-progress"])
     assert code == 0
     result = json.loads((out / "rollout.json").read_text())
     peer = result["vllm"]
     assert peer.get("ran") and peer["exit"] == 0 and peer["vllm"] == "0.26.0-standin", peer
-    assert set(peer["budgets"]) == {"default", "2048"}
+    assert peer["in_process"]["exit"] == 0 and "--in-process" in peer["in_process"]["command"]
+    own_best = min(("default", "2048"), key=lambda k: peer["budgets"][k]["median"]["makespan_s"])
+    assert set(peer["budgets"]) == {"default", "2048", f"{own_best}/in-process"}
+    assert len(peer["budgets"][f"{own_best}/in-process"]["passes"]) == 2
+    code = rollout.main(["--model", "qwen3-30b-a3b-12l", "--device", "cpu", "--conversations", "2",
+                         "--scale", "0.001", "--schedules", "", "--vllm", "--vllm-site", str(site),
+                         "--vllm-budgets", "", "--vllm-in-process", "2048", "--vllm-passes", "1", "--deadline-s", "200",
+                         "--resume", str(out), "--no-progress"])
+    assert code == 0
+    again = json.loads((out / "rollout.json").read_text())["vllm"]
+    assert set(again["budgets"]) == set(peer["budgets"]) | {"2048/in-process"}  # what was measured is kept
+    assert again["budgets"]["default"] == peer["budgets"]["default"]
+    assert len(again["budgets"]["2048/in-process"]["passes"]) == 1
     assert peer["budgets"]["default"]["chosen"]["max_num_batched_tokens"] == 8192
     assert len(peer["repeats"]) == 2 and peer["repeats"][0]["requests"] == result["trace"]["requests"]
     assert peer["repeats"][0]["output_tokens"] == result["trace"]["output_tokens"]

@@ -6,6 +6,7 @@ our replay appends (one function, `trace.make.input_ids`)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass
 
@@ -196,6 +197,9 @@ def _fake_vllm(monkeypatch, calls: list):
         def __init__(self, **kw):
             self.kw = kw
 
+    class EngineArgs(AsyncEngineArgs):
+        pass
+
     class SamplingParams:
         def __init__(self, **kw):
             self.kw = kw
@@ -224,14 +228,40 @@ def _fake_vllm(monkeypatch, calls: list):
         def shutdown(self):
             calls.append(("shutdown", self.budget))
 
+    class LLMEngine:
+        """The in-process engine: finishes every request one `step()` after it was added, in one delta."""
+
+        @classmethod
+        def from_engine_args(cls, args):
+            assert isinstance(args, EngineArgs)
+            calls.append(("start-in-process", args.kw.get("max_num_batched_tokens"),
+                          os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")))
+            engine = AsyncLLM.from_engine_args(args)
+            calls.pop()
+            stepped = cls()
+            stepped.vllm_config, stepped.added = engine.vllm_config, []
+            return stepped
+
+        def reset_prefix_cache(self):
+            calls.append(("reset", "in-process"))
+
+        def add_request(self, request_id, prompt, params):
+            self.added.append((request_id, params.kw["max_tokens"]))
+
+        def step(self):
+            time.sleep(0.002)
+            done, self.added = self.added, []
+            return [types.SimpleNamespace(request_id=rid, outputs=[_Delta([7] * n)], finished=True) for rid, n in done]
+
     module("vllm", __version__="0.26.0-fake", SamplingParams=SamplingParams,
            TokensPrompt=lambda **kw: kw["prompt_token_ids"])
     module("vllm.engine")
-    module("vllm.engine.arg_utils", AsyncEngineArgs=AsyncEngineArgs)
+    module("vllm.engine.arg_utils", AsyncEngineArgs=AsyncEngineArgs, EngineArgs=EngineArgs)
     module("vllm.sampling_params", RequestOutputKind=types.SimpleNamespace(DELTA="delta"))
     module("vllm.v1")
     module("vllm.v1.engine")
     module("vllm.v1.engine.async_llm", AsyncLLM=AsyncLLM)
+    module("vllm.v1.engine.llm_engine", LLMEngine=LLMEngine)
 
 
 def test_peer_main_warms_up_resets_and_keeps_the_best_budget(monkeypatch, tmp_path):
@@ -249,10 +279,10 @@ def test_peer_main_warms_up_resets_and_keeps_the_best_budget(monkeypatch, tmp_pa
     assert code == 0
     result = json.loads((tmp_path / "v.json").read_text())
     assert [c for c in calls if c[0] == "start"] == [("start", None), ("start", 4096)]
-    assert sum(1 for c in calls if c[0] == "reset") == 2 * 3  # before the warm-up and each timed pass
+    assert sum(1 for c in calls if c[0] == "reset") == 2 * 4  # before each of 2 warm-up and 2 timed passes
     for key in ("default", "4096"):
         entry = result["budgets"][key]
-        assert len(entry["passes"]) == 2 and "warmup" in entry
+        assert len(entry["passes"]) == 2 and len(entry["warmups"]) == 2
         assert entry["passes"][0]["requests"] == len(trace)
         assert entry["passes"][0]["output_tokens"] == sum(t.output_tokens for t in trace)
     assert result["budgets"]["default"]["chosen"]["max_num_batched_tokens"] == 2048
@@ -260,3 +290,87 @@ def test_peer_main_warms_up_resets_and_keeps_the_best_budget(monkeypatch, tmp_pa
     assert result["median"]["makespan_s"] == result["budgets"]["4096"]["median"]["makespan_s"]
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 12
+
+
+def test_peer_in_process_steps_vllm_s_engine_in_this_process(monkeypatch, tmp_path):
+    import json
+
+    from benchmarks import vllm_peer
+    from megatron_rollout.trace.schema import write_trace
+
+    calls: list = []
+    _fake_vllm(monkeypatch, calls)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    trace = make_trace(conversations=3, seed=2, scale=0.002, wait_scale=0.0)
+    write_trace(tmp_path / "t.jsonl", trace)
+    code = vllm_peer.main(["--trace", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "v.json"), "--in-process",
+                           "--budgets", "8192", "--passes", "2", "--warmups", "1", "--model-dir", str(tmp_path / "m")])
+    assert code == 0
+    assert [c for c in calls if c[0] == "start-in-process"] == [("start-in-process", 8192, "0")]
+    assert sum(1 for c in calls if c[0] == "reset") == 3
+    result = json.loads((tmp_path / "v.json").read_text())
+    entry = result["budgets"]["8192/in-process"]
+    assert entry["in_process"] and len(entry["passes"]) == 2 and len(entry["warmups"]) == 1
+    assert entry["passes"][0]["requests"] == len(trace) and entry["passes"][0]["failed"] == 0
+    assert entry["passes"][0]["output_tokens"] == sum(t.output_tokens for t in trace)
+    assert result["best_budget"] == "8192/in-process"
+
+
+class SteppedFake:
+    """`LLMEngine`'s shape for `closed_loop_stepped`: a request yields its tokens over two steps
+    (1000 + prompt length + i, as `FakeAsyncLLM`), `refuse` ids raise on add."""
+
+    def __init__(self, refuse: frozenset[str] = frozenset()) -> None:
+        self.calls: list[tuple[str, list[int], float]] = []
+        self.live: dict[str, list[int]] = {}
+        self.refuse = refuse
+
+    def add_request(self, request_id, prompt, params):
+        self.calls.append((request_id, list(prompt), time.perf_counter()))
+        if request_id in self.refuse:
+            raise ValueError("prompt too long")
+        self.live[request_id] = [1000 + len(prompt) + i for i in range(params)]
+
+    def step(self):
+        time.sleep(0.002)
+        outs = []
+        for rid, left in list(self.live.items()):
+            half = max(1, len(left) // 2)
+            outs.append(_StepOut(rid, [_Delta(left[:half])], finished=half >= len(left)))
+            self.live[rid] = left[half:]
+            if not self.live[rid]:
+                del self.live[rid]
+        return outs
+
+
+@dataclass
+class _StepOut:
+    request_id: str
+    outputs: list[_Delta]
+    finished: bool
+
+
+def test_stepped_loop_keeps_the_async_loop_s_rules():
+    """The in-process driver: same prompts (history grows by new and generated ids), turns sent
+    after the previous one finished plus its wait, a refused turn ends its conversation."""
+    from benchmarks.vllm_peer import closed_loop_stepped
+
+    inputs = conversation_inputs(TRACE, seed=5, vocab_size=100)
+    engine = SteppedFake(refuse=frozenset({"t-b-1"}))
+    start, records = closed_loop_stepped(engine, TRACE, inputs, make_prompt=lambda ids: ids,
+                                         make_params=lambda n: n, tag="t")
+    prompts = {rid: prompt for rid, prompt, _ in engine.calls}
+    history: list[int] = []
+    for k in range(3):
+        history += inputs["a"][k]
+        assert prompts[f"t-a-{k}"] == history
+        n = next(t.output_tokens for t in TRACE if t.conversation == "a" and t.turn == k)
+        history += [1000 + len(history) + i for i in range(n)]
+    by = {(r.conversation, r.turn): r for r in records}
+    sent = {rid: t for rid, _, t in engine.calls}
+    assert sent["t-a-1"] >= by[("a", 0)].finish + 0.030 and sent["t-a-2"] >= by[("a", 1)].finish + 0.010
+    assert by[("b", 1)].error and "too long" in by[("b", 1)].error
+    rep = report(start, records, total_requests=len(TRACE))
+    assert (rep["requests"], rep["failed"], rep["skipped"]) == (4, 1, 0)
+    assert [r.output_tokens for r in records if r.conversation == "a"] == [2, 3, 1]
+    assert all(r.first_token is not None and r.arrival <= r.first_token <= r.finish for r in records if not r.error)

@@ -9,12 +9,14 @@ every schedule. GPU: the CUDA runner's graphs released and captured again, devic
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
 
 from megatron_rollout.engine import EngineAsleep, FinishReason, RunnerConfig, SamplingParams
-from megatron_rollout.engine.memory import HostBytes, Tag, WeightOffload, parse_tags
+from megatron_rollout.engine.memory import Tag, parse_tags
+from megatron_rollout.weights.offload import HostBytes, StableWeights, WeightOffload, stable_holders
 
 from .common import GREEDY, SCHEDULES, SMALL, assert_same, drain, prompts, reference, small
 
@@ -214,22 +216,146 @@ def test_greedy_tokens_are_the_same_after_a_sleep(make_engine, model, schedule):
     drain(engine)
 
 
+class HostBuffer:
+    """A `StableBuffer` stand-in on the host: `release` scribbles over the bytes (memory the device
+    gave back reads as anything), `restore` zero-fills them; the address never changes."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.mapped, self.releases = True, 0
+
+    def release(self) -> int:
+        self.tensor.fill_(0xAB)
+        self.mapped, self.releases = False, self.releases + 1
+        return self.tensor.numel()
+
+    def restore(self) -> int:
+        self.tensor.zero_()
+        self.mapped = True
+        return self.tensor.numel()
+
+
+def _restacked(model: torch.nn.Module) -> list:
+    experts = [m for m in model.modules() if hasattr(m, "restack")]
+    for m in experts:
+        m.restack()  # as the CUDA runner does: expert weights become views of one stacked tensor
+    return experts
+
+
+def _inside(t: torch.Tensor, buffer: HostBuffer) -> bool:
+    start = buffer.tensor.data_ptr()
+    return start <= t.data_ptr() < start + buffer.tensor.numel()
+
+
+def test_stable_weights_move_once_then_keep_their_addresses(model):
+    experts = _restacked(model)
+    assert experts
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    weights = StableWeights(model, HostBuffer)
+    nbytes = weights.offload()  # the move: storages to the host, freed, re-pointed into the buffer
+    buffer = weights.buffer
+    assert weights.moved and not buffer.mapped and nbytes == buffer.tensor.numel() >= _storage_bytes(model)
+    assert all(_inside(t, buffer) for t in itertools.chain(model.parameters(), model.buffers()))
+    assert weights.offload() == 0  # offloaded already
+    assert weights.restore() == nbytes and weights.restore() == 0
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    addresses = [p.data_ptr() for p in model.parameters()]
+    for _ in range(2):
+        weights.offload()
+        assert buffer.releases >= 2 and not any(torch.equal(saved[k], v) for k, v in model.state_dict().items()
+                                                if v.numel() > 1 and v.abs().sum() > 0)
+        weights.restore()
+        assert [p.data_ptr() for p in model.parameters()] == addresses
+        assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    first = experts[0]
+    fc1 = first._stacked[0]
+    assert first.local_experts[1].linear_fc1.weight.data_ptr() == fc1[1].data_ptr()  # still views of the stack
+    with torch.no_grad():
+        fc1[1, 0, 0] = 42.0
+    assert first.local_experts[1].linear_fc1.weight[0, 0] == 42.0
+
+
+def test_stable_weights_refuse_a_holder_they_cannot_see(model):
+    kept = model.state_dict()  # detached tensors over the weights, held outside the model's modules
+    why = stable_holders(model)
+    assert isinstance(why, str) and "held by 1 tensor(s) outside the model's modules" in why
+    weights = StableWeights(model, HostBuffer)
+    with pytest.raises(ValueError, match="cannot move to address-stable memory: a storage of"):
+        weights.offload()
+    assert not weights.moved and all(p.untyped_storage().nbytes() > 0 for p in model.parameters())  # untouched
+    del kept
+    assert isinstance(stable_holders(model), dict)
+
+
+def test_stable_weights_left_as_they_were_when_the_buffer_cannot_be_built(model):
+    def no_memory(nbytes, device):
+        raise RuntimeError("cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY (2)")
+
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    weights = StableWeights(model, no_memory)
+    with pytest.raises(ValueError, match=r"no address-stable memory for \d+ bytes of weights: RuntimeError: "
+                                         r"cuMemCreate failed"):
+        weights.offload()
+    assert not weights.moved and all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+
+
+def test_engine_weights_on_the_stable_path_sleep_without_their_graphs_after_the_first(make_engine, model):
+    engine = make_engine(model, SMALL)
+    _restacked(model)
+    engine.memory._stable_weights = StableWeights(model, HostBuffer)  # what CUDA with VMM builds
+    before = engine.generate(BATCH, GREEDY)
+    first = engine.sleep(tags=["weights"])
+    assert first["tags"]["weights"]["path"] == "vmm" and "moved into address-stable memory" in \
+        first["tags"]["weights"]["note"]
+    assert engine.asleep == {"weights", "graphs"}  # the move changed the addresses: the graphs go
+    engine.wake_up(tags=["weights"])
+    assert [r.logprobs for r in engine.generate(BATCH, GREEDY)] == [r.logprobs for r in before]
+    again = engine.sleep(tags=["weights"])
+    assert "graphs" not in again["tags"] and engine.asleep == {"weights"}
+    assert "addresses kept" in again["tags"]["weights"]["note"]
+    with pytest.raises(EngineAsleep):
+        engine.generate(BATCH, GREEDY)
+    assert engine.wake_up()["tags"]["weights"]["path"] == "vmm"
+    after = engine.generate(BATCH, GREEDY)
+    assert [r.token_ids for r in after] == [r.token_ids for r in before]
+    assert [r.logprobs for r in after] == [r.logprobs for r in before]
+
+
+def test_engine_weights_fall_back_to_the_offload_path_when_the_move_is_refused(make_engine, model):
+    engine = make_engine(model, SMALL)
+    engine.memory._stable_weights = StableWeights(model, HostBuffer)
+    kept = dict(model.named_parameters())  # the same tensors: no extra holder
+    assert isinstance(stable_holders(model), dict)
+    outside = [p.detach() for p in kept.values()]  # these are extra holders
+    report = engine.sleep(tags=["weights"])["tags"]["weights"]
+    assert report["path"] == "offload" and "outside the model's modules" in report["note"]
+    engine.wake_up()
+    assert engine.memory._stable_weights is None and all(torch.equal(a, b) for a, b in zip(outside, kept.values()))
+
+
 # -- GPU -----------------------------------------------------------------------------------
 
-@pytest.mark.gpu
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_cuda_sleep_frees_device_memory_and_graphs_replay_after_wake(schedule):
+def _cuda_engine(schedule, stable_memory: str):
     from megatron_rollout.engine import EngineConfig, KVConfig, RolloutEngine, SchedulerConfig
     from megatron_rollout.model.config import preset
     from megatron_rollout.model.transformer import MoETransformer
 
     cfg = preset("tiny-moe").replace(dtype="bfloat16", max_position_embeddings=512)
     model = MoETransformer(cfg, device="cuda").init_weights(0)
-    config = EngineConfig(scheduler=SchedulerConfig(schedule, block_size=16), kv=KVConfig(num_blocks=4096),
+    config = EngineConfig(scheduler=SchedulerConfig(schedule, block_size=16),
+                          kv=KVConfig(num_blocks=4096, stable_memory=stable_memory),
                           runner=RunnerConfig(kind="cuda", graph_batch_sizes=(1, 2, 4, 8),
                                               prefill_graph_tokens=(64, 128)))
-    engine = RolloutEngine(model, config)
+    return RolloutEngine(model, config), model
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_cuda_sleep_frees_device_memory_and_graphs_replay_after_wake(schedule):
+    """The `reallocate` path: the KV freed, new tensors and graphs captured again on wake."""
+    engine, model = _cuda_engine(schedule, "off")
     params = SamplingParams(temperature=0.0, max_new_tokens=16)
     before = engine.generate(BATCH, params)
     runner = engine.runner
@@ -241,6 +367,7 @@ def test_cuda_sleep_frees_device_memory_and_graphs_replay_after_wake(schedule):
     tags = report["tags"]
     assert tags["kv"]["allocated_bytes"] >= kv_bytes and tags["weights"]["allocated_bytes"] >= 0.99 * weight_bytes
     assert tags["graphs"]["reserved_bytes"] > 0  # the pools went back to the driver
+    assert tags["kv"]["path"] == "reallocate" and tags["weights"]["path"] == "offload"
     assert report["after"]["free"] - report["before"]["free"] >= kv_bytes + weight_bytes
     assert runner.captured == ((), ())
     woke = engine.wake_up()
@@ -250,3 +377,57 @@ def test_cuda_sleep_frees_device_memory_and_graphs_replay_after_wake(schedule):
     after = engine.generate(BATCH, params)
     assert runner.stats["graph_replays"] > replays and runner.graph_safe
     assert [r.token_ids for r in after] == [r.token_ids for r in before]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_cuda_kv_and_weights_sleep_at_kept_addresses_and_graphs_replay_uncaptured(schedule):
+    """The `vmm` path: the KV's memory goes back to the driver and returns at the same addresses;
+    no graph is released or captured again, and the tokens and logprobs are those before the sleep.
+    The weights join after their first sleep (the move into address-stable memory)."""
+    engine, _ = _cuda_engine(schedule, "on")
+    params = SamplingParams(temperature=0.0, max_new_tokens=16)
+    before = engine.generate(BATCH, params)
+    runner = engine.runner
+    held, captures = runner.captured, runner.stats["graph_captures"]
+    assert held.decode and captures == len(held.decode) + len(held.prefill) > 0
+    cache = runner.cache
+    kv_bytes, addresses = cache.k.nbytes + cache.v.nbytes, (cache.k.data_ptr(), cache.v.data_ptr())
+    assert engine.memory.kv_stable and cache.memory is not None
+    report = engine.sleep(tags=["kv"])
+    kv = report["tags"]["kv"]
+    assert kv["changed"] and kv["path"] == "vmm" and kv["tensor_bytes"] == kv_bytes
+    assert "graphs" not in report["tags"] and engine.asleep == {"kv"} and cache.released
+    assert report["after"]["free"] - report["before"]["free"] >= kv_bytes  # the driver has it back
+    assert runner.captured == held
+    with pytest.raises(ValueError, match=r"\['kv'\] stay asleep"):  # capture would run over the released KV
+        engine.wake_up(tags=["graphs"])
+    woke = engine.wake_up()
+    assert woke["tags"]["kv"]["path"] == "vmm" and not woke["tags"]["graphs"]["changed"]
+    assert report["after"]["free"] - woke["after"]["free"] >= kv_bytes  # taken again
+    assert runner.cache is cache and (cache.k.data_ptr(), cache.v.data_ptr()) == addresses
+    replays = runner.stats["graph_replays"]
+    after = engine.generate(BATCH, params)
+    assert runner.stats["graph_captures"] == captures  # nothing captured again
+    assert runner.stats["graph_replays"] > replays and runner.graph_safe
+    assert [r.token_ids for r in after] == [r.token_ids for r in before]
+    assert [r.logprobs for r in after] == [r.logprobs for r in before]
+    first = engine.sleep()  # every tag; the weights' first sleep moves them (new addresses): the graphs go
+    assert first["tags"]["weights"]["path"] == "vmm", first["tags"]["weights"]["note"]
+    assert engine.asleep == {"kv", "graphs", "weights"}
+    engine.wake_up()
+    assert runner.stats["graph_captures"] > captures and runner.cache is cache
+    assert [r.token_ids for r in engine.generate(BATCH, params)] == [r.token_ids for r in before]
+    captures, weight_bytes = runner.stats["graph_captures"], _storage_bytes(engine.model)
+    for _ in range(2):  # from now on the weights sleep at kept addresses too: no graph is touched
+        report = engine.sleep(tags=["kv", "weights"])  # (None would free the graphs too: every tag)
+        assert report["tags"]["weights"]["path"] == "vmm" and "graphs" not in report["tags"]
+        assert engine.asleep == {"kv", "weights"}
+        assert report["after"]["free"] - report["before"]["free"] >= kv_bytes + weight_bytes
+        woke = engine.wake_up()
+        assert report["after"]["free"] - woke["after"]["free"] >= kv_bytes + weight_bytes
+        after = engine.generate(BATCH, params)
+        assert runner.stats["graph_captures"] == captures
+        assert [r.token_ids for r in after] == [r.token_ids for r in before]
+        assert [r.logprobs for r in after] == [r.logprobs for r in before]

@@ -167,6 +167,24 @@ def test_a_whole_update_copies_in_place_and_chunks_are_staged_as_copies(served):
     assert {k: p.data_ptr() for k, p in engine.model.named_parameters()} == pointers
 
 
+def test_an_update_with_the_engines_own_tensors_copies_and_checks_nothing(served):
+    """An engine sharing a trainer's storage is sent the trainer's tensors, its own parameters: they
+    serve already, so only the version moves (no copy, no value check); any other tensor is checked."""
+    engine, weights, tokens, v2 = served
+    own = dict(engine.model.named_parameters())
+    prepared = engine.weights.prepare(own, 2)
+    assert prepared.error is None and [t.param for t in prepared.incoming] == [None] * len(own)
+    mixed = dict(own, **{"decoder.final_layernorm.weight": v2["decoder.final_layernorm.weight"]})
+    checked = [t.name for t in engine.weights.prepare(mixed, 2).incoming if t.param is not None]
+    assert checked == ["decoder.final_layernorm.weight"]
+    engine.update_weights(own, version=2)
+    _assert_serving(engine, weights, 2, tokens)
+    with torch.no_grad():
+        own["decoder.final_layernorm.weight"][0] = float("nan")  # a clone holding it is checked, and refused
+    with pytest.raises(ValueError, match="final_layernorm.weight of version 3 holds NaN"):
+        engine.update_weights({k: v.detach().clone() for k, v in own.items()}, version=3)
+
+
 def test_updates_that_are_not_tensors_name_what_is_wrong(served):
     engine, weights, tokens, v2 = served
     with pytest.raises(TypeError, match="takes a mapping or \\(name, tensor\\) pairs, got Tensor"):

@@ -127,6 +127,33 @@ def test_add_rmsnorm_matches_reference(device, rows, hidden):
     assert _rel(y, ref.normed) < 2e-3 and _within_ulps(y, ref.normed, 3) and _same(y, ref.normed) >= 0.99
 
 
+@pytest.mark.parametrize("device,rows,hidden", _cases([(1, 2048), (300, 2048), (7, 96)], [(7, 64), (3, 96)]))
+def test_norms_read_an_fp32_weight_as_the_reference_does(device, rows, hidden):
+    """A bf16 Megatron GPTModel's norm weights are fp32, and a rollout sharing its storage reads them
+    as they are (`weights.megatron_bridge`): the kernels run (no fallback) and match the reference,
+    which rounds the fp32 product once (torch's `rms_norm` on mixed dtypes)."""
+    gen = _gen(device, rows * 13 + hidden)
+    x, delta = _randn((rows, hidden), device, gen, 4.0), _randn((rows, hidden), device, gen)
+    w = 1 + 0.2 * torch.randn(hidden, device=device, generator=gen)  # fp32
+    before = dict(fused.LAUNCHES)
+    y, ref = fused.rmsnorm(x, w, 1e-6), fused.rmsnorm_ref(x, w, 1e-6)
+    got, ref_add = fused.add_rmsnorm(x, delta, w, 1e-6), fused.add_rmsnorm_ref(x, delta, w, 1e-6)
+    assert _launched("rmsnorm", before) == 1 and _launched("add_rmsnorm", before) == 1
+    assert y.dtype == ref.dtype == torch.bfloat16 and torch.equal(got.h, ref_add.h)
+    assert not torch.equal(ref, fused.rmsnorm_ref(x, w.bfloat16(), 1e-6))  # the fp32 weight is read as fp32
+    for g, r in ((y, ref), (got.normed, ref_add.normed)):
+        assert _rel(g, r) < 2e-3 and _within_ulps(g, r, 3) and _same(g, r) >= 0.99, (_rel(g, r), _same(g, r))
+    d, groups, per = 64, 2, 4
+    qkv = _randn((rows, groups * (per + 2) * d), device, gen, 3.0)
+    cos, sin = rope_tables(torch.arange(rows, device=device) * 37, d, PRESET.rotary_base, torch.bfloat16)
+    qw, kw = (1 + 0.2 * torch.randn(d, device=device, generator=gen) for _ in range(2))
+    got_qkv = fused.qkv_norm_rope(qkv, groups, per, d, cos, sin, qw, kw, 1e-6)
+    ref_qkv = fused.qkv_norm_rope_ref(qkv, groups, per, d, cos, sin, qw, kw, 1e-6)
+    assert _launched("qkv_norm_rope", before) == 1
+    for g, r in zip(got_qkv, ref_qkv):
+        assert _rel(g, r) < 2e-3 and _same(g, r) >= 0.99, (_rel(g, r), _same(g, r))
+
+
 # (pairs, FFN): the SwiGLU between the grouped expert GEMMs
 SILU_GPU = [(1, 768), (64 * 8, 768), (4096 * 8, 768), (4096 * 8 - 3, 768), (5, 96), (3, 1500), (5000, 1500)]
 SILU_INTERP = [(1, 768), (9, 96), (4, 1500), (4098, 16)]

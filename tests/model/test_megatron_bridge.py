@@ -9,6 +9,7 @@ a stand-in module holding parameters under the TE spec's state-dict names (test_
 """
 from __future__ import annotations
 
+import copy
 import io
 import types
 
@@ -201,25 +202,105 @@ def test_sharing_with_a_sharded_trainer_is_refused_with_the_way_out():
         native_from_megatron(te, share_storage=True)
 
 
-def test_a_runner_that_moves_the_weights_out_of_shared_storage_is_refused(gloo_world, monkeypatch):
-    """The CUDA runner stacks the routed experts for its grouped GEMM (a copy); stand in for it on CPU."""
-    from megatron_rollout.engine import engine as engine_module
+def _experts(model):
     from megatron_rollout.model.layers import Experts
 
-    real = engine_module.make_runner
+    return [m for m in model.modules() if isinstance(m, Experts)]
 
-    def stacking_runner(model, cache, config):
-        for m in model.modules():
-            if isinstance(m, Experts):
-                m.restack()
+
+def test_the_cuda_runners_restack_keeps_shared_experts_and_a_moving_runner_is_refused(gloo_world, monkeypatch):
+    """The CUDA runner stacks the routed experts for its grouped kernels (`Experts.restack`); over a
+    shared trainer they already are its stacks, and stay. A runner that moved a weight is refused."""
+    from megatron_rollout.engine import engine as engine_module
+
+    real = engine_module.make_runner
+    moved = {"on": False}
+
+    def runner(model, cache, config):
+        for experts in _experts(model):
+            experts.restack()
+            if moved["on"]:
+                w = experts.local_experts[0].linear_fc1.weight
+                w.data = w.data.clone()
         return real(model, cache, config)
 
-    monkeypatch.setattr(engine_module, "make_runner", stacking_runner)
+    monkeypatch.setattr(engine_module, "make_runner", runner)
     gpt = build_megatron(CONFIGS["tiny-moe"])
+    engine = RolloutEngine.from_megatron(gpt, EngineConfig(kv=KVConfig(num_blocks=32)))
+    assert engine.weights.shared and shares_storage(engine.model, gpt)
+    moved["on"] = True
     with pytest.raises(ValueError, match="out of the trainer's storage; pass share_storage=False"):
         RolloutEngine.from_megatron(gpt, EngineConfig(kv=KVConfig(num_blocks=32)))
     engine = RolloutEngine.from_megatron(gpt, EngineConfig(kv=KVConfig(num_blocks=32)), share_storage=False)
-    assert engine.model.cfg == CONFIGS["tiny-moe"]
+    assert engine.model.cfg == CONFIGS["tiny-moe"] and not engine.weights.shared
+
+
+def test_a_bf16_trainer_is_shared_with_fp32_norms_and_experts_stacked_in_place(gloo_world):
+    cfg = CONFIGS["tiny-moe"].replace(dtype="bfloat16")
+    gpt = build_megatron(cfg)
+    params = dict(gpt.named_parameters())
+    norm = "decoder.layers.0.input_layernorm.weight"
+    assert params[norm].dtype == torch.float32  # Megatron's local spec: torch RMSNorm, fp32 weights
+    engine = RolloutEngine.from_megatron(gpt, EngineConfig(kv=KVConfig(num_blocks=32)))
+    assert engine.weights.shared and shares_storage(engine.model, gpt)
+    assert engine.model.get_parameter(norm).dtype == torch.float32
+    assert engine.model.get_parameter("decoder.layers.0.self_attention.linear_qkv.weight").dtype == torch.bfloat16
+    assert dict(gpt.named_parameters()) == params  # the trainer keeps its Parameter objects (the optimizer's)
+    stacked = [(n, m) for n, m in engine.model.named_modules() if m in _experts(engine.model)]
+    assert len(stacked) == 2
+    for prefix, experts in stacked:  # the trainer's experts were moved into the stacks the kernels read
+        assert experts.aliased()
+        fc1, fc2 = experts._stacked
+        assert fc1.shape == (cfg.num_moe_experts, 2 * cfg.moe_ffn_hidden_size, cfg.hidden_size)
+        for k in range(cfg.num_moe_experts):
+            assert params[f"{prefix}.local_experts.{k}.linear_fc1.weight"].data_ptr() == fc1[k].data_ptr()
+            assert params[f"{prefix}.local_experts.{k}.linear_fc2.weight"].data_ptr() == fc2[k].data_ptr()
+        ptr = fc1.data_ptr()
+        experts.restack()  # what the CUDA runner calls: nothing moves
+        assert experts._stacked[0].data_ptr() == ptr
+    again = RolloutEngine.from_megatron(gpt, EngineConfig(kv=KVConfig(num_blocks=32)))  # stacks found, not moved
+    assert _experts(again.model)[0]._stacked[0].data_ptr() == _experts(engine.model)[0]._stacked[0].data_ptr()
+
+    prompt, greedy = [[256, 72, 105]], SamplingParams(temperature=0.0, max_new_tokens=4)
+    with torch.no_grad():
+        before = engine.model(IDS)
+        snapshot = copy.deepcopy(engine.model)  # the same mixed dtypes, its own storage
+        first = engine.generate(prompt, greedy)[0]
+        opt = torch.optim.AdamW(gpt.parameters(), lr=1e-2)  # in place, fp32 norms and bf16 matrices alike
+        for p in gpt.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+        after = engine.model(IDS)
+        reference = copy.deepcopy(engine.model)
+        assert torch.equal(snapshot(IDS), before) and not torch.equal(after, before)
+        assert torch.equal(reference(IDS), after)
+    assert shares_storage(engine.model, gpt)
+    want = RolloutEngine(reference, EngineConfig(kv=KVConfig(num_blocks=32))).generate(prompt, greedy)[0]
+    got = engine.generate(prompt, greedy)[0]
+    assert got.token_ids == want.token_ids and got.logprobs == want.logprobs and len(first.token_ids) == 4
+
+
+def test_experts_inside_a_shared_buffer_are_refused_or_copied(gloo_world):
+    """Megatron's distributed optimizer keeps every parameter in one flat buffer (reverse order) that
+    its all-gather writes: such experts cannot be moved into stacks, so sharing is refused or copied."""
+    cfg = CONFIGS["tiny-moe"]
+    gpt = build_megatron(cfg)
+    params = list(gpt.parameters())[::-1]
+    flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            flat[offset:offset + p.numel()].copy_(p.view(-1))
+            p.data = flat[offset:offset + p.numel()].view(p.shape)
+            offset += p.numel()
+    with pytest.raises(ValueError, match=r"local_experts\.\d+\.linear_fc\d\.weight lies inside a storage.*"
+                                         "share_storage=False"):
+        RolloutEngine.from_megatron(gpt, EngineConfig(kv=KVConfig(num_blocks=32)), share_storage=True)
+    engine = RolloutEngine.from_megatron(gpt, EngineConfig(kv=KVConfig(num_blocks=32)))
+    assert not engine.weights.shared and not shares_storage(engine.model, gpt)
+    assert all(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for p in gpt.parameters())
+    with torch.no_grad():
+        assert torch.equal(engine.model(IDS), reference(gpt, cfg)(IDS))
 
 
 def test_a_rotary_embedding_off_the_reported_base_is_refused(gloo_world):
@@ -269,6 +350,64 @@ def test_on_cuda_the_engine_gives_megatrons_logits_before_and_after_an_adam_step
     assert (theirs2 - theirs).abs().max() > 1e-2  # the step moved the trainer
     assert (theirs2 - ours2).abs().max() < 1e-3  # and the engine serves it with no update call
     assert shares_storage(engine.model, gpt)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_on_cuda_decode_graphs_over_a_shared_bf16_trainer_follow_an_adam_step(gloo_world, monkeypatch):
+    """A bf16 GPTModel (fp32 norms, per-expert tensors) shared by the CUDA runner with decode graphs:
+    Megatron's logits, then an in-place Adam step served by the graphs captured before it (no
+    re-capture, no update call), as a fresh engine over the updated weights generates."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.moe import moe_utils
+
+    from megatron_rollout.engine.config import RunnerConfig
+
+    monkeypatch.setattr(moe_utils, "te_general_gemm", getattr(moe_utils, "te_general_gemm", None), raising=False)
+    cfg = CONFIGS["tiny-moe"].replace(dtype="bfloat16")
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    gpt = build_megatron(cfg)
+    with torch.no_grad():  # larger than Megatron's init so that routing is not a tie
+        for k, p in gpt.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if k.endswith("layernorm.weight") else 0.2 * torch.randn_like(p))
+    gpt = gpt.cuda()
+    config = EngineConfig(kv=KVConfig(num_blocks=64),
+                          runner=RunnerConfig(kind="cuda", graph_batch_sizes=(1, 2, 4), prefill_graph_tokens=()))
+    engine = RolloutEngine.from_megatron(gpt, config)
+    runner = engine.runner
+    assert type(runner).__name__ == "CudaRunner" and runner.graph_safe and engine.weights.shared
+    assert shares_storage(engine.model, gpt)
+    assert engine.model.get_parameter("decoder.final_layernorm.weight").dtype == torch.float32
+    prompts, greedy = [[256, 72, 105], [256, 50, 51, 52]], SamplingParams(temperature=0.0, max_new_tokens=6)
+    before = engine.generate(prompts, greedy)
+    graphs = dict(runner._graphs)
+    assert graphs and runner.stats["graph_replays"] > 0
+
+    ids = IDS.cuda()
+    positions = torch.arange(ids.shape[1], device="cuda")[None].expand_as(ids)
+    mask = torch.ones(1, 1, ids.shape[1], ids.shape[1], dtype=torch.bool, device="cuda").triu(1)
+    gpt.eval()
+    with torch.no_grad():
+        theirs, ours = gpt(ids, positions, mask).float(), engine.model(ids).float()
+    # bf16 kernels on both sides (a routing near-tie may send a token elsewhere): normwise
+    assert float((theirs - ours).norm() / theirs.norm()) < 0.1
+    gpt.train()
+    opt = torch.optim.Adam(gpt.parameters(), lr=1e-2)
+    logits = gpt(ids, positions, mask)
+    F.cross_entropy(logits[:, :-1].float().reshape(-1, cfg.vocab_size), ids[:, 1:].reshape(-1)).backward()
+    opt.step()
+
+    replays = runner.stats["graph_replays"]
+    after = engine.generate(prompts, greedy)
+    assert runner.stats["graph_replays"] > replays  # decode replayed the graphs captured before the step
+    assert runner._graphs.keys() == graphs.keys() and all(runner._graphs[b] is g for b, g in graphs.items())
+    assert shares_storage(engine.model, gpt) and engine.weight_version == 0
+    want = RolloutEngine.from_megatron(gpt, config).generate(prompts, greedy)  # graphs over the new weights
+    assert [o.token_ids for o in after] == [o.token_ids for o in want]
+    for got, fresh in zip(after, want):
+        assert got.logprobs == pytest.approx(fresh.logprobs, abs=2e-3)
+    assert [o.logprobs for o in after] != [o.logprobs for o in before]
 
 
 def test_deepseek_routing_is_read_and_its_fp32_expert_bias_shared(gloo_world, monkeypatch):
