@@ -28,7 +28,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 _KERNEL_MODULES = ("megatron_rollout.kernels.triton_attention", "megatron_rollout.kernels.moe_triton",
-                   "megatron_rollout.kernels.fused")
+                   "megatron_rollout.kernels.fused", "megatron_rollout.kernels.mla_attention")
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,13 @@ exits 1 when that choice stops being the evidence's. A default other than FIFO m
 median simulated makespan against FIFO on every row (size, schedule, budget); FIFO, the default
 while no priority gains (2026-12-02: none, the oracle included, gained more than 0.7%), must not
 be beaten by any priority by more than `MARGIN`. Any makespan under the lower bound fails it too
-(a broken simulator or bound). Left out: real
-replays (`benchmarks.rollout --schedules 'mux+most-turns'` runs a priority on the GPU).
+(a broken simulator or bound).
+
+`--levers` runs instead the levers on the critical chain that the engine does not have
+(`sim.levers`: decode priority, P/D overlap under `mux`, speculative decoding of the tail; and the
+RL-group orderings), each alone against FIFO, the oracle and the lower bound, with the breakdown of
+every run (`benchmarks.sim_levers`). Left out: real replays (`benchmarks.rollout --schedules
+'mux+most-turns'` runs a priority on the GPU).
 """
 from __future__ import annotations
 
@@ -70,6 +75,25 @@ def micro_cost(paths: tuple[str, ...], gap_s: float) -> CostModel:
 
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def run_levers(args: argparse.Namespace) -> dict[str, Any]:
+    """`--levers` (module docstring): one JSON object with every run and the summary."""
+    from benchmarks import sim_levers
+
+    cost = micro_cost(tuple(args.micro.split(",")), args.gap_us / 1e6)
+    out: dict[str, Any] = {
+        "command": "python -m benchmarks.policy_sim " + " ".join(sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cost": cost.to_dict(), "micro": args.micro, "profile": args.profile, "num_blocks": args.num_blocks,
+        "traces": []}
+    for conversations in (int(c) for c in args.conversations.split(",")):
+        for seed in (int(s) for s in args.seeds.split(",")):
+            out["traces"].append(sim_levers.run_trace(conversations, seed, cost, args, log))
+            Path(args.out).write_text(json.dumps(out, indent=1))
+    out["summary"] = sim_levers.summary(out["traces"])
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -173,12 +197,20 @@ def parser() -> argparse.ArgumentParser:
                          "benchmarks.rollout --kv-gb 40)")
     ap.add_argument("--out", default="policy-sim.json")
     ap.add_argument("--check", action="store_true", help="exit 1 when the check fails (module docstring)")
+    ap.add_argument("--levers", action="store_true",
+                    help="simulate the levers on the critical chain instead of the orderings (module docstring)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parser().parse_args(argv)
+    if args.levers:
+        for label, row in run_levers(args)["summary"].items():
+            print(f"{label:<56} makespan {row['makespan_s']:7.2f} s  /fifo {row['over_fifo']:.3f}  "
+                  f"/oracle {row['over_oracle']:.3f}  /bound {row['over_bound']:.2f}  "
+                  f"critical decode {row['critical_decode_s']:6.2f} s")
+        return 0
     result = run(args)
     for label, row in result["summary"].items():
         print(f"{label:<48} makespan {row['makespan_s']:7.2f} s  /fifo {row['over_fifo']:.3f}  "

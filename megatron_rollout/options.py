@@ -101,6 +101,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "| te-<recipe> (Transformer Engine's FP8 layers, where TE is installed)")
     p.add_argument("--mtp", type=int, default=0, metavar="K",
                    help="speculative decoding: the model's MTP layer drafts K tokens per decode iteration (0: off)")
+    p.add_argument("--ngram", type=int, default=0, metavar="K",
+                   help="speculative decoding: K tokens per decode iteration looked up in the row's own context "
+                        "(n-gram of 2 to 4 tokens; 0: off)")
+    p.add_argument("--draft-tail-rows", type=positive_int, default=None, metavar="R",
+                   help="with --mtp or --ngram: draft only while at most R rows decode (the rollout's tail)")
     p.add_argument("--device", default=None, help="cpu | cuda; None takes cuda when available")
     p.add_argument("--timeline", default=None, help="write a Chrome/Perfetto trace of P and D work here")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -124,4 +129,16 @@ def engine_config(args: argparse.Namespace, schedule: str | None = None) -> Engi
                             decode_ahead=args.decode_ahead, fp8=args.fp8),
         comm=CommConfig(backend=args.comm_backend, timeout_s=args.timeout, p_exchange=args.p_exchange,
                         d_exchange=args.d_exchange),
-        speculative=SpeculativeConfig(k=args.mtp) if args.mtp else None)
+        speculative=speculative_config(args))
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """`--mtp K` or `--ngram K` (not both), with `--draft-tail-rows`; None: plain decoding."""
+    if args.mtp and args.ngram:
+        raise ValueError(f"--mtp {args.mtp} and --ngram {args.ngram} are two draft sources: pass one of them")
+    if args.draft_tail_rows is not None and not (args.mtp or args.ngram):
+        raise ValueError("--draft-tail-rows needs --mtp K or --ngram K (it says when drafts are made)")
+    if not (args.mtp or args.ngram):
+        return None
+    method, k = ("mtp", args.mtp) if args.mtp else ("ngram", args.ngram)
+    return SpeculativeConfig(method, k, tail_rows=args.draft_tail_rows)

@@ -30,7 +30,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("megatron_rollout.kv",),  # paged KV store and block pool (an AttentionBackend of the model)
     ("megatron_rollout.weights",),  # the weight store, the update vote, the Megatron bridge
     ("megatron_rollout.kernels", "megatron_rollout.multiplex"),  # device fast paths | turnstile, routing
-    ("megatron_rollout.runner",),  # device execution: the runner contract, the portable and CUDA runners
+    ("megatron_rollout.runner", "megatron_rollout.drafts"),  # device execution: the runner contract, the portable
+    # and CUDA runners | draft sources that need no model (host-side token logic)
     ("megatron_rollout.engine",),  # planner, bookkeeping, execution, schedules
     ("megatron_rollout.trace", "megatron_rollout.aio"),  # trace replay and reports | asyncio face; public API only
     ("megatron_rollout.sim",),  # the engine simulated on a trace, its costs fitted from step records

@@ -229,10 +229,11 @@ def test_a_stable_buffer_keeps_its_address_and_gives_its_memory_back():
     torch.cuda.synchronize()
     free = torch.cuda.mem_get_info()[0]
     assert buffer.release() == buffer.size and buffer.release() == 0
-    assert torch.cuda.mem_get_info()[0] - free >= nbytes  # the driver has it back
+    released = torch.cuda.mem_get_info()[0]
+    assert released - free >= nbytes  # the driver has it back
     assert buffer.restore() == buffer.size and buffer.restore() == 0
     assert tensor.data_ptr() == address and buffer.tensor.data_ptr() == address
-    assert free - torch.cuda.mem_get_info()[0] >= nbytes - (64 << 20)  # taken again
+    assert released - torch.cuda.mem_get_info()[0] >= nbytes  # taken again
     assert int(torch.count_nonzero(tensor)) == 0  # new memory, zero-filled
     tensor[7] = 5.0
     assert float(tensor.sum()) == 5.0

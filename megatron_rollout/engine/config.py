@@ -113,7 +113,7 @@ class MuxConfig:
             raise ValueError(f"MuxConfig.ordering must be 'turnstile' or 'naive', got {self.ordering!r}")
 
 
-SPECULATIVE_METHODS = ("mtp",)
+SPECULATIVE_METHODS = ("mtp", "ngram")
 
 
 @dataclass(frozen=True)
@@ -121,10 +121,20 @@ class SpeculativeConfig:
     """Speculative decoding inside every schedule's decode iteration (`engine.drafting`)."""
 
     method: str = "mtp"
-    """Who drafts: "mtp", the model's first multi-token-prediction layer (`model.mtp`)."""
+    """Who drafts: "mtp", the model's first multi-token-prediction layer (`model.mtp`), or "ngram",
+    prompt lookup over the request's own context (`drafts.ngram`: no model, any model)."""
     k: int = 1
-    """Drafted tokens per row and decode iteration (the first MTP layer applied k times in a chain);
-    an iteration then emits between 1 and k + 1 tokens per row."""
+    """Drafted tokens per row and decode iteration (the first MTP layer applied k times in a chain,
+    or the k tokens after the matched n-gram); an iteration then emits between 1 and k + 1 tokens
+    per row."""
+    ngram_min: int = 2
+    """"ngram": the shortest suffix that is matched (a shorter match drafts nothing)."""
+    ngram_max: int = 4
+    """"ngram": the longest suffix that is matched (the longest match wins)."""
+    tail_rows: int | None = None
+    """Draft only in a rollout's tail: while at most this many requests decode on the replica
+    (where a decode iteration is memory-bound and extra positions per row come almost free); None:
+    always. Every rank of a replica decides alike (from the state its leader plans)."""
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -132,6 +142,12 @@ class SpeculativeConfig:
                              f"got {self.method!r}")
         if type(self.k) is not int or not 1 <= self.k <= 8:
             raise ValueError(f"SpeculativeConfig.k must be an int in [1, 8], got {self.k!r}")
+        n_min, n_max = self.ngram_min, self.ngram_max
+        if type(n_min) is not int or type(n_max) is not int or not 1 <= n_min <= n_max:
+            raise ValueError(f"SpeculativeConfig.ngram_min and ngram_max must be ints with 1 <= ngram_min <= "
+                             f"ngram_max, got {n_min!r} and {n_max!r}")
+        if self.tail_rows is not None and (type(self.tail_rows) is not int or self.tail_rows <= 0):
+            raise ValueError(f"SpeculativeConfig.tail_rows must be a positive int or None, got {self.tail_rows!r}")
 
 
 @dataclass(frozen=True)
@@ -151,8 +167,9 @@ class EngineConfig:
     configure. P's padded domain must hold a whole prefill epoch, so `comm.p_max_tokens` is raised
     to `scheduler.max_batch_tokens` where it is smaller."""
     speculative: SpeculativeConfig | None = None
-    """Draft tokens with the model's MTP layer and verify them in the same decode iteration
-    (`engine.drafting`); None: plain decoding. Tokens at temperature 0 are the same either way."""
+    """Draft tokens (the model's MTP layer, or n-gram lookup in the context) and verify them in the
+    same decode iteration (`engine.drafting`); None: plain decoding. Tokens at temperature 0 are
+    the same either way."""
     max_model_len: int | None = None
     """Longest context; None means the model's max_position_embeddings. Longer than that is
     refused unless `allow_long_context` (see `context_length`)."""

@@ -1,4 +1,4 @@
-"""Speculative decoding inside every schedule: MTP drafts, verified in the same decode iteration.
+"""Speculative decoding inside every schedule: MTP or n-gram drafts, verified in the same decode iteration.
 
 `SpeculativeExecutor` is the step executor of an engine with `EngineConfig.speculative`; the
 schedules call the same `inputs`, `forward`, `run` and `complete`, so `off`, `chunked` and `mux`
@@ -19,29 +19,42 @@ first decode iteration after a `mux` epoch (`Deferred`). A missing or stale MTP 
 the acceptance rate only: every token is the target's. The planner sees drafts as lookahead
 (`SeqView.lookahead`); acceptance is counted in `EngineStats`.
 
-Left out: the CUDA runner (one token per row in its decode graphs, no hidden states out), decode
-ahead, the naive ordering baseline, MTP layers beyond the first.
+With `SpeculativeConfig(method="ngram")` the drafts are prompt lookup in the row's own context
+(`drafts.ngram`), made on the host when the step is planned: step 1 is a target forward alone (no
+MTP layer anywhere, any model), step 3 does not exist, and a row whose context proposes nothing
+decodes plainly in the same forward. The drafts are token ids with no law: q is one-hot, which
+`verify` treats exactly at any temperature. Under `tail_rows` the plan gives drafts room only
+while few rows decode: the planner's input decides, so every rank of a replica agrees.
+
+The forwards are the runner's (`Runner.forward_hidden`, `Runner.forward_mtp`): the portable one,
+or the CUDA runner on one rank, whose decode graphs run them as one-query rows
+(`runner.speculative`). Greedy rows are verified and drafted from one host read of every row's
+argmax and logprob (`_best`), sampled rows row by row (`engine.speculative.verify`). Left out:
+the CUDA runner on many ranks, decode ahead, the naive ordering baseline, MTP layers beyond the
+first.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
+from megatron_rollout.drafts import NgramIndex
 from megatron_rollout.engine.api import FinishReason, RequestOutput, SamplingParams
 from megatron_rollout.engine.bookkeeping import RequestTable, SampleOwner
+from megatron_rollout.engine.config import SpeculativeConfig
 from megatron_rollout.engine.execution import StepExecutor, StepInputs
-from megatron_rollout.engine.request import Sampled
+from megatron_rollout.engine.request import Request, Sampled
 from megatron_rollout.engine.sampler import PendingDraw, filtered_logprobs, sample_row
 from megatron_rollout.engine.scheduler import PrefillChunk, SchedulerState, Stage, StepPlan
 from megatron_rollout.engine.speculative import Verdict, draw_index, verify
 from megatron_rollout.engine.stats import EngineStats
 from megatron_rollout.forward import Forward, run_to_end
-from megatron_rollout.runner.base import ModelRunner, Runner
+from megatron_rollout.runner.base import Runner
 from megatron_rollout.runner.speculative import SpecOutput, VerifyRow, verify_forward
 from megatron_rollout.types import Phase, SeqSpan
 from megatron_rollout.weights.store import WeightStore
@@ -67,6 +80,25 @@ class Deferred:
     hidden: torch.Tensor
 
 
+class _Best(NamedTuple):
+    """One logits row's greedy choice, read to the host with every other row's at once."""
+
+    token: int
+    logprob: float
+    """log_softmax at `token`, as the plain greedy sampler reports it."""
+    finite: bool
+
+
+def _best(logits: torch.Tensor) -> list[_Best]:
+    """Greedy choice of every row of `logits` [rows, V] in one host read (not one per row: on the
+    CUDA runner's graphs per-row reads would cost more than the forward)."""
+    logp = logits.float().log_softmax(-1)
+    token = logp.argmax(-1)
+    host = torch.stack([token.double(), logp.gather(-1, token[:, None])[:, 0].double(),
+                        logits.float().amax(-1).isfinite().double()]).tolist()
+    return [_Best(int(t), lp, bool(f)) for t, lp, f in zip(*host)]
+
+
 @dataclass
 class _Row:
     """One sampled row of a speculative step, from its verdict to its acceptance."""
@@ -83,28 +115,51 @@ class _Row:
 
 class SpeculativeExecutor(StepExecutor):
     def __init__(self, table: RequestTable, runner: Runner, weights: WeightStore, stats: EngineStats, seed: int,
-                 k: int, timeline=None, rank: int = 0) -> None:
+                 config: SpeculativeConfig, timeline=None, rank: int = 0) -> None:
         model = runner.model
-        if not model.cfg.mtp_num_layers:
+        self.mtp = config.method == "mtp"
+        if self.mtp and not model.cfg.mtp_num_layers:
             raise ValueError("EngineConfig.speculative (method 'mtp') needs a model with an MTP layer, this one has "
                              "mtp_num_layers=0: load a checkpoint that has one (DeepSeek-V3's) or build one with "
                              "mtp_num_layers >= 1, or leave EngineConfig.speculative None")
-        if not isinstance(runner, ModelRunner):
-            raise ValueError(f"speculative decoding (EngineConfig.speculative) runs on the portable runner only: "
-                             f"{type(runner).__name__}'s decode graphs hold one token per row and return no hidden "
-                             f"states for the MTP layer; pass RunnerConfig(kind='eager') or 'auto'")
+        if getattr(runner, "multi_rank", False):  # a CudaRunner whose comm crosses ranks
+            raise ValueError(f"speculative decoding (EngineConfig.speculative) on {type(runner).__name__} runs on "
+                             f"one rank: its verify and draft graphs are not captured collectively; on many ranks "
+                             f"pass RunnerConfig(kind='eager') (or 'auto', which picks it)")
         super().__init__(table, runner, weights, stats, seed, timeline, rank)
-        self.model, self.k = model, k
-        self.mtp_norm = model.mtp.layers[0].final_layernorm
+        self.model, self.k, self.config = model, config.k, config
+        self.mtp_norm = model.mtp.layers[0].final_layernorm if self.mtp else None
         self.drafts: dict[int, Draft] = {}
         self.deferred: dict[int, Deferred] = {}
+        self.contexts: dict[int, NgramIndex] = {}
+        """"ngram": each sequence's tokens as the lookup holds them, by sequence id."""
 
     # -- planning and inputs ----------------------------------------------------------------------
     def planning_view(self, state: SchedulerState) -> SchedulerState:
-        """Each decoding row with drafts looks `len(drafts)` positions ahead."""
+        """Each decoding row with drafts looks `len(drafts)` positions ahead ("ngram": drafted now);
+        none does while more than `tail_rows` rows decode."""
+        decoding = [v.rid for v in state.seqs if v.stage is Stage.DECODE]
+        if self.config.tail_rows is not None and len(decoding) > self.config.tail_rows:
+            return state
+        if not self.mtp:
+            self._look_up(decoding)
         seqs = tuple(dataclasses.replace(v, lookahead=len(d.tokens))
                      if v.stage is Stage.DECODE and (d := self._draft(v.rid)) is not None else v for v in state.seqs)
         return dataclasses.replace(state, seqs=seqs)
+
+    def _look_up(self, rids: list[int]) -> None:
+        """"ngram": each row's drafts for the step being planned, from its context as it stands now."""
+        for rid in rids:
+            req = self.table.requests[rid]
+            context = self.contexts.get(req.seq.sid)
+            if context is None:
+                context = self.contexts[req.seq.sid] = NgramIndex(self.config.ngram_min, self.config.ngram_max)
+            context.sync(req.seq.tokens)
+            drafted = context.propose(self._budget(req, 0))
+            if drafted:
+                self.drafts[rid] = Draft(req.lifetime, drafted, None)
+            else:
+                self.drafts.pop(rid, None)
 
     def _draft(self, rid: int) -> Draft | None:
         draft, req = self.drafts.get(rid), self.table.requests.get(rid)
@@ -129,17 +184,20 @@ class SpeculativeExecutor(StepExecutor):
             chunk_rows, chunk_owners = self.table.prefill_rows(chunk)
             for row in chunk_rows:
                 past, new = row.span.past, row.span.new
-                verify_rows.append(VerifyRow(int(row.sample), tuple(tokens[past + 1:past + new + 1])))
+                follow = tuple(tokens[past + 1:past + new + 1]) if self.mtp else ()
+                verify_rows.append(VerifyRow(int(row.sample), follow))
             rows += chunk_rows
             owners += chunk_owners
         return StepInputs(rows, owners, verify_rows)
 
     # -- the forwards ---------------------------------------------------------------------------------
     def forward(self, step: StepInputs, phase: Phase) -> Forward:
-        """The target forward (in P, with the MTP layer over the prefill positions it can run); returns
-        a `SpecOutput`. A `mux` epoch resumes it boundary by boundary."""
-        return verify_forward(self.runner, step.rows, step.verify or [VerifyRow(int(r.sample)) for r in step.rows],
-                              phase)
+        """The target forward (in P, with the MTP layer over the prefill positions it can run; "ngram":
+        the target alone); returns a `SpecOutput`. A `mux` epoch resumes it boundary by boundary."""
+        verify = step.verify or [VerifyRow(int(r.sample)) for r in step.rows]
+        if self.mtp:
+            return verify_forward(self.runner, step.rows, verify, phase)
+        return _target_forward(self.runner, step.rows, verify, phase)
 
     def _index(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.model.device)
@@ -162,7 +220,8 @@ class SpeculativeExecutor(StepExecutor):
         with torch.no_grad():
             out = run_to_end(self.forward(step, phase))
             rows = self._verdicts(step, out)
-            self._draft_next(rows, phase)
+            if self.mtp:
+                self._draft_next(rows, phase)
         self._record_time(plan, phase, t0)
         outs = self._accept(rows, version)
         self._record_step(plan, phase, step.rows, t0)
@@ -176,11 +235,12 @@ class SpeculativeExecutor(StepExecutor):
             return super().complete(owners, logits, draw, version)
         outs = super().complete(owners, logits.logits, version=version)
         for i, owner in enumerate(owners):
-            if self.table.is_live(owner):
+            if self.mtp and self.table.is_live(owner):
                 self.deferred[owner.request.rid] = Deferred(owner.lifetime, owner.context - 1, logits.hidden[i])
         return outs
 
     def _verdicts(self, step: StepInputs, out: SpecOutput) -> list[_Row]:
+        best = _best(out.logits)
         rows, at, owners = [], 0, iter(step.owners)
         for row, v in zip(step.rows, step.verify, strict=True):
             if not v.logits:
@@ -190,16 +250,23 @@ class SpeculativeExecutor(StepExecutor):
             if self.table.is_live(owner):
                 first = row.span.past + row.span.new - v.logits
                 rows.append(self._verdict(owner, first, row.span.table, tuple(row.token_ids[1:v.logits]),
-                                          out.logits[sl], out.hidden[sl]))
+                                          out.logits[sl], out.hidden[sl], best[sl]))
         return rows
 
     def _verdict(self, owner: SampleOwner, first: int, table: tuple[int, ...], drafts: tuple[int, ...],
-                 logits: torch.Tensor, hidden: torch.Tensor) -> _Row:
+                 logits: torch.Tensor, hidden: torch.Tensor, best: list[_Best]) -> _Row:
         req = owner.request
         params, gen = req.params, req.generator or self.generator
-        bad = [i for i, m in enumerate(logits.float().amax(-1).tolist()) if not math.isfinite(m)]
+        bad = [i for i, b in enumerate(best) if not b.finite]
         if bad:
             return _Row(owner, first, table, hidden, None, sample_row(logits[bad[0]], params, gen).error)
+        if params.temperature == 0.0:  # `verify`'s greedy rule on the host copies
+            a = next((i for i, d in enumerate(drafts) if d != best[i].token), len(drafts))
+            self.stats.drafted_tokens += len(drafts)
+            self.stats.accepted_tokens += a
+            kept = best[:a + 1]
+            return _Row(owner, first, table, hidden, Verdict(a, tuple(b.token for b in kept),
+                                                             tuple(b.logprob for b in kept)))
         if not drafts:  # the plain sampler's draw
             s = sample_row(logits[0], params, gen)
             return _Row(owner, first, table, hidden, Verdict(0, (s.token,), (s.logprob,)))
@@ -242,8 +309,9 @@ class SpeculativeExecutor(StepExecutor):
             else:
                 chain = [i for i in range(len(rows)) if want[i] > 0]
             q = self.model.logits(x[self._index(chain)], self.mtp_norm)  # [chain, V]
+            best = _best(q)
             for c, i in enumerate(chain):
-                picked = self._pick(q[c], rows[i].owner.request)
+                picked = self._pick(q[c], rows[i].owner.request, best[c])
                 if picked is not None:
                     drafted[i].append(picked[0])
                     logq[i].append(picked[1])
@@ -255,12 +323,16 @@ class SpeculativeExecutor(StepExecutor):
             else:
                 self.drafts.pop(req.rid, None)
 
-    def _room(self, row: _Row) -> int:
-        """Drafts worth making for the row's next iteration: no more than it may still emit, minus the
-        token it emits anyway, and (k > 1) only as far as free KV holds the chain's MTP positions."""
-        req, emitted = row.owner.request, len(row.verdict.tokens)
+    def _budget(self, req: Request, emitted: int) -> int:
+        """Drafts worth making for the request's next iteration, `emitted` tokens from now: no more
+        than it may still emit, minus the token it emits anyway."""
         left = min(req.params.max_new_tokens - len(req.output), self.table.max_model_len - len(req.seq.tokens))
-        want = max(0, min(self.k, left - emitted - 1))
+        return max(0, min(self.k, left - emitted - 1))
+
+    def _room(self, row: _Row) -> int:
+        """`_budget`, and (k > 1) only as far as free KV holds the MTP chain's positions."""
+        req, emitted = row.owner.request, len(row.verdict.tokens)
+        want = self._budget(req, emitted)
         pool, sid = self.table.pool, req.seq.sid
         pending = row.first + emitted  # the position of the token this iteration leaves pending
         while want > 1 and pool.blocks_to_grow(sid, pending + want - 1) > pool.num_free:
@@ -269,14 +341,14 @@ class SpeculativeExecutor(StepExecutor):
             pool.grow(sid, pending + want - 1)
         return want
 
-    def _pick(self, logits: torch.Tensor, req) -> tuple[int, torch.Tensor | None] | None:
+    def _pick(self, logits: torch.Tensor, req, best: _Best) -> tuple[int, torch.Tensor | None] | None:
         """One draft from the MTP layer's logits [V] under the request's sampling params, and its law
         (None: greedy); None where the logits are not finite (the row does not draft)."""
         params: SamplingParams = req.params
-        if not math.isfinite(float(logits.float().amax())):
+        if not best.finite:
             return None
         if params.temperature == 0.0:
-            return int(logits.argmax()), None
+            return best.token, None
         logq = filtered_logprobs(logits[None], params)[0]
         return draw_index(logq.exp(), req.generator or self.generator), logq
 
@@ -298,4 +370,15 @@ class SpeculativeExecutor(StepExecutor):
             for rid in [rid for rid, e in entries.items()
                         if (req := self.table.requests.get(rid)) is None or req.lifetime != e.lifetime]:
                 del entries[rid]
+        for sid in [sid for sid in self.contexts if sid not in self.table.seqs]:
+            del self.contexts[sid]
         return outs
+
+
+def _target_forward(runner: Runner, rows, verify: list[VerifyRow], phase: Phase) -> Forward:
+    """The target alone ("ngram"): a `SpecOutput` of each row's last `VerifyRow.logits` positions."""
+    h = yield from runner.forward_hidden(rows, phase)  # [tokens, H]
+    ends = torch.tensor([row.span.new for row in rows], dtype=torch.long).cumsum(0).tolist()
+    pick = [i for end, v in zip(ends, verify, strict=True) for i in range(end - v.logits, end)]
+    hidden = h[torch.tensor(pick, dtype=torch.long, device=h.device)]
+    return SpecOutput(runner.model.logits(hidden), hidden)

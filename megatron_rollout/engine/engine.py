@@ -111,15 +111,16 @@ class RolloutEngine:
             te_layers.apply_te(model, te_layers.TEConfig(recipe=TE_FP8_MODES[c.runner.fp8]))
         elif c.runner.fp8 != "off":  # before the runner: it stacks the FP8 experts for its graphs
             fp8.quantize_model_fp8(model, block=FP8_MODES[c.runner.fp8])
-        runner = c.runner if c.speculative is None or c.runner.kind != "auto" else \
-            dataclasses.replace(c.runner, kind="eager")  # drafting runs on the portable runner (engine.drafting)
+        one_rank = isinstance(model.comm, LocalComm)
+        runner = c.runner if c.speculative is None or c.runner.kind != "auto" or one_rank else \
+            dataclasses.replace(c.runner, kind="eager")  # on many ranks drafting runs eagerly (engine.drafting)
         stable = stable_wanted(c.kv.stable_memory, model.device)  # KV that sleeps without dropping graphs
         self.runner = make_runner(model, PagedKVCache(*self._kv_shape, device=model.device, stable=stable), runner)
         if c.speculative is None:
             self.executor = StepExecutor(self.table, self.runner, self.weights, self.stats, c.seed, timeline, rank)
         else:
             self.executor = SpeculativeExecutor(self.table, self.runner, self.weights, self.stats, c.seed,
-                                                c.speculative.k, timeline, rank)
+                                                c.speculative, timeline, rank)
             self.table.one_draw_per_row = "speculative decoding verifies one draw per row (EngineConfig.speculative)"
         self.schedule: ScheduleDriver = make_schedule(c, self.table, self.executor, model, rendezvous, router)
         if self._decode_ahead(c.runner.decode_ahead):

@@ -139,9 +139,10 @@ def plan_step(state: SchedulerState, cfg: SchedulerConfig) -> StepPlan:
     queue = list(decoding)
     while queue and len(rows) < cfg.max_decode_rows:
         seq = queue.pop(0)
-        need = _blocks(seq.tokens + seq.lookahead, bs) - seq.blocks
+        # a row may hold more blocks than it needs (grown for drafts that were rejected): never a credit
+        need = max(0, _blocks(seq.tokens + seq.lookahead, bs) - seq.blocks)
         if seq.lookahead and need > free:  # drafts never preempt: the row runs without them
-            need, seq = _blocks(seq.tokens, bs) - seq.blocks, dataclasses.replace(seq, lookahead=0)
+            need, seq = max(0, _blocks(seq.tokens, bs) - seq.blocks), dataclasses.replace(seq, lookahead=0)
         while need > free:  # make room by preempting the youngest of those younger than this row
             victim = _youngest(queue, halfway, younger_than=seq.order)
             if victim is None:

@@ -110,6 +110,15 @@ class MoETransformer(nn.Module):
             h, delta = yield from layer.residual(h, delta, rope, attn, self.comm, phase)
         return h if delta is None else h + delta
 
+    def mtp_step(self, next_tokens: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                 attn: AttentionBackend, phase: Phase) -> Forward:
+        """The first MTP layer (its own KV layer) at `positions` [N]: `hidden` [N, H] the decoder's
+        hidden state there (or the layer's own previous output, drafting in a chain), `next_tokens`
+        [N] the token after each position. Returns the layer's output [N, H], before its final norm."""
+        embedded = self.embedding.word_embeddings(next_tokens)
+        rope = rope_for(self.cfg, positions, hidden.dtype)
+        return (yield from self.mtp.layers[0](embedded, hidden, rope, attn, self.comm, phase))
+
     def use_ops(self, ops: ModelOps | None) -> int:
         """Point every module that calls the small ops (`model.ops.UsesOps`) at `ops`; None restores
         the reference. Returns how many modules now use it. The hook through which a kernel library

@@ -18,7 +18,6 @@ import torch
 from megatron_rollout.comm.alltoall import check_domains
 from megatron_rollout.forward import Forward, run_to_end
 from megatron_rollout.kv.paged import PagedBatch, PagedKVCache
-from megatron_rollout.model.rope import rope_for
 from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.types import Phase, SeqSpan, SpanInput
 
@@ -31,9 +30,12 @@ class CapturedGraphs(NamedTuple):
     """Decode buckets (rows)."""
     prefill: tuple[int, ...] = ()
     """Piecewise prefill buckets (tokens)."""
+    speculative: tuple[tuple[str, int], ...] = ()
+    """Speculative decoding's verify and draft graphs: (what they compute, one-query rows)."""
 
     def describe(self) -> str:
-        return f"{len(self.decode)} decode and {len(self.prefill)} prefill graphs"
+        spec = f" and {len(self.speculative)} verify/draft graphs" if self.speculative else ""
+        return f"{len(self.decode)} decode and {len(self.prefill)} prefill graphs{spec}"
 
 
 class Runner(Protocol):
@@ -58,6 +60,17 @@ class Runner(Protocol):
         """A D forward over one-token rows whose tokens are `tokens` [rows] on the device (drawn by
         the previous forward, not read by the host; the rows' `token_ids` are placeholders), issued
         now; its logits, or None where this runner cannot (the caller then waits for the host)."""
+        ...
+
+    def forward_hidden(self, inputs: list[SpanInput], phase: Phase) -> Forward:
+        """Speculative decoding: the decoder's last hidden states [new tokens, H] (before the final
+        norm) of every new token, in input order."""
+        ...
+
+    def forward_mtp(self, spans: list[SeqSpan], hidden: torch.Tensor, next_tokens: torch.Tensor,
+                    phase: Phase) -> Forward:
+        """Speculative decoding: the first MTP layer over the spans' new positions
+        (`MoETransformer.mtp_step`); its output [N, H]."""
         ...
 
     @property
@@ -108,14 +121,11 @@ class ModelRunner:
 
     def forward_mtp(self, spans: list[SeqSpan], hidden: torch.Tensor, next_tokens: torch.Tensor,
                     phase: Phase) -> Forward:
-        """The first MTP layer over `spans` (its own KV layer): `hidden` [N, H] the decoder's hidden
-        state at each position (or a previous MTP output, drafting in a chain), `next_tokens` [N]
-        the token after each position. Returns the layer's output [N, H], before its final norm."""
-        model, mtp = self.model, self.model.mtp.layers[0]
+        """`MoETransformer.mtp_step` over `spans` (hidden [N, H], next_tokens [N] for their N new
+        positions, in order): the first MTP layer's output [N, H], before its final norm."""
         batch = PagedBatch(self.cache, spans)
-        embedded = model.embedding.word_embeddings(next_tokens.to(self.device))
-        rope = rope_for(model.cfg, batch.positions, hidden.dtype)
-        return self._checked(mtp(embedded, hidden, rope, batch, model.comm, phase))
+        step = self.model.mtp_step(next_tokens.to(self.device), batch.positions, hidden, batch, phase)
+        return self._checked(step)
 
     def forward_fed(self, inputs: list[SpanInput], tokens: torch.Tensor) -> torch.Tensor:
         """Portable: reads the tokens (a host wait on a device) and runs the forward now."""

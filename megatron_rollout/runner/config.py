@@ -26,7 +26,9 @@ class RunnerConfig:
     """auto (CudaRunner for a single-rank model on CUDA, else the portable ModelRunner) | eager
     (always ModelRunner) | cuda (CudaRunner, or an error saying why it cannot run)."""
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256)
-    """Decode batch buckets captured as CUDA graphs; larger batches run eagerly."""
+    """Decode batch buckets captured as CUDA graphs; larger batches run eagerly. With speculative
+    decoding a bucket counts one-query rows: a row and each of its k drafts (`runner.speculative`),
+    so a batch of `rows` verifies in the bucket holding rows x (k + 1)."""
     use_graphs: bool = True
     """Replay decode from CUDA graphs (False: every forward eager, e.g. to compare)."""
     prefill_graph_tokens: tuple[int, ...] = (64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3072,

@@ -14,7 +14,7 @@ engine and the mux driver are unchanged):
   the graphs; `engine.sleep` releases them with their pools and `restore_graphs` captures the
   same buckets again (`engine.memory`), except where the KV and the weights sleep in
   address-stable memory: the cache object and every address stay, and so do the graphs.
-  `stats["graph_captures"]` counts the captures (decode and piecewise). On one rank buckets are
+  `stats["graph_captures"]` counts the captures (decode, piecewise, verify and draft). On one rank buckets are
   captured lazily, when first used.
 - **P and mixed graphs (one rank).** A P forward, or a `chunked` mixed step, of up to 4,096 new
   tokens replays as pieces between attention calls, one CUDA graph per token bucket
@@ -59,20 +59,28 @@ engine and the mux driver are unchanged):
 
 `EngineConfig.runner` (`RunnerConfig`) picks the runner (`kind`) and holds this runner's knobs.
 
+- **Speculative decoding (MTP, one rank).** `forward_hidden` and `forward_mtp` serve
+  `engine.drafting`: in D the verify forward (a row's pending token and its k drafts) and the MTP
+  layer's forwards run as decode graphs over one-query rows (`runner.speculative.flatten`), one
+  graph per `DecodeOutput` and row bucket, captured lazily in the decode graphs' pool; a D batch
+  past the largest bucket runs eagerly. P and mixed forwards replay piecewise graphs of hidden
+  states (`PiecewiseGraph(hidden=True)`), their MTP layer runs eagerly. Rejected drafts need
+  nothing from the runner: the next forward rewrites their K/V. Many ranks are refused (these
+  graphs are not captured collectively).
 - **MLA.** A multi-latent-attention model (DeepSeek-V3) attends through `kernels.mla_attention`
   (`registry.resolve_mla_attention`), in its decode graphs and between its piecewise P graphs'
   pieces alike; of the fused small ops it uses those it calls (norms, SwiGLU, the combine).
 
 Green contexts (SM partitions for D and P) are measured by `benchmarks.micro` and not used here: see
 docs/benchmarks.md. FP8 experts (`model.fp8`, stacked) are captured like bf16 ones on one rank
-(`kernels.moe_triton`'s weight-only kernels). Left out: MTP speculative decoding (the decode graphs
-hold one token per row and return no hidden states: the engine refuses it on this runner), and FP8
-experts on several ranks (such models run D eagerly).
+(`kernels.moe_triton`'s weight-only kernels). Left out: speculative decoding on many ranks, the MTP
+layer of P forwards in graphs, and FP8 experts on several ranks (such models run D eagerly).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import logging
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
@@ -90,10 +98,13 @@ from megatron_rollout.multiplex.routing import PhaseStreams
 from megatron_rollout.runner.base import CapturedGraphs, ModelRunner, Runner
 from megatron_rollout.runner.config import RUNNER_ENV, RunnerConfig
 from megatron_rollout.runner.piecewise import PiecewiseGraph, SharedOutputs
-from megatron_rollout.types import Axis, Phase, SpanInput
+from megatron_rollout.runner.speculative import flatten
+from megatron_rollout.types import Axis, Phase, SeqSpan, SpanInput
 
 log = logging.getLogger(__name__)
 
+PREFILL_HIDDEN = "prefill-hidden"
+"""`CapturedGraphs.speculative`'s name for a piecewise P graph of hidden states."""
 COMPLETION = BoundaryPoint(-1, Site.MOE_DATA)
 """Yielded by an asynchronous P forward after its last layer while the device finishes it."""
 
@@ -109,21 +120,44 @@ def make_runner(model: MoETransformer, cache: PagedKVCache, config: RunnerConfig
     return CudaRunner(model, cache, config)
 
 
+class DecodeOutput(enum.Enum):
+    """What a decode graph computes for each of its one-token rows."""
+
+    LOGITS = "logits"
+    """Plain decoding: the model's step, logits [rows, V]."""
+    HIDDEN = "hidden"
+    """Speculative verification (`runner.speculative.flatten`): the decoder's last hidden states [rows, H]."""
+    MTP = "mtp"
+    """Drafting: the first MTP layer over static `hidden` [rows, H] and next `tokens`, its output [rows, H]."""
+
+
 class DecodeGraph:
     """One captured decode step for batches of up to `rows`: `static.fill` loads a batch into the
-    static inputs, `graph.replay()` runs the step, `logits` [rows, V] holds its result."""
+    static inputs (and, for `DecodeOutput.MTP`, the caller the static `hidden`), `graph.replay()`
+    runs the step, `out` holds its result: logits [rows, V] by default (`output`)."""
 
-    def __init__(self, runner: "CudaRunner", rows: int) -> None:
-        self.rows = rows
+    def __init__(self, runner: "CudaRunner", rows: int, output: DecodeOutput = DecodeOutput.LOGITS) -> None:
+        self.rows, self.output = rows, output
         self.static = StaticDecodeLayout(rows, runner.table_width, runner.cache.block_size, runner.kernels,
                                          runner.q_heads, runner.kv_heads, runner.head_dim, runner.device,
                                          runner.num_sms)
         self.attn = KernelPagedBatch(runner.cache, self.static.layout, runner.kernels)
+        self.hidden = torch.zeros(rows, runner.cfg.hidden_size, dtype=runner.cfg.torch_dtype, device=runner.device) \
+            if output is DecodeOutput.MTP else None
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None
+        self.out: torch.Tensor | None = None
+
+    @property
+    def logits(self) -> torch.Tensor | None:
+        """`out` of a plain (`DecodeOutput.LOGITS`) graph."""
+        return self.out
 
     def _step(self, model: MoETransformer) -> torch.Tensor:
         s = self.static
+        if self.output is DecodeOutput.HIDDEN:
+            return run_to_end(model.hidden_step(s.tokens, s.positions, self.attn, Phase.D))
+        if self.output is DecodeOutput.MTP:
+            return run_to_end(model.mtp_step(s.tokens, s.positions, self.hidden, self.attn, Phase.D))
         return run_to_end(model.step(s.tokens, s.positions, self.attn, Phase.D, logits_index=s.logits_rows))
 
     def capture(self, model: MoETransformer, stream: torch.cuda.Stream, pool, collective: bool) -> None:
@@ -139,7 +173,7 @@ class DecodeGraph:
         self.graph = torch.cuda.CUDAGraph()
         mode = "thread_local" if collective else "global"
         with torch.no_grad(), torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode=mode):
-            self.logits = self._step(model)
+            self.out = self._step(model)
 
 
 class _DomainProbe:
@@ -207,7 +241,10 @@ class CudaRunner:
         self.expert_kernels = self._choose_expert_kernels()
         self._probe = _DomainProbe(model.comm)
         self._graphs: dict[int, DecodeGraph] = {}
+        self._spec_graphs: dict[tuple[DecodeOutput, int], DecodeGraph] = {}  # verify and draft graphs (one rank)
+        self.spec_capture_error: str | None = None  # why they failed to capture (they then run eagerly)
         self._p_graphs: dict[int, PiecewiseGraph] = {}  # P / mixed forwards by token bucket (one rank)
+        self._p_hidden: dict[int, PiecewiseGraph] = {}  # the same, of hidden states (speculative decoding)
         self._p_pool = None  # their pool: never shared with decode graphs (see runner.piecewise)
         self._p_outputs = self._shared_outputs()  # their attention outputs, shared by the buckets
         self.prefill_capture_error: str | None = None  # why piecewise P capture failed (P then runs eagerly)
@@ -217,7 +254,7 @@ class CudaRunner:
         self.capture_error: str | None = None
         self._cache = cache
         self.stats = {"graph_replays": 0, "graph_captures": 0, "eager_forwards": 0, "piecewise_forwards": 0,
-                      "completion_polls": 0}
+                      "completion_polls": 0, "verify_replays": 0, "draft_replays": 0}
 
     def _install_fused_ops(self) -> dict:
         if not self.config.fused_ops:
@@ -335,7 +372,9 @@ class CudaRunner:
     @property
     def captured(self) -> CapturedGraphs:
         """The decode and piecewise prefill buckets captured now."""
-        return CapturedGraphs(tuple(sorted(self._graphs)), tuple(sorted(self._p_graphs)))
+        spec = [(output.value, rows) for output, rows in self._spec_graphs]
+        return CapturedGraphs(tuple(sorted(self._graphs)), tuple(sorted(self._p_graphs)),
+                              tuple(sorted(spec + [(PREFILL_HIDDEN, tokens) for tokens in self._p_hidden])))
 
     def release_graphs(self) -> CapturedGraphs:
         """`Runner.release_graphs`: every graph and pool dropped (`drop_graphs`); the buckets held."""
@@ -354,20 +393,26 @@ class CudaRunner:
         if not (self.config.use_graphs and self.graph_safe):
             return "nothing captured: decode runs eagerly" + (f" ({self.capture_error})" if self.capture_error else "")
         decode = sum(self._try_graph(rows) is not None for rows in sorted(held.decode, reverse=True))
+        spec = sum((self._prefill_graph(size, hidden=True) if output == PREFILL_HIDDEN else
+                    self._capture_spec(DecodeOutput(output), size)) is not None
+                   for output, size in sorted(held.speculative, key=lambda h: -h[1]))
         prefill = 0
         for tokens in sorted(held.prefill, reverse=True):
             if self._prefill_graph(tokens) is None:
                 break
             prefill += 1
-        return f"captured {decode} of {len(held.decode)} decode and {prefill} of {len(held.prefill)} prefill graphs"
+        return (f"captured {decode} of {len(held.decode)} decode, {spec} of {len(held.speculative)} verify/draft "
+                f"and {prefill} of {len(held.prefill)} prefill graphs")
 
     def drop_graphs(self) -> None:
         """Forget every captured graph, decode and piecewise, with their memory pools; they are
         captured again on next use. Needed after the model's layers were replaced (other kernels,
         other weight formats): a graph replays the kernels it captured."""
         self._graphs.clear()
+        self._spec_graphs.clear()
         self._pool = None
         self._p_graphs.clear()
+        self._p_hidden.clear()
         self._p_pool, self._p_outputs = None, self._shared_outputs()
         self._captured = False
 
@@ -410,7 +455,9 @@ class CudaRunner:
             log.warning("parameters were re-bound (WeightStore.bind): CUDA graphs dropped, forwards run eagerly")
             self.graph_safe = False
             self._graphs.clear()
+            self._spec_graphs.clear()
             self._p_graphs.clear()
+            self._p_hidden.clear()
             self._p_outputs = self._shared_outputs()
         return self.graph_safe
 
@@ -478,20 +525,87 @@ class CudaRunner:
             return False
         return True
 
-    def _replay(self, graph: DecodeGraph, inputs: list[SpanInput], tokens: torch.Tensor | None = None) -> Forward:
+    _REPLAYS = {DecodeOutput.LOGITS: "graph_replays", DecodeOutput.HIDDEN: "verify_replays",
+                DecodeOutput.MTP: "draft_replays"}
+
+    def _replay(self, graph: DecodeGraph, inputs: list[SpanInput], tokens: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None) -> Forward:
+        """The graph over `inputs` (one token each); `tokens` [rows] replace their token ids and
+        `hidden` [rows, H] fills an MTP graph's input, both device tensors. Returns a view of the
+        graph's output: read it before this graph, or another sharing its pool, replays again."""
         n = len(inputs)
         caller = torch.cuda.current_stream()
-        self.d_stream.wait_stream(caller)  # also: `tokens`, drawn on the caller's stream
+        self.d_stream.wait_stream(caller)  # also: `tokens` and `hidden`, made on the caller's stream
         with torch.cuda.stream(self.d_stream):
             graph.static.fill([i.span for i in inputs], [i.token_ids[0] for i in inputs], [i.key for i in inputs])
             if tokens is not None:
                 graph.static.tokens[:n].copy_(tokens)
+            if hidden is not None:
+                graph.hidden[:n].copy_(hidden)
             graph.graph.replay()
         self._probe.after(self.d_stream)
         caller.wait_stream(self.d_stream)
-        self.stats["graph_replays"] += 1
-        return graph.logits[:n]
+        self.stats[self._REPLAYS[graph.output]] += 1
+        return graph.out[:n]
         yield  # a generator with no boundary (the graph holds D's whole forward)
+
+    # -- speculative decoding (`runner.speculative`, one rank): verify and draft graphs ---------
+    def forward_hidden(self, inputs: list[SpanInput], phase: Phase) -> Forward:
+        """`Runner.forward_hidden`: in D, the rows' positions as one-query rows
+        (`runner.speculative.flatten`) replayed in the verify graph of their bucket; P, mixed
+        forwards and batches past the largest bucket run eagerly."""
+        self._probe.poll()
+        if phase is Phase.D:
+            rows = flatten(inputs)
+            graph = self._spec_graph(DecodeOutput.HIDDEN, rows)
+            if graph is not None:
+                return self._replay(graph, rows)
+        return self._eager(inputs, phase, DecodeOutput.HIDDEN)
+
+    def forward_mtp(self, spans: list[SeqSpan], hidden: torch.Tensor, next_tokens: torch.Tensor,
+                    phase: Phase) -> Forward:
+        """`Runner.forward_mtp`, placed as `forward_hidden`: in D, one-query rows in a draft graph."""
+        self._probe.poll()
+        if not spans:  # one rank (many are refused): no collective waits for this forward
+            return _value(hidden[:0])
+        inputs = [SpanInput(s, [0] * s.new, True) for s in spans]  # the tokens are `next_tokens`
+        if phase is Phase.D:
+            rows = flatten(inputs)
+            graph = self._spec_graph(DecodeOutput.MTP, rows)
+            if graph is not None:
+                return self._replay(graph, rows, next_tokens, hidden)
+        return self._eager(inputs, phase, DecodeOutput.MTP, next_tokens, hidden)
+
+    def _spec_graph(self, output: DecodeOutput, rows: list[SpanInput]) -> DecodeGraph | None:
+        """The `output` graph of the bucket holding these one-token rows, captured on first use (in
+        the decode graphs' pool), or None: they run eagerly (graphs off, many ranks, no bucket, a
+        table too wide, or a capture that failed: verify and draft graphs stay off from then on)."""
+        if self.multi_rank or not self._graphable(rows):
+            return None
+        return self._capture_spec(output, self.bucket(len(rows)))
+
+    def _capture_spec(self, output: DecodeOutput, bucket: int) -> DecodeGraph | None:
+        if self.spec_capture_error is not None:
+            return None
+        graph = self._spec_graphs.get((output, bucket))
+        if graph is not None:
+            return graph
+        try:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = DecodeGraph(self, bucket, output)
+            graph.capture(self.model, self.d_stream, self._pool, collective=False)
+        except Exception as exc:  # drafting must not stop: its forwards run eagerly
+            log.warning("%s graph capture for %d rows failed, speculative decoding runs eagerly: %s",
+                        output.value, bucket, exc)
+            self.spec_capture_error = f"{type(exc).__name__}: {exc}"
+            self._spec_graphs.clear()
+            torch.cuda.synchronize(self.device)
+            return None
+        self._spec_graphs[(output, bucket)] = graph
+        self.stats["graph_captures"] += 1
+        log.info("captured %s graph for %d one-query rows", output.value, bucket)
+        return graph
 
     # -- P and mixed forwards as piecewise graphs (one rank) -----------------------------------
     def _prefill_bucket(self, inputs: list[SpanInput]) -> int | None:
@@ -504,35 +618,40 @@ class CudaRunner:
             return None
         return buckets[i]
 
-    def _prefill_graph(self, tokens: int) -> PiecewiseGraph | None:
-        """The piecewise graph of `tokens` tokens, captured on first use; None (eager from now on) if
-        capture fails."""
-        graph = self._p_graphs.get(tokens)
+    def _prefill_graph(self, tokens: int, hidden: bool = False) -> PiecewiseGraph | None:
+        """The piecewise graph of `tokens` tokens (of hidden states: `hidden`), captured on first use;
+        None (eager from now on) if capture fails."""
+        graphs = self._p_hidden if hidden else self._p_graphs
+        graph = graphs.get(tokens)
         if graph is not None or self.prefill_capture_error is not None:  # callers checked graph_safe, one rank
             return graph
         try:
             if self._p_pool is None:
                 self._p_pool = torch.cuda.graph_pool_handle()
-            graph = PiecewiseGraph(tokens, min(tokens, self.config.prefill_graph_rows), self.device)
+            graph = PiecewiseGraph(tokens, min(tokens, self.config.prefill_graph_rows), self.device, hidden)
             graph.capture(self.model, self.p_stream, self._p_pool, self._p_outputs)
         except Exception as exc:  # P must not stop: it runs eagerly
             log.warning("piecewise capture of %d tokens failed, P and mixed forwards run eagerly: %s", tokens, exc)
             self.prefill_capture_error = f"{type(exc).__name__}: {exc}"
             self._p_graphs.clear()
+            self._p_hidden.clear()
             torch.cuda.synchronize(self.device)
             return None
-        self._p_graphs[tokens] = graph
+        graphs[tokens] = graph
         self.stats["graph_captures"] += 1
         log.info("captured piecewise forward for %d tokens (%d pieces)", tokens, len(graph.pieces))
         return graph
 
     # -- eager forwards (P, mixed chunked batches, decode batches past the largest bucket) ----
-    def _eager(self, inputs: list[SpanInput], phase: Phase) -> Forward:
+    def _eager(self, inputs: list[SpanInput], phase: Phase, output: DecodeOutput = DecodeOutput.LOGITS,
+               tokens: torch.Tensor | None = None, hidden: torch.Tensor | None = None) -> Forward:
+        """The forward of `inputs` on the phase's stream, what `output` names (`tokens` and `hidden`:
+        the MTP layer's inputs); a plain P or mixed one through its piecewise graph where one holds it."""
         stream = self.p_stream if phase is Phase.P else self.d_stream
         caller = torch.cuda.current_stream()
         self._graphable_weights()  # drops every graph if the parameters were re-bound
-        bucket = self._prefill_bucket(inputs)
-        graph = self._prefill_graph(bucket) if bucket is not None else None
+        bucket = self._prefill_bucket(inputs) if output is not DecodeOutput.MTP else None
+        graph = self._prefill_graph(bucket, hidden=output is DecodeOutput.HIDDEN) if bucket is not None else None
         self.stats["piecewise_forwards" if graph is not None else "eager_forwards"] += 1
         with torch.cuda.stream(stream):
             stream.wait_stream(caller)  # weight copies and earlier host-to-device copies
@@ -542,6 +661,10 @@ class CudaRunner:
             attn = KernelPagedBatch(self.cache, layout, self.kernels)
             if graph is not None:
                 gen = graph.run(layout, attn)
+            elif output is DecodeOutput.HIDDEN:
+                gen = self.model.hidden_step(layout.tokens, layout.positions, attn, phase)
+            elif output is DecodeOutput.MTP:
+                gen = self.model.mtp_step(tokens, layout.positions, hidden, attn, phase)
             else:
                 gen = self.model.step(layout.tokens, layout.positions, attn, phase, logits_index=layout.logits_rows)
         while True:
@@ -565,3 +688,9 @@ class CudaRunner:
         caller.wait_event(done)
         logits.record_stream(caller)
         return logits
+
+
+def _value(value: torch.Tensor) -> Forward:
+    """A forward with no work: returns `value` at once."""
+    return value
+    yield

@@ -32,6 +32,9 @@ input in place.
   four times as much). `engine.sleep` frees
   them with the decode graphs (its `graphs` tag).
 
+With `hidden`, a graph returns the decoder's last hidden states of every token instead of the
+sampled rows' logits: the prefill and mixed forwards of speculative decoding (`runner.speculative`).
+
 Left out: many ranks, more sampled rows than the bucket holds (eager then).
 """
 from __future__ import annotations
@@ -128,18 +131,21 @@ class _Recorder(AttentionBackend):
 
 
 class PiecewiseGraph:
-    """A forward of up to `tokens` new tokens, `rows` of them sampled, as pieces between attention calls."""
+    """A forward of up to `tokens` new tokens, `rows` of them sampled, as pieces between attention
+    calls; with `hidden`, of every token's last hidden state instead (module docstring)."""
 
-    def __init__(self, tokens: int, rows: int, device: torch.device) -> None:
-        self.tokens, self.rows = tokens, rows
+    def __init__(self, tokens: int, rows: int, device: torch.device, hidden: bool = False) -> None:
+        self.tokens, self.rows, self.hidden = tokens, rows, hidden
         self.token_ids = torch.zeros(tokens, dtype=torch.int32, device=device)
         self.positions = torch.zeros(tokens, dtype=torch.int32, device=device)
         self.logits_rows = torch.zeros(rows, dtype=torch.int64, device=device)
         self.pieces: list[Piece] = []
         self.slots: list[AttentionSlot] = []
-        self.logits: torch.Tensor | None = None
+        self.out: torch.Tensor | None = None
 
     def _forward(self, model, attn: AttentionBackend) -> Forward:
+        if self.hidden:
+            return model.hidden_step(self.token_ids, self.positions, attn, Phase.P)
         return model.step(self.token_ids, self.positions, attn, Phase.P, logits_index=self.logits_rows)
 
     def capture(self, model, stream: torch.cuda.Stream, pool, outputs: SharedOutputs | None = None) -> None:
@@ -157,7 +163,7 @@ class PiecewiseGraph:
                     try:
                         rec.current.points.append(next(gen))
                     except StopIteration as stop:
-                        self.logits = stop.value
+                        self.out = stop.value
                         break
                 rec.end()
             except BaseException:
@@ -167,7 +173,8 @@ class PiecewiseGraph:
 
     def run(self, layout: ForwardLayout, attn: KernelPagedBatch) -> Forward:
         """Replay over the real layout (n new tokens, r of them sampled) on the current stream.
-        Yields the model's boundaries; returns logits [r, V] (a copy: the next replay reuses them)."""
+        Yields the model's boundaries; returns logits [r, V], or with `hidden` the hidden states
+        [n, H] (a copy: the next replay reuses them)."""
         n, r = layout.tokens.shape[0], layout.logits_rows.shape[0]
         self.token_ids[:n].copy_(layout.tokens)
         self.positions[:n].copy_(layout.positions)
@@ -177,4 +184,4 @@ class PiecewiseGraph:
             yield from piece.points
             if slot is not None:
                 attn.attend(slot.layer, slot.q[:n], slot.k[:n], slot.v[:n], out=slot.out[:n])  # in place
-        return self.logits[:r].clone()
+        return self.out[:n if self.hidden else r].clone()

@@ -1,10 +1,20 @@
-"""The forwards of speculative decoding on the portable runner (`engine.drafting` decides, this runs).
+"""The forwards of speculative decoding (`engine.drafting` decides, this runs), on either runner.
 
 `verify_forward` is one target forward that returns, for every row, the logits and the decoder's
 hidden states of its last `VerifyRow.logits` positions (all of a decode row's drafts, to verify
 them), and that runs, in P, the first MTP layer over the prefill positions whose next token is
-known, so that `mux`'s P segments hold it. Left out: the CUDA runner (its decode graphs hold one
-token per row and return no hidden states).
+known, so that `mux`'s P segments hold it.
+
+`flatten` is how the CUDA runner puts a verify forward into its decode graphs: a decode row with
+k drafts is k + 1 one-query rows, (table, n + j, 1) for j = 0..k, all sharing the row's block
+table. Each layer stores the K/V of every new position before any row attends
+(`kernels.layout.KernelPagedBatch`), and row j attends to positions 0..n + j only (its length),
+so the causal mask between a row's drafts comes from the lengths, and the split-K decode kernels
+(GQA and MLA alike) serve the verify forward unchanged, in graphs bucketed by one-query rows. The
+price is that a row's history is read k + 1 times instead of once (computed, not measured: for
+`benchmarks.mtp`'s deepseek-v3-4l at 32 rows, k = 2 and 4,096 positions, the latent cache read
+grows from 0.6 to 1.8 GB per verify forward, beside about 18 GB of weights); a multi-query decode
+kernel would remove it.
 """
 from __future__ import annotations
 
@@ -13,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from megatron_rollout.forward import Forward
-from megatron_rollout.runner.base import ModelRunner
+from megatron_rollout.runner.base import Runner
 from megatron_rollout.types import Phase, SeqSpan, SpanInput
 
 
@@ -37,7 +47,7 @@ class SpecOutput(NamedTuple):
     """[rows, H]: the decoder's hidden states at the same positions (before the final norm)."""
 
 
-def verify_forward(runner: ModelRunner, rows: list[SpanInput], verify_rows: list[VerifyRow], phase: Phase
+def verify_forward(runner: Runner, rows: list[SpanInput], verify_rows: list[VerifyRow], phase: Phase
                    ) -> Forward:
     """`SpecOutput` of the rows (see the module docstring); yields at the target's and the MTP
     layer's boundaries."""
@@ -58,3 +68,11 @@ def verify_forward(runner: ModelRunner, rows: list[SpanInput], verify_rows: list
         yield from runner.forward_mtp(spans, h[index(at)], index(follow), phase)
     hidden = h[index(pick)]
     return SpecOutput(model.logits(hidden), hidden)
+
+
+def flatten(rows: list[SpanInput]) -> list[SpanInput]:
+    """Every new position of `rows` as a one-query row (module docstring), in order; row j of a
+    keyed row is keyed (key, j): it has the same, append-only, table."""
+    return [SpanInput(SeqSpan(r.span.table, r.span.past + j, 1), [r.token_ids[j]], True,
+                      None if r.key is None else (r.key, j))
+            for r in rows for j in range(r.span.new)]

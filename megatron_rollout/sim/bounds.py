@@ -5,10 +5,12 @@ Two bounds, the makespan is at least their maximum:
   (`simulator.turn_cost_s`: its prefill, then one decode step per further output token, each step
   with the host gap). Nothing can run a conversation faster than alone.
 - *work*: the whole trace's marginal costs (every prefill token, pair and chunk, every decode row
-  and its context) plus the fewest decode steps that can carry every decode row (the longest
-  turn's decode steps, or all rows at `max_decode_rows` a step, whichever is more), each paying
-  the decode base and the host gap. Serial execution on one device is assumed, as the cost model
-  was measured on one.
+  and its context) plus the fewest decode steps that can carry every decode row, each paying the
+  decode base and the host gap: the longest conversation's decode tokens (its turns run one after
+  another and a step decodes one token of a row, so each of them needs a forward of its own), or
+  all rows at `max_decode_rows` a step, whichever is more. Serial execution on one device, one
+  token per row and step, is assumed, as the cost model was measured so (`sim.levers` overlap and
+  speculation break both assumptions, and this bound with them).
 
 Unlike `benchmarks.bounds` (FLOPs at the peak rate, bytes at full bandwidth) this bound is in the
 engine's own measured costs: the gap between it and the oracle's makespan is what scheduling
@@ -40,7 +42,7 @@ def lower_bound(trace: Sequence[TraceRequest], cost: CostModel, max_decode_rows:
     chain, chain_key = 0.0, None
     work, rows, longest = 0.0, 0, 0
     for key, turns in group_conversations(trace).items():
-        seconds, context = 0.0, 0
+        seconds, context, steps = 0.0, 0, 0
         for t in turns:
             past = max(context - 1, 0)  # the last sampled token is computed with the new input
             new = t.input_tokens + (1 if context else 0)
@@ -50,8 +52,9 @@ def lower_bound(trace: Sequence[TraceRequest], cost: CostModel, max_decode_rows:
             work += (t.output_tokens - 1) * cost.decode_row_s \
                 + cost.decode_context_s * sum(range(first + 1, first + t.output_tokens))
             rows += t.output_tokens - 1
-            longest = max(longest, t.output_tokens - 1)
+            steps += t.output_tokens - 1
             context += t.input_tokens + t.output_tokens
+        longest = max(longest, steps)
         if seconds > chain:
             chain, chain_key = seconds, key
     steps = max(longest, math.ceil(rows / max_decode_rows))

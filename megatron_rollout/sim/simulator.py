@@ -11,10 +11,15 @@ plus the host gap. `off` and `chunked` run one forward per step; `mux` runs one 
 and one prefill segment per step, an epoch being cut into `CostModel.mux_segments` segments while
 decode rows run (whole otherwise), the two serial on one device as on the engine's one stream.
 
-What is not: prefix sharing between conversations (replayed inputs are random), the context
-length limit (a trace that does not fit is refused by the replay before it runs), stop tokens
-(turns generate exactly their output tokens), several ranks, and P/D running side by side on one
-device (spatial sharing): a simulated `mux` is the engine as it runs today.
+Levers the engine does not have (yet) are options (`sim.levers`: decode priority for the
+critical chain, P/D side by side on one device under `mux`, speculative decoding of the tail);
+without them a simulated `mux` is the engine as it runs today. The simulated forwards come out as
+the engine's `StepRecord`s on the simulated clock, so `trace.breakdown` tells where a simulated
+makespan went with the definitions it uses for real replays (`SimResult.breakdown`).
+
+What is not modelled: prefix sharing between conversations (replayed inputs are random), the
+context length limit (a trace that does not fit is refused by the replay before it runs), stop
+tokens (turns generate exactly their output tokens) and several ranks.
 """
 from __future__ import annotations
 
@@ -23,10 +28,13 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from megatron_rollout.engine.api import Schedule
+from megatron_rollout.engine.api import FinishReason, GenerationResult, RequestOutput, RequestTimes, Schedule
+from megatron_rollout.engine.records import StepRecord
 from megatron_rollout.engine.scheduler import PrefillChunk, SchedulerConfig, SchedulerState, SeqView, Stage, plan_step
 from megatron_rollout.sim.cost import CostModel, StepSize, chunk_pairs
+from megatron_rollout.sim.levers import Levers, Speculation
 from megatron_rollout.sim.policy import Foresight, Priority, make_policy
+from megatron_rollout.trace.breakdown import Breakdown, build_breakdown
 from megatron_rollout.trace.schema import ConversationId, TraceRequest, group_conversations
 
 
@@ -42,10 +50,20 @@ class SimConfig:
     """Schedule, block size, token budget and decode rows, as the engine's `EngineConfig.scheduler`."""
     num_blocks: int = 4096
     """KV blocks in the pool (`EngineConfig.kv.num_blocks`)."""
+    levers: Levers = field(default_factory=Levers)
+    """Levers the engine does not have (`sim.levers`); the default pulls none."""
+    group_size: int = 1
+    """Conversations per RL group, consecutive in the trace (what `Foresight.peers_done` counts)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, int) or self.num_blocks <= 0:
-            raise ValueError(f"SimConfig.num_blocks must be a positive int, got {self.num_blocks!r}")
+        for name in ("num_blocks", "group_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"SimConfig.{name} must be a positive int, got {value!r}")
+        if (self.levers.overlap is not None or self.levers.critical_share) \
+                and self.scheduler.schedule is not Schedule.MUX:
+            raise ValueError(f"Levers.overlap and Levers.critical_share act on a prefill epoch beside decode: they "
+                             f"need the mux schedule, got {self.scheduler.schedule.value!r}")
 
     @classmethod
     def of_engine(cls, config) -> SimConfig:
@@ -63,12 +81,17 @@ class SimRequest:
     admitted: float
     first_token: float
     finish: float
+    output_tokens: int
+    wait_s: float
+    """The trace's tool wait before it (its release latency is arrival - previous finish - wait)."""
 
 
 @dataclass(frozen=True)
 class SimResult:
     schedule: str
     policy: str
+    levers: str
+    """`Levers.label` of the levers pulled ('' when none)."""
     makespan_s: float
     requests: tuple[SimRequest, ...]
     """Every turn, in finish order."""
@@ -77,6 +100,20 @@ class SimResult:
     """Every forward's sizes, in order (a `mux` epoch: one prefill entry, when it starts)."""
     preemptions: int
     evictions: int
+    records: tuple[StepRecord, ...] = ()
+    """Every forward as the engine records it (`engine.records`), on the simulated clock from 0: an
+    `off`/`chunked` step, a `mux` decode iteration and prefill segment (one record beside decode
+    under `Levers.overlap`)."""
+
+    def breakdown(self, bins: int = 50) -> Breakdown:
+        """Where the simulated makespan went (`trace.breakdown`, the real replays' definitions)."""
+        outputs = [RequestOutput(i, GenerationResult([0] * r.output_tokens, [], FinishReason.LENGTH, []),
+                                 RequestTimes(r.arrival, r.first_token, r.finish, r.admitted), 0)
+                   for i, r in enumerate(self.requests)]
+        waits = {i: TraceRequest(r.conversation, r.turn, 1, r.output_tokens, r.wait_s * 1e3)
+                 for i, r in enumerate(self.requests)}
+        return build_breakdown(self.records, outputs, {i: r.conversation for i, r in enumerate(self.requests)},
+                               start=0.0, bins=bins, turn_of=waits)
 
     def finish_of(self) -> dict[ConversationId, float]:
         """Each conversation's last finish."""
@@ -127,13 +164,27 @@ class _Req:
     stage: Stage = Stage.WAITING
     admitted: float | None = None
     first_token: float | None = None
+    credit: float = 0.0
+    """Accepted drafted tokens not yet kept (`Speculation`: fractions carry over)."""
 
 
 @dataclass
 class _Epoch:
+    index: int
     chunks: tuple[PrefillChunk, ...]
+    size: StepSize
+    total_s: float
     left_s: float
     segment_s: float
+
+    def part(self, seconds: float) -> StepSize:
+        """The prefill sizes of `seconds` of this epoch (its share of tokens and pairs, at least one
+        token; its chunks counted on its first part, as the engine records segments)."""
+        share = seconds / self.total_s if self.total_s > 0 else 1.0
+        first = self.left_s + seconds >= self.total_s - 1e-12
+        return StepSize(prefill_rows=self.size.prefill_rows if first else 0,
+                        prefill_tokens=max(1, round(share * self.size.prefill_tokens)),
+                        prefill_pairs=round(share * self.size.prefill_pairs))
 
 
 def _blocks(tokens: int, block_size: int) -> int:
@@ -152,10 +203,13 @@ class Simulator:
         self.active: dict[int, _Req] = {}
         self.done: list[SimRequest] = []
         self.sizes: list[StepSize] = []
+        self.records: list[StepRecord] = []
+        self.levers = config.levers
+        self.group_done = [0] * (-(-len(self.convs) // config.group_size))
         self.releases = [(c.turns[0].wait_ms / 1e3, c.index) for c in self.convs]
         heapq.heapify(self.releases)
         self.epoch: _Epoch | None = None
-        self._ids, self._order = itertools.count(), itertools.count()
+        self._ids, self._order, self._epochs = itertools.count(), itertools.count(), itertools.count()
 
     def _conv(self, index: int, key: ConversationId, turns: list[TraceRequest]) -> _Conv:
         turn_s, context = [], 0
@@ -179,8 +233,8 @@ class Simulator:
                 continue
             self._step()
         sched = self.config.scheduler.schedule
-        return SimResult(sched.value, self.policy.name, self.now, tuple(self.done), self.steps, tuple(self.sizes),
-                         self.preemptions, self.evictions)
+        return SimResult(sched.value, self.policy.name, self.levers.label, self.now, tuple(self.done), self.steps,
+                         tuple(self.sizes), self.preemptions, self.evictions, tuple(self.records))
 
     def _submit(self, conv: _Conv) -> None:
         turn = conv.turns[conv.next_turn]
@@ -191,56 +245,102 @@ class Simulator:
                                   f"holds {self.config.num_blocks}; raise SimConfig.num_blocks")
         order = next(self._order)
         key = self.policy.key(Foresight(order, conv.next_turn, conv.tokens, conv.generated,
-                                        conv.chain_after[conv.next_turn]))
+                                        conv.chain_after[conv.next_turn], self._peers_done(conv)))
         req = _Req(next(self._ids), conv, order, turn, self.now, turn.output_tokens, (key, order))
         conv.request = req
         self.active[req.rid] = req
 
-    def _state(self) -> SchedulerState:
+    def _peers_done(self, conv: _Conv) -> float:
+        size = self.config.group_size
+        group = conv.index // size
+        peers = min(size, len(self.convs) - group * size) - 1
+        return self.group_done[group] / peers if peers else 0.0
+
+    def _state(self, decode_only: bool = False) -> SchedulerState:
+        """The planner's view; with `decode_only`, requests not decoding are hidden (no prefill)."""
         reqs = list(self.active.values())
         rank = {r.rid: i for i, r in enumerate(sorted(reqs, key=lambda r: r.rank_key))}
         views = tuple(SeqView(r.rid, r.stage, r.conv.tokens, r.conv.computed, r.conv.blocks, r.conv.blocks,
-                              rank[r.rid]) for r in reqs)
+                              rank[r.rid]) for r in reqs if not decode_only or r.stage is Stage.DECODE)
         return SchedulerState(views, self.config.num_blocks - self.used_blocks, self.epoch is not None)
 
+    def _holding(self) -> bool:
+        """`Levers.critical_first`: one of the best-ranked requests decodes, so prefill waits."""
+        best = sorted(self.active.values(), key=lambda r: r.rank_key)[:self.levers.critical_first]
+        return any(r.stage is Stage.DECODE for r in best)
+
+    def _speculation(self, rows: int) -> Speculation | None:
+        spec = self.levers.speculation
+        return spec if spec is not None and 0 < rows <= spec.max_rows else None
+
+    def _decode_s(self, size: StepSize, spec: Speculation | None) -> float:
+        """A decode iteration's forward; speculating, one of (1 + k) times the rows over the same
+        context (a row's k + 1 positions read its KV once, as a decode attention kernel does)."""
+        if spec is None:
+            return self.cost.step_s(size)
+        return spec.overhead * self.cost.step_s(StepSize(size.decode_rows * (1 + spec.draft_tokens),
+                                                         size.decode_context))
+
     def _step(self) -> None:
-        plan = plan_step(self._state(), self.config.scheduler)
+        hold = bool(self.levers.critical_first) and self._holding()
+        plan = plan_step(self._state(decode_only=hold and not self.levers.critical_share), self.config.scheduler)
         for rid in plan.preempt:
             req = self.active[rid]
             self._set_blocks(req.conv, 0)
             req.conv.computed, req.stage = 0, Stage.WAITING
             self.preemptions += 1
+        spec = self._speculation(len(plan.decode))
         if self.config.scheduler.schedule is Schedule.MUX:
-            self._mux_step(plan.decode, plan.prefill)
+            self._mux_step(plan.decode, plan.prefill, spec, hold)
         elif plan.empty:
             self._unblock()
         else:
             decode = self._decode_size(plan.decode)
             size = StepSize(decode.decode_rows, decode.decode_context, *self._prefill_size(plan.prefill))
-            self._advance(self.cost.step_s(size), size)
-            self._finish_decode(plan.decode)
+            seconds = self.cost.step_s(size)
+            if spec is not None:
+                seconds += self._decode_s(decode, spec) - self.cost.step_s(decode)
+            self._record(seconds, size)
+            self._advance(seconds, size)
+            self._finish_decode(plan.decode, spec)
             self._finish_prefill(plan.prefill)
 
-    def _mux_step(self, decode: tuple[int, ...], prefill: tuple[PrefillChunk, ...]) -> None:
+    def _mux_step(self, decode: tuple[int, ...], prefill: tuple[PrefillChunk, ...], spec: Speculation | None,
+                  hold: bool) -> None:
         if prefill and self.epoch is None:
             size = StepSize(0, 0, *self._prefill_size(prefill))
             self.sizes.append(size)
             total = self.cost.step_s(size)
-            self.epoch = _Epoch(prefill, total, total / self.cost.mux_segments)
+            self.epoch = _Epoch(next(self._epochs), prefill, size, total, total, total / self.cost.mux_segments)
         if self.epoch is None and not decode:
             self._unblock()
             return
-        d_size = self._decode_size(decode) if decode else None
-        seconds = self.cost.step_s(d_size) if d_size else 0.0
-        if d_size:
+        d_size = self._decode_size(decode) if decode else StepSize()
+        decode_s = self._decode_s(d_size, spec) if decode else 0.0
+        if decode:
             self.sizes.append(d_size)
-        ep = self.epoch
-        if ep is not None:
-            segment = min(ep.left_s, ep.segment_s) if decode else ep.left_s
-            ep.left_s -= segment
-            seconds += segment
+        # decode priority: the epoch waits, or runs short segments, while the critical row decodes
+        ep = None if hold and not self.levers.critical_share else self.epoch
+        overlap = self.levers.overlap
+        if ep is not None and decode and overlap is not None:
+            seconds, done = overlap.step_s(decode_s, ep.left_s)
+            ep.left_s -= done
+            part = ep.part(done)
+            self._record(seconds, StepSize(d_size.decode_rows, d_size.decode_context, part.prefill_rows,
+                                           part.prefill_tokens, part.prefill_pairs), ep.index)
+        else:
+            seconds = decode_s
+            if decode:
+                self._record(decode_s, d_size)
+            if ep is not None:
+                segment = min(ep.left_s, ep.segment_s) if decode else ep.left_s
+                if hold:
+                    segment = min(segment, self.levers.segment_cap_s(decode_s))
+                ep.left_s -= segment
+                self._record(segment, ep.part(segment), ep.index, start=self.now + decode_s)
+                seconds += segment
         self._advance(seconds, None)
-        self._finish_decode(decode)
+        self._finish_decode(decode, spec)
         if ep is not None and ep.left_s <= 1e-12:
             self.epoch = None
             self._finish_prefill(ep.chunks)
@@ -269,17 +369,30 @@ class Simulator:
                 conv.computed += chunk.tokens
         return len(prefill), tokens, pairs
 
+    def _record(self, seconds: float, size: StepSize, epoch: int | None = None, start: float | None = None) -> None:
+        start = self.now if start is None else start
+        self.records.append(StepRecord("P" if size.prefill_tokens else "D", size.decode_rows, size.decode_context,
+                                       size.prefill_rows, size.prefill_tokens, size.prefill_pairs, start,
+                                       start + seconds, epoch))
+
     def _advance(self, seconds: float, size: StepSize | None) -> None:
         self.now += seconds + self.cost.gap_s
         self.steps += 1
         if size is not None:
             self.sizes.append(size)
 
-    def _finish_decode(self, decode: tuple[int, ...]) -> None:
+    def _finish_decode(self, decode: tuple[int, ...], spec: Speculation | None = None) -> None:
         for rid in decode:
             req = self.active[rid]
-            req.conv.computed += 1
-            self._sample(req)
+            kept = 1
+            if spec is not None:  # accepted drafts, whole tokens only; never past the turn's end
+                req.credit += spec.acceptance * spec.draft_tokens
+                extra = int(req.credit + 1e-9)
+                req.credit -= extra
+                kept += min(extra, req.output_left - 1)
+            for _ in range(kept):
+                req.conv.computed += 1
+                self._sample(req)
 
     def _finish_prefill(self, prefill: tuple[PrefillChunk, ...]) -> None:
         for chunk in prefill:
@@ -301,13 +414,15 @@ class Simulator:
         conv.generated += req.turn.output_tokens
         admitted = req.admitted if req.admitted is not None else req.arrival
         first = req.first_token if req.first_token is not None else self.now
-        self.done.append(SimRequest(conv.key, req.turn.turn, req.arrival, admitted, first, self.now))
+        self.done.append(SimRequest(conv.key, req.turn.turn, req.arrival, admitted, first, self.now,
+                                    req.turn.output_tokens, req.turn.wait_ms / 1e3))
         conv.next_turn += 1
         if conv.next_turn < len(conv.turns):
             heapq.heappush(self.releases, (self.now + conv.turns[conv.next_turn].wait_ms / 1e3, conv.index))
         else:
             self._set_blocks(conv, 0)  # the session closes: its KV goes back
             conv.computed = 0
+            self.group_done[conv.index // self.config.group_size] += 1
 
     def _set_blocks(self, conv: _Conv, blocks: int) -> None:
         self.used_blocks += blocks - conv.blocks

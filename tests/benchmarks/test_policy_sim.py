@@ -61,3 +61,21 @@ def test_the_bench_check_of_the_default_priority():
     broken = copy.deepcopy(stored)
     broken["traces"][0]["runs"][0]["makespan_s"] = broken["traces"][0]["lower_bound_s"] / 2
     assert any("beats the lower bound" in w for w in policy_sim.check(broken))
+
+
+@pytest.mark.timeout(300)
+def test_the_levers_on_a_small_prefill_trace(tmp_path, capsys):
+    out = tmp_path / "levers.json"
+    assert policy_sim.main(["--levers", "--conversations", "4", "--seeds", "0", "--schedules", "mux",
+                            "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    (trace,) = result["traces"]
+    runs = {r["variant"]: r for r in trace["runs"]}
+    assert {"fifo", "oracle", "fifo+critical-first:1", "fifo+overlap:1x1", "fifo+spec:256r/k4/a0.75/c1",
+            "group-stragglers", "least-generated"} <= set(runs)
+    # prefill beside decode at no cost to either, or 4 tokens drafted at 75%: both shorter than FIFO
+    assert runs["fifo+overlap:1x1"]["makespan_s"] < runs["fifo"]["makespan_s"]
+    assert runs["fifo+spec:256r/k4/a0.75/c1"]["makespan_s"] < runs["fifo"]["makespan_s"]
+    assert runs["fifo"]["breakdown"]["critical_end_s"] == pytest.approx(runs["fifo"]["makespan_s"])
+    assert result["summary"]["4/mux@8192/fifo"]["over_fifo"] == 1.0
+    assert "critical decode" in capsys.readouterr().out

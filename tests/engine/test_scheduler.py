@@ -252,6 +252,14 @@ def test_drafts_are_planned_with_their_row_and_dropped_rather_than_preempting(sc
     assert plan.decode_part == StepPlan(decode=(0, 1))
 
 
+@pytest.mark.parametrize("schedule", list(Schedule))
+def test_blocks_a_row_holds_beyond_its_need_are_no_credit_for_another_rows_drafts(schedule):
+    # row 0 kept the blocks of rejected drafts (3 held, 1 needed): they are its own, not free
+    rows = (decoding(0, 4, blocks=3), dataclasses.replace(decoding(1, 8, order=1), lookahead=1))
+    plan = plan_step(SchedulerState(rows, free_blocks=0), cfg(schedule))
+    assert (plan.decode, plan.lookahead, plan.preempt) == ((0, 1), (), ())
+
+
 def test_chunked_counts_drafted_tokens_in_the_step_budget():
     rows = (dataclasses.replace(decoding(0, 8), lookahead=3), waiting(1, 20))
     plan = plan_step(SchedulerState(rows, free_blocks=20), cfg(Schedule.CHUNKED, budget=16))

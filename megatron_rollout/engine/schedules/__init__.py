@@ -33,5 +33,5 @@ def make_schedule(config: EngineConfig, table: RequestTable, executor: StepExecu
             raise ValueError("the naive ordering baseline (MuxConfig.ordering='naive') has no speculative decoding: "
                              "leave EngineConfig.speculative None, or use ordering 'turnstile'")
         return NaiveSchedule(table, executor, model.comm, rendezvous)
-    return MuxSchedule(config.mux, table, executor, model, rendezvous, router,
-                       speculative=config.speculative is not None)
+    mtp = config.speculative is not None and config.speculative.method == "mtp"  # its layer runs inside P
+    return MuxSchedule(config.mux, table, executor, model, rendezvous, router, speculative=mtp)

@@ -1,0 +1,75 @@
+"""Prompt-lookup drafts: what followed the latest earlier occurrence of a context's last n tokens.
+
+Speculative decoding (`engine.drafting`) needs a guess of a row's next k tokens that costs far
+less than the forward that checks it. Where a context repeats itself (code edited in place, a
+tool's reply quoted back, a template filled in again) the tokens after an earlier occurrence of
+the context's last few tokens are such a guess, and finding them is host work over token ids: no
+model, no device, the same answer on every rank that holds the same tokens.
+
+`NgramIndex` keeps one sequence's tokens in a growing array (synchronised from the engine's
+token list by appending what is new, so a step costs the new tokens, not the context) and
+`propose` matches the suffix: the longest n in [n_min, n_max] whose last n tokens occurred
+before, its latest such occurrence, and the k tokens after it. Where those run into the suffix
+itself (a period shorter than k) the copy goes on periodically, as the text would if it kept
+repeating. A suffix that never occurred before proposes nothing.
+
+Left out: drafts from other sequences (the other samples of an RL group): the engine serves no
+group key under speculative decoding (n > 1 is refused there), and a peer's text is a guess for
+this one only where the group's samples agree.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class NgramIndex:
+    """The tokens of one sequence, appended as it grows, and the drafts its own history proposes."""
+
+    def __init__(self, n_min: int, n_max: int) -> None:
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"n-gram lengths must satisfy 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}")
+        self.n_min, self.n_max = n_min, n_max
+        self.tokens = np.zeros(64, dtype=np.int64)
+        self.length = 0
+
+    def sync(self, tokens: Sequence[int]) -> None:
+        """Take `tokens`, the sequence's whole context: only the tokens past those held are copied.
+        Contexts only grow in the engine (and an index goes with its sequence); as a cheap guard, one
+        shorter than held, or whose token at the held end differs, is taken whole. A stale copy
+        would lower the acceptance rate only: drafts are verified."""
+        held = self.length
+        if len(tokens) < held or (held and tokens[held - 1] != self.tokens[held - 1]):
+            held = 0
+        if len(tokens) > len(self.tokens):
+            grown = np.zeros(max(len(tokens), 2 * len(self.tokens)), dtype=np.int64)
+            grown[:held] = self.tokens[:held]
+            self.tokens = grown
+        self.tokens[held:len(tokens)] = tokens[held:]
+        self.length = len(tokens)
+
+    def propose(self, k: int) -> tuple[int, ...]:
+        """Up to k tokens after the latest earlier occurrence of the longest matching suffix (n
+        from n_max down to n_min); () where no suffix of n_min tokens occurred before."""
+        ctx, size = self.tokens[:self.length], self.length
+        if k <= 0 or size <= self.n_min:
+            return ()
+        # ends: p < size with ctx[p - j] == ctx[size - j] for j = 1..n, narrowed one j at a time
+        ends = np.flatnonzero(ctx[:size - 1] == ctx[size - 1]) + 1
+        best = None
+        for n in range(1, min(self.n_max, size - 1) + 1):
+            if n > 1:
+                ends = ends[ends >= n]
+                ends = ends[ctx[ends - n] == ctx[size - n]]
+            if not len(ends):
+                break
+            if n >= self.n_min:
+                best = int(ends[-1])
+        if best is None:
+            return ()
+        period = size - best  # the draft copies ctx[best:], then itself, `period` back
+        draft: list[int] = []
+        for j in range(k):
+            draft.append(int(ctx[best + j]) if best + j < size else draft[j - period])
+        return tuple(draft)

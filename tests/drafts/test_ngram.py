@@ -1,0 +1,75 @@
+"""Prompt lookup (`drafts.ngram`): the longest suffix match wins, its latest occurrence, a periodic
+copy past the context's end, nothing where no suffix occurred; the array kept in sync by appends
+proposes what a brute-force search over the whole list proposes."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_rollout.drafts import NgramIndex
+
+
+def brute(tokens: list[int], k: int, n_min: int, n_max: int) -> tuple[int, ...]:
+    """The definition, searched naively: longest n first, latest earlier end first."""
+    size = len(tokens)
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        for end in range(size - 1, n - 1, -1):
+            if tokens[end - n:end] == tokens[size - n:]:
+                ext = list(tokens)
+                for j in range(k):
+                    ext.append(ext[end + j])
+                return tuple(ext[size:])
+    return ()
+
+
+def proposed(tokens: list[int], k: int, n_min: int = 1, n_max: int = 4) -> tuple[int, ...]:
+    index = NgramIndex(n_min, n_max)
+    index.sync(tokens)
+    return index.propose(k)
+
+
+def test_the_longest_match_and_its_latest_occurrence_win():
+    # suffix (1, 2): after "1 2" came 3 (early) and 4 (late): the latest wins
+    assert proposed([1, 2, 3, 1, 2, 4, 1, 2], 2) == (4, 1)
+    # suffix (0, 1, 2) matches longer at the early occurrence: the longest wins
+    assert proposed([0, 1, 2, 3, 9, 1, 2, 4, 0, 1, 2], 2) == (3, 9)
+    assert proposed([0, 1, 2, 3, 9, 1, 2, 4, 0, 1, 2], 2, n_max=2) == (4, 0)
+
+
+def test_a_short_period_repeats_and_nothing_matches_nothing():
+    assert proposed([7, 5, 5, 5], 4) == (5, 5, 5, 5)
+    assert proposed([1, 2, 1, 2, 1], 5) == (2, 1, 2, 1, 2)
+    assert proposed([1, 2, 3, 4], 3) == ()
+    assert proposed([3, 1, 2, 9, 2], 3, n_min=2) == ()  # only a 1-token match
+    assert proposed([3, 1, 2, 9, 2], 3, n_min=1) == (9, 2, 9)
+    assert proposed([5], 3) == () and proposed([], 3) == () and proposed([1, 1], 0) == ()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=40), st.integers(1, 3), st.integers(0, 3), st.integers(0, 5),
+       st.lists(st.integers(1, 5), max_size=6))
+def test_appends_propose_what_a_search_of_the_whole_list_proposes(tokens, n_min, extra, k, cuts):
+    n_max = n_min + extra
+    index = NgramIndex(n_min, n_max)
+    for cut in sorted(set(cuts)):  # the engine's contexts grow between steps
+        index.sync(tokens[:cut * len(tokens) // 5])
+        assert index.propose(k) == brute(tokens[:cut * len(tokens) // 5], k, n_min, n_max)
+    index.sync(tokens)
+    assert index.propose(k) == brute(tokens, k, n_min, n_max)
+
+
+def test_a_context_that_is_no_continuation_is_taken_whole():
+    index = NgramIndex(2, 3)
+    index.sync([7, 1, 2, 9, 3, 2])
+    index.sync([1, 2, 9, 9, 1, 7, 1, 2])  # its token where the held context ended differs: not a continuation
+    assert index.propose(3) == (9, 9, 1)
+    index.sync([4, 4])
+    assert index.propose(2) == ()
+
+
+def test_bad_lengths_are_refused():
+    with pytest.raises(ValueError, match="n_min=3, n_max=2"):
+        NgramIndex(3, 2)
+    with pytest.raises(ValueError, match="n_min=0"):
+        NgramIndex(0, 2)

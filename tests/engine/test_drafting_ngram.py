@@ -1,0 +1,199 @@
+"""n-gram (prompt-lookup) speculative decoding (`SpeculativeConfig("ngram")`, `drafts.ngram`) on a
+tiny DeepSeek-V3 without an MTP layer: greedy tokens and logprobs equal plain decoding under off,
+chunked and mux; a repeating context is drafted and accepted (fewer decode iterations); `tail_rows`
+drafts only while few rows decode; every request finishes, or fails with its reason, under KV
+pressure; the sampled law is the plain sampler's with one-hot drafts (chi-square), and the same
+test rejects a broken acceptance rule."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from megatron_rollout.engine import (
+    EngineConfig,
+    FinishReason,
+    KVConfig,
+    RolloutEngine,
+    RunnerConfig,
+    SamplingParams,
+    SchedulerConfig,
+    SpeculativeConfig,
+    drafting,
+)
+from megatron_rollout.model.transformer import MoETransformer
+from tests.model.test_mtp import CFG
+
+from .common import SCHEDULES, small
+from .test_drafting import _accept_every_draft
+
+PROMPTS = [[1, 2, 3, 4, 1, 2, 3], [7], [3, 3, 9, 0, 11, 2, 6, 3, 3, 9], [5, 6, 5, 6, 5]]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_stop=True)
+
+
+def model(seed: int = 0, vocab: int = 12) -> MoETransformer:
+    return MoETransformer(CFG.replace(vocab_size=vocab, mtp_num_layers=0)).init_weights(seed=seed, std=0.3)
+
+
+def ngram(schedule: str, k: int = 3, **fields) -> EngineConfig:
+    return small(schedule, speculative=SpeculativeConfig("ngram", k, ngram_min=1, **fields))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    m = model()
+    plain = RolloutEngine(m, small("chunked"))
+    return m, plain.generate(PROMPTS, GREEDY), plain.stats
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_greedy_tokens_and_logprobs_equal_plain_decoding(tiny, make_engine, schedule):
+    m, plain, _ = tiny
+    engine = make_engine(m, ngram(schedule))
+    got = engine.generate(PROMPTS, GREEDY)
+    assert [r.token_ids for r in got] == [r.token_ids for r in plain]
+    for r, ref in zip(got, plain):
+        assert r.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+        assert r.finish_reason is FinishReason.LENGTH
+    assert engine.stats.drafted_tokens > 0
+
+
+def bigram(m: MoETransformer) -> MoETransformer:
+    """`m` with no attention output: each position's logits depend on its own token alone, so greedy
+    decoding walks a fixed map of tokens into a cycle, and the context repeats from there."""
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("self_attention.linear_proj.weight"):
+                p.zero_()
+    return m
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_repeating_context_is_accepted_in_fewer_iterations(make_engine, schedule):
+    m = bigram(model())
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_stop=True)
+    plain = make_engine(m, small(schedule))
+    want = plain.generate(PROMPTS, params)
+    engine = make_engine(m, ngram(schedule, k=4))
+    got = engine.generate(PROMPTS, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    s = engine.stats
+    assert s.acceptance_rate > 0.8 and s.decode_tokens == plain.stats.decode_tokens, s
+    assert s.decode_iterations <= plain.stats.decode_iterations // 2, (s, plain.stats)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_tail_rows_drafts_only_while_few_rows_decode(tiny, make_engine, schedule, monkeypatch):
+    m, plain, _ = tiny
+    engine = make_engine(m, ngram(schedule, tail_rows=2))
+    seen: list[tuple[int, int]] = []  # (decode rows, drafted positions) of every forward
+    inputs = engine.executor.inputs
+
+    def spy(decode, prefill, lookahead=()):
+        decode = tuple(decode)
+        seen.append((len(decode), sum(lookahead)))
+        return inputs(decode, prefill, lookahead)
+
+    monkeypatch.setattr(engine.executor, "inputs", spy)
+    params = [SamplingParams(temperature=0.0, max_new_tokens=6 + 4 * i, ignore_stop=True) for i in range(4)]
+    got = engine.generate(PROMPTS, params)
+    want = RolloutEngine(m, small(schedule)).generate(PROMPTS, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert any(rows > 2 for rows, _ in seen)  # the batch was wider than the tail
+    assert all(rows <= 2 for rows, drafted in seen if drafted), seen
+    assert engine.stats.drafted_tokens > 0 and any(drafted for _, drafted in seen)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_under_kv_pressure_every_request_finishes_or_fails_with_its_reason(tiny, make_engine, schedule):
+    """Few KV blocks: drafts are planned only where blocks remain (they never preempt), rows are
+    preempted and recomputed; a request for n samples is refused alone with its reason."""
+    m, plain, _ = tiny
+    tight = small(schedule, kv=KVConfig(num_blocks=14), speculative=SpeculativeConfig("ngram", 4, ngram_min=1))
+    engine = make_engine(m, tight)
+    params = [GREEDY] * len(PROMPTS) + [SamplingParams(temperature=0.0, max_new_tokens=4, n=2)]
+    got = engine.generate(PROMPTS + [PROMPTS[0]], params)
+    assert [r.token_ids for r in got[:len(PROMPTS)]] == [r.token_ids for r in plain]
+    assert all(r.finish_reason is FinishReason.LENGTH for r in got[:len(PROMPTS)])
+    assert all(r.finish_reason is FinishReason.ERROR and "speculative decoding" in r.error for r in got[-2:])
+    assert engine.stats.preemptions > 0 and engine.stats.accepted_tokens > 0, engine.stats
+    assert not engine.has_work()
+
+
+def _counts(m: MoETransformer, config: EngineConfig, prompt: list[int], n: int) -> tuple[list[int], float]:
+    engine = RolloutEngine(m, config)
+    cells = list(itertools.product(range(m.cfg.vocab_size), repeat=3))
+    counts = [0] * len(cells)
+    for r in engine.generate([prompt] * n, SamplingParams(temperature=1.0, max_new_tokens=3, ignore_stop=True)):
+        counts[cells.index(tuple(r.token_ids))] += 1
+    return counts, engine.stats.acceptance_rate
+
+
+@pytest.mark.timeout(300)
+def test_sampled_law_is_the_plain_samplers_and_a_broken_rule_is_caught(monkeypatch):
+    """Three tokens after a repeating prompt on a 3-token vocabulary (27 cells), n runs each: the
+    lookup proposes a draft for every row (q one-hot), accepted with probability p(draft) and
+    resampled from the rest of p otherwise; accepting every draft fails the same test."""
+    stats = pytest.importorskip("scipy.stats")
+    m = model(seed=2, vocab=3)
+    prompt, n = [1, 2, 0, 1, 2, 0, 1], 300
+    cells = list(itertools.product(range(3), repeat=3))
+    with torch.no_grad():
+        law = m.token_logprobs(torch.tensor([prompt + list(c) for c in cells]))[:, len(prompt) - 1:].sum(-1).exp()
+    expected = (law.double() / law.double().sum() * n).tolist()
+    roomy = dict(scheduler=SchedulerConfig(block_size=4, max_batch_tokens=512, max_decode_rows=512),
+                 kv=KVConfig(num_blocks=4096))
+    config = EngineConfig(**roomy, speculative=SpeculativeConfig("ngram", 2, ngram_min=1), seed=5)
+    drafted, acceptance = _counts(m, config, prompt, n)
+    assert 0.1 < acceptance < 0.95, acceptance  # accepted and rejected drafts both exercised
+    plain, _ = _counts(m, EngineConfig(**roomy, seed=6), prompt, n)
+    assert stats.chisquare(drafted, expected).pvalue > 1e-3
+    assert stats.chisquare(plain, expected).pvalue > 1e-3
+    seen = [i for i in range(len(cells)) if drafted[i] + plain[i]]
+    assert stats.chi2_contingency([[drafted[i] for i in seen], [plain[i] for i in seen]]).pvalue > 1e-3
+    monkeypatch.setattr(drafting, "verify", _accept_every_draft)
+    broken, acceptance = _counts(m, config, prompt, n)
+    assert acceptance == 1.0
+    assert stats.chisquare(broken, expected).pvalue < 1e-6
+
+
+def test_the_config_names_what_is_wrong():
+    with pytest.raises(ValueError, match="1 <= ngram_min <= ngram_max, got 3 and 2"):
+        SpeculativeConfig("ngram", 2, ngram_min=3, ngram_max=2)
+    with pytest.raises(ValueError, match="tail_rows must be a positive int or None, got 0"):
+        SpeculativeConfig("ngram", 2, tail_rows=0)
+    got = EngineConfig.from_dict({"speculative": {"method": "ngram", "k": 3, "tail_rows": 8}}).speculative
+    assert got == SpeculativeConfig("ngram", 3, tail_rows=8)
+
+
+def test_the_command_line_spells_it_ngram_k():
+    import argparse
+
+    from megatron_rollout.options import add_engine_args, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    got = engine_config(parser.parse_args(["--ngram", "3", "--draft-tail-rows", "4"])).speculative
+    assert got == SpeculativeConfig("ngram", 3, tail_rows=4)
+    with pytest.raises(ValueError, match="two draft sources"):
+        engine_config(parser.parse_args(["--ngram", "3", "--mtp", "1"]))
+    with pytest.raises(ValueError, match="--draft-tail-rows needs"):
+        engine_config(parser.parse_args(["--draft-tail-rows", "4"]))
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_on_the_gpu_lookup_drafts_keep_greedy_tokens(make_engine):
+    """float32 (the CUDA runner's graphs verify one-query rows; bf16 near-ties could round apart)."""
+    m = bigram(MoETransformer(CFG.replace(vocab_size=12, mtp_num_layers=0), device=torch.device("cuda"))
+               .init_weights(seed=0, std=0.3))
+    want = make_engine(m, small("chunked", runner=RunnerConfig(kind="eager"))).generate(PROMPTS, GREEDY)
+    for schedule in SCHEDULES:
+        engine = make_engine(m, ngram(schedule, k=4))  # runner kind auto: the CUDA runner's verify graphs
+        assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == [r.token_ids for r in want], schedule
+        assert engine.stats.acceptance_rate > 0.5, (schedule, engine.stats)

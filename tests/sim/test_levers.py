@@ -1,0 +1,103 @@
+"""The levers on the critical chain (`sim.levers`) and the RL-group orderings: each moves the
+simulated makespan or the critical chain by what a hand count gives on a tiny trace."""
+import pytest
+
+from megatron_rollout.engine.api import Schedule
+from megatron_rollout.engine.scheduler import SchedulerConfig
+from megatron_rollout.sim.bounds import lower_bound
+from megatron_rollout.sim.cost import CostModel
+from megatron_rollout.sim.levers import Levers, Overlap, Speculation
+from megatron_rollout.sim.policy import Foresight, GroupStragglers, LeastGenerated, Oracle, Priority, make_policy
+from megatron_rollout.sim.simulator import SimConfig, simulate
+from megatron_rollout.trace.schema import TraceRequest
+
+# Round numbers: a decode iteration costs 1 s, a prefill forward 5 s, nothing else.
+UNIT = CostModel(decode_base_s=1.0, prefill_base_s=5.0)
+# A prefills (0-5 s) and then decodes 10 tokens; B's prompt arrives at 6 s, while A decodes.
+TWO = [TraceRequest("A", 0, 10, 11, 0.0), TraceRequest("B", 0, 10, 1, 6000.0)]
+
+
+def config(schedule: str = "mux", **levers) -> SimConfig:
+    return SimConfig(SchedulerConfig(schedule=Schedule(schedule), max_batch_tokens=64), num_blocks=1000,
+                     levers=Levers(**levers))
+
+
+def test_serial_mux_stretches_the_chain_by_the_prefill_it_waits_behind():
+    sim = simulate(TWO, UNIT, config())
+    assert sim.makespan_s == pytest.approx(20.0) and sim.finish_of() == {"A": pytest.approx(20.0), "B": 12.0}
+    b = sim.breakdown()  # the real replays' definitions: A decoded 15 s, 5 of them behind B's prefill
+    assert b.critical.conversation == "A" and b.critical.decode.total_s == pytest.approx(15.0)
+    assert b.critical.decode.prefill_s == pytest.approx(5.0) and b.critical.decode.decode_s == pytest.approx(10.0)
+    assert b.engine.idle_s == pytest.approx(0.0) and b.forwards == {"prefill": 2, "decode": 10, "mixed": 0}
+
+
+def test_overlap_runs_prefill_beside_decode():
+    assert simulate(TWO, UNIT, config(overlap=Overlap(1.0, 1.0))).makespan_s == pytest.approx(15.0)
+    # alpha 2: the five overlapped seconds of prefill take 2.5 decode iterations of 2 s, the last
+    # half alone at 1 s: 5.5 s for 3 of A's iterations, then 6 alone.
+    sim = simulate(TWO, UNIT, config(overlap=Overlap(2.0, 1.0)))
+    assert sim.makespan_s == pytest.approx(5 + 1 + 5.5 + 6)
+    assert sim.breakdown().forwards["mixed"] == 3
+    # beta 2: the prefill needs 10 s beside decode; A's nine iterations after B arrives end first,
+    # with 4.5 s of it done; the last 0.5 s runs alone, at full speed
+    assert simulate(TWO, UNIT, config(overlap=Overlap(1.0, 2.0))).makespan_s == pytest.approx(5 + 1 + 9 + 0.5)
+    with pytest.raises(ValueError, match="need the mux schedule"):
+        config("off", overlap=Overlap(1.0, 1.0))
+    with pytest.raises(ValueError, match="decode_factor must be a number >= 1"):
+        Overlap(0.5, 1.0)
+
+
+def test_decode_priority_shortens_the_chain_not_the_serial_work():
+    plain = simulate(TWO, UNIT, config(), Oracle())
+    held = simulate(TWO, UNIT, config(critical_first=1), Oracle())  # A ranks first: B waits for A
+    assert plain.finish_of()["A"] == pytest.approx(20.0)
+    assert held.finish_of() == {"A": pytest.approx(15.0), "B": pytest.approx(20.0)}
+    assert held.makespan_s == pytest.approx(plain.makespan_s)
+    # a share of 0.5 gives the prefill 1 s after each of A's 1 s iterations: A ends at 20 again
+    shared = simulate(TWO, UNIT, config(critical_first=1, critical_share=0.5), Oracle())
+    assert shared.finish_of() == {"A": pytest.approx(20.0), "B": pytest.approx(16.0)}
+    assert simulate(TWO, UNIT, config("off", critical_first=1), Oracle()).finish_of()["A"] == pytest.approx(15.0)
+
+
+@pytest.mark.parametrize("schedule", ["off", "chunked", "mux"])
+def test_speculation_keeps_more_tokens_per_iteration(schedule):
+    trace = [TraceRequest("a", 0, 10, 9, 0.0)]  # 8 decode iterations without speculation
+    plain = simulate(trace, UNIT, config(schedule))
+    assert plain.makespan_s == pytest.approx(5 + 8)
+    halved = simulate(trace, UNIT, config(schedule, speculation=Speculation(1, 2, 0.5)))
+    assert halved.makespan_s == pytest.approx(5 + 4) and len(halved.requests) == 1
+    # a 1.5x dearer verifying iteration keeping 1.25 tokens a row: 7 iterations (the last capped)
+    dear = simulate(trace, UNIT, config(schedule, speculation=Speculation(1, 1, 0.25, overhead=1.5)))
+    assert dear.makespan_s == pytest.approx(5 + 7 * 1.5)
+    two_rows = [TraceRequest("a", 0, 10, 9, 0.0), TraceRequest("b", 0, 10, 9, 0.0)]
+    assert simulate(two_rows, UNIT, config(schedule, speculation=Speculation(1, 2, 0.5))).makespan_s == \
+        pytest.approx(simulate(two_rows, UNIT, config(schedule)).makespan_s)  # above max_rows: plain
+
+
+def test_group_orderings_read_what_the_rl_framework_knows():
+    info = Foresight(arrival_order=3, turn=1, context=100, generated=7, remaining_chain_s=2.0, peers_done=0.5)
+    assert GroupStragglers().key(info) == -0.5 and LeastGenerated().key(info) == 7
+    assert make_policy("group-stragglers").name == "group-stragglers"
+
+    seen = {}
+
+    class Spy(Priority):
+        name = "spy"
+
+        def key(self, request):
+            seen[(request.turn, request.arrival_order)] = request.peers_done
+            return request.arrival_order
+
+    # groups of 2: (a, b) and (c, d); a finishes first, so b's second turn sees its peer done
+    trace = [TraceRequest("a", 0, 10, 2, 0.0), TraceRequest("b", 0, 10, 2, 0.0), TraceRequest("b", 1, 10, 2, 9000.0),
+             TraceRequest("c", 0, 10, 2, 0.0), TraceRequest("d", 0, 10, 2, 0.0)]
+    simulate(trace, UNIT, SimConfig(SchedulerConfig(schedule=Schedule.OFF), group_size=2), Spy())
+    assert sorted(seen.values()) == [0.0, 0.0, 0.0, 0.0, 1.0] and seen[(1, 4)] == 1.0
+
+
+def test_the_bound_counts_the_longest_conversations_decode_steps():
+    # a: two turns of 5 output tokens (8 decode iterations, one after another); b: 2 iterations.
+    trace = [TraceRequest("a", 0, 10, 5, 0.0), TraceRequest("a", 1, 10, 5, 0.0), TraceRequest("b", 0, 10, 3, 0.0)]
+    bound = lower_bound(trace, UNIT, max_decode_rows=256)
+    assert bound.work_s == pytest.approx(8.0)
+    assert simulate(trace, UNIT, config("off")).makespan_s >= bound.makespan_s
