@@ -4,6 +4,12 @@
 `fn(rank, *args)` and returns the per-rank results (anything picklable) in rank order. An
 exception on any rank is re-raised here with that rank's traceback; a rank that neither returns
 nor fails within `timeout` fails the test instead of hanging it.
+
+Ranks fork from one server process that imported torch and the package once per session
+(`multiprocessing`'s forkserver): a spawned rank paid seconds of imports each, dozens of times a
+suite. Each rank still starts from that clean server (never from pytest's process, whose threads and
+state a plain fork would copy) and takes the caller's environment as it is at the call. NCCL worlds
+keep a fresh interpreter per rank (`spawn`): nothing CUDA-related is shared with a server.
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import os
 import socket
 import traceback
 from datetime import timedelta
+from multiprocessing import reduction
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -23,10 +30,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PRELOAD = ["torch", "torch.distributed", "megatron_rollout.distributed", "megatron_rollout.engine",
+           "megatron_rollout.model.transformer", "tests.world",
+           "megatron.core.parallel_state", "megatron.core.models.gpt"]  # ~7 CPU-s, a dozen ranks use it
+"""What the fork server imports once (one that fails to import is left out); anything else a rank
+imports as a spawned one would."""
+
+
+class _CallerStdio:
+    """The caller's stdout and stderr as they are at the rank's start (during a test: pytest's capture
+    of that test), handed to a rank forked from the server, whose own are the server's."""
+
+    def __reduce__(self):  # runs while the rank is being started: the fds travel with it
+        return tuple, ([reduction.DupFd(1), reduction.DupFd(2)],)
+
+
+def context(backend: str = "gloo"):
+    """The multiprocessing context a world's ranks start from (see the module docstring)."""
+    if backend == "nccl":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (first use); later calls change nothing
+    return ctx
+
+
 def _entry(rank: int, n: int, port: int, fn: Callable, args: tuple, queue, pg_timeout: float,
-           backend: str = "gloo") -> None:
+           backend: str = "gloo", env: dict[str, str] | None = None, stdio: tuple | None = None) -> None:
     import torch
 
+    if env is not None:  # the caller's environment now, not the fork server's from its start
+        os.environ.clear()
+        os.environ.update(env)
+    for fd, dup in zip((1, 2), stdio or ()):
+        os.dup2(dup.detach(), fd)
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n),
                       LOCAL_RANK=str(rank))
@@ -54,11 +90,12 @@ def run_world(fn: Callable, n: int, *args: Any, timeout: float = 120.0, pg_timeo
     """Results of `fn(rank, *args)` per rank. With `allow_errors`, a failing rank's entry is the
     error text (a str starting with the exception type) instead of raising. `backend="nccl"` joins
     the ranks over NCCL, one GPU each (what a Megatron optimizer's collectives on CUDA tensors need)."""
-    ctx = mp.get_context("spawn")
+    ctx = context(backend)
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, n, port, fn, args, queue, pg_timeout, backend), daemon=True)
-             for r in range(n)]
+    env, stdio = dict(os.environ), _CallerStdio()
+    procs = [ctx.Process(target=_entry, args=(r, n, port, fn, args, queue, pg_timeout, backend, env, stdio),
+                         daemon=True) for r in range(n)]
     for p in procs:
         p.start()
     results: dict[int, tuple[str, Any]] = {}

@@ -25,7 +25,7 @@ from datetime import timedelta
 import pytest
 
 from megatron_rollout.engine import MuxConfig, SchedulerConfig
-from tests.world import free_port
+from tests.world import context, free_port
 
 TIMEOUT_S = 3.0
 SLACK_S = 30.0  # how late a survivor may see its error after the timeout on a loaded 2-core machine
@@ -92,9 +92,7 @@ def _rank(rank: int, n: int, port: int, victim: int, fault: str, out, release) -
 
 
 def _run(n: int, victim: int, fault: str) -> tuple[dict, dict[int, dict]]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
+    ctx = context()  # forked from the world's fork server: the imports are paid once per session
     out, release = ctx.Queue(), ctx.Event()
     port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, n, port, victim, fault, out, release), daemon=True) for r in range(n)]

@@ -1,5 +1,5 @@
-"""The two multi-process worlds the comm tests share (spawning one costs ~10-20 s, mostly importing
-Megatron), and the per-rank checks they run. Each check returns plain data that the test modules
+"""The two multi-process worlds the comm tests share (starting one costs seconds per rank: its
+groups, communicators and models), and the per-rank checks they run. Each check returns plain data that the test modules
 assert on; `world(n)` runs the n-rank program once per pytest session and caches its results.
 
 4 ranks: DistComm groups and collectives (ATP2/ADP2/EP4), exchanges against the single-process

@@ -101,7 +101,7 @@ def test_hot_swap_equals_fresh_engine_and_refuses_stale(policy, tok):
 
 
 def _world(rank):
-    """Both data-parallel checks in one spawned world (process start-up dominates their cost)."""
+    """Both data-parallel checks in one world (one start-up for both)."""
     import torch
 
     from megatron_rollout.model.config import preset
