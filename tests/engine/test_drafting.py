@@ -121,31 +121,36 @@ def _counts(m: MoETransformer, config: EngineConfig, prompt: list[int], n: int) 
     return counts, engine.stats.acceptance_rate
 
 
-@pytest.mark.timeout(300)
-def test_sampled_law_is_the_plain_samplers_and_a_broken_rule_is_caught(monkeypatch):
-    """Three tokens after one prompt on a 3-token vocabulary (27 cells), n runs each: MTP sampling
-    against the exact law and against the plain sampler; accepting every draft fails the same test."""
+def check_the_sampled_law(monkeypatch, prompt: list[int], speculative: SpeculativeConfig, n: int = 300) -> None:
+    """Three tokens after `prompt` on a 3-token vocabulary (27 cells), `n` runs each: sampling under
+    `speculative` against the exact law and against the plain sampler; accepting every draft (the
+    broken rule) fails the same test."""
     stats = pytest.importorskip("scipy.stats")
     m = model(seed=2, vocab=3)
-    prompt, n = [1, 2, 0], 300
     cells = list(itertools.product(range(3), repeat=3))
     with torch.no_grad():
         law = m.token_logprobs(torch.tensor([prompt + list(c) for c in cells]))[:, len(prompt) - 1:].sum(-1).exp()
     expected = (law.double() / law.double().sum() * n).tolist()
     roomy = dict(scheduler=SchedulerConfig(block_size=4, max_batch_tokens=512, max_decode_rows=512),
                  kv=KVConfig(num_blocks=4096))
-    config = EngineConfig(**roomy, speculative=SpeculativeConfig(k=1), seed=5)
-    mtp, acceptance = _counts(m, config, prompt, n)
+    config = EngineConfig(**roomy, speculative=speculative, seed=5)
+    drafted, acceptance = _counts(m, config, prompt, n)
     assert 0.1 < acceptance < 0.95, acceptance  # accepted and rejected drafts both exercised
     plain, _ = _counts(m, EngineConfig(**roomy, seed=6), prompt, n)
-    assert stats.chisquare(mtp, expected).pvalue > 1e-3
+    assert stats.chisquare(drafted, expected).pvalue > 1e-3
     assert stats.chisquare(plain, expected).pvalue > 1e-3
-    seen = [i for i in range(len(cells)) if mtp[i] + plain[i]]
-    assert stats.chi2_contingency([[mtp[i] for i in seen], [plain[i] for i in seen]]).pvalue > 1e-3
+    seen = [i for i in range(len(cells)) if drafted[i] + plain[i]]
+    assert stats.chi2_contingency([[drafted[i] for i in seen], [plain[i] for i in seen]]).pvalue > 1e-3
     monkeypatch.setattr(drafting, "verify", _accept_every_draft)
     broken, acceptance = _counts(m, config, prompt, n)
     assert acceptance == 1.0
     assert stats.chisquare(broken, expected).pvalue < 1e-6
+
+
+@pytest.mark.timeout(300)
+def test_sampled_law_is_the_plain_samplers_and_a_broken_rule_is_caught(monkeypatch):
+    """MTP drafts (k = 1) after one prompt."""
+    check_the_sampled_law(monkeypatch, [1, 2, 0], SpeculativeConfig(k=1))
 
 
 def test_refusals_name_the_reason():

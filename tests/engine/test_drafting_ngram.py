@@ -6,8 +6,6 @@ pressure; the sampled law is the plain sampler's with one-hot drafts (chi-square
 test rejects a broken acceptance rule."""
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -18,15 +16,13 @@ from megatron_rollout.engine import (
     RolloutEngine,
     RunnerConfig,
     SamplingParams,
-    SchedulerConfig,
     SpeculativeConfig,
-    drafting,
 )
 from megatron_rollout.model.transformer import MoETransformer
 from tests.model.test_mtp import CFG
 
 from .common import SCHEDULES, small
-from .test_drafting import _accept_every_draft
+from .test_drafting import check_the_sampled_law
 
 PROMPTS = [[1, 2, 3, 4, 1, 2, 3], [7], [3, 3, 9, 0, 11, 2, 6, 3, 3, 9], [5, 6, 5, 6, 5]]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_stop=True)
@@ -125,41 +121,11 @@ def test_under_kv_pressure_every_request_finishes_or_fails_with_its_reason(tiny,
     assert not engine.has_work()
 
 
-def _counts(m: MoETransformer, config: EngineConfig, prompt: list[int], n: int) -> tuple[list[int], float]:
-    engine = RolloutEngine(m, config)
-    cells = list(itertools.product(range(m.cfg.vocab_size), repeat=3))
-    counts = [0] * len(cells)
-    for r in engine.generate([prompt] * n, SamplingParams(temperature=1.0, max_new_tokens=3, ignore_stop=True)):
-        counts[cells.index(tuple(r.token_ids))] += 1
-    return counts, engine.stats.acceptance_rate
-
-
 @pytest.mark.timeout(300)
 def test_sampled_law_is_the_plain_samplers_and_a_broken_rule_is_caught(monkeypatch):
-    """Three tokens after a repeating prompt on a 3-token vocabulary (27 cells), n runs each: the
-    lookup proposes a draft for every row (q one-hot), accepted with probability p(draft) and
-    resampled from the rest of p otherwise; accepting every draft fails the same test."""
-    stats = pytest.importorskip("scipy.stats")
-    m = model(seed=2, vocab=3)
-    prompt, n = [1, 2, 0, 1, 2, 0, 1], 300
-    cells = list(itertools.product(range(3), repeat=3))
-    with torch.no_grad():
-        law = m.token_logprobs(torch.tensor([prompt + list(c) for c in cells]))[:, len(prompt) - 1:].sum(-1).exp()
-    expected = (law.double() / law.double().sum() * n).tolist()
-    roomy = dict(scheduler=SchedulerConfig(block_size=4, max_batch_tokens=512, max_decode_rows=512),
-                 kv=KVConfig(num_blocks=4096))
-    config = EngineConfig(**roomy, speculative=SpeculativeConfig("ngram", 2, ngram_min=1), seed=5)
-    drafted, acceptance = _counts(m, config, prompt, n)
-    assert 0.1 < acceptance < 0.95, acceptance  # accepted and rejected drafts both exercised
-    plain, _ = _counts(m, EngineConfig(**roomy, seed=6), prompt, n)
-    assert stats.chisquare(drafted, expected).pvalue > 1e-3
-    assert stats.chisquare(plain, expected).pvalue > 1e-3
-    seen = [i for i in range(len(cells)) if drafted[i] + plain[i]]
-    assert stats.chi2_contingency([[drafted[i] for i in seen], [plain[i] for i in seen]]).pvalue > 1e-3
-    monkeypatch.setattr(drafting, "verify", _accept_every_draft)
-    broken, acceptance = _counts(m, config, prompt, n)
-    assert acceptance == 1.0
-    assert stats.chisquare(broken, expected).pvalue < 1e-6
+    """A repeating prompt: the lookup proposes a draft for every row (q one-hot), accepted with
+    probability p(draft) and resampled from the rest of p otherwise."""
+    check_the_sampled_law(monkeypatch, [1, 2, 0, 1, 2, 0, 1], SpeculativeConfig("ngram", 2, ngram_min=1))
 
 
 def test_the_config_names_what_is_wrong():
