@@ -310,24 +310,29 @@ def test_a_rotary_embedding_off_the_reported_base_is_refused(gloo_world):
         model_config_of(gpt)
 
 
-@pytest.mark.gpu
-def test_on_cuda_the_engine_gives_megatrons_logits_before_and_after_an_adam_step(gloo_world, monkeypatch):
-    """Megatron's own forward (CUDA) against the engine over the same storage, with no update call."""
+def _cuda_gpt(cfg, monkeypatch):
+    """A GPTModel of `cfg` on CUDA, seeded, with weights larger than Megatron's init so that routing
+    is not a tie."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.moe import moe_utils
 
-    from megatron_rollout.engine.config import RunnerConfig
-
     monkeypatch.setattr(moe_utils, "te_general_gemm", getattr(moe_utils, "te_general_gemm", None), raising=False)
-    cfg = CONFIGS["tiny-moe"]
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0)
     gpt = build_megatron(cfg)
-    with torch.no_grad():  # larger than Megatron's init so that routing is not a tie
+    with torch.no_grad():
         for k, p in gpt.named_parameters():
             p.copy_(1 + 0.2 * torch.randn_like(p) if k.endswith("layernorm.weight") else 0.2 * torch.randn_like(p))
-    gpt = gpt.cuda()
-    # the eager runner: the CUDA runner stacks the experts (a copy), which sharing refuses
+    return gpt.cuda()
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_engine_gives_megatrons_logits_before_and_after_an_adam_step(gloo_world, monkeypatch):
+    """Megatron's own forward (CUDA) against the engine over the same storage, with no update call."""
+    from megatron_rollout.engine.config import RunnerConfig
+
+    cfg = CONFIGS["tiny-moe"]
+    gpt = _cuda_gpt(cfg, monkeypatch)
     engine = RolloutEngine.from_megatron(gpt,
                                          EngineConfig(kv=KVConfig(num_blocks=32), runner=RunnerConfig(kind="eager")))
     ids = IDS.cuda()
@@ -358,20 +363,10 @@ def test_on_cuda_decode_graphs_over_a_shared_bf16_trainer_follow_an_adam_step(gl
     """A bf16 GPTModel (fp32 norms, per-expert tensors) shared by the CUDA runner with decode graphs:
     Megatron's logits, then an in-place Adam step served by the graphs captured before it (no
     re-capture, no update call), as a fresh engine over the updated weights generates."""
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.moe import moe_utils
-
     from megatron_rollout.engine.config import RunnerConfig
 
-    monkeypatch.setattr(moe_utils, "te_general_gemm", getattr(moe_utils, "te_general_gemm", None), raising=False)
     cfg = CONFIGS["tiny-moe"].replace(dtype="bfloat16")
-    torch.manual_seed(0)
-    model_parallel_cuda_manual_seed(0)
-    gpt = build_megatron(cfg)
-    with torch.no_grad():  # larger than Megatron's init so that routing is not a tie
-        for k, p in gpt.named_parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p) if k.endswith("layernorm.weight") else 0.2 * torch.randn_like(p))
-    gpt = gpt.cuda()
+    gpt = _cuda_gpt(cfg, monkeypatch)
     config = EngineConfig(kv=KVConfig(num_blocks=64),
                           runner=RunnerConfig(kind="cuda", graph_batch_sizes=(1, 2, 4), prefill_graph_tokens=()))
     engine = RolloutEngine.from_megatron(gpt, config)
