@@ -358,17 +358,13 @@ def _pow2(n: int) -> int:
 def _runnable(*tensors: torch.Tensor, norm_weights: tuple[torch.Tensor, ...] = ()) -> bool:
     """The kernels can run on these tensors: Triton present, bf16 (`norm_weights`: bf16 or fp32), on
     CUDA (or interpreting), no autograd."""
-    if triton is None:
-        return False
     grad = torch.is_grad_enabled()
-    wide = {id(w) for w in norm_weights}
-    for t in (*tensors, *norm_weights):
-        allowed = (torch.bfloat16, torch.float32) if id(t) in wide else (torch.bfloat16,)
-        if t.dtype not in allowed or (grad and t.requires_grad):
-            return False
-        if not (t.is_cuda or interpreting()):
-            return False
-    return True
+
+    def fits(t: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> bool:
+        return t.dtype in dtypes and not (grad and t.requires_grad) and (t.is_cuda or interpreting())
+
+    return (triton is not None and all(fits(t, (torch.bfloat16,)) for t in tensors)
+            and all(fits(w, (torch.bfloat16, torch.float32)) for w in norm_weights))
 
 
 def _empty(out: torch.Tensor | None, shape, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
