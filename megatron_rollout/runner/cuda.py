@@ -147,11 +147,6 @@ class DecodeGraph:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
 
-    @property
-    def logits(self) -> torch.Tensor | None:
-        """`out` of a plain (`DecodeOutput.LOGITS`) graph."""
-        return self.out
-
     def _step(self, model: MoETransformer) -> torch.Tensor:
         s = self.static
         if self.output is DecodeOutput.HIDDEN:
