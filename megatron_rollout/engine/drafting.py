@@ -195,9 +195,7 @@ class SpeculativeExecutor(StepExecutor):
         """The target forward (in P, with the MTP layer over the prefill positions it can run; "ngram":
         the target alone); returns a `SpecOutput`. A `mux` epoch resumes it boundary by boundary."""
         verify = step.verify or [VerifyRow(int(r.sample)) for r in step.rows]
-        if self.mtp:
-            return verify_forward(self.runner, step.rows, verify, phase)
-        return _target_forward(self.runner, step.rows, verify, phase)
+        return verify_forward(self.runner, step.rows, verify, phase, mtp=self.mtp)
 
     def _index(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.model.device)
@@ -374,11 +372,3 @@ class SpeculativeExecutor(StepExecutor):
             del self.contexts[sid]
         return outs
 
-
-def _target_forward(runner: Runner, rows, verify: list[VerifyRow], phase: Phase) -> Forward:
-    """The target alone ("ngram"): a `SpecOutput` of each row's last `VerifyRow.logits` positions."""
-    h = yield from runner.forward_hidden(rows, phase)  # [tokens, H]
-    ends = torch.tensor([row.span.new for row in rows], dtype=torch.long).cumsum(0).tolist()
-    pick = [i for end, v in zip(ends, verify, strict=True) for i in range(end - v.logits, end)]
-    hidden = h[torch.tensor(pick, dtype=torch.long, device=h.device)]
-    return SpecOutput(runner.model.logits(hidden), hidden)

@@ -47,10 +47,10 @@ class SpecOutput(NamedTuple):
     """[rows, H]: the decoder's hidden states at the same positions (before the final norm)."""
 
 
-def verify_forward(runner: Runner, rows: list[SpanInput], verify_rows: list[VerifyRow], phase: Phase
-                   ) -> Forward:
-    """`SpecOutput` of the rows (see the module docstring); yields at the target's and the MTP
-    layer's boundaries."""
+def verify_forward(runner: Runner, rows: list[SpanInput], verify_rows: list[VerifyRow], phase: Phase,
+                   mtp: bool = True) -> Forward:
+    """`SpecOutput` of the rows (see the module docstring); yields at the target's and (`mtp`) the MTP
+    layer's boundaries. `mtp=False`: the target alone, for drafts that need no model (n-gram)."""
     model = runner.model
     h = yield from runner.forward_hidden(rows, phase)  # [tokens, H]
     pick: list[int] = []
@@ -64,7 +64,7 @@ def verify_forward(runner: Runner, rows: list[SpanInput], verify_rows: list[Veri
             follow.extend(v.follow)
         start = end
     index = lambda values: torch.tensor(values, dtype=torch.long, device=model.device)  # noqa: E731
-    if phase is Phase.P:  # every rank's P forward runs it, maybe over nothing: its collectives pair up
+    if mtp and phase is Phase.P:  # every rank's P forward runs it, maybe over nothing: its collectives pair up
         yield from runner.forward_mtp(spans, h[index(at)], index(follow), phase)
     hidden = h[index(pick)]
     return SpecOutput(model.logits(hidden), hidden)
