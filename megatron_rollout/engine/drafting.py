@@ -371,4 +371,3 @@ class SpeculativeExecutor(StepExecutor):
         for sid in [sid for sid in self.contexts if sid not in self.table.seqs]:
             del self.contexts[sid]
         return outs
-
