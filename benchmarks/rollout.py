@@ -56,7 +56,7 @@ import torch
 
 from benchmarks.bounds import model_costs, trace_lower_bound
 from benchmarks.compiles import CompileCounter
-from megatron_rollout.engine.config import DEFAULT_SPAN
+from megatron_rollout.engine.config import DEFAULT_SPAN, SpeculativeConfig
 from megatron_rollout.engine.priority import PRIORITIES
 from megatron_rollout.model.config import PRESETS, ModelConfig
 from megatron_rollout.model.transformer import MoETransformer
@@ -221,23 +221,39 @@ class Spec(NamedTuple):
     """"off" for '/sync' (decode ahead off); None: --decode-ahead."""
     priority: str | None
     """The engine's priority (`engine.priority`); None: SchedulerConfig's default."""
+    speculative: SpeculativeConfig | None = None
+    """'~ngram:K[:R]': n-gram drafts of K tokens (`drafts.ngram`), only while at most R rows decode."""
+
+
+def _drafts(spec: str, text: str) -> SpeculativeConfig | None:
+    """'ngram:K[:R]' -> SpeculativeConfig("ngram", K, tail_rows=R); '' -> None."""
+    if not text:
+        return None
+    method, *numbers = text.split(":")
+    try:
+        k, *tail = (int(n) for n in numbers)
+        return SpeculativeConfig(method, k, tail_rows=tail[0] if tail else None)
+    except (ValueError, TypeError) as exc:
+        raise SystemExit(f"schedule {spec!r}: drafts are '~ngram:K' or '~ngram:K:R' ({exc})") from None
 
 
 def _split(spec: str) -> Spec:
-    """'schedule[@span][+priority][/sync]' -> its parts: '/sync' turns decode ahead off, '+name' picks
-    the engine's priority (e.g. 'mux+most-turns')."""
+    """'schedule[@span][+priority][~ngram:K[:R]][/sync]' -> its parts: '/sync' turns decode ahead off,
+    '+name' picks the engine's priority (e.g. 'mux+most-turns'), '~ngram:4' drafts 4 tokens per row
+    by prompt lookup (':16': only while at most 16 rows decode)."""
     core, _, flag = spec.partition("/")
     if flag not in ("", "sync"):
         raise SystemExit(f"schedule {spec!r}: the only suffix is '/sync' (decode ahead off)")
+    core, _, drafts = core.partition("~")
     core, _, priority = core.partition("+")
     if priority and priority not in PRIORITIES:
         raise SystemExit(f"schedule {spec!r}: unknown priority {priority!r}; choose from {sorted(PRIORITIES)}")
     schedule, _, span = core.partition("@")
-    return Spec(schedule, span or None, "off" if flag else None, priority or None)
+    return Spec(schedule, span or None, "off" if flag else None, priority or None, _drafts(spec, drafts))
 
 
 def _engine_config(run: Run, schedule: str, span: str | None, budget: int, ahead: str | None = None,
-                   priority: str | None = None):
+                   priority: str | None = None, speculative: SpeculativeConfig | None = None):
     from megatron_rollout.engine import EngineConfig, KVConfig, MuxConfig, RunnerConfig, SchedulerConfig
 
     a = run.args
@@ -247,7 +263,7 @@ def _engine_config(run: Run, schedule: str, span: str | None, budget: int, ahead
         kv=KVConfig(num_blocks=run.num_blocks), mux=MuxConfig(span or a.mux_span),
         runner=RunnerConfig(attention=a.attention, measure_expert_kernels=run.expert_choice is None,
                             decode_ahead=ahead or a.decode_ahead),
-        seed=a.seed, max_model_len=run.max_model_len)
+        seed=a.seed, max_model_len=run.max_model_len, speculative=speculative)
 
 
 def _micro_parts(spec: str) -> tuple[str, ...]:
@@ -312,9 +328,10 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str) -> dict
     from megatron_rollout.trace.timeline import Timeline
 
     args, cfg = run.args, run.cfg
-    schedule, span, ahead, priority = _split(spec)
+    schedule, span, ahead, priority, drafts = _split(spec)
     t0 = time.perf_counter()
-    engine = RolloutEngine(run.model, _engine_config(run, schedule, span, budget, ahead, priority), timeline=Timeline())
+    engine = RolloutEngine(run.model, _engine_config(run, schedule, span, budget, ahead, priority, drafts),
+                           timeline=Timeline())
     runner = engine.runner
     if run.expert_choice is None and _expert_small(run.model) is not None:
         run.expert_choice = _expert_small(run.model)
@@ -373,7 +390,8 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str) -> dict
                       "prefill_tokens": stats.prefill_tokens, "decode_tokens": stats.decode_tokens,
                       "preemptions": stats.preemptions, "mean_decode_wait_ms": stats.mean_decode_wait_ms,
                       "ahead_issued": stats.ahead_issued, "ahead_taken": stats.ahead_taken,
-                      "ahead_dropped": stats.ahead_dropped},
+                      "ahead_dropped": stats.ahead_dropped, "drafted_tokens": stats.drafted_tokens,
+                      "accepted_tokens": stats.accepted_tokens},
         timeline=_window(events, seconds=3.0) if kind == "timed" else [])
     del engine, runner
     gc.collect()

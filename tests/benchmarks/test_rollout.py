@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from benchmarks import rollout
+from megatron_rollout.engine.config import SpeculativeConfig
 
 
 @pytest.fixture(scope="module")
@@ -217,10 +218,19 @@ def test_ratios_are_medians_over_medians_against_the_peer():
     assert r["mux_over_off@4096"] == pytest.approx(0.75) and r["mux_over_chunked@4096"] is None
 
 
+def test_spec_suffix_tilde_asks_for_ngram_drafts():
+    assert rollout._split("mux~ngram:4").speculative == SpeculativeConfig("ngram", 4)
+    assert rollout._split("mux+most-turns~ngram:3:16/sync") == (
+        "mux", None, "off", "most-turns", SpeculativeConfig("ngram", 3, tail_rows=16))
+    for bad in ("mux~ngram", "mux~ngram:x", "mux~ngram:9", "mux~eagle:2"):
+        with pytest.raises((SystemExit, ValueError)):
+            rollout._split(bad)
+
+
 def test_spec_suffix_sync_turns_decode_ahead_off():
-    assert rollout._split("mux@fixed:4/sync") == ("mux", "fixed:4", "off", None)
-    assert rollout._split("off") == ("off", None, None, None)
-    assert rollout._split("mux@fixed:4+most-turns/sync") == ("mux", "fixed:4", "off", "most-turns")
+    assert rollout._split("mux@fixed:4/sync") == ("mux", "fixed:4", "off", None, None)
+    assert rollout._split("off") == ("off", None, None, None, None)
+    assert rollout._split("mux@fixed:4+most-turns/sync") == ("mux", "fixed:4", "off", "most-turns", None)
     with pytest.raises(SystemExit, match="only suffix is '/sync'"):
         rollout._split("off/fast")
     with pytest.raises(SystemExit, match="unknown priority 'oracle'"):

@@ -124,10 +124,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 def test_the_cuda_runner_replays_verify_and_draft_graphs_like_the_portable_runner():
-    """The graphed verify and draft forwards are as close to an fp32 forward of the same weights as
-    the portable runner's bf16 forwards are (on the H200 the two bf16 paths differ by about 4%
-    normwise in hidden states, as much as either differs from fp32: comparing them to each other
-    would test bf16's rounding, not the graphs)."""
+    """The graphed verify, draft and piecewise hidden-state forwards give what the same runner gives
+    eagerly (its own kernels, no graphs), up to the rounding of bf16 GEMMs of other (bucket) shapes,
+    and stay near an fp32 forward of the same weights. The portable runner is no reference here: its
+    bf16 kernels differ from the CUDA runner's by 3-5% normwise in hidden states on the H200, as much as
+    either differs from fp32; a graph that read wrong rows, positions or cache slots is off by ~100%."""
     from megatron_rollout.runner.config import RunnerConfig
     from megatron_rollout.runner.cuda import CudaRunner, make_runner
 
@@ -135,8 +136,8 @@ def test_the_cuda_runner_replays_verify_and_draft_graphs_like_the_portable_runne
     cfg32 = cfg.replace(dtype="float32")
     exact = ModelRunner(MoETransformer(cfg32, device="cuda").init_weights(0, std=0.1),
                         PagedKVCache(cfg32, 64, 16, 1, device="cuda"))
-    ref = ModelRunner(MoETransformer(cfg, device="cuda").init_weights(0, std=0.1),
-                      PagedKVCache(cfg, 64, 16, 1, device="cuda"))
+    ref = make_runner(MoETransformer(cfg, device="cuda").init_weights(0, std=0.1),
+                      PagedKVCache(cfg, 64, 16, 1, device="cuda"), RunnerConfig(use_graphs=False))
     fast = make_runner(MoETransformer(cfg, device="cuda").init_weights(0, std=0.1),
                        PagedKVCache(cfg, 64, 16, 1, device="cuda"),
                        RunnerConfig(graph_batch_sizes=(1, 2, 4, 8, 16), prefill_graph_tokens=(64, 256)))
@@ -144,7 +145,7 @@ def test_the_cuda_runner_replays_verify_and_draft_graphs_like_the_portable_runne
 
     def as_close(b: torch.Tensor, a: torch.Tensor, want: torch.Tensor) -> None:
         assert b.shape == a.shape == want.shape
-        assert _rel(b, want) <= 1.5 * _rel(a, want) + 1e-3, (_rel(b, want), _rel(a, want))
+        assert _rel(b, a) <= 0.02 and _rel(b, want) <= 0.08, (_rel(b, a), _rel(b, want), _rel(a, want))
 
     gen = torch.Generator().manual_seed(0)
     tables = [tuple(range(i * 16, (i + 1) * 16)) for i in range(3)]
