@@ -136,6 +136,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--vllm-in-process", default="",
                     help="budgets to run again with vLLM's engine core in process (as RL frameworks colocate it), "
                          "after the own-process run; 'best' = the own-process run's best; '' = none")
+    ap.add_argument("--vllm-speculative", default=None, metavar="ngram:K",
+                    help="the peer with its own prompt-lookup speculation (keys '<budget>~ngram:K'), to compare "
+                         "with our '~ngram:K' schedules; default: none")
     ap.add_argument("--vllm-reserve-s", type=float, default=250.0, help="time kept for the peer")
     ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=False, help="the transformers peer")
     ap.add_argument("--hf-budget-s", type=float, default=60.0)
@@ -718,7 +721,7 @@ def vllm_stage(run: Run, result: dict, out: Path, trace: list, deadline_total: f
             if budgets else {k: v for k, v in earlier.items() if k != "budgets"})
     peer["budgets"] = {**(earlier.get("budgets") or {}), **(peer.get("budgets") or {})}
     own = _best_pass(peer["budgets"], in_process=False)
-    inproc = [(own or "default") if b.strip() == "best" else b.strip()
+    inproc = [(own or "default").split("~")[0] if b.strip() == "best" else b.strip()
               for b in args.vllm_in_process.split(",") if b.strip()]
     left = deadline_total - time.perf_counter() - 10
     if inproc and left >= 90:
@@ -752,6 +755,8 @@ def _peer_process(args, env: dict[str, str], out: Path, trace_path: Path, max_mo
            "--max-model-len", str(max_model_len), "--budgets", ",".join(dict.fromkeys(budgets)) or "default",
            "--passes", str(args.vllm_passes), "--warmups", str(args.vllm_warmups),
            "--deadline-s", f"{seconds - 15:.0f}", "--log", str(log_path)] + (["--in-process"] if in_process else [])
+    if args.vllm_speculative:
+        cmd += ["--speculative", args.vllm_speculative]
     log.info("vLLM peer: %s", " ".join(cmd))
     t0 = time.perf_counter()
     with open(log_path, "w") as logf:

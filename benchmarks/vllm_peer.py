@@ -22,8 +22,10 @@ frameworks colocate it with a trainer: `LLMEngine` with its engine core in this 
 budgets are keyed `<budget>/in-process`. One process runs one mode (the benchmark starts one per mode).
 
 The figures are the replay report's: makespan, p50/p99 request, p99 trajectory, mean/p99 TTFT,
-tokens/s; decode wait is not measured by vLLM (null). Left out: vLLM's own tuning knobs beyond
-the token budget, several GPUs, speculative decoding.
+tokens/s; decode wait is not measured by vLLM (null). `--speculative ngram:K` turns on vLLM's own
+prompt-lookup speculation (K tokens, suffixes of 2 to 4 tokens matched, as our `~ngram:K` drafts), keyed
+`<budget>~ngram:K`, so that our drafting is compared with the peer's. Left out: vLLM's own tuning knobs
+beyond the token budget and speculation, several GPUs.
 """
 from __future__ import annotations
 
@@ -297,7 +299,17 @@ def _engine_args(model_dir: Path, max_model_len: int, budget: int | None, args, 
                   seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization, disable_log_stats=True)
     if budget is not None:
         kwargs["max_num_batched_tokens"] = budget
+    if args.speculative:
+        kwargs["speculative_config"] = speculative_config(args.speculative)
     return (EngineArgs if in_process else AsyncEngineArgs)(**kwargs)
+
+
+def speculative_config(text: str) -> dict[str, Any]:
+    """'ngram:K' -> vLLM's prompt-lookup speculation with K tokens and our drafter's match lengths (2..4)."""
+    method, _, k = text.partition(":")
+    if method != "ngram" or not k.isdigit() or int(k) < 1:
+        raise SystemExit(f"--speculative {text!r}: the peer's speculation is 'ngram:K' with K >= 1")
+    return {"method": "ngram", "num_speculative_tokens": int(k), "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
 def _sampling(n: int):
@@ -334,7 +346,7 @@ def _run_budget_in_process(budget: int | None, model_dir: Path, requests: list[T
     from vllm import TokensPrompt
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    entry: dict[str, Any] = {"budget": _key(budget, True), "passes": [], "in_process": True}
+    entry: dict[str, Any] = {"budget": _key(budget, True, args.speculative), "passes": [], "in_process": True}
     t0 = time.perf_counter()
     engine = LLMEngine.from_engine_args(_engine_args(model_dir, max_model_len, budget, args, in_process=True))
     entry["startup_s"] = time.perf_counter() - t0
@@ -354,8 +366,9 @@ def _run_budget_in_process(budget: int | None, model_dir: Path, requests: list[T
     return entry
 
 
-def _key(budget: int | None, in_process: bool) -> str:
-    return f"{budget if budget is not None else 'default'}{'/in-process' if in_process else ''}"
+def _key(budget: int | None, in_process: bool, speculative: str | None = None) -> str:
+    drafts = f"~{speculative}" if speculative else ""
+    return f"{budget if budget is not None else 'default'}{drafts}{'/in-process' if in_process else ''}"
 
 
 async def _run_budget(budget: int | None, model_dir: Path, requests: list[TraceRequest], inputs, max_model_len: int,
@@ -363,7 +376,7 @@ async def _run_budget(budget: int | None, model_dir: Path, requests: list[TraceR
     from vllm import TokensPrompt
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    entry: dict[str, Any] = {"budget": _key(budget, False), "passes": []}
+    entry: dict[str, Any] = {"budget": _key(budget, False, args.speculative), "passes": []}
     t0 = time.perf_counter()
     engine = AsyncLLM.from_engine_args(_engine_args(model_dir, max_model_len, budget, args))
     entry["startup_s"] = time.perf_counter() - t0
@@ -409,6 +422,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--in-process", action="store_true",
                     help="vLLM's engine core in this process (LLMEngine, VLLM_ENABLE_V1_MULTIPROCESSING=0), stepped by "
                          "the replay's own loop, as RL frameworks colocate it; default: AsyncLLM, its core apart")
+    ap.add_argument("--speculative", default=None, metavar="ngram:K",
+                    help="vLLM's prompt-lookup speculation, K tokens (budgets keyed '<budget>~ngram:K')")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--deadline-s", type=float, default=480.0, help="stop before a pass that would end later")
     ap.add_argument("--log", default=None, help="vLLM's log file (read back for its backend choices)")
@@ -424,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     deadline = time.perf_counter() + args.deadline_s
+    if args.speculative:
+        speculative_config(args.speculative)  # a bad spec fails here, not after vLLM has started
     cfg = PRESETS[args.model]
     requests = load_trace(args.trace)
     from megatron_rollout.trace.make import max_context
@@ -458,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
 
     budgets = [None if b.strip() == "default" else int(b) for b in args.budgets.split(",") if b.strip()]
     for budget in dict.fromkeys(budgets):
-        key = _key(budget, args.in_process)
+        key = _key(budget, args.in_process, args.speculative)
         if time.perf_counter() + 90 > deadline:  # a start-up alone takes about a minute
             result.setdefault("skipped_budgets", []).append(key)
             continue

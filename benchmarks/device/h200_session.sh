@@ -85,7 +85,7 @@ for stage in "$@"; do
       if [ "$stage" = peer ]; then modes="--vllm-budgets ${VLLM_BUDGETS:-default,8192,16384}"
       else modes="--vllm-budgets '' --vllm-in-process ${VLLM_INPROC:-best}"; fi
       eval bench --profile prefill --conversations "$n" --resume "/tmp/res/target$n" --vllm --vllm-site /tmp/pv/site \
-        $modes --vllm-passes 2 --vllm-warmups 2 --deadline-s "${DEADLINE:-570}" --vllm-reserve-s "${DEADLINE:-570}" \
+        $modes ${VLLM_SPEC:+--vllm-speculative $VLLM_SPEC} --vllm-passes 2 --vllm-warmups 2 --deadline-s "${DEADLINE:-570}" --vllm-reserve-s "${DEADLINE:-570}" \
         > "/tmp/res/$stage$n.log" 2>&1
       tail -14 "/tmp/res/$stage$n.log"; cp "/tmp/res/target$n/rollout.json" "$OUT/target$n.json"
       cp /tmp/res/target$n/vllm*.log "$OUT/" 2>/dev/null

@@ -374,3 +374,33 @@ def test_stepped_loop_keeps_the_async_loop_s_rules():
     assert (rep["requests"], rep["failed"], rep["skipped"]) == (4, 1, 0)
     assert [r.output_tokens for r in records if r.conversation == "a"] == [2, 3, 1]
     assert all(r.first_token is not None and r.arrival <= r.first_token <= r.finish for r in records if not r.error)
+
+
+def test_peer_speculation_reaches_vllm_s_engine_args_and_keys_the_budget(monkeypatch, tmp_path):
+    import json
+
+    from benchmarks import vllm_peer
+    from megatron_rollout.trace.schema import write_trace
+
+    calls: list = []
+    _fake_vllm(monkeypatch, calls)
+    seen: list = []
+    real = vllm_peer._engine_args
+    monkeypatch.setattr(vllm_peer, "_engine_args", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    write_trace(tmp_path / "t.jsonl", make_trace(conversations=2, seed=0, scale=0.002, wait_scale=0.0))
+    code = vllm_peer.main(["--trace", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "v.json"), "--budgets",
+                           "4096", "--passes", "1", "--warmups", "0", "--speculative", "ngram:3",
+                           "--model-dir", str(tmp_path / "m")])
+    assert code == 0
+    assert seen[0].kw["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3,
+                                                "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    assert list(json.loads((tmp_path / "v.json").read_text())["budgets"]) == ["4096~ngram:3"]
+
+
+@pytest.mark.parametrize("bad", ["ngram", "ngram:0", "eagle:2", "ngram:x"])
+def test_peer_refuses_a_speculation_it_cannot_run_before_starting_vllm(bad, tmp_path):
+    from benchmarks import vllm_peer
+
+    with pytest.raises(SystemExit, match="ngram:K"):
+        vllm_peer.main(["--trace", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "v.json"),
+                        "--speculative", bad])
