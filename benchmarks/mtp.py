@@ -95,7 +95,7 @@ def measure(engine: RolloutEngine, prompts: list[list[int]], params: SamplingPar
     deltas), compilations inside it (`CompileCounter`), graphs captured inside it, tokens."""
     stats, held = dataclasses.replace(engine.stats), engine.runner.captured
     cuda = engine.model.device.type == "cuda"
-    with CompileCounter() as counter:
+    with CompileCounter() as counter, engine.step_log.recording():
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -103,11 +103,15 @@ def measure(engine: RolloutEngine, prompts: list[list[int]], params: SamplingPar
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
+    steps = engine.step_log.since(t0)
+    decode = [r.duration for r in steps if r.phase == "D" and not r.prefill_tokens]
     tokens = sum(len(r.token_ids) for r in results)
     s = engine.stats
     drafted, accepted = s.drafted_tokens - stats.drafted_tokens, s.accepted_tokens - stats.accepted_tokens
     captured = engine.runner.captured
     return {"tokens_per_s": tokens / wall, "wall_s": wall, "tokens": tokens,
+            "decode_s": sum(decode), "decode_ms_per_iteration": 1e3 * statistics.median(decode) if decode else 0.0,
+            "decode_tokens_per_s": (tokens - len(results)) / sum(decode) if decode else 0.0,
             "decode_iterations": s.decode_iterations - stats.decode_iterations,
             "acceptance_rate": accepted / drafted if drafted else 0.0, "drafted": drafted, "accepted": accepted,
             "compilations": counter.counts.total,
@@ -149,6 +153,8 @@ def run(preset: str, device: str, rows: int, prompt_len: int, new_tokens: int, m
                 "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
                 "tokens_per_s_min": min(r["tokens_per_s"] for r in rs),
                 "tokens_per_s_max": max(r["tokens_per_s"] for r in rs),
+                "decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in rs),
+                "decode_ms_per_iteration": statistics.median(r["decode_ms_per_iteration"] for r in rs),
                 "decode_iterations": rs[0]["decode_iterations"], "acceptance_rate": rs[0]["acceptance_rate"],
                 "compilations_timed": sum(r["compilations"] for r in rs),
                 "graphs_captured_timed": sum(r["graphs_captured"] for r in rs),
@@ -172,12 +178,13 @@ def table(report: dict) -> str:
              f"{report['rows']} rows, {report['prompt_len']}-token prompts, {report['new_tokens']} new tokens, "
              f"T={report['temperature']}, median of {report['repeats']} [min-max]",
              f"{'model':8} {'setting':8} {'tok/s':>10} {'[min-max]':>17} {'speedup':>8} {'iters':>6} {'accept':>7} "
-             f"{'greedy=':>7} {'compiled':>8}"]
+             f"{'decode tok/s':>12} {'ms/iter':>8} {'greedy=':>7} {'compiled':>8}"]
     for kind, figures in report["models"].items():
         for name, f in figures.items():
             span = f"[{f['tokens_per_s_min']:.1f}-{f['tokens_per_s_max']:.1f}]"
             lines.append(f"{kind:8} {name:8} {f['tokens_per_s']:10.1f} {span:>17} {f['speedup']:8.2f} "
                          f"{f['decode_iterations']:6d} {f['acceptance_rate']:7.3f} "
+                         f"{f['decode_tokens_per_s']:12.1f} {f['decode_ms_per_iteration']:8.2f} "
                          f"{str(f['greedy_tokens_equal_plain']):>7} {f['compilations_timed']:8d}")
     return "\n".join(lines)
 
