@@ -15,9 +15,10 @@ the experts fit (`sim.cost`, the expert term on the model's routing; dense model
 Errors are simulated / measured - 1. How a `mux` schedule cuts its epochs is its segment policy's,
 not a cost: out of sample it takes its repeat 0's segments per epoch (`cost.segments_per_epoch`).
 A drafting schedule (`~ngram:K[:R]`) is simulated out of sample only, with the simulator's
-`Speculation` lever (K drafts a row while at most R rows decode, acceptance from repeat 0's
-accepted tokens over its drafting rows); in sample its verify forwards, recorded as one row per
-request, would be fitted as plain decode rows that the lever then costs as (1 + K) rows. Other
+`Speculation` lever while at most R rows decode, drafting for every row what repeat 0 drafted per
+row and iteration (n-gram lookup drafts K only where it finds a match: the mean, rounded, 1 to K)
+and accepting as many tokens as repeat 0 accepted; in sample its verify forwards, recorded as one
+row per request, would be fitted as plain decode rows that the lever then costs as (1 + K) rows. Other
 drafters (an MTP layer's own forward) are not simulated. Decode ahead (`/sync` or not) is not
 modelled: both run the same simulation.
 
@@ -102,9 +103,10 @@ def _sim_config(result: dict, spec: str, budget: int, first: dict) -> SimConfig 
             return f"drafting by {drafts.method!r}: the drafter's own forward is not modelled"
         max_rows = drafts.tail_rows or args["max_decode_rows"]
         rows = sum(r.decode_rows for r in from_columns(first["steps"]) if 0 < r.decode_rows <= max_rows)
-        accepted = first["engine_stats"]["accepted_tokens"]
-        acceptance = min(1.0, accepted / (drafts.k * rows)) if rows else 0.0
-        levers = Levers(speculation=Speculation(max_rows, drafts.k, acceptance))
+        stats = first["engine_stats"]
+        k = min(drafts.k, max(1, round(stats["drafted_tokens"] / rows))) if rows else drafts.k
+        acceptance = min(1.0, stats["accepted_tokens"] / (k * rows)) if rows else 0.0
+        levers = Levers(speculation=Speculation(max_rows, k, acceptance))
     scheduler = SchedulerConfig(schedule, block_size=args["block_size"], max_batch_tokens=budget,
                                 max_decode_rows=args["max_decode_rows"],
                                 priority=priority or SchedulerConfig.priority)
@@ -138,7 +140,8 @@ def sim_replay(result: dict, trace: Sequence[TraceRequest]) -> dict[str, Any]:
             continue
         records = from_columns(first["steps"])
         if config.levers.speculation is not None:
-            row["speculation"] = dataclasses.asdict(config.levers.speculation)
+            row["speculation"] = {**dataclasses.asdict(config.levers.speculation),
+                                  **{k: first["engine_stats"][k] for k in ("drafted_tokens", "accepted_tokens")}}
             row["in_sample"] = {"skipped": "drafting: verify forwards are recorded as one row a request, the "
                                            "Speculation lever costs (1 + k) rows (module docstring)"}
         else:

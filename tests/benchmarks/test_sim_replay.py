@@ -55,9 +55,10 @@ def test_a_dense_model_has_no_experts_fit_and_drafting_uses_the_lever(run):
         assert math.isfinite(row["in_sample"]["linear"]["error"])
     first = result["schedules"]["chunked"]["repeats"][0]
     decode_rows = sum(n for n in first["steps"]["decode_rows"] if 0 < n <= 2)
-    drafted = {**first, "engine_stats": {**first["engine_stats"], "accepted_tokens": decode_rows}}
-    config = sim_replay._sim_config(result, "chunked~ngram:4:2", 64, drafted)
-    assert config.levers.speculation == Speculation(max_rows=2, draft_tokens=4, acceptance=0.25)
+    stats = {**first["engine_stats"], "drafted_tokens": 2 * decode_rows, "accepted_tokens": decode_rows}
+    config = sim_replay._sim_config(result, "chunked~ngram:4:2", 64, {**first, "engine_stats": stats})
+    # two drafts a row and iteration on average, half of them accepted
+    assert config.levers.speculation == Speculation(max_rows=2, draft_tokens=2, acceptance=0.5)
     assert "not modelled" in sim_replay._sim_config(result, "chunked~mtp:1", 64, first)
     spec = {**result, "schedules": {"off": result["schedules"]["off"],
                                     "chunked~ngram:4": {**result["schedules"]["chunked"], "spec": "chunked~ngram:4"}}}
