@@ -27,6 +27,10 @@ A figure counts only warm, repeated, each schedule at its best token budget, nex
 5. the vLLM peer (`benchmarks.vllm_peer`) in its own process after this one has freed the GPU, on
    the same trace file and token ids; its figures join the table and the ratios.
 
+Each timed replay keeps its step records (`engine.step_log`) in the JSON as columns (`steps`,
+`trace.steps`; `--no-step-records` drops them), beside the model's routing (`moe`) and KV blocks
+(`num_blocks`), and the trace goes to `<out>/trace.jsonl`: what `benchmarks.sim_replay` fits the
+simulator's cost model to and simulates again.
 Results go to `<out>/rollout.json` after every replay (a killed run keeps what it measured);
 `--deadline-s` stops cleanly before a replay that would not fit and leaves time for the peer.
 The last lines of stdout are the table. `--device cpu --model tiny-moe` runs steps 1-4 on CPU
@@ -61,6 +65,7 @@ from megatron_rollout.engine.priority import PRIORITIES
 from megatron_rollout.model.config import PRESETS, ModelConfig
 from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.trace.make import PROFILES, make_trace, max_context
+from megatron_rollout.trace.schema import write_trace
 
 log = logging.getLogger("benchmarks")
 
@@ -145,6 +150,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--resume", default=None, metavar="DIR",
                     help="run only the peer stage over DIR/rollout.json (our figures from an earlier run of the "
                          "same trace options, e.g. an earlier run on the same machine); results go to DIR")
+    ap.add_argument("--step-records", action=argparse.BooleanOptionalAction, default=True,
+                    help="keep each timed replay's step records in the JSON ('steps', columns of trace.steps)")
     ap.add_argument("--out", default="runs/bench")
     ap.add_argument("--no-progress", action="store_true")
     return ap
@@ -175,8 +182,27 @@ def _num_blocks(args: argparse.Namespace, cfg: ModelConfig) -> int:
 
 def _write(out: Path, result: dict) -> None:
     tmp = out / "rollout.json.tmp"
-    tmp.write_text(json.dumps(result, indent=1, default=str))
+    tmp.write_text(_dumps(result))
     tmp.replace(out / "rollout.json")
+
+
+def _dumps(result: dict) -> str:
+    """`result` as indented JSON, each repeat's step columns on one line (one value a line would
+    make them most of the file)."""
+    columns: list[str] = []
+
+    def stash(repeat: dict) -> dict:
+        if "steps" not in repeat:
+            return repeat
+        columns.append(json.dumps(repeat["steps"], separators=(",", ":")))
+        return {**repeat, "steps": f"@steps:{len(columns) - 1}@"}
+
+    schedules = {name: {**entry, "repeats": [stash(r) for r in entry.get("repeats", [])]}
+                 for name, entry in result.get("schedules", {}).items()}
+    text = json.dumps({**result, "schedules": schedules}, indent=1, default=str)
+    for i, cols in enumerate(columns):
+        text = text.replace(f'"@steps:{i}@"', cols, 1)
+    return text
 
 
 def trace_summary(trace: list) -> dict[str, Any]:
@@ -240,7 +266,7 @@ def _drafts(spec: str, text: str) -> SpeculativeConfig | None:
         raise SystemExit(f"schedule {spec!r}: drafts are '~ngram:K' or '~ngram:K:R' ({exc})") from None
 
 
-def _split(spec: str) -> Spec:
+def split_spec(spec: str) -> Spec:
     """'schedule[@span][+priority][~ngram:K[:R]][/sync]' -> its parts: '/sync' turns decode ahead off,
     '+name' picks the engine's priority (e.g. 'mux+most-turns'), '~ngram:4' drafts 4 tokens per row
     by prompt lookup (':16': only while at most 16 rows decode)."""
@@ -328,10 +354,11 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str) -> dict
     """One replay of `trace` under `spec` at `budget` in a fresh engine; compilations counted."""
     from megatron_rollout.engine import RolloutEngine, SamplingParams
     from megatron_rollout.trace.replay import replay
+    from megatron_rollout.trace.steps import to_columns
     from megatron_rollout.trace.timeline import Timeline
 
     args, cfg = run.args, run.cfg
-    schedule, span, ahead, priority, drafts = _split(spec)
+    schedule, span, ahead, priority, drafts = split_spec(spec)
     t0 = time.perf_counter()
     engine = RolloutEngine(run.model, _engine_config(run, schedule, span, budget, ahead, priority, drafts),
                            timeline=Timeline())
@@ -366,10 +393,12 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str) -> dict
     signal.setitimer(signal.ITIMER_REAL, limit)
     started = time.perf_counter()
     counter = CompileCounter()
+    details: dict[str, Any] = {}
     try:
         with counter:
             report, _ = replay(engine, trace, seed=args.seed, progress=not args.no_progress, vocab_size=cfg.vocab_size,
-                               schedule=schedule, temperature=args.temperature)
+                               schedule=schedule, temperature=args.temperature,
+                               details=details if kind == "timed" and args.step_records else None)
             if args.device != "cpu":
                 torch.cuda.synchronize()
         result: dict[str, Any] = {"report": report.to_dict(), "finished": True}
@@ -380,6 +409,8 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str) -> dict
         signal.signal(signal.SIGALRM, previous)
     wall = time.perf_counter() - started
     run.last_s[kind] = max(run.last_s.get(kind, 0.0), wall + setup_s)
+    if details.get("records") is not None:
+        result["steps"] = to_columns(details["records"])
     stats, events = engine.stats, engine.timeline.events[first_event:]
     compiles = counter.counts
     result.update(
@@ -619,7 +650,7 @@ def _budgets(args) -> list[int]:
 
 
 def _base(spec: str) -> str:
-    return _split(spec)[0]
+    return split_spec(spec)[0]
 
 
 def sweep_stage(run: Run, result: dict, out: Path, trace: list, specs: list[tuple[str, str]],
@@ -691,12 +722,9 @@ def vllm_stage(run: Run, result: dict, out: Path, trace: list, deadline_total: f
     at each of `--vllm-budgets`, then its in-process engine at each of `--vllm-in-process`. Each mode
     runs in a process of its own, after ours has freed the GPU. A resumed run adds to the budgets an
     earlier run measured (`--vllm-budgets ''` runs none of the own-process ones again)."""
-    from megatron_rollout.trace.schema import write_trace
-
     args = run.args
     earlier = result.get("vllm") or {}  # a resumed run keeps the peer's settings measured before
-    trace_path = out / "trace.jsonl"
-    write_trace(trace_path, trace)
+    trace_path = out / "trace.jsonl"  # written by `main`
     budgets = []
     for b in args.vllm_budgets.split(","):
         b = b.strip()
@@ -820,7 +848,9 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "model": args.model, "profile": args.profile, "conversations": conversations, "scale": scale,
-        "max_model_len": max_model_len, "args": vars(args), "trace": trace_summary(trace), "schedules": {}}
+        "max_model_len": max_model_len, "args": vars(args), "trace": trace_summary(trace),
+        "moe": {"num_experts": cfg.num_moe_experts, "top_k": cfg.moe_router_topk} if cfg.num_moe_experts else None,
+        "schedules": {}}
     try:
         import triton
 
@@ -842,10 +872,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume:
         out = Path(os.path.expandvars(args.resume))
         result, specs = _resume(out, result), []
+    write_trace(out / "trace.jsonl", trace)  # the peer and `benchmarks.sim_replay` replay this file
     reserve = args.vllm_reserve_s if vllm_on else 0.0
     ours = deadline_total - reserve
     run = Run(args, cfg, None, max_model_len, _num_blocks(args, cfg), ours,
               time.perf_counter() + SWEEP_SHARE * max(0.0, ours - time.perf_counter()))
+    result["num_blocks"] = run.num_blocks
     if specs or args.micro:
         t0 = time.perf_counter()
         run.model = random_model(cfg, device, args.seed)

@@ -4,6 +4,7 @@ step records (`engine.records`).
     step_s = decode_base_s   [if decode rows]  + decode_row_s * rows + decode_context_s * context
            + prefill_base_s  [if prefill work] + prefill_row_s * chunks + prefill_token_s * new tokens
            + prefill_pair_s * causal attention (query, key) pairs
+           + expert_s * distinct experts the step's tokens route to   [if decode rows, and asked for]
 
 A mixed (`chunked`) step pays both bases and both sets of terms. `gap_s` is the host's time between
 two forwards (planning, bookkeeping), added once per step. Coefficients are fitted by non-negative
@@ -14,8 +15,15 @@ under-predicted a loaded host's makespans by a third). A `mux` epoch's
 segments are one prefill observation (its sizes over the sum of its segments' durations); the
 segments an epoch was cut into are counted in `mux_segments`.
 
-Left out: anything the records do not show (CUDA graph buckets, expert load imbalance, which
-rows share a prefix); a cost model of another engine or device is fitted from its own records.
+The expert term (`fit(..., num_experts, top_k)`, off by default) is for MoE models: a decode
+step reads the weights of every expert one of its tokens routes to, so its cost grows with rows
+like the expected number of distinct experts (steep for a few rows, flat once every expert is
+read), not linearly; one row reads top_k experts' weights, not a share of all of them. Prefill-only
+forwards leave it out: their many tokens read every expert, which their base term already covers.
+
+Left out: anything the records do not show (CUDA graph buckets, the router's real, skewed choices:
+the expert term assumes uniform ones, which rows share a prefix); a cost model of another engine
+or device is fitted from its own records.
 """
 from __future__ import annotations
 
@@ -24,6 +32,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from scipy.optimize import nnls
@@ -32,6 +41,28 @@ from megatron_rollout.engine.records import StepRecord
 
 FEATURES = ("decode_base_s", "decode_row_s", "decode_context_s", "prefill_base_s", "prefill_row_s",
             "prefill_token_s", "prefill_pair_s")
+
+
+@dataclass(frozen=True)
+class Routing:
+    """What the expert term counts: a MoE layer's experts and how many of them each token picks."""
+
+    num_experts: int
+    top_k: int
+    """Experts per token (distinct)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"Routing.{name} must be a positive int, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"Routing.top_k ({self.top_k}) must be at most num_experts ({self.num_experts})")
+
+    def touched(self, tokens: int) -> float:
+        """Expected distinct experts of `tokens` tokens, each picking `top_k` distinct experts
+        uniformly: an expert is missed by one token with probability 1 - top_k / num_experts."""
+        return self.num_experts * (1.0 - (1.0 - self.top_k / self.num_experts) ** tokens)
 
 
 @dataclass(frozen=True)
@@ -51,11 +82,14 @@ class StepSize:
         return cls(record.decode_rows, record.decode_context, record.prefill_rows, record.prefill_tokens,
                    record.prefill_pairs)
 
-    def features(self) -> tuple[float, ...]:
-        """The row of this size in the fit (order of `FEATURES`)."""
+    def features(self, routing: Routing | None = None) -> tuple[float, ...]:
+        """The row of this size in the fit (order of `FEATURES`, then the expert term's with `routing`)."""
         d, p = self.decode_rows > 0, self.prefill_tokens > 0
-        return (float(d), float(self.decode_rows), float(self.decode_context), float(p), float(self.prefill_rows),
-                float(self.prefill_tokens), float(self.prefill_pairs))
+        row = (float(d), float(self.decode_rows), float(self.decode_context), float(p), float(self.prefill_rows),
+               float(self.prefill_tokens), float(self.prefill_pairs))
+        if routing is None:
+            return row
+        return (*row, routing.touched(self.decode_rows + self.prefill_tokens) if d else 0.0)
 
 
 def chunk_pairs(past: int, new: int) -> int:
@@ -78,22 +112,31 @@ class CostModel:
     """Host time between two forwards."""
     mux_segments: float = 1.0
     """Mean segments a `mux` epoch was cut into while decode rows ran beside it."""
+    expert_s: float = 0.0
+    """Seconds per distinct expert a step with decode rows reads (`Routing.touched`)."""
+    routing: Routing | None = None
+    """The model's routing, which the expert term needs; None: no expert term."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
+            if f.name == "routing":
+                continue
             value = getattr(self, f.name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"CostModel.{f.name} must be a finite number >= 0, got {value!r}")
         if self.mux_segments < 1:
             raise ValueError(f"CostModel.mux_segments must be >= 1, got {self.mux_segments}")
+        if self.expert_s and self.routing is None:
+            raise ValueError(f"CostModel.expert_s is {self.expert_s} but routing is None: the expert term counts "
+                             f"experts of a Routing; give one")
 
     def step_s(self, size: StepSize) -> float:
         """Seconds of one forward of `size` (without the host gap)."""
         coef = (self.decode_base_s, self.decode_row_s, self.decode_context_s, self.prefill_base_s,
-                self.prefill_row_s, self.prefill_token_s, self.prefill_pair_s)
-        return sum(c * x for c, x in zip(coef, size.features()))
+                self.prefill_row_s, self.prefill_token_s, self.prefill_pair_s, self.expert_s)
+        return sum(c * x for c, x in zip(coef, size.features(self.routing)))
 
-    def to_dict(self) -> dict[str, float]:
+    def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
@@ -113,24 +156,30 @@ def observations(records: Sequence[StepRecord]) -> list[tuple[StepSize, float]]:
     return out
 
 
-def fit(records: Sequence[StepRecord]) -> CostModel:
-    """The cost model of the engine that produced `records` (one or more replays' worth).
+def fit(records: Sequence[StepRecord], num_experts: int | None = None, top_k: int | None = None) -> CostModel:
+    """The cost model of the engine that produced `records` (one or more replays' worth); with
+    `num_experts` and `top_k` (the model's routing), with the expert term.
 
-    Raises ValueError when the records cannot determine it: no decode-only and no prefill forward.
+    Raises ValueError when the records cannot determine it (no decode-only and no prefill
+    forward), or when only one of `num_experts` and `top_k` is given.
     """
+    if (num_experts is None) != (top_k is None):
+        raise ValueError(f"the expert term needs both num_experts and top_k, got {num_experts=} and {top_k=}")
+    routing = None if num_experts is None else Routing(num_experts, top_k)
     obs = [(s, t) for s, t in observations(records) if t > 0]
     if not any(s.decode_rows and not s.prefill_tokens for s, _ in obs) or not any(s.prefill_tokens for s, _ in obs):
         raise ValueError(f"fitting a cost model needs decode-only and prefill forwards; got {len(obs)} forwards "
                          f"({sum(bool(s.prefill_tokens) for s, _ in obs)} with prefill): replay a trace with "
                          f"several turns first")
-    x = np.array([s.features() for s, _ in obs])
+    x = np.array([s.features(routing) for s, _ in obs])
     y = np.array([t for _, t in obs])
     scale = x.max(axis=0)
     scale[scale == 0] = 1.0  # a feature never seen stays 0
     coef, _ = nnls(x / scale, y)
     coef = coef / scale
-    return CostModel(**dict(zip(FEATURES, (float(c) for c in coef))), gap_s=_gap(records),
-                     mux_segments=_segments(records))
+    names = FEATURES + (("expert_s",) if routing is not None else ())
+    return CostModel(**dict(zip(names, (float(c) for c in coef))), gap_s=_gap(records),
+                     mux_segments=segments_per_epoch(records), routing=routing)
 
 
 def _gap(records: Sequence[StepRecord]) -> float:
@@ -142,7 +191,10 @@ def _gap(records: Sequence[StepRecord]) -> float:
     return statistics.fmean(gaps) if gaps else 0.0
 
 
-def _segments(records: Sequence[StepRecord]) -> float:
+def segments_per_epoch(records: Sequence[StepRecord]) -> float:
+    """Mean segments of the `mux` epochs in `records` that were cut (1.0 when none was): how the
+    segment policy that produced them splits an epoch, for a cost model fitted elsewhere.
+    `records` of one engine: epoch numbers restart with each engine."""
     counts: dict[int, int] = {}
     for r in records:
         if r.epoch is not None:

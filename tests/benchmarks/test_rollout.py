@@ -9,6 +9,9 @@ import pytest
 
 from benchmarks import rollout
 from megatron_rollout.engine.config import SpeculativeConfig
+from megatron_rollout.trace.make import make_trace
+from megatron_rollout.trace.schema import load_trace
+from megatron_rollout.trace.steps import from_columns
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +90,23 @@ def test_table_and_plot(run, capsys):
     assert (out / "plot.stretch.png").stat().st_size > 1000
     for name in result["schedules"]:
         assert (out / f"plot.breakdown.{name}.png").stat().st_size > 1000
+
+
+def test_timed_replays_keep_their_step_records_and_the_trace(run):
+    out, result = run
+    assert result["moe"] == {"num_experts": 8, "top_k": 2} and result["num_blocks"] == 4096
+    assert load_trace(out / "trace.jsonl") == make_trace(3, 0, 0.003, profile="current")
+    text = (out / "rollout.json").read_text()
+    for s in result["schedules"].values():
+        for r in s["repeats"]:
+            records = from_columns(r["steps"])
+            assert len(records) == r["engine_stats"]["steps"] or s["spec"].startswith("mux")  # mux: + segments
+            decode = sum(rec.decode_rows for rec in records)
+            prefill = sum(rec.prefill_tokens for rec in records)
+            assert (decode, prefill) == (r["engine_stats"]["decode_tokens"], r["engine_stats"]["prefill_tokens"])
+            assert json.dumps(r["steps"], separators=(",", ":")) in text  # one line, not one value a line
+    for r in result["sweep"]["32"].values():
+        assert "steps" not in r
 
 
 def test_deadline_stops_cleanly_and_keeps_what_it_measured(tmp_path):
@@ -219,22 +239,22 @@ def test_ratios_are_medians_over_medians_against_the_peer():
 
 
 def test_spec_suffix_tilde_asks_for_ngram_drafts():
-    assert rollout._split("mux~ngram:4").speculative == SpeculativeConfig("ngram", 4)
-    assert rollout._split("mux+most-turns~ngram:3:16/sync") == (
+    assert rollout.split_spec("mux~ngram:4").speculative == SpeculativeConfig("ngram", 4)
+    assert rollout.split_spec("mux+most-turns~ngram:3:16/sync") == (
         "mux", None, "off", "most-turns", SpeculativeConfig("ngram", 3, tail_rows=16))
     for bad in ("mux~ngram", "mux~ngram:x", "mux~ngram:9", "mux~eagle:2"):
         with pytest.raises((SystemExit, ValueError)):
-            rollout._split(bad)
+            rollout.split_spec(bad)
 
 
 def test_spec_suffix_sync_turns_decode_ahead_off():
-    assert rollout._split("mux@fixed:4/sync") == ("mux", "fixed:4", "off", None, None)
-    assert rollout._split("off") == ("off", None, None, None, None)
-    assert rollout._split("mux@fixed:4+most-turns/sync") == ("mux", "fixed:4", "off", "most-turns", None)
+    assert rollout.split_spec("mux@fixed:4/sync") == ("mux", "fixed:4", "off", None, None)
+    assert rollout.split_spec("off") == ("off", None, None, None, None)
+    assert rollout.split_spec("mux@fixed:4+most-turns/sync") == ("mux", "fixed:4", "off", "most-turns", None)
     with pytest.raises(SystemExit, match="only suffix is '/sync'"):
-        rollout._split("off/fast")
+        rollout.split_spec("off/fast")
     with pytest.raises(SystemExit, match="unknown priority 'oracle'"):
-        rollout._split("off+oracle")
+        rollout.split_spec("off+oracle")
     r = rollout.ratios({"schedules": {"off": {"median": {"makespan_s": 3.0}},
                                       "off/sync": {"median": {"makespan_s": 4.0}}}})
     assert r["off_over_off_sync"] == pytest.approx(0.75)

@@ -1,8 +1,10 @@
 """The cost model: fitted from records made by a known model, it gives that model back."""
+import dataclasses
+
 import pytest
 
 from megatron_rollout.engine.records import StepRecord
-from megatron_rollout.sim.cost import CostModel, StepSize, fit, observations
+from megatron_rollout.sim.cost import CostModel, Routing, StepSize, fit, observations, segments_per_epoch
 
 TRUE = CostModel(decode_base_s=0.004, decode_row_s=0.0002, decode_context_s=1e-7, prefill_base_s=0.01,
                  prefill_row_s=0.0005, prefill_token_s=3e-5, prefill_pair_s=2e-9)
@@ -57,3 +59,42 @@ def test_refusals():
         CostModel(decode_row_s=-1)
     with pytest.raises(ValueError, match="mux_segments must be >= 1"):
         CostModel(mux_segments=0.5)
+
+
+ROUTING = Routing(num_experts=64, top_k=4)
+MOE = dataclasses.replace(TRUE, decode_row_s=0.0, expert_s=5e-5, routing=ROUTING)
+
+
+def test_routing_counts_expected_distinct_experts():
+    assert ROUTING.touched(0) == 0.0
+    assert ROUTING.touched(1) == pytest.approx(4.0)  # one token: its top_k
+    assert ROUTING.touched(2) == pytest.approx(64 * (1 - (60 / 64) ** 2))
+    assert ROUTING.touched(10_000) == pytest.approx(64.0)
+    with pytest.raises(ValueError, match=r"top_k \(9\) must be at most num_experts \(8\)"):
+        Routing(8, 9)
+
+
+def test_the_expert_term_is_fitted_when_asked_for():
+    recs = records(MOE, sizes())
+    fitted = fit(recs, num_experts=64, top_k=4)
+    assert fitted.routing == ROUTING
+    for name in ("decode_base_s", "decode_row_s", "decode_context_s", "prefill_base_s", "prefill_row_s",
+                 "prefill_token_s", "prefill_pair_s", "expert_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(MOE, name), rel=1e-3, abs=1e-10), name
+    # a decode step pays it, a prefill-only one does not; a mixed one counts all its tokens
+    assert MOE.step_s(StepSize(decode_rows=1)) == pytest.approx(0.004 + 5e-5 * 4)
+    assert MOE.step_s(StepSize(prefill_rows=1, prefill_tokens=1)) == pytest.approx(0.01 + 0.0005 + 3e-5)
+    mixed = StepSize(decode_rows=2, prefill_rows=1, prefill_tokens=3)
+    assert MOE.step_s(mixed) == pytest.approx(0.004 + 0.01 + 0.0005 + 9e-5 + 5e-5 * ROUTING.touched(5))
+
+
+def test_the_expert_term_is_used_only_when_asked_for():
+    recs = records(MOE, sizes())
+    linear = fit(recs)
+    assert linear.routing is None and linear.expert_s == 0.0
+    assert linear.step_s(StepSize(decode_rows=3)) == pytest.approx(linear.decode_base_s + 3 * linear.decode_row_s)
+    with pytest.raises(ValueError, match="needs both num_experts and top_k"):
+        fit(recs, num_experts=64)
+    with pytest.raises(ValueError, match="expert_s is 0.1 but routing is None"):
+        CostModel(expert_s=0.1)
+    assert segments_per_epoch(recs) == 1.0

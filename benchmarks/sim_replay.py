@@ -1,0 +1,206 @@
+"""`python -m benchmarks.sim_replay RESULT.json [--out X.json]`: the simulator against the replays of
+one `benchmarks.rollout` run, its cost model fitted to those replays' own step records.
+
+`benchmarks.rollout` keeps each timed replay's step records (`steps`), the model's routing (`moe`),
+the KV blocks and the trace (`trace.jsonl` beside the JSON). Per schedule, for the linear fit and
+the experts fit (`sim.cost`, the expert term on the model's routing; dense models: linear only):
+
+- in-sample: a cost model fitted to the schedule's repeat-0 records, the schedule simulated on the
+  trace (`sim.simulator`, its budget, block size, decode rows, KV blocks and priority), against
+  repeat 0's measured makespan;
+- out-of-sample: one cost model fitted to the repeat-0 records of `off` and `chunked` pooled (a
+  forward costs the same under every schedule), each schedule simulated, against the median
+  makespan of its later repeats.
+
+Errors are simulated / measured - 1. How a `mux` schedule cuts its epochs is its segment policy's,
+not a cost: out of sample it takes its repeat 0's segments per epoch (`cost.segments_per_epoch`).
+A drafting schedule (`~ngram:K[:R]`) is simulated out of sample only, with the simulator's
+`Speculation` lever while at most R rows decode, drafting for every row what repeat 0 drafted per
+row and iteration (n-gram lookup drafts K only where it finds a match: the mean, rounded, 1 to K)
+and accepting as many tokens as repeat 0 accepted; in sample its verify forwards, recorded as one
+row per request, would be fitted as plain decode rows that the lever then costs as (1 + K) rows. Other
+drafters (an MTP layer's own forward) are not simulated. Decode ahead (`/sync` or not) is not
+modelled: both run the same simulation.
+
+Left out: the mux segment policies' other effects (a segment's own launch gap), which rows share
+a prefix, and any sampling noise of repeat 0 itself (one replay's records are the whole fit).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.rollout import split_spec
+from megatron_rollout.engine import Schedule, SchedulerConfig
+from megatron_rollout.engine.records import StepRecord
+from megatron_rollout.sim.cost import CostModel, fit, segments_per_epoch
+from megatron_rollout.sim.levers import Levers, Speculation
+from megatron_rollout.sim.simulator import SimConfig, SimulationError, simulate
+from megatron_rollout.trace.schema import TraceRequest, load_trace
+from megatron_rollout.trace.steps import from_columns
+
+log = logging.getLogger("benchmarks.sim_replay")
+
+POOLED = ("off", "chunked")
+"""The schedules whose repeat-0 records make the out-of-sample fit: whole forwards only (a `mux`
+prefill segment's device time lands in the decode iteration after it, `engine.records`)."""
+FITS = ("linear", "experts")
+
+
+def _first(entry: dict) -> dict | None:
+    """Repeat 0, when it finished with step records."""
+    first = next((r for r in entry.get("repeats", []) if r.get("repeat") == 0), None)
+    return first if first and first.get("finished") and first.get("steps") else None
+
+
+def _fits(records: Sequence[StepRecord], moe: dict | None) -> dict[str, CostModel | str]:
+    """Each of `FITS` fitted to `records`, or why not."""
+    out: dict[str, CostModel | str] = {}
+    for name in FITS:
+        if name == "experts" and not moe:
+            out[name] = "a dense model has no expert term"
+            continue
+        try:
+            out[name] = fit(records, **(moe if name == "experts" else {}))
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def _compare(trace: Sequence[TraceRequest], fits: dict[str, CostModel | str], config: SimConfig,
+             measured_s: float, mux_segments: float | None = None) -> dict[str, Any]:
+    """Each fit's simulated makespan and error against `measured_s` (or why it has none)."""
+    out: dict[str, Any] = {"measured_s": measured_s}
+    for name, cost in fits.items():
+        if isinstance(cost, str):
+            out[name] = {"skipped": cost}
+            continue
+        if mux_segments is not None:
+            cost = dataclasses.replace(cost, mux_segments=mux_segments)
+        try:
+            sim_s = simulate(trace, cost, config).makespan_s
+        except SimulationError as exc:
+            out[name] = {"skipped": f"simulation failed: {exc}"}
+            continue
+        out[name] = {"sim_s": sim_s, "error": sim_s / measured_s - 1}
+    return out
+
+
+def _sim_config(result: dict, spec: str, budget: int, first: dict) -> SimConfig | str:
+    """The simulated twin of the schedule's engine, or why the simulator cannot represent it."""
+    schedule, _, _, priority, drafts = split_spec(spec)
+    args = result["args"]
+    levers = Levers()
+    if drafts is not None:
+        if drafts.method != "ngram":
+            return f"drafting by {drafts.method!r}: the drafter's own forward is not modelled"
+        max_rows = drafts.tail_rows or args["max_decode_rows"]
+        rows = sum(r.decode_rows for r in from_columns(first["steps"]) if 0 < r.decode_rows <= max_rows)
+        stats = first["engine_stats"]
+        k = min(drafts.k, max(1, round(stats["drafted_tokens"] / rows))) if rows else drafts.k
+        acceptance = min(1.0, stats["accepted_tokens"] / (k * rows)) if rows else 0.0
+        levers = Levers(speculation=Speculation(max_rows, k, acceptance))
+    scheduler = SchedulerConfig(schedule, block_size=args["block_size"], max_batch_tokens=budget,
+                                max_decode_rows=args["max_decode_rows"],
+                                priority=priority or SchedulerConfig.priority)
+    return SimConfig(scheduler, result["num_blocks"], levers)
+
+
+def sim_replay(result: dict, trace: Sequence[TraceRequest]) -> dict[str, Any]:
+    """In- and out-of-sample errors of every schedule of a `benchmarks.rollout` result (module docstring)."""
+    if "num_blocks" not in result:
+        raise SystemExit("the result has no 'num_blocks': it predates step records; run benchmarks.rollout again")
+    moe = result.get("moe")
+    schedules = result.get("schedules", {})
+    pooled = [rec for name in POOLED if name in schedules and (first := _first(schedules[name]))
+              for rec in from_columns(first["steps"])]
+    pooled_fits = _fits(pooled, moe) if pooled else {n: f"no repeat 0 with step records of {POOLED}" for n in FITS}
+    out: dict[str, Any] = {
+        "model": result.get("model"), "profile": result.get("profile"), "device": result.get("device"),
+        "trace": result.get("trace"), "num_blocks": result["num_blocks"], "moe": moe,
+        "pooled": {n: c if isinstance(c, str) else c.to_dict() for n, c in pooled_fits.items()}, "schedules": {}}
+    for label, entry in schedules.items():
+        spec, budget = entry["spec"], entry["budget"]
+        row: dict[str, Any] = {"spec": spec, "budget": budget}
+        out["schedules"][label] = row
+        first = _first(entry)
+        if first is None:
+            row["in_sample"] = row["out_of_sample"] = {"skipped": "repeat 0 did not finish or kept no step records"}
+            continue
+        config = _sim_config(result, spec, budget, first)
+        if isinstance(config, str):
+            row["in_sample"] = row["out_of_sample"] = {"skipped": config}
+            continue
+        records = from_columns(first["steps"])
+        if config.levers.speculation is not None:
+            row["speculation"] = {**dataclasses.asdict(config.levers.speculation),
+                                  **{k: first["engine_stats"][k] for k in ("drafted_tokens", "accepted_tokens")}}
+            row["in_sample"] = {"skipped": "drafting: verify forwards are recorded as one row a request, the "
+                                           "Speculation lever costs (1 + k) rows (module docstring)"}
+        else:
+            fits = _fits(records, moe)
+            row["in_sample"] = _compare(trace, fits, config, first["report"]["makespan_s"])
+            row["in_sample"]["cost"] = {n: c if isinstance(c, str) else c.to_dict() for n, c in fits.items()}
+        later = [r["report"]["makespan_s"] for r in entry["repeats"] if r.get("repeat", 0) > 0 and r.get("finished")]
+        if not later:
+            row["out_of_sample"] = {"skipped": "no finished repeat after repeat 0"}
+            continue
+        segments = segments_per_epoch(records) if config.scheduler.schedule is Schedule.MUX else None
+        row["out_of_sample"] = _compare(trace, pooled_fits, config, statistics.median(later), segments)
+        row["out_of_sample"]["repeats"] = len(later)
+    return out
+
+
+def _cell(part: dict, fit_name: str) -> str:
+    e = (part.get(fit_name) or {}).get("error")
+    return f"{100 * e:+.1f}%" if e is not None else "-"
+
+
+def table(report: dict) -> str:
+    """The printed summary: each schedule's measured makespans and the fits' errors."""
+    t = report.get("trace") or {}
+    lines = [f"== sim_replay {report.get('model')} profile={report.get('profile')} {t.get('conversations')} "
+             f"conversations, {t.get('requests')} requests, {report.get('device')}",
+             f"{'schedule':<14}{'budget':>7}{'rep0_s':>9}{'lin_in':>9}{'exp_in':>9}{'later_s':>9}{'lin_out':>9}"
+             f"{'exp_out':>9}"]
+    skips = []
+    for label, row in report["schedules"].items():
+        ins, outs = row["in_sample"], row["out_of_sample"]
+        rep0, later = ins.get("measured_s"), outs.get("measured_s")
+        lines.append(f"{label:<14}{row['budget']:>7}{'-' if rep0 is None else f'{rep0:.3f}':>9}"
+                     f"{_cell(ins, 'linear'):>9}{_cell(ins, 'experts'):>9}"
+                     f"{'-' if later is None else f'{later:.3f}':>9}{_cell(outs, 'linear'):>9}"
+                     f"{_cell(outs, 'experts'):>9}")
+        for kind, part in (("in-sample", ins), ("out-of-sample", outs)):
+            reasons = [part.get("skipped")] + [(part.get(n) or {}).get("skipped") for n in FITS]
+            skips += [f"  {label} {kind}: {r}" for r in dict.fromkeys(reasons) if r]
+    return "\n".join(lines + (["skipped:"] + skips if skips else []))
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.sim_replay", description=__doc__.splitlines()[0])
+    ap.add_argument("result", help="a benchmarks.rollout rollout.json (its trace.jsonl beside it)")
+    ap.add_argument("--out", default=None, help="write the report as JSON here")
+    args = ap.parse_args(argv)
+    path = Path(args.result)
+    result = json.loads(path.read_text())
+    trace_path = path.parent / "trace.jsonl"
+    if not trace_path.exists():
+        raise SystemExit(f"{trace_path} not found: benchmarks.rollout writes the trace beside rollout.json")
+    report = {"result": str(path), **sim_replay(result, load_trace(trace_path))}
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(table(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

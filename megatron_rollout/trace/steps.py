@@ -1,0 +1,37 @@
+"""Step records as JSON columns: one list per `StepRecord` field, so a benchmark result can keep
+every forward of a replay (`engine.step_log`) at a few tens of bytes a step and a reader can fit a
+cost model to them later (`sim.cost.fit`, `benchmarks.sim_replay`).
+
+The round trip is lossless: ints stay ints, times are the host-clock floats as measured (JSON
+writes a float's shortest repr, which reads back to the same float), a whole step's `epoch` is null.
+Left out: any rebasing or rounding of the times (a reader subtracts what it needs).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from megatron_rollout.engine.records import StepRecord
+
+FIELDS = tuple(f.name for f in dataclasses.fields(StepRecord))
+"""The columns, in `StepRecord`'s field order."""
+
+
+def to_columns(records: Sequence[StepRecord]) -> dict[str, list]:
+    """{field: [value of each record]} in record order."""
+    return {name: [getattr(r, name) for r in records] for name in FIELDS}
+
+
+def from_columns(cols: Mapping[str, Sequence[Any]]) -> list[StepRecord]:
+    """The records `to_columns` made `cols` from.
+
+    Raises ValueError when a column is missing, unknown, or of another length than the others.
+    """
+    if set(cols) != set(FIELDS):
+        raise ValueError(f"step columns must be exactly {list(FIELDS)}; missing {sorted(set(FIELDS) - set(cols))}, "
+                         f"unknown {sorted(set(cols) - set(FIELDS))}")
+    lengths = {name: len(cols[name]) for name in FIELDS}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"step columns differ in length: {lengths}")
+    return [StepRecord(*row) for row in zip(*(cols[name] for name in FIELDS))]

@@ -1,0 +1,66 @@
+"""The simulator against a tiny CPU rollout's own step records: every schedule gets in- and
+out-of-sample errors from both fits (CPU timing is noisy: finite, not small); a drafting schedule
+is simulated with the Speculation lever or skipped with its reason."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks import rollout, sim_replay
+from megatron_rollout.sim.levers import Speculation
+from megatron_rollout.trace.schema import load_trace
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rec")
+    code = rollout.main(["--model", "tiny-moe", "--device", "cpu", "--repeats", "2", "--conversations", "3",
+                         "--scale", "0.003", "--budgets", "64", "--schedules", "off,chunked,mux", "--no-ablation",
+                         "--out", str(out), "--no-progress"])
+    assert code == 0
+    return out, json.loads((out / "rollout.json").read_text())
+
+
+@pytest.mark.timeout(120)
+def test_every_schedule_gets_both_errors_from_both_fits(run, capsys):
+    out, _ = run
+    assert sim_replay.main([str(out / "rollout.json"), "--out", str(out / "sim.json")]) == 0
+    report = json.loads((out / "sim.json").read_text())
+    assert report["moe"] == {"num_experts": 8, "top_k": 2}
+    assert report["pooled"]["experts"]["routing"] == {"num_experts": 8, "top_k": 2}
+    assert report["pooled"]["linear"]["routing"] is None
+    assert list(report["schedules"]) == ["off", "chunked", "mux"]
+    for label, row in report["schedules"].items():
+        measured = json.loads((out / "rollout.json").read_text())["schedules"][label]["repeats"]
+        assert row["in_sample"]["measured_s"] == measured[0]["report"]["makespan_s"]
+        assert row["out_of_sample"]["measured_s"] == measured[1]["report"]["makespan_s"]  # median of one
+        for part in (row["in_sample"], row["out_of_sample"]):
+            for fit_name in sim_replay.FITS:
+                r = part[fit_name]
+                assert r["sim_s"] > 0 and math.isfinite(r["error"]), (label, fit_name, r)
+                assert r["error"] == pytest.approx(r["sim_s"] / part["measured_s"] - 1)
+    text = capsys.readouterr().out
+    assert "lin_in" in text and "exp_out" in text and "skipped" not in text
+
+
+@pytest.mark.timeout(60)
+def test_a_dense_model_has_no_experts_fit_and_drafting_uses_the_lever(run):
+    out, result = run
+    trace = load_trace(out / "trace.jsonl")
+    dense = sim_replay.sim_replay({**result, "moe": None}, trace)
+    for row in dense["schedules"].values():
+        assert row["in_sample"]["experts"] == {"skipped": "a dense model has no expert term"}
+        assert math.isfinite(row["in_sample"]["linear"]["error"])
+    first = result["schedules"]["chunked"]["repeats"][0]
+    decode_rows = sum(n for n in first["steps"]["decode_rows"] if 0 < n <= 2)
+    stats = {**first["engine_stats"], "drafted_tokens": 2 * decode_rows, "accepted_tokens": decode_rows}
+    config = sim_replay._sim_config(result, "chunked~ngram:4:2", 64, {**first, "engine_stats": stats})
+    # two drafts a row and iteration on average, half of them accepted
+    assert config.levers.speculation == Speculation(max_rows=2, draft_tokens=2, acceptance=0.5)
+    assert "not modelled" in sim_replay._sim_config(result, "chunked~mtp:1", 64, first)
+    spec = {**result, "schedules": {"off": result["schedules"]["off"],
+                                    "chunked~ngram:4": {**result["schedules"]["chunked"], "spec": "chunked~ngram:4"}}}
+    row = sim_replay.sim_replay(spec, trace)["schedules"]["chunked~ngram:4"]
+    assert "skipped" in row["in_sample"] and math.isfinite(row["out_of_sample"]["linear"]["error"])

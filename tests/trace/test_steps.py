@@ -1,0 +1,36 @@
+"""Step records to JSON columns and back, unchanged."""
+import json
+
+import pytest
+
+from megatron_rollout.engine.records import StepRecord
+from megatron_rollout.trace.steps import FIELDS, from_columns, to_columns
+
+RECORDS = [
+    StepRecord("P", 0, 0, 2, 300, 45_150, 1234.567890123456, 1234.6012345678901),
+    StepRecord("D", 5, 2_050, 0, 0, 0, 1234.602, 1234.6031),
+    StepRecord("P", 3, 911, 1, 64, 2_080, 1234.61, 1234.62, None),
+    StepRecord("P", 0, 0, 1, 17, 153, 0.1 + 0.2, 1e-9 + 0.3, epoch=4),
+]
+
+
+def test_columns_round_trip_through_json_unchanged():
+    cols = to_columns(RECORDS)
+    assert list(cols) == list(FIELDS)
+    assert cols["decode_rows"] == [0, 5, 3, 0] and cols["epoch"] == [None, None, None, 4]
+    back = from_columns(json.loads(json.dumps(cols)))
+    assert back == RECORDS
+    assert all(type(b.prefill_pairs) is int and type(b.start) is float for b in back)
+
+
+def test_no_records_is_empty_columns():
+    assert from_columns(to_columns([])) == []
+    assert to_columns([]) == {name: [] for name in FIELDS}
+
+
+def test_refusals():
+    cols = to_columns(RECORDS)
+    with pytest.raises(ValueError, match=r"missing \['epoch'\], unknown \[\]"):
+        from_columns({k: v for k, v in cols.items() if k != "epoch"})
+    with pytest.raises(ValueError, match="differ in length"):
+        from_columns({**cols, "end": cols["end"][:2]})
