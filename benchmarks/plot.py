@@ -11,6 +11,7 @@ plotting extra, not a dependency of the package).
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -117,7 +118,7 @@ def plot_breakdowns(result: dict, path: str | Path) -> list[Path]:
         first = next((r["report"]["breakdown"] for r in s.get("repeats") or []
                       if r.get("finished") and (r.get("report") or {}).get("breakdown")), None)
         if first is not None:
-            out = path.with_name(f"{path.stem}.breakdown.{name.replace('/', '-')}.png")
+            out = path.with_name(f"{path.stem}.breakdown.{re.sub(r'[/:]', '-', name)}.png")
             plot_breakdown(first, str(out))
             written.append(out)
     return written

@@ -320,11 +320,14 @@ class CudaRunner:
         graph = None if self.multi_rank else self._decode_graph(inputs)
         return None if graph is None else run_to_end(self._replay(graph, inputs, tokens))
 
-    def capture(self, batch_sizes: Sequence[int] | None = None) -> bool:
+    def capture(self, batch_sizes: Sequence[int] | None = None, speculative: Sequence[str] = ()) -> bool:
         """Capture decode graphs now (largest first, sharing one memory pool) and, on one rank, the
         piecewise P graphs of every token bucket; False if decode capture failed (decode then runs
         eagerly; `capture_error` says why; `prefill_capture_error` for P). On many ranks, every rank
-        must call it at the same point (the warm-ups run collectives)."""
+        must call it at the same point (the warm-ups run collectives).
+        `speculative`: the drafting outputs ("hidden" to verify, "mtp" to draft) to capture too, in the
+        buckets of `batch_sizes`, with the piecewise hidden-state P graphs; otherwise a drafting
+        engine captures each on first use, inside its first rollout."""
         if not (self.config.use_graphs and self.graph_safe):
             return False
         sizes = batch_sizes or self.graph_sizes
@@ -332,8 +335,13 @@ class CudaRunner:
             self._captured = True
             return self._capture_collectively(sizes)
         decode = all(self._try_graph(rows) is not None for rows in sorted(sizes, reverse=True))
-        for tokens in sorted(self.config.prefill_graph_tokens, reverse=True) if self.graph_safe else ():
-            if self._prefill_graph(tokens) is None:
+        for hidden in (False, True) if speculative else (False,):
+            for tokens in sorted(self.config.prefill_graph_tokens, reverse=True) if self.graph_safe else ():
+                if self._prefill_graph(tokens, hidden) is None:
+                    break
+        buckets = sorted({b for b in map(self.bucket, sizes) if b is not None}, reverse=True)
+        for output in map(DecodeOutput, speculative):
+            if not all(self._capture_spec(output, b) is not None for b in buckets):
                 break
         return decode
 

@@ -184,3 +184,32 @@ def test_the_cuda_runner_replays_verify_and_draft_graphs_like_the_portable_runne
     assert held.speculative == (("hidden", 16), ("mtp", 16), ("prefill-hidden", 256))
     assert fast.captured.speculative == ()
     assert "3 of 3 verify/draft" in fast.restore_graphs(held) and fast.captured == held
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_capture_takes_the_drafting_graphs_ahead_so_a_rollout_captures_none():
+    """`capture(sizes, speculative=...)` captures the verify and draft graphs of every bucket and the
+    hidden-state P graphs before the first forward: the forwards that follow capture nothing."""
+    from megatron_rollout.runner.config import RunnerConfig
+    from megatron_rollout.runner.cuda import make_runner
+
+    cfg = preset("tiny-deepseek").replace(dtype="bfloat16", max_position_embeddings=1024, mtp_num_layers=1)
+    fast = make_runner(MoETransformer(cfg, device="cuda").init_weights(0, std=0.1),
+                       PagedKVCache(cfg, 64, 16, 1, device="cuda"),
+                       RunnerConfig(graph_batch_sizes=(1, 2, 4, 8, 16), prefill_graph_tokens=(64, 256)))
+    assert fast.capture((2, 8), speculative=("hidden", "mtp"))
+    assert fast.captured.speculative == (("hidden", 2), ("hidden", 8), ("mtp", 2), ("mtp", 8),
+                                         ("prefill-hidden", 64), ("prefill-hidden", 256))
+    before = fast.stats["graph_captures"]
+    gen = torch.Generator().manual_seed(0)
+    tables = [tuple(range(i * 16, (i + 1) * 16)) for i in range(3)]
+    with torch.no_grad():
+        prompts = [SpanInput(SeqSpan(t, 0, 40), torch.randint(0, 256, (40,), generator=gen).tolist(), True)
+                   for t in tables]
+        run_to_end(fast.forward_hidden(prompts, Phase.P))
+        rows = [SpanInput(SeqSpan(t, 40, 2), [1, 2], True, key=i) for i, t in enumerate(tables)]
+        h = run_to_end(fast.forward_hidden(rows, Phase.D))
+        run_to_end(fast.forward_mtp([r.span for r in rows], h, torch.arange(6, device="cuda"), Phase.D))
+    assert fast.stats["graph_captures"] == before and fast.stats["verify_replays"] == 1
+    assert fast.stats["draft_replays"] == 1
