@@ -4,8 +4,8 @@ For each trace, schedule and budget: FIFO and the oracle as the engine runs them
 of `sim.levers` (and the RL-group orderings of `sim.policy.GROUP_POLICIES`) alone:
 - `critical-first:1` (decode priority) under FIFO and under the oracle's ranking, and under `mux`
   with prefill keeping each share of `CRITICAL_SHARE` while the oracle's critical row decodes;
-- `overlap:AxB` (P/D side by side, `mux` only) for every alpha in `OVERLAP_DECODE` and beta in
-  `OVERLAP_PREFILL`;
+- `overlap:DxP` (P/D side by side, `mux` only) for every decode factor in `OVERLAP_DECODE` and
+  prefill factor in `OVERLAP_PREFILL`;
 - `spec:R/k/a/c` for every row limit in `SPEC_ROWS`, acceptance in `SPEC_ACCEPTANCE` and overhead
   in `SPEC_OVERHEAD`, drafting `SPEC_DRAFT` tokens;
 - `group-stragglers` and `least-generated` with groups of `GROUP_SIZE` consecutive conversations.
@@ -50,9 +50,9 @@ def variants(schedule: Schedule) -> Iterator[tuple[str, Levers]]:
         for share in CRITICAL_SHARE:
             yield "oracle", Levers(critical_first=1, critical_share=share)
     if schedule is Schedule.MUX:
-        for alpha in OVERLAP_DECODE:
-            for beta in OVERLAP_PREFILL:
-                yield "fifo", Levers(overlap=Overlap(alpha, beta))
+        for decode_factor in OVERLAP_DECODE:
+            for prefill_factor in OVERLAP_PREFILL:
+                yield "fifo", Levers(overlap=Overlap(decode_factor, prefill_factor))
     for rows in SPEC_ROWS:
         for a in SPEC_ACCEPTANCE:
             for c in SPEC_OVERHEAD:

@@ -71,10 +71,11 @@ engine and the mux driver are unchanged):
   (`registry.resolve_mla_attention`), in its decode graphs and between its piecewise P graphs'
   pieces alike; of the fused small ops it uses those it calls (norms, SwiGLU, the combine).
 
-Green contexts (SM partitions for D and P) are measured by `benchmarks.micro` and not used here: see
-docs/benchmarks.md. FP8 experts (`model.fp8`, stacked) are captured like bf16 ones on one rank
-(`kernels.moe_triton`'s weight-only kernels). Left out: speculative decoding on many ranks, the MTP
-layer of P forwards in graphs, and FP8 experts on several ranks (such models run D eagerly).
+Green contexts (SM partitions for D and P) are measured by `benchmarks.micro` and
+`benchmarks.pd_overlap` and not used here: see docs/benchmarks.md. FP8 experts (`model.fp8`,
+stacked) are captured like bf16 ones on one rank (`kernels.moe_triton`'s weight-only kernels).
+Left out: speculative decoding on many ranks, the MTP layer of P forwards in graphs, and FP8
+experts on several ranks (such models run D eagerly).
 """
 from __future__ import annotations
 

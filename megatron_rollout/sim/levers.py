@@ -34,11 +34,11 @@ class Overlap:
     """Decode and prefill side by side on one device, each on a partition of its SMs."""
 
     decode_factor: float
-    """alpha: a decode iteration's time beside prefill over its time alone (>= 1; the naive
-    green-context try in PLATFORM-NOTES measured about 3.3 for a GEMV loop on 16 SMs)."""
+    """A decode iteration's time beside prefill over its time alone on the whole device (>= 1).
+    `benchmarks.pd_overlap` measures it, under this name, for each SM split."""
     prefill_factor: float
-    """beta: prefill's time beside decode over its time alone (>= 1; about 1.2 measured for a
-    GEMM on 112 SMs)."""
+    """Prefill's time beside decode over its time alone on the whole device (>= 1); measured
+    there too."""
 
     def __post_init__(self) -> None:
         _positive("Overlap", "decode_factor", self.decode_factor, 1.0)

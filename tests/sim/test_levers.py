@@ -33,12 +33,12 @@ def test_serial_mux_stretches_the_chain_by_the_prefill_it_waits_behind():
 
 def test_overlap_runs_prefill_beside_decode():
     assert simulate(TWO, UNIT, config(overlap=Overlap(1.0, 1.0))).makespan_s == pytest.approx(15.0)
-    # alpha 2: the five overlapped seconds of prefill take 2.5 decode iterations of 2 s, the last
+    # decode_factor 2: the five overlapped seconds of prefill take 2.5 decode iterations of 2 s, the last
     # half alone at 1 s: 5.5 s for 3 of A's iterations, then 6 alone.
     sim = simulate(TWO, UNIT, config(overlap=Overlap(2.0, 1.0)))
     assert sim.makespan_s == pytest.approx(5 + 1 + 5.5 + 6)
     assert sim.breakdown().forwards["mixed"] == 3
-    # beta 2: the prefill needs 10 s beside decode; A's nine iterations after B arrives end first,
+    # prefill_factor 2: the prefill needs 10 s beside decode; A's nine iterations after B arrives end first,
     # with 4.5 s of it done; the last 0.5 s runs alone, at full speed
     assert simulate(TWO, UNIT, config(overlap=Overlap(1.0, 2.0))).makespan_s == pytest.approx(5 + 1 + 9 + 0.5)
     with pytest.raises(ValueError, match="need the mux schedule"):
