@@ -82,8 +82,10 @@ def rollout(result: dict) -> str:
         hi = {k: max(p[k] for p in passes) for k in lo}
         chosen = (entry.get("chosen") or {}).get("max_num_batched_tokens")
         budget, _, mode = str(key).partition("/")
+        budget, _, drafts = budget.partition("~")  # '<budget>~ngram:K': its own n-gram speculation
         label = (f"vLLM {vllm.get('vllm', '')}, its default ({num(chosen, 'd')})" if budget == "default"
                  else f"vLLM {vllm.get('vllm', '')} at {num(chosen, 'd')}") + (", core in process" if mode else "")
+        label += f", {drafts} drafts" if drafts else ""
         if str(key) == str(vllm.get("best_budget")):
             label += ": its best"
         rows.append(_rollout_row(label, "-", len(passes), entry.get("median") or {}, lo, hi, "-"))

@@ -55,3 +55,13 @@ def test_the_docs_tables_match_their_json():
     pages = [str(report.ROOT / "docs" / name) for name in ("benchmarks.md", "kernels.md")]
     assert report.main(["--check", *pages]) == 0
     assert all(report.MARK.search((report.ROOT / "docs" / n).read_text()) for n in ("benchmarks.md", "kernels.md"))
+
+
+def test_vllm_speculation_is_named_in_its_row():
+    entry = {"chosen": {"max_num_batched_tokens": 16384}, "median": {"makespan_s": 13.6},
+             "passes": [{"makespan_s": 13.4}, {"makespan_s": 13.7}]}
+    result = {"vllm": {"vllm": "0.26.0", "best_budget": "16384~ngram:4",
+                       "budgets": {"16384~ngram:4": entry, "16384~ngram:4/in-process": entry}}}
+    rows = report.rollout(result).splitlines()[2:4]
+    assert rows[0].startswith("| vLLM 0.26.0 at 16384, ngram:4 drafts: its best | - | 2 | 13.60 [13.40-13.70] |")
+    assert rows[1].startswith("| vLLM 0.26.0 at 16384, core in process, ngram:4 drafts | - | 2 |")

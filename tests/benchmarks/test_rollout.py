@@ -236,6 +236,12 @@ def test_ratios_are_medians_over_medians_against_the_peer():
     assert r["best_over_vllm"] == pytest.approx(6 / 5) and r["mux_over_vllm"] == pytest.approx(6 / 5)
     assert r["mux_epoch_over_mux"] == pytest.approx(1.5) and r["mux_over_lower_bound"] == pytest.approx(2.0)
     assert r["mux_over_off@4096"] == pytest.approx(0.75) and r["mux_over_chunked@4096"] is None
+    assert r["best_drafts_over_plain"] is None  # nothing drafted
+    result["schedules"]["mux~ngram:4"] = {"median": {"makespan_s": 4.5}}
+    result["schedules"]["off~ngram:4/sync"] = {"median": {"makespan_s": 9.0}}  # its twin 'off/sync' not run
+    r = rollout.ratios(result)
+    assert r["mux~ngram:4_over_mux"] == pytest.approx(0.75) and r["off~ngram:4/sync_over_off/sync"] is None
+    assert r["best_drafts_over_plain"] == pytest.approx(0.75)
 
 
 def test_spec_suffix_tilde_asks_for_ngram_drafts():
