@@ -10,7 +10,8 @@ the experts fit (`sim.cost`, the expert term on the model's routing; dense model
   repeat 0's measured makespan;
 - out-of-sample: one cost model fitted to the repeat-0 records of `off` and `chunked` pooled (a
   forward costs the same under every schedule), each schedule simulated, against the median
-  makespan of its later repeats.
+  makespan of its later repeats (`--fit-from OTHER.json`: those of another run on the same model
+  and device, for a run that measured neither).
 
 Errors are simulated / measured - 1. How a `mux` schedule cuts its epochs is its segment policy's,
 not a cost: out of sample it takes its repeat 0's segments per epoch (`cost.segments_per_epoch`).
@@ -113,14 +114,20 @@ def _sim_config(result: dict, spec: str, budget: int, first: dict) -> SimConfig 
     return SimConfig(scheduler, result["num_blocks"], levers)
 
 
-def sim_replay(result: dict, trace: Sequence[TraceRequest]) -> dict[str, Any]:
-    """In- and out-of-sample errors of every schedule of a `benchmarks.rollout` result (module docstring)."""
+def sim_replay(result: dict, trace: Sequence[TraceRequest], fit_from: dict | None = None) -> dict[str, Any]:
+    """In- and out-of-sample errors of every schedule of a `benchmarks.rollout` result (module docstring).
+    `fit_from`: another run's result whose `off` and `chunked` make the out-of-sample fit (same model and
+    device), to check schedules that a run measured without those two."""
     if "num_blocks" not in result:
         raise SystemExit("the result has no 'num_blocks': it predates step records; run benchmarks.rollout again")
     moe = result.get("moe")
     schedules = result.get("schedules", {})
-    pooled = [rec for name in POOLED if name in schedules and (first := _first(schedules[name]))
-              for rec in from_columns(first["steps"])]
+    source = result if fit_from is None else fit_from
+    for key in ("model", "device") if fit_from is not None else ():
+        if fit_from.get(key) != result.get(key):
+            raise SystemExit(f"--fit-from: its {key} is {fit_from.get(key)!r}, the result's {result.get(key)!r}")
+    pooled = [rec for name in POOLED if name in source.get("schedules", {})
+              and (first := _first(source["schedules"][name])) for rec in from_columns(first["steps"])]
     pooled_fits = _fits(pooled, moe) if pooled else {n: f"no repeat 0 with step records of {POOLED}" for n in FITS}
     out: dict[str, Any] = {
         "model": result.get("model"), "profile": result.get("profile"), "device": result.get("device"),
@@ -189,13 +196,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.sim_replay", description=__doc__.splitlines()[0])
     ap.add_argument("result", help="a benchmarks.rollout rollout.json (its trace.jsonl beside it)")
     ap.add_argument("--out", default=None, help="write the report as JSON here")
+    ap.add_argument("--fit-from", default=None, metavar="RESULT.json",
+                    help="fit the out-of-sample model to this run's off and chunked (same model and device)")
     args = ap.parse_args(argv)
     path = Path(args.result)
     result = json.loads(path.read_text())
+    fit_from = json.loads(Path(args.fit_from).read_text()) if args.fit_from else None
     trace_path = path.parent / "trace.jsonl"
     if not trace_path.exists():
         raise SystemExit(f"{trace_path} not found: benchmarks.rollout writes the trace beside rollout.json")
-    report = {"result": str(path), **sim_replay(result, load_trace(trace_path))}
+    report = {"result": str(path), "fit_from": args.fit_from, **sim_replay(result, load_trace(trace_path), fit_from)}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(table(report), flush=True)

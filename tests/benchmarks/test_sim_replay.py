@@ -64,3 +64,17 @@ def test_a_dense_model_has_no_experts_fit_and_drafting_uses_the_lever(run):
                                     "chunked~ngram:4": {**result["schedules"]["chunked"], "spec": "chunked~ngram:4"}}}
     row = sim_replay.sim_replay(spec, trace)["schedules"]["chunked~ngram:4"]
     assert "skipped" in row["in_sample"] and math.isfinite(row["out_of_sample"]["linear"]["error"])
+
+
+@pytest.mark.timeout(60)
+def test_another_runs_off_and_chunked_can_make_the_out_of_sample_fit(run):
+    out, result = run
+    trace = load_trace(out / "trace.jsonl")
+    only_mux = {**result, "schedules": {"mux": result["schedules"]["mux"]}}
+    alone = sim_replay.sim_replay(only_mux, trace)
+    assert "no repeat 0 with step records" in alone["schedules"]["mux"]["out_of_sample"]["linear"]["skipped"]
+    helped = sim_replay.sim_replay(only_mux, trace, fit_from=result)
+    assert helped["pooled"] == sim_replay.sim_replay(result, trace)["pooled"]
+    assert math.isfinite(helped["schedules"]["mux"]["out_of_sample"]["linear"]["error"])
+    with pytest.raises(SystemExit, match="its model is 'other'"):
+        sim_replay.sim_replay(only_mux, trace, fit_from={**result, "model": "other"})
