@@ -79,17 +79,33 @@ for stage in "$@"; do
       # the core in process (as RL frameworks colocate it); 2 warm-up passes, 2 timed
       mkdir -p /tmp/pv/site
       [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.0* | xz -dc -T8 | tar -x -C /tmp/pv/site)
+      # (PEER_RUN names another of our runs in /tmp/res, e.g. drafts64)
       cd /tmp/run
       n=${CONV:-64}
-      [ -d "/tmp/res/target$n" ] || cp -r "$OLDPWD/.res/target$n" /tmp/res/
+      run=${PEER_RUN:-target$n}
+      [ -d "/tmp/res/$run" ] || cp -r "$OLDPWD/.res/$run" /tmp/res/
       if [ "$stage" = peer ]; then modes="--vllm-budgets ${VLLM_BUDGETS:-default,8192,16384}"
       else modes="--vllm-budgets '' --vllm-in-process ${VLLM_INPROC:-best}"; fi
-      eval bench --profile prefill --conversations "$n" --resume "/tmp/res/target$n" --vllm --vllm-site /tmp/pv/site \
+      eval bench --profile prefill --conversations "$n" --resume "/tmp/res/$run" --vllm --vllm-site /tmp/pv/site \
         $modes ${VLLM_SPEC:+--vllm-speculative $VLLM_SPEC} --vllm-passes 2 --vllm-warmups 2 --deadline-s "${DEADLINE:-570}" --vllm-reserve-s "${DEADLINE:-570}" \
         > "/tmp/res/$stage$n.log" 2>&1
-      tail -14 "/tmp/res/$stage$n.log"; cp "/tmp/res/target$n/rollout.json" "$OUT/target$n.json"
-      cp /tmp/res/target$n/vllm*.log "$OUT/" 2>/dev/null
-      python3 -m benchmarks.plot "$OUT/target$n.json" "$OUT/target$n.png" ;;
+      tail -14 "/tmp/res/$stage$n.log"; cp "/tmp/res/$run/rollout.json" "$OUT/$run.json"
+      cp /tmp/res/$run/vllm*.log "$OUT/" 2>/dev/null
+      python3 -m benchmarks.plot "$OUT/$run.json" "$OUT/$run.png" ;;
+    drafts)  # n-gram drafting under mux with FA3 for prefill attention (the unpacked bundle): plain mux, the
+      # default wait budget and a 3x one (more prefill a round); vLLM after, with `PEER_RUN=drafts64 peer`.
+      # Written 2026-12-04 after the device time of that day was spent: not run yet
+      mkdir -p /tmp/pv/site
+      [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.0* | xz -dc -T8 | tar -x -C /tmp/pv/site)
+      cd /tmp/run
+      n=${CONV:-64}
+      PYTHONPATH=/tmp/site:/tmp/run:/tmp/pv/site bench --profile prefill --conversations "$n" --attention flash \
+        --budgets "${BUDGETS:-16384}" --schedules "${SCHEDULES:-mux,mux~ngram:4,mux@budget:24000~ngram:4}" \
+        --no-ablation --repeats 2 --no-vllm --deadline-s "${DEADLINE:-450}" --schedule-budget-s 90 \
+        --out "/tmp/res/drafts$n" > "/tmp/res/drafts$n.log" 2>&1
+      tail -20 "/tmp/res/drafts$n.log"; cp "/tmp/res/drafts$n/rollout.json" "$OUT/drafts$n.json"
+      cp "/tmp/res/drafts$n/trace.jsonl" "$OUT/"
+      python3 -m benchmarks.sim_replay "/tmp/res/drafts$n/rollout.json" 2>&1 | tail -8 ;;
     p48)  # the full 48-layer preset on the prefill profile: off and mux, one budget, one repeat
       cd /tmp/run
       bench --model qwen3-30b-a3b --profile prefill --conversations 6 --schedules off,mux --no-ablation \
