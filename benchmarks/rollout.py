@@ -367,14 +367,7 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str) -> dict
     runner = engine.runner
     if run.expert_choice is None and _expert_small(run.model) is not None:
         run.expert_choice = _expert_small(run.model)
-    if hasattr(runner, "capture"):  # decode graphs for every batch this trace can form, before timing
-        rows = min(len({t.conversation for t in trace}), args.max_decode_rows)
-        if drafts is not None:  # verifying: a row and its drafts are 1 + k one-query rows
-            rows *= 1 + drafts.k
-        top = runner.bucket(rows) if hasattr(runner, "bucket") else None
-        sizes = [b for b in runner.config.graph_batch_sizes if top is None or b <= top]
-        runner.capture(sizes, speculative=() if drafts is None else
-                       ("hidden", "mtp") if drafts.method == "mtp" else ("hidden",))
+    engine.capture_graphs(min(len({t.conversation for t in trace}), args.max_decode_rows))  # before timing
     rng = np.random.default_rng(args.seed)
     sizes = (700, 300, 1) if args.device != "cpu" else (24, 9, 1)
     warm = [rng.integers(0, cfg.vocab_size, n).tolist() for n in sizes]

@@ -128,6 +128,8 @@ class SpeculativeExecutor(StepExecutor):
                              f"pass RunnerConfig(kind='eager') (or 'auto', which picks it)")
         super().__init__(table, runner, weights, stats, seed, timeline, rank)
         self.model, self.k, self.config = model, config.k, config
+        self.graph_rows_per_row = 1 + config.k
+        self.graph_outputs = ("hidden", "mtp") if self.mtp else ("hidden",)  # verify; MTP also drafts
         self.mtp_norm = model.mtp.layers[0].final_layernorm if self.mtp else None
         self.drafts: dict[int, Draft] = {}
         self.deferred: dict[int, Deferred] = {}

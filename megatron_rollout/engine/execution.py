@@ -40,6 +40,11 @@ class StepInputs(NamedTuple):
 
 
 class StepExecutor:
+    graph_rows_per_row = 1
+    """One-token graph rows a decode row needs (drafting: the row and its drafts)."""
+    graph_outputs: tuple[str, ...] = ()
+    """The runner's drafting graphs (`runner.cuda.DecodeOutput` values) this executor replays."""
+
     def __init__(self, table: RequestTable, runner: Runner, weights: WeightStore, stats: EngineStats, seed: int,
                  timeline=None, rank: int = 0) -> None:
         self.table, self.runner, self.weights, self.stats = table, runner, weights, stats

@@ -163,3 +163,36 @@ def test_on_the_gpu_lookup_drafts_keep_greedy_tokens(make_engine):
         engine = make_engine(m, ngram(schedule, k=4))  # runner kind auto: the CUDA runner's verify graphs
         assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == [r.token_ids for r in want], schedule
         assert engine.stats.acceptance_rate > 0.5, (schedule, engine.stats)
+
+
+class _CaptureSurface:
+    """What `capture_graphs` asks of a CUDA runner (buckets, capture), recording the request: the
+    sizing is the engine's arithmetic; capturing itself is the GPU tests' (`tests/runner`)."""
+
+    config = RunnerConfig(graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64))
+
+    def bucket(self, rows: int) -> int | None:
+        return next((b for b in self.config.graph_batch_sizes if b >= rows), None)
+
+    def capture(self, sizes, speculative=()) -> bool:
+        self.asked = (list(sizes), tuple(speculative))
+        return True
+
+
+@pytest.mark.timeout(60)
+def test_capture_graphs_asks_for_the_verify_rows_of_every_draft():
+    plain = RolloutEngine(model(), small("mux"))
+    assert not plain.capture_graphs(4)  # the portable runner has no graphs
+    for engine, rows, want in ((plain, 5, ([1, 2, 4, 8], ())),                  # 5 rows: bucket 8
+                               (RolloutEngine(model(), ngram("mux", k=3)), 5,  # 5 x (1 + 3) = 20: bucket 32
+                                ([1, 2, 4, 8, 16, 32], ("hidden",))),
+                               (RolloutEngine(model(), ngram("mux", k=3)), 40,  # past the largest: all of them
+                                ([1, 2, 4, 8, 16, 32, 64], ("hidden",)))):
+        engine.runner = _CaptureSurface()
+        assert engine.capture_graphs(rows) and engine.runner.asked == want
+    mtp = RolloutEngine(MoETransformer(CFG).init_weights(seed=0, std=0.3),
+                        small("mux", speculative=SpeculativeConfig("mtp", 2)))
+    mtp.runner = _CaptureSurface()
+    assert mtp.capture_graphs(4) and mtp.runner.asked == ([1, 2, 4, 8, 16], ("hidden", "mtp"))  # 12 rows
+    with pytest.raises(ValueError, match="max_rows must be positive"):
+        plain.capture_graphs(0)
