@@ -9,7 +9,7 @@
 - `attention`: the paged decode and prefill kernels alone (achieved bandwidth; Triton vs varlen).
 - `experts`: grouped-GEMM experts vs the per-expert loop at decode and prefill sizes.
 - `overlap`: a decode replay while a long prefill runs on the other stream, with the D stream at
-  high priority, at equal priority, and (if they work here) with green-context SM partitions.
+  high priority, at equal priority, and on disjoint green-context SM partitions (`sm_partition`).
 
 Inputs are random (token ids, block tables as a shuffled permutation, KV filled with noise).
 `decode_steps` and `prefill` count the compilations during their timed calls (`timed`; warm-up
@@ -31,6 +31,7 @@ import torch
 from benchmarks.bounds import ModelCosts, decode_roofline_s, prefill_flops
 from benchmarks.ceilings import time_cuda
 from benchmarks.compiles import CompileCounter
+from benchmarks.sm_partition import Split, partitions
 from megatron_rollout.kernels.layout import KernelPagedBatch, build_layout
 from megatron_rollout.kv.paged import SeqSpan
 from megatron_rollout.model.layers import run_to_end
@@ -352,18 +353,12 @@ def overlap(runner: CudaRunner, rng: np.random.Generator, rows: int = 64, contex
     result["priority"] = trial(runner.d_stream, runner.p_stream)
     result["equal_priority"] = trial(torch.cuda.Stream(runner.device, priority=0), runner.p_stream)
     green: dict[str, Any] = {}
-    try:
-        from torch.cuda.green_contexts import GreenContext
-
-        total = runner.num_sms
-        for d_sms in green_sms:
-            try:
-                gd = GreenContext.create(num_sms=d_sms, device_id=runner.device.index or 0)
-                gp = GreenContext.create(num_sms=total - d_sms, device_id=runner.device.index or 0)
-                green[f"d{d_sms}_p{total - d_sms}"] = trial(gd.Stream(), gp.Stream())
-            except Exception as exc:
-                green[f"d{d_sms}_p{total - d_sms}"] = {"error": f"{type(exc).__name__}: {exc}"}
-    except Exception as exc:
-        green["error"] = f"{type(exc).__name__}: {exc}"
+    for d_sms in green_sms:  # disjoint partitions from one driver split (two GreenContext.create overlap)
+        split = Split(runner.num_sms - d_sms, d_sms)
+        try:
+            with partitions("driver", split, runner.device) as pair:
+                green[f"d{pair.decode.sms}_p{pair.prefill.sms}"] = trial(pair.decode.stream, pair.prefill.stream)
+        except Exception as exc:  # a driver without green contexts is a finding, not the end of the stage
+            green[f"d{d_sms}"] = {"error": f"{type(exc).__name__}: {exc}"}
     result["green_contexts"] = green
     return result
