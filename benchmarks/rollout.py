@@ -283,18 +283,20 @@ def split_spec(spec: str) -> Spec:
     return Spec(schedule, span or None, "off" if flag else None, priority or None, _drafts(spec, drafts))
 
 
-def _engine_config(run: Run, schedule: str, span: str | None, budget: int, ahead: str | None = None,
-                   priority: str | None = None, speculative: SpeculativeConfig | None = None):
+def engine_config(args: argparse.Namespace, num_blocks: int, max_model_len: int, spec: Spec, budget: int,
+                  measure_expert_kernels: bool = True):
+    """The `EngineConfig` a replay of `spec` at `budget` runs under (also what `benchmarks.sim_replay`
+    simulates: `SimConfig.of_engine`)."""
     from megatron_rollout.engine import EngineConfig, KVConfig, MuxConfig, RunnerConfig, SchedulerConfig
 
-    a = run.args
+    a, priority = args, spec.priority or SchedulerConfig.priority
     return EngineConfig(
-        scheduler=SchedulerConfig(schedule, block_size=a.block_size, max_batch_tokens=budget,
-                                  max_decode_rows=a.max_decode_rows, priority=priority or SchedulerConfig.priority),
-        kv=KVConfig(num_blocks=run.num_blocks), mux=MuxConfig(span or a.mux_span),
-        runner=RunnerConfig(attention=a.attention, measure_expert_kernels=run.expert_choice is None,
-                            decode_ahead=ahead or a.decode_ahead),
-        seed=a.seed, max_model_len=run.max_model_len, speculative=speculative)
+        scheduler=SchedulerConfig(spec.schedule, block_size=a.block_size, max_batch_tokens=budget,
+                                  max_decode_rows=a.max_decode_rows, priority=priority),
+        kv=KVConfig(num_blocks=num_blocks), mux=MuxConfig(spec.span or a.mux_span),
+        runner=RunnerConfig(attention=a.attention, measure_expert_kernels=measure_expert_kernels,
+                            decode_ahead=spec.ahead or a.decode_ahead),
+        seed=a.seed, max_model_len=max_model_len, speculative=spec.speculative)
 
 
 def _micro_parts(spec: str) -> tuple[str, ...]:
@@ -360,10 +362,11 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str) -> dict
     from megatron_rollout.trace.timeline import Timeline
 
     args, cfg = run.args, run.cfg
-    schedule, span, ahead, priority, drafts = split_spec(spec)
+    parts = split_spec(spec)
+    schedule = parts.schedule
     t0 = time.perf_counter()
-    engine = RolloutEngine(run.model, _engine_config(run, schedule, span, budget, ahead, priority, drafts),
-                           timeline=Timeline())
+    engine = RolloutEngine(run.model, engine_config(args, run.num_blocks, run.max_model_len, parts, budget,
+                                                    run.expert_choice is None), timeline=Timeline())
     runner = engine.runner
     if run.expert_choice is None and _expert_small(run.model) is not None:
         run.expert_choice = _expert_small(run.model)

@@ -38,8 +38,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.rollout import split_spec
-from megatron_rollout.engine import Schedule, SchedulerConfig
+from benchmarks.rollout import engine_config, split_spec
+from megatron_rollout.engine import Schedule
 from megatron_rollout.engine.records import StepRecord
 from megatron_rollout.sim.cost import CostModel, fit, segments_per_epoch
 from megatron_rollout.sim.levers import Levers, Speculation
@@ -96,8 +96,9 @@ def _compare(trace: Sequence[TraceRequest], fits: dict[str, CostModel | str], co
 
 def _sim_config(result: dict, spec: str, budget: int, first: dict) -> SimConfig | str:
     """The simulated twin of the schedule's engine, or why the simulator cannot represent it."""
-    schedule, _, _, priority, drafts = split_spec(spec)
-    args = result["args"]
+    parts = split_spec(spec)
+    drafts, args = parts.speculative, result["args"]
+    engine = engine_config(argparse.Namespace(**args), result["num_blocks"], result["max_model_len"], parts, budget)
     levers = Levers()
     if drafts is not None:
         if drafts.method != "ngram":
@@ -108,10 +109,7 @@ def _sim_config(result: dict, spec: str, budget: int, first: dict) -> SimConfig 
         k = min(drafts.k, max(1, round(stats["drafted_tokens"] / rows))) if rows else drafts.k
         acceptance = min(1.0, stats["accepted_tokens"] / (k * rows)) if rows else 0.0
         levers = Levers(speculation=Speculation(max_rows, k, acceptance))
-    scheduler = SchedulerConfig(schedule, block_size=args["block_size"], max_batch_tokens=budget,
-                                max_decode_rows=args["max_decode_rows"],
-                                priority=priority or SchedulerConfig.priority)
-    return SimConfig(scheduler, result["num_blocks"], levers)
+    return dataclasses.replace(SimConfig.of_engine(engine), levers=levers)
 
 
 def sim_replay(result: dict, trace: Sequence[TraceRequest], fit_from: dict | None = None) -> dict[str, Any]:
