@@ -51,6 +51,20 @@ def choose_splits(rows: int, kv_heads: int, num_sms: int, max_len: int | None = 
     return max(1, min(cap, splits))
 
 
+def decode_runs(spans: Sequence[SeqSpan], max_run: int) -> np.ndarray:
+    """`DecodeMeta.runs` of one-token rows: a row continues the run before it when it has the very
+    same table object (`runner.speculative.flatten` hands every position of a row the row's table)
+    and one more cached position; runs are cut every `max_run` rows."""
+    n = len(spans)
+    joins = np.fromiter((i > 0 and spans[i].table is spans[i - 1].table and spans[i].past == spans[i - 1].past + 1
+                         for i in range(n)), bool, n)
+    chain = np.cumsum(~joins) - 1  # chain id of every row
+    first = np.flatnonzero(~joins)  # each chain's first row
+    at = np.arange(n) - first[chain]  # position in the chain
+    size = np.diff(np.append(first, n))[chain]
+    return np.where(at % max_run == 0, np.minimum(max_run, size - at), 0).astype(np.int32)
+
+
 ALIGN_ELEMS = 4
 """int32 elements per 16 bytes: every packed view starts at a multiple of this."""
 TABLE_ALIGN = 16
@@ -188,15 +202,24 @@ class StaticDecodeLayout:
 
     Rows past the live batch are padding: token 0 at position 0, slot -1 (nothing stored) and
     length 0 (attention writes zeros), so a graph captured for `rows` serves any batch up to it.
-    The four per-row sections are `stride` (rows rounded up to 16 bytes) apart and the tables
-    start after them, so every view is 16-byte aligned (see the module docstring)."""
+    The five per-row sections are `stride` (rows rounded up to 16 bytes) apart and the tables
+    start after them, so every view is 16-byte aligned (see the module docstring).
+
+    `max_run` > 1 (the verify and draft graphs of speculative decoding): `fill` also marks the
+    runs of rows over one history (`decode_runs`), and the KV splits are sized for the runs' heads,
+    the rows that read the cache."""
+
+    SECTIONS = 5
+    """tokens, positions, slots, lengths, runs."""
 
     def __init__(self, rows: int, table_width: int, block_size: int, kernels: AttentionKernels, q_heads: int,
-                 kv_heads: int, head_dim: int, device: torch.device, num_sms: int) -> None:
+                 kv_heads: int, head_dim: int, device: torch.device, num_sms: int, max_run: int = 1) -> None:
+        if max_run < 1:
+            raise ValueError(f"max_run must be at least 1, got {max_run}")
         width = _round_up(table_width, TABLE_ALIGN)
-        self.rows, self.width, self.block_size = rows, width, block_size
+        self.rows, self.width, self.block_size, self.max_run = rows, width, block_size, max_run
         self.stride = st = _round_up(rows, ALIGN_ELEMS)
-        size = 4 * st + rows * width
+        size = self.SECTIONS * st + rows * width
         self.device_buf = torch.zeros(size, dtype=torch.int32, device=device)
         self.host_buf = torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.host = self.host_buf.numpy()
@@ -205,17 +228,18 @@ class StaticDecodeLayout:
         d = self.device_buf
         self.tokens, self.positions = d[:b], d[st:st + b]
         self.slots, self.lens = d[2 * st:2 * st + b], d[3 * st:3 * st + b]
-        self.tables = d[4 * st:].view(rows, width)
+        self.runs = d[4 * st:4 * st + b]
+        self.tables = d[self.SECTIONS * st:].view(rows, width)
         self.arange = torch.arange(rows, dtype=torch.int32, device=device)
         self.logits_rows = torch.arange(rows, dtype=torch.int64, device=device)
-        splits = choose_splits(rows, kv_heads, num_sms, programs_per_sm=kernels.decode_programs_per_sm)
+        splits = choose_splits(-(-rows // max_run), kv_heads, num_sms, programs_per_sm=kernels.decode_programs_per_sm)
         workspace = {}
         if hasattr(kernels, "decode_block_n"):
             from megatron_rollout.kernels.triton_attention import decode_workspace
 
             workspace = decode_workspace(rows, q_heads, splits, head_dim, device)
         self.decode = DecodeMeta(self.arange, self.tables, self.lens, self.arange, splits, block_size,
-                                 workspace=workspace)
+                                 workspace=workspace, runs=self.runs if max_run > 1 else None, max_run=max_run)
         self.layout = ForwardLayout(self.tokens, self.positions, self.slots, self.logits_rows, self.decode, None)
         self.fill_padding()
 
@@ -224,8 +248,9 @@ class StaticDecodeLayout:
         self._wait_copy()
         self._written: list[tuple[Hashable, int] | None] = [None] * self.rows
         h, st = self.host, self.stride
-        h[:4 * st] = 0
+        h[:self.SECTIONS * st] = 0
         h[2 * st:3 * st] = -1
+        h[4 * st:5 * st] = 1
         self._upload(0)
 
     def fill(self, spans: Sequence[SeqSpan], tokens: Sequence[int], keys: Sequence[Hashable | None] | None = None
@@ -241,7 +266,7 @@ class StaticDecodeLayout:
             raise ValueError(f"decode batch of {n} rows exceeds this graph's {b}")
         self._wait_copy()
         h = self.host
-        tables = h[4 * st:].reshape(b, self.width)
+        tables = h[self.SECTIONS * st:].reshape(b, self.width)
         pasts = np.fromiter((s.past for s in spans), np.int64, n)
         before = {entry[0]: (row, entry[1]) for row, entry in enumerate(self._written) if entry is not None}
         written: list[tuple[Hashable, int] | None] = [None] * b
@@ -266,10 +291,12 @@ class StaticDecodeLayout:
         h[2 * st + n:2 * st + b] = -1
         h[3 * st:3 * st + n] = pasts + 1
         h[3 * st + n:3 * st + b] = 0
+        h[4 * st:4 * st + n] = decode_runs(spans, self.max_run) if self.max_run > 1 else 1
+        h[4 * st + n:4 * st + b] = 1
         self._upload(n)
 
     def _upload(self, n: int) -> None:
-        end = 4 * self.stride + n * self.width
+        end = self.SECTIONS * self.stride + n * self.width
         self.device_buf[:end].copy_(self.host_buf[:end], non_blocking=True)
         if self.device_buf.is_cuda:
             self._copied = torch.cuda.Event()

@@ -57,6 +57,13 @@ class DecodeMeta:
     """Host copies for the portable backend (None inside CUDA graphs)."""
     workspace: dict = field(default_factory=dict)
     """Preallocated partial results (static inside a CUDA graph); filled lazily otherwise."""
+    runs: torch.Tensor | None = None
+    """[B] int32, optional: rows b..b + runs[b] - 1 share one history, at consecutive lengths (a
+    verify forward's row and its drafts, `runner.speculative.flatten`), so a kernel may read each
+    K/V block once for all of them; 0 marks a row inside a run, 1 a row alone. A hint: a backend
+    that computes every row by itself ignores it."""
+    max_run: int = 1
+    """Longest run `runs` may hold (fixed per CUDA-graph bucket)."""
 
     @property
     def rows(self) -> int:

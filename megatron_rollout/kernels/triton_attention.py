@@ -9,7 +9,10 @@ from one layer's cache `[slots, kv_heads, head_dim]`:
   split) runs an online softmax over its share of the row's history for *all* query heads of that
   kv head at once (GQA: the K/V tile is loaded once per group, and the group is the M side of the
   `tl.dot`); the reduce kernel merges the splits. The grid is static for a given batch and split
-  count, so the pair is captured in CUDA graphs; rows of length 0 produce zeros.
+  count, so the pair is captured in CUDA graphs; rows of length 0 produce zeros. With
+  `DecodeMeta.runs` (speculative decoding's verify rows: a row and its drafts over one history)
+  the head of a run computes every row of it from one read of each block, the run's rows stacked
+  on the M side too, each masked at its own length; the other rows' programs exit at once.
 - `_prefill_kernel`: flash attention, causal with an offset. A program owns a tile of
   `TOK` new tokens x all query heads of one kv head (the rows of its `tl.dot`), walks the keys
   `[0, past + last token of the tile]`, and masks `key_pos <= past + token`.
@@ -68,58 +71,76 @@ def _store_kv_kernel(K, V, KC, VC, Slots,
 
 
 @triton.jit(do_not_specialize=["stride_tb", "stride_mb", "stride_mh"])
-def _decode_partial_kernel(Q, KC, VC, Tables, Lens, QStart, Seq, PartO, PartM, PartL, scale_log2,
+def _decode_partial_kernel(Q, KC, VC, Tables, Lens, QStart, Seq, Runs, PartO, PartM, PartL, scale_log2,
                            stride_qn, stride_qh, stride_cs, stride_ch, stride_tb,
                            stride_ob, stride_oh, stride_os, stride_mb, stride_mh,
-                           GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
-                           BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr = False):
+                           GROUP: tl.constexpr, GROUP_P: tl.constexpr, RUN: tl.constexpr, D: tl.constexpr,
+                           D_P: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (row b, kv head, split). RUN > 1: row b heads a run of `Runs[b]` rows over one history
+    (`DecodeMeta.runs`) and computes them all from one read of each K/V block: the run's rows x the
+    group's heads are the M side of the `tl.dot`, each row masked at its own length; a row inside a
+    run (`Runs[b] == 0`) is left to its head. RUN == 1: every row alone (`Runs` unread)."""
     pdl_entry(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     splits = tl.num_programs(2)
-    seq = tl.load(Seq + b)
-    length = tl.load(Lens + seq)
-    per = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
-    start = split * per
-    end = tl.minimum(start + per, length)
+    if RUN > 1:
+        run = tl.load(Runs + b)
+    else:
+        run = 1
+    if run > 0:
+        r = tl.arange(0, RUN * GROUP_P)
+        qi = r // GROUP_P  # the row of the run (always 0 when RUN == 1)
+        g = r % GROUP_P
+        live = qi < run
+        rmask = live & (g < GROUP)
+        seqs = tl.load(Seq + b + qi, mask=live, other=0)
+        lens = tl.load(Lens + seqs, mask=live, other=0)  # [RUN * GROUP_P]: each M row's length
+        length = tl.max(lens, 0)  # the run's longest row sets the splits
+        per = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
+        start = split * per
+        end = tl.minimum(start + per, length)
 
-    g = tl.arange(0, GROUP_P)
-    d = tl.arange(0, D_P)
-    gmask = g < GROUP
-    dmask = d < D
-    heads = kvh * GROUP + g
-    row = tl.load(QStart + seq).to(tl.int64)
-    q = tl.load(Q + row * stride_qn + heads[:, None] * stride_qh + d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0)
+        d = tl.arange(0, D_P)
+        dmask = d < D
+        heads = kvh * GROUP + g
+        row = tl.load(QStart + seqs, mask=live, other=0).to(tl.int64)
+        q = tl.load(Q + row[:, None] * stride_qn + heads[:, None] * stride_qh + d[None, :],
+                    mask=rmask[:, None] & dmask[None, :], other=0.0)
 
-    m_i = tl.full([GROUP_P], _NEG, tl.float32)
-    l_i = tl.zeros([GROUP_P], tl.float32)
-    acc = tl.zeros([GROUP_P, D_P], tl.float32)
-    table = Tables + seq.to(tl.int64) * stride_tb
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        pmask = pos < end
-        block = tl.load(table + pos // PAGE, mask=pmask, other=0).to(tl.int64)
-        slot = block * PAGE + pos % PAGE
-        off = slot[:, None] * stride_cs + kvh * stride_ch + d[None, :]
-        kvmask = pmask[:, None] & dmask[None, :]
-        k = tl.load(KC + off, mask=kvmask, other=0.0)
-        v = tl.load(VC + off, mask=kvmask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2  # [GROUP_P, BLOCK_N] fp32
-        s = tl.where(pmask[None, :], s, _NEG)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i = tl.full([RUN * GROUP_P], _NEG, tl.float32)
+        l_i = tl.zeros([RUN * GROUP_P], tl.float32)
+        acc = tl.zeros([RUN * GROUP_P, D_P], tl.float32)
+        table = Tables + tl.load(Seq + b).to(tl.int64) * stride_tb  # the run's rows share it
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            pmask = pos < end
+            block = tl.load(table + pos // PAGE, mask=pmask, other=0).to(tl.int64)
+            slot = block * PAGE + pos % PAGE
+            off = slot[:, None] * stride_cs + kvh * stride_ch + d[None, :]
+            kvmask = pmask[:, None] & dmask[None, :]
+            k = tl.load(KC + off, mask=kvmask, other=0.0)
+            v = tl.load(VC + off, mask=kvmask, other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale_log2  # [RUN * GROUP_P, BLOCK_N] fp32
+            if RUN > 1:  # each row up to its own length; one that sees nothing of this split keeps
+                seen = pos[None, :] < lens[:, None]  # m = -inf here, and the reduce weighs the split 0
+            else:
+                seen = pmask[None, :]
+            s = tl.where(seen, s, _NEG)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
 
-    obase = b.to(tl.int64) * stride_ob + split * stride_os
-    tl.store(PartO + obase + heads[:, None] * stride_oh + d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
-    mbase = b.to(tl.int64) * stride_mb + split
-    tl.store(PartM + mbase + heads * stride_mh, m_i, mask=gmask)
-    tl.store(PartL + mbase + heads * stride_mh, l_i, mask=gmask)
+        obase = (b + qi).to(tl.int64) * stride_ob + split * stride_os
+        tl.store(PartO + obase[:, None] + heads[:, None] * stride_oh + d[None, :], acc,
+                 mask=rmask[:, None] & dmask[None, :])
+        mbase = (b + qi).to(tl.int64) * stride_mb + split
+        tl.store(PartM + mbase + heads * stride_mh, m_i, mask=rmask)
+        tl.store(PartL + mbase + heads * stride_mh, l_i, mask=rmask)
 
 
 @triton.jit(do_not_specialize=["splits", "stride_mb", "stride_mh"])
@@ -291,12 +312,14 @@ class TritonAttention(AttentionKernels):
         if not ws:
             ws = decode_workspace(rows, hq, splits, d, q.device)
         po, pm, pl = ws["o"], ws["m"], ws["l"]
+        run = _pow2(meta.max_run) if meta.runs is not None else 1
         _decode_partial_kernel[(rows, hkv, splits)](
-            q, k_cache, v_cache, meta.tables, meta.lens, meta.q_start, meta.seq, po, pm, pl,
+            q, k_cache, v_cache, meta.tables, meta.lens, meta.q_start, meta.seq,
+            meta.runs if run > 1 else meta.seq, po, pm, pl,
             (1.0 / math.sqrt(d)) * LOG2E,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), meta.tables.stride(0),
             po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1),
-            GROUP=group, GROUP_P=_pow2(group, 16), D=d, D_P=_pow2(d, 16),
+            GROUP=group, GROUP_P=_pow2(group, 16 // run), RUN=run, D=d, D_P=_pow2(d, 16),
             BLOCK_N=self.decode_block_n, PAGE=meta.block_size, num_warps=self.decode_warps,
             num_stages=self.decode_stages, **pdl.options(q.device))
         _decode_reduce_kernel[(rows, hq)](

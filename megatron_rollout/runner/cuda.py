@@ -61,7 +61,8 @@ engine and the mux driver are unchanged):
 
 - **Speculative decoding (MTP, one rank).** `forward_hidden` and `forward_mtp` serve
   `engine.drafting`: in D the verify forward (a row's pending token and its k drafts) and the MTP
-  layer's forwards run as decode graphs over one-query rows (`runner.speculative.flatten`), one
+  layer's forwards run as decode graphs over one-query rows (`runner.speculative.flatten`), a
+  row's positions marked as one run so that GQA attention reads their history once (`MAX_RUN`), one
   graph per `DecodeOutput` and row bucket, captured lazily in the decode graphs' pool; a D batch
   past the largest bucket runs eagerly. P and mixed forwards replay piecewise graphs of hidden
   states (`PiecewiseGraph(hidden=True)`), their MTP layer runs eagerly. Rejected drafts need
@@ -106,6 +107,9 @@ log = logging.getLogger(__name__)
 
 PREFILL_HIDDEN = "prefill-hidden"
 """`CapturedGraphs.speculative`'s name for a piecewise P graph of hidden states."""
+MAX_RUN = 8
+"""Verify and draft graphs: a row and up to 7 drafts read their history once (`DecodeMeta.runs`);
+longer runs are cut."""
 COMPLETION = BoundaryPoint(-1, Site.MOE_DATA)
 """Yielded by an asynchronous P forward after its last layer while the device finishes it."""
 
@@ -141,7 +145,7 @@ class DecodeGraph:
         self.rows, self.output = rows, output
         self.static = StaticDecodeLayout(rows, runner.table_width, runner.cache.block_size, runner.kernels,
                                          runner.q_heads, runner.kv_heads, runner.head_dim, runner.device,
-                                         runner.num_sms)
+                                         runner.num_sms, max_run=1 if output is DecodeOutput.LOGITS else MAX_RUN)
         self.attn = KernelPagedBatch(runner.cache, self.static.layout, runner.kernels)
         self.hidden = torch.zeros(rows, runner.cfg.hidden_size, dtype=runner.cfg.torch_dtype, device=runner.device) \
             if output is DecodeOutput.MTP else None

@@ -10,11 +10,12 @@ k drafts is k + 1 one-query rows, (table, n + j, 1) for j = 0..k, all sharing th
 table. Each layer stores the K/V of every new position before any row attends
 (`kernels.layout.KernelPagedBatch`), and row j attends to positions 0..n + j only (its length),
 so the causal mask between a row's drafts comes from the lengths, and the split-K decode kernels
-(GQA and MLA alike) serve the verify forward unchanged, in graphs bucketed by one-query rows. The
-price is that a row's history is read k + 1 times instead of once (computed, not measured: for
+(GQA and MLA alike) serve the verify forward unchanged, in graphs bucketed by one-query rows.
+Read naively, a row's history would be read k + 1 times. The graphs' layout marks each row's
+positions as one run (`DecodeMeta.runs`), and the Triton GQA kernel reads each K/V block once for
+the whole run. The MLA kernel still reads it k + 1 times (computed, not measured: for
 `benchmarks.mtp`'s deepseek-v3-4l at 32 rows, k = 2 and 4,096 positions, the latent cache read
-grows from 0.6 to 1.8 GB per verify forward, beside about 18 GB of weights); a multi-query decode
-kernel would remove it.
+grows from 0.6 to 1.8 GB per verify forward, beside about 18 GB of weights).
 """
 from __future__ import annotations
 

@@ -363,3 +363,51 @@ def test_attend_into_a_given_output_writes_every_row_and_checks_it():
     assert torch.equal(results[0], results[1])
     with pytest.raises(ValueError, match="attention out must be"):
         batch.attend(1, q, k, v, out=torch.empty(n, 8, 8))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("max_run", [4, 8])
+def test_verify_runs_read_once_and_match_portable(device, max_run):
+    """Speculative decoding's verify rows in a decode graph's layout: each row's pending token and
+    drafts are one-query rows over one table (`runner.speculative.flatten`), marked as runs. The
+    head of a run computes all of them, each at its own length: a split that holds positions of the
+    run's later rows only (125 + 1..5 crosses the 128 boundary of the 64-position splits) leaves
+    the earlier rows nothing there; a row of 6 positions is cut into two runs at `max_run` 4."""
+    from megatron_rollout.kernels.layout import decode_runs
+    from megatron_rollout.kernels.triton_attention import TritonAttention
+
+    gen = torch.Generator().manual_seed(11)
+    hq, hkv, d, bs = 8, 2, 32, 4
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    cfg = _cfg(hq, hkv, d, dtype)
+    dt = cfg.torch_dtype
+    rows = [(125, 5), (300, 1), (17, 6), (64, 3)]  # (cached positions, one-query rows)
+    total_blocks = sum(-(-(p + n) // bs) for p, n in rows) + 3
+    perm = torch.randperm(total_blocks, generator=gen).tolist()
+    spans, at = [], 0
+    for past, n in rows:
+        k = -(-(past + n) // bs)
+        table = tuple(perm[at:at + k])
+        at += k
+        spans += [SeqSpan(table, past + j, 1) for j in range(n)]
+    assert decode_runs(spans, max_run).tolist()[:5] == ([4, 0, 0, 0, 1] if max_run == 4 else [5, 0, 0, 0, 0])
+    ref_cache = PagedKVCache(cfg, total_blocks, bs, hkv, device=device)
+    ref_cache.k.copy_(torch.randn(ref_cache.k.shape, generator=gen).to(dt))
+    ref_cache.v.copy_(torch.randn(ref_cache.v.shape, generator=gen).to(dt))
+    cache = PagedKVCache(cfg, total_blocks, bs, hkv, device=device)
+    cache.k.copy_(ref_cache.k)
+    cache.v.copy_(ref_cache.v)
+    n, graph_rows = len(spans), 20
+    q, k, v = (torch.randn(graph_rows, h, d, generator=gen).to(device, dt) for h in (hq, hkv, hkv))
+    ref = PagedBatch(ref_cache, spans).attend(1, q[:n], k[:n], v[:n])
+    kernels = TritonAttention()
+    layout = StaticDecodeLayout(graph_rows, 80, bs, kernels, hq, hkv, d, torch.device(device), num_sms=132,
+                                max_run=max_run)
+    assert layout.decode.splits > 1
+    layout.fill(spans, [0] * n)
+    out = KernelPagedBatch(cache, layout.layout, kernels).attend(1, q, k, v)
+    assert torch.equal(out[n:], torch.zeros_like(out[n:]))  # padding rows
+    assert _rel(out[:n], ref) < _tol(device)
+    for i in range(n):  # every row, not only on the whole
+        assert _rel(out[i], ref[i]) < 2 * _tol(device), i
+    assert torch.equal(cache.k, ref_cache.k) and torch.equal(cache.v, ref_cache.v)
