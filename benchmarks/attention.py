@@ -15,6 +15,12 @@ interleaved rounds (`--rounds`), so clock drift hits all alike; the JSON has eve
 `best` names the fastest Triton setting per shape (prefill shapes cross `--block-n`, `--stages`,
 `--warps`; decode shapes cross the `--decode-*` lists when `--decode-block-n` is given):
 `TritonAttention`'s defaults are chosen from it.
+
+Verify shapes (`--verify`, `COUNTx(CACHED+QUERIES)`: COUNT rows, each a pending token and
+QUERIES - 1 drafts after CACHED positions) time speculative decoding's verify attention as its
+graphs run it: one-query rows (`runner.speculative.flatten`) in a `StaticDecodeLayout`, each row
+alone (`max_run` 1: a row's history read QUERIES times) against runs (`max_run` 8: read once);
+`kv_bytes` counts one read.
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ GRAPH_CALLS = 10
 """Decode calls per captured CUDA graph: decode shapes are timed as graph replays (per call)."""
 PREFILL = ("1x(0+4096)", "8x(2048+512)", "4x(2048+1024)", "1x(0+512)")
 DECODE = ("64x(2047+1)", "1x(2047+1)")
+VERIFY = ("12x(16384+5)", "32x(4096+5)", "64x(2048+3)")
 
 
 def parse_shape(text: str) -> list[tuple[int, int]]:
@@ -84,6 +91,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-stages", default="2,3,4")
     p.add_argument("--decode-warps", default="4,8")
     p.add_argument("--decode-programs", default="8", help="decode programs per SM to try (sets the KV splits)")
+    p.add_argument("--verify", default=",".join(VERIFY), help="verify shapes, COUNTx(CACHED+QUERIES) ('' = none)")
     p.add_argument("--backends", default="triton,varlen", help="backends besides the Triton grid")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
@@ -127,6 +135,21 @@ class Case:
         layout = build_layout(self.spans, [[0] * s.new for s in self.spans], [True] * len(self.spans),
                               self.block_size, kernels, self.hq, self.hkv, self.d, torch.device("cuda"))
         return KernelPagedBatch(cache, layout, kernels)
+
+    def verify_batch(self, max_run: int):
+        """The spans as a verify graph lays them out: one-query rows, runs up to `max_run`."""
+        from megatron_rollout.kernels.layout import KernelPagedBatch, StaticDecodeLayout
+        from megatron_rollout.kernels.triton_attention import TritonAttention
+        from megatron_rollout.types import SeqSpan
+
+        rows = [SeqSpan(s.table, s.past + j, 1) for s in self.spans for j in range(s.new)]
+        kernels = TritonAttention()
+        static = StaticDecodeLayout(len(rows), max(len(s.table) for s in self.spans), self.block_size, kernels,
+                                    self.hq, self.hkv, self.d, torch.device("cuda"),
+                                    torch.cuda.get_device_properties(0).multi_processor_count, max_run=max_run)
+        static.fill(rows, [0] * len(rows))
+        cache = types.SimpleNamespace(k=self.k_cache, v=self.v_cache, block_size=self.block_size)
+        return KernelPagedBatch(cache, static.layout, kernels)
 
     def work(self) -> dict[str, float]:
         if all(n == 1 for _, n in self.spec):
@@ -188,6 +211,29 @@ def measure(case: Case, variants: list[tuple[str, Any]], iters: int, rounds: int
     return {"spec": case.spec[0], "count": len(case.spec), **work, "variants": rows, "errors": errors}
 
 
+def measure_verify(case: Case, iters: int, rounds: int) -> dict[str, Any]:
+    """Verify attention with each row alone (`max_run` 1) and in runs (`max_run` 8), graph-timed in
+    interleaved rounds; the runs' output against the rows' alone."""
+    batches = {f"max_run={m}": case.verify_batch(m) for m in (1, 8)}
+    outputs = {n: b.attend(0, case.q, case.k, case.v).float() for n, b in batches.items()}  # compiles, untimed
+    torch.cuda.synchronize()
+    samples: dict[str, list[float]] = {n: [] for n in batches}
+    compiles = 0
+    for _ in range(rounds):
+        for name, batch in batches.items():
+            with CompileCounter() as counter:
+                samples[name].append(graph_us([lambda b=batch: b.attend(0, case.q, case.k, case.v)] * GRAPH_CALLS,
+                                              iters) / 1e3)
+            compiles += counter.counts.total
+    alone, runs = outputs["max_run=1"], outputs["max_run=8"]
+    kv = sum(p + n for p, n in case.spec) * case.hkv * case.d * 2 * 2  # each row's history, read once
+    ms = {n: statistics.median(t) for n, t in samples.items()}
+    return {"spec": case.spec[0], "count": len(case.spec), "kv_bytes": kv, "compiles": compiles,
+            "variants": {n: {"ms": ms[n], "rounds_ms": samples[n], "gb_per_s": kv / ms[n] / 1e6} for n in ms},
+            "alone_over_runs": ms["max_run=1"] / ms["max_run=8"],
+            "rel_err_runs_vs_alone": float((runs - alone).norm() / alone.norm().clamp_min(1e-30))}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     hq, hkv, d = _ints(args.heads)
     rng = np.random.default_rng(args.seed)
@@ -215,14 +261,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(text, {n: round(v["ms"], 4) for n, v in got["variants"].items()}, file=sys.stderr, flush=True)
         del case
         torch.cuda.empty_cache()
-    result["compiles_in_timed_regions"] = sum(v["compiles"] for s in result["shapes"].values()
-                                              for v in s["variants"].values())
+    for text in [s for s in args.verify.split(",") if s.strip()]:
+        case = Case(parse_shape(text), hq, hkv, d, args.block_size, rng)
+        got = result.setdefault("verify", {})[text] = measure_verify(case, args.iters, args.rounds)
+        print(text, {n: round(v["ms"], 4) for n, v in got["variants"].items()}, file=sys.stderr, flush=True)
+        del case
+        torch.cuda.empty_cache()
+    result["compiles_in_timed_regions"] = (sum(v["compiles"] for s in result["shapes"].values()
+                                               for v in s["variants"].values())
+                                           + sum(v["compiles"] for v in result.get("verify", {}).values()))
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    for text in [s for s in (args.prefill + "," + args.decode).split(",") if s.strip()]:
+    for text in [s for s in (args.prefill + "," + args.decode + "," + args.verify).split(",") if s.strip()]:
         parse_shape(text)  # a bad shape fails before any set-up
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.attention needs a CUDA GPU: run it on the GPU machine")

@@ -27,6 +27,8 @@ def test_settings_grid():
 def test_main_refuses_bad_shapes_before_needing_a_gpu():
     with pytest.raises(ValueError, match="shape"):
         attention.main(["--prefill", "4x4096"])
+    with pytest.raises(ValueError, match="shape"):
+        attention.main(["--verify", "3x(40+)"])
 
 
 @pytest.mark.gpu
@@ -34,7 +36,8 @@ def test_sweep_runs_and_compiles_nothing_while_timed(tmp_path):
     out = tmp_path / "a.json"
     assert attention.main(["--prefill", "2x(100+70)", "--decode", "3x(40+1)", "--block-n", "64", "--stages", "2,3",
                            "--warps", "4", "--decode-block-n", "64", "--decode-stages", "2", "--decode-warps", "4",
-                           "--decode-programs", "8,16", "--iters", "2", "--rounds", "1", "--out", str(out)]) == 0
+                           "--decode-programs", "8,16", "--verify", "3x(300+5)", "--iters", "2", "--rounds", "1",
+                           "--out", str(out)]) == 0
     import json
 
     got = json.loads(out.read_text())
@@ -44,4 +47,6 @@ def test_sweep_runs_and_compiles_nothing_while_timed(tmp_path):
     assert all(v["rel_err_vs_first"] < 2e-2 for v in pre.values())
     dec = got["shapes"]["3x(40+1)"]["variants"]
     assert len([n for n in dec if n.startswith("triton ")]) == 2 and got["best"]["3x(40+1)"].startswith("triton ")
+    ver = got["verify"]["3x(300+5)"]
+    assert set(ver["variants"]) == {"max_run=1", "max_run=8"} and ver["rel_err_runs_vs_alone"] < 2e-2
     assert torch.cuda.is_available()

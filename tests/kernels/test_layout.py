@@ -11,8 +11,8 @@ from megatron_rollout.kernels.layout import (
     ALIGN_ELEMS,
     TABLE_ALIGN,
     StaticDecodeLayout,
-    decode_runs,
     build_layout,
+    decode_runs,
     pack_aligned,
     table_width,
 )
