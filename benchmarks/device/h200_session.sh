@@ -31,6 +31,14 @@ for stage in "$@"; do
       cd /tmp/run
       timeout 280 python3 -m pytest -q -m gpu tests -p no:cacheprovider --timeout 120 -rf 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -15 ;;
+    verify)  # speculative decoding's verify attention: rows alone against runs (benchmarks.attention --verify),
+      # the plain decode shapes beside them, and the GPU tests of the kernels, runner and drafting engine
+      cd /tmp/run
+      timeout 200 python3 -m pytest -q -m gpu tests/kernels/test_attention.py tests/runner/test_speculative.py \
+        tests/benchmarks/test_attention_bench.py tests/engine -p no:cacheprovider --timeout 120 -rf 2>&1 \
+        | tee "$OUT/gpu_tests.log" | tail -6
+      timeout 200 python3 -m benchmarks.attention --prefill '' --backends triton --block-n '' \
+        --decode "${DECODE_SHAPES:-64x(2047+1),128x(4095+1),12x(16383+1)}" --out "$OUT/attention-verify.json" 2>&1 | tail -8 ;;
     hotswap)  # update_weights at full size: copy, bind, reshard
       cd /tmp/run
       timeout 100 python3 -m benchmarks.hotswap --model qwen3-30b-a3b --json \
