@@ -204,9 +204,23 @@ def fp8(result: dict) -> str:
                      "compilations"], rows)
 
 
+def verify(result: dict) -> str:
+    """Verify attention with each one-query row alone against runs (`benchmarks.attention --verify`)."""
+    rows = []
+    for shape, v in (result.get("verify") or {}).items():
+        alone, runs = v["variants"]["max_run=1"], v["variants"]["max_run=8"]
+        rows.append([shape, num(v["kv_bytes"] / 1e6, ",.0f"),
+                     spread(alone["ms"] * 1e3, min(alone["rounds_ms"]) * 1e3, max(alone["rounds_ms"]) * 1e3, ".1f"),
+                     spread(runs["ms"] * 1e3, min(runs["rounds_ms"]) * 1e3, max(runs["rounds_ms"]) * 1e3, ".1f"),
+                     num(runs["gb_per_s"], ",.0f"), num(v["alone_over_runs"], ".2f"),
+                     num(v["rel_err_runs_vs_alone"], ".1e"), str(v.get("compiles", "-"))])
+    return markdown(["rows x (cached + queries)", "history MB", "rows alone us", "runs us", "runs GB/s",
+                     "alone / runs", "rel. difference", "compilations"], rows)
+
+
 TABLES: dict[str, Callable[[dict], str]] = {"rollout": rollout, "decode": decode, "prefill": prefill, "gap": gap,
                                             "ops": ops, "fused-decode": fused_decode, "sort": sort, "idle": idle,
-                                            "fp8": fp8}
+                                            "fp8": fp8, "verify": verify}
 
 
 def table(kind: str, path: str | Path) -> str:

@@ -65,3 +65,13 @@ def test_vllm_speculation_is_named_in_its_row():
     rows = report.rollout(result).splitlines()[2:4]
     assert rows[0].startswith("| vLLM 0.26.0 at 16384, ngram:4 drafts: its best | - | 2 | 13.60 [13.40-13.70] |")
     assert rows[1].startswith("| vLLM 0.26.0 at 16384, core in process, ngram:4 drafts | - | 2 |")
+
+
+def test_verify_table_puts_rows_alone_beside_runs():
+    result = {"verify": {"12x(16384+5)": {
+        "kv_bytes": 402_653_184, "compiles": 0, "alone_over_runs": 1.98, "rel_err_runs_vs_alone": 0.0027,
+        "variants": {"max_run=1": {"ms": 0.3206, "rounds_ms": [0.3206, 0.3210], "gb_per_s": 1256.0},
+                     "max_run=8": {"ms": 0.1617, "rounds_ms": [0.1616, 0.1617], "gb_per_s": 2490.2}}}}}
+    lines = report.verify(result).splitlines()
+    assert lines[0].startswith("| rows x (cached + queries) | history MB | rows alone us | runs us |")
+    assert lines[2] == "| 12x(16384+5) | 403 | 320.6 [320.6-321.0] | 161.7 [161.6-161.7] | 2,490 | 1.98 | 2.7e-03 | 0 |"
