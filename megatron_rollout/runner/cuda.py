@@ -113,6 +113,18 @@ longer runs are cut."""
 COMPLETION = BoundaryPoint(-1, Site.MOE_DATA)
 """Yielded by an asynchronous P forward after its last layer while the device finishes it."""
 
+def release_rng_after_failed_capture(device: torch.device) -> None:
+    """A CUDA-graph capture that fails midway leaves the device's default generator marked as
+    capturing: torch clears the mark only when a capture ends cleanly. From then on every random op
+    outside a graph in the process raises "Offset increment outside graph capture encountered
+    unexpectedly", the trainer's own included. This swaps in a copy of the generator's state (the
+    same seed and offset, without the mark). Graphs captured earlier keep the state they
+    registered."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    generator = torch.cuda.default_generators[index]
+    generator.graphsafe_set_state(generator.clone_state())
+
+
 def make_runner(model: MoETransformer, cache: PagedKVCache, config: RunnerConfig) -> Runner:
     """The runner `config.kind` names, chosen here only: `CudaRunner` for a model on CUDA, one rank
     or many ("auto", "cuda"), else `ModelRunner` ("auto", "eager")."""
@@ -505,6 +517,7 @@ class CudaRunner:
             self.capture_error = f"{type(exc).__name__}: {exc}"
             self._graphs.clear()
             torch.cuda.synchronize(self.device)
+            release_rng_after_failed_capture(self.device)
             return None
 
     def _capture_collectively(self, sizes: Sequence[int]) -> bool:
@@ -519,6 +532,7 @@ class CudaRunner:
                     failed = failed or f"{rows} rows: {type(exc).__name__}: {exc}"
                     log.warning("decode graph capture for %d rows failed: %s", rows, exc)
                     torch.cuda.synchronize(self.device)
+                    release_rng_after_failed_capture(self.device)
         else:
             failed = "not graph-safe" if self.cache is not None else "no KV cache"
         views = self.model.comm.all_gather_object(failed, context="decode graph capture")
@@ -609,6 +623,7 @@ class CudaRunner:
             self.spec_capture_error = f"{type(exc).__name__}: {exc}"
             self._spec_graphs.clear()
             torch.cuda.synchronize(self.device)
+            release_rng_after_failed_capture(self.device)
             return None
         self._spec_graphs[(output, bucket)] = graph
         self.stats["graph_captures"] += 1
@@ -644,6 +659,7 @@ class CudaRunner:
             self._p_graphs.clear()
             self._p_hidden.clear()
             torch.cuda.synchronize(self.device)
+            release_rng_after_failed_capture(self.device)
             return None
         graphs[tokens] = graph
         self.stats["graph_captures"] += 1

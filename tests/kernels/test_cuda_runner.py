@@ -224,3 +224,34 @@ def test_fp8_weight_update_reaches_captured_graphs():
         a = run_to_end(ref.forward(step, Phase.D))
         b = run_to_end(fast.forward(step, Phase.D))
     assert fast.stats["graph_replays"] == 2 and _rel(b, a) < 3e-2
+
+
+@pytest.mark.gpu
+def test_a_failed_capture_leaves_random_ops_working(monkeypatch):
+    """A decode-graph capture that fails midway (here: a host sync inside it) falls back to eager
+    decoding, and the process's CUDA random ops keep working: torch leaves its default generator
+    marked as capturing after such a failure, and the runner clears the mark
+    (`release_rng_after_failed_capture`)."""
+    from megatron_rollout.runner import cuda as cuda_runner
+
+    model = _model(0)
+    cache = PagedKVCache(model.cfg, 64, 4, model.cfg.num_query_groups, device="cuda")
+    runner = CudaRunner(model, cache, RunnerConfig(graph_batch_sizes=(1, 2)))
+    step = cuda_runner.DecodeGraph._step
+
+    def syncing_step(self, m):
+        out = step(self, m)
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()  # not allowed while capturing: the capture is invalidated
+        return out
+
+    monkeypatch.setattr(cuda_runner.DecodeGraph, "_step", syncing_step)
+    assert runner._try_graph(2) is None and runner.capture_error is not None
+    torch.randn(8, device="cuda")  # raised "Offset increment outside graph capture" before the fix
+    torch.cuda.synchronize()
+    tables = [tuple(range(i * 8, (i + 1) * 8)) for i in range(2)]
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # and the runner still decodes (eagerly)
+        run_to_end(runner.forward(_inputs([(0, 5), (0, 3)], tables, gen), Phase.P))
+        logits = run_to_end(runner.forward(_inputs([(5, 1), (3, 1)], tables, gen), Phase.D))
+    assert torch.isfinite(logits).all()
