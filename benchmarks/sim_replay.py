@@ -196,13 +196,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="write the report as JSON here")
     ap.add_argument("--fit-from", default=None, metavar="RESULT.json",
                     help="fit the out-of-sample model to this run's off and chunked (same model and device)")
+    ap.add_argument("--trace", default=None, metavar="TRACE.jsonl",
+                    help="the run's trace (default: trace.jsonl beside the result)")
     args = ap.parse_args(argv)
     path = Path(args.result)
     result = json.loads(path.read_text())
     fit_from = json.loads(Path(args.fit_from).read_text()) if args.fit_from else None
-    trace_path = path.parent / "trace.jsonl"
+    trace_path = Path(args.trace) if args.trace else path.parent / "trace.jsonl"
     if not trace_path.exists():
-        raise SystemExit(f"{trace_path} not found: benchmarks.rollout writes the trace beside rollout.json")
+        raise SystemExit(f"{trace_path} not found: benchmarks.rollout writes the trace beside rollout.json "
+                         f"(or name it with --trace)")
     report = {"result": str(path), "fit_from": args.fit_from, **sim_replay(result, load_trace(trace_path), fit_from)}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

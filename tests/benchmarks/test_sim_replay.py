@@ -78,3 +78,14 @@ def test_another_runs_off_and_chunked_can_make_the_out_of_sample_fit(run):
     assert math.isfinite(helped["schedules"]["mux"]["out_of_sample"]["linear"]["error"])
     with pytest.raises(SystemExit, match="its model is 'other'"):
         sim_replay.sim_replay(only_mux, trace, fit_from={**result, "model": "other"})
+
+
+@pytest.mark.timeout(60)
+def test_the_trace_may_be_named_apart_from_the_result(run, tmp_path):
+    out, result = run
+    moved = tmp_path / "r.json"
+    moved.write_text(json.dumps(result))
+    with pytest.raises(SystemExit, match="--trace"):
+        sim_replay.main([str(moved)])
+    assert sim_replay.main([str(moved), "--trace", str(out / "trace.jsonl"), "--out", str(tmp_path / "s.json")]) == 0
+    assert list(json.loads((tmp_path / "s.json").read_text())["schedules"]) == ["off", "chunked", "mux"]
