@@ -46,7 +46,8 @@ def test_repeats_are_interleaved_warm_and_summarised(run):
         assert [r["repeat"] for r in s["repeats"]] == [0, 1]
         for r in s["repeats"]:
             assert r["finished"] and r["warm"], r
-            assert r["compilations"]["total"] == 0 and r["compilations"]["triton_source"] == "none"
+            # "hook" where Triton is installed (the interpreter tests), "none" where it is not
+            assert r["compilations"]["total"] == 0 and r["compilations"]["triton_source"] in ("none", "hook")
             assert r["report"]["requests"] == result["trace"]["requests"] and r["report"]["failed"] == 0
             assert r["report"]["output_tokens"] == result["trace"]["output_tokens"]
             assert r["runner"] == "ModelRunner"
