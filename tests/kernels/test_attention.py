@@ -46,6 +46,18 @@ def _spans(spec: list[tuple[int, int]], block_size: int, num_blocks: int, gen: t
     return spans
 
 
+def _caches(cfg: ModelConfig, blocks: int, bs: int, device: str, gen: torch.Generator
+            ) -> tuple[PagedKVCache, PagedKVCache]:
+    """A reference cache of random K/V and a copy of it for the kernels."""
+    ref = PagedKVCache(cfg, blocks, bs, cfg.num_query_groups, device=device)
+    ref.k.copy_(torch.randn(ref.k.shape, generator=gen).to(cfg.torch_dtype))
+    ref.v.copy_(torch.randn(ref.v.shape, generator=gen).to(cfg.torch_dtype))
+    cache = PagedKVCache(cfg, blocks, bs, cfg.num_query_groups, device=device)
+    cache.k.copy_(ref.k)
+    cache.v.copy_(ref.v)
+    return ref, cache
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12))
 
@@ -58,12 +70,7 @@ def _case(device: str, spec: list[tuple[int, int]], hq: int, hkv: int, d: int, b
     dt = cfg.torch_dtype
     total_blocks = sum(-(-(p + n) // bs) for p, n in spec) + 7
     spans = _spans(spec, bs, total_blocks, gen)
-    ref_cache = PagedKVCache(cfg, total_blocks, bs, hkv, device=device)
-    ref_cache.k.copy_(torch.randn(ref_cache.k.shape, generator=gen).to(dt))
-    ref_cache.v.copy_(torch.randn(ref_cache.v.shape, generator=gen).to(dt))
-    cache = PagedKVCache(cfg, total_blocks, bs, hkv, device=device)
-    cache.k.copy_(ref_cache.k)
-    cache.v.copy_(ref_cache.v)
+    ref_cache, cache = _caches(cfg, total_blocks, bs, device, gen)
     n = sum(new for _, new in spec)
     q = torch.randn(n, hq, d, generator=gen).to(device, dt)
     k = torch.randn(n, hkv, d, generator=gen).to(device, dt)
@@ -383,20 +390,9 @@ def test_verify_runs_read_once_and_match_portable(device, max_run):
     dt = cfg.torch_dtype
     rows = [(125, 5), (300, 1), (17, 6), (64, 3)]  # (cached positions, one-query rows)
     total_blocks = sum(-(-(p + n) // bs) for p, n in rows) + 3
-    perm = torch.randperm(total_blocks, generator=gen).tolist()
-    spans, at = [], 0
-    for past, n in rows:
-        k = -(-(past + n) // bs)
-        table = tuple(perm[at:at + k])
-        at += k
-        spans += [SeqSpan(table, past + j, 1) for j in range(n)]
+    spans = [SeqSpan(s.table, s.past + j, 1) for s in _spans(rows, bs, total_blocks, gen) for j in range(s.new)]
     assert decode_runs(spans, max_run).tolist()[:5] == ([4, 0, 0, 0, 1] if max_run == 4 else [5, 0, 0, 0, 0])
-    ref_cache = PagedKVCache(cfg, total_blocks, bs, hkv, device=device)
-    ref_cache.k.copy_(torch.randn(ref_cache.k.shape, generator=gen).to(dt))
-    ref_cache.v.copy_(torch.randn(ref_cache.v.shape, generator=gen).to(dt))
-    cache = PagedKVCache(cfg, total_blocks, bs, hkv, device=device)
-    cache.k.copy_(ref_cache.k)
-    cache.v.copy_(ref_cache.v)
+    ref_cache, cache = _caches(cfg, total_blocks, bs, device, gen)
     n, graph_rows = len(spans), 20
     q, k, v = (torch.randn(graph_rows, h, d, generator=gen).to(device, dt) for h in (hq, hkv, hkv))
     ref = PagedBatch(ref_cache, spans).attend(1, q[:n], k[:n], v[:n])
