@@ -190,10 +190,11 @@ class RolloutEngine:
 
     def capture_graphs(self, max_rows: int) -> bool:
         """Capture now every CUDA graph a rollout of up to `max_rows` decode rows replays: the decode
-        buckets, the piecewise P graphs and, drafting, the verify (and MTP draft) graphs of each
-        row's one-token rows. Otherwise each is captured on first use, inside the first rollout. On
-        many ranks every rank calls it at the same point. False: this runner has no graphs, or decode
-        capture failed (`runner.capture`)."""
+        buckets and the piecewise P graphs or, drafting, the verify (and MTP draft) graphs of each
+        row's one-token rows and the hidden-state P graphs (the plain ones are never replayed then).
+        Otherwise each is captured on first use, inside the first rollout. On many ranks every rank
+        calls it at the same point. False: this runner has no graphs, or capture failed
+        (`runner.capture`)."""
         if max_rows <= 0:
             raise ValueError(f"capture_graphs: max_rows must be positive, got {max_rows}")
         capture = getattr(self.runner, "capture", None)
@@ -201,7 +202,8 @@ class RolloutEngine:
             return False
         top = self.runner.bucket(max_rows * self.executor.graph_rows_per_row)
         sizes = [b for b in self.runner.config.graph_batch_sizes if top is None or b <= top]
-        return capture(sizes, speculative=self.executor.graph_outputs)
+        outputs = self.executor.graph_outputs
+        return capture(sizes, speculative=outputs, plain=not outputs)
 
     @property
     def step_log(self) -> StepLog:

@@ -337,30 +337,34 @@ class CudaRunner:
         graph = None if self.multi_rank else self._decode_graph(inputs)
         return None if graph is None else run_to_end(self._replay(graph, inputs, tokens))
 
-    def capture(self, batch_sizes: Sequence[int] | None = None, speculative: Sequence[str] = ()) -> bool:
+    def capture(self, batch_sizes: Sequence[int] | None = None, speculative: Sequence[str] = (),
+                plain: bool = True) -> bool:
         """Capture decode graphs now (largest first, sharing one memory pool) and, on one rank, the
         piecewise P graphs of every token bucket; False if decode capture failed (decode then runs
         eagerly; `capture_error` says why; `prefill_capture_error` for P). On many ranks, every rank
         must call it at the same point (the warm-ups run collectives).
         `speculative`: the drafting outputs ("hidden" to verify, "mtp" to draft) to capture too, in the
         buckets of `batch_sizes`, with the piecewise hidden-state P graphs; otherwise a drafting
-        engine captures each on first use, inside its first rollout."""
+        engine captures each on first use, inside its first rollout. `plain=False` leaves out the
+        plain decode and P graphs, which a drafting engine never replays; the result is then whether
+        every verify and draft graph was captured (False on many ranks: drafting runs eagerly there)."""
+        if not plain and not speculative:
+            raise ValueError("capture(plain=False) needs the speculative outputs to capture instead")
         if not (self.config.use_graphs and self.graph_safe):
             return False
         sizes = batch_sizes or self.graph_sizes
         if self.multi_rank:
             self._captured = True
-            return self._capture_collectively(sizes)
-        decode = all(self._try_graph(rows) is not None for rows in sorted(sizes, reverse=True))
-        for hidden in (False, True) if speculative else (False,):
+            return self._capture_collectively(sizes) if plain else False
+        decode = all(self._try_graph(rows) is not None for rows in sorted(sizes, reverse=True)) if plain else True
+        for hidden in ((False,) if plain else ()) + ((True,) if speculative else ()):
             for tokens in sorted(self.config.prefill_graph_tokens, reverse=True) if self.graph_safe else ():
                 if self._prefill_graph(tokens, hidden) is None:
                     break
         buckets = sorted({b for b in map(self.bucket, sizes) if b is not None}, reverse=True)
-        for output in map(DecodeOutput, speculative):
-            if not all(self._capture_spec(output, b) is not None for b in buckets):
-                break
-        return decode
+        drafting = all(all(self._capture_spec(output, b) is not None for b in buckets)
+                       for output in map(DecodeOutput, speculative))
+        return decode if plain else drafting
 
     # -- for measurement: the parts benchmarks time, without the engine around them ------------
     PER_FORWARD_SETTINGS = ("use_graphs", "graph_batch_sizes", "prefill_graph_tokens", "prefill_graph_rows",

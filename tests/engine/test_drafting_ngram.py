@@ -174,8 +174,9 @@ class _CaptureSurface:
     def bucket(self, rows: int) -> int | None:
         return next((b for b in self.config.graph_batch_sizes if b >= rows), None)
 
-    def capture(self, sizes, speculative=()) -> bool:
+    def capture(self, sizes, speculative=(), plain=True) -> bool:
         self.asked = (list(sizes), tuple(speculative))
+        self.plain = plain
         return True
 
 
@@ -190,9 +191,11 @@ def test_capture_graphs_asks_for_the_verify_rows_of_every_draft():
                                 ([1, 2, 4, 8, 16, 32, 64], ("hidden",)))):
         engine.runner = _CaptureSurface()
         assert engine.capture_graphs(rows) and engine.runner.asked == want
+        assert engine.runner.plain == (not want[1])  # a drafting engine replays no plain graph
     mtp = RolloutEngine(MoETransformer(CFG).init_weights(seed=0, std=0.3),
                         small("mux", speculative=SpeculativeConfig("mtp", 2)))
     mtp.runner = _CaptureSurface()
     assert mtp.capture_graphs(4) and mtp.runner.asked == ([1, 2, 4, 8, 16], ("hidden", "mtp"))  # 12 rows
+    assert not mtp.runner.plain
     with pytest.raises(ValueError, match="max_rows must be positive"):
         plain.capture_graphs(0)

@@ -189,8 +189,9 @@ def test_the_cuda_runner_replays_verify_and_draft_graphs_like_the_portable_runne
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 def test_capture_takes_the_drafting_graphs_ahead_so_a_rollout_captures_none():
-    """`capture(sizes, speculative=...)` captures the verify and draft graphs of every bucket and the
-    hidden-state P graphs before the first forward: the forwards that follow capture nothing."""
+    """`capture(sizes, speculative=..., plain=False)` captures the verify and draft graphs of every
+    bucket and the hidden-state P graphs before the first forward, and no plain graph: the forwards
+    that follow capture nothing."""
     from megatron_rollout.runner.config import RunnerConfig
     from megatron_rollout.runner.cuda import make_runner
 
@@ -198,9 +199,12 @@ def test_capture_takes_the_drafting_graphs_ahead_so_a_rollout_captures_none():
     fast = make_runner(MoETransformer(cfg, device="cuda").init_weights(0, std=0.1),
                        PagedKVCache(cfg, 64, 16, 1, device="cuda"),
                        RunnerConfig(graph_batch_sizes=(1, 2, 4, 8, 16), prefill_graph_tokens=(64, 256)))
-    assert fast.capture((2, 8), speculative=("hidden", "mtp"))
+    with pytest.raises(ValueError, match="plain=False"):
+        fast.capture((2, 8), plain=False)
+    assert fast.capture((2, 8), speculative=("hidden", "mtp"), plain=False)  # a drafting engine's capture
     assert fast.captured.speculative == (("hidden", 2), ("hidden", 8), ("mtp", 2), ("mtp", 8),
                                          ("prefill-hidden", 64), ("prefill-hidden", 256))
+    assert fast.captured.decode == () and fast.captured.prefill == ()  # no plain graph it would never replay
     before = fast.stats["graph_captures"]
     gen = torch.Generator().manual_seed(0)
     tables = [tuple(range(i * 16, (i + 1) * 16)) for i in range(3)]
