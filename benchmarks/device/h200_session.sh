@@ -34,7 +34,7 @@ for stage in "$@"; do
     verify)  # speculative decoding's verify attention: rows alone against runs (benchmarks.attention --verify),
       # the plain decode shapes beside them, and the GPU tests of the kernels, runner and drafting engine
       cd /tmp/run
-      timeout 200 python3 -m pytest -q -m gpu tests/kernels/test_attention.py tests/runner/test_speculative.py \
+      timeout 240 python3 -m pytest -q -m gpu tests/kernels/test_attention.py tests/kernels/test_cuda_runner.py tests/runner/test_speculative.py \
         tests/benchmarks/test_attention_bench.py tests/engine -p no:cacheprovider --timeout 120 -rf 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -6
       timeout 200 python3 -m benchmarks.attention --prefill '' --backends triton --block-n '' \
