@@ -147,7 +147,7 @@ class Case:
         static = StaticDecodeLayout(len(rows), max(len(s.table) for s in self.spans), self.block_size, kernels,
                                     self.hq, self.hkv, self.d, torch.device("cuda"),
                                     torch.cuda.get_device_properties(0).multi_processor_count, max_run=max_run)
-        static.fill(rows, [0] * len(rows))
+        static.fill(rows, [0] * len(rows), runs=[s.new for s in self.spans])
         cache = types.SimpleNamespace(k=self.k_cache, v=self.v_cache, block_size=self.block_size)
         return KernelPagedBatch(cache, static.layout, kernels)
 

@@ -51,18 +51,13 @@ def choose_splits(rows: int, kv_heads: int, num_sms: int, max_len: int | None = 
     return max(1, min(cap, splits))
 
 
-def decode_runs(spans: Sequence[SeqSpan], max_run: int) -> np.ndarray:
-    """`DecodeMeta.runs` of one-token rows: a row continues the run before it when it has the very
-    same table object (`runner.speculative.flatten` hands every position of a row the row's table)
-    and one more cached position; runs are cut every `max_run` rows."""
-    n = len(spans)
-    joins = np.fromiter((i > 0 and spans[i].table is spans[i - 1].table and spans[i].past == spans[i - 1].past + 1
-                         for i in range(n)), bool, n)
-    chain = np.cumsum(~joins) - 1  # chain id of every row
-    first = np.flatnonzero(~joins)  # each chain's first row
-    at = np.arange(n) - first[chain]  # position in the chain
-    size = np.diff(np.append(first, n))[chain]
-    return np.where(at % max_run == 0, np.minimum(max_run, size - at), 0).astype(np.int32)
+def decode_runs(counts: Sequence[int], max_run: int) -> np.ndarray:
+    """`DecodeMeta.runs` of one-token rows made by `runner.speculative.flatten` from rows of
+    `counts` new positions each: every row's positions are one run, cut every `max_run` rows."""
+    c = np.asarray(counts, np.int64)
+    row = np.repeat(np.arange(c.size), c)  # the row each one-token row came from
+    at = np.arange(row.size) - (np.cumsum(c) - c)[row]  # its position in that row
+    return np.where(at % max_run == 0, np.minimum(max_run, c[row] - at), 0).astype(np.int32)
 
 
 ALIGN_ELEMS = 4
@@ -206,8 +201,8 @@ class StaticDecodeLayout:
     start after them, so every view is 16-byte aligned (see the module docstring).
 
     `max_run` > 1 (the verify and draft graphs of speculative decoding): `fill` also marks the
-    runs of rows over one history (`decode_runs`), and the KV splits are sized for the runs' heads,
-    the rows that read the cache."""
+    runs of rows over one history its caller names (`decode_runs`), and the KV splits are sized for
+    the runs' heads, the rows that read the cache."""
 
     SECTIONS = 5
     """tokens, positions, slots, lengths, runs."""
@@ -253,9 +248,11 @@ class StaticDecodeLayout:
         h[4 * st:5 * st] = 1
         self._upload(0)
 
-    def fill(self, spans: Sequence[SeqSpan], tokens: Sequence[int], keys: Sequence[Hashable | None] | None = None
-             ) -> None:
-        """Load one decode batch (`len(spans)` <= rows; one new token per span). `keys` (see
+    def fill(self, spans: Sequence[SeqSpan], tokens: Sequence[int], keys: Sequence[Hashable | None] | None = None,
+             runs: Sequence[int] | None = None) -> None:
+        """Load one decode batch (`len(spans)` <= rows; one new token per span). `runs`: the spans
+        are `runner.speculative.flatten`'s rows of rows with these new-position counts (marked as
+        runs where `max_run` > 1; None: each span alone). `keys` (see
         `SpanInput.key`): a key filled last time has its table's earlier entries in the host buffer
         already, in its old row: they are reused (in place, or by one row copy when the batch
         shifted: rows only move up as older ones finish) and only the new entries are converted
@@ -291,7 +288,7 @@ class StaticDecodeLayout:
         h[2 * st + n:2 * st + b] = -1
         h[3 * st:3 * st + n] = pasts + 1
         h[3 * st + n:3 * st + b] = 0
-        h[4 * st:4 * st + n] = decode_runs(spans, self.max_run) if self.max_run > 1 else 1
+        h[4 * st:4 * st + n] = decode_runs(runs, self.max_run) if runs is not None and self.max_run > 1 else 1
         h[4 * st + n:4 * st + b] = 1
         self._upload(n)
 

@@ -555,15 +555,18 @@ class CudaRunner:
                 DecodeOutput.MTP: "draft_replays"}
 
     def _replay(self, graph: DecodeGraph, inputs: list[SpanInput], tokens: torch.Tensor | None = None,
-                hidden: torch.Tensor | None = None) -> Forward:
+                hidden: torch.Tensor | None = None, runs: list[int] | None = None) -> Forward:
         """The graph over `inputs` (one token each); `tokens` [rows] replace their token ids and
-        `hidden` [rows, H] fills an MTP graph's input, both device tensors. Returns a view of the
-        graph's output: read it before this graph, or another sharing its pool, replays again."""
+        `hidden` [rows, H] fills an MTP graph's input, both device tensors; `runs`: `inputs` are
+        `flatten`'s rows of rows with these new-position counts (`StaticDecodeLayout.fill`). Returns
+        a view of the graph's output: read it before this graph, or another sharing its pool,
+        replays again."""
         n = len(inputs)
         caller = torch.cuda.current_stream()
         self.d_stream.wait_stream(caller)  # also: `tokens` and `hidden`, made on the caller's stream
         with torch.cuda.stream(self.d_stream):
-            graph.static.fill([i.span for i in inputs], [i.token_ids[0] for i in inputs], [i.key for i in inputs])
+            graph.static.fill([i.span for i in inputs], [i.token_ids[0] for i in inputs], [i.key for i in inputs],
+                              runs)
             if tokens is not None:
                 graph.static.tokens[:n].copy_(tokens)
             if hidden is not None:
@@ -585,7 +588,7 @@ class CudaRunner:
             rows = flatten(inputs)
             graph = self._spec_graph(DecodeOutput.HIDDEN, rows)
             if graph is not None:
-                return self._replay(graph, rows)
+                return self._replay(graph, rows, runs=[i.span.new for i in inputs])
         return self._eager(inputs, phase, DecodeOutput.HIDDEN)
 
     def forward_mtp(self, spans: list[SeqSpan], hidden: torch.Tensor, next_tokens: torch.Tensor,
@@ -599,7 +602,7 @@ class CudaRunner:
             rows = flatten(inputs)
             graph = self._spec_graph(DecodeOutput.MTP, rows)
             if graph is not None:
-                return self._replay(graph, rows, next_tokens, hidden)
+                return self._replay(graph, rows, next_tokens, hidden, [s.new for s in spans])
         return self._eager(inputs, phase, DecodeOutput.MTP, next_tokens, hidden)
 
     def _spec_graph(self, output: DecodeOutput, rows: list[SpanInput]) -> DecodeGraph | None:

@@ -391,7 +391,8 @@ def test_verify_runs_read_once_and_match_portable(device, max_run):
     rows = [(125, 5), (300, 1), (17, 6), (64, 3)]  # (cached positions, one-query rows)
     total_blocks = sum(-(-(p + n) // bs) for p, n in rows) + 3
     spans = [SeqSpan(s.table, s.past + j, 1) for s in _spans(rows, bs, total_blocks, gen) for j in range(s.new)]
-    assert decode_runs(spans, max_run).tolist()[:5] == ([4, 0, 0, 0, 1] if max_run == 4 else [5, 0, 0, 0, 0])
+    counts = [n for _, n in rows]
+    assert decode_runs(counts, max_run).tolist()[:5] == ([4, 0, 0, 0, 1] if max_run == 4 else [5, 0, 0, 0, 0])
     ref_cache, cache = _caches(cfg, total_blocks, bs, device, gen)
     n, graph_rows = len(spans), 20
     q, k, v = (torch.randn(graph_rows, h, d, generator=gen).to(device, dt) for h in (hq, hkv, hkv))
@@ -400,7 +401,7 @@ def test_verify_runs_read_once_and_match_portable(device, max_run):
     layout = StaticDecodeLayout(graph_rows, 80, bs, kernels, hq, hkv, d, torch.device(device), num_sms=132,
                                 max_run=max_run)
     assert layout.decode.splits > 1
-    layout.fill(spans, [0] * n)
+    layout.fill(spans, [0] * n, runs=counts)
     out = KernelPagedBatch(cache, layout.layout, kernels).attend(1, q, k, v)
     assert torch.equal(out[n:], torch.zeros_like(out[n:]))  # padding rows
     assert _rel(out[:n], ref) < _tol(device)

@@ -219,16 +219,12 @@ def test_prefill_tiles_cover_every_query_once_in_the_chosen_order(heavy_first):
         assert list(zip(seq, start)) == sorted(zip(seq, start))
 
 
-def test_decode_runs_join_rows_of_one_table_at_consecutive_lengths():
-    """A verify forward's one-query rows (`runner.speculative.flatten`) share their row's table object:
-    they form one run, cut every `max_run` rows; equal tables that are other objects, or lengths
-    that do not follow on, start a new run."""
-    a, b = (1, 2, 3), (4, 5)
-    rows = ([SeqSpan(a, 10 + j, 1) for j in range(5)] + [SeqSpan(b, 3, 1)] + [SeqSpan(b, 7 + j, 1) for j in range(3)]
-            + [SeqSpan((1, 2, 3), 15, 1)])  # equal to `a`, another object, and the next length: alone
-    assert decode_runs(rows, 8).tolist() == [5, 0, 0, 0, 0, 1, 3, 0, 0, 1]
-    assert decode_runs(rows, 2).tolist() == [2, 0, 2, 0, 1, 1, 2, 0, 1, 1]
-    assert decode_runs(rows, 1).tolist() == [1] * 10
+def test_decode_runs_mark_each_rows_positions_cut_at_max_run():
+    """A verify forward's rows of 5, 1 and 3 new positions, flattened to one-query rows: each row's
+    positions are one run, cut every `max_run` rows."""
+    assert decode_runs([5, 1, 3], 8).tolist() == [5, 0, 0, 0, 0, 1, 3, 0, 0]
+    assert decode_runs([5, 1, 3], 2).tolist() == [2, 0, 2, 0, 1, 1, 2, 0, 1]
+    assert decode_runs([5, 1, 3], 1).tolist() == [1] * 9
     assert decode_runs([], 8).tolist() == []
 
 
@@ -236,10 +232,12 @@ def test_static_layout_marks_runs_only_where_asked():
     a = (3, 1, 4)
     spans = [SeqSpan(a, 40 + j, 1) for j in range(3)]
     plain = StaticDecodeLayout(8, 16, 16, PortableAttention(), 8, 4, 8, torch.device("cpu"), num_sms=4)
-    plain.fill(spans, [7] * 3)
+    plain.fill(spans, [7] * 3, runs=[3])
     assert plain.decode.runs is None and plain.runs.tolist() == [1] * 8
     runs = StaticDecodeLayout(8, 16, 16, PortableAttention(), 8, 4, 8, torch.device("cpu"), num_sms=4, max_run=4)
     runs.fill(spans, [7] * 3)
+    assert runs.runs.tolist() == [1] * 8  # no runs named: every row alone
+    runs.fill(spans, [7] * 3, runs=[3])
     assert runs.decode.runs is not None and runs.decode.max_run == 4
     assert runs.runs.tolist() == [3, 0, 0, 1, 1, 1, 1, 1]  # padding rows stand alone (length 0)
     assert runs.lens.tolist()[:3] == [41, 42, 43]
