@@ -99,7 +99,7 @@ from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.multiplex.routing import PhaseStreams
 from megatron_rollout.runner.base import CapturedGraphs, ModelRunner, Runner
 from megatron_rollout.runner.config import RUNNER_ENV, RunnerConfig
-from megatron_rollout.runner.piecewise import PiecewiseGraph, SharedOutputs
+from megatron_rollout.runner.piecewise import PiecewiseGraph, SharedOutputs, release_rng_after_failed_capture
 from megatron_rollout.runner.speculative import flatten
 from megatron_rollout.types import Axis, Phase, SeqSpan, SpanInput
 
@@ -112,17 +112,6 @@ MAX_RUN = 8
 longer runs are cut."""
 COMPLETION = BoundaryPoint(-1, Site.MOE_DATA)
 """Yielded by an asynchronous P forward after its last layer while the device finishes it."""
-
-def release_rng_after_failed_capture(device: torch.device) -> None:
-    """A CUDA-graph capture that fails midway leaves the device's default generator marked as
-    capturing: torch clears the mark only when a capture ends cleanly. From then on every random op
-    outside a graph in the process raises "Offset increment outside graph capture encountered
-    unexpectedly", the trainer's own included. This swaps in a copy of the generator's state (the
-    same seed and offset, without the mark). Graphs captured earlier keep the state they
-    registered."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    generator = torch.cuda.default_generators[index]
-    generator.graphsafe_set_state(generator.clone_state())
 
 
 def make_runner(model: MoETransformer, cache: PagedKVCache, config: RunnerConfig) -> Runner:
@@ -184,8 +173,12 @@ class DecodeGraph:
         stream.synchronize()
         self.graph = torch.cuda.CUDAGraph()
         mode = "thread_local" if collective else "global"
-        with torch.no_grad(), torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode=mode):
-            self.out = self._step(model)
+        try:
+            with torch.no_grad(), torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode=mode):
+                self.out = self._step(model)
+        except BaseException:
+            release_rng_after_failed_capture(stream.device)
+            raise
 
 
 class _DomainProbe:
@@ -521,7 +514,6 @@ class CudaRunner:
             self.capture_error = f"{type(exc).__name__}: {exc}"
             self._graphs.clear()
             torch.cuda.synchronize(self.device)
-            release_rng_after_failed_capture(self.device)
             return None
 
     def _capture_collectively(self, sizes: Sequence[int]) -> bool:
@@ -536,7 +528,6 @@ class CudaRunner:
                     failed = failed or f"{rows} rows: {type(exc).__name__}: {exc}"
                     log.warning("decode graph capture for %d rows failed: %s", rows, exc)
                     torch.cuda.synchronize(self.device)
-                    release_rng_after_failed_capture(self.device)
         else:
             failed = "not graph-safe" if self.cache is not None else "no KV cache"
         views = self.model.comm.all_gather_object(failed, context="decode graph capture")
@@ -630,7 +621,6 @@ class CudaRunner:
             self.spec_capture_error = f"{type(exc).__name__}: {exc}"
             self._spec_graphs.clear()
             torch.cuda.synchronize(self.device)
-            release_rng_after_failed_capture(self.device)
             return None
         self._spec_graphs[(output, bucket)] = graph
         self.stats["graph_captures"] += 1
@@ -666,7 +656,6 @@ class CudaRunner:
             self._p_graphs.clear()
             self._p_hidden.clear()
             torch.cuda.synchronize(self.device)
-            release_rng_after_failed_capture(self.device)
             return None
         graphs[tokens] = graph
         self.stats["graph_captures"] += 1

@@ -94,6 +94,18 @@ class SharedOutputs:
         return buf[:q.shape[0]]
 
 
+def release_rng_after_failed_capture(device: torch.device) -> None:
+    """A CUDA-graph capture that fails midway leaves the device's default generator marked as
+    capturing: torch clears the mark only when a capture ends cleanly. From then on every random op
+    outside a graph in the process raises "Offset increment outside graph capture encountered
+    unexpectedly", the trainer's own included. This swaps in a copy of the generator's state (the
+    same seed and offset, without the mark). Graphs captured earlier keep the state they
+    registered."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    generator = torch.cuda.default_generators[index]
+    generator.graphsafe_set_state(generator.clone_state())
+
+
 class _Recorder(AttentionBackend):
     """Capture: every attention call ends the current piece's graph and begins the next."""
 
@@ -113,14 +125,16 @@ class _Recorder(AttentionBackend):
         piece.graph.capture_end()
         self.pieces.append(piece)
 
-    def abort(self) -> None:
-        """End a capture that failed midway (the stream must leave capture mode)."""
+    def abort(self, device: torch.device) -> None:
+        """End a capture that failed midway (the stream must leave capture mode, the generator its
+        capture mark)."""
         if self.current is not None:
             try:
                 self.current.graph.capture_end()
             except Exception:  # the capture was already invalidated: nothing left to end
                 pass
             self.current = None
+        release_rng_after_failed_capture(device)
 
     def attend(self, layer, q, k, v):
         self.end()
@@ -167,7 +181,7 @@ class PiecewiseGraph:
                         break
                 rec.end()
             except BaseException:
-                rec.abort()
+                rec.abort(stream.device)
                 raise
         self.pieces, self.slots = rec.pieces, rec.slots  # one piece more than attention calls
 
