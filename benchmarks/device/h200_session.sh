@@ -102,7 +102,7 @@ for stage in "$@"; do
       python3 -m benchmarks.plot "$OUT/$run.json" "$OUT/$run.png" ;;
     drafts)  # n-gram drafting under mux with FA3 for prefill attention (the unpacked bundle): plain mux, the
       # default wait budget and a 3x one (more prefill a round); vLLM after, with `PEER_RUN=drafts64 peer`.
-      # Written 2026-12-04 after the device time of that day was spent: not run yet
+      # (ran 2026-12-04: benchmarks/results/2026-12-04-verify-runs-fa3-h200; CONV and SCHEDULES override)
       mkdir -p /tmp/pv/site
       [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.0* | xz -dc -T8 | tar -x -C /tmp/pv/site)
       cd /tmp/run
