@@ -20,7 +20,9 @@ Verify shapes (`--verify`, `COUNTx(CACHED+QUERIES)`: COUNT rows, each a pending 
 QUERIES - 1 drafts after CACHED positions) time speculative decoding's verify attention as its
 graphs run it: one-query rows (`runner.speculative.flatten`) in a `StaticDecodeLayout`, each row
 alone (`max_run` 1: a row's history read QUERIES times) against runs (`max_run` 8: read once);
-`kv_bytes` counts one read.
+`kv_bytes` counts one read. `--verify-block-n` (with `--verify-stages`, `--verify-warps`,
+`--verify-programs`) adds the runs under each setting of that grid (`TritonAttention.verify_*`),
+and `best_verify` names the fastest per shape.
 """
 from __future__ import annotations
 
@@ -66,12 +68,12 @@ def pairs(spec: list[tuple[int, int]]) -> int:
 
 def triton_settings(block_n: list[int], stages: list[int], warps: list[int], phase: str = "prefill",
                     programs: list[int] | None = None) -> list[dict[str, int]]:
-    """The grid of `TritonAttention` launch settings for `phase` ("prefill" or "decode"; decode
-    also crosses `programs`, the programs per SM that set the KV splits)."""
+    """The grid of `TritonAttention` launch settings for `phase` ("prefill", "decode" or "verify";
+    the last two also cross `programs`, the programs per SM that set the KV splits)."""
     grid = [{f"{phase}_block_n": b, f"{phase}_stages": s, f"{phase}_warps": w}
             for b, s, w in itertools.product(block_n, stages, warps)]
-    if phase == "decode":
-        grid = [{**g, "decode_programs_per_sm": p} for g in grid for p in (programs or [8])]
+    if phase in ("decode", "verify"):
+        grid = [{**g, f"{phase}_programs_per_sm": p} for g in grid for p in (programs or [8])]
     return grid
 
 
@@ -92,6 +94,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-warps", default="4,8")
     p.add_argument("--decode-programs", default="8", help="decode programs per SM to try (sets the KV splits)")
     p.add_argument("--verify", default=",".join(VERIFY), help="verify shapes, COUNTx(CACHED+QUERIES) ('' = none)")
+    p.add_argument("--verify-block-n", default="", help="Triton key blocks to try for the runs ('' = no verify grid)")
+    p.add_argument("--verify-stages", default="2,3")
+    p.add_argument("--verify-warps", default="4,8")
+    p.add_argument("--verify-programs", default="4", help="programs per SM to try for the runs (sets their splits)")
     p.add_argument("--backends", default="triton,varlen", help="backends besides the Triton grid")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
@@ -136,14 +142,15 @@ class Case:
                               self.block_size, kernels, self.hq, self.hkv, self.d, torch.device("cuda"))
         return KernelPagedBatch(cache, layout, kernels)
 
-    def verify_batch(self, max_run: int):
-        """The spans as a verify graph lays them out: one-query rows, runs up to `max_run`."""
+    def verify_batch(self, max_run: int, kernels=None):
+        """The spans as a verify graph lays them out: one-query rows, runs up to `max_run`
+        (`kernels`: a `TritonAttention` with its settings; None: the defaults)."""
         from megatron_rollout.kernels.layout import KernelPagedBatch, StaticDecodeLayout
         from megatron_rollout.kernels.triton_attention import TritonAttention
         from megatron_rollout.types import SeqSpan
 
         rows = [SeqSpan(s.table, s.past + j, 1) for s in self.spans for j in range(s.new)]
-        kernels = TritonAttention()
+        kernels = kernels or TritonAttention()
         static = StaticDecodeLayout(len(rows), max(len(s.table) for s in self.spans), self.block_size, kernels,
                                     self.hq, self.hkv, self.d, torch.device("cuda"),
                                     torch.cuda.get_device_properties(0).multi_processor_count, max_run=max_run)
@@ -211,12 +218,25 @@ def measure(case: Case, variants: list[tuple[str, Any]], iters: int, rounds: int
     return {"spec": case.spec[0], "count": len(case.spec), **work, "variants": rows, "errors": errors}
 
 
-def measure_verify(case: Case, iters: int, rounds: int) -> dict[str, Any]:
-    """Verify attention with each row alone (`max_run` 1) and in runs (`max_run` 8), graph-timed in
-    interleaved rounds; the runs' output against the rows' alone."""
+def measure_verify(case: Case, iters: int, rounds: int, grid: list[dict[str, int]] = ()) -> dict[str, Any]:
+    """Verify attention with each row alone (`max_run` 1) and in runs (`max_run` 8, the default
+    settings and each of `grid`'s), graph-timed in interleaved rounds; each output against the rows'
+    alone."""
     batches = {f"max_run={m}": case.verify_batch(m) for m in (1, 8)}
-    outputs = {n: b.attend(0, case.q, case.k, case.v).float() for n, b in batches.items()}  # compiles, untimed
-    torch.cuda.synchronize()
+    errors = {}
+    for name, kernels in _variants([], grid):
+        try:
+            batches[f"max_run=8 {name}"] = case.verify_batch(8, kernels)
+        except Exception as exc:  # recorded: one setting that does not build must not end the sweep
+            errors[name] = f"{type(exc).__name__}: {exc}"[:300]
+    outputs = {}
+    for name, batch in list(batches.items()):  # compiles, untimed
+        try:
+            outputs[name] = batch.attend(0, case.q, case.k, case.v).float()
+            torch.cuda.synchronize()
+        except Exception as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"[:300]
+            batches.pop(name)
     samples: dict[str, list[float]] = {n: [] for n in batches}
     compiles = 0
     for _ in range(rounds):
@@ -225,13 +245,15 @@ def measure_verify(case: Case, iters: int, rounds: int) -> dict[str, Any]:
                 samples[name].append(graph_us([lambda b=batch: b.attend(0, case.q, case.k, case.v)] * GRAPH_CALLS,
                                               iters) / 1e3)
             compiles += counter.counts.total
-    alone, runs = outputs["max_run=1"], outputs["max_run=8"]
+    alone = outputs["max_run=1"]
     kv = sum(p + n for p, n in case.spec) * case.hkv * case.d * 2 * 2  # each row's history, read once
     ms = {n: statistics.median(t) for n, t in samples.items()}
+    err = {n: float((o - alone).norm() / alone.norm().clamp_min(1e-30)) for n, o in outputs.items()}
     return {"spec": case.spec[0], "count": len(case.spec), "kv_bytes": kv, "compiles": compiles,
-            "variants": {n: {"ms": ms[n], "rounds_ms": samples[n], "gb_per_s": kv / ms[n] / 1e6} for n in ms},
+            "variants": {n: {"ms": ms[n], "rounds_ms": samples[n], "gb_per_s": kv / ms[n] / 1e6,
+                             "rel_err_vs_alone": err[n]} for n in ms},
             "alone_over_runs": ms["max_run=1"] / ms["max_run=8"],
-            "rel_err_runs_vs_alone": float((runs - alone).norm() / alone.norm().clamp_min(1e-30))}
+            "rel_err_runs_vs_alone": err["max_run=8"], "errors": errors}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -246,6 +268,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         grid = [{**g, "prefill_heavy_first": o == "heavy"} for g in grid for o in orders]
     decode_grid = (triton_settings(_ints(args.decode_block_n), _ints(args.decode_stages), _ints(args.decode_warps),
                                    "decode", _ints(args.decode_programs)) if args.decode_block_n.strip() else [])
+    verify_grid = (triton_settings(_ints(args.verify_block_n), _ints(args.verify_stages), _ints(args.verify_warps),
+                                   "verify", _ints(args.verify_programs)) if args.verify_block_n.strip() else [])
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                               "heads": [hq, hkv, d], "block_size": args.block_size, "iters": args.iters,
                               "rounds": args.rounds, "shapes": {}, "best": {}}
@@ -263,7 +287,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.empty_cache()
     for text in [s for s in args.verify.split(",") if s.strip()]:
         case = Case(parse_shape(text), hq, hkv, d, args.block_size, rng)
-        got = result.setdefault("verify", {})[text] = measure_verify(case, args.iters, args.rounds)
+        got = result.setdefault("verify", {})[text] = measure_verify(case, args.iters, args.rounds, verify_grid)
+        result.setdefault("best_verify", {})[text] = min(got["variants"], key=lambda n: got["variants"][n]["ms"])
         print(text, {n: round(v["ms"], 4) for n, v in got["variants"].items()}, file=sys.stderr, flush=True)
         del case
         torch.cuda.empty_cache()

@@ -253,25 +253,33 @@ class Spec(NamedTuple):
     priority: str | None
     """The engine's priority (`engine.priority`); None: SchedulerConfig's default."""
     speculative: SpeculativeConfig | None = None
-    """'~ngram:K[:R]': n-gram drafts of K tokens (`drafts.ngram`), only while at most R rows decode."""
+    """'~ngram:K[:R][+T@W]': n-gram drafts of K tokens (`drafts.ngram`), only while at most R rows
+    decode, T while at most W do."""
 
 
 def _drafts(spec: str, text: str) -> SpeculativeConfig | None:
-    """'ngram:K[:R]' -> SpeculativeConfig("ngram", K, tail_rows=R); '' -> None."""
+    """'ngram:K[:R][+T@W]' -> SpeculativeConfig("ngram", K, tail_rows=R, tail_k=T, tail_k_rows=W); '' -> None."""
     if not text:
         return None
+    text, _, tail = text.partition("+")
     method, *numbers = text.split(":")
     try:
-        k, *tail = (int(n) for n in numbers)
-        return SpeculativeConfig(method, k, tail_rows=tail[0] if tail else None)
+        k, *rows = (int(n) for n in numbers)
+        wide = {}
+        if tail:
+            tail_k, at, tail_rows = tail.partition("@")
+            wide = {"tail_k": int(tail_k), **({"tail_k_rows": int(tail_rows)} if at else {})}
+        return SpeculativeConfig(method, k, tail_rows=rows[0] if rows else None, **wide)
     except (ValueError, TypeError) as exc:
-        raise SystemExit(f"schedule {spec!r}: drafts are '~ngram:K' or '~ngram:K:R' ({exc})") from None
+        raise SystemExit(f"schedule {spec!r}: drafts are '~ngram:K', '~ngram:K:R' or either with '+T@W' "
+                         f"({exc})") from None
 
 
 def split_spec(spec: str) -> Spec:
-    """'schedule[@span][+priority][~ngram:K[:R]][/sync]' -> its parts: '/sync' turns decode ahead off,
-    '+name' picks the engine's priority (e.g. 'mux+most-turns'), '~ngram:4' drafts 4 tokens per row
-    by prompt lookup (':16': only while at most 16 rows decode)."""
+    """'schedule[@span][+priority][~ngram:K[:R][+T@W]][/sync]' -> its parts: '/sync' turns decode
+    ahead off, '+name' picks the engine's priority (e.g. 'mux+most-turns'), '~ngram:4' drafts 4
+    tokens per row by prompt lookup (':16': only while at most 16 rows decode; '+7@2': 7 while at
+    most 2 do)."""
     core, _, flag = spec.partition("/")
     if flag not in ("", "sync"):
         raise SystemExit(f"schedule {spec!r}: the only suffix is '/sync' (decode ahead off)")

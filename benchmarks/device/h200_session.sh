@@ -37,8 +37,12 @@ for stage in "$@"; do
       timeout 240 python3 -m pytest -q -m gpu tests/kernels/test_attention.py tests/kernels/test_cuda_runner.py tests/runner/test_speculative.py \
         tests/benchmarks/test_attention_bench.py tests/engine -p no:cacheprovider --timeout 120 -rf 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -6
-      timeout 200 python3 -m benchmarks.attention --prefill '' --backends triton --block-n '' \
-        --decode "${DECODE_SHAPES:-64x(2047+1),128x(4095+1),12x(16383+1)}" --out "$OUT/attention-verify.json" 2>&1 | tail -8 ;;
+      # (VERIFY_GRID: the runs' launch settings to sweep, `TritonAttention.verify_*`; '' for none)
+      timeout 240 python3 -m benchmarks.attention --prefill '' --backends triton --block-n '' \
+        --decode "${DECODE_SHAPES:-64x(2047+1),128x(4095+1),12x(16383+1)}" --verify-block-n "${VERIFY_GRID-32,64,128}" \
+        --verify-stages 2,3 --verify-warps 4,8 --verify-programs 2,4,8 --out "$OUT/attention-verify.json" 2>&1 | tail -8
+      python3 -c "import json; d = json.load(open('$OUT/attention-verify.json')); print(json.dumps(d.get('best_verify')))
+for s, v in d.get('verify', {}).items(): print(s, sorted((round(x['ms'] * 1e3, 1), n) for n, x in v['variants'].items())[:4])" ;;
     hotswap)  # update_weights at full size: copy, bind, reshard
       cd /tmp/run
       timeout 100 python3 -m benchmarks.hotswap --model qwen3-30b-a3b --json \

@@ -135,6 +135,13 @@ class SpeculativeConfig:
     """Draft only in a rollout's tail: while at most this many requests decode on the replica
     (where a decode iteration is memory-bound and extra positions per row come almost free); None:
     always. Every rank of a replica decides alike (from the state its leader plans)."""
+    tail_k: int | None = None
+    """"ngram" only: drafted tokens per row while at most `tail_k_rows` rows decode, in place of k.
+    There an iteration's time is the weights it reads for a row or two, so a longer guess costs
+    little and each accepted token shortens the rollout's last trajectory. Up to 7 keeps a row's
+    positions one run of the verify kernel (`runner.cuda.MAX_RUN`). None: k throughout."""
+    tail_k_rows: int = 4
+    """The most decoding rows at which `tail_k` applies."""
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -148,6 +155,25 @@ class SpeculativeConfig:
                              f"ngram_max, got {n_min!r} and {n_max!r}")
         if self.tail_rows is not None and (type(self.tail_rows) is not int or self.tail_rows <= 0):
             raise ValueError(f"SpeculativeConfig.tail_rows must be a positive int or None, got {self.tail_rows!r}")
+        if self.tail_k is not None:
+            if type(self.tail_k) is not int or not 1 <= self.tail_k <= 8:
+                raise ValueError(f"SpeculativeConfig.tail_k must be an int in [1, 8] or None, got {self.tail_k!r}")
+            if self.method != "ngram":
+                raise ValueError(f"SpeculativeConfig.tail_k is for n-gram drafts (method 'ngram'); method "
+                                 f"{self.method!r} drafts k tokens through graphs captured for k")
+        if type(self.tail_k_rows) is not int or self.tail_k_rows <= 0:
+            raise ValueError(f"SpeculativeConfig.tail_k_rows must be a positive int, got {self.tail_k_rows!r}")
+
+    def k_at(self, rows: int) -> int:
+        """Drafted tokens per row while `rows` rows decode (`tail_k` in the tail, k elsewhere)."""
+        return self.tail_k if self.tail_k is not None and rows <= self.tail_k_rows else self.k
+
+    def graph_rows(self, max_rows: int) -> int:
+        """One-token verify rows of an iteration of up to `max_rows` decode rows, at most."""
+        rows = max_rows * (1 + self.k)
+        if self.tail_k is not None:
+            rows = max(rows, min(max_rows, self.tail_k_rows) * (1 + self.tail_k))
+        return rows
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ With `SpeculativeConfig(method="ngram")` the drafts are prompt lookup in the row
 MTP layer anywhere, any model), step 3 does not exist, and a row whose context proposes nothing
 decodes plainly in the same forward. The drafts are token ids with no law: q is one-hot, which
 `verify` treats exactly at any temperature. Under `tail_rows` the plan gives drafts room only
-while few rows decode: the planner's input decides, so every rank of a replica agrees.
+while few rows decode, and `tail_k` drafts longer guesses while very few do: the planner's input
+decides both, so every rank of a replica agrees.
 
 The forwards are the runner's (`Runner.forward_hidden`, `Runner.forward_mtp`): the portable one,
 or the CUDA runner on one rank, whose decode graphs run them as one-query rows
@@ -128,13 +129,15 @@ class SpeculativeExecutor(StepExecutor):
                              f"pass RunnerConfig(kind='eager') (or 'auto', which picks it)")
         super().__init__(table, runner, weights, stats, seed, timeline, rank)
         self.model, self.k, self.config = model, config.k, config
-        self.graph_rows_per_row = 1 + config.k
         self.graph_outputs = ("hidden", "mtp") if self.mtp else ("hidden",)  # verify; MTP also drafts
         self.mtp_norm = model.mtp.layers[0].final_layernorm if self.mtp else None
         self.drafts: dict[int, Draft] = {}
         self.deferred: dict[int, Deferred] = {}
         self.contexts: dict[int, NgramIndex] = {}
         """"ngram": each sequence's tokens as the lookup holds them, by sequence id."""
+
+    def graph_rows(self, max_rows: int) -> int:
+        return self.config.graph_rows(max_rows)
 
     # -- planning and inputs ----------------------------------------------------------------------
     def planning_view(self, state: SchedulerState) -> SchedulerState:
@@ -144,20 +147,21 @@ class SpeculativeExecutor(StepExecutor):
         if self.config.tail_rows is not None and len(decoding) > self.config.tail_rows:
             return state
         if not self.mtp:
-            self._look_up(decoding)
+            self._look_up(decoding, self.config.k_at(len(decoding)))
         seqs = tuple(dataclasses.replace(v, lookahead=len(d.tokens))
                      if v.stage is Stage.DECODE and (d := self._draft(v.rid)) is not None else v for v in state.seqs)
         return dataclasses.replace(state, seqs=seqs)
 
-    def _look_up(self, rids: list[int]) -> None:
-        """"ngram": each row's drafts for the step being planned, from its context as it stands now."""
+    def _look_up(self, rids: list[int], k: int) -> None:
+        """"ngram": each row's drafts (up to k) for the step being planned, from its context as it
+        stands now."""
         for rid in rids:
             req = self.table.requests[rid]
             context = self.contexts.get(req.seq.sid)
             if context is None:
                 context = self.contexts[req.seq.sid] = NgramIndex(self.config.ngram_min, self.config.ngram_max)
             context.sync(req.seq.tokens)
-            drafted = context.propose(self._budget(req, 0))
+            drafted = context.propose(self._budget(req, 0, k))
             if drafted:
                 self.drafts[rid] = Draft(req.lifetime, drafted, None)
             else:
@@ -323,11 +327,11 @@ class SpeculativeExecutor(StepExecutor):
             else:
                 self.drafts.pop(req.rid, None)
 
-    def _budget(self, req: Request, emitted: int) -> int:
-        """Drafts worth making for the request's next iteration, `emitted` tokens from now: no more
-        than it may still emit, minus the token it emits anyway."""
+    def _budget(self, req: Request, emitted: int, k: int | None = None) -> int:
+        """Drafts worth making for the request's next iteration, `emitted` tokens from now: up to k
+        (None: `SpeculativeConfig.k`), no more than it may still emit, minus the token it emits anyway."""
         left = min(req.params.max_new_tokens - len(req.output), self.table.max_model_len - len(req.seq.tokens))
-        return max(0, min(self.k, left - emitted - 1))
+        return max(0, min(self.k if k is None else k, left - emitted - 1))
 
     def _room(self, row: _Row) -> int:
         """`_budget`, and (k > 1) only as far as free KV holds the MTP chain's positions."""

@@ -200,7 +200,7 @@ class RolloutEngine:
         capture = getattr(self.runner, "capture", None)
         if capture is None:
             return False
-        top = self.runner.bucket(max_rows * self.executor.graph_rows_per_row)
+        top = self.runner.bucket(self.executor.graph_rows(max_rows))
         sizes = [b for b in self.runner.config.graph_batch_sizes if top is None or b <= top]
         outputs = self.executor.graph_outputs
         return capture(sizes, speculative=outputs, plain=not outputs)

@@ -40,8 +40,6 @@ class StepInputs(NamedTuple):
 
 
 class StepExecutor:
-    graph_rows_per_row = 1
-    """One-token graph rows a decode row needs (drafting: the row and its drafts)."""
     graph_outputs: tuple[str, ...] = ()
     """The runner's drafting graphs (`runner.cuda.DecodeOutput` values) this executor replays."""
 
@@ -55,6 +53,11 @@ class StepExecutor:
         """Set by the engine where decode ahead is on (`engine.ahead`)."""
         self.log = StepLog()
         """One record per forward run (`engine.records`)."""
+
+    def graph_rows(self, max_rows: int) -> int:
+        """One-token graph rows an iteration of up to `max_rows` decode rows needs (drafting: the
+        rows and their drafts)."""
+        return max_rows
 
     def inputs(self, decode: Iterable[int], prefill: Iterable[PrefillChunk]) -> StepInputs:
         """Grow/reserve KV for the rows and build the runner's inputs: decode rows first."""

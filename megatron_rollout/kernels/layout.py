@@ -227,7 +227,10 @@ class StaticDecodeLayout:
         self.tables = d[self.SECTIONS * st:].view(rows, width)
         self.arange = torch.arange(rows, dtype=torch.int32, device=device)
         self.logits_rows = torch.arange(rows, dtype=torch.int64, device=device)
-        splits = choose_splits(-(-rows // max_run), kv_heads, num_sms, programs_per_sm=kernels.decode_programs_per_sm)
+        per_sm = kernels.decode_programs_per_sm
+        if max_run > 1 and getattr(kernels, "verify_programs_per_sm", None):
+            per_sm = kernels.verify_programs_per_sm
+        splits = choose_splits(-(-rows // max_run), kv_heads, num_sms, programs_per_sm=per_sm)
         workspace = {}
         if hasattr(kernels, "decode_block_n"):
             from megatron_rollout.kernels.triton_attention import decode_workspace

@@ -120,6 +120,9 @@ class AttentionKernels(abc.ABC):
     name: ClassVar[str]
     decode_programs_per_sm: int = 8
     """KV splits of a decode row: about this many programs per SM (`layout.choose_splits`)."""
+    verify_programs_per_sm: int | None = None
+    """The same for the verify and draft graphs' runs (`DecodeMeta.runs`), whose programs each do a
+    run's work; None: `decode_programs_per_sm`."""
     prefill_heavy_first: bool = True
     """Query tiles in decreasing causal work (cached + earlier new keys), not span order: the GPU
     hands programs out in grid order, so the last wave holds the cheapest tiles instead of the

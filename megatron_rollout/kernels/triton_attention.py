@@ -263,6 +263,9 @@ class TritonAttention(AttentionKernels):
     decode_stages = 3  # previous (64, 2, 4, 8) on `bench.attention`'s graph-timed decode shapes,
     decode_warps = 4  # 5% faster in geometric mean (H200, docs/kernels.md)
     decode_programs_per_sm = 4
+    verify_block_n: int | None = None  # the verify graphs' runs (RUN > 1: M = 8 rows x the group's
+    verify_stages: int | None = None  # heads); None: the decode setting
+    verify_warps: int | None = None
     prefill_block_m = 128  # rows of a prefill tile = tokens x query heads of one kv head
     prefill_block_n = 128  # block 128, 3 stages, 8 warps: the fastest or within 4% of it on every prefill
     prefill_stages = 3  # shape of `bench.attention`'s grid on the H200 (docs/kernels.md)
@@ -313,6 +316,10 @@ class TritonAttention(AttentionKernels):
             ws = decode_workspace(rows, hq, splits, d, q.device)
         po, pm, pl = ws["o"], ws["m"], ws["l"]
         run = _pow2(meta.max_run) if meta.runs is not None else 1
+        block_n, warps, stages = self.decode_block_n, self.decode_warps, self.decode_stages
+        if run > 1:
+            block_n, warps, stages = (self.verify_block_n or block_n, self.verify_warps or warps,
+                                      self.verify_stages or stages)
         _decode_partial_kernel[(rows, hkv, splits)](
             q, k_cache, v_cache, meta.tables, meta.lens, meta.q_start, meta.seq,
             meta.runs if run > 1 else meta.seq, po, pm, pl,
@@ -320,8 +327,7 @@ class TritonAttention(AttentionKernels):
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), meta.tables.stride(0),
             po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1),
             GROUP=group, GROUP_P=_pow2(group, 16 // run), RUN=run, D=d, D_P=_pow2(d, 16),
-            BLOCK_N=self.decode_block_n, PAGE=meta.block_size, num_warps=self.decode_warps,
-            num_stages=self.decode_stages, **pdl.options(q.device))
+            BLOCK_N=block_n, PAGE=meta.block_size, num_warps=warps, num_stages=stages, **pdl.options(q.device))
         _decode_reduce_kernel[(rows, hq)](
             po, pm, pl, out, meta.q_start, meta.seq, splits,
             po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1), out.stride(0), out.stride(1),

@@ -22,6 +22,9 @@ def test_settings_grid():
     dec = attention.triton_settings([64], [2, 3], [4], "decode", [8, 16])
     assert len(dec) == 4 and {"decode_block_n": 64, "decode_stages": 3, "decode_warps": 4,
                               "decode_programs_per_sm": 16} in dec
+    ver = attention.triton_settings([32, 64], [3], [8], "verify", [2])
+    assert ver == [{"verify_block_n": b, "verify_stages": 3, "verify_warps": 8, "verify_programs_per_sm": 2}
+                   for b in (32, 64)]
 
 
 def test_main_refuses_bad_shapes_before_needing_a_gpu():
@@ -36,7 +39,8 @@ def test_sweep_runs_and_compiles_nothing_while_timed(tmp_path):
     out = tmp_path / "a.json"
     assert attention.main(["--prefill", "2x(100+70)", "--decode", "3x(40+1)", "--block-n", "64", "--stages", "2,3",
                            "--warps", "4", "--decode-block-n", "64", "--decode-stages", "2", "--decode-warps", "4",
-                           "--decode-programs", "8,16", "--verify", "3x(300+5)", "--iters", "2", "--rounds", "1",
+                           "--decode-programs", "8,16", "--verify", "3x(300+5)", "--verify-block-n", "32",
+                           "--verify-stages", "2", "--verify-warps", "4,8", "--iters", "2", "--rounds", "1",
                            "--out", str(out)]) == 0
     import json
 
@@ -48,5 +52,8 @@ def test_sweep_runs_and_compiles_nothing_while_timed(tmp_path):
     dec = got["shapes"]["3x(40+1)"]["variants"]
     assert len([n for n in dec if n.startswith("triton ")]) == 2 and got["best"]["3x(40+1)"].startswith("triton ")
     ver = got["verify"]["3x(300+5)"]
-    assert set(ver["variants"]) == {"max_run=1", "max_run=8"} and ver["rel_err_runs_vs_alone"] < 2e-2
+    assert set(ver["variants"]) == {"max_run=1", "max_run=8", "max_run=8 triton n=32 stages=2 warps=4 sm=4",
+                                    "max_run=8 triton n=32 stages=2 warps=8 sm=4"}
+    assert all(v["rel_err_vs_alone"] < 2e-2 for v in ver["variants"].values()) and not ver["errors"]
+    assert got["best_verify"]["3x(300+5)"] in ver["variants"]
     assert torch.cuda.is_available()

@@ -1,7 +1,7 @@
 """n-gram (prompt-lookup) speculative decoding (`SpeculativeConfig("ngram")`, `drafts.ngram`) on a
 tiny DeepSeek-V3 without an MTP layer: greedy tokens and logprobs equal plain decoding under off,
 chunked and mux; a repeating context is drafted and accepted (fewer decode iterations); `tail_rows`
-drafts only while few rows decode; every request finishes, or fails with its reason, under KV
+drafts only while few rows decode, `tail_k` longer while very few do; every request finishes, or fails with its reason, under KV
 pressure; the sampled law is the plain sampler's with one-hot drafts (chi-square), and the same
 test rejects a broken acceptance rule."""
 from __future__ import annotations
@@ -104,6 +104,43 @@ def test_tail_rows_drafts_only_while_few_rows_decode(tiny, make_engine, schedule
     assert engine.stats.drafted_tokens > 0 and any(drafted for _, drafted in seen)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_tail_k_drafts_longer_only_while_very_few_rows_decode(make_engine, schedule, monkeypatch):
+    """`tail_k`: up to 6 drafts a row while at most one row decodes, k = 2 otherwise; on a repeating
+    context the last row, alone, takes the longer drafts and fewer iterations; tokens unchanged."""
+    m = bigram(model())
+    params = [SamplingParams(temperature=0.0, max_new_tokens=8 + 12 * i, ignore_stop=True) for i in range(4)]
+    want = make_engine(m, small(schedule)).generate(PROMPTS, params)
+    runs = {}
+    for name, fields in (("k", {}), ("tail", {"tail_k": 6, "tail_k_rows": 1})):
+        engine = make_engine(m, ngram(schedule, k=2, **fields))
+        seen: list[tuple[int, int]] = []  # (decode rows, most drafts of a row) of every forward
+        inputs = engine.executor.inputs
+
+        def spy(decode, prefill, lookahead=(), inputs=inputs, seen=seen):
+            decode = tuple(decode)
+            seen.append((len(decode), max(lookahead, default=0)))
+            return inputs(decode, prefill, lookahead)
+
+        monkeypatch.setattr(engine.executor, "inputs", spy)
+        got = engine.generate(PROMPTS, params)
+        assert [r.token_ids for r in got] == [r.token_ids for r in want], name
+        runs[name] = (seen, engine.stats)
+    seen, stats = runs["tail"]
+    assert all(drafted <= 2 for rows, drafted in seen if rows > 1), seen
+    assert any(drafted > 2 for rows, drafted in seen if rows == 1), seen
+    assert all(drafted <= 2 for _, drafted in runs["k"][0])
+    assert stats.decode_iterations < runs["k"][1].decode_iterations, (stats, runs["k"][1])
+
+
+def test_tail_k_graph_rows_cover_the_tails_longer_rows():
+    cfg = SpeculativeConfig("ngram", 3, tail_k=7, tail_k_rows=4)
+    assert [cfg.k_at(r) for r in (1, 4, 5)] == [7, 7, 3]
+    assert cfg.graph_rows(64) == 64 * 4 and cfg.graph_rows(2) == 2 * 8 and cfg.graph_rows(5) == 4 * 8
+    assert SpeculativeConfig("ngram", 3).graph_rows(5) == 20
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_under_kv_pressure_every_request_finishes_or_fails_with_its_reason(tiny, make_engine, schedule):
@@ -133,6 +170,12 @@ def test_the_config_names_what_is_wrong():
         SpeculativeConfig("ngram", 2, ngram_min=3, ngram_max=2)
     with pytest.raises(ValueError, match="tail_rows must be a positive int or None, got 0"):
         SpeculativeConfig("ngram", 2, tail_rows=0)
+    with pytest.raises(ValueError, match=r"tail_k must be an int in \[1, 8\] or None, got 9"):
+        SpeculativeConfig("ngram", 2, tail_k=9)
+    with pytest.raises(ValueError, match="tail_k is for n-gram drafts"):
+        SpeculativeConfig("mtp", 1, tail_k=3)
+    with pytest.raises(ValueError, match="tail_k_rows must be a positive int, got 0"):
+        SpeculativeConfig("ngram", 2, tail_k=3, tail_k_rows=0)
     got = EngineConfig.from_dict({"speculative": {"method": "ngram", "k": 3, "tail_rows": 8}}).speculative
     assert got == SpeculativeConfig("ngram", 3, tail_rows=8)
 
@@ -150,6 +193,10 @@ def test_the_command_line_spells_it_ngram_k():
         engine_config(parser.parse_args(["--ngram", "3", "--mtp", "1"]))
     with pytest.raises(ValueError, match="--draft-tail-rows needs"):
         engine_config(parser.parse_args(["--draft-tail-rows", "4"]))
+    got = engine_config(parser.parse_args(["--ngram", "4", "--draft-tail-k", "7", "--draft-tail-k-rows", "2"]))
+    assert got.speculative == SpeculativeConfig("ngram", 4, tail_k=7, tail_k_rows=2)
+    with pytest.raises(ValueError, match="--draft-tail-k needs --ngram"):
+        engine_config(parser.parse_args(["--mtp", "1", "--draft-tail-k", "3"]))
 
 
 @pytest.mark.gpu
@@ -163,6 +210,8 @@ def test_on_the_gpu_lookup_drafts_keep_greedy_tokens(make_engine):
         engine = make_engine(m, ngram(schedule, k=4))  # runner kind auto: the CUDA runner's verify graphs
         assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == [r.token_ids for r in want], schedule
         assert engine.stats.acceptance_rate > 0.5, (schedule, engine.stats)
+    engine = make_engine(m, ngram("mux", k=2, tail_k=7, tail_k_rows=2))  # 8-position rows: one run each
+    assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == [r.token_ids for r in want]
 
 
 class _CaptureSurface:
@@ -188,7 +237,9 @@ def test_capture_graphs_asks_for_the_verify_rows_of_every_draft():
                                (RolloutEngine(model(), ngram("mux", k=3)), 5,  # 5 x (1 + 3) = 20: bucket 32
                                 ([1, 2, 4, 8, 16, 32], ("hidden",))),
                                (RolloutEngine(model(), ngram("mux", k=3)), 40,  # past the largest: all of them
-                                ([1, 2, 4, 8, 16, 32, 64], ("hidden",)))):
+                                ([1, 2, 4, 8, 16, 32, 64], ("hidden",))),
+                               (RolloutEngine(model(), ngram("mux", k=1, tail_k=7, tail_k_rows=4)), 5,
+                                ([1, 2, 4, 8, 16, 32], ("hidden",)))):  # 4 tail rows x (1 + 7) = 32
         engine.runner = _CaptureSurface()
         assert engine.capture_graphs(rows) and engine.runner.asked == want
         assert engine.runner.plain == (not want[1])  # a drafting engine replays no plain graph

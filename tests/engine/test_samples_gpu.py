@@ -33,6 +33,14 @@ def _engine(model, schedule: str) -> RolloutEngine:
                                              kv=KVConfig(num_blocks=256)))
 
 
+def _captured_cleanly(*engines: RolloutEngine) -> None:
+    """No graph capture failed and fell back to eager (a failed capture once left torch's generator
+    in capture mode for every later random op in the process)."""
+    for e in engines:
+        r = e.runner
+        assert (r.capture_error, r.prefill_capture_error, r.spec_capture_error) == (None, None, None)
+
+
 @pytest.mark.parametrize("schedule", ["off", "chunked", "mux"])
 def test_samples_share_one_prefill_on_the_cuda_runner(model, schedule):
     prompt = torch.randint(1, 256, (37,), generator=torch.Generator().manual_seed(1)).tolist()  # a partial block
@@ -40,23 +48,27 @@ def test_samples_share_one_prefill_on_the_cuda_runner(model, schedule):
     engine = _engine(model, schedule)
     results = engine.generate([prompt], dataclasses.replace(greedy, n=8))
     assert engine.stats.prefill_tokens == len(prompt)
-    (alone,) = _engine(model, schedule).generate([prompt], greedy)
+    engines = [engine] + [_engine(model, schedule) for _ in range(6)]
+    (alone,) = engines[1].generate([prompt], greedy)
     assert all(r.token_ids == alone.token_ids for r in results)  # every sample read the copied block right
     sampled = SamplingParams(temperature=1.0, max_new_tokens=24, ignore_stop=True, seed=3, n=4)
-    got = _engine(model, schedule).generate([prompt], sampled)
-    want = [_engine(model, schedule).generate([prompt], dataclasses.replace(sampled, n=1, seed=sample_seed(3, i)))[0]
-            for i in range(4)]
+    got = engines[2].generate([prompt], sampled)
+    want = [e.generate([prompt], dataclasses.replace(sampled, n=1, seed=sample_seed(3, i)))[0]
+            for i, e in enumerate(engines[3:])]
     assert [g.token_ids[0] for g in got] == [w.token_ids[0] for w in want]  # drawn from one prefill's row
     same = sum(a == b for g, w in zip(got, want) for a, b in zip(g.token_ids, w.token_ids))
     assert same >= 0.9 * 4 * 24  # later tokens: equal up to bf16 near-ties between batch shapes
     assert engine.runner.stats["graph_replays"] > 0
+    _captured_cleanly(*engines)
     engine.check_integrity()
 
 
 def test_top_and_prompt_logprobs_on_the_cuda_runner(model):
     prompt = torch.randint(1, 256, (30,), generator=torch.Generator().manual_seed(2)).tolist()
     params = SamplingParams(temperature=0.0, max_new_tokens=8, logprobs=4, prompt_logprobs=2)
-    (res,) = _engine(model, "mux").generate([prompt], params)
+    engine = _engine(model, "mux")
+    (res,) = engine.generate([prompt], params)
+    _captured_cleanly(engine)
     with torch.no_grad():
         logp = model().forward(torch.tensor([prompt + res.token_ids], device="cuda"))[0].float().log_softmax(-1)
     ids = prompt + res.token_ids

@@ -373,13 +373,15 @@ def test_attend_into_a_given_output_writes_every_row_and_checks_it():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("max_run", [4, 8])
-def test_verify_runs_read_once_and_match_portable(device, max_run):
+@pytest.mark.parametrize("max_run, verify", [(4, {}), (8, {}),
+                                             (8, {"verify_block_n": 32, "verify_programs_per_sm": 8})])
+def test_verify_runs_read_once_and_match_portable(device, max_run, verify):
     """Speculative decoding's verify rows in a decode graph's layout: each row's pending token and
     drafts are one-query rows over one table (`runner.speculative.flatten`), marked as runs. The
     head of a run computes all of them, each at its own length: a split that holds positions of the
     run's later rows only (125 + 1..5 crosses the 128 boundary of the 64-position splits) leaves
-    the earlier rows nothing there; a row of 6 positions is cut into two runs at `max_run` 4."""
+    the earlier rows nothing there; a row of 6 positions is cut into two runs at `max_run` 4.
+    `verify`: the runs' own launch settings (`TritonAttention.verify_*`), plain decode's otherwise."""
     from megatron_rollout.kernels.layout import decode_runs
     from megatron_rollout.kernels.triton_attention import TritonAttention
 
@@ -398,6 +400,8 @@ def test_verify_runs_read_once_and_match_portable(device, max_run):
     q, k, v = (torch.randn(graph_rows, h, d, generator=gen).to(device, dt) for h in (hq, hkv, hkv))
     ref = PagedBatch(ref_cache, spans).attend(1, q[:n], k[:n], v[:n])
     kernels = TritonAttention()
+    for name, value in verify.items():
+        setattr(kernels, name, value)
     layout = StaticDecodeLayout(graph_rows, 80, bs, kernels, hq, hkv, d, torch.device(device), num_sms=132,
                                 max_run=max_run)
     assert layout.decode.splits > 1
