@@ -205,17 +205,26 @@ def fp8(result: dict) -> str:
 
 
 def verify(result: dict) -> str:
-    """Verify attention with each one-query row alone against runs (`benchmarks.attention --verify`)."""
-    rows = []
+    """Verify attention with each one-query row alone against runs (`benchmarks.attention --verify`);
+    where a grid of the runs' launch settings ran (`--verify-block-n`), the fastest of it too."""
+    def us(x: dict) -> str:
+        return spread(x["ms"] * 1e3, min(x["rounds_ms"]) * 1e3, max(x["rounds_ms"]) * 1e3, ".1f")
+
+    rows, grid = [], any(len(v["variants"]) > 2 for v in (result.get("verify") or {}).values())
     for shape, v in (result.get("verify") or {}).items():
         alone, runs = v["variants"]["max_run=1"], v["variants"]["max_run=8"]
-        rows.append([shape, num(v["kv_bytes"] / 1e6, ",.0f"),
-                     spread(alone["ms"] * 1e3, min(alone["rounds_ms"]) * 1e3, max(alone["rounds_ms"]) * 1e3, ".1f"),
-                     spread(runs["ms"] * 1e3, min(runs["rounds_ms"]) * 1e3, max(runs["rounds_ms"]) * 1e3, ".1f"),
-                     num(runs["gb_per_s"], ",.0f"), num(v["alone_over_runs"], ".2f"),
-                     num(v["rel_err_runs_vs_alone"], ".1e"), str(v.get("compiles", "-"))])
-    return markdown(["rows x (cached + queries)", "history MB", "rows alone us", "runs us", "runs GB/s",
-                     "alone / runs", "rel. difference", "compilations"], rows)
+        row = [shape, num(v["kv_bytes"] / 1e6, ",.0f"), us(alone), us(runs), num(runs["gb_per_s"], ",.0f"),
+               num(v["alone_over_runs"], ".2f")]
+        if grid:
+            best = (result.get("best_verify") or {}).get(shape, "max_run=8")
+            b = v["variants"][best]
+            row += [us(b), best.removeprefix("max_run=8").removeprefix(" triton ") or "the default",
+                    num(b["gb_per_s"], ",.0f")]
+        rows.append(row + [num(v["rel_err_runs_vs_alone"], ".1e"), str(v.get("compiles", "-"))])
+    head = ["rows x (cached + queries)", "history MB", "rows alone us", "runs us", "runs GB/s", "alone / runs"]
+    if grid:
+        head += ["fastest setting us", "its setting", "its GB/s"]
+    return markdown(head + ["rel. difference", "compilations"], rows)
 
 
 TABLES: dict[str, Callable[[dict], str]] = {"rollout": rollout, "decode": decode, "prefill": prefill, "gap": gap,

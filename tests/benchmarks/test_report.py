@@ -75,3 +75,16 @@ def test_verify_table_puts_rows_alone_beside_runs():
     lines = report.verify(result).splitlines()
     assert lines[0].startswith("| rows x (cached + queries) | history MB | rows alone us | runs us |")
     assert lines[2] == "| 12x(16384+5) | 403 | 320.6 [320.6-321.0] | 161.7 [161.6-161.7] | 2,490 | 1.98 | 2.7e-03 | 0 |"
+
+
+def test_verify_table_names_the_fastest_setting_of_a_grid():
+    variants = {"max_run=1": {"ms": 0.3206, "rounds_ms": [0.3206], "gb_per_s": 1256.0},
+                "max_run=8": {"ms": 0.1617, "rounds_ms": [0.1617], "gb_per_s": 2490.2},
+                "max_run=8 triton n=32 stages=2 warps=4 sm=2": {"ms": 0.1405, "rounds_ms": [0.1405],
+                                                                "gb_per_s": 2866.0}}
+    result = {"verify": {"12x(16384+5)": {"kv_bytes": 402_653_184, "compiles": 0, "alone_over_runs": 1.98,
+                                          "rel_err_runs_vs_alone": 0.0027, "variants": variants}},
+              "best_verify": {"12x(16384+5)": "max_run=8 triton n=32 stages=2 warps=4 sm=2"}}
+    lines = report.verify(result).splitlines()
+    assert "| fastest setting us | its setting | its GB/s |" in lines[0]
+    assert lines[2].endswith("| 1.98 | 140.5 | n=32 stages=2 warps=4 sm=2 | 2,866 | 2.7e-03 | 0 |")
