@@ -1,9 +1,9 @@
 """n-gram (prompt-lookup) speculative decoding (`SpeculativeConfig("ngram")`, `drafts.ngram`) on a
 tiny DeepSeek-V3 without an MTP layer: greedy tokens and logprobs equal plain decoding under off,
 chunked and mux; a repeating context is drafted and accepted (fewer decode iterations); `tail_rows`
-drafts only while few rows decode, `tail_k` longer while very few do; every request finishes, or fails with its reason, under KV
-pressure; the sampled law is the plain sampler's with one-hot drafts (chi-square), and the same
-test rejects a broken acceptance rule."""
+drafts only while few rows decode, `tail_k` longer while very few do; every request finishes, or
+fails with its reason, under KV pressure; the sampled law is the plain sampler's with one-hot
+drafts (chi-square), and the same test rejects a broken acceptance rule."""
 from __future__ import annotations
 
 import pytest
