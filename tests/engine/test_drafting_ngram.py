@@ -143,11 +143,14 @@ def test_tail_k_graph_rows_cover_the_tails_longer_rows():
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_under_kv_pressure_every_request_finishes_or_fails_with_its_reason(tiny, make_engine, schedule):
+@pytest.mark.parametrize("tail", [{}, {"tail_k": 7, "tail_k_rows": 2}])
+def test_under_kv_pressure_every_request_finishes_or_fails_with_its_reason(tiny, make_engine, schedule, tail):
     """Few KV blocks: drafts are planned only where blocks remain (they never preempt), rows are
-    preempted and recomputed; a request for n samples is refused alone with its reason."""
+    preempted and recomputed; a request for n samples is refused alone with its reason. `tail`:
+    longer drafts for the last rows ask for more blocks at the end, with the same outcome."""
     m, plain, _ = tiny
-    tight = small(schedule, kv=KVConfig(num_blocks=14), speculative=SpeculativeConfig("ngram", 4, ngram_min=1))
+    drafts = SpeculativeConfig("ngram", 4, ngram_min=1, **tail)
+    tight = small(schedule, kv=KVConfig(num_blocks=14), speculative=drafts)
     engine = make_engine(m, tight)
     params = [GREEDY] * len(PROMPTS) + [SamplingParams(temperature=0.0, max_new_tokens=4, n=2)]
     got = engine.generate(PROMPTS + [PROMPTS[0]], params)
