@@ -14,11 +14,12 @@ the experts fit (`sim.cost`, the expert term on the model's routing; dense model
   and device, for a run that measured neither).
 
 Errors are simulated / measured - 1. How a `mux` schedule cuts its epochs is its segment policy's,
-not a cost: out of sample it takes its repeat 0's segments per epoch (`cost.segments_per_epoch`).
-A drafting schedule (`~ngram:K[:R]`) is simulated out of sample only, with the simulator's
-`Speculation` lever while at most R rows decode, drafting for every row what repeat 0 drafted per
-row and iteration (n-gram lookup drafts K only where it finds a match: the mean, rounded, 1 to K)
-and accepting as many tokens as repeat 0 accepted; in sample its verify forwards, recorded as one
+not a cost: out of sample it takes its repeat 0's segments per epoch (`cost.segments_per_epoch`,
+completion polls left out: `without_polls`).
+A drafting schedule (`~ngram:K[:R][+T@W]`) is simulated out of sample only, with the simulator's
+`Speculation` lever while at most R rows decode, drafting for every row the share of its most (K,
+or T while at most W rows decode) that repeat 0 drafted on the whole (n-gram lookup drafts only
+where it finds a match: rounded, at least 1) and accepting as many tokens as repeat 0 accepted; in sample its verify forwards, recorded as one
 row per request, would be fitted as plain decode rows that the lever then costs as (1 + K) rows. Other
 drafters (an MTP layer's own forward) are not simulated. Decode ahead (`/sync` or not) is not
 modelled: both run the same simulation.
@@ -53,6 +54,24 @@ POOLED = ("off", "chunked")
 """The schedules whose repeat-0 records make the out-of-sample fit: whole forwards only (a `mux`
 prefill segment's device time lands in the decode iteration after it, `engine.records`)."""
 FITS = ("linear", "experts")
+POLL_S = 50e-6
+"""A `mux` record after its epoch's first, with no tokens and under this much host time, is a
+completion poll, not a segment: the engine records none since commit `a0d1e2c`-era `mux.py`
+(`_record_segment`), but older results hold hundreds in the epochs that ran with no decode row
+(a poll takes ~10 us; a segment's enqueue 100 us or more)."""
+
+
+def without_polls(records: Sequence[StepRecord]) -> list[StepRecord]:
+    """`records` less the completion polls of older results (`POLL_S`)."""
+    seen: set[int] = set()
+    kept = []
+    for r in records:
+        if r.epoch is not None:
+            if r.epoch in seen and r.prefill_tokens == 0 and r.duration < POLL_S:
+                continue
+            seen.add(r.epoch)
+        kept.append(r)
+    return kept
 
 
 def _first(entry: dict) -> dict | None:
@@ -104,11 +123,19 @@ def _sim_config(result: dict, spec: str, budget: int, first: dict) -> SimConfig 
         if drafts.method != "ngram":
             return f"drafting by {drafts.method!r}: the drafter's own forward is not modelled"
         max_rows = drafts.tail_rows or args["max_decode_rows"]
-        rows = sum(r.decode_rows for r in from_columns(first["steps"]) if 0 < r.decode_rows <= max_rows)
+        tail_k, tail_rows = drafts.tail_k, drafts.tail_k_rows
+        steps = [r.decode_rows for r in from_columns(first["steps"]) if 0 < r.decode_rows <= max_rows]
+        wide = sum(n for n in steps if tail_k is not None and n <= tail_rows)
+        rows = sum(steps) - wide
         stats = first["engine_stats"]
-        k = min(drafts.k, max(1, round(stats["drafted_tokens"] / rows))) if rows else drafts.k
-        acceptance = min(1.0, stats["accepted_tokens"] / (k * rows)) if rows else 0.0
-        levers = Levers(speculation=Speculation(max_rows, k, acceptance))
+        # every row drafts the same share of its most (lookup finds no match for the rest)
+        most = drafts.k * rows + (tail_k or 0) * wide
+        share = stats["drafted_tokens"] / most if most else 1.0
+        k = min(drafts.k, max(1, round(share * drafts.k)))
+        tail = None if tail_k is None else min(tail_k, max(1, round(share * tail_k)))
+        drafted = k * rows + (tail or 0) * wide
+        acceptance = min(1.0, stats["accepted_tokens"] / drafted) if drafted else 0.0
+        levers = Levers(speculation=Speculation(max_rows, k, acceptance, tail_tokens=tail, tail_rows=tail_rows))
     return dataclasses.replace(SimConfig.of_engine(engine), levers=levers)
 
 
@@ -157,7 +184,7 @@ def sim_replay(result: dict, trace: Sequence[TraceRequest], fit_from: dict | Non
         if not later:
             row["out_of_sample"] = {"skipped": "no finished repeat after repeat 0"}
             continue
-        segments = segments_per_epoch(records) if config.scheduler.schedule is Schedule.MUX else None
+        segments = segments_per_epoch(without_polls(records)) if config.scheduler.schedule is Schedule.MUX else None
         row["out_of_sample"] = _compare(trace, pooled_fits, config, statistics.median(later), segments)
         row["out_of_sample"]["repeats"] = len(later)
     return out

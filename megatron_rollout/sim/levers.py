@@ -13,7 +13,8 @@ mixed in. What changes the chain's own time is what its steps cost and how many 
   `prefill_factor`, instead of one after the other.
 - `Speculation`: decode iterations of at most `max_rows` rows verify `draft_tokens` drafted
   tokens per row and keep `1 + acceptance * draft_tokens` tokens per row on average, at the cost
-  of a forward with `1 + draft_tokens` times the rows (each row's KV read once), times `overhead`.
+  of a forward with `1 + draft_tokens` times the rows (each row's KV read once), times `overhead`;
+  `tail_tokens` drafted instead while at most `tail_rows` rows decode (`SpeculativeConfig.tail_k`).
 
 Left out: what a real implementation costs beyond these factors (graph captures per partition,
 the drafter's own forward), and any lower bound under them (`sim.bounds` assumes serial
@@ -69,9 +70,13 @@ class Speculation:
     overhead: float = 1.0
     """The verifying iteration's time over a plain iteration of rows * (1 + k) rows over the same
     context (>= 1: the drafter, verification on the host)."""
+    tail_tokens: int | None = None
+    """k while at most `tail_rows` rows decode (None: `draft_tokens` throughout); accepted at the
+    same rate."""
+    tail_rows: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("max_rows", "draft_tokens"):
+        for name in ("max_rows", "draft_tokens", "tail_rows") + (("tail_tokens",) if self.tail_tokens is not None else ()):
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
                 raise ValueError(f"Speculation.{name} must be a positive int, got {value!r}")
@@ -82,6 +87,10 @@ class Speculation:
     @property
     def tokens_per_row(self) -> float:
         return 1.0 + self.acceptance * self.draft_tokens
+
+    def tokens_at(self, rows: int) -> int:
+        """Drafted tokens per row in an iteration of `rows` decode rows."""
+        return self.tail_tokens if self.tail_tokens is not None and rows <= self.tail_rows else self.draft_tokens
 
 
 @dataclass(frozen=True)
@@ -119,5 +128,6 @@ class Levers:
         if self.overlap:
             parts.append(f"overlap:{self.overlap.decode_factor:g}x{self.overlap.prefill_factor:g}")
         if s := self.speculation:
-            parts.append(f"spec:{s.max_rows}r/k{s.draft_tokens}/a{s.acceptance:g}/c{s.overhead:g}")
+            parts.append(f"spec:{s.max_rows}r/k{s.draft_tokens}/a{s.acceptance:g}/c{s.overhead:g}"
+                         + (f"/tail:{s.tail_tokens}@{s.tail_rows}" if s.tail_tokens is not None else ""))
         return "+".join(parts)

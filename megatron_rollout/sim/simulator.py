@@ -278,7 +278,7 @@ class Simulator:
         context (a row's k + 1 positions read its KV once, as a decode attention kernel does)."""
         if spec is None:
             return self.cost.step_s(size)
-        return spec.overhead * self.cost.step_s(StepSize(size.decode_rows * (1 + spec.draft_tokens),
+        return spec.overhead * self.cost.step_s(StepSize(size.decode_rows * (1 + spec.tokens_at(size.decode_rows)),
                                                          size.decode_context))
 
     def _step(self) -> None:
@@ -382,11 +382,12 @@ class Simulator:
             self.sizes.append(size)
 
     def _finish_decode(self, decode: tuple[int, ...], spec: Speculation | None = None) -> None:
+        k = spec.tokens_at(len(decode)) if spec is not None else 0
         for rid in decode:
             req = self.active[rid]
             kept = 1
             if spec is not None:  # accepted drafts, whole tokens only; never past the turn's end
-                req.credit += spec.acceptance * spec.draft_tokens
+                req.credit += spec.acceptance * k
                 extra = int(req.credit + 1e-9)
                 req.credit -= extra
                 kept += min(extra, req.output_left - 1)

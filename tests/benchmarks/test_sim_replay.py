@@ -59,6 +59,13 @@ def test_a_dense_model_has_no_experts_fit_and_drafting_uses_the_lever(run):
     config = sim_replay._sim_config(result, "chunked~ngram:4:2", 64, {**first, "engine_stats": stats})
     # two drafts a row and iteration on average, half of them accepted
     assert config.levers.speculation == Speculation(max_rows=2, draft_tokens=2, acceptance=0.5)
+    # with tail_k: each row drafts the same share of its most (4, or 6 while one row decodes)
+    one = sum(n for n in first["steps"]["decode_rows"] if n == 1)
+    stats = {**first["engine_stats"], "drafted_tokens": (2 * (decode_rows - one) + 3 * one),
+             "accepted_tokens": decode_rows}
+    tail = sim_replay._sim_config(result, "chunked~ngram:4:2+6@1", 64, {**first, "engine_stats": stats})
+    assert one and tail.levers.speculation == Speculation(2, 2, acceptance=decode_rows / (2 * decode_rows + one),
+                                                          tail_tokens=3, tail_rows=1)
     assert "not modelled" in sim_replay._sim_config(result, "chunked~mtp:1", 64, first)
     spec = {**result, "schedules": {"off": result["schedules"]["off"],
                                     "chunked~ngram:4": {**result["schedules"]["chunked"], "spec": "chunked~ngram:4"}}}
@@ -89,3 +96,15 @@ def test_the_trace_may_be_named_apart_from_the_result(run, tmp_path):
         sim_replay.main([str(moved)])
     assert sim_replay.main([str(moved), "--trace", str(out / "trace.jsonl"), "--out", str(tmp_path / "s.json")]) == 0
     assert list(json.loads((tmp_path / "s.json").read_text())["schedules"]) == ["off", "chunked", "mux"]
+
+
+def test_completion_polls_of_older_records_are_not_segments():
+    from megatron_rollout.engine.records import StepRecord
+
+    def rec(start, end, tokens=0, epoch=1):
+        return StepRecord("P", 0, 0, 1 if tokens else 0, tokens, 0, start, end, epoch)
+
+    records = [rec(0.0, 1e-3, tokens=64), rec(1e-3, 1.2e-3), rec(2e-3, 2.005e-3), rec(3e-3, 3.008e-3),
+               StepRecord("D", 2, 10, 0, 0, 0, 4e-3, 5e-3), rec(6e-3, 6.2e-3, epoch=2), rec(7e-3, 7.001e-3, epoch=2)]
+    kept = sim_replay.without_polls(records)
+    assert kept == records[:2] + records[4:6]  # an epoch's first record is kept, however short

@@ -59,3 +59,39 @@ def test_mux_segments_carry_their_epoch_and_its_sizes_once(model):
     assert all(r.decode_rows == 0 and r.phase == "P" for r in segments)
     decode = [r for r in engine.step_log.records if r.epoch is None]
     assert decode and all(r.phase == "D" and r.prefill_rows == 0 for r in decode)
+
+
+def test_completion_polls_are_not_recorded_as_segments(model, monkeypatch):
+    """An asynchronous runner's P yields completion polls (negative layer) after its last boundary
+    while the device finishes it: rounds with no segment, so no P record (`sim.cost` counts a
+    `mux` epoch's records as its segments)."""
+    from megatron_rollout.model.layers import BoundaryPoint, Site
+    from megatron_rollout.types import Phase
+
+    engine = RolloutEngine(model, EngineConfig(scheduler=SchedulerConfig(schedule="mux"), kv=KVConfig(num_blocks=64),
+                                               mux=MuxConfig(span="fixed:1")))
+    forward, polls = engine.executor.forward, []
+
+    def polling(step, phase):
+        inner = forward(step, phase)
+        if phase is not Phase.P:
+            return inner
+
+        def gen():
+            result = yield from inner
+            for _ in range(3):
+                polls.append(1)
+                yield BoundaryPoint(-1, Site.MOE_DATA)
+            return result
+        return gen()
+
+    monkeypatch.setattr(engine.executor, "forward", polling)
+    want = RolloutEngine(model, EngineConfig(scheduler=SchedulerConfig(schedule="mux"), kv=KVConfig(num_blocks=64),
+                                             mux=MuxConfig(span="fixed:1")))
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    with engine.step_log.recording(), want.step_log.recording():
+        got = engine.generate([[3] * 12, [4] * 9], params)
+        ref = want.generate([[3] * 12, [4] * 9], params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref] and polls
+    segments = lambda e: [r for r in e.step_log.records if r.epoch is not None]  # noqa: E731
+    assert len(segments(engine)) == len(segments(want)) > 1

@@ -72,6 +72,14 @@ def test_speculation_keeps_more_tokens_per_iteration(schedule):
     two_rows = [TraceRequest("a", 0, 10, 9, 0.0), TraceRequest("b", 0, 10, 9, 0.0)]
     assert simulate(two_rows, UNIT, config(schedule, speculation=Speculation(1, 2, 0.5))).makespan_s == \
         pytest.approx(simulate(two_rows, UNIT, config(schedule)).makespan_s)  # above max_rows: plain
+    # tail_tokens: 4 drafts (3 tokens kept an iteration) while one row decodes, 1 otherwise
+    tail = Speculation(2, 1, 0.5, tail_tokens=4, tail_rows=1)
+    assert tail.tokens_at(1) == 4 and tail.tokens_at(2) == 1
+    assert simulate(trace, UNIT, config(schedule, speculation=tail)).makespan_s == pytest.approx(5 + 3)
+    assert simulate(two_rows, UNIT, config(schedule, speculation=tail)).makespan_s == \
+        pytest.approx(simulate(two_rows, UNIT, config(schedule, speculation=Speculation(2, 1, 0.5))).makespan_s)
+    with pytest.raises(ValueError, match="tail_tokens must be a positive int"):
+        Speculation(2, 1, 0.5, tail_tokens=0)
 
 
 def test_group_orderings_read_what_the_rl_framework_knows():
