@@ -19,10 +19,10 @@ completion polls left out: `without_polls`).
 A drafting schedule (`~ngram:K[:R][+T@W]`) is simulated out of sample only, with the simulator's
 `Speculation` lever while at most R rows decode, drafting for every row the share of its most (K,
 or T while at most W rows decode) that repeat 0 drafted on the whole (n-gram lookup drafts only
-where it finds a match: rounded, at least 1) and accepting as many tokens as repeat 0 accepted; in sample its verify forwards, recorded as one
-row per request, would be fitted as plain decode rows that the lever then costs as (1 + K) rows. Other
-drafters (an MTP layer's own forward) are not simulated. Decode ahead (`/sync` or not) is not
-modelled: both run the same simulation.
+where it finds a match: rounded, at least 1) and accepting as many tokens as repeat 0 accepted;
+in sample its verify forwards, recorded as one row per request, would be fitted as plain decode
+rows that the lever then costs as (1 + K) rows. Other drafters (an MTP layer's own forward) are
+not simulated. Decode ahead (`/sync` or not) is not modelled: both run the same simulation.
 
 Left out: the mux segment policies' other effects (a segment's own launch gap), which rows share
 a prefix, and any sampling noise of repeat 0 itself (one replay's records are the whole fit).
@@ -56,9 +56,9 @@ prefill segment's device time lands in the decode iteration after it, `engine.re
 FITS = ("linear", "experts")
 POLL_S = 50e-6
 """A `mux` record after its epoch's first, with no tokens and under this much host time, is a
-completion poll, not a segment: the engine records none since commit `a0d1e2c`-era `mux.py`
-(`_record_segment`), but older results hold hundreds in the epochs that ran with no decode row
-(a poll takes ~10 us; a segment's enqueue 100 us or more)."""
+completion poll, not a segment: the engine records none since commit `d85a928`
+(`MuxSchedule._record_segment`), but older results hold hundreds in the epochs that ran with no
+decode row (a poll takes ~10 us of host time; a segment's enqueue 100 us or more)."""
 
 
 def without_polls(records: Sequence[StepRecord]) -> list[StepRecord]:

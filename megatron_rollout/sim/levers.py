@@ -76,7 +76,8 @@ class Speculation:
     tail_rows: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("max_rows", "draft_tokens", "tail_rows") + (("tail_tokens",) if self.tail_tokens is not None else ()):
+        tail = ("tail_tokens",) if self.tail_tokens is not None else ()
+        for name in ("max_rows", "draft_tokens", "tail_rows", *tail):
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
                 raise ValueError(f"Speculation.{name} must be a positive int, got {value!r}")
