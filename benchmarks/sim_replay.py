@@ -55,21 +55,22 @@ POOLED = ("off", "chunked")
 prefill segment's device time lands in the decode iteration after it, `engine.records`)."""
 FITS = ("linear", "experts")
 POLL_S = 50e-6
-"""A `mux` record after its epoch's first, with no tokens and under this much host time, is a
-completion poll, not a segment: the engine records none since commit `d85a928`
+"""A `mux` record that follows another of its epoch with no decode record between them, has no
+tokens and took under this much host time, is a completion poll in a round that ran no decode: not
+a round the simulator should cut the epoch at. The engine records none since commit `d85a928`
 (`MuxSchedule._record_segment`), but older results hold hundreds in the epochs that ran with no
-decode row (a poll takes ~10 us of host time; a segment's enqueue 100 us or more)."""
+decode row (a poll takes ~10 us of host time; a segment's enqueue 100 us or more). A poll in a
+round with decode rows is kept: that round ran a decode iteration, as the simulated rounds do."""
 
 
 def without_polls(records: Sequence[StepRecord]) -> list[StepRecord]:
-    """`records` less the completion polls of older results (`POLL_S`)."""
-    seen: set[int] = set()
-    kept = []
+    """`records` less the completion polls of older results in rounds without decode (`POLL_S`)."""
+    kept: list[StepRecord] = []
     for r in records:
-        if r.epoch is not None:
-            if r.epoch in seen and r.prefill_tokens == 0 and r.duration < POLL_S:
-                continue
-            seen.add(r.epoch)
+        last = kept[-1] if kept else None
+        if (r.epoch is not None and last is not None and last.epoch == r.epoch and r.prefill_tokens == 0
+                and r.duration < POLL_S):
+            continue
         kept.append(r)
     return kept
 

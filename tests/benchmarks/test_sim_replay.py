@@ -104,7 +104,9 @@ def test_completion_polls_of_older_records_are_not_segments():
     def rec(start, end, tokens=0, epoch=1):
         return StepRecord("P", 0, 0, 1 if tokens else 0, tokens, 0, start, end, epoch)
 
+    decode = StepRecord("D", 2, 10, 0, 0, 0, 4e-3, 5e-3)
     records = [rec(0.0, 1e-3, tokens=64), rec(1e-3, 1.2e-3), rec(2e-3, 2.005e-3), rec(3e-3, 3.008e-3),
-               StepRecord("D", 2, 10, 0, 0, 0, 4e-3, 5e-3), rec(6e-3, 6.2e-3, epoch=2), rec(7e-3, 7.001e-3, epoch=2)]
+               decode, rec(5e-3, 5.005e-3), rec(6e-3, 6.2e-3, epoch=2), rec(7e-3, 7.001e-3, epoch=2)]
     kept = sim_replay.without_polls(records)
-    assert kept == records[:2] + records[4:6]  # an epoch's first record is kept, however short
+    # an epoch's first record is kept however short, and so is a poll in a round that decoded
+    assert kept == records[:2] + records[4:7]

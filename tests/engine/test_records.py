@@ -61,10 +61,11 @@ def test_mux_segments_carry_their_epoch_and_its_sizes_once(model):
     assert decode and all(r.phase == "D" and r.prefill_rows == 0 for r in decode)
 
 
-def test_completion_polls_are_not_recorded_as_segments(model, monkeypatch):
+def test_completion_polls_without_decode_are_not_recorded_as_segments(model, monkeypatch):
     """An asynchronous runner's P yields completion polls (negative layer) after its last boundary
-    while the device finishes it: rounds with no segment, so no P record (`sim.cost` counts a
-    `mux` epoch's records as its segments)."""
+    while the device finishes it. A round that polls with no decode row runs nothing, so it has no
+    P record (`sim.cost` counts a `mux` epoch's records as its rounds); one with decode rows ran a
+    decode iteration and keeps its record."""
     from megatron_rollout.model.layers import BoundaryPoint, Site
     from megatron_rollout.types import Phase
 
@@ -90,8 +91,19 @@ def test_completion_polls_are_not_recorded_as_segments(model, monkeypatch):
                                              mux=MuxConfig(span="fixed:1")))
     params = SamplingParams(temperature=0.0, max_new_tokens=6)
     with engine.step_log.recording(), want.step_log.recording():
-        got = engine.generate([[3] * 12, [4] * 9], params)
+        got = engine.generate([[3] * 12, [4] * 9], params)  # one epoch, no decode row beside it
         ref = want.generate([[3] * 12, [4] * 9], params)
     assert [r.token_ids for r in got] == [r.token_ids for r in ref] and polls
     segments = lambda e: [r for r in e.step_log.records if r.epoch is not None]  # noqa: E731
-    assert len(segments(engine)) == len(segments(want)) > 1
+    assert len(segments(engine)) == len(segments(want)) >= 1
+    with engine.step_log.recording(), want.step_log.recording():  # the second epoch beside a decoding row
+        for e in (engine, want):
+            e.add_request([3] * 12, SamplingParams(max_new_tokens=12))
+            e.step()
+            e.step()
+            e.add_request([4] * 9, SamplingParams(max_new_tokens=2))
+            while e.has_work():
+                e.step()
+    polled = [r for r in segments(engine) if r.epoch == segments(engine)[-1].epoch]
+    plain = [r for r in segments(want) if r.epoch == segments(want)[-1].epoch]
+    assert len(polled) == len(plain) + 3  # each poll round ran a decode iteration: recorded

@@ -168,9 +168,9 @@ class MuxSchedule(EpochSchedule):
 
     def _record_segment(self) -> None:
         ex, rec = self.executor, self.turnstile.records[-1]
-        if rec.round > 1 and rec.last_boundary < rec.first_boundary:
-            return  # a completion poll (P waited for its device work) or P already done: no segment ran,
-            # and `sim.cost.segments_per_epoch` counts an epoch's records as its segments
+        if rec.round > 1 and rec.last_boundary < rec.first_boundary and rec.max_decode_rows == 0:
+            return  # a completion poll with no decode anywhere: the round ran neither a segment nor D
+            # (`sim.cost.segments_per_epoch` counts an epoch's records as its rounds)
         rows, self.epoch.rows = self.epoch.rows, []
         if ex.log.enabled:
             ex.log.add(step_record(Phase.P.value, rows, 0, rec.t_post_d + self._clock, rec.t_end + self._clock,
