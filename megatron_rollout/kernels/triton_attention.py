@@ -265,7 +265,7 @@ class TritonAttention(AttentionKernels):
     decode_programs_per_sm = 4
     verify_block_n = 32  # the verify graphs' runs (RUN > 1: M = 8 rows x the group's heads): block
     verify_stages = 2  # 32, 2 stages, 4 warps, 2 programs per SM were the fastest or within 2.5% of
-    verify_warps = 4  # it on `bench.attention --verify`'s three shapes, 11-22% faster than the
+    verify_warps = 4  # it on `bench.attention --verify`'s three shapes, 11-22% less time than the
     verify_programs_per_sm = 2  # decode setting (H200, docs/kernels.md)
     prefill_block_m = 128  # rows of a prefill tile = tokens x query heads of one kv head
     prefill_block_n = 128  # block 128, 3 stages, 8 warps: the fastest or within 4% of it on every prefill
