@@ -16,13 +16,14 @@ the experts fit (`sim.cost`, the expert term on the model's routing; dense model
 Errors are simulated / measured - 1. How a `mux` schedule cuts its epochs is its segment policy's,
 not a cost: out of sample it takes its repeat 0's segments per epoch (`cost.segments_per_epoch`,
 completion polls left out: `without_polls`).
-A drafting schedule (`~ngram:K[:R][+T@W]`) is simulated out of sample only, with the simulator's
-`Speculation` lever while at most R rows decode, drafting for every row the share of its most (K,
-or T while at most W rows decode) that repeat 0 drafted on the whole (n-gram lookup drafts only
-where it finds a match: rounded, at least 1) and accepting as many tokens as repeat 0 accepted;
-in sample its verify forwards, recorded as one row per request, would be fitted as plain decode
-rows that the lever then costs as (1 + K) rows. Other drafters (an MTP layer's own forward) are
-not simulated. Decode ahead (`/sync` or not) is not modelled: both run the same simulation.
+A drafting schedule (`~ngram:K[:R][+T@W]`) is simulated with the simulator's `Speculation` lever
+while at most R rows decode, drafting for every row the share of its most (K, or T while at most W
+rows decode) that repeat 0 drafted on the whole (n-gram lookup drafts only where it finds a match:
+rounded, at least 1) and accepting as many tokens as repeat 0 accepted. In sample its verify
+forwards are fitted by their positions (`StepRecord.decode_positions`, a row and its drafts), the
+unit the lever costs them in; records made before that field hold one row a request, and their
+in-sample check is skipped. Other drafters (an MTP layer's own forward) are not simulated. Decode
+ahead (`/sync` or not) is not modelled: both run the same simulation.
 
 Left out: the mux segment policies' other effects (a segment's own launch gap), which rows share
 a prefix, and any sampling noise of repeat 0 itself (one replay's records are the whole fit).
@@ -175,8 +176,9 @@ def sim_replay(result: dict, trace: Sequence[TraceRequest], fit_from: dict | Non
         if config.levers.speculation is not None:
             row["speculation"] = {**dataclasses.asdict(config.levers.speculation),
                                   **{k: first["engine_stats"][k] for k in ("drafted_tokens", "accepted_tokens")}}
-            row["in_sample"] = {"skipped": "drafting: verify forwards are recorded as one row a request, the "
-                                           "Speculation lever costs (1 + k) rows (module docstring)"}
+        if config.levers.speculation is not None and any(r.decode_positions is None for r in records if r.decode_rows):
+            row["in_sample"] = {"skipped": "drafting: these records predate `decode_positions`, so a verify forward "
+                                           "reads as one row a request (module docstring)"}
         else:
             fits = _fits(records, moe)
             row["in_sample"] = _compare(trace, fits, config, first["report"]["makespan_s"])

@@ -42,10 +42,18 @@ class StepRecord:
     """time.perf_counter marks around the forward and the read-back of its samples."""
     epoch: int | None = None
     """The `mux` epoch a prefill segment belongs to; None for a whole step."""
+    decode_positions: int | None = None
+    """New positions of the decode rows: a row's pending token and its drafts when drafting, else
+    one a row. None in results recorded before this field: as many as `decode_rows`."""
 
     @property
     def duration(self) -> float:
         return self.end - self.start
+
+    @property
+    def positions(self) -> int:
+        """`decode_positions`, or `decode_rows` where a record predates it."""
+        return self.decode_rows if self.decode_positions is None else self.decode_positions
 
     @property
     def mixed(self) -> bool:
@@ -62,7 +70,7 @@ def step_record(phase: str, rows: Sequence[SpanInput], decode_rows: int, start: 
         decode_context=sum(r.span.past + r.span.new for r in decode),
         prefill_rows=len(prefill), prefill_tokens=sum(r.span.new for r in prefill),
         prefill_pairs=sum(r.span.new * r.span.past + r.span.new * (r.span.new + 1) // 2 for r in prefill),
-        start=start, end=end, epoch=epoch)
+        start=start, end=end, epoch=epoch, decode_positions=sum(r.span.new for r in decode))
 
 
 class StepLog:

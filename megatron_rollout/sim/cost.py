@@ -70,6 +70,7 @@ class StepSize:
     """The sizes of one forward that its cost depends on."""
 
     decode_rows: int = 0
+    """One-token decode rows: a row and its drafts count 1 + k (`StepRecord.positions`)."""
     decode_context: int = 0
     """Sum of the decode rows' contexts."""
     prefill_rows: int = 0
@@ -79,7 +80,7 @@ class StepSize:
 
     @classmethod
     def of(cls, record: StepRecord) -> StepSize:
-        return cls(record.decode_rows, record.decode_context, record.prefill_rows, record.prefill_tokens,
+        return cls(record.positions, record.decode_context, record.prefill_rows, record.prefill_tokens,
                    record.prefill_pairs)
 
     def features(self, routing: Routing | None = None) -> tuple[float, ...]:

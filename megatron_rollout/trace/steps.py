@@ -16,6 +16,8 @@ from megatron_rollout.engine.records import StepRecord
 
 FIELDS = tuple(f.name for f in dataclasses.fields(StepRecord))
 """The columns, in `StepRecord`'s field order."""
+LATER = ("decode_positions",)
+"""Columns added after results were first written: a result without one reads None there."""
 
 
 def to_columns(records: Sequence[StepRecord]) -> dict[str, list]:
@@ -26,8 +28,11 @@ def to_columns(records: Sequence[StepRecord]) -> dict[str, list]:
 def from_columns(cols: Mapping[str, Sequence[Any]]) -> list[StepRecord]:
     """The records `to_columns` made `cols` from.
 
-    Raises ValueError when a column is missing, unknown, or of another length than the others.
+    Raises ValueError when a column is missing (other than one of `LATER`), unknown, or of another
+    length than the others.
     """
+    n = len(next(iter(cols.values()), ()))
+    cols = {**{name: [None] * n for name in LATER if name not in cols}, **cols}
     if set(cols) != set(FIELDS):
         raise ValueError(f"step columns must be exactly {list(FIELDS)}; missing {sorted(set(FIELDS) - set(cols))}, "
                          f"unknown {sorted(set(cols) - set(FIELDS))}")

@@ -1,6 +1,7 @@
 """The simulator against a tiny CPU rollout's own step records: every schedule gets in- and
 out-of-sample errors from both fits (CPU timing is noisy: finite, not small); a drafting schedule
-is simulated with the Speculation lever or skipped with its reason."""
+is simulated with the Speculation lever, fitted in sample by its verify positions, or skipped with
+its reason."""
 from __future__ import annotations
 
 import json
@@ -70,7 +71,8 @@ def test_a_dense_model_has_no_experts_fit_and_drafting_uses_the_lever(run):
     spec = {**result, "schedules": {"off": result["schedules"]["off"],
                                     "chunked~ngram:4": {**result["schedules"]["chunked"], "spec": "chunked~ngram:4"}}}
     row = sim_replay.sim_replay(spec, trace)["schedules"]["chunked~ngram:4"]
-    assert "skipped" in row["in_sample"] and math.isfinite(row["out_of_sample"]["linear"]["error"])
+    assert math.isfinite(row["in_sample"]["linear"]["error"])  # its records carry decode_positions
+    assert math.isfinite(row["out_of_sample"]["linear"]["error"])
 
 
 @pytest.mark.timeout(60)
@@ -110,3 +112,26 @@ def test_completion_polls_of_older_records_are_not_segments():
     kept = sim_replay.without_polls(records)
     # an epoch's first record is kept however short, and so is a poll in a round that decoded
     assert kept == records[:2] + records[4:7]
+
+
+@pytest.mark.timeout(300)
+def test_a_drafting_replay_is_fitted_in_sample_by_its_positions(tmp_path):
+    """Verify forwards record their positions (a row and its drafts), so a drafting replay gets an
+    in-sample fit in the unit the Speculation lever costs it; older records skip with the reason."""
+    from megatron_rollout.trace.steps import from_columns
+
+    assert rollout.main(["--model", "tiny-moe", "--device", "cpu", "--repeats", "1", "--conversations", "2",
+                         "--profile", "decode", "--scale", "0.02", "--budgets", "64", "--schedules", "off~ngram:3",
+                         "--no-ablation", "--out", str(tmp_path), "--no-progress"]) == 0
+    result = json.loads((tmp_path / "rollout.json").read_text())
+    first = result["schedules"]["off~ngram:3"]["repeats"][0]
+    records = from_columns(first["steps"])
+    assert first["engine_stats"]["drafted_tokens"] > 0
+    assert any(r.positions > r.decode_rows for r in records)  # some rows verified drafts
+    trace = load_trace(tmp_path / "trace.jsonl")
+    row = sim_replay.sim_replay(result, trace)["schedules"]["off~ngram:3"]
+    assert math.isfinite(row["in_sample"]["linear"]["error"]) and row["speculation"]["draft_tokens"] >= 1
+    old = {**first, "steps": {k: v for k, v in first["steps"].items() if k != "decode_positions"}}
+    stale = {**result, "schedules": {"off~ngram:3": {**result["schedules"]["off~ngram:3"], "repeats": [old]}}}
+    assert "predate `decode_positions`" in sim_replay.sim_replay(stale, trace)["schedules"]["off~ngram:3"][
+        "in_sample"]["skipped"]

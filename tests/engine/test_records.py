@@ -23,6 +23,9 @@ def test_sizes_come_from_the_rows_spans():
     assert (r.prefill_rows, r.prefill_tokens) == (2, 7)
     assert r.prefill_pairs == (5 * 3 + 15) + (0 + 3)  # new * past + new * (new + 1) / 2 per chunk
     assert r.mixed and r.duration == 0.5 and r.epoch is None
+    assert r.decode_positions == r.positions == 2
+    verify = step_record("D", [SpanInput(SeqSpan((0,), 9, 4), [1] * 4, True), rows[1]], 2, 2.0, 2.1)
+    assert (verify.decode_rows, verify.positions, verify.decode_context) == (2, 5, 13 + 5)  # a row and 3 drafts
 
 
 @pytest.mark.parametrize("schedule", ["off", "chunked"])

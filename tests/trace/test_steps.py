@@ -11,13 +11,14 @@ RECORDS = [
     StepRecord("D", 5, 2_050, 0, 0, 0, 1234.602, 1234.6031),
     StepRecord("P", 3, 911, 1, 64, 2_080, 1234.61, 1234.62, None),
     StepRecord("P", 0, 0, 1, 17, 153, 0.1 + 0.2, 1e-9 + 0.3, epoch=4),
+    StepRecord("D", 2, 1_010, 0, 0, 0, 1234.7, 1234.71, decode_positions=9),  # two rows and 7 drafts
 ]
 
 
 def test_columns_round_trip_through_json_unchanged():
     cols = to_columns(RECORDS)
     assert list(cols) == list(FIELDS)
-    assert cols["decode_rows"] == [0, 5, 3, 0] and cols["epoch"] == [None, None, None, 4]
+    assert cols["decode_rows"] == [0, 5, 3, 0, 2] and cols["epoch"] == [None, None, None, 4, None]
     back = from_columns(json.loads(json.dumps(cols)))
     assert back == RECORDS
     assert all(type(b.prefill_pairs) is int and type(b.start) is float for b in back)
@@ -34,3 +35,10 @@ def test_refusals():
         from_columns({k: v for k, v in cols.items() if k != "epoch"})
     with pytest.raises(ValueError, match="differ in length"):
         from_columns({**cols, "end": cols["end"][:2]})
+
+
+def test_results_written_before_decode_positions_read_as_one_position_a_row():
+    cols = {k: v for k, v in to_columns(RECORDS[:3]).items() if k != "decode_positions"}
+    back = from_columns(json.loads(json.dumps(cols)))
+    assert back == RECORDS[:3] and [r.positions for r in back] == [0, 5, 3]
+    assert RECORDS[4].positions == 9
