@@ -2,9 +2,9 @@
 # The one-GPU benchmarks on an H200, as named stages run in order: `bash h200_session.sh setup tests
 # current vllm`. A device machine that keeps /tmp between commands may run the stages over several
 # commands: `setup` copies the code to /tmp/run, and later stages run from there. vLLM's offline
-# bundle (the peer, `benchmarks.vllm_peer`) arrives in pieces in folders `.vb0/` .. `.vb4/` beside
-# the code; `piece` moves the ones present to /tmp/pc, and the `vllm` stages unpack them once all
-# are there. The stages and settings behind a result folder are in its COMMIT file, where it has
+# bundle (the peer, `benchmarks.vllm_peer`) arrives in pieces in folders `.vb0/`, `.vb1/`, ... beside
+# the code (each small enough to travel with the tree: 34 MiB with a 29 MB tree); `piece` moves the
+# ones present to /tmp/pc, and the `vllm` stages unpack them once all are there. The stages and settings behind a result folder are in its COMMIT file, where it has
 # one (benchmarks/results/README.md lists the folders).
 #
 # `.run` is `git archive HEAD` of the commit measured, plus `.whl/` (megatron-core 0.19.2, which
