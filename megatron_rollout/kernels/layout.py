@@ -201,8 +201,9 @@ class StaticDecodeLayout:
     start after them, so every view is 16-byte aligned (see the module docstring).
 
     `max_run` > 1 (the verify and draft graphs of speculative decoding): `fill` also marks the
-    runs of rows over one history its caller names (`decode_runs`), and the KV splits are sized for
-    the runs' heads, the rows that read the cache."""
+    runs of rows over one history its caller names (`decode_runs`); where the backend reads a run
+    once (`AttentionKernels.decode_reads_runs`) the KV splits are sized for the runs' heads, the
+    rows that read the cache."""
 
     SECTIONS = 5
     """tokens, positions, slots, lengths, runs."""
@@ -227,10 +228,10 @@ class StaticDecodeLayout:
         self.tables = d[self.SECTIONS * st:].view(rows, width)
         self.arange = torch.arange(rows, dtype=torch.int32, device=device)
         self.logits_rows = torch.arange(rows, dtype=torch.int64, device=device)
-        per_sm = kernels.decode_programs_per_sm
-        if max_run > 1 and getattr(kernels, "verify_programs_per_sm", None):
-            per_sm = kernels.verify_programs_per_sm
-        splits = choose_splits(-(-rows // max_run), kv_heads, num_sms, programs_per_sm=per_sm)
+        reading, per_sm = rows, kernels.decode_programs_per_sm  # the rows whose programs read the cache
+        if max_run > 1 and kernels.decode_reads_runs:
+            reading, per_sm = -(-rows // max_run), kernels.verify_programs_per_sm or per_sm
+        splits = choose_splits(reading, kv_heads, num_sms, programs_per_sm=per_sm)
         workspace = {}
         if hasattr(kernels, "decode_block_n"):
             from megatron_rollout.kernels.triton_attention import decode_workspace

@@ -120,8 +120,11 @@ class AttentionKernels(abc.ABC):
     name: ClassVar[str]
     decode_programs_per_sm: int = 8
     """KV splits of a decode row: about this many programs per SM (`layout.choose_splits`)."""
+    decode_reads_runs: ClassVar[bool] = False
+    """Decode computes a run's rows (`DecodeMeta.runs`) from one read of their history, so a
+    layout sizes its KV splits by the runs, not the rows (`layout.StaticDecodeLayout`)."""
     verify_programs_per_sm: int | None = None
-    """The same for the verify and draft graphs' runs (`DecodeMeta.runs`), whose programs each do a
+    """`decode_programs_per_sm` for the runs of a backend that reads them, whose programs each do a
     run's work; None: `decode_programs_per_sm`."""
     prefill_heavy_first: bool = True
     """Query tiles in decreasing causal work (cached + earlier new keys), not span order: the GPU

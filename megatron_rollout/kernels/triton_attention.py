@@ -263,6 +263,7 @@ class TritonAttention(AttentionKernels):
     decode_stages = 3  # previous (64, 2, 4, 8) on `bench.attention`'s graph-timed decode shapes,
     decode_warps = 4  # 5% faster in geometric mean (H200, docs/kernels.md)
     decode_programs_per_sm = 4
+    decode_reads_runs = True
     verify_block_n = 32  # the verify graphs' runs (RUN > 1: M = 8 rows x the group's heads): block
     verify_stages = 2  # 32, 2 stages, 4 warps, 2 programs per SM were the fastest or within 2.5% of
     verify_warps = 4  # it on `bench.attention --verify`'s three shapes, 11-22% less time than the
@@ -317,10 +318,8 @@ class TritonAttention(AttentionKernels):
             ws = decode_workspace(rows, hq, splits, d, q.device)
         po, pm, pl = ws["o"], ws["m"], ws["l"]
         run = _pow2(meta.max_run) if meta.runs is not None else 1
-        block_n, warps, stages = self.decode_block_n, self.decode_warps, self.decode_stages
-        if run > 1:
-            block_n, warps, stages = (self.verify_block_n or block_n, self.verify_warps or warps,
-                                      self.verify_stages or stages)
+        block_n, warps, stages = ((self.verify_block_n, self.verify_warps, self.verify_stages) if run > 1 else
+                                  (self.decode_block_n, self.decode_warps, self.decode_stages))
         _decode_partial_kernel[(rows, hkv, splits)](
             q, k_cache, v_cache, meta.tables, meta.lens, meta.q_start, meta.seq,
             meta.runs if run > 1 else meta.seq, po, pm, pl,

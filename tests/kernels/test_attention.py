@@ -374,7 +374,7 @@ def test_attend_into_a_given_output_writes_every_row_and_checks_it():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("max_run, verify", [(4, {}), (8, {}),
-                                             (8, {"verify_block_n": 32, "verify_programs_per_sm": 8})])
+                                             (8, {"verify_block_n": 64, "verify_programs_per_sm": 8})])
 def test_verify_runs_read_once_and_match_portable(device, max_run, verify):
     """Speculative decoding's verify rows in a decode graph's layout: each row's pending token and
     drafts are one-query rows over one table (`runner.speculative.flatten`), marked as runs. The

@@ -245,3 +245,22 @@ def test_static_layout_marks_runs_only_where_asked():
     assert runs.runs.tolist() == [1] * 8
     with pytest.raises(ValueError, match="max_run"):
         StaticDecodeLayout(8, 16, 16, PortableAttention(), 8, 4, 8, torch.device("cpu"), num_sms=4, max_run=0)
+
+
+def test_kv_splits_count_runs_only_for_a_backend_that_reads_them():
+    """A backend that computes every row alone (portable, MLA) keeps the splits of plain rows under
+    `max_run`; one that reads a run's history once gets the splits of the runs' heads, at its own
+    programs per SM."""
+
+    class ReadsRuns(PortableAttention):
+        decode_reads_runs = True
+        verify_programs_per_sm = 2
+
+    def splits(kernels, max_run):
+        return StaticDecodeLayout(40, 16, 16, kernels, 8, 2, 8, torch.device("cpu"), num_sms=132,
+                                  max_run=max_run).decode.splits
+
+    alone = splits(PortableAttention(), 1)
+    assert splits(PortableAttention(), 8) == alone == 16  # 8 programs a SM over 40 rows x 2 kv heads
+    assert splits(ReadsRuns(), 1) == alone
+    assert splits(ReadsRuns(), 8) == 32  # 2 programs a SM over 5 runs x 2 kv heads: 27, rounded up to 32
