@@ -40,6 +40,7 @@ from megatron_rollout.kernels.triton_attention import (
     MAX_SPLITS,
     TritonAttention,
     _decode_reduce_kernel,
+    _online_softmax,
     _pow2,
     decode_workspace,
 )
@@ -94,13 +95,7 @@ def _mla_decode_kernel(Q, KV, Tables, Lens, QStart, Seq, PartO, PartM, PartL, sc
         pmask = pos < end
         block = tl.load(table + pos // PAGE, mask=pmask, other=0).to(tl.int64)
         lat, s = _mla_scores(q_lat, q_pe, KV, block * PAGE + pos % PAGE, pmask, c, cmask, e, emask, stride_cs, R)
-        s = tl.where(pmask[None, :], s * scale_log2, _NEG)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax(tl.where(pmask[None, :], s * scale_log2, _NEG), lat, m_i, l_i, acc)
 
     obase = b.to(tl.int64) * stride_ob + split * stride_os
     tl.store(PartO + obase + h[:, None] * stride_oh + c[None, :], acc, mask=hmask[:, None] & cmask[None, :])
@@ -149,12 +144,7 @@ def _mla_prefill_kernel(Q, KV, Out, Tables, QStart, Past, New, TileSeq, TileStar
         block = tl.load(table + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
         lat, s = _mla_scores(q_lat, q_pe, KV, block * PAGE + kpos % PAGE, kmask, c, cmask, e, emask, stride_cs, R)
         s = tl.where(kmask[None, :] & (kpos[None, :] <= qpos[:, None]), s * scale_log2, _NEG)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax(s, lat, m_i, l_i, acc)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(Out + qrow[:, None] * stride_on + h[:, None] * stride_oh + c[None, :],

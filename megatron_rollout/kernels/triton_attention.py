@@ -70,6 +70,17 @@ def _store_kv_kernel(K, V, KC, VC, Slots,
         tl.store(VC + slot * stride_cs + h * stride_ch + d, v, mask=mask)
 
 
+@triton.jit
+def _online_softmax(s, v, m_i, l_i, acc):
+    """One key block of an online softmax in base 2: scores `s` [M, N] (masked keys at `_NEG`) and
+    values `v` [N, D] update the running max `m_i`, denominator `l_i` and output `acc` (fp32; P is
+    cast to the values' dtype for the second product, as flash attention does)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
 @triton.jit(do_not_specialize=["stride_tb", "stride_mb", "stride_mh"])
 def _decode_partial_kernel(Q, KC, VC, Tables, Lens, QStart, Seq, Runs, PartO, PartM, PartL, scale_log2,
                            stride_qn, stride_qh, stride_cs, stride_ch, stride_tb,
@@ -127,13 +138,7 @@ def _decode_partial_kernel(Q, KC, VC, Tables, Lens, QStart, Seq, Runs, PartO, Pa
                 seen = pos[None, :] < lens[:, None]  # m = -inf here, and the reduce weighs the split 0
             else:
                 seen = pmask[None, :]
-            s = tl.where(seen, s, _NEG)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax(tl.where(seen, s, _NEG), v, m_i, l_i, acc)
 
         obase = (b + qi).to(tl.int64) * stride_ob + split * stride_os
         tl.store(PartO + obase[:, None] + heads[:, None] * stride_oh + d[None, :], acc,
@@ -195,12 +200,7 @@ def _prefill_block(q, KC, VC, table, n0, hi, qpos, m_i, l_i, acc, scale_log2, kv
     s = tl.dot(q, tl.trans(k)) * scale_log2
     if MASK:
         s = tl.where(kmask[None, :] & (kpos[None, :] <= qpos[:, None]), s, _NEG)
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
+    return _online_softmax(s, v, m_i, l_i, acc)
 
 
 @triton.jit(do_not_specialize=["stride_tb"])
