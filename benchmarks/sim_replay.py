@@ -125,19 +125,17 @@ def _sim_config(result: dict, spec: str, budget: int, first: dict) -> SimConfig 
         if drafts.method != "ngram":
             return f"drafting by {drafts.method!r}: the drafter's own forward is not modelled"
         max_rows = drafts.tail_rows or args["max_decode_rows"]
-        tail_k, tail_rows = drafts.tail_k, drafts.tail_k_rows
         steps = [r.decode_rows for r in from_columns(first["steps"]) if 0 < r.decode_rows <= max_rows]
-        wide = sum(n for n in steps if tail_k is not None and n <= tail_rows)
-        rows = sum(steps) - wide
         stats = first["engine_stats"]
         # every row drafts the same share of its most (lookup finds no match for the rest)
-        most = drafts.k * rows + (tail_k or 0) * wide
+        most = sum(drafts.k_at(n) * n for n in steps)
         share = stats["drafted_tokens"] / most if most else 1.0
-        k = min(drafts.k, max(1, round(share * drafts.k)))
-        tail = None if tail_k is None else min(tail_k, max(1, round(share * tail_k)))
-        drafted = k * rows + (tail or 0) * wide
+        drafting = Speculation(max_rows, min(drafts.k, max(1, round(share * drafts.k))), 0.0,
+                               tail_tokens=None if drafts.tail_k is None else
+                               min(drafts.tail_k, max(1, round(share * drafts.tail_k))), tail_rows=drafts.tail_k_rows)
+        drafted = sum(drafting.tokens_at(n) * n for n in steps)
         acceptance = min(1.0, stats["accepted_tokens"] / drafted) if drafted else 0.0
-        levers = Levers(speculation=Speculation(max_rows, k, acceptance, tail_tokens=tail, tail_rows=tail_rows))
+        levers = Levers(speculation=dataclasses.replace(drafting, acceptance=acceptance))
     return dataclasses.replace(SimConfig.of_engine(engine), levers=levers)
 
 
