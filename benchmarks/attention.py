@@ -32,6 +32,7 @@ import json
 import statistics
 import sys
 import types
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -178,31 +179,41 @@ def _variants(backends: list[str], grid: list[dict[str, int]]) -> list[tuple[str
     return out
 
 
-def measure(case: Case, variants: list[tuple[str, Any]], iters: int, rounds: int) -> dict[str, Any]:
-    work = case.work()
+def _timed(case: Case, builders: dict[str, Callable[[], Any]], iters: int, rounds: int, graphed: bool
+           ) -> tuple[dict[str, torch.Tensor], dict[str, list[float]], dict[str, int], dict[str, str]]:
+    """Build each variant's batch and call it once (compiles, untimed; one that fails is recorded,
+    not the end of the sweep), then time them all in interleaved rounds, as CUDA-graph replays of
+    `GRAPH_CALLS` calls per call (`graphed`: decode, a few us of GPU per call, under the host's
+    launch time) or event-timed calls. Returns (outputs, seconds of each round, compilations
+    inside the timed calls, errors), by variant."""
     batches, outputs, errors = {}, {}, {}
-    for name, kernels in variants:
+    for name, build in builders.items():
         try:
-            batches[name] = case.batch(kernels)
-            outputs[name] = batches[name].attend(0, case.q, case.k, case.v).float()  # compiles, untimed
+            batches[name] = build()
+            outputs[name] = batches[name].attend(0, case.q, case.k, case.v).float()
             torch.cuda.synchronize()
-        except Exception as exc:  # recorded: one setting that does not build must not end the sweep
+        except Exception as exc:
             errors[name] = f"{type(exc).__name__}: {exc}"[:300]
             batches.pop(name, None)
     samples: dict[str, list[float]] = {n: [] for n in batches}
     compiles = {n: 0 for n in batches}
-    graphed = "kv_bytes" in work  # decode: a few us of GPU per call, under the host's launch time
     for _ in range(rounds):
         for name, batch in batches.items():
             def call(b=batch):
                 return b.attend(0, case.q, case.k, case.v)
 
             with CompileCounter() as counter:
-                if graphed:
-                    samples[name].append(graph_us([call] * GRAPH_CALLS, iters) / 1e6)
-                else:
-                    samples[name].append(time_cuda(call, iters=iters))
+                samples[name].append(graph_us([call] * GRAPH_CALLS, iters) / 1e6 if graphed
+                                     else time_cuda(call, iters=iters))
             compiles[name] += counter.counts.total
+    return outputs, samples, compiles, errors
+
+
+def measure(case: Case, variants: list[tuple[str, Any]], iters: int, rounds: int) -> dict[str, Any]:
+    work = case.work()
+    outputs, samples, compiles, errors = _timed(case, {name: (lambda k=kernels: case.batch(k))
+                                                       for name, kernels in variants},
+                                                iters, rounds, graphed="kv_bytes" in work)
     ref = outputs.get(variants[0][0])
     rows = {}
     for name, times in samples.items():
@@ -222,35 +233,18 @@ def measure_verify(case: Case, iters: int, rounds: int, grid: list[dict[str, int
     """Verify attention with each row alone (`max_run` 1) and in runs (`max_run` 8, the default
     settings and each of `grid`'s), graph-timed in interleaved rounds; each output against the rows'
     alone."""
-    batches = {f"max_run={m}": case.verify_batch(m) for m in (1, 8)}
-    errors = {}
-    for name, kernels in _variants([], grid):
-        try:
-            batches[f"max_run=8 {name}"] = case.verify_batch(8, kernels)
-        except Exception as exc:  # recorded: one setting that does not build must not end the sweep
-            errors[name] = f"{type(exc).__name__}: {exc}"[:300]
-    outputs = {}
-    for name, batch in list(batches.items()):  # compiles, untimed
-        try:
-            outputs[name] = batch.attend(0, case.q, case.k, case.v).float()
-            torch.cuda.synchronize()
-        except Exception as exc:
-            errors[name] = f"{type(exc).__name__}: {exc}"[:300]
-            batches.pop(name)
-    samples: dict[str, list[float]] = {n: [] for n in batches}
-    compiles = 0
-    for _ in range(rounds):
-        for name, batch in batches.items():
-            with CompileCounter() as counter:
-                samples[name].append(graph_us([lambda b=batch: b.attend(0, case.q, case.k, case.v)] * GRAPH_CALLS,
-                                              iters) / 1e3)
-            compiles += counter.counts.total
+    builders = {f"max_run={m}": (lambda m=m: case.verify_batch(m)) for m in (1, 8)}
+    builders |= {f"max_run=8 {name}": (lambda k=kernels: case.verify_batch(8, k))
+                 for name, kernels in _variants([], grid)}
+    outputs, samples, compiles, errors = _timed(case, builders, iters, rounds, graphed=True)
+    if {"max_run=1", "max_run=8"} - set(outputs):  # the reference pair itself must run
+        raise RuntimeError(f"verify attention at {case.spec[0]} x {len(case.spec)} failed: {errors}")
     alone = outputs["max_run=1"]
     kv = sum(p + n for p, n in case.spec) * case.hkv * case.d * 2 * 2  # each row's history, read once
-    ms = {n: statistics.median(t) for n, t in samples.items()}
+    ms = {n: statistics.median(t) * 1e3 for n, t in samples.items()}
     err = {n: float((o - alone).norm() / alone.norm().clamp_min(1e-30)) for n, o in outputs.items()}
-    return {"spec": case.spec[0], "count": len(case.spec), "kv_bytes": kv, "compiles": compiles,
-            "variants": {n: {"ms": ms[n], "rounds_ms": samples[n], "gb_per_s": kv / ms[n] / 1e6,
+    return {"spec": case.spec[0], "count": len(case.spec), "kv_bytes": kv, "compiles": sum(compiles.values()),
+            "variants": {n: {"ms": ms[n], "rounds_ms": [t * 1e3 for t in samples[n]], "gb_per_s": kv / ms[n] / 1e6,
                              "rel_err_vs_alone": err[n]} for n in ms},
             "alone_over_runs": ms["max_run=1"] / ms["max_run=8"],
             "rel_err_runs_vs_alone": err["max_run=8"], "errors": errors}

@@ -57,3 +57,37 @@ def test_sweep_runs_and_compiles_nothing_while_timed(tmp_path):
     assert all(v["rel_err_vs_alone"] < 2e-2 for v in ver["variants"].values()) and not ver["errors"]
     assert got["best_verify"]["3x(300+5)"] in ver["variants"]
     assert torch.cuda.is_available()
+
+
+def test_variants_are_built_once_untimed_then_timed_in_interleaved_rounds(monkeypatch):
+    """`_timed`'s bookkeeping on CPU (the timers themselves are CUDA's): a variant that fails to
+    build or to run is recorded and left out; the others are timed round by round, in turn."""
+    order: list[str] = []
+
+    class Batch:
+        def __init__(self, name, fails=False):
+            self.name, self.fails = name, fails
+
+        def attend(self, layer, q, k, v):
+            if self.fails:
+                raise RuntimeError("no such tile")
+            return q * 2
+
+    def fake_graph_us(calls, iters):
+        calls[0]()
+        order.append(calls[0].__defaults__[0].name)
+        return 1e6 * len(order)  # us: each call one second more than the last
+
+    monkeypatch.setattr(attention, "graph_us", fake_graph_us)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    case = type("Case", (), {"q": torch.ones(2), "k": None, "v": None})()
+
+    def broken():
+        raise ValueError("bad setting")
+
+    builders = {"a": lambda: Batch("a"), "b": lambda: Batch("b", fails=True), "c": broken, "d": lambda: Batch("d")}
+    outputs, samples, compiles, errors = attention._timed(case, builders, iters=1, rounds=2, graphed=True)
+    assert order == ["a", "d", "a", "d"] and samples == {"a": [1.0, 3.0], "d": [2.0, 4.0]}
+    assert set(outputs) == {"a", "d"} and torch.equal(outputs["a"], torch.full((2,), 2.0))
+    assert errors == {"b": "RuntimeError: no such tile", "c": "ValueError: bad setting"}
+    assert compiles == {"a": 0, "d": 0}
