@@ -200,10 +200,10 @@ class StaticDecodeLayout:
     The five per-row sections are `stride` (rows rounded up to 16 bytes) apart and the tables
     start after them, so every view is 16-byte aligned (see the module docstring).
 
-    `max_run` > 1 (the verify and draft graphs of speculative decoding): `fill` also marks the
-    runs of rows over one history its caller names (`decode_runs`); where the backend reads a run
-    once (`AttentionKernels.decode_reads_runs`) the KV splits are sized for the runs' heads, the
-    rows that read the cache."""
+    `max_run` > 1 (the verify and draft graphs of speculative decoding), for a backend that reads a
+    run's history once (`AttentionKernels.decode_reads_runs`; any other takes 1): `fill` also marks
+    the runs of rows over one history its caller names (`decode_runs`), and the KV splits are sized
+    for the runs' heads, the rows that read the cache."""
 
     SECTIONS = 5
     """tokens, positions, slots, lengths, runs."""
@@ -212,6 +212,8 @@ class StaticDecodeLayout:
                  kv_heads: int, head_dim: int, device: torch.device, num_sms: int, max_run: int = 1) -> None:
         if max_run < 1:
             raise ValueError(f"max_run must be at least 1, got {max_run}")
+        if not kernels.decode_reads_runs:
+            max_run = 1  # it computes every row alone: no runs to mark, the splits of plain rows
         width = _round_up(table_width, TABLE_ALIGN)
         self.rows, self.width, self.block_size, self.max_run = rows, width, block_size, max_run
         self.stride = st = _round_up(rows, ALIGN_ELEMS)
@@ -228,10 +230,8 @@ class StaticDecodeLayout:
         self.tables = d[self.SECTIONS * st:].view(rows, width)
         self.arange = torch.arange(rows, dtype=torch.int32, device=device)
         self.logits_rows = torch.arange(rows, dtype=torch.int64, device=device)
-        reading, per_sm = rows, kernels.decode_programs_per_sm  # the rows whose programs read the cache
-        if max_run > 1 and kernels.decode_reads_runs:
-            reading, per_sm = -(-rows // max_run), kernels.verify_programs_per_sm or per_sm
-        splits = choose_splits(reading, kv_heads, num_sms, programs_per_sm=per_sm)
+        per_sm = (kernels.verify_programs_per_sm if max_run > 1 else None) or kernels.decode_programs_per_sm
+        splits = choose_splits(-(-rows // max_run), kv_heads, num_sms, programs_per_sm=per_sm)  # runs' heads read
         workspace = {}
         if hasattr(kernels, "decode_block_n"):
             from megatron_rollout.kernels.triton_attention import decode_workspace

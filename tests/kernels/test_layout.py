@@ -228,13 +228,23 @@ def test_decode_runs_mark_each_rows_positions_cut_at_max_run():
     assert decode_runs([], 8).tolist() == []
 
 
+class ReadsRuns(PortableAttention):
+    """A backend that computes a run's rows from one read of their history (as the Triton GQA one)."""
+
+    decode_reads_runs = True
+    verify_programs_per_sm = 2
+
+
 def test_static_layout_marks_runs_only_where_asked():
     a = (3, 1, 4)
     spans = [SeqSpan(a, 40 + j, 1) for j in range(3)]
-    plain = StaticDecodeLayout(8, 16, 16, PortableAttention(), 8, 4, 8, torch.device("cpu"), num_sms=4)
+    plain = StaticDecodeLayout(8, 16, 16, ReadsRuns(), 8, 4, 8, torch.device("cpu"), num_sms=4)
     plain.fill(spans, [7] * 3, runs=[3])
     assert plain.decode.runs is None and plain.runs.tolist() == [1] * 8
-    runs = StaticDecodeLayout(8, 16, 16, PortableAttention(), 8, 4, 8, torch.device("cpu"), num_sms=4, max_run=4)
+    alone = StaticDecodeLayout(8, 16, 16, PortableAttention(), 8, 4, 8, torch.device("cpu"), num_sms=4, max_run=4)
+    alone.fill(spans, [7] * 3, runs=[3])  # a backend that computes every row alone: nothing to mark
+    assert alone.max_run == 1 and alone.decode.runs is None and alone.runs.tolist() == [1] * 8
+    runs = StaticDecodeLayout(8, 16, 16, ReadsRuns(), 8, 4, 8, torch.device("cpu"), num_sms=4, max_run=4)
     runs.fill(spans, [7] * 3)
     assert runs.runs.tolist() == [1] * 8  # no runs named: every row alone
     runs.fill(spans, [7] * 3, runs=[3])
@@ -251,10 +261,6 @@ def test_kv_splits_count_runs_only_for_a_backend_that_reads_them():
     """A backend that computes every row alone (portable, MLA) keeps the splits of plain rows under
     `max_run`; one that reads a run's history once gets the splits of the runs' heads, at its own
     programs per SM."""
-
-    class ReadsRuns(PortableAttention):
-        decode_reads_runs = True
-        verify_programs_per_sm = 2
 
     def splits(kernels, max_run):
         return StaticDecodeLayout(40, 16, 16, kernels, 8, 2, 8, torch.device("cpu"), num_sms=132,
