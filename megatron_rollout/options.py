@@ -108,7 +108,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --mtp or --ngram: draft only while at most R rows decode (the rollout's tail)")
     p.add_argument("--draft-tail-k", type=positive_int, default=None, metavar="T",
                    help="with --ngram: draft T tokens per row while at most --draft-tail-k-rows rows decode")
-    p.add_argument("--draft-tail-k-rows", type=positive_int, default=4, metavar="W",
+    p.add_argument("--draft-tail-k-rows", type=positive_int, default=None, metavar="W",
                    help="with --draft-tail-k: the most decoding rows at which it applies (default 4)")
     p.add_argument("--device", default=None, help="cpu | cuda; None takes cuda when available")
     p.add_argument("--timeline", default=None, help="write a Chrome/Perfetto trace of P and D work here")
@@ -144,8 +144,12 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
         raise ValueError("--draft-tail-rows needs --mtp K or --ngram K (it says when drafts are made)")
     if args.draft_tail_k is not None and not args.ngram:
         raise ValueError("--draft-tail-k needs --ngram K (longer n-gram drafts in the tail)")
+    if args.draft_tail_k_rows is not None and args.draft_tail_k is None:
+        raise ValueError("--draft-tail-k-rows needs --draft-tail-k T (it says while how few rows T applies)")
     if not (args.mtp or args.ngram):
         return None
     method, k = ("mtp", args.mtp) if args.mtp else ("ngram", args.ngram)
-    return SpeculativeConfig(method, k, tail_rows=args.draft_tail_rows, tail_k=args.draft_tail_k,
-                             tail_k_rows=args.draft_tail_k_rows)
+    tail = {} if args.draft_tail_k is None else {"tail_k": args.draft_tail_k}
+    if args.draft_tail_k_rows is not None:
+        tail["tail_k_rows"] = args.draft_tail_k_rows
+    return SpeculativeConfig(method, k, tail_rows=args.draft_tail_rows, **tail)

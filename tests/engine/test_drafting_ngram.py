@@ -200,6 +200,9 @@ def test_the_command_line_spells_it_ngram_k():
     assert got.speculative == SpeculativeConfig("ngram", 4, tail_k=7, tail_k_rows=2)
     with pytest.raises(ValueError, match="--draft-tail-k needs --ngram"):
         engine_config(parser.parse_args(["--mtp", "1", "--draft-tail-k", "3"]))
+    with pytest.raises(ValueError, match="--draft-tail-k-rows needs --draft-tail-k"):
+        engine_config(parser.parse_args(["--ngram", "4", "--draft-tail-k-rows", "2"]))
+    assert engine_config(parser.parse_args(["--ngram", "4", "--draft-tail-k", "6"])).speculative.tail_k_rows == 4
 
 
 @pytest.mark.gpu
