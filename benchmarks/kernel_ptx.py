@@ -31,12 +31,12 @@ def kernels() -> dict[str, tuple]:
     page = dict(PAGE=16, PDL=False)
     head = dict(GROUP=8, D=128, D_P=128, **page)
     return {
-        "decode": (gqa._decode_partial_kernel, dict(GROUP_P=16, RUN=1, BLOCK_N=64, **head), 4, 3),
-        "verify": (gqa._decode_partial_kernel, dict(GROUP_P=8, RUN=8, BLOCK_N=32, **head), 4, 2),
-        "prefill": (gqa._prefill_kernel, dict(GROUP_P=8, TOK=16, BLOCK_N=128, **head), 8, 3),
-        "mla_decode": (mla._mla_decode_kernel, dict(HEADS=16, BLOCK_H=16, R=512, R_P=512, DR=64, DR_P=64,
+        "decode": (gqa.JIT_KERNELS["decode"], dict(GROUP_P=16, RUN=1, BLOCK_N=64, **head), 4, 3),
+        "verify": (gqa.JIT_KERNELS["decode"], dict(GROUP_P=8, RUN=8, BLOCK_N=32, **head), 4, 2),
+        "prefill": (gqa.JIT_KERNELS["prefill"], dict(GROUP_P=8, TOK=16, BLOCK_N=128, **head), 8, 3),
+        "mla_decode": (mla.JIT_KERNELS["decode"], dict(HEADS=16, BLOCK_H=16, R=512, R_P=512, DR=64, DR_P=64,
                                                     BLOCK_N=32, **page), 4, 2),
-        "mla_prefill": (mla._mla_prefill_kernel, dict(HEADS=16, BLOCK_H=16, TOK=4, R=512, R_P=512, DR=64, DR_P=64,
+        "mla_prefill": (mla.JIT_KERNELS["prefill"], dict(HEADS=16, BLOCK_H=16, TOK=4, R=512, R_P=512, DR=64, DR_P=64,
                                                       BLOCK_N=32, **page), 4, 2),
     }
 

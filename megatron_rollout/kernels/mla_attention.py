@@ -151,6 +151,10 @@ def _mla_prefill_kernel(Q, KV, Out, Tables, QStart, Past, New, TileSeq, TileStar
              out.to(Out.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
+JIT_KERNELS = {"decode": _mla_decode_kernel, "prefill": _mla_prefill_kernel}
+"""The MLA kernels by name, for tools that compile them apart (`benchmarks.kernel_ptx`)."""
+
+
 class TritonMLA(TritonAttention):
     """Paged MLA decode and prefill over the latent cache `[slots, 1, latent + rope]` (CUDA, or
     Triton's interpreter on CPU). `latent`: the model's `kv_lora_rank`; the rest of a row is RoPE."""

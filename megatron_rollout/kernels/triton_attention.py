@@ -247,6 +247,10 @@ def _prefill_kernel(Q, KC, VC, Out, Tables, QStart, Past, New, TileSeq, TileStar
              out.to(Out.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
 
 
+JIT_KERNELS = {"decode": _decode_partial_kernel, "prefill": _prefill_kernel}
+"""The attention kernels by name, for tools that compile them apart (`benchmarks.kernel_ptx`)."""
+
+
 def decode_workspace(rows: int, q_heads: int, splits: int, head_dim: int, device: torch.device) -> dict:
     """Partial outputs of the split-K decode: allocate once per CUDA-graph bucket."""
     return {"o": torch.empty(rows, q_heads, splits, _pow2(head_dim, 16), dtype=torch.float32, device=device),
