@@ -86,6 +86,7 @@ def rollout(result: dict) -> str:
         label = (f"vLLM {vllm.get('vllm', '')}, its default ({num(chosen, 'd')})" if budget == "default"
                  else f"vLLM {vllm.get('vllm', '')} at {num(chosen, 'd')}") + (", core in process" if mode else "")
         label += f", {drafts} drafts" if drafts else ""
+        label += ", interleaved with ours" if vllm.get("interleaved") else ""
         if str(key) == str(vllm.get("best_budget")):
             label += ": its best"
         rows.append(_rollout_row(label, "-", len(passes), entry.get("median") or {}, lo, hi, "-"))

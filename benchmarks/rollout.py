@@ -25,7 +25,9 @@ A figure counts only warm, repeated, each schedule at its best token budget, nex
    where its time went (`breakdown`: `BREAKDOWN_FIGURES`, from each report's `trace.breakdown`);
    ratios from medians (best budget against best budget), and the issue's targets for the profile;
 5. the vLLM peer (`benchmarks.vllm_peer`) in its own process after this one has freed the GPU, on
-   the same trace file and token ids; its figures join the table and the ratios.
+   the same trace file and token ids; its figures join the table and the ratios. With
+   `--vllm-interleave` the peer instead stays up beside our engines from the start, and one of its
+   timed passes follows each round of our repeats (`benchmarks.interleave`).
 
 Each timed replay keeps its step records (`engine.step_log`) in the JSON as columns (`steps`,
 `trace.steps`; `--no-step-records` drops them), beside the model's routing (`moe`) and KV blocks
@@ -42,6 +44,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import gc
 import json
 import logging
@@ -52,6 +55,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -61,6 +65,7 @@ import torch
 
 from benchmarks.bounds import model_costs, trace_lower_bound
 from benchmarks.compiles import CompileCounter
+from benchmarks.interleave import PeerSession
 from megatron_rollout.engine.config import DEFAULT_SPAN, SpeculativeConfig
 from megatron_rollout.engine.priority import PRIORITIES
 from megatron_rollout.model.config import PRESETS, ModelConfig
@@ -147,6 +152,15 @@ def parser() -> argparse.ArgumentParser:
                     help="the peer with its own prompt-lookup speculation (keys '<budget>~ngram:K'), to compare "
                          "with our '~ngram:K' schedules; default: none")
     ap.add_argument("--vllm-reserve-s", type=float, default=250.0, help="time kept for the peer")
+    ap.add_argument("--vllm-interleave", default=None, choices=("own", "in-process"),
+                    help="keep the peer up beside our engines (its core in its own process, or in the peer's) and "
+                         "run one of its timed passes after each round of our repeats, at the one budget of "
+                         "--vllm-budgets; default: the peer after ours, on the freed GPU")
+    ap.add_argument("--vllm-kv-gb", type=float, default=None,
+                    help="the peer's KV cache in GiB; default: --kv-gb when interleaving (both engines hold their "
+                         "memory at once), else what vLLM's memory profile leaves")
+    ap.add_argument("--vllm-memory", type=float, default=None,
+                    help="the peer's gpu_memory_utilization; default: 0.45 when interleaving, else 0.85")
     ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=False, help="the transformers peer")
     ap.add_argument("--hf-budget-s", type=float, default=60.0)
     ap.add_argument("--resume", default=None, metavar="DIR",
@@ -709,8 +723,11 @@ def _first_conversations(trace: list, fraction: float) -> set:
 
 
 def timed_stage(run: Run, result: dict, out: Path, trace: list, specs: list[tuple[str, str]],
-                best: dict[str, int]) -> None:
+                best: dict[str, int], after_round: Callable[[int], None] | None = None) -> None:
+    """`--repeats` rounds of every spec, each round followed by `after_round(round)` (the
+    interleaved peer's pass); `result["order"]` lists what ran, in order."""
     scheds = result["schedules"]
+    order = result.setdefault("order", [])
     for label, spec in specs:
         budget = best.get(_base(spec), next(iter(best.values())))
         scheds[label] = {"spec": spec, "budget": budget, "repeats": []}
@@ -726,9 +743,12 @@ def timed_stage(run: Run, result: dict, out: Path, trace: list, specs: list[tupl
             if entry["repeats"] and entry["repeats"][0].get("timeline"):
                 r["timeline"] = []  # one timeline per schedule is enough for the plot
             entry["repeats"].append(r)
+            order.append(f"{label}#{rep}")
             entry.update(summarize(entry["repeats"]))
             result["ratios"] = ratios(result)
             _write(out, result)
+        if after_round is not None:
+            after_round(rep)
 
 
 def vllm_stage(run: Run, result: dict, out: Path, trace: list, deadline_total: float) -> dict[str, Any]:
@@ -752,13 +772,7 @@ def vllm_stage(run: Run, result: dict, out: Path, trace: list, deadline_total: f
     remaining = deadline_total - time.perf_counter() - 10
     if remaining < 90:
         return {**earlier, "reason": f"only {remaining:.0f} s left of --deadline-s for the peer"}
-    env = dict(os.environ)
-    from benchmarks.vllm_peer import ENV
-
-    env.update(ENV)
-    repo = str(Path(__file__).resolve().parents[2])
-    site = [args.vllm_site, os.path.join(args.vllm_site, "nvidia_cutlass_dsl", "dsl_packages")]
-    env["PYTHONPATH"] = os.pathsep.join([p for p in site if os.path.isdir(p)] + [repo, env.get("PYTHONPATH", "")])
+    env = _peer_env(args)
     peer = (_peer_process(args, env, out, trace_path, run.max_model_len, budgets, remaining, in_process=False)
             if budgets else {k: v for k, v in earlier.items() if k != "budgets"})
     peer["budgets"] = {**(earlier.get("budgets") or {}), **(peer.get("budgets") or {})}
@@ -780,6 +794,38 @@ def vllm_stage(run: Run, result: dict, out: Path, trace: list, deadline_total: f
     return peer
 
 
+def start_interleaved(args, out: Path, trace_path: Path, max_model_len: int, seconds: float) -> PeerSession:
+    """The peer kept up beside our stages (`benchmarks.interleave`), at the one budget asked for."""
+    budgets = [b.strip() for b in args.vllm_budgets.split(",") if b.strip()]
+    if len(budgets) != 1 or budgets[0] == "best":
+        raise SystemExit(f"--vllm-interleave runs the peer at one budget (a number or 'default'), "
+                         f"got --vllm-budgets {args.vllm_budgets!r}")
+    cmd, name = _peer_command(args, out, trace_path, max_model_len, budgets, seconds,
+                              in_process=args.vllm_interleave == "in-process")
+    log.info("vLLM peer, interleaved: %s --serve", " ".join(cmd))
+    return PeerSession(cmd, _peer_env(args), out / f"{name}.log", out / f"{name}.json")
+
+
+def interleaved_pass(peer: PeerSession, result: dict, run: Run, deadline_total: float, rep: int) -> None:
+    """One pass of the peer after round `rep` of ours, if the deadline leaves room for it."""
+    left = deadline_total - time.perf_counter() - 30
+    need = 1.25 * max(peer.pass_s, default=0.0)
+    if left <= need:
+        result.setdefault("peer_skipped", []).append(f"vllm#{rep}: {left:.0f} s left")
+        return
+    if peer.run_pass(left) is not None:
+        result["order"].append(f"vllm#{rep}")
+
+
+def finish_interleaved(peer: PeerSession, result: dict, run: Run, deadline_total: float) -> dict[str, Any]:
+    """The passes still owed (`--vllm-passes` beyond our repeats), then the peer's JSON."""
+    rep = len(peer.pass_s)
+    while peer.alive and len(peer.pass_s) < run.args.vllm_passes and rep < run.args.vllm_passes + 2:
+        interleaved_pass(peer, result, run, deadline_total, rep)
+        rep += 1
+    return peer.close()
+
+
 def _best_pass(budgets: dict[str, Any], in_process: bool | None = None) -> str | None:
     """The budget key with the shortest median makespan (own-process keys only, in-process only, or any)."""
     timed = {k: e for k, e in budgets.items() if (e.get("median") or {}).get("makespan_s") is not None
@@ -787,18 +833,44 @@ def _best_pass(budgets: dict[str, Any], in_process: bool | None = None) -> str |
     return min(timed, key=lambda k: timed[k]["median"]["makespan_s"]) if timed else None
 
 
-def _peer_process(args, env: dict[str, str], out: Path, trace_path: Path, max_model_len: int, budgets: list[str],
-                  seconds: float, in_process: bool) -> dict[str, Any]:
-    """One `benchmarks.vllm_peer` process over `budgets`; its JSON with how it ran."""
+def _peer_env(args) -> dict[str, str]:
+    """The peer's environment: offline vLLM, its bundle and this repository on the path."""
+    from benchmarks.vllm_peer import ENV
+
+    env = {**os.environ, **ENV}
+    repo = str(Path(__file__).resolve().parents[1])
+    site = [args.vllm_site, os.path.join(args.vllm_site, "nvidia_cutlass_dsl", "dsl_packages")]
+    env["PYTHONPATH"] = os.pathsep.join([p for p in site if os.path.isdir(p)] + [repo, env.get("PYTHONPATH", "")])
+    return env
+
+
+def _peer_command(args, out: Path, trace_path: Path, max_model_len: int, budgets: list[str], seconds: float,
+                  in_process: bool) -> tuple[list[str], str]:
+    """The `benchmarks.vllm_peer` command line over `budgets`, and its output name."""
     name = "vllm-in-process" if in_process else "vllm"
-    log_path = out / f"{name}.log"
     cmd = [sys.executable, "-m", "benchmarks.vllm_peer", "--trace", str(trace_path),
            "--out", str(out / f"{name}.json"), "--model", args.model, "--seed", str(args.seed),
            "--max-model-len", str(max_model_len), "--budgets", ",".join(dict.fromkeys(budgets)) or "default",
            "--passes", str(args.vllm_passes), "--warmups", str(args.vllm_warmups),
-           "--deadline-s", f"{seconds - 15:.0f}", "--log", str(log_path)] + (["--in-process"] if in_process else [])
+           "--deadline-s", f"{seconds - 15:.0f}", "--log", str(out / f"{name}.log")]
+    cmd += ["--in-process"] if in_process else []
     if args.vllm_speculative:
         cmd += ["--speculative", args.vllm_speculative]
+    interleaved = args.vllm_interleave is not None
+    kv_gb = args.vllm_kv_gb if args.vllm_kv_gb is not None else (args.kv_gb if interleaved else None)
+    if kv_gb is not None:
+        cmd += ["--kv-cache-gb", str(kv_gb)]
+    memory = args.vllm_memory if args.vllm_memory is not None else (0.45 if interleaved else None)
+    if memory is not None:
+        cmd += ["--gpu-memory-utilization", str(memory)]
+    return cmd, name
+
+
+def _peer_process(args, env: dict[str, str], out: Path, trace_path: Path, max_model_len: int, budgets: list[str],
+                  seconds: float, in_process: bool) -> dict[str, Any]:
+    """One `benchmarks.vllm_peer` process over `budgets`; its JSON with how it ran."""
+    cmd, name = _peer_command(args, out, trace_path, max_model_len, budgets, seconds, in_process)
+    log_path = out / f"{name}.log"
     log.info("vLLM peer: %s", " ".join(cmd))
     t0 = time.perf_counter()
     with open(log_path, "w") as logf:
@@ -887,7 +959,10 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(os.path.expandvars(args.resume))
         result, specs = _resume(out, result), []
     write_trace(out / "trace.jsonl", trace)  # the peer and `benchmarks.sim_replay` replay this file
-    reserve = args.vllm_reserve_s if vllm_on else 0.0
+    peer = None
+    if vllm_on and args.vllm_interleave is not None and specs:  # warms up while we build and warm up
+        peer = start_interleaved(args, out, out / "trace.jsonl", max_model_len, args.deadline_s)
+    reserve = args.vllm_reserve_s if vllm_on and peer is None else 30.0 if peer is not None else 0.0
     ours = deadline_total - reserve
     run = Run(args, cfg, None, max_model_len, _num_blocks(args, cfg), ours,
               time.perf_counter() + SWEEP_SHARE * max(0.0, ours - time.perf_counter()))
@@ -903,16 +978,27 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
         _write(out, result)
     if specs:
-        best = sweep_stage(run, result, out, trace, specs, _budgets(args))
+        budgets = _budgets(args)
+        if peer is not None and len(budgets) > 1:  # the sweep's timings choose budgets: nothing beside them
+            peer.wait_ready(max(1.0, deadline_total - time.perf_counter()))
+        best = sweep_stage(run, result, out, trace, specs, budgets)
         result["expert_kernel"] = run.expert_choice
-        timed_stage(run, result, out, trace, specs, best)
+        after = None
+        if peer is not None:
+            peer.wait_ready(max(1.0, deadline_total - time.perf_counter()))
+            after = functools.partial(interleaved_pass, peer, result, run, deadline_total)
+        timed_stage(run, result, out, trace, specs, best, after)
         result["ratios"] = ratios(result)
         _write(out, result)
     run.model = None
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    if vllm_on:
+    if peer is not None:
+        result["vllm"] = finish_interleaved(peer, result, run, deadline_total)
+        result["ratios"] = ratios(result)
+        _write(out, result)
+    elif vllm_on:
         result["vllm"] = vllm_stage(run, result, out, trace, deadline_total)
         result["ratios"] = ratios(result)
         _write(out, result)

@@ -21,6 +21,13 @@ frameworks colocate it with a trainer: `LLMEngine` with its engine core in this 
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), stepped by `closed_loop_stepped` (same replay rules); its
 budgets are keyed `<budget>/in-process`. One process runs one mode (the benchmark starts one per mode).
 
+`--serve` keeps one budget's engine up for the benchmark to interleave its passes with our replays
+(`benchmarks.rollout --vllm-interleave`): after the warm-up passes it answers `ready`, then runs one
+timed pass for each `pass` line on stdin and answers with its report, until `quit` or the end of
+stdin. Answers are JSON lines on `--reply-fd` (vLLM logs to stdout, so replies need a channel of
+their own). Both engines then hold their memory at once, so `--kv-cache-gb` gives vLLM a fixed
+KV cache (`kv_cache_memory_bytes`) where its release has that field.
+
 The figures are the replay report's: makespan, p50/p99 request, p99 trajectory, mean/p99 TTFT,
 tokens/s; decode wait is not measured by vLLM (null). `--speculative ngram:K` turns on vLLM's own
 prompt-lookup speculation (K tokens, suffixes of 2 to 4 tokens matched, as our `~ngram:K` drafts), keyed
@@ -36,10 +43,10 @@ import logging
 import os
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TextIO
 
 import numpy as np
 
@@ -299,6 +306,11 @@ def _engine_args(model_dir: Path, max_model_len: int, budget: int | None, args, 
                   seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization, disable_log_stats=True)
     if budget is not None:
         kwargs["max_num_batched_tokens"] = budget
+    if args.kv_cache_gb is not None:
+        fields = getattr(EngineArgs, "__dataclass_fields__", {})
+        if "kv_cache_memory_bytes" not in fields:
+            raise SystemExit("--kv-cache-gb: this vLLM's EngineArgs has no kv_cache_memory_bytes")
+        kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_gb * 2 ** 30)
     if args.speculative:
         kwargs["speculative_config"] = speculative_config(args.speculative)
     return (EngineArgs if in_process else AsyncEngineArgs)(**kwargs)
@@ -320,6 +332,53 @@ def _sampling(n: int):
                           output_kind=RequestOutputKind.DELTA)
 
 
+class Control:
+    """The `--serve` channel: commands from `commands`, one JSON line a reply to `replies`."""
+
+    def __init__(self, commands: TextIO, replies: TextIO) -> None:
+        self.commands, self.replies = commands, replies
+
+    def reply(self, **message: Any) -> None:
+        self.replies.write(json.dumps(message, default=str) + "\n")
+        self.replies.flush()
+
+    def command(self) -> str:
+        """The next command; the end of the input is `quit` (the benchmark went away)."""
+        return self.commands.readline().strip() or "quit"
+
+
+def _passes(args, deadline: float, entry: dict[str, Any], control: Control | None) -> Iterator[int]:
+    """The pass indices to run: the warm-ups, then `args.passes` timed ones while the deadline
+    allows, or under `control` one timed pass per `pass` command, each answered with its report
+    (the caller has recorded it in `entry` when the next index is asked for)."""
+    last = None
+    for i in range(args.warmups):
+        t = time.perf_counter()
+        yield i
+        last = time.perf_counter() - t
+    if control is None:
+        for i in range(args.warmups, args.warmups + args.passes):
+            if _no_time_for(i, last, deadline, args, entry):
+                return
+            t = time.perf_counter()
+            yield i
+            last = time.perf_counter() - t
+        return
+    control.reply(event="ready", budget=entry["budget"], startup_s=entry.get("startup_s"),
+                  warmups=[w["makespan_s"] for w in entry.get("warmups", [])])
+    i = args.warmups
+    while (command := control.command()) == "pass":
+        if time.perf_counter() > deadline:
+            entry["stopped"] = f"deadline: {args.deadline_s:.0f} s passed before pass {i}"
+            control.reply(event="stopped", reason=entry["stopped"])
+            continue
+        yield i
+        control.reply(event="pass", index=i, report=entry["passes"][-1])
+        i += 1
+    if command != "quit":
+        control.reply(event="error", reason=f"unknown command {command!r}")
+
+
 def _no_time_for(i: int, last: float | None, deadline: float, args, entry: dict[str, Any]) -> bool:
     if last is not None and time.perf_counter() + 1.3 * last > deadline:
         entry["stopped"] = f"deadline: {args.deadline_s:.0f} s would pass during pass {i}"
@@ -339,8 +398,8 @@ def _record_pass(entry: dict[str, Any], i: int, rep: dict[str, Any], args) -> No
 
 
 def _run_budget_in_process(budget: int | None, model_dir: Path, requests: list[TraceRequest], inputs,
-                           max_model_len: int, args, deadline: float,
-                           write: Callable[[dict], None]) -> dict[str, Any]:
+                           max_model_len: int, args, deadline: float, write: Callable[[dict], None],
+                           control: Control | None = None) -> dict[str, Any]:
     """One budget on `LLMEngine` in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set before vLLM is
     imported), stepped by `closed_loop_stepped`: how RL frameworks colocate vLLM with their trainer."""
     from vllm import TokensPrompt
@@ -352,15 +411,10 @@ def _run_budget_in_process(budget: int | None, model_dir: Path, requests: list[T
     entry["startup_s"] = time.perf_counter() - t0
     entry["chosen"] = _vllm_choices(engine)
     write(entry)
-    last = None
-    for i in range(args.warmups + args.passes):
-        if _no_time_for(i, last, deadline, args, entry):
-            break
+    for i in _passes(args, deadline, entry, control):
         engine.reset_prefix_cache()
-        t = time.perf_counter()
         start, records = closed_loop_stepped(engine, requests, inputs, lambda ids: TokensPrompt(prompt_token_ids=ids),
                                              _sampling, tag=f"i{budget}-p{i}")
-        last = time.perf_counter() - t
         _record_pass(entry, i, report(start, records, len(requests)), args)
         write(entry)
     return entry
@@ -372,7 +426,8 @@ def _key(budget: int | None, in_process: bool, speculative: str | None = None) -
 
 
 async def _run_budget(budget: int | None, model_dir: Path, requests: list[TraceRequest], inputs, max_model_len: int,
-                      args, deadline: float, write: Callable[[dict], None]) -> dict[str, Any]:
+                      args, deadline: float, write: Callable[[dict], None],
+                      control: Control | None = None) -> dict[str, Any]:
     from vllm import TokensPrompt
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -386,15 +441,11 @@ async def _run_budget(budget: int | None, model_dir: Path, requests: list[TraceR
     def prompt(ids: list[int]):
         return TokensPrompt(prompt_token_ids=ids)
 
-    try:
-        last = None
-        for i in range(args.warmups + args.passes):
-            if _no_time_for(i, last, deadline, args, entry):
-                break
+    passes = _passes(args, deadline, entry, control)
+    try:  # (a command is awaited in a thread: the engine's output loop keeps running meanwhile)
+        while (i := await asyncio.to_thread(next, passes, None)) is not None:
             await engine.reset_prefix_cache()
-            t = time.perf_counter()
             start, records = await closed_loop(engine, requests, inputs, prompt, _sampling, tag=f"b{budget}-p{i}")
-            last = time.perf_counter() - t
             _record_pass(entry, i, report(start, records, len(requests)), args)
             write(entry)
     finally:
@@ -425,6 +476,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--speculative", default=None, metavar="ngram:K",
                     help="vLLM's prompt-lookup speculation, K tokens (budgets keyed '<budget>~ngram:K')")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--kv-cache-gb", type=float, default=None,
+                    help="vLLM's KV cache in GiB (kv_cache_memory_bytes) instead of what its memory profile leaves")
+    ap.add_argument("--serve", action="store_true",
+                    help="one budget: warm up, answer 'ready', then one timed pass per 'pass' line on stdin "
+                         "(module docstring); for the benchmark's interleaved passes")
+    ap.add_argument("--reply-fd", type=int, default=None, help="--serve: the file descriptor answers go to")
     ap.add_argument("--deadline-s", type=float, default=480.0, help="stop before a pass that would end later")
     ap.add_argument("--log", default=None, help="vLLM's log file (read back for its backend choices)")
     ap.add_argument("--model-dir", default="/tmp/mr-vllm-model")
@@ -441,6 +498,10 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.perf_counter() + args.deadline_s
     if args.speculative:
         speculative_config(args.speculative)  # a bad spec fails here, not after vLLM has started
+    budgets = [None if b.strip() == "default" else int(b) for b in args.budgets.split(",") if b.strip()]
+    if args.serve and (len(set(budgets)) != 1 or args.reply_fd is None):
+        raise SystemExit(f"--serve runs one budget with a --reply-fd, got --budgets {args.budgets!r} "
+                         f"and --reply-fd {args.reply_fd!r}")
     cfg = PRESETS[args.model]
     requests = load_trace(args.trace)
     from megatron_rollout.trace.make import max_context
@@ -473,20 +534,26 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(json.dumps(result, indent=1, default=str))
         tmp.replace(out)
 
-    budgets = [None if b.strip() == "default" else int(b) for b in args.budgets.split(",") if b.strip()]
+    control = Control(sys.stdin, os.fdopen(args.reply_fd, "w")) if args.serve else None
     for budget in dict.fromkeys(budgets):
         key = _key(budget, args.in_process, args.speculative)
         if time.perf_counter() + 90 > deadline:  # a start-up alone takes about a minute
             result.setdefault("skipped_budgets", []).append(key)
+            if control is not None:
+                control.reply(event="error", reason=f"no time left to start vLLM at {key}")
             continue
         try:
             if args.in_process:
-                _run_budget_in_process(budget, model_dir, requests, inputs, max_model_len, args, deadline, write)
+                _run_budget_in_process(budget, model_dir, requests, inputs, max_model_len, args, deadline, write,
+                                       control)
             else:
-                asyncio.run(_run_budget(budget, model_dir, requests, inputs, max_model_len, args, deadline, write))
+                asyncio.run(_run_budget(budget, model_dir, requests, inputs, max_model_len, args, deadline, write,
+                                        control))
         except Exception as exc:  # one budget failing must not lose the others
             log.exception("vLLM at budget %s failed", key)
             result["budgets"][key] = {"budget": key, "error": f"{type(exc).__name__}: {exc}"}
+            if control is not None:
+                control.reply(event="error", reason=result["budgets"][key]["error"])
         write()
     write()
     return 0 if result.get("ran") else 1

@@ -138,7 +138,9 @@ _FAKE_VLLM = {
                         "class SamplingParams:\n    def __init__(self, **kw):\n        self.kw = kw\n"
                         "def TokensPrompt(prompt_token_ids):\n    return prompt_token_ids\n",
     "vllm/engine/__init__.py": "",
-    "vllm/engine/arg_utils.py": "class AsyncEngineArgs:\n    def __init__(self, **kw):\n        self.kw = kw\n"
+    "vllm/engine/arg_utils.py": "class AsyncEngineArgs:\n    __dataclass_fields__ = {'kv_cache_memory_bytes': None}\n"
+                                "    def __init__(self, **kw):\n        self.kw = kw\n"
+                                "        print('INFO engine args', sorted(kw.items()), flush=True)\n"
                                 "class EngineArgs(AsyncEngineArgs):\n    pass\n",
     "vllm/sampling_params.py": "class RequestOutputKind:\n    DELTA = 1\n",
     "vllm/v1/__init__.py": "",
@@ -181,14 +183,19 @@ _FAKE_VLLM = {
 }
 
 
-def test_vllm_stage_runs_the_peer_in_its_own_process(tmp_path):
-    """The peer's subprocess path end to end with a stand-in `vllm` package on --vllm-site (this
-    checks our orchestration: trace file, environment, JSON merge, table; not vLLM). No schedule
-    of ours runs, so no model is built and the Qwen3 preset's config.json is only written."""
+def _stand_in_site(tmp_path):
     site = tmp_path / "site"
     for rel, text in _FAKE_VLLM.items():
         (site / rel).parent.mkdir(parents=True, exist_ok=True)
         (site / rel).write_text(text)
+    return site
+
+
+def test_vllm_stage_runs_the_peer_in_its_own_process(tmp_path):
+    """The peer's subprocess path end to end with a stand-in `vllm` package on --vllm-site (this
+    checks our orchestration: trace file, environment, JSON merge, table; not vLLM). No schedule
+    of ours runs, so no model is built and the Qwen3 preset's config.json is only written."""
+    site = _stand_in_site(tmp_path)
     out = tmp_path / "out"
     code = rollout.main(["--model", "qwen3-30b-a3b-12l", "--device", "cpu", "--conversations", "2",
                          "--scale", "0.001", "--schedules", "", "--vllm", "--vllm-site", str(site),
@@ -216,6 +223,73 @@ def test_vllm_stage_runs_the_peer_in_its_own_process(tmp_path):
     assert peer["repeats"][0]["output_tokens"] == result["trace"]["output_tokens"]
     assert any("FLASH_ATTN" in line for line in peer["log_lines"])
     assert (out / "trace.jsonl").exists() and "vllm" in rollout.table(result)
+
+
+@pytest.mark.parametrize("mode", ["own", "in-process"])
+def test_interleaved_peer_runs_a_pass_after_each_round_of_ours(tmp_path, monkeypatch, mode):
+    """`--vllm-interleave`: the peer (a real `benchmarks.vllm_peer --serve` process over the stand-in
+    `vllm`) starts before our stages, and one of its timed passes follows each round of our repeats.
+    The peer writes the Qwen3 preset's config.json (tiny-moe has no vLLM shape); nothing else in it
+    depends on the model."""
+    real = rollout._peer_command
+
+    def qwen_shaped(args, *rest, **kw):
+        cmd, name = real(args, *rest, **kw)
+        cmd[cmd.index("--model") + 1] = "qwen3-30b-a3b-12l"
+        return cmd, name
+
+    monkeypatch.setattr(rollout, "_peer_command", qwen_shaped)
+    site, out = _stand_in_site(tmp_path), tmp_path / "out"
+    code = rollout.main(["--model", "tiny-moe", "--device", "cpu", "--conversations", "2", "--scale", "0.002",
+                         "--schedules", "off,chunked", "--repeats", "2", "--budgets", "64", "--vllm",
+                         "--vllm-site", str(site), "--vllm-budgets", "2048", "--vllm-interleave", mode,
+                         "--vllm-passes", "3", "--vllm-warmups", "1", "--deadline-s", "300", "--out", str(out),
+                         "--no-progress"])
+    assert code == 0
+    result = json.loads((out / "rollout.json").read_text())
+    assert result["order"] == ["off#0", "chunked#0", "vllm#0", "off#1", "chunked#1", "vllm#1", "vllm#2"]
+    peer = result["vllm"]
+    key = "2048/in-process" if mode == "in-process" else "2048"
+    assert peer["interleaved"] and peer["exit"] == 0 and "error" not in peer, peer
+    assert peer["best_budget"] == key and len(peer["budgets"][key]["warmups"]) == 1
+    passes = peer["budgets"][key]["passes"]
+    assert len(passes) == 3 == len(peer["pass_wall_s"])
+    assert all(p["requests"] == result["trace"]["requests"] and p["failed"] == 0 for p in passes)
+    assert result["ratios"]["best_over_vllm"] is not None
+    name = "vllm-in-process" if mode == "in-process" else "vllm"
+    log_text = (out / f"{name}.log").read_text()
+    kv_bytes = int(40.0 * 2 ** 30)  # --kv-gb's default: both engines hold their KV at once
+    assert f"('kv_cache_memory_bytes', {kv_bytes})" in log_text and "('gpu_memory_utilization', 0.45)" in log_text
+    from benchmarks import report
+
+    assert "interleaved with ours: its best | - | 3 |" in report.rollout(result)
+
+
+def test_interleaving_needs_one_budget_for_the_peer(tmp_path):
+    with pytest.raises(SystemExit, match="one budget"):
+        rollout.main(["--model", "tiny-moe", "--device", "cpu", "--conversations", "2", "--scale", "0.002",
+                      "--schedules", "off", "--budgets", "64", "--vllm", "--vllm-budgets", "default,best",
+                      "--vllm-interleave", "own", "--out", str(tmp_path)])
+
+
+def test_a_peer_that_dies_leaves_our_replays_running(tmp_path, monkeypatch):
+    """A peer that exits before answering: its error is kept, our repeats all run, nothing hangs."""
+    real = rollout._peer_command
+
+    def broken(args, *rest, **kw):
+        cmd, name = real(args, *rest, **kw)
+        return [cmd[0], "-c", "import sys; sys.exit(3)"], name
+
+    monkeypatch.setattr(rollout, "_peer_command", broken)
+    out = tmp_path / "out"
+    code = rollout.main(["--model", "tiny-moe", "--device", "cpu", "--conversations", "2", "--scale", "0.002",
+                         "--schedules", "off", "--repeats", "2", "--budgets", "64", "--vllm", "--vllm-budgets",
+                         "2048", "--vllm-interleave", "own", "--deadline-s", "300", "--out", str(out), "--no-progress"])
+    assert code == 0
+    result = json.loads((out / "rollout.json").read_text())
+    assert result["order"] == ["off#0", "off#1"]
+    assert "exited (code 3)" in result["vllm"]["error"] and not result["vllm"].get("ran")
+    assert result["ratios"]["best_over_vllm"] is None
 
 
 def test_ratios_are_medians_over_medians_against_the_peer():

@@ -404,3 +404,41 @@ def test_peer_refuses_a_speculation_it_cannot_run_before_starting_vllm(bad, tmp_
     with pytest.raises(SystemExit, match="ngram:K"):
         vllm_peer.main(["--trace", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "v.json"),
                         "--speculative", bad])
+
+
+@pytest.mark.parametrize("in_process", [False, True])
+def test_serve_answers_ready_then_one_report_per_pass_command(monkeypatch, tmp_path, in_process):
+    """`--serve`: warm-ups, `ready`, one timed pass per `pass` line, an unknown command answered
+    as an error (ending the session), every answer a JSON line on the reply channel."""
+    import io
+    import json
+
+    from benchmarks import vllm_peer
+    from megatron_rollout.trace.schema import write_trace
+
+    calls: list = []
+    _fake_vllm(monkeypatch, calls)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    trace = make_trace(conversations=2, seed=1, scale=0.002, wait_scale=0.0)
+    write_trace(tmp_path / "t.jsonl", trace)
+    monkeypatch.setattr("sys.stdin", io.StringIO("pass\npass\nbogus\npass\n"))
+    read, write = os.pipe()
+    argv = ["--trace", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "v.json"), "--budgets", "4096",
+            "--warmups", "1", "--serve", "--reply-fd", str(write), "--model-dir", str(tmp_path / "m")]
+    assert vllm_peer.main(argv + (["--in-process"] if in_process else [])) == 0
+    with os.fdopen(read) as replies:
+        answers = [json.loads(line) for line in replies]
+    assert [a["event"] for a in answers] == ["ready", "pass", "pass", "error"]
+    assert "bogus" in answers[-1]["reason"] and len(answers[0]["warmups"]) == 1
+    result = json.loads((tmp_path / "v.json").read_text())
+    entry = result["budgets"]["4096/in-process" if in_process else "4096"]
+    assert [p["makespan_s"] for p in entry["passes"]] == [a["report"]["makespan_s"] for a in answers[1:3]]
+    assert sum(1 for c in calls if c[0] == "reset") == 3  # one warm-up, two timed passes
+
+
+def test_serve_refuses_more_than_one_budget(tmp_path):
+    from benchmarks import vllm_peer
+
+    with pytest.raises(SystemExit, match="one budget"):
+        vllm_peer.main(["--trace", "t.jsonl", "--out", str(tmp_path / "v.json"), "--budgets", "default,4096",
+                        "--serve", "--reply-fd", "1", "--model-dir", str(tmp_path / "m")])
