@@ -2,7 +2,8 @@
 
 `benchmarks.rollout --vllm-interleave own|in-process` starts `benchmarks.vllm_peer --serve` once,
 before its own stages. The peer starts vLLM at one budget and runs its warm-up passes while our
-engines warm up; then each round of our timed repeats is followed by one timed pass of the peer,
+model is built; our warm-up waits for it (it times budgets and expert kernels, which must not run
+beside anything). Then each round of our timed repeats is followed by one timed pass of the peer,
 so a drift of the machine (clocks, heat, a neighbour) lands on both engines alike. Both hold their
 GPU memory all along: the peer gets a fixed KV cache (`--vllm-kv-gb`, ours by default) and a
 smaller share of the device (`--vllm-memory`).

@@ -960,7 +960,7 @@ def main(argv: list[str] | None = None) -> int:
         result, specs = _resume(out, result), []
     write_trace(out / "trace.jsonl", trace)  # the peer and `benchmarks.sim_replay` replay this file
     peer = None
-    if vllm_on and args.vllm_interleave is not None and specs:  # warms up while we build and warm up
+    if vllm_on and args.vllm_interleave is not None and specs:  # starts while we build the model
         peer = start_interleaved(args, out, out / "trace.jsonl", max_model_len, args.deadline_s)
     reserve = args.vllm_reserve_s if vllm_on and peer is None else 30.0 if peer is not None else 0.0
     ours = deadline_total - reserve
@@ -978,15 +978,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
         _write(out, result)
     if specs:
-        budgets = _budgets(args)
-        if peer is not None and len(budgets) > 1:  # the sweep's timings choose budgets: nothing beside them
-            peer.wait_ready(max(1.0, deadline_total - time.perf_counter()))
-        best = sweep_stage(run, result, out, trace, specs, budgets)
-        result["expert_kernel"] = run.expert_choice
         after = None
-        if peer is not None:
+        if peer is not None:  # the sweep times budgets and the first engine its expert kernel: nothing beside them
             peer.wait_ready(max(1.0, deadline_total - time.perf_counter()))
             after = functools.partial(interleaved_pass, peer, result, run, deadline_total)
+        best = sweep_stage(run, result, out, trace, specs, _budgets(args))
+        result["expert_kernel"] = run.expert_choice
         timed_stage(run, result, out, trace, specs, best, after)
         result["ratios"] = ratios(result)
         _write(out, result)

@@ -3,7 +3,7 @@
 # current vllm`. A device machine that keeps /tmp between commands may run the stages over several
 # commands: `setup` copies the code to /tmp/run, and later stages run from there. vLLM's offline
 # bundle (the peer, `benchmarks.vllm_peer`) arrives in pieces in folders `.vb0/`, `.vb1/`, ... beside
-# the code (each small enough to travel with the tree: 34 MiB with a 29 MB tree); `piece` moves the
+# the code (each small enough to travel with the tree: 28 MiB with a 36 MB tree); `piece` moves the
 # ones present to /tmp/pc, and the `vllm` stages unpack them once all are there. The stages and settings behind a result folder are in its COMMIT file, where it has
 # one (benchmarks/results/README.md lists the folders).
 #
@@ -118,6 +118,22 @@ for s, v in d.get('verify', {}).items(): print(s, sorted((round(x['ms'] * 1e3, 1
       tail -20 "/tmp/res/drafts$n.log"; cp "/tmp/res/drafts$n/rollout.json" "$OUT/drafts$n.json"
       cp "/tmp/res/drafts$n/trace.jsonl" "$OUT/"
       python3 -m benchmarks.sim_replay "/tmp/res/drafts$n/rollout.json" 2>&1 | tail -8 ;;
+    interleave)  # issue 33's comparison with the peer's timed passes interleaved with our repeats, both engines
+      # up at once (benchmarks.interleave): CONV, SCHEDULES, REPEATS; VLLM_MODE own | in-process, VLLM_BUDGET,
+      # VLLM_SPEC (its best setting: ngram:4 at 16,384)
+      mkdir -p /tmp/pv/site
+      [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.0* | xz -dc -T8 | tar -x -C /tmp/pv/site)
+      cd /tmp/run
+      n=${CONV:-64}; mode=${VLLM_MODE:-own}; tag=inter$n${mode#own}; reps=${REPEATS:-3}
+      PYTHONPATH=/tmp/site:/tmp/run:/tmp/pv/site bench --profile prefill --conversations "$n" --attention flash \
+        --budgets "${BUDGETS:-16384}" --schedules "${SCHEDULES:-off,chunked,mux,mux@budget:24000~ngram:4+7@4}" \
+        --no-ablation --repeats "$reps" --vllm --vllm-site /tmp/pv/site --vllm-budgets "${VLLM_BUDGET:-16384}" \
+        --vllm-speculative "${VLLM_SPEC:-ngram:4}" --vllm-interleave "$mode" --vllm-passes "$reps" --vllm-warmups 2 \
+        --deadline-s "${DEADLINE:-570}" --schedule-budget-s 90 --out "/tmp/res/$tag" > "/tmp/res/$tag.log" 2>&1
+      tail -22 "/tmp/res/$tag.log"; cp "/tmp/res/$tag/rollout.json" "$OUT/$tag.json"
+      cp "/tmp/res/$tag/trace.jsonl" "$OUT/trace$n.jsonl"; cp /tmp/res/$tag/vllm*.log "$OUT/" 2>/dev/null
+      python3 -c "import json; d = json.load(open('$OUT/$tag.json')); print(d.get('order'), d['vllm'].get('error'))"
+      python3 -m benchmarks.plot "$OUT/$tag.json" "$OUT/$tag.png" ;;
     p48)  # the full 48-layer preset on the prefill profile: off and mux, one budget, one repeat
       cd /tmp/run
       bench --model qwen3-30b-a3b --profile prefill --conversations 6 --schedules off,mux --no-ablation \
