@@ -981,6 +981,7 @@ def main(argv: list[str] | None = None) -> int:
         after = None
         if peer is not None:  # the sweep times budgets and the first engine its expert kernel: nothing beside them
             peer.wait_ready(max(1.0, deadline_total - time.perf_counter()))
+            run.sweep_deadline = time.perf_counter() + SWEEP_SHARE * max(0.0, run.deadline - time.perf_counter())
             after = functools.partial(interleaved_pass, peer, result, run, deadline_total)
         best = sweep_stage(run, result, out, trace, specs, _budgets(args))
         result["expert_kernel"] = run.expert_choice

@@ -248,6 +248,7 @@ def test_interleaved_peer_runs_a_pass_after_each_round_of_ours(tmp_path, monkeyp
     assert code == 0
     result = json.loads((out / "rollout.json").read_text())
     assert result["order"] == ["off#0", "chunked#0", "vllm#0", "off#1", "chunked#1", "vllm#1", "vllm#2"]
+    assert "stopped" not in result and set(result["warmup"]) == {"off", "chunked"}  # the peer's start-up not counted
     peer = result["vllm"]
     key = "2048/in-process" if mode == "in-process" else "2048"
     assert peer["interleaved"] and peer["exit"] == 0 and "error" not in peer, peer
