@@ -45,9 +45,12 @@ class _CallerStdio:
         return tuple, ([reduction.DupFd(1), reduction.DupFd(2)],)
 
 
-def context(backend: str = "gloo"):
-    """The multiprocessing context a world's ranks start from (see the module docstring)."""
-    if backend == "nccl":
+def context(backend: str = "gloo", cuda: bool = False):
+    """The multiprocessing context a world's ranks start from (see the module docstring). Ranks that
+    use CUDA spawn: one forked from the server fails its first CUDA call ("Cannot re-initialize CUDA
+    in forked subprocess", seen on the H200 with a one-rank gloo world) once anything in the server
+    has initialised CUDA."""
+    if backend == "nccl" or cuda:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (first use); later calls change nothing
@@ -86,11 +89,12 @@ def _entry(rank: int, n: int, port: int, fn: Callable, args: tuple, queue, pg_ti
 
 
 def run_world(fn: Callable, n: int, *args: Any, timeout: float = 120.0, pg_timeout: float = 60.0,
-              allow_errors: bool = False, backend: str = "gloo") -> list[Any]:
+              allow_errors: bool = False, backend: str = "gloo", cuda: bool = False) -> list[Any]:
     """Results of `fn(rank, *args)` per rank. With `allow_errors`, a failing rank's entry is the
     error text (a str starting with the exception type) instead of raising. `backend="nccl"` joins
-    the ranks over NCCL, one GPU each (what a Megatron optimizer's collectives on CUDA tensors need)."""
-    ctx = context(backend)
+    the ranks over NCCL, one GPU each (what a Megatron optimizer's collectives on CUDA tensors need);
+    `cuda` says that ranks of another backend use CUDA (they spawn: `context`)."""
+    ctx = context(backend, cuda)
     queue = ctx.Queue()
     port = free_port()
     env, stdio = dict(os.environ), _CallerStdio()

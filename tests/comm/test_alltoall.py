@@ -33,7 +33,7 @@ def test_p_notify_pending_while_d_runs_rounds():
 
 @pytest.mark.gpu
 def test_nccl_exchanges_on_one_gpu():
-    (r,) = run_world(programs.cuda_exchanges, 1, timeout=300)
+    (r,) = run_world(programs.cuda_exchanges, 1, timeout=300, cuda=True)
     for name, errors in r["errors"].items():
         assert len(errors) == len(ROUNDS) and max(errors) < 1e-4, (name, errors)
 

@@ -106,6 +106,6 @@ def _gpu_world(rank):
 
 @pytest.mark.gpu
 def test_megatron_trainer_step_on_gpu():
-    res = run_world(_gpu_world, 1, timeout=300)[0]
+    res = run_world(_gpu_world, 1, timeout=300, cuda=True)[0]
     assert res["parity"] < 1e-4, res  # fp32; measured 4.8e-7 on an H200
     assert res["loss"] == res["loss"] and res["moved"] > 0 and res["version"] == 1
