@@ -558,6 +558,7 @@ def ratios(result: dict) -> dict[str, float | None]:
         if n.endswith("/sync"):
             out[f"{n[:-5]}_over_{n[:-5]}_sync"] = _ratio(med(n[:-5]), med(n))
     twin = {n: re.sub(r"~[^/]*", "", n) for n in ours if "~" in n}  # the same schedule, no drafts
+    twin = {n: t if t in ours else split_spec(n).schedule for n, t in twin.items()}  # else the plain schedule
     drafted = {n: _ratio(med(n), med(t)) for n, t in twin.items()}
     for n, r in drafted.items():  # drafting's effect: a schedule against its plain twin
         out[f"{n}_over_{twin[n]}"] = r

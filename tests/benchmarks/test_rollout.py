@@ -315,9 +315,12 @@ def test_ratios_are_medians_over_medians_against_the_peer():
     assert r["best_drafts_over_plain"] is None  # nothing drafted
     result["schedules"]["mux~ngram:4"] = {"median": {"makespan_s": 4.5}}
     result["schedules"]["off~ngram:4/sync"] = {"median": {"makespan_s": 9.0}}  # its twin 'off/sync' not run
+    result["schedules"]["mux@budget:24000~ngram:4"] = {"median": {"makespan_s": 3.0}}  # nor 'mux@budget:24000'
     r = rollout.ratios(result)
-    assert r["mux~ngram:4_over_mux"] == pytest.approx(0.75) and r["off~ngram:4/sync_over_off/sync"] is None
-    assert r["best_drafts_over_plain"] == pytest.approx(0.75)
+    assert r["mux~ngram:4_over_mux"] == pytest.approx(0.75)
+    assert "off~ngram:4/sync_over_off/sync" not in r and r["off~ngram:4/sync_over_off"] == pytest.approx(0.9)
+    assert r["mux@budget:24000~ngram:4_over_mux"] == pytest.approx(0.5)  # the plain schedule stands in
+    assert r["best_drafts_over_plain"] == pytest.approx(0.5)
 
 
 def test_spec_suffix_tilde_asks_for_ngram_drafts():
