@@ -1,0 +1,98 @@
+"""`python -m benchmarks.step_times RESULT.json [--schedules A,B]`: where each timed replay's host
+clock went, from its step records (`benchmarks.rollout` keeps them as `steps`).
+
+Per schedule and repeat: the makespan, the records, the time inside forwards (a record's span: the
+forward and the read-back of its samples) and between them (planning, drafting, bookkeeping and
+waits, with the part in gaps longer than `--long-gap-ms`), and the median time of a decode-only
+forward by its decode rows (1, 2-4, 5-31, 32 and more). Two repeats of one schedule that differ
+show whether the forwards or what runs between them took the difference. Left out: the device's
+own time (records hold host clocks only).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from megatron_rollout.engine.records import StepRecord
+from megatron_rollout.trace.steps import from_columns
+
+ROW_BUCKETS = ((1, 1), (2, 4), (5, 31), (32, None))
+"""Decode rows per forward, inclusive bounds (None: no upper bound)."""
+
+
+def _bucket(lo: int, hi: int | None) -> str:
+    return f"{lo}" if lo == hi else f"{lo}+" if hi is None else f"{lo}-{hi}"
+
+
+def summarize(records: Sequence[StepRecord], long_gap_s: float = 0.005) -> dict[str, Any]:
+    """Time inside and between `records`' forwards, and the median decode-only forward by rows."""
+    recs = sorted(records, key=lambda r: r.start)
+    inside = sum(r.end - r.start for r in recs)
+    gaps = [max(0.0, b.start - a.end) for a, b in zip(recs, recs[1:])]
+    out: dict[str, Any] = {"records": len(recs), "inside_s": inside, "between_s": sum(gaps),
+                           "long_gaps_s": sum(g for g in gaps if g > long_gap_s)}
+    for lo, hi in ROW_BUCKETS:
+        spans = [r.end - r.start for r in recs if r.phase == "D" and not r.prefill_tokens
+                 and lo <= r.decode_rows and (hi is None or r.decode_rows <= hi)]
+        median = statistics.median(spans) * 1e3 if spans else None
+        out[f"rows_{_bucket(lo, hi)}"] = {"n": len(spans), "median_ms": median}
+    return out
+
+
+def step_times(result: dict[str, Any], schedules: Sequence[str] | None = None,
+               long_gap_s: float = 0.005) -> dict[str, list[dict[str, Any]]]:
+    """`summarize` of every timed repeat with step records, per schedule."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for name, entry in result.get("schedules", {}).items():
+        if schedules and name not in schedules:
+            continue
+        for rep in entry.get("repeats", []):
+            if rep.get("steps") and rep.get("report"):
+                row = {"repeat": rep.get("repeat"), "makespan_s": rep["report"]["makespan_s"]}
+                out.setdefault(name, []).append(row | summarize(from_columns(rep["steps"]), long_gap_s))
+    return out
+
+
+def table(times: dict[str, list[dict[str, Any]]]) -> str:
+    buckets = [_bucket(lo, hi) for lo, hi in ROW_BUCKETS]
+    head = ["schedule", "repeat", "makespan s", "records", "in forwards s", "between s", "gaps > limit s"]
+    head += [f"{b} rows: n, median ms" for b in buckets]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, rows in times.items():
+        for r in rows:
+            cells = [name, str(r["repeat"]), f"{r['makespan_s']:.2f}", str(r["records"]), f"{r['inside_s']:.2f}",
+                     f"{r['between_s']:.2f}", f"{r['long_gaps_s']:.2f}"]
+            for b in buckets:
+                cell = r[f"rows_{b}"]
+                cells.append(f"{cell['n']}, {cell['median_ms']:.2f}" if cell["median_ms"] is not None else "0, -")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.step_times", description=__doc__.splitlines()[0])
+    ap.add_argument("result", help="a benchmarks.rollout rollout.json")
+    ap.add_argument("--schedules", default="", help="comma-separated; default: every schedule")
+    ap.add_argument("--long-gap-ms", type=float, default=5.0)
+    ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = ap.parse_args(argv)
+    result = json.loads(Path(args.result).read_text())
+    names = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    times = step_times(result, names or None, args.long_gap_ms / 1e3)
+    if not times:
+        print(f"{args.result}: no timed repeat with step records" + (f" among {names}" if names else ""),
+              file=sys.stderr)
+        return 1
+    if args.out:
+        Path(args.out).write_text(json.dumps(times, indent=1))
+    print(table(times))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

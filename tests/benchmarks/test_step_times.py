@@ -1,0 +1,44 @@
+"""`benchmarks.step_times`: time inside and between a replay's forwards, from its step records."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import step_times
+from megatron_rollout.engine.records import StepRecord
+from megatron_rollout.trace.steps import to_columns
+
+
+def _rec(phase, rows, start, end, prefill=0):
+    return StepRecord(phase, rows, rows * 100, 1 if prefill else 0, prefill, prefill * prefill, start, end)
+
+
+RECORDS = [_rec("P", 0, 0.000, 0.010, prefill=512), _rec("D", 1, 0.011, 0.013), _rec("D", 1, 0.020, 0.023),
+           _rec("D", 3, 0.023, 0.027), _rec("D", 40, 0.028, 0.038), _rec("P", 2, 0.038, 0.048, prefill=64)]
+
+
+def test_inside_between_and_the_median_forward_by_rows():
+    s = step_times.summarize(list(reversed(RECORDS)), long_gap_s=0.005)  # sorted by start first
+    assert s["records"] == 6
+    assert s["inside_s"] == pytest.approx(0.010 + 0.002 + 0.003 + 0.004 + 0.010 + 0.010)
+    assert s["between_s"] == pytest.approx(0.001 + 0.007 + 0.001)
+    assert s["long_gaps_s"] == pytest.approx(0.007)  # only the gap over 5 ms
+    assert s["rows_1"] == {"n": 2, "median_ms": pytest.approx(2.5)}
+    assert s["rows_2-4"] == {"n": 1, "median_ms": pytest.approx(4.0)}  # the mixed forward is left out
+    assert s["rows_5-31"] == {"n": 0, "median_ms": None}
+    assert s["rows_32+"]["n"] == 1
+
+
+def test_main_reads_a_rollout_result_and_prints_one_row_per_repeat(tmp_path, capsys):
+    result = {"schedules": {"mux": {"repeats": [
+        {"repeat": 0, "report": {"makespan_s": 0.05}, "steps": to_columns(RECORDS)},
+        {"repeat": 1, "report": {"makespan_s": 0.06}, "steps": to_columns(RECORDS[1:])}]},
+        "off": {"repeats": [{"repeat": 0, "report": {"makespan_s": 0.07}}]}}}  # no records: left out
+    path = tmp_path / "rollout.json"
+    path.write_text(json.dumps(result))
+    assert step_times.main([str(path), "--out", str(tmp_path / "t.json")]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| mux")]
+    assert len(rows) == 2 and rows[0].startswith("| mux | 0 | 0.05 | 6 |")
+    assert json.loads((tmp_path / "t.json").read_text())["mux"][1]["records"] == 5
+    assert step_times.main([str(path), "--schedules", "off"]) == 1  # nothing to show
