@@ -27,9 +27,9 @@ for stage in "$@"; do
       git -C /tmp/run log -1 --format=%H 2>/dev/null || cat /tmp/run/COMMIT 2>/dev/null ;;
     piece)  # the pieces of the vLLM bundle present now
       for d in .vb*; do [ -d "$d" ] && mv "$d"/* /tmp/pc/; done; ls -l /tmp/pc ;;
-    tests)  # every GPU-marked test
+    tests)  # every GPU-marked test (280 s no longer covered them all on 2026-12-04)
       cd /tmp/run
-      timeout 280 python3 -m pytest -q -m gpu tests -p no:cacheprovider --timeout 120 -rf 2>&1 \
+      timeout 560 python3 -m pytest -q -m gpu tests -p no:cacheprovider --timeout 120 -rf 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -15 ;;
     verify)  # speculative decoding's verify attention: rows alone against runs (benchmarks.attention --verify),
       # the plain decode shapes beside them, and the GPU tests of the kernels, runner and drafting engine
