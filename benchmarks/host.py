@@ -11,6 +11,15 @@ overlapped, so it is worth timing by itself, on any machine:
   and short contexts.
 - `sample`: `sampler.sample` of a batch of rows over a 151,936-token vocabulary (Qwen3's), greedy
   against temperature 1, interleaved (on a GPU the draws run on the device; here on the CPU).
+- `lookup`: one n-gram lookup and the sync of one new token (`drafts.NgramIndex.propose`, `sync`),
+  as a decode step does for each drafting row, over contexts of given lengths: text-like ids
+  (Zipf-distributed, where suffixes mostly recur far back or not at all) and a context whose
+  last 300 tokens repeat (where the latest match is recent: the case drafts pay in).
+- `drafting`: the engine's step as in `engine`, plain against n-gram drafting (`~ngram:4`),
+  interleaved. The instant runner's logits make every row repeat one token, so after a few steps
+  every draft is accepted and each row emits k + 1 tokens a step: the most host work a drafting
+  step does (verdicts, the tokens' bookkeeping, the next lookups). On the GPU that work sits
+  between a verify forward and the next, which are not issued ahead.
 
 Repeats interleave the variants; medians and [min-max] over them. Run:
 `python -m benchmarks.host` (CPU; the figures are this machine's host, not the GPU
@@ -36,16 +45,20 @@ from megatron_rollout.types import Phase
 
 
 class InstantRunner:
-    """A runner without a model: zero logits for the sampled rows, at once."""
+    """A runner without a model: zero logits for the sampled rows (zero hidden states for a
+    speculative forward, which `model`'s head turns into logits), at once."""
 
-    def __init__(self, cache, vocab: int) -> None:
-        self.cache, self.vocab = cache, vocab
+    def __init__(self, cache, vocab: int, model=None) -> None:
+        self.cache, self.vocab, self.model = cache, vocab, model
 
     def forward(self, inputs: list[SpanInput], phase: Phase) -> Forward:
-        return self._logits(sum(1 for i in inputs if i.sample))
+        return self._zeros(sum(1 for i in inputs if i.sample), self.vocab)
 
-    def _logits(self, rows: int) -> Forward:
-        return torch.zeros(rows, self.vocab)
+    def forward_hidden(self, inputs: list[SpanInput], phase: Phase) -> Forward:
+        return self._zeros(sum(i.span.new for i in inputs), self.model.cfg.hidden_size)
+
+    def _zeros(self, rows: int, width: int) -> Forward:
+        return torch.zeros(rows, width)
         yield  # a forward with no boundary
 
 
@@ -53,30 +66,76 @@ def _summary(samples: list[float]) -> dict[str, float]:
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples)}
 
 
-def engine_step_ms(rows: int, prompt: int = 48, steps: int = 50, repeats: int = 3) -> dict[str, float]:
-    """Host ms per engine step with `rows` decoding requests (tiny-moe bookkeeping, no model)."""
+def _engine_step(rows: int, rep: int, drafts: int | None, prompt: int = 48, steps: int = 50) -> tuple[float, float]:
+    """(host ms per engine step, tokens emitted per step) with `rows` decoding requests (tiny-moe
+    bookkeeping, no model), n-gram drafts of `drafts` tokens or none."""
     from megatron_rollout.engine import EngineConfig, KVConfig, RolloutEngine, SamplingParams, SchedulerConfig
+    from megatron_rollout.engine.config import SpeculativeConfig
     from megatron_rollout.model.config import PRESETS
     from megatron_rollout.model.transformer import MoETransformer
 
     cfg = PRESETS["tiny-moe"]
+    warm = 8  # the prefill, then decode only (drafts find the repeated token after a few steps)
+    per_row = (warm + steps) * (1 + (drafts or 0)) + 16  # no row finishes while timed
+    model = MoETransformer(cfg).init_weights(rep)  # its head turns the zero hidden states into logits
+    engine = RolloutEngine(model, EngineConfig(
+        scheduler=SchedulerConfig("off", max_batch_tokens=rows * prompt, max_decode_rows=rows),
+        kv=KVConfig(num_blocks=rows * ((prompt + per_row) // 16 + 2)),
+        speculative=SpeculativeConfig("ngram", drafts) if drafts else None))
+    engine.runner = engine.executor.runner = InstantRunner(engine.runner.cache, cfg.vocab_size, model)
+    rng = np.random.default_rng(rep)
+    params = SamplingParams(temperature=0.0, max_new_tokens=per_row, ignore_stop=True)
+    for _ in range(rows):
+        engine.add_request(rng.integers(0, cfg.vocab_size, prompt).tolist(), params)
+    for _ in range(warm):
+        engine.step()
+    before = engine.stats.decode_tokens
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    spent = time.perf_counter() - t0
+    return spent / steps * 1e3, (engine.stats.decode_tokens - before) / steps
+
+
+def engine_step_ms(rows: int, prompt: int = 48, steps: int = 50, repeats: int = 3) -> dict[str, float]:
+    """Host ms per engine step with `rows` decoding requests (tiny-moe bookkeeping, no model)."""
+    return _summary([_engine_step(rows, rep, None, prompt, steps)[0] for rep in range(repeats)])
+
+
+def lookup_us(length: int, kind: str, steps: int = 200, repeats: int = 3) -> dict[str, float]:
+    """Microseconds of one `propose(4)` and one one-token `sync` of an `NgramIndex(2, 4)` over a
+    `length`-token context, `kind` "text" (Zipf ids) or "loop" (its last 300 tokens said 3 more times)."""
+    from megatron_rollout.drafts import NgramIndex
+
     samples = []
     for rep in range(repeats):
-        engine = RolloutEngine(MoETransformer(cfg), EngineConfig(
-            scheduler=SchedulerConfig("off", max_batch_tokens=rows * prompt, max_decode_rows=rows),
-            kv=KVConfig(num_blocks=rows * (prompt // 16 + 24))))
-        engine.runner = engine.executor.runner = InstantRunner(engine.runner.cache, cfg.vocab_size)
         rng = np.random.default_rng(rep)
-        params = SamplingParams(temperature=0.0, max_new_tokens=steps + 16, ignore_stop=True)
-        for _ in range(rows):
-            engine.add_request(rng.integers(0, cfg.vocab_size, prompt).tolist(), params)
-        for _ in range(3):  # the prefill, then decode only
-            engine.step()
+        tokens = np.minimum(rng.zipf(1.2, length + steps), 151_935).tolist()
+        context, extra = tokens[:length], tokens[length:]
+        if kind == "loop":
+            context += context[-300:] * 3
+            extra = context[-300:] * (1 + steps // 300)
+        index = NgramIndex(2, 4)
+        index.sync(context)
         t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        samples.append((time.perf_counter() - t0) / steps * 1e3)
+        for i in range(steps):
+            index.propose(4)
+            context.append(extra[i])
+            index.sync(context)
+        samples.append((time.perf_counter() - t0) / steps * 1e6)
     return _summary(samples)
+
+
+def drafting_step_ms(rows: int, drafts: int = 4, steps: int = 40, repeats: int = 3) -> dict[str, dict[str, float]]:
+    """Host ms per engine step, plain (`plain`) against n-gram drafting (`ngram:<drafts>`), interleaved,
+    with the tokens each emitted per step (module docstring)."""
+    variants = {"plain": None, f"ngram:{drafts}": drafts}
+    samples: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
+    for rep in range(repeats):
+        for key, k in variants.items():
+            samples[key].append(_engine_step(rows, rep, k, steps=steps))
+    return {key: {**_summary([ms for ms, _ in v]), "tokens_per_step": statistics.median(t for _, t in v)}
+            for key, v in samples.items()}
 
 
 def fill_ms(rows: int, blocks: int, steps: int = 40, repeats: int = 5) -> dict[str, dict[str, float]]:
@@ -127,11 +186,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="1,16,64,256", help="decode batch sizes of the engine stage")
     ap.add_argument("--fill", default="16x1300,64x1300,64x128", help="rows x table entries of the fill stage")
     ap.add_argument("--sample", default="1,16,64", help="batch sizes of the sample stage ('' skips it)")
+    ap.add_argument("--drafting", default="1,16,64", help="batch sizes of the drafting stage ('' skips it)")
+    ap.add_argument("--lookup", default="1000,17000,60000", help="context lengths of the lookup stage ('' skips it)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    out: dict[str, Any] = {"torch": torch.__version__, "engine_step_ms": {}, "fill_ms": {}, "sample_ms": {}}
+    out: dict[str, Any] = {"torch": torch.__version__, "engine_step_ms": {}, "fill_ms": {}, "sample_ms": {},
+                           "drafting_step_ms": {}, "lookup_us": {}}
     for rows in (int(r) for r in args.rows.split(",") if r):
         out["engine_step_ms"][rows] = engine_step_ms(rows)
+    for rows in (int(r) for r in args.drafting.split(",") if r):
+        out["drafting_step_ms"][rows] = drafting_step_ms(rows)
+    for length in (int(n) for n in args.lookup.split(",") if n):
+        out["lookup_us"][length] = {kind: lookup_us(length, kind) for kind in ("text", "loop")}
     for spec in (s for s in args.fill.split(",") if s):
         rows, blocks = (int(v) for v in spec.split("x"))
         out["fill_ms"][spec] = fill_ms(rows, blocks)

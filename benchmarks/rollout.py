@@ -963,7 +963,7 @@ def main(argv: list[str] | None = None) -> int:
     peer = None
     if vllm_on and args.vllm_interleave is not None and specs:  # starts while we build the model
         peer = start_interleaved(args, out, out / "trace.jsonl", max_model_len, args.deadline_s)
-    reserve = args.vllm_reserve_s if vllm_on and peer is None else 30.0 if peer is not None else 0.0
+    reserve = 30.0 if peer is not None else args.vllm_reserve_s if vllm_on else 0.0  # (an interleaved peer: its close)
     ours = deadline_total - reserve
     run = Run(args, cfg, None, max_model_len, _num_blocks(args, cfg), ours,
               time.perf_counter() + SWEEP_SHARE * max(0.0, ours - time.perf_counter()))

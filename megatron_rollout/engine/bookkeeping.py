@@ -20,7 +20,7 @@ import dataclasses
 import itertools
 import numbers
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -485,6 +485,23 @@ class RequestTable:
         children = self._fork(req, len(drawn), now) if len(drawn) > 1 else []
         outs = [self._advance(r, d, version, now) for r, d in zip([req, *children], drawn, strict=True)]
         return [out for out in outs if out is not None]
+
+    def accept_run(self, owner: SampleOwner, drawn: Sequence[Sampled], version: int, now: float
+                   ) -> list[RequestOutput]:
+        """`accept` of each of `drawn` in turn, at positions `owner.context`, + 1, ... (a verified row's
+        kept drafts and the target's token), up to the first that finishes the request: what one
+        `accept` a token does, without a row view and a list made per token."""
+        outs = self.accept(owner, list(drawn[:1]), version, now)
+        req, seq = owner.request, owner.request.seq
+        for j, d in enumerate(drawn[1:], start=1):
+            if outs:
+                break
+            seq.computed = owner.context + j
+            self.stats.decode_tokens += 1
+            self.prefix.offer(seq, version)
+            out = self._advance(req, d, version, now)
+            outs = [] if out is None else [out]
+        return outs
 
     def _advance(self, req: Request, drawn: Sampled, version: int, now: float) -> RequestOutput | None:
         seq = req.seq

@@ -364,12 +364,8 @@ class SpeculativeExecutor(StepExecutor):
                 why = f"request {req.rid}: {row.error} at position {owner.context} under weight version {version}"
                 outs.append(self.table.finish(req, FinishReason.ERROR, why))
                 continue
-            for j, (token, logprob) in enumerate(zip(row.verdict.tokens, row.verdict.logprobs)):
-                done = self.table.accept(owner._replace(context=owner.context + j), [Sampled(token, logprob)],
-                                         version, now)
-                if done:
-                    outs += done
-                    break
+            drawn = [Sampled(t, lp) for t, lp in zip(row.verdict.tokens, row.verdict.logprobs)]
+            outs += self.table.accept_run(owner, drawn, version, now)
         for entries in (self.drafts, self.deferred):  # forget finished, preempted and cancelled requests
             for rid in [rid for rid, e in entries.items()
                         if (req := self.table.requests.get(rid)) is None or req.lifetime != e.lifetime]:

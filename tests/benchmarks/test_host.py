@@ -14,3 +14,22 @@ def test_sample_is_timed_greedy_and_sampled():
     timed = sample_ms(rows=2, vocab=64, repeats=2)
     assert set(timed) == {"t0", "t1"}
     assert all(0 < t["min"] <= t["median"] <= t["max"] for t in timed.values())
+
+
+def test_drafting_step_is_timed_against_plain_and_emits_its_drafts():
+    """Every draft is accepted once the rows repeat their token: a drafting step emits k + 1 tokens a
+    row, a plain one 1."""
+    from benchmarks.host import drafting_step_ms
+
+    timed = drafting_step_ms(rows=2, drafts=3, steps=6, repeats=2)
+    assert set(timed) == {"plain", "ngram:3"}
+    assert all(0 < t["min"] <= t["median"] <= t["max"] for t in timed.values())
+    assert timed["plain"]["tokens_per_step"] == 2 and timed["ngram:3"]["tokens_per_step"] == 2 * 4
+
+
+def test_lookup_is_timed_on_text_and_on_a_loop():
+    from benchmarks.host import lookup_us
+
+    for kind in ("text", "loop"):
+        timed = lookup_us(200, kind, steps=20, repeats=2)
+        assert 0 < timed["min"] <= timed["median"] <= timed["max"]

@@ -73,3 +73,31 @@ def test_bad_lengths_are_refused():
         NgramIndex(3, 2)
     with pytest.raises(ValueError, match="n_min=0"):
         NgramIndex(0, 2)
+
+
+EDGES = [0, 1, 127, 128, 255, 16383, 16384, (1 << 21) - 1, 1 << 21, 151_935, (1 << 28) - 1]
+"""Token ids at the byte copy's 7-bit boundaries: their bytes overlap in every way a search could confuse."""
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(EDGES), max_size=60), st.integers(1, 3), st.integers(0, 2), st.integers(1, 6))
+def test_ids_across_every_byte_boundary_propose_what_the_search_proposes(tokens, n_min, extra, k):
+    index = NgramIndex(n_min, n_min + extra)
+    index.sync(tokens[:len(tokens) // 2])  # a step's few new tokens, then a long run: both encodings
+    index.sync(tokens)
+    assert index.propose(k) == brute(tokens, k, n_min, n_min + extra)
+
+
+def test_the_few_and_the_many_new_tokens_are_encoded_alike():
+    from megatron_rollout.drafts.ngram import encode
+
+    ids = EDGES * 3  # more than a step's few: the array path
+    assert encode(ids) == b"".join(encode([t]) for t in ids) and len(encode(ids)) == 4 * len(ids)
+
+
+def test_ids_the_byte_copy_cannot_hold_are_refused():
+    index = NgramIndex(1, 2)
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 268435456\)"):
+        index.sync([3, 1 << 28])
+    with pytest.raises(ValueError, match="-1"):
+        index.sync([-1, 2])

@@ -180,3 +180,42 @@ def test_prompt_logprobs_split_the_prompt_into_scoring_rows():
     assert [r.span.past for r in rows] == [5, 6, 7, 8] and all(r.sample for r in rows)
     assert [o.scores for o in owners] == [5, 6, 7, None] and owners[-1].context == 9
     assert table.stats.prefill_tokens == 9
+
+
+@pytest.mark.parametrize("limit", [3, 9])
+def test_a_run_of_tokens_is_accepted_as_one_token_at_a_time(make_engine, qwen, limit):
+    """`RequestTable.accept_run` (a verified row's kept drafts and the target's token) leaves the
+    request, its sequence, its prefix-cache registrations and the counters as `accept` called once a
+    token does, and stops at the token that finishes the request (`limit` new tokens)."""
+    from megatron_rollout.engine.bookkeeping import SampleOwner
+    from megatron_rollout.engine.request import Sampled
+
+    _, model = qwen
+    prompt = prompts([9], seed=5)[0]
+    params = SamplingParams(temperature=0.0, max_new_tokens=limit, ignore_stop=True)
+    drawn = [Sampled(t, -0.5 - t / 100) for t in (11, 12, 13, 14, 15, 16)]
+    states = []
+    for run in (True, False):
+        engine = make_engine(model, small("off", kv=KVConfig(num_blocks=32),
+                                          scheduler=SchedulerConfig("off", block_size=4, max_batch_tokens=64)))
+        rid = engine.add_request(prompt, params)
+        engine.step()  # the prefill and its first token
+        table, req = engine.table, engine.requests[rid]
+        owner = SampleOwner(req, req.lifetime, req.seq.computed + 1)
+        engine.pool.grow(req.seq.sid, owner.context + len(drawn))  # as the verify forward's plan does
+        if run:
+            outs = table.accept_run(owner, drawn, 0, 1.0)
+        else:
+            for j, d in enumerate(drawn):
+                outs = table.accept(owner._replace(context=owner.context + j), [d], 0, 1.0)
+                if outs:
+                    break
+        seq = req.seq
+        states.append((list(req.output), list(req.logprobs), list(seq.tokens), seq.computed, seq.registered,
+                       engine.stats.decode_tokens, [(o.request_id, o.result.finish_reason) for o in outs]))
+    assert states[0] == states[1]
+    output, _, _, computed, registered, _, finished = states[0]
+    if limit == 3:  # the first token plus two of the run: the third of the run is never taken
+        assert output == [output[0], 11, 12] and finished and finished[0][1] is FinishReason.LENGTH
+    else:
+        assert output[1:] == [11, 12, 13, 14, 15, 16] and not finished and registered == computed // 4
