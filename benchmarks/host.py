@@ -31,6 +31,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -181,6 +182,29 @@ def sample_ms(rows: int, vocab: int = 151_936, repeats: int = 5) -> dict[str, di
     return {k: _summary(v) for k, v in samples.items()}
 
 
+def compare(folder: Path) -> str:
+    """A markdown table of the drafting and lookup stages of `folder`'s `host-before-*.json` against its
+    `host-after-*.json` (invocations of two commits, alternated): per figure, the median over the
+    invocations of their medians, [min-max]."""
+    runs = {v: [json.loads(f.read_text()) for f in sorted(folder.glob(f"host-{v}-*.json"))]
+            for v in ("before", "after")}
+    if not runs["before"] or not runs["after"]:
+        raise SystemExit(f"{folder}: needs host-before-*.json and host-after-*.json")
+
+    def cell(v: str, stage: str, size: str, variant: str, spec: str) -> str:
+        xs = [r[stage][size][variant]["median"] for r in runs[v]]
+        return f"{statistics.median(xs):{spec}} [{min(xs):{spec}}-{max(xs):{spec}}]"
+
+    lines = ["| stage | size | variant | before | after |", "|---|---|---|---|---|"]
+    for stage, unit, spec, what in (("drafting_step_ms", "ms", ".3f", "rows"), ("lookup_us", "us", ".1f", "tokens")):
+        for size, variants in runs["before"][0].get(stage, {}).items():
+            for variant in variants:
+                name = stage.rsplit("_", 1)[0].replace("_", " ")
+                before, after = (cell(v, stage, size, variant, spec) for v in ("before", "after"))
+                lines.append(f"| {name}, {unit} | {size} {what} | {variant} | {before} | {after} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.host", description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,16,64,256", help="decode batch sizes of the engine stage")
@@ -188,7 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample", default="1,16,64", help="batch sizes of the sample stage ('' skips it)")
     ap.add_argument("--drafting", default="1,16,64", help="batch sizes of the drafting stage ('' skips it)")
     ap.add_argument("--lookup", default="1000,17000,60000", help="context lengths of the lookup stage ('' skips it)")
+    ap.add_argument("--compare", default=None, metavar="DIR",
+                    help="only print DIR's host-before-*.json against its host-after-*.json as a table")
     args = ap.parse_args(argv)
+    if args.compare:
+        print(compare(Path(args.compare)))
+        return 0
     torch.set_num_threads(1)
     out: dict[str, Any] = {"torch": torch.__version__, "engine_step_ms": {}, "fill_ms": {}, "sample_ms": {},
                            "drafting_step_ms": {}, "lookup_us": {}}

@@ -33,3 +33,19 @@ def test_lookup_is_timed_on_text_and_on_a_loop():
     for kind in ("text", "loop"):
         timed = lookup_us(200, kind, steps=20, repeats=2)
         assert 0 < timed["min"] <= timed["median"] <= timed["max"]
+
+
+def test_compare_tables_two_commits_invocations(tmp_path):
+    import json
+
+    from benchmarks.host import compare
+
+    def run(ms, us):
+        return {"drafting_step_ms": {"16": {"ngram:4": {"median": ms}}}, "lookup_us": {"1000": {"loop": {"median": us}}}}
+
+    for i, (before, after) in enumerate([((1.0, 10.0), (0.5, 2.0)), ((1.2, 12.0), (0.7, 3.0)), ((1.1, 11.0), (0.6, 9.0))]):
+        (tmp_path / f"host-before-{i}.json").write_text(json.dumps(run(*before)))
+        (tmp_path / f"host-after-{i}.json").write_text(json.dumps(run(*after)))
+    rows = compare(tmp_path).splitlines()
+    assert rows[2] == "| drafting step, ms | 16 rows | ngram:4 | 1.100 [1.000-1.200] | 0.600 [0.500-0.700] |"
+    assert rows[3] == "| lookup, us | 1000 tokens | loop | 11.0 [10.0-12.0] | 3.0 [2.0-9.0] |"
