@@ -41,9 +41,11 @@ def test_compare_tables_two_commits_invocations(tmp_path):
     from benchmarks.host import compare
 
     def run(ms, us):
-        return {"drafting_step_ms": {"16": {"ngram:4": {"median": ms}}}, "lookup_us": {"1000": {"loop": {"median": us}}}}
+        return {"drafting_step_ms": {"16": {"ngram:4": {"median": ms}}},
+                "lookup_us": {"1000": {"loop": {"median": us}}}}
 
-    for i, (before, after) in enumerate([((1.0, 10.0), (0.5, 2.0)), ((1.2, 12.0), (0.7, 3.0)), ((1.1, 11.0), (0.6, 9.0))]):
+    pairs = [((1.0, 10.0), (0.5, 2.0)), ((1.2, 12.0), (0.7, 3.0)), ((1.1, 11.0), (0.6, 9.0))]
+    for i, (before, after) in enumerate(pairs):
         (tmp_path / f"host-before-{i}.json").write_text(json.dumps(run(*before)))
         (tmp_path / f"host-after-{i}.json").write_text(json.dumps(run(*after)))
     rows = compare(tmp_path).splitlines()
