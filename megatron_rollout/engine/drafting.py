@@ -108,8 +108,8 @@ class _Row:
     first: int
     """Position of its first logits row (n for a decode row, the last prompt position for a prefill)."""
     table: tuple[int, ...]
-    hidden: torch.Tensor
-    """[logits rows, H]."""
+    hidden: torch.Tensor | None
+    """[logits rows, H] (MTP drafts from it); None for n-gram drafts."""
     verdict: Verdict | None
     error: str | None = None
 
@@ -254,16 +254,18 @@ class SpeculativeExecutor(StepExecutor):
             if self.table.is_live(owner):
                 first = row.span.past + row.span.new - v.logits
                 rows.append(self._verdict(owner, first, row.span.table, tuple(row.token_ids[1:v.logits]),
-                                          out.logits[sl], out.hidden[sl], best[sl]))
+                                          out.logits, sl, out.hidden[sl] if self.mtp else None, best[sl]))
         return rows
 
     def _verdict(self, owner: SampleOwner, first: int, table: tuple[int, ...], drafts: tuple[int, ...],
-                 logits: torch.Tensor, hidden: torch.Tensor, best: list[_Best]) -> _Row:
+                 all_logits: torch.Tensor, sl: slice, hidden: torch.Tensor | None, best: list[_Best]) -> _Row:
+        """The row's verdict from its logits `all_logits[sl]`, which a greedy row never reads (its
+        choices are in `best`, read to the host with every row's)."""
         req = owner.request
         params, gen = req.params, req.generator or self.generator
         bad = [i for i, b in enumerate(best) if not b.finite]
         if bad:
-            return _Row(owner, first, table, hidden, None, sample_row(logits[bad[0]], params, gen).error)
+            return _Row(owner, first, table, hidden, None, sample_row(all_logits[sl][bad[0]], params, gen).error)
         if params.temperature == 0.0:  # `verify`'s greedy rule on the host copies
             a = next((i for i, d in enumerate(drafts) if d != best[i].token), len(drafts))
             self.stats.drafted_tokens += len(drafts)
@@ -271,6 +273,7 @@ class SpeculativeExecutor(StepExecutor):
             kept = best[:a + 1]
             return _Row(owner, first, table, hidden, Verdict(a, tuple(b.token for b in kept),
                                                              tuple(b.logprob for b in kept)))
+        logits = all_logits[sl]
         if not drafts:  # the plain sampler's draw
             s = sample_row(logits[0], params, gen)
             return _Row(owner, first, table, hidden, Verdict(0, (s.token,), (s.logprob,)))
