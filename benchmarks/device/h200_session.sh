@@ -133,6 +133,7 @@ for s, v in d.get('verify', {}).items(): print(s, sorted((round(x['ms'] * 1e3, 1
       tail -22 "/tmp/res/$tag.log"; cp "/tmp/res/$tag/rollout.json" "$OUT/$tag.json"
       cp "/tmp/res/$tag/trace.jsonl" "$OUT/trace$n.jsonl"; cp /tmp/res/$tag/vllm*.log "$OUT/" 2>/dev/null
       python3 -c "import json; d = json.load(open('$OUT/$tag.json')); print(d.get('order'), d['vllm'].get('error'))"
+      python3 -m benchmarks.step_times "$OUT/$tag.json" --out "$OUT/$tag.step_times.json" | tail -12
       python3 -m benchmarks.plot "$OUT/$tag.json" "$OUT/$tag.png" ;;
     p48)  # the full 48-layer preset on the prefill profile: off and mux, one budget, one repeat
       cd /tmp/run
