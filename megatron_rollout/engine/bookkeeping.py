@@ -475,33 +475,33 @@ class RequestTable:
         """Advance a live owner's request by its sampled token (`draws(owner)` of them: the first
         is its own, the others fork its samples); the outputs of the requests that finished."""
         req = owner.request
-        seq = req.seq
-        seq.computed = owner.context
-        if req.stage is Stage.PREFILL:
-            self.pool.promote(seq.sid)
-        else:
-            self.stats.decode_tokens += 1
-        self.prefix.offer(seq, version)
+        self._land(req, owner.context, version)
         children = self._fork(req, len(drawn), now) if len(drawn) > 1 else []
         outs = [self._advance(r, d, version, now) for r, d in zip([req, *children], drawn, strict=True)]
         return [out for out in outs if out is not None]
 
     def accept_run(self, owner: SampleOwner, drawn: Sequence[Sampled], version: int, now: float
                    ) -> list[RequestOutput]:
-        """`accept` of each of `drawn` in turn, at positions `owner.context`, + 1, ... (a verified row's
-        kept drafts and the target's token), up to the first that finishes the request: what one
-        `accept` a token does, without a row view and a list made per token."""
-        outs = self.accept(owner, list(drawn[:1]), version, now)
-        req, seq = owner.request, owner.request.seq
-        for j, d in enumerate(drawn[1:], start=1):
-            if outs:
-                break
-            seq.computed = owner.context + j
+        """Advance a live owner's request by `drawn` in turn, at positions `owner.context`, + 1, ... (a
+        verified row's kept drafts and the target's token), up to the first that finishes it: what
+        `accept` of one token at a time does (one token forks nothing)."""
+        req = owner.request
+        for j, d in enumerate(drawn):
+            self._land(req, owner.context + j, version)
+            if (out := self._advance(req, d, version, now)) is not None:
+                return [out]
+        return []
+
+    def _land(self, req: Request, context: int, version: int) -> None:
+        """A sample of `req` completes `context` positions: they are computed (a prompt's last one
+        promotes its blocks), and its newly full blocks are offered to the prefix cache."""
+        seq = req.seq
+        seq.computed = context
+        if req.stage is Stage.PREFILL:
+            self.pool.promote(seq.sid)
+        else:
             self.stats.decode_tokens += 1
-            self.prefix.offer(seq, version)
-            out = self._advance(req, d, version, now)
-            outs = [] if out is None else [out]
-        return outs
+        self.prefix.offer(seq, version)
 
     def _advance(self, req: Request, drawn: Sampled, version: int, now: float) -> RequestOutput | None:
         seq = req.seq
