@@ -244,12 +244,16 @@ class Run:
     num_blocks: int
     deadline: float
     """perf_counter time by which our stages must end (the peer's reserve excluded)."""
-    sweep_deadline: float
-    """The sweep ends by then (`SWEEP_SHARE` of our time), leaving the rest to the repeats."""
+    sweep_deadline: float = math.inf
+    """The sweep ends by then (`SWEEP_SHARE` of our time left at `start_sweep_clock`), leaving the
+    rest to the repeats."""
     expert_choice: str | None = None
     """The small-batch expert kernel the first engine measured; later engines keep it."""
     last_s: dict[str, float] = field(default_factory=dict)
     """Duration of the last replay of each kind (sweep, timed), to keep within the deadline."""
+
+    def start_sweep_clock(self) -> None:
+        self.sweep_deadline = time.perf_counter() + SWEEP_SHARE * max(0.0, self.deadline - time.perf_counter())
 
     def fits(self, kind: str) -> bool:
         need = self.last_s.get(kind, 0.0) * 1.25 + 3.0
@@ -807,23 +811,22 @@ def start_interleaved(args, out: Path, trace_path: Path, max_model_len: int, sec
     return PeerSession(cmd, _peer_env(args), out / f"{name}.log", out / f"{name}.json")
 
 
-def interleaved_pass(peer: PeerSession, result: dict, run: Run, deadline_total: float, rep: int) -> None:
-    """One pass of the peer after round `rep` of ours, if the deadline leaves room for it."""
-    left = deadline_total - time.perf_counter() - 30
-    need = 1.25 * max(peer.pass_s, default=0.0)
-    if left <= need:
-        result.setdefault("peer_skipped", []).append(f"vllm#{rep}: {left:.0f} s left")
+def interleaved_pass(peer: PeerSession, result: dict, passes: int, deadline_total: float, rep: int) -> None:
+    """One pass of the peer after round `rep` of ours, while it owes some of its `passes` and the
+    deadline leaves room for one."""
+    if rep >= passes or not peer.alive:
         return
-    if peer.run_pass(left) is not None:
+    left = deadline_total - time.perf_counter() - 30
+    if left <= 1.25 * max(peer.pass_s, default=0.0):
+        result.setdefault("peer_skipped", []).append(f"vllm#{rep}: {left:.0f} s left")
+    elif peer.run_pass(left) is not None:
         result["order"].append(f"vllm#{rep}")
 
 
-def finish_interleaved(peer: PeerSession, result: dict, run: Run, deadline_total: float) -> dict[str, Any]:
+def finish_interleaved(peer: PeerSession, result: dict, args, deadline_total: float) -> dict[str, Any]:
     """The passes still owed (`--vllm-passes` beyond our repeats), then the peer's JSON."""
-    rep = len(peer.pass_s)
-    while peer.alive and len(peer.pass_s) < run.args.vllm_passes and rep < run.args.vllm_passes + 2:
-        interleaved_pass(peer, result, run, deadline_total, rep)
-        rep += 1
+    for rep in range(args.repeats, args.vllm_passes):
+        interleaved_pass(peer, result, args.vllm_passes, deadline_total, rep)
     return peer.close()
 
 
@@ -960,13 +963,16 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(os.path.expandvars(args.resume))
         result, specs = _resume(out, result), []
     write_trace(out / "trace.jsonl", trace)  # the peer and `benchmarks.sim_replay` replay this file
+    if args.vllm_interleave is not None and not (vllm_on and specs):
+        raise SystemExit("--vllm-interleave runs the peer between our repeats: it needs --vllm (CUDA: on by "
+                         "default) and schedules of ours to time (not --resume, not --schedules '')")
     peer = None
-    if vllm_on and args.vllm_interleave is not None and specs:  # starts while we build the model
+    if args.vllm_interleave is not None:  # starts while we build the model
         peer = start_interleaved(args, out, out / "trace.jsonl", max_model_len, args.deadline_s)
     reserve = 30.0 if peer is not None else args.vllm_reserve_s if vllm_on else 0.0  # (an interleaved peer: its close)
     ours = deadline_total - reserve
-    run = Run(args, cfg, None, max_model_len, _num_blocks(args, cfg), ours,
-              time.perf_counter() + SWEEP_SHARE * max(0.0, ours - time.perf_counter()))
+    run = Run(args, cfg, None, max_model_len, _num_blocks(args, cfg), ours)
+    run.start_sweep_clock()
     result["num_blocks"] = run.num_blocks
     if specs or args.micro:
         t0 = time.perf_counter()
@@ -982,8 +988,8 @@ def main(argv: list[str] | None = None) -> int:
         after = None
         if peer is not None:  # the sweep times budgets and the first engine its expert kernel: nothing beside them
             peer.wait_ready(max(1.0, deadline_total - time.perf_counter()))
-            run.sweep_deadline = time.perf_counter() + SWEEP_SHARE * max(0.0, run.deadline - time.perf_counter())
-            after = functools.partial(interleaved_pass, peer, result, run, deadline_total)
+            run.start_sweep_clock()
+            after = functools.partial(interleaved_pass, peer, result, args.vllm_passes, deadline_total)
         best = sweep_stage(run, result, out, trace, specs, _budgets(args))
         result["expert_kernel"] = run.expert_choice
         timed_stage(run, result, out, trace, specs, best, after)
@@ -994,7 +1000,7 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         torch.cuda.empty_cache()
     if peer is not None:
-        result["vllm"] = finish_interleaved(peer, result, run, deadline_total)
+        result["vllm"] = finish_interleaved(peer, result, args, deadline_total)
         result["ratios"] = ratios(result)
         _write(out, result)
     elif vllm_on:

@@ -266,11 +266,35 @@ def test_interleaved_peer_runs_a_pass_after_each_round_of_ours(tmp_path, monkeyp
     assert "interleaved with ours: its best | - | 3 |" in report.rollout(result)
 
 
-def test_interleaving_needs_one_budget_for_the_peer(tmp_path):
+def test_interleaving_needs_one_budget_for_the_peer_and_repeats_of_ours(tmp_path):
+    base = ["--model", "tiny-moe", "--device", "cpu", "--conversations", "2", "--scale", "0.002", "--budgets", "64",
+            "--vllm-interleave", "own", "--out", str(tmp_path)]
     with pytest.raises(SystemExit, match="one budget"):
-        rollout.main(["--model", "tiny-moe", "--device", "cpu", "--conversations", "2", "--scale", "0.002",
-                      "--schedules", "off", "--budgets", "64", "--vllm", "--vllm-budgets", "default,best",
-                      "--vllm-interleave", "own", "--out", str(tmp_path)])
+        rollout.main(base + ["--schedules", "off", "--vllm", "--vllm-budgets", "default,best"])
+    with pytest.raises(SystemExit, match="needs --vllm"):
+        rollout.main(base + ["--schedules", "", "--vllm"])
+    with pytest.raises(SystemExit, match="needs --vllm"):
+        rollout.main(base + ["--schedules", "off", "--no-vllm"])
+
+
+def test_the_interleaved_peer_runs_no_more_passes_than_asked(tmp_path, monkeypatch):
+    real = rollout._peer_command
+
+    def qwen_shaped(args, *rest, **kw):
+        cmd, name = real(args, *rest, **kw)
+        cmd[cmd.index("--model") + 1] = "qwen3-30b-a3b-12l"
+        return cmd, name
+
+    monkeypatch.setattr(rollout, "_peer_command", qwen_shaped)
+    out = tmp_path / "out"
+    assert rollout.main(["--model", "tiny-moe", "--device", "cpu", "--conversations", "2", "--scale", "0.002",
+                         "--schedules", "off", "--repeats", "3", "--budgets", "64", "--vllm", "--vllm-site",
+                         str(_stand_in_site(tmp_path)), "--vllm-budgets", "2048", "--vllm-interleave", "own",
+                         "--vllm-passes", "1", "--vllm-warmups", "0", "--deadline-s", "300", "--out", str(out),
+                         "--no-progress"]) == 0
+    result = json.loads((out / "rollout.json").read_text())
+    assert result["order"] == ["off#0", "vllm#0", "off#1", "off#2"]
+    assert len(result["vllm"]["budgets"]["2048"]["passes"]) == 1
 
 
 def test_a_peer_that_dies_leaves_our_replays_running(tmp_path, monkeypatch):
