@@ -191,18 +191,19 @@ def compare(folder: Path) -> str:
     if not runs["before"] or not runs["after"]:
         raise SystemExit(f"{folder}: needs host-before-*.json and host-after-*.json")
 
+    from benchmarks.report import markdown, spread
+
     def cell(v: str, stage: str, size: str, variant: str, spec: str) -> str:
         xs = [r[stage][size][variant]["median"] for r in runs[v]]
-        return f"{statistics.median(xs):{spec}} [{min(xs):{spec}}-{max(xs):{spec}}]"
+        return spread(statistics.median(xs), min(xs), max(xs), spec)
 
-    lines = ["| stage | size | variant | before | after |", "|---|---|---|---|---|"]
+    rows = []
     for stage, unit, spec, what in (("drafting_step_ms", "ms", ".3f", "rows"), ("lookup_us", "us", ".1f", "tokens")):
         for size, variants in runs["before"][0].get(stage, {}).items():
             for variant in variants:
-                name = stage.rsplit("_", 1)[0].replace("_", " ")
-                before, after = (cell(v, stage, size, variant, spec) for v in ("before", "after"))
-                lines.append(f"| {name}, {unit} | {size} {what} | {variant} | {before} | {after} |")
-    return "\n".join(lines)
+                rows.append([f"{stage.rsplit('_', 1)[0].replace('_', ' ')}, {unit}", f"{size} {what}", variant,
+                             cell("before", stage, size, variant, spec), cell("after", stage, size, variant, spec)])
+    return markdown(["stage", "size", "variant", "before", "after"], rows)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,19 +59,15 @@ def step_times(result: dict[str, Any], schedules: Sequence[str] | None = None,
 
 
 def table(times: dict[str, list[dict[str, Any]]]) -> str:
+    from benchmarks.report import markdown, num
+
     buckets = [_bucket(lo, hi) for lo, hi in ROW_BUCKETS]
     head = ["schedule", "repeat", "makespan s", "records", "in forwards s", "between s", "gaps > limit s"]
-    head += [f"{b} rows: n, median ms" for b in buckets]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, rows in times.items():
-        for r in rows:
-            cells = [name, str(r["repeat"]), f"{r['makespan_s']:.2f}", str(r["records"]), f"{r['inside_s']:.2f}",
-                     f"{r['between_s']:.2f}", f"{r['long_gaps_s']:.2f}"]
-            for b in buckets:
-                cell = r[f"rows_{b}"]
-                cells.append(f"{cell['n']}, {cell['median_ms']:.2f}" if cell["median_ms"] is not None else "0, -")
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    rows = [[name, str(r["repeat"]), num(r["makespan_s"], ".2f"), str(r["records"]), num(r["inside_s"], ".2f"),
+             num(r["between_s"], ".2f"), num(r["long_gaps_s"], ".2f")]
+            + [f"{r[f'rows_{b}']['n']}, {num(r[f'rows_{b}']['median_ms'], '.2f')}" for b in buckets]
+            for name, reps in times.items() for r in reps]
+    return markdown(head + [f"{b} rows: n, median ms" for b in buckets], rows)
 
 
 def main(argv: list[str] | None = None) -> int:

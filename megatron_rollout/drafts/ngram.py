@@ -18,8 +18,10 @@ a byte copy of the tokens, 4 bytes each (7 bits a byte, the first byte's high bi
 can only start where a token does): one C search (`bytearray.rfind`) for the longest suffix over
 the last `RECENT` tokens. A match there is the latest occurrence of the longest suffix, so it is
 the answer. Otherwise the whole context is searched in array operations, a dozen calls of fixed
-overhead each (14-28 us a row and step where that context loops, on the host between a verify
-forward and the next; the byte search takes 2-3 us). Token ids must be below 2**28.
+overhead each. On a looping context of 1,000 to 60,000 tokens a lookup and a one-token sync took
+16-56 us that way and 3.4-3.7 us with the byte search first; on text-like ids the byte search
+adds 2-3 us (`python -m benchmarks.host --lookup`, docs/benchmarks.md). Token ids must be below
+2**28.
 
 Left out: drafts from other sequences (the other samples of an RL group): the engine serves no
 group key under speculative decoding (n > 1 is refused there), and a peer's text is a guess for
