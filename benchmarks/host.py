@@ -105,26 +105,28 @@ def engine_step_ms(rows: int, prompt: int = 48, steps: int = 50, repeats: int = 
 
 def lookup_us(length: int, kind: str, steps: int = 200, repeats: int = 3) -> dict[str, float]:
     """Microseconds of one `propose(4)` and one one-token `sync` of an `NgramIndex(2, 4)` over a
-    `length`-token context, `kind` "text" (Zipf ids) or "loop" (its last 300 tokens said 3 more times)."""
+    `length`-token context, `kind` "text" (Zipf ids) or "loop" (its last 300 tokens said 3 more times),
+    and the share of lookups that proposed drafts."""
     from megatron_rollout.drafts import NgramIndex
 
-    samples = []
+    samples, proposed = [], 0
     for rep in range(repeats):
         rng = np.random.default_rng(rep)
         tokens = np.minimum(rng.zipf(1.2, length + steps), 151_935).tolist()
         context, extra = tokens[:length], tokens[length:]
-        if kind == "loop":
-            context += context[-300:] * 3
-            extra = context[-300:] * (1 + steps // 300)
+        if kind == "loop":  # the period goes on through the timed steps
+            period = context[-300:]
+            context += period * 3
+            extra = period * (1 + steps // len(period))
         index = NgramIndex(2, 4)
         index.sync(context)
         t0 = time.perf_counter()
         for i in range(steps):
-            index.propose(4)
+            proposed += bool(index.propose(4))
             context.append(extra[i])
             index.sync(context)
         samples.append((time.perf_counter() - t0) / steps * 1e6)
-    return _summary(samples)
+    return {**_summary(samples), "proposed": proposed / (steps * repeats)}
 
 
 def drafting_step_ms(rows: int, drafts: int = 4, steps: int = 40, repeats: int = 3) -> dict[str, dict[str, float]]:

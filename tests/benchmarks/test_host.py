@@ -30,9 +30,9 @@ def test_drafting_step_is_timed_against_plain_and_emits_its_drafts():
 def test_lookup_is_timed_on_text_and_on_a_loop():
     from benchmarks.host import lookup_us
 
-    for kind in ("text", "loop"):
-        timed = lookup_us(200, kind, steps=20, repeats=2)
-        assert 0 < timed["min"] <= timed["median"] <= timed["max"]
+    text, loop = (lookup_us(200, kind, steps=20, repeats=2) for kind in ("text", "loop"))
+    assert all(0 < t["min"] <= t["median"] <= t["max"] for t in (text, loop))
+    assert loop["proposed"] == 1.0 and text["proposed"] < 1.0  # the loop's suffix always recurs; text's not
 
 
 def test_compare_tables_two_commits_invocations(tmp_path):
