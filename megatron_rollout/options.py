@@ -149,7 +149,5 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     if not (args.mtp or args.ngram):
         return None
     method, k = ("mtp", args.mtp) if args.mtp else ("ngram", args.ngram)
-    tail = {} if args.draft_tail_k is None else {"tail_k": args.draft_tail_k}
-    if args.draft_tail_k_rows is not None:
-        tail["tail_k_rows"] = args.draft_tail_k_rows
-    return SpeculativeConfig(method, k, tail_rows=args.draft_tail_rows, **tail)
+    return SpeculativeConfig(method, k, tail_rows=args.draft_tail_rows, tail_k=args.draft_tail_k,
+                             tail_k_rows=args.draft_tail_k_rows or SpeculativeConfig.tail_k_rows)
