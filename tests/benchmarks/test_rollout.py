@@ -225,20 +225,29 @@ def test_vllm_stage_runs_the_peer_in_its_own_process(tmp_path):
     assert (out / "trace.jsonl").exists() and "vllm" in rollout.table(result)
 
 
+def _peer_command_edited(monkeypatch, edit) -> None:
+    """The benchmark's peer command line, then `edit(cmd)` of it."""
+    real = rollout._peer_command
+
+    def edited(*args, **kw):
+        cmd, name = real(*args, **kw)
+        return edit(cmd), name
+
+    monkeypatch.setattr(rollout, "_peer_command", edited)
+
+
+def _qwen_shaped(cmd: list[str]) -> list[str]:
+    """The peer writes the Qwen3 preset's config.json (tiny-moe has no vLLM shape); nothing else in it
+    depends on the model."""
+    cmd[cmd.index("--model") + 1] = "qwen3-30b-a3b-12l"
+    return cmd
+
+
 @pytest.mark.parametrize("mode", ["own", "in-process"])
 def test_interleaved_peer_runs_a_pass_after_each_round_of_ours(tmp_path, monkeypatch, mode):
     """`--vllm-interleave`: the peer (a real `benchmarks.vllm_peer --serve` process over the stand-in
-    `vllm`) starts before our stages, and one of its timed passes follows each round of our repeats.
-    The peer writes the Qwen3 preset's config.json (tiny-moe has no vLLM shape); nothing else in it
-    depends on the model."""
-    real = rollout._peer_command
-
-    def qwen_shaped(args, *rest, **kw):
-        cmd, name = real(args, *rest, **kw)
-        cmd[cmd.index("--model") + 1] = "qwen3-30b-a3b-12l"
-        return cmd, name
-
-    monkeypatch.setattr(rollout, "_peer_command", qwen_shaped)
+    `vllm`) starts before our stages, and one of its timed passes follows each round of our repeats."""
+    _peer_command_edited(monkeypatch, _qwen_shaped)
     site, out = _stand_in_site(tmp_path), tmp_path / "out"
     code = rollout.main(["--model", "tiny-moe", "--device", "cpu", "--conversations", "2", "--scale", "0.002",
                          "--schedules", "off,chunked", "--repeats", "2", "--budgets", "64", "--vllm",
@@ -278,14 +287,7 @@ def test_interleaving_needs_one_budget_for_the_peer_and_repeats_of_ours(tmp_path
 
 
 def test_the_interleaved_peer_runs_no_more_passes_than_asked(tmp_path, monkeypatch):
-    real = rollout._peer_command
-
-    def qwen_shaped(args, *rest, **kw):
-        cmd, name = real(args, *rest, **kw)
-        cmd[cmd.index("--model") + 1] = "qwen3-30b-a3b-12l"
-        return cmd, name
-
-    monkeypatch.setattr(rollout, "_peer_command", qwen_shaped)
+    _peer_command_edited(monkeypatch, _qwen_shaped)
     out = tmp_path / "out"
     assert rollout.main(["--model", "tiny-moe", "--device", "cpu", "--conversations", "2", "--scale", "0.002",
                          "--schedules", "off", "--repeats", "3", "--budgets", "64", "--vllm", "--vllm-site",
@@ -299,13 +301,7 @@ def test_the_interleaved_peer_runs_no_more_passes_than_asked(tmp_path, monkeypat
 
 def test_a_peer_that_dies_leaves_our_replays_running(tmp_path, monkeypatch):
     """A peer that exits before answering: its error is kept, our repeats all run, nothing hangs."""
-    real = rollout._peer_command
-
-    def broken(args, *rest, **kw):
-        cmd, name = real(args, *rest, **kw)
-        return [cmd[0], "-c", "import sys; sys.exit(3)"], name
-
-    monkeypatch.setattr(rollout, "_peer_command", broken)
+    _peer_command_edited(monkeypatch, lambda cmd: [cmd[0], "-c", "import sys; sys.exit(3)"])
     out = tmp_path / "out"
     code = rollout.main(["--model", "tiny-moe", "--device", "cpu", "--conversations", "2", "--scale", "0.002",
                          "--schedules", "off", "--repeats", "2", "--budgets", "64", "--vllm", "--vllm-budgets",
