@@ -114,7 +114,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="weights and input token ids")
     ap.add_argument("--schedules", default="off,chunked,mux",
                     help="comma-separated; 'mux@fixed:K' runs mux with another segment policy, 'off/sync' a schedule "
-                         "without decode ahead, 'mux+most-turns' one under an engine priority; '' runs none")
+                         "without decode ahead, 'mux/sms:24' mux with 24 SMs left out of prefill's stream, "
+                         "'mux+most-turns' one under an engine priority; '' runs none")
     ap.add_argument("--ablation", action=argparse.BooleanOptionalAction, default=True,
                     help="add mux-epoch (one segment per epoch) when mux runs")
     ap.add_argument("--repeats", type=int, default=3)
@@ -261,7 +262,7 @@ class Run:
 
 
 class Spec(NamedTuple):
-    """What a schedule spec 'schedule[@span][+priority][/sync]' asks for."""
+    """What a schedule spec 'schedule[@span][+priority][~drafts][/sync][/sms:N]' asks for."""
 
     schedule: str
     span: str | None
@@ -273,6 +274,8 @@ class Spec(NamedTuple):
     speculative: SpeculativeConfig | None = None
     """'~ngram:K[:R][+T@W]': n-gram drafts of K tokens (`drafts.ngram`), only while at most R rows
     decode, T while at most W do."""
+    decode_sms: int = 0
+    """'/sms:N': prefill's stream leaves N SMs out (`RunnerConfig.decode_sms`; mux only)."""
 
 
 def _drafts(spec: str, text: str) -> SpeculativeConfig | None:
@@ -294,19 +297,26 @@ def _drafts(spec: str, text: str) -> SpeculativeConfig | None:
 
 
 def split_spec(spec: str) -> Spec:
-    """'schedule[@span][+priority][~ngram:K[:R][+T@W]][/sync]' -> its parts: '/sync' turns decode
-    ahead off, '+name' picks the engine's priority (e.g. 'mux+most-turns'), '~ngram:4' drafts 4
-    tokens per row by prompt lookup (':16': only while at most 16 rows decode; '+7@2': 7 while at
-    most 2 do)."""
-    core, _, flag = spec.partition("/")
-    if flag not in ("", "sync"):
-        raise SystemExit(f"schedule {spec!r}: the only suffix is '/sync' (decode ahead off)")
+    """'schedule[@span][+priority][~ngram:K[:R][+T@W]][/sync][/sms:N]' -> its parts: '/sync' turns
+    decode ahead off, '/sms:24' leaves 24 SMs out of prefill's stream (mux), '+name' picks the
+    engine's priority (e.g. 'mux+most-turns'), '~ngram:4' drafts 4 tokens per row by prompt lookup
+    (':16': only while at most 16 rows decode; '+7@2': 7 while at most 2 do)."""
+    core, *flags = spec.split("/")
+    sms = [f.removeprefix("sms:") for f in flags if f.startswith("sms:")]
+    if any(f != "sync" and not f.startswith("sms:") for f in flags) or flags.count("sync") > 1 or len(sms) > 1 \
+            or not all(n.isdigit() and int(n) > 0 for n in sms):
+        raise SystemExit(f"schedule {spec!r}: the suffixes are '/sync' (decode ahead off) and '/sms:N' (N > 0 SMs "
+                         f"left out of prefill's stream), each at most once")
+    flag = "sync" if "sync" in flags else ""
     core, _, drafts = core.partition("~")
     core, _, priority = core.partition("+")
     if priority and priority not in PRIORITIES:
         raise SystemExit(f"schedule {spec!r}: unknown priority {priority!r}; choose from {sorted(PRIORITIES)}")
     schedule, _, span = core.partition("@")
-    return Spec(schedule, span or None, "off" if flag else None, priority or None, _drafts(spec, drafts))
+    if sms and schedule != "mux":
+        raise SystemExit(f"schedule {spec!r}: '/sms:N' is for mux, the one schedule that runs prefill beside decode")
+    return Spec(schedule, span or None, "off" if flag else None, priority or None, _drafts(spec, drafts),
+                int(sms[0]) if sms else 0)
 
 
 def engine_config(args: argparse.Namespace, num_blocks: int, max_model_len: int, spec: Spec, budget: int,
@@ -321,7 +331,7 @@ def engine_config(args: argparse.Namespace, num_blocks: int, max_model_len: int,
                                   max_decode_rows=a.max_decode_rows, priority=priority),
         kv=KVConfig(num_blocks=num_blocks), mux=MuxConfig(spec.span or a.mux_span),
         runner=RunnerConfig(attention=a.attention, measure_expert_kernels=measure_expert_kernels,
-                            decode_ahead=spec.ahead or a.decode_ahead),
+                            decode_ahead=spec.ahead or a.decode_ahead, decode_sms=spec.decode_sms),
         seed=a.seed, max_model_len=max_model_len, speculative=spec.speculative)
 
 
@@ -561,6 +571,10 @@ def ratios(result: dict) -> dict[str, float | None]:
     for n in ours:  # decode ahead's effect: a schedule against its '/sync' twin
         if n.endswith("/sync"):
             out[f"{n[:-5]}_over_{n[:-5]}_sync"] = _ratio(med(n[:-5]), med(n))
+    for n in ours:  # SMs held back from prefill: a schedule against the same one without
+        if "/sms:" in n:
+            whole = re.sub(r"/sms:\d+", "", n)
+            out[f"{n}_over_{whole}"] = _ratio(med(n), med(whole))
     twin = {n: re.sub(r"~[^/]*", "", n) for n in ours if "~" in n}  # the same schedule, no drafts
     twin = {n: t if t in ours else split_spec(n).schedule for n, t in twin.items()}  # else the plain schedule
     drafted = {n: _ratio(med(n), med(t)) for n, t in twin.items()}

@@ -1,4 +1,4 @@
-"""SM partitions for prefill and decode on one GPU, three ways, and where their work lands.
+"""SM partitions for prefill and decode on one GPU, four ways, and where their work lands.
 
     python -m benchmarks.sm_partition --splits 100/32,108/24 --out benchmarks/results/pd-overlap
 
@@ -7,8 +7,9 @@ A partition pair gives the prefill phase (P) and the decode phase (D) a stream e
   resource is split once (`cuDevSmResourceSplitByCount`): one group of the decode SM count
   (rounded up by the driver to its granularity) and the remainder; each becomes a green context
   (`cuDevResourceGenerateDesc`, `cuGreenCtxCreate`) with a stream (`cuGreenCtxStreamCreate`)
-  wrapped as a `torch.cuda.ExternalStream`. Called through ctypes on libcuda, so nothing beyond
-  torch is needed.
+  wrapped as a `torch.cuda.ExternalStream` (`runner.partition`, through ctypes on libcuda).
+- `held`: what the CUDA runner does with `RunnerConfig.decode_sms`: P on a green context of the
+  device minus the decode count, D on an ordinary high-priority stream over every SM.
 - `torch`: `torch.cuda.green_contexts.GreenContext.create(num_sms=...)` once per phase. Each call
   carves its SMs out of the whole device on its own, knowing nothing of the other, so the two
   sets need not be disjoint: the probe below says whether they are.
@@ -23,7 +24,6 @@ two partitions, workqueue settings, and partitions that change while work runs.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,22 +34,10 @@ from typing import Any
 import torch
 
 from benchmarks.ceilings import time_cuda
+from megatron_rollout.runner.partition import partial_stream, split_streams
 
-METHODS = ("driver", "torch", "streams")
+METHODS = ("driver", "held", "torch", "streams")
 COPY_SMS = (8, 16, 32, 64)
-
-_CU_DEV_RESOURCE_TYPE_SM = 1
-_CU_GREEN_CTX_DEFAULT_STREAM = 0x1
-_CU_STREAM_NON_BLOCKING = 0x1
-
-
-class DevResource(ctypes.Structure):
-    """`CUdevResource` (cuda.h, CUDA 12.4-13.x: 144 bytes): the type, 92 bytes of padding, then a
-    union whose SM member starts with `smCount`; the rest is the driver's."""
-
-    _fields_ = [("type", ctypes.c_int), ("_internal", ctypes.c_ubyte * 92), ("sm_count", ctypes.c_uint),
-                ("_rest", ctypes.c_ubyte * 44)]
-
 
 @dataclass(frozen=True)
 class Split:
@@ -96,60 +84,28 @@ class PartitionPair:
     decode: Partition
 
 
-class _Driver:
-    """The libcuda entry points the driver split needs; every call checked."""
-
-    def __init__(self) -> None:
-        try:
-            self.lib = ctypes.CDLL("libcuda.so.1")
-        except OSError as exc:
-            raise RuntimeError(f"the driver split needs libcuda.so.1 (an NVIDIA driver): {exc}") from exc
-
-    def __call__(self, name: str, *args: Any) -> None:
-        code = getattr(self.lib, name)(*args)
-        if code != 0:
-            text = ctypes.c_char_p()
-            self.lib.cuGetErrorString(code, ctypes.byref(text))
-            raise RuntimeError(f"{name} failed: CUresult {code} ({(text.value or b'?').decode()})")
-
-    def device(self, index: int) -> ctypes.c_int:
-        torch.cuda.init()  # the primary context first, as cuGreenCtxCreate advises
-        self("cuInit", 0)
-        dev = ctypes.c_int()
-        self("cuDeviceGet", ctypes.byref(dev), index)
-        return dev
-
-    def green_stream(self, resource: DevResource, dev: ctypes.c_int) -> tuple[int, int]:
-        """(green context, its non-blocking stream) holding exactly `resource`'s SMs."""
-        desc, ctx, stream = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-        self("cuDevResourceGenerateDesc", ctypes.byref(desc), ctypes.byref(resource), 1)
-        self("cuGreenCtxCreate", ctypes.byref(ctx), desc, dev, _CU_GREEN_CTX_DEFAULT_STREAM)
-        self("cuGreenCtxStreamCreate", ctypes.byref(stream), ctx, _CU_STREAM_NON_BLOCKING, 0)
-        return ctx.value, stream.value
-
-
 @contextmanager
 def driver_pair(decode_sms: int, device: torch.device) -> Iterator[PartitionPair]:
     """Disjoint P and D partitions: D gets `decode_sms` (rounded up by the driver), P the rest."""
-    drv = _Driver()
-    dev = drv.device(device.index or 0)
-    whole, decode, rest = DevResource(), DevResource(), DevResource()
-    drv("cuDeviceGetDevResource", dev, ctypes.byref(whole), _CU_DEV_RESOURCE_TYPE_SM)
-    groups = ctypes.c_uint(1)
-    drv("cuDevSmResourceSplitByCount", ctypes.byref(decode), ctypes.byref(groups), ctypes.byref(whole),
-        ctypes.byref(rest), 0, decode_sms)
-    made: list[tuple[int, int]] = []
+    p, d = split_streams(decode_sms, device)
     try:
-        for resource in (rest, decode):
-            made.append(drv.green_stream(resource, dev))
-        (_, p_stream), (_, d_stream) = made
-        yield PartitionPair(Partition(torch.cuda.ExternalStream(p_stream, device=device), rest.sm_count),
-                            Partition(torch.cuda.ExternalStream(d_stream, device=device), decode.sm_count))
+        yield PartitionPair(Partition(p.stream, p.sms), Partition(d.stream, d.sms))
     finally:
         torch.cuda.synchronize(device)
-        for ctx, stream in made:
-            drv("cuStreamDestroy_v2", ctypes.c_void_p(stream))
-            drv("cuGreenCtxDestroy", ctypes.c_void_p(ctx))
+        p.close()
+        d.close()
+
+
+@contextmanager
+def held_pair(decode_sms: int, device: torch.device) -> Iterator[PartitionPair]:
+    """What the CUDA runner does with `RunnerConfig.decode_sms`: P on the device minus `decode_sms`
+    SMs, D on an ordinary high-priority stream over the whole device."""
+    p = partial_stream(decode_sms, device)
+    try:
+        yield PartitionPair(Partition(p.stream, p.sms), Partition(torch.cuda.Stream(device, priority=-1), None))
+    finally:
+        torch.cuda.synchronize(device)
+        p.close()
 
 
 @contextmanager
@@ -157,6 +113,9 @@ def partitions(method: str, split: Split, device: torch.device) -> Iterator[Part
     """The P and D streams of `method` (module docstring) for `split`."""
     if method == "driver":
         with driver_pair(split.decode_sms, device) as pair:
+            yield pair
+    elif method == "held":
+        with held_pair(split.decode_sms, device) as pair:
             yield pair
     elif method == "torch":
         from torch.cuda.green_contexts import GreenContext

@@ -96,6 +96,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA runner attention kernels: auto | triton | varlen | flash | portable")
     p.add_argument("--decode-ahead", default="auto", choices=("auto", "on", "off"),
                    help="issue the next decode step before reading this one's tokens (auto: CUDA runner, one rank)")
+    p.add_argument("--decode-sms", type=int, default=0, metavar="N",
+                   help="mux only: SMs the prefill stream leaves out, so decode beside it always finds them free "
+                        "(a green context; the driver rounds up to 8 on Hopper; 0: none). Schedules of a list "
+                        "other than mux run without")
     p.add_argument("--fp8", default="off", choices=("off", "tensor", "block", "te-delayed", "te-current", "te-block"),
                    help="FP8 weights for the linears and experts: off | tensor (per-tensor scales) | block (128x128) "
                         "| te-<recipe> (Transformer Engine's FP8 layers, where TE is installed)")
@@ -124,13 +128,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace, schedule: str | None = None) -> EngineConfig:
     """The `EngineConfig` these arguments describe (`schedule` overrides `--schedule`)."""
+    name = Schedule(schedule or args.schedule)
     return EngineConfig(
-        scheduler=SchedulerConfig(Schedule(schedule or args.schedule), args.block_size, args.max_batch_tokens,
-                                  priority=args.priority),
+        scheduler=SchedulerConfig(name, args.block_size, args.max_batch_tokens, priority=args.priority),
         kv=KVConfig(num_blocks=args.num_blocks),
         mux=MuxConfig(span=parse_span(args.mux_span)),
         runner=RunnerConfig(kind=args.runner or runner_kind_from_env(), attention=args.attention,
-                            decode_ahead=args.decode_ahead, fp8=args.fp8),
+                            decode_ahead=args.decode_ahead, fp8=args.fp8,
+                            decode_sms=args.decode_sms if name is Schedule.MUX else 0),
         comm=CommConfig(backend=args.comm_backend, timeout_s=args.timeout, p_exchange=args.p_exchange,
                         d_exchange=args.d_exchange),
         speculative=speculative_config(args))

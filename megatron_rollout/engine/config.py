@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_rollout.comm.dist import CommConfig
+from megatron_rollout.engine.api import Schedule
 from megatron_rollout.engine.scheduler import SchedulerConfig
 from megatron_rollout.multiplex.policy import (
     FixedSpan,
@@ -214,6 +215,10 @@ class EngineConfig:
         if self.comm is not None and self.comm.p_max_tokens < self.scheduler.max_batch_tokens:
             object.__setattr__(self, "comm", dataclasses.replace(self.comm,
                                                                  p_max_tokens=self.scheduler.max_batch_tokens))
+        if self.runner.decode_sms and self.scheduler.schedule is not Schedule.MUX:
+            raise ValueError(f"RunnerConfig.decode_sms holds SMs back from prefill for the decode iterations that "
+                             f"run beside it, which only the mux schedule does; schedule "
+                             f"{self.scheduler.schedule.value!r} would only run its prefill on fewer SMs")
         if self.max_model_len is not None and (type(self.max_model_len) is not int or self.max_model_len <= 0):
             raise ValueError(f"max_model_len must be a positive int or None, got {self.max_model_len!r}")
         if type(self.seed) is not int:

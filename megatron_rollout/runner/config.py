@@ -45,6 +45,12 @@ class RunnerConfig:
     """Yield `COMPLETION` boundaries until P's event fires instead of blocking on it."""
     d_priority: int = -1
     """Priority of the D stream (lower is higher; P's stream gets 0)."""
+    decode_sms: int = 0
+    """SMs that P's stream leaves out, so that a decode iteration beside a prefill segment always
+    finds them free (`runner.partition`): P runs on a green context of the rest, D keeps its stream
+    over the whole device. 0: P may use every SM. The driver rounds the count up (to 8 SMs on
+    Hopper). It pays only where P and D are in flight together, so the engine allows it with the
+    `mux` schedule only."""
     measure_expert_kernels: bool = True
     """Time the Triton and grouped-GEMM expert kernels at decode size once and use the faster."""
     fused_ops: bool = True
@@ -76,6 +82,8 @@ class RunnerConfig:
             raise ValueError(f"prefill_graph_tokens must be positive ints, strictly increasing, got {tokens!r}")
         if not _positive_ints((self.prefill_graph_rows,)):
             raise ValueError(f"prefill_graph_rows must be a positive int, got {self.prefill_graph_rows!r}")
+        if type(self.decode_sms) is not int or self.decode_sms < 0:
+            raise ValueError(f"decode_sms must be an int >= 0 (SMs P's stream leaves out), got {self.decode_sms!r}")
         if self.decode_ahead not in ("auto", "on", "off"):
             raise ValueError(f"decode_ahead must be auto, on or off, got {self.decode_ahead!r}")
 

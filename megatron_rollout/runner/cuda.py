@@ -72,7 +72,13 @@ engine and the mux driver are unchanged):
   (`registry.resolve_mla_attention`), in its decode graphs and between its piecewise P graphs'
   pieces alike; of the fused small ops it uses those it calls (norms, SwiGLU, the combine).
 
-Green contexts (SM partitions for D and P) are measured by `benchmarks.micro` and
+- **SM partitions.** With `RunnerConfig.decode_sms` P's stream is a green context over the device
+  minus that many SMs (`runner.partition`); D's stream, its graphs and every other phase keep the
+  whole device. Under `mux` a decode iteration then runs beside the prefill segment in flight on
+  SMs no prefill block holds, instead of waiting for its blocks to retire. P's piecewise graphs are
+  captured on that stream and replay on its SMs.
+
+Disjoint partitions for both phases (decode graphs captured per partition) are measured by
 `benchmarks.pd_overlap` and not used here: see docs/benchmarks.md. FP8 experts (`model.fp8`,
 stacked) are captured like bf16 ones on one rank (`kernels.moe_triton`'s weight-only kernels).
 Left out: speculative decoding on many ranks, the MTP layer of P forwards in graphs, and FP8
@@ -84,6 +90,7 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import weakref
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 
@@ -99,6 +106,7 @@ from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.multiplex.routing import PhaseStreams
 from megatron_rollout.runner.base import CapturedGraphs, ModelRunner, Runner
 from megatron_rollout.runner.config import RUNNER_ENV, RunnerConfig
+from megatron_rollout.runner.partition import GreenStream, partial_stream
 from megatron_rollout.runner.piecewise import PiecewiseGraph, SharedOutputs, release_rng_after_failed_capture
 from megatron_rollout.runner.speculative import flatten
 from megatron_rollout.types import Axis, Phase, SeqSpan, SpanInput
@@ -118,6 +126,9 @@ def make_runner(model: MoETransformer, cache: PagedKVCache, config: RunnerConfig
     """The runner `config.kind` names, chosen here only: `CudaRunner` for a model on CUDA, one rank
     or many ("auto", "cuda"), else `ModelRunner` ("auto", "eager")."""
     if config.kind == "eager" or (config.kind == "auto" and model.device.type != "cuda"):
+        if config.decode_sms:
+            raise ValueError(f"RunnerConfig.decode_sms={config.decode_sms} partitions the CUDA runner's prefill "
+                             f"stream; the portable runner (kind {config.kind!r}, model on {model.device}) has none")
         return ModelRunner(model, cache)
     if model.device.type != "cuda":
         raise RuntimeError(f"runner kind 'cuda' (--runner cuda, or ${RUNNER_ENV}=cuda) needs a single-rank model "
@@ -234,7 +245,15 @@ class CudaRunner:
         self._set_dims(cache)
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.d_stream = torch.cuda.Stream(self.device, priority=self.config.d_priority)
-        self.p_stream = torch.cuda.Stream(self.device, priority=0)
+        self.p_partition: GreenStream | None = None
+        """P's green context when `RunnerConfig.decode_sms` holds SMs back from it (`runner.partition`)."""
+        if self.config.decode_sms:
+            if self.multi_rank:
+                raise ValueError("RunnerConfig.decode_sms is for one rank: P's collectives on a green context's "
+                                 "stream have not been run")
+            self.p_partition = partial_stream(self.config.decode_sms, self.device)
+            weakref.finalize(self, self.p_partition.close)
+        self.p_stream = self.p_partition.stream if self.p_partition else torch.cuda.Stream(self.device, priority=0)
         router = getattr(model.comm, "router", None)
         if router is not None:  # the comm's collectives must run on the streams the phases run on
             router.bind_streams(PhaseStreams(p=self.p_stream, d=self.d_stream))

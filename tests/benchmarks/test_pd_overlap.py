@@ -8,6 +8,7 @@ import torch
 from benchmarks import pd_overlap, sm_partition
 from benchmarks.pd_overlap import Times
 from benchmarks.sm_partition import Split
+from megatron_rollout.runner.partition import DevResource
 
 
 @pytest.mark.timeout(30)
@@ -27,8 +28,8 @@ def test_splits_parse_and_refuse_what_is_not_p_over_d():
 @pytest.mark.timeout(30)
 def test_driver_resource_struct_matches_cuda_h():
     # CUdevResource is 144 bytes and the SM member's smCount sits right after type + 92 bytes
-    assert ctypes.sizeof(sm_partition.DevResource) == 144
-    assert sm_partition.DevResource.sm_count.offset == 96
+    assert ctypes.sizeof(DevResource) == 144
+    assert DevResource.sm_count.offset == 96
 
 
 @pytest.mark.timeout(30)
