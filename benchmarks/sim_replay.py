@@ -121,6 +121,9 @@ def _sim_config(result: dict, spec: str, budget: int, first: dict) -> SimConfig 
     drafts, args = parts.speculative, result["args"]
     engine = engine_config(argparse.Namespace(**args), result["num_blocks"], result["max_model_len"], parts, budget)
     levers = Levers()
+    if parts.decode_sms:
+        return (f"{parts.decode_sms} SMs held back from prefill: the simulator would need this shape's overlap "
+                f"factors (`sim.levers.Overlap`), not measured")
     if drafts is not None:
         if drafts.method != "ngram":
             return f"drafting by {drafts.method!r}: the drafter's own forward is not modelled"
