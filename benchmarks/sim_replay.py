@@ -24,6 +24,10 @@ forwards are fitted by their positions (`StepRecord.decode_positions`, a row and
 unit the lever costs them in; records made before that field hold one row a request, and their
 in-sample check is skipped. Other drafters (an MTP layer's own forward) are not simulated. Decode
 ahead (`/sync` or not) is not modelled: both run the same simulation.
+A `mux` schedule with SMs held back from prefill (`/sms:N`) is simulated with the `Overlap` lever,
+its factors from a `benchmarks.pd_overlap` run of the `held` method at a split that holds N back
+(`--overlap-from PD.json`), out of sample only: its own decode records ran beside prefill, so a
+fit to them would count the slow-down twice. Without such a measurement it is skipped.
 
 Left out: the mux segment policies' other effects (a segment's own launch gap), which rows share
 a prefix, and any sampling noise of repeat 0 itself (one replay's records are the whole fit).
@@ -44,7 +48,7 @@ from benchmarks.rollout import engine_config, split_spec
 from megatron_rollout.engine import Schedule
 from megatron_rollout.engine.records import StepRecord
 from megatron_rollout.sim.cost import CostModel, fit, segments_per_epoch
-from megatron_rollout.sim.levers import Levers, Speculation
+from megatron_rollout.sim.levers import Levers, Overlap, Speculation
 from megatron_rollout.sim.simulator import SimConfig, SimulationError, simulate
 from megatron_rollout.trace.schema import TraceRequest, load_trace
 from megatron_rollout.trace.steps import from_columns
@@ -115,15 +119,30 @@ def _compare(trace: Sequence[TraceRequest], fits: dict[str, CostModel | str], co
     return out
 
 
-def _sim_config(result: dict, spec: str, budget: int, first: dict) -> SimConfig | str:
+def held_overlaps(pd_overlap: dict) -> dict[int, Overlap]:
+    """The `Overlap` of each held-back SM count that a `benchmarks.pd_overlap` result measured with
+    the `held` method (`RunnerConfig.decode_sms`'s shape), keyed by the count its split asked for."""
+    out = {}
+    for run in pd_overlap.get("runs", []):
+        if run.get("method") == "held" and "error" not in run and run.get("split"):
+            held = int(run["split"].split("/")[1])
+            out[held] = Overlap(max(1.0, run["decode_factor"]), max(1.0, run["prefill_factor"]))
+    return out
+
+
+def _sim_config(result: dict, spec: str, budget: int, first: dict,
+                overlaps: dict[int, Overlap] | None = None) -> SimConfig | str:
     """The simulated twin of the schedule's engine, or why the simulator cannot represent it."""
     parts = split_spec(spec)
     drafts, args = parts.speculative, result["args"]
     engine = engine_config(argparse.Namespace(**args), result["num_blocks"], result["max_model_len"], parts, budget)
     levers = Levers()
     if parts.decode_sms:
-        return (f"{parts.decode_sms} SMs held back from prefill: the simulator would need this shape's overlap "
-                f"factors (`sim.levers.Overlap`), not measured")
+        overlap = (overlaps or {}).get(parts.decode_sms)
+        if overlap is None:
+            return (f"{parts.decode_sms} SMs held back from prefill: no `held` run of benchmarks.pd_overlap at that "
+                    f"count (--overlap-from) gives the simulator's Overlap factors")
+        levers = Levers(overlap=overlap)
     if drafts is not None:
         if drafts.method != "ngram":
             return f"drafting by {drafts.method!r}: the drafter's own forward is not modelled"
@@ -138,14 +157,17 @@ def _sim_config(result: dict, spec: str, budget: int, first: dict) -> SimConfig 
                                min(drafts.tail_k, max(1, round(share * drafts.tail_k))), tail_rows=drafts.tail_k_rows)
         drafted = sum(drafting.tokens_at(n) * n for n in steps)
         acceptance = min(1.0, stats["accepted_tokens"] / drafted) if drafted else 0.0
-        levers = Levers(speculation=dataclasses.replace(drafting, acceptance=acceptance))
+        levers = dataclasses.replace(levers, speculation=dataclasses.replace(drafting, acceptance=acceptance))
     return dataclasses.replace(SimConfig.of_engine(engine), levers=levers)
 
 
-def sim_replay(result: dict, trace: Sequence[TraceRequest], fit_from: dict | None = None) -> dict[str, Any]:
+def sim_replay(result: dict, trace: Sequence[TraceRequest], fit_from: dict | None = None,
+               overlap_from: dict | None = None) -> dict[str, Any]:
     """In- and out-of-sample errors of every schedule of a `benchmarks.rollout` result (module docstring).
     `fit_from`: another run's result whose `off` and `chunked` make the out-of-sample fit (same model and
-    device), to check schedules that a run measured without those two."""
+    device), to check schedules that a run measured without those two. `overlap_from`: a
+    `benchmarks.pd_overlap` result whose `held` runs give the '/sms:N' schedules' overlap factors."""
+    overlaps = held_overlaps(overlap_from) if overlap_from else {}
     if "num_blocks" not in result:
         raise SystemExit("the result has no 'num_blocks': it predates step records; run benchmarks.rollout again")
     moe = result.get("moe")
@@ -169,7 +191,7 @@ def sim_replay(result: dict, trace: Sequence[TraceRequest], fit_from: dict | Non
         if first is None:
             row["in_sample"] = row["out_of_sample"] = {"skipped": "repeat 0 did not finish or kept no step records"}
             continue
-        config = _sim_config(result, spec, budget, first)
+        config = _sim_config(result, spec, budget, first, overlaps)
         if isinstance(config, str):
             row["in_sample"] = row["out_of_sample"] = {"skipped": config}
             continue
@@ -177,7 +199,12 @@ def sim_replay(result: dict, trace: Sequence[TraceRequest], fit_from: dict | Non
         if config.levers.speculation is not None:
             row["speculation"] = {**dataclasses.asdict(config.levers.speculation),
                                   **{k: first["engine_stats"][k] for k in ("drafted_tokens", "accepted_tokens")}}
-        if config.levers.speculation is not None and any(r.decode_positions is None for r in records if r.decode_rows):
+        if config.levers.overlap is not None:
+            row["overlap"] = dataclasses.asdict(config.levers.overlap)
+            row["in_sample"] = {"skipped": "its decode records ran beside prefill on the held-back SMs: fitted to "
+                                           "them, the overlap lever would count the slow-down twice"}
+        elif config.levers.speculation is not None and any(r.decode_positions is None
+                                                           for r in records if r.decode_rows):
             row["in_sample"] = {"skipped": "drafting: these records predate `decode_positions`, so a verify forward "
                                            "reads as one row a request (module docstring)"}
         else:
@@ -227,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="write the report as JSON here")
     ap.add_argument("--fit-from", default=None, metavar="RESULT.json",
                     help="fit the out-of-sample model to this run's off and chunked (same model and device)")
+    ap.add_argument("--overlap-from", default=None, metavar="PD.json",
+                    help="a benchmarks.pd_overlap result: its 'held' runs give the '/sms:N' schedules' overlap factors")
     ap.add_argument("--trace", default=None, metavar="TRACE.jsonl",
                     help="the run's trace (default: trace.jsonl beside the result)")
     args = ap.parse_args(argv)
@@ -237,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     if not trace_path.exists():
         raise SystemExit(f"{trace_path} not found: benchmarks.rollout writes the trace beside rollout.json "
                          f"(or name it with --trace)")
-    report = {"result": str(path), "fit_from": args.fit_from, **sim_replay(result, load_trace(trace_path), fit_from)}
+    overlap_from = json.loads(Path(args.overlap_from).read_text()) if args.overlap_from else None
+    report = {"result": str(path), "fit_from": args.fit_from, "overlap_from": args.overlap_from,
+              **sim_replay(result, load_trace(trace_path), fit_from, overlap_from)}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(table(report), flush=True)

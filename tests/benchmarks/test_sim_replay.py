@@ -10,7 +10,7 @@ import math
 import pytest
 
 from benchmarks import rollout, sim_replay
-from megatron_rollout.sim.levers import Speculation
+from megatron_rollout.sim.levers import Overlap, Speculation
 from megatron_rollout.trace.schema import load_trace
 
 
@@ -68,7 +68,7 @@ def test_a_dense_model_has_no_experts_fit_and_drafting_uses_the_lever(run):
     assert one and tail.levers.speculation == Speculation(2, 2, acceptance=decode_rows / (2 * decode_rows + one),
                                                           tail_tokens=3, tail_rows=1)
     assert "not modelled" in sim_replay._sim_config(result, "chunked~mtp:1", 64, first)
-    assert "24 SMs held back from prefill" in sim_replay._sim_config(result, "mux/sms:24", 64, first)
+    assert "no `held` run" in sim_replay._sim_config(result, "mux/sms:24", 64, first)
     spec = {**result, "schedules": {"off": result["schedules"]["off"],
                                     "chunked~ngram:4": {**result["schedules"]["chunked"], "spec": "chunked~ngram:4"}}}
     row = sim_replay.sim_replay(spec, trace)["schedules"]["chunked~ngram:4"]
@@ -136,3 +136,24 @@ def test_a_drafting_replay_is_fitted_in_sample_by_its_positions(tmp_path):
     stale = {**result, "schedules": {"off~ngram:3": {**result["schedules"]["off~ngram:3"], "repeats": [old]}}}
     assert "predate `decode_positions`" in sim_replay.sim_replay(stale, trace)["schedules"]["off~ngram:3"][
         "in_sample"]["skipped"]
+
+
+@pytest.mark.timeout(120)
+def test_sms_held_back_are_simulated_with_the_held_methods_overlap_factors(run):
+    out, result = run
+    trace = load_trace(out / "trace.jsonl")
+    mux = result["schedules"]["mux"]
+    spec = {**result, "schedules": {"off": result["schedules"]["off"], "chunked": result["schedules"]["chunked"],
+                                    "mux": mux, "mux/sms:24": {**mux, "spec": "mux/sms:24"}}}
+    pd = {"runs": [{"method": "driver", "split": "108/24", "decode_factor": 9.0, "prefill_factor": 9.0},
+                   {"method": "held", "split": "116/16", "error": "RuntimeError: refused"},
+                   {"method": "held", "split": "108/24", "decode_factor": 1.0, "prefill_factor": 1.0}]}
+    assert sim_replay.held_overlaps(pd) == {24: Overlap(1.0, 1.0)}
+    rows = sim_replay.sim_replay(spec, trace, overlap_from=pd)["schedules"]
+    held = rows["mux/sms:24"]
+    assert held["overlap"] == {"decode_factor": 1.0, "prefill_factor": 1.0}
+    assert "count the slow-down twice" in held["in_sample"]["skipped"]
+    # P and D side by side at no cost to either: shorter than the serial mux on the same costs
+    assert held["out_of_sample"]["linear"]["sim_s"] < rows["mux"]["out_of_sample"]["linear"]["sim_s"]
+    skipped = sim_replay.sim_replay(spec, trace)["schedules"]["mux/sms:24"]
+    assert "no `held` run of benchmarks.pd_overlap" in skipped["out_of_sample"]["skipped"]
