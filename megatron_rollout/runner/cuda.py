@@ -252,7 +252,7 @@ class CudaRunner:
                 raise ValueError("RunnerConfig.decode_sms is for one rank: P's collectives on a green context's "
                                  "stream have not been run")
             self.p_partition = partial_stream(self.config.decode_sms, self.device)
-            weakref.finalize(self, self.p_partition.close)
+            weakref.finalize(self, self.p_partition.close).atexit = False  # the process's end frees it
         self.p_stream = self.p_partition.stream if self.p_partition else torch.cuda.Stream(self.device, priority=0)
         router = getattr(model.comm, "router", None)
         if router is not None:  # the comm's collectives must run on the streams the phases run on
