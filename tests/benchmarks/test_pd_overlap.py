@@ -43,6 +43,8 @@ def test_arguments_quick_and_plan():
     quick = pd_overlap.parse_args(["--quick", "--splits", "108/24,116/16"])
     assert (quick.prefill_layers, quick.decode_layers, quick.repeats) == (2, 2, 2)
     assert quick.split_list == [Split(108, 24)]
+    held = pd_overlap.plan(pd_overlap.parse_args(["--method", "held", "--splits", "116/16"]))
+    assert [(m, s.label) for m, s in held] == [("held", "116/16")]
     for argv in (["--method", "mps"], ["--splits", "108"], ["--repeats", "0"]):
         with pytest.raises(SystemExit):
             pd_overlap.parse_args(argv)
@@ -62,16 +64,23 @@ def test_factors_and_gain():
     assert pd_overlap.resized_steps(1, 0.001, 0.040) == 1
 
 
+def held_limit(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count - 24
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 def test_quick_run_partitions_are_disjoint_and_both_phases_run(tmp_path):
     probe = sm_partition.probe("driver", Split(108, 24), torch.device("cuda", 0))
     assert probe["shared_sms"] == 0 and probe["decode_sms"] == 24 and probe["decode_eager"] <= 24
-    result = pd_overlap.main(["--quick", "--method", "streams,driver", "--splits", "108/24", "--out", str(tmp_path)])
+    result = pd_overlap.main(["--quick", "--method", "streams,driver,held", "--splits", "108/24",
+                              "--out", str(tmp_path)])
     assert json.loads((tmp_path / "pd_overlap.json").read_text()) == result
-    assert [r["method"] for r in result["runs"]] == ["streams", "driver"] and result["stopped"] is None
+    assert [r["method"] for r in result["runs"]] == ["streams", "driver", "held"] and result["stopped"] is None
     for run in result["runs"]:
         assert "error" not in run, run
         assert run["steps"] >= 1 and len(run["runs_s"]) == 2
         assert run["together_s"] >= max(run["prefill_beside_s"], run["decode_beside_s"]) * 0.999
     assert result["runs"][1]["decode_sms"] == 24
+    held = result["runs"][2]  # P on the device minus 24 SMs, D on an ordinary stream over all of them
+    assert held["prefill_sms"] <= held_limit(torch.device("cuda", 0)) and held["decode_sms"] is None
