@@ -50,7 +50,7 @@ class RunnerConfig:
     finds them free (`runner.partition`): P runs on a green context of the rest, D keeps its stream
     over the whole device. 0: P may use every SM. The driver rounds the count up (to 8 SMs on
     Hopper). It pays only where P and D are in flight together, so the engine allows it with the
-    `mux` schedule only."""
+    `mux` schedule only; P with no decode beside it still runs on its partition alone."""
     measure_expert_kernels: bool = True
     """Time the Triton and grouped-GEMM expert kernels at decode size once and use the faster."""
     fused_ops: bool = True
