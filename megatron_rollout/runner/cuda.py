@@ -90,7 +90,6 @@ import contextlib
 import dataclasses
 import enum
 import logging
-import weakref
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 
@@ -106,7 +105,7 @@ from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.multiplex.routing import PhaseStreams
 from megatron_rollout.runner.base import CapturedGraphs, ModelRunner, Runner
 from megatron_rollout.runner.config import RUNNER_ENV, RunnerConfig
-from megatron_rollout.runner.partition import GreenStream, partial_stream
+from megatron_rollout.runner.partition import GreenStream, shared_partial_stream
 from megatron_rollout.runner.piecewise import PiecewiseGraph, SharedOutputs, release_rng_after_failed_capture
 from megatron_rollout.runner.speculative import flatten
 from megatron_rollout.types import Axis, Phase, SeqSpan, SpanInput
@@ -251,8 +250,7 @@ class CudaRunner:
             if self.multi_rank:
                 raise ValueError("RunnerConfig.decode_sms is for one rank: P's collectives on a green context's "
                                  "stream have not been run")
-            self.p_partition = partial_stream(self.config.decode_sms, self.device)
-            weakref.finalize(self, self.p_partition.close).atexit = False  # the process's end frees it
+            self.p_partition = shared_partial_stream(self.config.decode_sms, self.device)
         self.p_stream = self.p_partition.stream if self.p_partition else torch.cuda.Stream(self.device, priority=0)
         router = getattr(model.comm, "router", None)
         if router is not None:  # the comm's collectives must run on the streams the phases run on

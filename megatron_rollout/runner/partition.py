@@ -79,8 +79,8 @@ class Driver:
 
 @dataclass
 class GreenStream:
-    """A stream whose kernels run on `sms` SMs only; `close()` (or garbage collection of its owner,
-    `weakref.finalize`) destroys the stream and its green context after the device has drained them."""
+    """A stream whose kernels run on `sms` SMs only; `close()` destroys the stream and its green
+    context after the device has drained them (graphs captured on it must be gone by then)."""
 
     stream: torch.cuda.ExternalStream
     sms: int
@@ -135,6 +135,19 @@ def partial_stream(held_back: int, device: torch.device) -> GreenStream:
     dev = driver.device(device.index if device.index is not None else torch.cuda.current_device())
     _, rest = driver.split(dev, held_back)
     return green_stream(driver, dev, rest, device)
+
+
+_SHARED: dict[tuple[int, int], GreenStream] = {}
+
+
+def shared_partial_stream(held_back: int, device: torch.device) -> GreenStream:
+    """`partial_stream`, made once per device and count and kept for the process: runners built one
+    after another (a benchmark's schedules, tests) share it, and no green context is destroyed while
+    graphs captured on its stream may still exist."""
+    key = (device.index if device.index is not None else torch.cuda.current_device(), held_back)
+    if key not in _SHARED or _SHARED[key].closed:
+        _SHARED[key] = partial_stream(held_back, device)
+    return _SHARED[key]
 
 
 def check_held_back(held_back: int, num_sms: int) -> None:

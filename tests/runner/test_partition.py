@@ -68,6 +68,25 @@ def test_driver_errors_name_the_call_and_a_driver_without_green_contexts():
 
 
 @pytest.mark.timeout(30)
+def test_runners_share_one_partition_per_device_and_count_until_it_is_closed(monkeypatch):
+    made = []
+
+    def fake(held_back, device):
+        made.append((held_back, device.index))
+        return partition.GreenStream(stream=None, sms=132 - held_back, _driver=None, _handles=(0, 0))
+
+    monkeypatch.setattr(partition, "partial_stream", fake)
+    monkeypatch.setattr(partition, "_SHARED", {})
+    first = partition.shared_partial_stream(24, torch.device("cuda", 0))
+    assert partition.shared_partial_stream(24, torch.device("cuda", 0)) is first
+    assert partition.shared_partial_stream(16, torch.device("cuda", 0)) is not first
+    assert partition.shared_partial_stream(24, torch.device("cuda", 1)) is not first
+    first.closed = True
+    assert partition.shared_partial_stream(24, torch.device("cuda", 0)) is not first
+    assert made == [(24, 0), (16, 0), (24, 1), (24, 0)]
+
+
+@pytest.mark.timeout(30)
 def test_held_back_counts_and_where_they_are_refused():
     partition.check_held_back(99, 132)
     for bad, match in ((0, "positive int"), (-8, "positive int"), (True, "positive int"), (100, "at most 99")):
