@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.report import markdown, num
 from benchmarks.rollout import engine_config, split_spec
 from megatron_rollout.engine import Schedule
 from megatron_rollout.engine.records import StepRecord
@@ -161,6 +162,65 @@ def _sim_config(result: dict, spec: str, budget: int, first: dict,
     return dataclasses.replace(SimConfig.of_engine(engine), levers=levers)
 
 
+def _pooled_fits(result: dict, fit_from: dict | None) -> dict[str, CostModel | str]:
+    """The out-of-sample cost models: fitted to repeat 0 of `off` and `chunked` pooled, of the run or
+    of `fit_from` (same model and device)."""
+    if "num_blocks" not in result:
+        raise SystemExit("the result has no 'num_blocks': it predates step records; run benchmarks.rollout again")
+    source = result if fit_from is None else fit_from
+    for key in ("model", "device") if fit_from is not None else ():
+        if fit_from.get(key) != result.get(key):
+            raise SystemExit(f"--fit-from: its {key} is {fit_from.get(key)!r}, the result's {result.get(key)!r}")
+    pooled = [rec for name in POOLED if name in source.get("schedules", {})
+              and (first := _first(source["schedules"][name])) for rec in from_columns(first["steps"])]
+    return _fits(pooled, result.get("moe")) if pooled else \
+        {n: f"no repeat 0 with step records of {POOLED}" for n in FITS}
+
+
+def segment_sweep(result: dict, trace: Sequence[TraceRequest], counts: Sequence[float],
+                  fit_from: dict | None = None) -> dict[str, Any]:
+    """The run's `mux` simulated with each count of P segments per epoch, beside its `off`, on the
+    linear out-of-sample fit: makespan, mean TTFT and mean queueing of each, and mux's over off's.
+    On one stream a segment only moves P's work behind a decode iteration, so it shows what the
+    segments cost in TTFT and what they give in makespan; the run's own count is `measured_segments`."""
+    cost = _pooled_fits(result, fit_from)["linear"]
+    if isinstance(cost, str):
+        raise SystemExit(f"--mux-segments: no linear fit ({cost})")
+    entries = result.get("schedules", {})
+    missing = [n for n in ("off", "mux") if _first(entries.get(n) or {}) is None]
+    if missing:
+        raise SystemExit(f"--mux-segments needs a repeat 0 with step records of off and mux; missing: {missing}")
+
+    def run(name: str, segments: float | None) -> dict[str, float]:
+        entry = entries[name]
+        config = _sim_config(result, entry["spec"], entry["budget"], _first(entry))
+        sim = simulate(trace, cost if segments is None else dataclasses.replace(cost, mux_segments=segments), config)
+        return {"makespan_s": sim.makespan_s, "mean_ttft_s": statistics.mean(r.first_token - r.arrival
+                                                                          for r in sim.requests),
+                "mean_queue_s": statistics.mean(r.admitted - r.arrival for r in sim.requests)}
+
+    off = run("off", None)
+    rows = []
+    for n in counts:
+        row = {"segments": n, **run("mux", n)}
+        rows.append({**row, "makespan_over_off": row["makespan_s"] / off["makespan_s"],
+                     "ttft_over_off": row["mean_ttft_s"] / off["mean_ttft_s"]})
+    measured = segments_per_epoch(without_polls(from_columns(_first(entries["mux"])["steps"])))
+    return {"fit": "linear, out of sample", "off": off, "measured_segments": measured, "mux": rows}
+
+
+def segment_table(sweep: dict) -> str:
+    """The sweep as a markdown table (`benchmarks.report.markdown`)."""
+    rows = [[f"{r['segments']:g}", num(r["makespan_s"], ".2f"), num(r["makespan_over_off"], ".3f"),
+             num(1e3 * r["mean_ttft_s"], ",.0f"), num(r["ttft_over_off"], ".2f"), num(1e3 * r["mean_queue_s"], ",.0f")]
+            for r in sweep["mux"]]
+    off = sweep["off"]
+    return markdown(["mux segments per epoch", "makespan s", "over off", "mean TTFT ms", "over off",
+                     "mean queue ms"], rows) + \
+        f"\noff: {off['makespan_s']:.2f} s, mean TTFT {1e3 * off['mean_ttft_s']:.0f} ms; the run's mux cut " \
+        f"{sweep['measured_segments']:.2f} segments per epoch"
+
+
 def sim_replay(result: dict, trace: Sequence[TraceRequest], fit_from: dict | None = None,
                overlap_from: dict | None = None) -> dict[str, Any]:
     """In- and out-of-sample errors of every schedule of a `benchmarks.rollout` result (module docstring).
@@ -168,17 +228,8 @@ def sim_replay(result: dict, trace: Sequence[TraceRequest], fit_from: dict | Non
     device), to check schedules that a run measured without those two. `overlap_from`: a
     `benchmarks.pd_overlap` result whose `held` runs give the '/sms:N' schedules' overlap factors."""
     overlaps = held_overlaps(overlap_from) if overlap_from else {}
-    if "num_blocks" not in result:
-        raise SystemExit("the result has no 'num_blocks': it predates step records; run benchmarks.rollout again")
-    moe = result.get("moe")
-    schedules = result.get("schedules", {})
-    source = result if fit_from is None else fit_from
-    for key in ("model", "device") if fit_from is not None else ():
-        if fit_from.get(key) != result.get(key):
-            raise SystemExit(f"--fit-from: its {key} is {fit_from.get(key)!r}, the result's {result.get(key)!r}")
-    pooled = [rec for name in POOLED if name in source.get("schedules", {})
-              and (first := _first(source["schedules"][name])) for rec in from_columns(first["steps"])]
-    pooled_fits = _fits(pooled, moe) if pooled else {n: f"no repeat 0 with step records of {POOLED}" for n in FITS}
+    moe, schedules = result.get("moe"), result.get("schedules", {})
+    pooled_fits = _pooled_fits(result, fit_from)
     out: dict[str, Any] = {
         "model": result.get("model"), "profile": result.get("profile"), "device": result.get("device"),
         "trace": result.get("trace"), "num_blocks": result["num_blocks"], "moe": moe,
@@ -256,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="fit the out-of-sample model to this run's off and chunked (same model and device)")
     ap.add_argument("--overlap-from", default=None, metavar="PD.json",
                     help="a benchmarks.pd_overlap result: its 'held' runs give the '/sms:N' schedules' overlap factors")
+    ap.add_argument("--mux-segments", default=None, metavar="N,N,...",
+                    help="also simulate the run's mux with each count of prefill segments per epoch, beside off "
+                         "(makespan, TTFT; `segment_sweep`)")
+    ap.add_argument("--plot", default=None, metavar="PNG", help="with --mux-segments: draw the sweep here")
     ap.add_argument("--trace", default=None, metavar="TRACE.jsonl",
                     help="the run's trace (default: trace.jsonl beside the result)")
     args = ap.parse_args(argv)
@@ -269,9 +324,23 @@ def main(argv: list[str] | None = None) -> int:
     overlap_from = json.loads(Path(args.overlap_from).read_text()) if args.overlap_from else None
     report = {"result": str(path), "fit_from": args.fit_from, "overlap_from": args.overlap_from,
               **sim_replay(result, load_trace(trace_path), fit_from, overlap_from)}
+    if args.mux_segments:
+        try:
+            counts = [float(n) for n in args.mux_segments.split(",") if n.strip()]
+        except ValueError:
+            raise SystemExit(f"--mux-segments takes positive numbers, got {args.mux_segments!r}") from None
+        if not counts or min(counts) <= 0:
+            raise SystemExit(f"--mux-segments takes positive numbers, got {args.mux_segments!r}")
+        report["mux_segments"] = segment_sweep(result, load_trace(trace_path), counts, fit_from)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(table(report), flush=True)
+    if "mux_segments" in report:
+        print(segment_table(report["mux_segments"]), flush=True)
+        if args.plot:
+            from benchmarks.plot import plot_segments
+
+            plot_segments(report["mux_segments"], args.plot)
     return 0
 
 

@@ -157,3 +157,26 @@ def test_sms_held_back_are_simulated_with_the_held_methods_overlap_factors(run):
     assert held["out_of_sample"]["linear"]["sim_s"] < rows["mux"]["out_of_sample"]["linear"]["sim_s"]
     skipped = sim_replay.sim_replay(spec, trace)["schedules"]["mux/sms:24"]
     assert "no `held` run of benchmarks.pd_overlap" in skipped["out_of_sample"]["skipped"]
+
+
+@pytest.mark.timeout(120)
+def test_mux_segment_sweep_prices_each_count_against_off(run, capsys):
+    out, result = run
+    assert sim_replay.main([str(out / "rollout.json"), "--mux-segments", "1,4", "--out", str(out / "seg.json"),
+                            "--plot", str(out / "seg.png")]) == 0
+    assert (out / "seg.png").stat().st_size > 0
+    sweep = json.loads((out / "seg.json").read_text())["mux_segments"]
+    assert [r["segments"] for r in sweep["mux"]] == [1.0, 4.0] and sweep["measured_segments"] >= 1
+    for row in sweep["mux"]:
+        assert row["makespan_over_off"] == pytest.approx(row["makespan_s"] / sweep["off"]["makespan_s"])
+        assert row["ttft_over_off"] == pytest.approx(row["mean_ttft_s"] / sweep["off"]["mean_ttft_s"])
+        assert 0 <= row["mean_queue_s"] <= row["mean_ttft_s"]
+    one, four = sweep["mux"]
+    assert one["makespan_s"] != four["makespan_s"] or one["mean_ttft_s"] != four["mean_ttft_s"]  # the count is used
+    assert "| mux segments per epoch |" in capsys.readouterr().out
+    for bad in ("0", "x", ","):
+        with pytest.raises(SystemExit, match="positive numbers"):
+            sim_replay.main([str(out / "rollout.json"), "--mux-segments", bad])
+    no_mux = {**result, "schedules": {n: e for n, e in result["schedules"].items() if n != "mux"}}
+    with pytest.raises(SystemExit, match="missing: \\['mux'\\]"):
+        sim_replay.segment_sweep(no_mux, load_trace(out / "trace.jsonl"), [1])
