@@ -228,9 +228,22 @@ def verify(result: dict) -> str:
     return markdown(head + ["rel. difference", "compilations"], rows)
 
 
+def segments(result: dict) -> str:
+    """`benchmarks.sim_replay --mux-segments`: mux at each count of prefill segments per epoch against off."""
+    sweep = result["mux_segments"]
+    rows = [[f"{r['segments']:g}", num(r["makespan_s"], ".2f"), num(r["makespan_over_off"], ".3f"),
+             num(1e3 * r["mean_ttft_s"], ",.0f"), num(r["ttft_over_off"], ".2f"), num(1e3 * r["mean_queue_s"], ",.0f")]
+            for r in sweep["mux"]]
+    off = sweep["off"]
+    return markdown(["mux segments per epoch", "makespan s", "over off", "mean TTFT ms", "over off",
+                     "mean queue ms"], rows) + \
+        f"\noff: {off['makespan_s']:.2f} s, mean TTFT {1e3 * off['mean_ttft_s']:.0f} ms; the run's mux cut " \
+        f"{sweep['measured_segments']:.2f} segments per epoch"
+
+
 TABLES: dict[str, Callable[[dict], str]] = {"rollout": rollout, "decode": decode, "prefill": prefill, "gap": gap,
                                             "ops": ops, "fused-decode": fused_decode, "sort": sort, "idle": idle,
-                                            "fp8": fp8, "verify": verify}
+                                            "fp8": fp8, "verify": verify, "segments": segments}
 
 
 def table(kind: str, path: str | Path) -> str:

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import markdown, num
+from benchmarks.report import segments
 from benchmarks.rollout import engine_config, split_spec
 from megatron_rollout.engine import Schedule
 from megatron_rollout.engine.records import StepRecord
@@ -209,18 +209,6 @@ def segment_sweep(result: dict, trace: Sequence[TraceRequest], counts: Sequence[
     return {"fit": "linear, out of sample", "off": off, "measured_segments": measured, "mux": rows}
 
 
-def segment_table(sweep: dict) -> str:
-    """The sweep as a markdown table (`benchmarks.report.markdown`)."""
-    rows = [[f"{r['segments']:g}", num(r["makespan_s"], ".2f"), num(r["makespan_over_off"], ".3f"),
-             num(1e3 * r["mean_ttft_s"], ",.0f"), num(r["ttft_over_off"], ".2f"), num(1e3 * r["mean_queue_s"], ",.0f")]
-            for r in sweep["mux"]]
-    off = sweep["off"]
-    return markdown(["mux segments per epoch", "makespan s", "over off", "mean TTFT ms", "over off",
-                     "mean queue ms"], rows) + \
-        f"\noff: {off['makespan_s']:.2f} s, mean TTFT {1e3 * off['mean_ttft_s']:.0f} ms; the run's mux cut " \
-        f"{sweep['measured_segments']:.2f} segments per epoch"
-
-
 def sim_replay(result: dict, trace: Sequence[TraceRequest], fit_from: dict | None = None,
                overlap_from: dict | None = None) -> dict[str, Any]:
     """In- and out-of-sample errors of every schedule of a `benchmarks.rollout` result (module docstring).
@@ -336,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(table(report), flush=True)
     if "mux_segments" in report:
-        print(segment_table(report["mux_segments"]), flush=True)
+        print(segments(report), flush=True)
         if args.plot:
             from benchmarks.plot import plot_segments
 
