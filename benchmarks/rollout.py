@@ -114,7 +114,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="weights and input token ids")
     ap.add_argument("--schedules", default="off,chunked,mux",
                     help="comma-separated; 'mux@fixed:K' runs mux with another segment policy, 'off/sync' a schedule "
-                         "without decode ahead, 'mux/sms:24' mux with 24 SMs left out of prefill's stream, "
+                         "without decode ahead, 'mux/sms:24' mux with 24 SMs left out of prefill's stream "
+                         "('mux/split:24': decode on them alone beside it), "
                          "'mux+most-turns' one under an engine priority; '' runs none")
     ap.add_argument("--ablation", action=argparse.BooleanOptionalAction, default=True,
                     help="add mux-epoch (one segment per epoch) when mux runs")
@@ -262,7 +263,7 @@ class Run:
 
 
 class Spec(NamedTuple):
-    """What a schedule spec 'schedule[@span][+priority][~drafts][/sync][/sms:N]' asks for."""
+    """What a schedule spec 'schedule[@span][+priority][~drafts][/sync][/sms:N|/split:N]' asks for."""
 
     schedule: str
     span: str | None
@@ -275,7 +276,9 @@ class Spec(NamedTuple):
     """'~ngram:K[:R][+T@W]': n-gram drafts of K tokens (`drafts.ngram`), only while at most R rows
     decode, T while at most W do."""
     decode_sms: int = 0
-    """'/sms:N': prefill's stream leaves N SMs out (`RunnerConfig.decode_sms`; mux only)."""
+    """'/sms:N' or '/split:N': prefill's stream leaves N SMs out (`RunnerConfig.decode_sms`; mux only)."""
+    partition: str = "held"
+    """'/split:N': decode beside prefill runs on those N SMs alone (`RunnerConfig.partition`)."""
 
 
 def _drafts(spec: str, text: str) -> SpeculativeConfig | None:
@@ -297,26 +300,29 @@ def _drafts(spec: str, text: str) -> SpeculativeConfig | None:
 
 
 def split_spec(spec: str) -> Spec:
-    """'schedule[@span][+priority][~ngram:K[:R][+T@W]][/sync][/sms:N]' -> its parts: '/sync' turns
-    decode ahead off, '/sms:24' leaves 24 SMs out of prefill's stream (mux), '+name' picks the
-    engine's priority (e.g. 'mux+most-turns'), '~ngram:4' drafts 4 tokens per row by prompt lookup
-    (':16': only while at most 16 rows decode; '+7@2': 7 while at most 2 do)."""
+    """'schedule[@span][+priority][~ngram:K[:R][+T@W]][/sync][/sms:N|/split:N]' -> its parts: '/sync'
+    turns decode ahead off, '/sms:24' leaves 24 SMs out of prefill's stream (mux), '/split:24' too and
+    runs decode beside prefill on those 24 alone, '+name' picks the engine's priority (e.g.
+    'mux+most-turns'), '~ngram:4' drafts 4 tokens per row by prompt lookup (':16': only while at
+    most 16 rows decode; '+7@2': 7 while at most 2 do)."""
     core, *flags = spec.split("/")
-    sms = [f.removeprefix("sms:") for f in flags if f.startswith("sms:")]
-    if any(f != "sync" and not f.startswith("sms:") for f in flags) or flags.count("sync") > 1 or len(sms) > 1 \
-            or not all(n.isdigit() and int(n) > 0 for n in sms):
-        raise SystemExit(f"schedule {spec!r}: the suffixes are '/sync' (decode ahead off) and '/sms:N' (N > 0 SMs "
-                         f"left out of prefill's stream), each at most once")
+    held = [f.partition(":") for f in flags if f.startswith(("sms:", "split:"))]
+    if any(f != "sync" and not f.startswith(("sms:", "split:")) for f in flags) or flags.count("sync") > 1 \
+            or len(held) > 1 or not all(n.isdigit() and int(n) > 0 for _, _, n in held):
+        raise SystemExit(f"schedule {spec!r}: the suffixes are '/sync' (decode ahead off), and '/sms:N' or "
+                         f"'/split:N' (N > 0 SMs left out of prefill's stream), each at most once")
     flag = "sync" if "sync" in flags else ""
+    sms = [n for _, _, n in held]
     core, _, drafts = core.partition("~")
     core, _, priority = core.partition("+")
     if priority and priority not in PRIORITIES:
         raise SystemExit(f"schedule {spec!r}: unknown priority {priority!r}; choose from {sorted(PRIORITIES)}")
     schedule, _, span = core.partition("@")
     if sms and schedule != "mux":
-        raise SystemExit(f"schedule {spec!r}: '/sms:N' is for mux, the one schedule that runs prefill beside decode")
+        raise SystemExit(f"schedule {spec!r}: '/sms:N' and '/split:N' are for mux, the one schedule that runs "
+                         f"prefill beside decode")
     return Spec(schedule, span or None, "off" if flag else None, priority or None, _drafts(spec, drafts),
-                int(sms[0]) if sms else 0)
+                int(sms[0]) if sms else 0, "split" if held and held[0][0] == "split" else "held")
 
 
 def engine_config(args: argparse.Namespace, num_blocks: int, max_model_len: int, spec: Spec, budget: int,
@@ -331,7 +337,8 @@ def engine_config(args: argparse.Namespace, num_blocks: int, max_model_len: int,
                                   max_decode_rows=a.max_decode_rows, priority=priority),
         kv=KVConfig(num_blocks=num_blocks), mux=MuxConfig(spec.span or a.mux_span),
         runner=RunnerConfig(attention=a.attention, measure_expert_kernels=measure_expert_kernels,
-                            decode_ahead=spec.ahead or a.decode_ahead, decode_sms=spec.decode_sms),
+                            decode_ahead=spec.ahead or a.decode_ahead, decode_sms=spec.decode_sms,
+                            partition=spec.partition),
         seed=a.seed, max_model_len=max_model_len, speculative=spec.speculative)
 
 
@@ -572,8 +579,8 @@ def ratios(result: dict) -> dict[str, float | None]:
         if n.endswith("/sync"):
             out[f"{n[:-5]}_over_{n[:-5]}_sync"] = _ratio(med(n[:-5]), med(n))
     for n in ours:  # SMs held back from prefill: a schedule against the same one without
-        if "/sms:" in n:
-            whole = re.sub(r"/sms:\d+", "", n)
+        if "/sms:" in n or "/split:" in n:
+            whole = re.sub(r"/(sms|split):\d+", "", n)
             out[f"{n}_over_{whole}"] = _ratio(med(n), med(whole))
     twin = {n: re.sub(r"~[^/]*", "", n) for n in ours if "~" in n}  # the same schedule, no drafts
     twin = {n: t if t in ours else split_spec(n).schedule for n, t in twin.items()}  # else the plain schedule

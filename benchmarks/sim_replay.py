@@ -24,10 +24,11 @@ forwards are fitted by their positions (`StepRecord.decode_positions`, a row and
 unit the lever costs them in; records made before that field hold one row a request, and their
 in-sample check is skipped. Other drafters (an MTP layer's own forward) are not simulated. Decode
 ahead (`/sync` or not) is not modelled: both run the same simulation.
-A `mux` schedule with SMs held back from prefill (`/sms:N`) is simulated with the `Overlap` lever,
-its factors from a `benchmarks.pd_overlap` run of the `held` method at a split that holds N back
-(`--overlap-from PD.json`), out of sample only: its own decode records ran beside prefill, so a
-fit to them would count the slow-down twice. Without such a measurement it is skipped.
+A `mux` schedule with SMs held back from prefill (`/sms:N`, `/split:N`) is simulated with the
+`Overlap` lever, its factors from a `benchmarks.pd_overlap` run of the same shape (`held`; `driver`
+for a split) at a split that holds N back (`--overlap-from PD.json`), out of sample only: its own
+decode records ran beside prefill, so a fit to them would count the slow-down twice. Without such
+a measurement it is skipped.
 
 Left out: the mux segment policies' other effects (a segment's own launch gap), which rows share
 a prefix, and any sampling noise of repeat 0 itself (one replay's records are the whole fit).
@@ -120,29 +121,35 @@ def _compare(trace: Sequence[TraceRequest], fits: dict[str, CostModel | str], co
     return out
 
 
-def held_overlaps(pd_overlap: dict) -> dict[int, Overlap]:
-    """The `Overlap` of each held-back SM count that a `benchmarks.pd_overlap` result measured with
-    the `held` method (`RunnerConfig.decode_sms`'s shape), keyed by the count its split asked for."""
+PARTITION_METHODS = {"held": "held", "split": "driver"}
+"""`RunnerConfig.partition` -> the `benchmarks.pd_overlap` method that measures its shape."""
+
+
+def measured_overlaps(pd_overlap: dict) -> dict[tuple[str, int], Overlap]:
+    """The `Overlap` that a `benchmarks.pd_overlap` result measured for each partition shape and
+    held-back SM count, keyed by (`RunnerConfig.partition`, the count its split asked for)."""
     out = {}
-    for run in pd_overlap.get("runs", []):
-        if run.get("method") == "held" and "error" not in run and run.get("split"):
-            held = int(run["split"].split("/")[1])
-            out[held] = Overlap(max(1.0, run["decode_factor"]), max(1.0, run["prefill_factor"]))
+    for partition, method in PARTITION_METHODS.items():
+        for run in pd_overlap.get("runs", []):
+            if run.get("method") == method and "error" not in run and run.get("split"):
+                held = int(run["split"].split("/")[1])
+                out[(partition, held)] = Overlap(max(1.0, run["decode_factor"]), max(1.0, run["prefill_factor"]))
     return out
 
 
 def _sim_config(result: dict, spec: str, budget: int, first: dict,
-                overlaps: dict[int, Overlap] | None = None) -> SimConfig | str:
+                overlaps: dict[tuple[str, int], Overlap] | None = None) -> SimConfig | str:
     """The simulated twin of the schedule's engine, or why the simulator cannot represent it."""
     parts = split_spec(spec)
     drafts, args = parts.speculative, result["args"]
     engine = engine_config(argparse.Namespace(**args), result["num_blocks"], result["max_model_len"], parts, budget)
     levers = Levers()
     if parts.decode_sms:
-        overlap = (overlaps or {}).get(parts.decode_sms)
+        overlap = (overlaps or {}).get((parts.partition, parts.decode_sms))
         if overlap is None:
-            return (f"{parts.decode_sms} SMs held back from prefill: no `held` run of benchmarks.pd_overlap at that "
-                    f"count (--overlap-from) gives the simulator's Overlap factors")
+            return (f"{parts.decode_sms} SMs held back from prefill ({parts.partition}): no "
+                    f"`{PARTITION_METHODS[parts.partition]}` run of benchmarks.pd_overlap at that count "
+                    f"(--overlap-from) gives the simulator's Overlap factors")
         levers = Levers(overlap=overlap)
     if drafts is not None:
         if drafts.method != "ngram":
@@ -214,8 +221,9 @@ def sim_replay(result: dict, trace: Sequence[TraceRequest], fit_from: dict | Non
     """In- and out-of-sample errors of every schedule of a `benchmarks.rollout` result (module docstring).
     `fit_from`: another run's result whose `off` and `chunked` make the out-of-sample fit (same model and
     device), to check schedules that a run measured without those two. `overlap_from`: a
-    `benchmarks.pd_overlap` result whose `held` runs give the '/sms:N' schedules' overlap factors."""
-    overlaps = held_overlaps(overlap_from) if overlap_from else {}
+    `benchmarks.pd_overlap` result whose `held` and `driver` runs give the '/sms:N' and '/split:N'
+    schedules' overlap factors."""
+    overlaps = measured_overlaps(overlap_from) if overlap_from else {}
     moe, schedules = result.get("moe"), result.get("schedules", {})
     pooled_fits = _pooled_fits(result, fit_from)
     out: dict[str, Any] = {
@@ -294,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fit-from", default=None, metavar="RESULT.json",
                     help="fit the out-of-sample model to this run's off and chunked (same model and device)")
     ap.add_argument("--overlap-from", default=None, metavar="PD.json",
-                    help="a benchmarks.pd_overlap result: its 'held' runs give the '/sms:N' schedules' overlap factors")
+                    help="a benchmarks.pd_overlap result: its 'held' and 'driver' runs give the '/sms:N' and "
+                         "'/split:N' schedules' overlap factors")
     ap.add_argument("--mux-segments", default=None, metavar="N,N,...",
                     help="also simulate the run's mux with each count of prefill segments per epoch, beside off "
                          "(makespan, TTFT; `segment_sweep`)")

@@ -100,6 +100,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="mux only: SMs the prefill stream leaves out, so decode beside it always finds them free "
                         "(a green context; the driver rounds up to 8 on Hopper; 0: none). Schedules of a list "
                         "other than mux run without")
+    p.add_argument("--decode-partition", default="held", choices=("held", "split"),
+                   help="with --decode-sms: held (decode keeps the whole device) or split (beside prefill, decode "
+                        "runs on the held-back SMs alone, from graphs captured there)")
     p.add_argument("--fp8", default="off", choices=("off", "tensor", "block", "te-delayed", "te-current", "te-block"),
                    help="FP8 weights for the linears and experts: off | tensor (per-tensor scales) | block (128x128) "
                         "| te-<recipe> (Transformer Engine's FP8 layers, where TE is installed)")
@@ -135,7 +138,8 @@ def engine_config(args: argparse.Namespace, schedule: str | None = None) -> Engi
         mux=MuxConfig(span=parse_span(args.mux_span)),
         runner=RunnerConfig(kind=args.runner or runner_kind_from_env(), attention=args.attention,
                             decode_ahead=args.decode_ahead, fp8=args.fp8,
-                            decode_sms=args.decode_sms if name is Schedule.MUX else 0),
+                            decode_sms=args.decode_sms if name is Schedule.MUX else 0,
+                            partition=args.decode_partition),
         comm=CommConfig(backend=args.comm_backend, timeout_s=args.timeout, p_exchange=args.p_exchange,
                         d_exchange=args.d_exchange),
         speculative=speculative_config(args))

@@ -51,6 +51,11 @@ class RunnerConfig:
     over the whole device. 0: P may use every SM. The driver rounds the count up (to 8 SMs on
     Hopper). It pays only where P and D are in flight together, so the engine allows it with the
     `mux` schedule only; P with no decode beside it still runs on its partition alone."""
+    partition: str = "held"
+    """With `decode_sms`: held (D keeps one stream and one set of decode graphs over the whole
+    device, and finds the held-back SMs free beside P) | split (while a P forward is in flight, D
+    runs on a green context of the held-back SMs alone, from decode graphs captured there: the two
+    phases never share an SM, as in SGLang's PD multiplexing; otherwise D runs on the whole device)."""
     measure_expert_kernels: bool = True
     """Time the Triton and grouped-GEMM expert kernels at decode size once and use the faster."""
     fused_ops: bool = True
@@ -84,6 +89,8 @@ class RunnerConfig:
             raise ValueError(f"prefill_graph_rows must be a positive int, got {self.prefill_graph_rows!r}")
         if type(self.decode_sms) is not int or self.decode_sms < 0:
             raise ValueError(f"decode_sms must be an int >= 0 (SMs P's stream leaves out), got {self.decode_sms!r}")
+        if self.partition not in ("held", "split"):
+            raise ValueError(f"partition must be held or split, got {self.partition!r}")
         if self.decode_ahead not in ("auto", "on", "off"):
             raise ValueError(f"decode_ahead must be auto, on or off, got {self.decode_ahead!r}")
 

@@ -71,17 +71,18 @@ engine and the mux driver are unchanged):
 - **MLA.** A multi-latent-attention model (DeepSeek-V3) attends through `kernels.mla_attention`
   (`registry.resolve_mla_attention`), in its decode graphs and between its piecewise P graphs'
   pieces alike; of the fused small ops it uses those it calls (norms, SwiGLU, the combine).
-
 - **SM partitions.** With `RunnerConfig.decode_sms` P's stream is a green context over the device
-  minus that many SMs (`runner.partition`); D's stream, its graphs and every other phase keep the
-  whole device. Under `mux` a decode iteration then runs beside the prefill segment in flight on
-  SMs no prefill block holds, instead of waiting for its blocks to retire. P's piecewise graphs are
-  captured on that stream and replay on its SMs.
+  minus that many SMs (`runner.partition`). Under `mux` a decode iteration then runs beside the
+  prefill segment in flight on SMs no prefill block holds, instead of waiting for its blocks to
+  retire. P's piecewise graphs are captured on that stream and replay on its SMs. `partition`
+  "held": D's stream and graphs keep the whole device. "split": while a P forward is in flight
+  (from its first step until the device has finished it) D replays graphs captured on a green
+  context of the held-back SMs alone, one per bucket and output, captured on first use; otherwise
+  its whole-device graphs. `benchmarks.pd_overlap` measures both shapes on stand-ins
+  (docs/benchmarks.md).
 
-Disjoint partitions for both phases (decode graphs captured per partition) are measured by
-`benchmarks.pd_overlap` and not used here: see docs/benchmarks.md. FP8 experts (`model.fp8`,
-stacked) are captured like bf16 ones on one rank (`kernels.moe_triton`'s weight-only kernels).
-Left out: speculative decoding on many ranks, the MTP layer of P forwards in graphs, and FP8
+FP8 experts (`model.fp8`, stacked) are captured like bf16 ones on one rank (`kernels.moe_triton`'s
+weight-only kernels). Left out: speculative decoding on many ranks, the MTP layer of P forwards in graphs, and FP8
 experts on several ranks (such models run D eagerly).
 """
 from __future__ import annotations
@@ -105,7 +106,7 @@ from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.multiplex.routing import PhaseStreams
 from megatron_rollout.runner.base import CapturedGraphs, ModelRunner, Runner
 from megatron_rollout.runner.config import RUNNER_ENV, RunnerConfig
-from megatron_rollout.runner.partition import GreenStream, shared_partial_stream
+from megatron_rollout.runner.partition import GreenStream, shared_partial_stream, shared_split_streams
 from megatron_rollout.runner.piecewise import PiecewiseGraph, SharedOutputs, release_rng_after_failed_capture
 from megatron_rollout.runner.speculative import flatten
 from megatron_rollout.types import Axis, Phase, SeqSpan, SpanInput
@@ -162,6 +163,8 @@ class DecodeGraph:
             if output is DecodeOutput.MTP else None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
+        self.stream: torch.cuda.Stream | None = None
+        """The stream it was captured on, which it replays on (D's, or D's partition's)."""
 
     def _step(self, model: MoETransformer) -> torch.Tensor:
         s = self.static
@@ -176,6 +179,7 @@ class DecodeGraph:
         the capture then tolerates other threads' CUDA calls (the process group's watchdog queries
         its events while a graph is being captured)."""
         self.static.fill_padding()
+        self.stream = stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.no_grad():
             for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels, NCCL sets up
@@ -246,12 +250,18 @@ class CudaRunner:
         self.d_stream = torch.cuda.Stream(self.device, priority=self.config.d_priority)
         self.p_partition: GreenStream | None = None
         """P's green context when `RunnerConfig.decode_sms` holds SMs back from it (`runner.partition`)."""
+        self.d_partition: GreenStream | None = None
+        """D's green context of the held-back SMs (`RunnerConfig.partition` "split"), used beside P."""
         if self.config.decode_sms:
             if self.multi_rank:
                 raise ValueError("RunnerConfig.decode_sms is for one rank: P's collectives on a green context's "
                                  "stream have not been run")
-            self.p_partition = shared_partial_stream(self.config.decode_sms, self.device)
+            if self.config.partition == "split":
+                self.p_partition, self.d_partition = shared_split_streams(self.config.decode_sms, self.device)
+            else:
+                self.p_partition = shared_partial_stream(self.config.decode_sms, self.device)
         self.p_stream = self.p_partition.stream if self.p_partition else torch.cuda.Stream(self.device, priority=0)
+        self._p_in_flight = 0  # P forwards issued and not yet complete on the device
         router = getattr(model.comm, "router", None)
         if router is not None:  # the comm's collectives must run on the streams the phases run on
             router.bind_streams(PhaseStreams(p=self.p_stream, d=self.d_stream))
@@ -264,6 +274,8 @@ class CudaRunner:
         self._probe = _DomainProbe(model.comm)
         self._graphs: dict[int, DecodeGraph] = {}
         self._spec_graphs: dict[tuple[DecodeOutput, int], DecodeGraph] = {}  # verify and draft graphs (one rank)
+        self._beside: dict[tuple[DecodeOutput, int], DecodeGraph] = {}  # D's graphs on its partition ("split")
+        self.beside_capture_error: str | None = None  # why they failed (D then runs on the whole device)
         self.spec_capture_error: str | None = None  # why they failed to capture (they then run eagerly)
         self._p_graphs: dict[int, PiecewiseGraph] = {}  # P / mixed forwards by token bucket (one rank)
         self._p_hidden: dict[int, PiecewiseGraph] = {}  # the same, of hidden states (speculative decoding)
@@ -444,6 +456,7 @@ class CudaRunner:
         other weight formats): a graph replays the kernels it captured."""
         self._graphs.clear()
         self._spec_graphs.clear()
+        self._beside.clear()
         self._pool = None
         self._p_graphs.clear()
         self._p_hidden.clear()
@@ -490,6 +503,7 @@ class CudaRunner:
             self.graph_safe = False
             self._graphs.clear()
             self._spec_graphs.clear()
+            self._beside.clear()
             self._p_graphs.clear()
             self._p_hidden.clear()
             self._p_outputs = self._shared_outputs()
@@ -507,7 +521,43 @@ class CudaRunner:
         if not self._graphable(inputs):
             return None
         bucket = self.bucket(len(inputs))
+        if self._beside_prefill():
+            graph = self._beside_graph(DecodeOutput.LOGITS, bucket)
+            if graph is not None:
+                return graph
         return self._graphs.get(bucket) if self.multi_rank else self._try_graph(bucket)
+
+    # -- D beside P on its own SMs (`RunnerConfig.partition` "split") ------------------------
+    def _beside_prefill(self) -> bool:
+        """D runs on its partition now: split SMs, and a P forward in flight."""
+        return self.d_partition is not None and self._p_in_flight > 0
+
+    @property
+    def _d_now(self) -> torch.cuda.Stream:
+        """The stream D's eager forwards run on now."""
+        return self.d_partition.stream if self._beside_prefill() else self.d_stream
+
+    def _beside_graph(self, output: DecodeOutput, bucket: int) -> DecodeGraph | None:
+        """The `output` graph of `bucket` captured on D's partition (on first use, in the decode
+        graphs' pool), or None after a capture failed there: D then replays its whole-device graphs."""
+        graph = self._beside.get((output, bucket))
+        if graph is not None or self.beside_capture_error is not None:
+            return graph
+        try:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = DecodeGraph(self, bucket, output)
+            graph.capture(self.model, self.d_partition.stream, self._pool, collective=False)
+        except Exception as exc:  # D must not stop: it runs on the whole device beside P
+            log.warning("decode graph capture on the %d-SM partition failed, D runs on the whole device beside P: %s",
+                        self.d_partition.sms, exc)
+            self.beside_capture_error = f"{type(exc).__name__}: {exc}"
+            self._beside.clear()
+            torch.cuda.synchronize(self.device)
+            return None
+        self._beside[(output, bucket)] = graph
+        self.stats["graph_captures"] += 1
+        return graph
 
     def _graph(self, rows: int) -> DecodeGraph:
         graph = self._graphs.get(rows)
@@ -569,10 +619,10 @@ class CudaRunner:
         `flatten`'s rows of rows with these new-position counts (`StaticDecodeLayout.fill`). Returns
         a view of the graph's output: read it before this graph, or another sharing its pool,
         replays again."""
-        n = len(inputs)
+        n, stream = len(inputs), graph.stream
         caller = torch.cuda.current_stream()
-        self.d_stream.wait_stream(caller)  # also: `tokens` and `hidden`, made on the caller's stream
-        with torch.cuda.stream(self.d_stream):
+        stream.wait_stream(caller)  # also: `tokens` and `hidden`, made on the caller's stream
+        with torch.cuda.stream(stream):
             graph.static.fill([i.span for i in inputs], [i.token_ids[0] for i in inputs], [i.key for i in inputs],
                               runs)
             if tokens is not None:
@@ -580,8 +630,8 @@ class CudaRunner:
             if hidden is not None:
                 graph.hidden[:n].copy_(hidden)
             graph.graph.replay()
-        self._probe.after(self.d_stream)
-        caller.wait_stream(self.d_stream)
+        self._probe.after(stream)
+        caller.wait_stream(stream)
         self.stats[self._REPLAYS[graph.output]] += 1
         return graph.out[:n]
         yield  # a generator with no boundary (the graph holds D's whole forward)
@@ -619,7 +669,9 @@ class CudaRunner:
         table too wide, or a capture that failed: verify and draft graphs stay off from then on)."""
         if self.multi_rank or not self._graphable(rows):
             return None
-        return self._capture_spec(output, self.bucket(len(rows)))
+        bucket = self.bucket(len(rows))
+        beside = self._beside_graph(output, bucket) if self._beside_prefill() else None
+        return beside or self._capture_spec(output, bucket)
 
     def _capture_spec(self, output: DecodeOutput, bucket: int) -> DecodeGraph | None:
         if self.spec_capture_error is not None:
@@ -683,8 +735,21 @@ class CudaRunner:
     def _eager(self, inputs: list[SpanInput], phase: Phase, output: DecodeOutput = DecodeOutput.LOGITS,
                tokens: torch.Tensor | None = None, hidden: torch.Tensor | None = None) -> Forward:
         """The forward of `inputs` on the phase's stream, what `output` names (`tokens` and `hidden`:
-        the MTP layer's inputs); a plain P or mixed one through its piecewise graph where one holds it."""
-        stream = self.p_stream if phase is Phase.P else self.d_stream
+        the MTP layer's inputs); a plain P or mixed one through its piecewise graph where one holds it.
+        A P forward counts as in flight from its first step until the device has finished it."""
+        forward = self._run_eager(inputs, phase, output, tokens, hidden)
+        return self._in_flight(forward) if phase is Phase.P else forward
+
+    def _in_flight(self, forward: Forward) -> Forward:
+        self._p_in_flight += 1
+        try:
+            return (yield from forward)
+        finally:
+            self._p_in_flight -= 1
+
+    def _run_eager(self, inputs: list[SpanInput], phase: Phase, output: DecodeOutput,
+                   tokens: torch.Tensor | None, hidden: torch.Tensor | None) -> Forward:
+        stream = self.p_stream if phase is Phase.P else self._d_now
         caller = torch.cuda.current_stream()
         self._graphable_weights()  # drops every graph if the parameters were re-bound
         bucket = self._prefill_bucket(inputs) if output is not DecodeOutput.MTP else None

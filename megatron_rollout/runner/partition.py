@@ -150,6 +150,18 @@ def shared_partial_stream(held_back: int, device: torch.device) -> GreenStream:
     return _SHARED[key]
 
 
+_SPLITS: dict[tuple[int, int], tuple[GreenStream, GreenStream]] = {}
+
+
+def shared_split_streams(held_back: int, device: torch.device) -> tuple[GreenStream, GreenStream]:
+    """`split_streams`, made once per device and count and kept for the process, as
+    `shared_partial_stream`."""
+    key = (device.index if device.index is not None else torch.cuda.current_device(), held_back)
+    if key not in _SPLITS or any(g.closed for g in _SPLITS[key]):
+        _SPLITS[key] = split_streams(held_back, device)
+    return _SPLITS[key]
+
+
 def check_held_back(held_back: int, num_sms: int) -> None:
     """A held-back count the device can honour: positive and leaving at least a quarter of the SMs."""
     if type(held_back) is not int or held_back <= 0:

@@ -69,6 +69,7 @@ def test_a_dense_model_has_no_experts_fit_and_drafting_uses_the_lever(run):
                                                           tail_tokens=3, tail_rows=1)
     assert "not modelled" in sim_replay._sim_config(result, "chunked~mtp:1", 64, first)
     assert "no `held` run" in sim_replay._sim_config(result, "mux/sms:24", 64, first)
+    assert "(split): no `driver` run" in sim_replay._sim_config(result, "mux/split:24", 64, first)
     spec = {**result, "schedules": {"off": result["schedules"]["off"],
                                     "chunked~ngram:4": {**result["schedules"]["chunked"], "spec": "chunked~ngram:4"}}}
     row = sim_replay.sim_replay(spec, trace)["schedules"]["chunked~ngram:4"]
@@ -148,7 +149,7 @@ def test_sms_held_back_are_simulated_with_the_held_methods_overlap_factors(run):
     pd = {"runs": [{"method": "driver", "split": "108/24", "decode_factor": 9.0, "prefill_factor": 9.0},
                    {"method": "held", "split": "116/16", "error": "RuntimeError: refused"},
                    {"method": "held", "split": "108/24", "decode_factor": 1.0, "prefill_factor": 1.0}]}
-    assert sim_replay.held_overlaps(pd) == {24: Overlap(1.0, 1.0)}
+    assert sim_replay.measured_overlaps(pd) == {("held", 24): Overlap(1.0, 1.0), ("split", 24): Overlap(9.0, 9.0)}
     rows = sim_replay.sim_replay(spec, trace, overlap_from=pd)["schedules"]
     held = rows["mux/sms:24"]
     assert held["overlap"] == {"decode_factor": 1.0, "prefill_factor": 1.0}
@@ -157,6 +158,9 @@ def test_sms_held_back_are_simulated_with_the_held_methods_overlap_factors(run):
     assert held["out_of_sample"]["linear"]["sim_s"] < rows["mux"]["out_of_sample"]["linear"]["sim_s"]
     skipped = sim_replay.sim_replay(spec, trace)["schedules"]["mux/sms:24"]
     assert "no `held` run of benchmarks.pd_overlap" in skipped["out_of_sample"]["skipped"]
+    split = sim_replay.sim_replay({**spec, "schedules": {**spec["schedules"], "mux/split:24": {
+        **mux, "spec": "mux/split:24"}}}, trace, overlap_from=pd)["schedules"]["mux/split:24"]
+    assert split["overlap"] == {"decode_factor": 9.0, "prefill_factor": 9.0}  # the driver run's
 
 
 @pytest.mark.timeout(120)

@@ -8,6 +8,7 @@ still reaches every SM; an engine under mux with SMs held back gives the tokens 
 from __future__ import annotations
 
 import ctypes
+import types
 
 import pytest
 import torch
@@ -84,6 +85,39 @@ def test_runners_share_one_partition_per_device_and_count_until_it_is_closed(mon
     first.closed = True
     assert partition.shared_partial_stream(24, torch.device("cuda", 0)) is not first
     assert made == [(24, 0), (16, 0), (24, 1), (24, 0)]
+    monkeypatch.setattr(partition, "split_streams", lambda held, device: (fake(held, device), fake(8, device)))
+    monkeypatch.setattr(partition, "_SPLITS", {})
+    pair = partition.shared_split_streams(24, torch.device("cuda", 0))
+    assert partition.shared_split_streams(24, torch.device("cuda", 0)) is pair
+    pair[1].closed = True
+    assert partition.shared_split_streams(24, torch.device("cuda", 0)) is not pair
+
+
+@pytest.mark.timeout(30)
+def test_a_prefill_forward_is_in_flight_from_its_first_step_to_its_end():
+    """`CudaRunner._in_flight` and `_beside_prefill` on a stand-in runner (the logic only: no CUDA)."""
+    from megatron_rollout.runner.cuda import CudaRunner
+
+    runner = types.SimpleNamespace(_p_in_flight=0, d_partition=object())
+
+    def forward():
+        yield "segment"
+        yield "completion poll"
+        return "logits"
+
+    gen = CudaRunner._in_flight(runner, forward())
+    assert runner._p_in_flight == 0  # not issued yet: D keeps the whole device
+    assert next(gen) == "segment" and runner._p_in_flight == 1 and CudaRunner._beside_prefill(runner)
+    assert next(gen) == "completion poll" and runner._p_in_flight == 1
+    with pytest.raises(StopIteration) as stop:
+        next(gen)
+    assert stop.value.value == "logits" and runner._p_in_flight == 0 and not CudaRunner._beside_prefill(runner)
+    closed = CudaRunner._in_flight(runner, forward())
+    next(closed)
+    closed.close()  # an epoch dropped half way (the engine stopped): no longer in flight
+    assert runner._p_in_flight == 0
+    held = types.SimpleNamespace(_p_in_flight=1, d_partition=None)  # "held": D never leaves the whole device
+    assert not CudaRunner._beside_prefill(held)
 
 
 @pytest.mark.timeout(30)
@@ -94,6 +128,8 @@ def test_held_back_counts_and_where_they_are_refused():
             partition.check_held_back(bad, 132)
     with pytest.raises(ValueError, match="decode_sms must be an int >= 0"):
         RunnerConfig(decode_sms=-1)
+    with pytest.raises(ValueError, match="partition must be held or split, got 'both'"):
+        RunnerConfig(decode_sms=24, partition="both")
     with pytest.raises(ValueError, match="only the mux schedule does; schedule 'off'"):
         EngineConfig(scheduler=SchedulerConfig("off"), runner=RunnerConfig(decode_sms=24))
     assert EngineConfig(scheduler=SchedulerConfig("mux"), runner=RunnerConfig(decode_sms=24)).runner.decode_sms == 24
@@ -108,8 +144,9 @@ def test_the_cli_holds_sms_back_for_mux_only():
     from megatron_rollout.cli import parser
     from megatron_rollout.options import engine_config
 
-    args = parser().parse_args(["replay", "--trace", "t.jsonl", "--schedule", "off,mux", "--decode-sms", "16"])
-    assert engine_config(args, "mux").runner.decode_sms == 16
+    args = parser().parse_args(["replay", "--trace", "t.jsonl", "--schedule", "off,mux", "--decode-sms", "16",
+                                "--decode-partition", "split"])
+    assert (engine_config(args, "mux").runner.decode_sms, engine_config(args, "mux").runner.partition) == (16, "split")
     assert engine_config(args, "off").runner.decode_sms == 0
 
 
@@ -136,11 +173,12 @@ def test_prefill_partition_keeps_its_kernels_off_the_held_back_sms():
         green.close()
 
 
-def _tokens(decode_sms: int) -> tuple[list[list[int]], RolloutEngine]:
+def _tokens(decode_sms: int, partition: str = "held") -> tuple[list[list[int]], RolloutEngine]:
     cfg = preset("tiny-moe").replace(dtype="bfloat16", max_position_embeddings=512)
     model = MoETransformer(cfg, device="cuda").init_weights(2)
+    runner = RunnerConfig(decode_sms=decode_sms, partition=partition)
     engine = RolloutEngine(model, EngineConfig(scheduler=SchedulerConfig("mux", block_size=4, max_batch_tokens=64),
-                                               kv=KVConfig(num_blocks=256), runner=RunnerConfig(decode_sms=decode_sms)))
+                                               kv=KVConfig(num_blocks=256), runner=runner))
     gen = torch.Generator().manual_seed(3)
     sessions, tokens = [engine.open_session() for _ in range(4)], []
     for _turn in range(3):
@@ -157,10 +195,18 @@ def _tokens(decode_sms: int) -> tuple[list[list[int]], RolloutEngine]:
 
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
-def test_mux_with_sms_held_back_from_prefill_gives_the_same_greedy_tokens():
+@pytest.mark.parametrize("partition", ["held", "split"])
+def test_mux_with_sms_held_back_from_prefill_gives_the_same_greedy_tokens(partition):
     plain, _ = _tokens(0)
-    held, engine = _tokens(24)
-    assert engine.runner.p_partition is not None and engine.runner.p_stream is engine.runner.p_partition.stream
-    stats = engine.runner.stats
+    held, engine = _tokens(24, partition)
+    runner = engine.runner
+    assert runner.p_partition is not None and runner.p_stream is runner.p_partition.stream
+    stats = runner.stats
     assert stats["piecewise_forwards"] + stats["eager_forwards"] > 0 and stats["graph_replays"] > 0
+    if partition == "split":  # D ran beside P on its own SMs, from graphs captured there
+        assert runner.beside_capture_error is None and runner._beside
+        assert all(g.stream is runner.d_partition.stream for g in runner._beside.values())
+    else:
+        assert runner.d_partition is None and not runner._beside
+    assert runner._p_in_flight == 0
     assert held == plain
