@@ -82,8 +82,8 @@ engine and the mux driver are unchanged):
   (docs/benchmarks.md).
 
 FP8 experts (`model.fp8`, stacked) are captured like bf16 ones on one rank (`kernels.moe_triton`'s
-weight-only kernels). Left out: speculative decoding on many ranks, the MTP layer of P forwards in graphs, and FP8
-experts on several ranks (such models run D eagerly).
+weight-only kernels). Left out: speculative decoding on many ranks, the MTP layer of P forwards in
+graphs, FP8 experts on several ranks (such models run D eagerly), and SM partitions on many ranks.
 """
 from __future__ import annotations
 
