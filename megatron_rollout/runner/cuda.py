@@ -543,19 +543,28 @@ class CudaRunner:
         graph = self._beside.get((output, bucket))
         if graph is not None or self.beside_capture_error is not None:
             return graph
+        graph = self._capture_into(self._beside, output, bucket, self.d_partition.stream)
+        if isinstance(graph, str):  # D must not stop: it runs on the whole device beside P
+            log.warning("decode graph capture on the %d-SM partition failed, D runs on the whole device beside P: %s",
+                        self.d_partition.sms, graph)
+            self.beside_capture_error = graph
+            return None
+        return graph
+
+    def _capture_into(self, store: dict[tuple[DecodeOutput, int], DecodeGraph], output: DecodeOutput, bucket: int,
+                      stream: torch.cuda.Stream) -> DecodeGraph | str:
+        """The `output` graph of `bucket` captured now on `stream`, in the decode graphs' pool, and
+        kept in `store`; or, if capture fails, why (and `store` emptied: its graphs stay unused)."""
         try:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = DecodeGraph(self, bucket, output)
-            graph.capture(self.model, self.d_partition.stream, self._pool, collective=False)
-        except Exception as exc:  # D must not stop: it runs on the whole device beside P
-            log.warning("decode graph capture on the %d-SM partition failed, D runs on the whole device beside P: %s",
-                        self.d_partition.sms, exc)
-            self.beside_capture_error = f"{type(exc).__name__}: {exc}"
-            self._beside.clear()
+            graph.capture(self.model, stream, self._pool, collective=False)
+        except Exception as exc:
+            store.clear()
             torch.cuda.synchronize(self.device)
-            return None
-        self._beside[(output, bucket)] = graph
+            return f"{type(exc).__name__}: {exc}"
+        store[(output, bucket)] = graph
         self.stats["graph_captures"] += 1
         return graph
 
@@ -679,20 +688,12 @@ class CudaRunner:
         graph = self._spec_graphs.get((output, bucket))
         if graph is not None:
             return graph
-        try:
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            graph = DecodeGraph(self, bucket, output)
-            graph.capture(self.model, self.d_stream, self._pool, collective=False)
-        except Exception as exc:  # drafting must not stop: its forwards run eagerly
+        graph = self._capture_into(self._spec_graphs, output, bucket, self.d_stream)
+        if isinstance(graph, str):  # drafting must not stop: its forwards run eagerly
             log.warning("%s graph capture for %d rows failed, speculative decoding runs eagerly: %s",
-                        output.value, bucket, exc)
-            self.spec_capture_error = f"{type(exc).__name__}: {exc}"
-            self._spec_graphs.clear()
-            torch.cuda.synchronize(self.device)
+                        output.value, bucket, graph)
+            self.spec_capture_error = graph
             return None
-        self._spec_graphs[(output, bucket)] = graph
-        self.stats["graph_captures"] += 1
         log.info("captured %s graph for %d one-query rows", output.value, bucket)
         return graph
 
