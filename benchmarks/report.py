@@ -241,9 +241,24 @@ def segments(result: dict) -> str:
         f"{sweep['measured_segments']:.2f} segments per epoch"
 
 
+def what_if_table(result: dict) -> str:
+    """`benchmarks.sim_replay --what-if`: each schedule not measured, simulated beside the one it extends."""
+    rows = []
+    for spec, row in result["what_if"].items():
+        overlap = row.get("overlap")
+        factors = f"{overlap['decode_factor']:.2f} / {overlap['prefill_factor']:.2f}" if overlap else "-"
+        fits = [(row.get(fit) or {}) for fit in ("linear", "experts")]
+        cells = [f"{c['sim_s']:.2f} / {c['base_sim_s']:.2f} = {c['over_base']:.3f}" if "sim_s" in c else "-"
+                 for c in fits]
+        rows.append([f"`{spec}`", f"`{row['of']}`", factors, *cells, row.get("skipped") or ""])
+    return markdown(["schedule (simulated)", "extends", "decode / prefill factor", "linear fit: s / base s",
+                     "experts fit: s / base s", "skipped"], rows)
+
+
 TABLES: dict[str, Callable[[dict], str]] = {"rollout": rollout, "decode": decode, "prefill": prefill, "gap": gap,
                                             "ops": ops, "fused-decode": fused_decode, "sort": sort, "idle": idle,
-                                            "fp8": fp8, "verify": verify, "segments": segments}
+                                            "fp8": fp8, "verify": verify, "segments": segments,
+                                            "what-if": what_if_table}
 
 
 def table(kind: str, path: str | Path) -> str:

@@ -39,13 +39,14 @@ import argparse
 import dataclasses
 import json
 import logging
+import re
 import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import segments
+from benchmarks.report import segments, what_if_table
 from benchmarks.rollout import engine_config, split_spec
 from megatron_rollout.engine import Schedule
 from megatron_rollout.engine.records import StepRecord
@@ -184,6 +185,42 @@ def _pooled_fits(result: dict, fit_from: dict | None) -> dict[str, CostModel | s
         {n: f"no repeat 0 with step records of {POOLED}" for n in FITS}
 
 
+def what_if(result: dict, trace: Sequence[TraceRequest], specs: Sequence[str], fit_from: dict | None = None,
+            overlap_from: dict | None = None) -> dict[str, Any]:
+    """Schedules the run did not measure, simulated on the out-of-sample fit beside the schedule
+    they extend: each spec less its '/sms:N' or '/split:N' suffix (its base) must be a schedule of
+    the run, whose repeat 0 gives the segments per epoch and the drafting statistics; the overlap
+    factors come from `overlap_from` (`measured_overlaps`). `over_base` is the prediction: the
+    spec's simulated makespan over its base's, both simulated the same way."""
+    fits, overlaps = _pooled_fits(result, fit_from), measured_overlaps(overlap_from) if overlap_from else {}
+    out: dict[str, Any] = {}
+    for spec in specs:
+        base = re.sub(r"/(sms|split):\d+", "", spec)
+        entry = result.get("schedules", {}).get(base)
+        first = _first(entry) if entry else None
+        if first is None:
+            out[spec] = {"of": base, "skipped": f"the run has no repeat 0 of {base!r} with step records"}
+            continue
+        configs = [_sim_config(result, s, entry["budget"], first, overlaps) for s in (spec, base)]
+        reason = next((c for c in configs if isinstance(c, str)), None)
+        if reason is not None:
+            out[spec] = {"of": base, "skipped": reason}
+            continue
+        records = without_polls(from_columns(first["steps"]))
+        segments = segments_per_epoch(records) if configs[1].scheduler.schedule is Schedule.MUX else None
+        row: dict[str, Any] = {"of": base, "overlap": dataclasses.asdict(configs[0].levers.overlap)
+                               if configs[0].levers.overlap else None}
+        for name, cost in fits.items():
+            if isinstance(cost, str):
+                row[name] = {"skipped": cost}
+                continue
+            cost = cost if segments is None else dataclasses.replace(cost, mux_segments=segments)
+            sim_s, base_s = (simulate(trace, cost, c).makespan_s for c in configs)
+            row[name] = {"sim_s": sim_s, "base_sim_s": base_s, "over_base": sim_s / base_s}
+        out[spec] = row
+    return out
+
+
 def segment_sweep(result: dict, trace: Sequence[TraceRequest], counts: Sequence[float],
                   fit_from: dict | None = None) -> dict[str, Any]:
     """The run's `mux` simulated with each count of P segments per epoch, beside its `off`, on the
@@ -308,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also simulate the run's mux with each count of prefill segments per epoch, beside off "
                          "(makespan, TTFT; `segment_sweep`)")
     ap.add_argument("--plot", default=None, metavar="PNG", help="with --mux-segments: draw the sweep here")
+    ap.add_argument("--what-if", default=None, metavar="SPEC,SPEC",
+                    help="also simulate schedules the run did not measure: its schedules with '/sms:N' or '/split:N' "
+                         "(factors from --overlap-from), each beside the schedule it extends (`what_if`)")
     ap.add_argument("--trace", default=None, metavar="TRACE.jsonl",
                     help="the run's trace (default: trace.jsonl beside the result)")
     args = ap.parse_args(argv)
@@ -329,9 +369,14 @@ def main(argv: list[str] | None = None) -> int:
         if not counts or min(counts) <= 0:
             raise SystemExit(f"--mux-segments takes positive numbers, got {args.mux_segments!r}")
         report["mux_segments"] = segment_sweep(result, load_trace(trace_path), counts, fit_from)
+    if args.what_if:
+        report["what_if"] = what_if(result, load_trace(trace_path), [x for x in args.what_if.split(",") if x],
+                                    fit_from, overlap_from)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(table(report), flush=True)
+    if "what_if" in report:
+        print(what_if_table(report), flush=True)
     if "mux_segments" in report:
         print(segments(report), flush=True)
         if args.plot:

@@ -184,3 +184,22 @@ def test_mux_segment_sweep_prices_each_count_against_off(run, capsys):
     no_mux = {**result, "schedules": {n: e for n, e in result["schedules"].items() if n != "mux"}}
     with pytest.raises(SystemExit, match="missing: \\['mux'\\]"):
         sim_replay.segment_sweep(no_mux, load_trace(out / "trace.jsonl"), [1])
+
+
+@pytest.mark.timeout(120)
+def test_what_if_predicts_a_partition_against_the_schedule_it_extends(run, capsys):
+    out, result = run
+    pd = out / "pd.json"
+    pd.write_text(json.dumps({"runs": [{"method": "driver", "split": "108/24", "decode_factor": 1.0,
+                                        "prefill_factor": 1.0}]}))
+    assert sim_replay.main([str(out / "rollout.json"), "--overlap-from", str(pd), "--out", str(out / "wi.json"),
+                            "--what-if", "mux/split:24,mux/sms:24,mux+most-turns/split:24"]) == 0
+    rows = json.loads((out / "wi.json").read_text())["what_if"]
+    split = rows["mux/split:24"]
+    assert split["of"] == "mux" and split["overlap"] == {"decode_factor": 1.0, "prefill_factor": 1.0}
+    for fit in sim_replay.FITS:  # side by side at no cost to either: shorter than the serial mux
+        assert split[fit]["over_base"] == pytest.approx(split[fit]["sim_s"] / split[fit]["base_sim_s"])
+        assert split[fit]["over_base"] < 1
+    assert "no `held` run" in rows["mux/sms:24"]["skipped"]
+    assert "no repeat 0 of 'mux+most-turns'" in rows["mux+most-turns/split:24"]["skipped"]
+    assert "| `mux/split:24` | `mux` | 1.00 / 1.00 |" in capsys.readouterr().out
