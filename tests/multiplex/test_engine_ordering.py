@@ -91,5 +91,9 @@ def test_naive_deadlocks_only_when_crossed_and_the_turnstile_completes_with_off_
     naive = by_case[("mux", "naive", 2, 2)]
     assert all(r["stalled"] and r["after_s"] < 60 for r in naive), naive
     heads = {rank: r["head"] for rank, r in enumerate(naive)}
-    assert [h.split(" #")[0] for h in heads.values()] == ["D:all_gather/ADP"] * 2 + ["P:all_reduce/FULL"] * 2, heads
-    assert stuck_pair(heads) == "P's all_reduce over FULL (ranks [2, 3]) against D's all_gather over ADP (ranks [0, 1])"
+    # Which collectives close the cycle depends on how the engines' threads interleave (usually P's
+    # all_reduce over FULL on one ATP group against D's all_gather over ADP on the other; under load
+    # also others). tests/multiplex/test_ordering.py pins one cycle down with a scripted order.
+    assert {h.split(":")[0] for h in heads.values()} == {"P", "D"}, heads  # stuck across the phases
+    cycle = stuck_pair(heads)
+    assert cycle.startswith("P's ") and " against D's " in cycle, (cycle, heads)
