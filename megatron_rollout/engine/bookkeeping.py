@@ -116,9 +116,10 @@ class RequestTable:
         self.max_model_len, self.vocab_size, self.stats = max_model_len, vocab_size, stats
         self.recording = recording
         """Record submissions as ops (a distributed replica's leader)."""
-        self.one_draw_per_row: str | None = None
-        """Why a request may not ask for n > 1 samples, top-k or prompt logprobs (set where the
-        executor draws one token per row and returns its logprob only: speculative decoding)."""
+        self.unserved: dict[str, str] = {}
+        """What a request may not ask for here, by `SamplingParams` field ("n" for n > 1 samples,
+        "logprobs", "prompt_logprobs"), and why: set where the executor verifies tokens instead of
+        drawing them (speculative decoding, `engine.drafting`)."""
         self.seqs: dict[int, Seq] = {}
         self.requests: dict[int, Request] = {}
         self.undelivered: list[RequestOutput] = []
@@ -204,9 +205,10 @@ class RequestTable:
             samples = f" for its n={params.n} samples" if params.n > 1 else ""
             raise RequestError(f"request needs {need} KV blocks{samples}, the pool holds {self.pool.num_blocks}; "
                                f"raise EngineConfig.kv.num_blocks or shorten it")
-        if self.one_draw_per_row and (params.n > 1 or params.logprobs is not None
-                                      or params.prompt_logprobs is not None):
-            raise RequestError(f"n > 1, logprobs and prompt_logprobs are not served here: {self.one_draw_per_row}")
+        asked = [f for f in self.unserved if (params.n > 1 if f == "n" else getattr(params, f) is not None)]
+        if asked:
+            raise RequestError(f"{' and '.join('n > 1' if f == 'n' else f for f in asked)} not served here: "
+                               f"{self.unserved[asked[0]]}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > self.vocab_size:

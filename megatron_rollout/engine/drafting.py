@@ -112,6 +112,9 @@ class _Row:
     """[logits rows, H] (MTP drafts from it); None for n-gram drafts."""
     verdict: Verdict | None
     error: str | None = None
+    samples: list[Sampled] | None = None
+    """A prompt's last position drawn once per sample of an n > 1 request (`request.SampleGroup`):
+    they fork its samples, each decoding (and drafting) on its own from then on."""
 
 
 class SpeculativeExecutor(StepExecutor):
@@ -135,6 +138,12 @@ class SpeculativeExecutor(StepExecutor):
         self.deferred: dict[int, Deferred] = {}
         self.contexts: dict[int, NgramIndex] = {}
         """"ngram": each sequence's tokens as the lookup holds them, by sequence id."""
+        why = "speculative decoding verifies tokens and returns each one's own logprob (EngineConfig.speculative)"
+        self.unserved = {"logprobs": why, "prompt_logprobs": why}
+        """What a request may not ask for under this executor (`RequestTable.unserved`)."""
+        if self.mtp:  # n samples would each need their own MTP state for the prompt's last position
+            self.unserved["n"] = ("speculative decoding by MTP keeps one hidden state of the prompt's last position, "
+                                  "not one per sample (EngineConfig.speculative method 'mtp'; 'ngram' serves n > 1)")
 
     def graph_rows(self, max_rows: int) -> int:
         return self.config.graph_rows(max_rows)
@@ -266,6 +275,10 @@ class SpeculativeExecutor(StepExecutor):
         bad = [i for i, b in enumerate(best) if not b.finite]
         if bad:
             return _Row(owner, first, table, hidden, None, sample_row(all_logits[sl][bad[0]], params, gen).error)
+        if self.table.draws(owner) > 1:  # one draw per sample, each from its own generator
+            logits = all_logits[sl][0]
+            return _Row(owner, first, table, hidden, None, samples=[sample_row(logits, params, g or self.generator)
+                                                                   for g in req.group.generators])
         if params.temperature == 0.0:  # `verify`'s greedy rule on the host copies
             a = next((i for i, d in enumerate(drafts) if d != best[i].token), len(drafts))
             self.stats.drafted_tokens += len(drafts)
@@ -363,6 +376,9 @@ class SpeculativeExecutor(StepExecutor):
         now, outs = time.perf_counter(), []
         for row in rows:
             owner, req = row.owner, row.owner.request
+            if row.samples is not None:
+                outs += self.table.accept(owner, row.samples, version, now)
+                continue
             if row.verdict is None:
                 why = f"request {req.rid}: {row.error} at position {owner.context} under weight version {version}"
                 outs.append(self.table.finish(req, FinishReason.ERROR, why))
@@ -375,4 +391,5 @@ class SpeculativeExecutor(StepExecutor):
                 del entries[rid]
         for sid in [sid for sid in self.contexts if sid not in self.table.seqs]:
             del self.contexts[sid]
+        self._copy_blocks()  # the forks' partial blocks, before the next forward reads them
         return outs

@@ -121,7 +121,7 @@ class RolloutEngine:
         else:
             self.executor = SpeculativeExecutor(self.table, self.runner, self.weights, self.stats, c.seed,
                                                 c.speculative, timeline, rank)
-            self.table.one_draw_per_row = "speculative decoding verifies one draw per row (EngineConfig.speculative)"
+            self.table.unserved = self.executor.unserved
         self.schedule: ScheduleDriver = make_schedule(c, self.table, self.executor, model, rendezvous, router)
         if self._decode_ahead(c.runner.decode_ahead):
             self.executor.ahead = DecodeAhead(self.table, self.runner, self.stats)

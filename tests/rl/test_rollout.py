@@ -4,7 +4,14 @@ import copy
 import pytest
 import torch
 
-from megatron_rollout.engine import EngineConfig, KVConfig, RolloutEngine, SamplingParams, SchedulerConfig
+from megatron_rollout.engine import (
+    EngineConfig,
+    KVConfig,
+    RolloutEngine,
+    SamplingParams,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from rl.envs import Env, GuessDigitEnv, Observation, SingleTurnEnv
 from rl.envs.single_turn import TASKS
 from rl.objective import LossConfig
@@ -13,9 +20,9 @@ from rl.trainer import NativeTrainer
 from rl.trajectory import NOT_GENERATED, collate
 
 
-def _engine(model, schedule="chunked"):
-    return RolloutEngine(copy.deepcopy(model),
-                         EngineConfig(scheduler=SchedulerConfig(schedule=schedule), kv=KVConfig(num_blocks=128)))
+def _engine(model, schedule="chunked", speculative=None):
+    return RolloutEngine(copy.deepcopy(model), EngineConfig(scheduler=SchedulerConfig(schedule=schedule),
+                                                            kv=KVConfig(num_blocks=128), speculative=speculative))
 
 
 def _digits(tok, groups=3, size=4):
@@ -129,6 +136,23 @@ def test_refused_turn_truncates_only_that_episode(policy, tok):
     assert all(t.truncated for t in res.trajectories if t.reward == 0.0)
     assert res.stats.truncated >= 1
     assert not engine.seqs
+
+
+@pytest.mark.parametrize("schedule", ["chunked", "mux"])
+def test_groups_under_ngram_drafts_share_their_prompt_and_keep_honest_logprobs(policy, tok, schedule):
+    """The RL loop's groups (n samples of one prompt) under n-gram drafting, sampled at temperature 1:
+    nothing is refused, each group's prompt is prefilled once, and every generated token's logprob
+    is the trainer's."""
+    engine = _engine(policy, schedule, SpeculativeConfig("ngram", 3, ngram_min=1))
+    result = rollout(engine, _digits(tok, groups=2, size=4), RolloutConfig(SamplingParams(max_new_tokens=12)))
+    prompts = [len(tok.encode(TASKS["digits"][0](g).text)) + 1 for g in range(2)]  # + BOS
+    assert result.stats.engine_errors == 0 and result.stats.prefill_tokens == sum(prompts)
+    assert engine.stats.drafted_tokens > 0
+    batch = collate(result.trajectories, tok.pad_id)
+    trainer = NativeTrainer(policy, torch.optim.SGD(policy.parameters(), lr=0.0), LossConfig())
+    m = batch.loss_mask.bool()
+    assert int(m.sum()) == result.stats.generated_tokens > 0
+    assert (trainer.logprobs(batch.input_ids)[m] - batch.rollout_logprobs[m]).abs().max().item() < 1e-5
 
 
 def test_a_group_prompt_is_prefilled_once(policy, tok):
