@@ -23,9 +23,9 @@ overhead each. On a looping context of 1,000 to 60,000 tokens a lookup and a one
 adds 2-3 us (`python -m benchmarks.host --lookup`, docs/benchmarks.md). Token ids must be below
 2**28.
 
-Left out: drafts from other sequences (the other samples of an RL group): the engine serves no
-group key under speculative decoding (n > 1 is refused there), and a peer's text is a guess for
-this one only where the group's samples agree.
+Left out: drafts from other sequences (the other samples of an RL group, as Seer drafts). Each
+sample of an n > 1 request drafts from its own context only; a peer's text is a guess for this one
+only where the group's samples agree.
 """
 from __future__ import annotations
 
