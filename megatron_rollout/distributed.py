@@ -26,6 +26,7 @@ from megatron_rollout.comm.dist import CommConfig
 from megatron_rollout.engine import EngineConfig, GenerationResult, RequestError, RolloutEngine, SamplingParams
 from megatron_rollout.engine.api import FinishReason, Schedule
 from megatron_rollout.engine.coordinator import RankSharedCoordinator
+from megatron_rollout.engine.records import wall_minus_perf
 from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.types import Axis
 
@@ -215,7 +216,7 @@ class Runtime:
                 driver.refresh()  # all of them now (turns skipped after a failure never ran: not counted)
         finally:
             bar.close()
-        offset = time.time() - time.perf_counter()
+        offset = wall_minus_perf()
         mine = ReplayShare(outputs, details, offset, engine.stats.decode_wait_s, engine.stats.decode_waits) \
             if self.leader else None
         gathered: list[ReplayShare | None] = self.comm.all_gather_object(mine, context="replay results")

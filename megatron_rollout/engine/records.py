@@ -15,7 +15,8 @@ tool waits (the replay knows when it released each turn).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from megatron_rollout.types import SpanInput
@@ -102,3 +103,16 @@ class StepLog:
 
     def __len__(self) -> int:
         return len(self.records)
+
+
+def wall_minus_perf(samples: int = 5, perf: Callable[[], float] = time.perf_counter,
+                    wall: Callable[[], float] = time.time) -> float:
+    """time.time() - time.perf_counter(), to put wall-clock stamps (the turnstile's) on the records'
+    clock. Each sample reads the wall clock between two perf_counter reads and the tightest pair
+    wins: a read pre-empted between the two clocks (a loaded host) would shift every converted
+    stamp by the pause, so that a `mux` segment's record overlapped the decode iteration before it."""
+    best = (float("inf"), 0.0)
+    for _ in range(samples):
+        before, at, after = perf(), wall(), perf()
+        best = min(best, (after - before, at - (before + after) / 2))
+    return best[1]

@@ -145,21 +145,29 @@ def _json_safe(value: Any) -> Any:
 
 
 class _Occupier:
-    """Answers "what ran during [a, b]" over records sorted by start (they do not overlap)."""
+    """Answers "what ran during [a, b]" over records sorted by start. The engine's records do not
+    overlap; where clocks make two seem to (a `mux` segment's stamps come from another clock,
+    converted), the later one starts where the earlier ends, so no time is counted twice."""
 
     def __init__(self, records: Sequence[StepRecord]) -> None:
         self.records = sorted(records, key=lambda r: r.start)
-        self.starts = [r.start for r in self.records]
         self.kinds = [kind(r) for r in self.records]
+        self.spans: list[tuple[float, float, str]] = []
+        end = -math.inf
+        for r, what in zip(self.records, self.kinds):
+            start = max(r.start, end)
+            end = max(end, r.end)
+            self.spans.append((start, max(start, r.end), what))
+        self.starts = [s[0] for s in self.spans]
 
     def during(self, a: float, b: float) -> Occupancy:
         if b <= a:
             return Occupancy()
         spent = dict.fromkeys(KINDS, 0.0)
         i = max(0, bisect.bisect_right(self.starts, a) - 1)
-        while i < len(self.records) and self.records[i].start < b:
-            r = self.records[i]
-            spent[self.kinds[i]] += max(0.0, min(b, r.end) - max(a, r.start))
+        while i < len(self.spans) and self.spans[i][0] < b:
+            start, stop, what = self.spans[i]
+            spent[what] += max(0.0, min(b, stop) - max(a, start))
             i += 1
         busy = sum(spent.values())
         return Occupancy(spent["prefill"], spent["decode"], spent["mixed"], max(0.0, (b - a) - busy))

@@ -1,4 +1,6 @@
 """The engine's step records: one per forward, sizes from its rows, marks around it."""
+import time
+
 import pytest
 import torch
 
@@ -110,3 +112,14 @@ def test_completion_polls_without_decode_are_not_recorded_as_segments(model, mon
     polled = [r for r in segments(engine) if r.epoch == segments(engine)[-1].epoch]
     plain = [r for r in segments(want) if r.epoch == segments(want)[-1].epoch]
     assert len(polled) == len(plain) + 3  # each poll round ran a decode iteration: recorded
+
+
+def test_the_wall_clock_offset_comes_from_the_tightest_read():
+    """A read pre-empted between the two clocks (here the first: 30 ms between its perf_counter
+    reads) must not set the offset that every `mux` segment's stamps are converted with."""
+    from megatron_rollout.engine.records import wall_minus_perf
+
+    perf = iter([10.000, 10.030, 11.000, 11.0001, 12.000, 12.001])
+    wall = iter([1000.029, 1001.00005, 1002.0009])  # true offset 990 (the second read is tight)
+    assert wall_minus_perf(3, lambda: next(perf), lambda: next(wall)) == pytest.approx(990.0, abs=1e-4)
+    assert abs(wall_minus_perf() - (time.time() - time.perf_counter())) < 0.05  # the real clocks

@@ -78,6 +78,18 @@ def test_no_decode_shared_a_step_means_no_stretch_and_bad_input_is_refused():
         build_breakdown([], [out(0, 100.0, 100.0, 101.0, 101.1)], {}, start=START)
 
 
+def test_records_that_seem_to_overlap_are_counted_once():
+    """A `mux` segment's stamps are converted from another clock; where that makes it start 0.1 s
+    before the decode iteration ahead of it ends, the overlap is counted once, so the critical
+    path still adds up to its end."""
+    records = [rec(100.0, 101.0, rows=1), rec(100.9, 102.0, tokens=20), rec(102.0, 103.0, rows=1)]
+    b = build_breakdown(records, [out(0, 100.0, 100.0, 102.0, 103.0)], {0: "a"}, start=START)
+    assert (b.engine.decode_s, b.engine.prefill_s, b.engine.idle_s) == pytest.approx((2.0, 1.0, 0.0))
+    c = b.critical
+    assert c.tool_wait_s + c.queue.total_s + c.prefill.total_s + c.decode.total_s == pytest.approx(c.end_s)
+    assert c.prefill.total_s == pytest.approx(2.0) and c.prefill.prefill_s == pytest.approx(1.0)
+
+
 def test_plot_writes_a_figure(tmp_path):
     pytest.importorskip("matplotlib")
     b = build_breakdown(RECORDS, [out(0, 100.0, 100.0, 101.0, 103.25)], {0: "a"}, start=START)

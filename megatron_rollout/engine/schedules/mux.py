@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import abc
 import itertools
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +32,7 @@ from megatron_rollout.engine.bookkeeping import RequestTable, SampleOwner
 from megatron_rollout.engine.config import MuxConfig, build_policy
 from megatron_rollout.engine.coordinator import GlobalView
 from megatron_rollout.engine.execution import StepExecutor
-from megatron_rollout.engine.records import step_record
+from megatron_rollout.engine.records import step_record, wall_minus_perf
 from megatron_rollout.engine.scheduler import StepPlan
 from megatron_rollout.engine.schedules.base import ScheduleDriver
 from megatron_rollout.forward import BoundaryPoint, Forward, Site
@@ -136,7 +135,7 @@ class MuxSchedule(EpochSchedule):
         self.rendezvous = rendezvous or LocalRendezvous()
         self.turnstile = Turnstile(self.rendezvous, BoundaryController(), build_policy(config.span), router)
         self.plan = boundary_plan(model, Phase.P, mtp_layers=1 if speculative else 0)
-        self._clock = time.perf_counter() - time.time()  # turnstile records use time.time()
+        self._clock = -wall_minus_perf()  # turnstile records use time.time()
 
     @property
     def rounds(self) -> int:
