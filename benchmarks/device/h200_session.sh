@@ -52,7 +52,8 @@ for s, v in d.get('verify', {}).items(): print(s, sorted((round(x['ms'] * 1e3, 1
         --out "$OUT" > /dev/null 2>&1; python3 -c "import json; [print({k: p[k] for k in p if k != 'sm_ids'})
 for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
       timeout 240 python3 -m benchmarks.pd_overlap --method streams,driver,held --splits "${SPLITS:-116/16,108/24}" \
-        --time-limit-s 200 --out "$OUT" 2>&1 | grep -E "gain|error|stopped" | tail -12 ;;
+        --time-limit-s 200 --out "$OUT" 2>&1 | grep -E "gain|error|stopped" | tail -12
+      cp "$OUT/pd_overlap.json" /tmp/res/ 2>/dev/null ;;  # for `interleave`'s simulator check of '/sms:N', '/split:N'
     hotswap)  # update_weights at full size: copy, bind, reshard
       cd /tmp/run
       timeout 100 python3 -m benchmarks.hotswap --model qwen3-30b-a3b --json \
@@ -130,7 +131,8 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
       python3 -m benchmarks.sim_replay "/tmp/res/drafts$n/rollout.json" 2>&1 | tail -8 ;;
     interleave)  # issue 33's comparison with the peer's timed passes interleaved with our repeats, both engines
       # up at once (benchmarks.interleave): CONV, SCHEDULES, REPEATS; VLLM_MODE own | in-process, VLLM_BUDGET,
-      # VLLM_SPEC (its best setting: ngram:4 at 16,384)
+      # VLLM_SPEC (its best setting: ngram:4 at 16,384); then the step times and the simulator's check (with
+      # `partition`'s stand-in factors when that stage ran on this machine)
       mkdir -p /tmp/pv/site
       [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.0* | xz -dc -T8 | tar -x -C /tmp/pv/site)
       cd /tmp/run
@@ -144,6 +146,9 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
       cp "/tmp/res/$tag/trace.jsonl" "$OUT/trace$n.jsonl"; cp /tmp/res/$tag/vllm*.log "$OUT/" 2>/dev/null
       python3 -c "import json; d = json.load(open('$OUT/$tag.json')); print(d.get('order'), d['vllm'].get('error'))"
       python3 -m benchmarks.step_times "$OUT/$tag.json" --out "$OUT/$tag.step_times.json" | tail -12
+      python3 -m benchmarks.sim_replay "$OUT/$tag.json" --trace "$OUT/trace$n.jsonl" --out "$OUT/$tag.sim_replay.json" \
+        $([ -f /tmp/res/pd_overlap.json ] && echo --overlap-from /tmp/res/pd_overlap.json) \
+        ${FIT_FROM:+--fit-from "$FIT_FROM"} 2>&1 | tail -12  # FIT_FROM: an earlier run with off and chunked
       python3 -m benchmarks.plot "$OUT/$tag.json" "$OUT/$tag.png" ;;
     p48)  # the full 48-layer preset on the prefill profile: off and mux, one budget, one repeat
       cd /tmp/run
