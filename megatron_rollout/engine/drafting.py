@@ -23,7 +23,10 @@ With `SpeculativeConfig(method="ngram")` the drafts are prompt lookup in the row
 (`drafts.ngram`), made on the host when the step is planned: step 1 is a target forward alone (no
 MTP layer anywhere, any model), step 3 does not exist, and a row whose context proposes nothing
 decodes plainly in the same forward. The drafts are token ids with no law: q is one-hot, which
-`verify` treats exactly at any temperature. Under `tail_rows` the plan gives drafts room only
+`verify` treats exactly at any temperature. A request for n > 1 samples (an RL group sharing its
+prompt) has its prompt's last position drawn once per sample, each from the sample's generator:
+that forks the samples (`RequestTable.accept`), and each drafts from its own context from then on.
+MTP drafting refuses n > 1 (one hidden state per prompt). Under `tail_rows` the plan gives drafts room only
 while few rows decode, and `tail_k` drafts longer guesses while very few do: the planner's input
 decides both, so every rank of a replica agrees.
 
