@@ -90,6 +90,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import itertools
 import logging
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
@@ -362,9 +363,10 @@ class CudaRunner:
     def capture(self, batch_sizes: Sequence[int] | None = None, speculative: Sequence[str] = (),
                 plain: bool = True) -> bool:
         """Capture decode graphs now (largest first, sharing one memory pool) and, on one rank, the
-        piecewise P graphs of every token bucket; False if decode capture failed (decode then runs
-        eagerly; `capture_error` says why; `prefill_capture_error` for P). On many ranks, every rank
-        must call it at the same point (the warm-ups run collectives).
+        piecewise P graphs of every token bucket, and (`partition` "split") D's graphs on its
+        partition; False if decode capture failed (decode then runs eagerly; `capture_error` says
+        why; `prefill_capture_error` for P, `beside_capture_error` for D's partition). On many
+        ranks, every rank must call it at the same point (the warm-ups run collectives).
         `speculative`: the drafting outputs ("hidden" to verify, "mtp" to draft) to capture too, in the
         buckets of `batch_sizes`, with the piecewise hidden-state P graphs; otherwise a drafting
         engine captures each on first use, inside its first rollout. `plain=False` leaves out the
@@ -386,6 +388,11 @@ class CudaRunner:
         buckets = sorted({b for b in map(self.bucket, sizes) if b is not None}, reverse=True)
         drafting = all(all(self._capture_spec(output, b) is not None for b in buckets)
                        for output in map(DecodeOutput, speculative))
+        if self.d_partition is not None:  # "split": the same graphs on D's partition, for D beside P
+            beside = ((DecodeOutput.LOGITS,) if plain else ()) + tuple(map(DecodeOutput, speculative))
+            for output, b in itertools.product(beside, buckets):
+                if self._beside_graph(output, b) is None:
+                    break  # failed there: D stays on the whole device beside P (`beside_capture_error`)
         return decode if plain else drafting
 
     # -- for measurement: the parts benchmarks time, without the engine around them ------------

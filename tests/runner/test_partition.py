@@ -206,6 +206,9 @@ def test_mux_with_sms_held_back_from_prefill_gives_the_same_greedy_tokens(partit
     if partition == "split":  # D ran beside P on its own SMs, from graphs captured there
         assert runner.beside_capture_error is None and runner._beside
         assert all(g.stream is runner.d_partition.stream for g in runner._beside.values())
+        captured = len(runner._beside)
+        assert engine.capture_graphs(8) and len(runner._beside) >= captured  # before timing: every bucket
+        assert {rows for _, rows in runner._beside} >= {b for b in runner.config.graph_batch_sizes if b <= 8}
     else:
         assert runner.d_partition is None and not runner._beside
     assert runner._p_in_flight == 0
