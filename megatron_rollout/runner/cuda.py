@@ -744,9 +744,10 @@ class CudaRunner:
                tokens: torch.Tensor | None = None, hidden: torch.Tensor | None = None) -> Forward:
         """The forward of `inputs` on the phase's stream, what `output` names (`tokens` and `hidden`:
         the MTP layer's inputs); a plain P or mixed one through its piecewise graph where one holds it.
-        A P forward counts as in flight from its first step until the device has finished it."""
+        Where D has a partition to move to ("split"), a P forward counts as in flight from its first
+        step until the device has finished it; no other runner pays for the count."""
         forward = self._run_eager(inputs, phase, output, tokens, hidden)
-        return self._in_flight(forward) if phase is Phase.P else forward
+        return self._in_flight(forward) if phase is Phase.P and self.d_partition is not None else forward
 
     def _in_flight(self, forward: Forward) -> Forward:
         self._p_in_flight += 1
