@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from benchmarks.ceilings import time_cuda
-from megatron_rollout.runner.partition import partial_stream, split_streams
+from megatron_rollout.runner.partition import partition_streams
 
 METHODS = ("driver", "held", "torch", "streams")
 COPY_SMS = (8, 16, 32, 64)
@@ -87,7 +87,7 @@ class PartitionPair:
 @contextmanager
 def driver_pair(decode_sms: int, device: torch.device) -> Iterator[PartitionPair]:
     """Disjoint P and D partitions: D gets `decode_sms` (rounded up by the driver), P the rest."""
-    p, d = split_streams(decode_sms, device)
+    p, d = partition_streams(decode_sms, device, decode_too=True)
     try:
         yield PartitionPair(Partition(p.stream, p.sms), Partition(d.stream, d.sms))
     finally:
@@ -100,7 +100,7 @@ def driver_pair(decode_sms: int, device: torch.device) -> Iterator[PartitionPair
 def held_pair(decode_sms: int, device: torch.device) -> Iterator[PartitionPair]:
     """What the CUDA runner does with `RunnerConfig.decode_sms`: P on the device minus `decode_sms`
     SMs, D on an ordinary high-priority stream over the whole device."""
-    p = partial_stream(decode_sms, device)
+    p, _ = partition_streams(decode_sms, device, decode_too=False)
     try:
         yield PartitionPair(Partition(p.stream, p.sms), Partition(torch.cuda.Stream(device, priority=-1), None))
     finally:

@@ -107,7 +107,7 @@ from megatron_rollout.model.transformer import MoETransformer
 from megatron_rollout.multiplex.routing import PhaseStreams
 from megatron_rollout.runner.base import CapturedGraphs, ModelRunner, Runner
 from megatron_rollout.runner.config import RUNNER_ENV, RunnerConfig
-from megatron_rollout.runner.partition import GreenStream, shared_partial_stream, shared_split_streams
+from megatron_rollout.runner.partition import GreenStream, shared_partition
 from megatron_rollout.runner.piecewise import PiecewiseGraph, SharedOutputs, release_rng_after_failed_capture
 from megatron_rollout.runner.speculative import flatten
 from megatron_rollout.types import Axis, Phase, SeqSpan, SpanInput
@@ -257,10 +257,8 @@ class CudaRunner:
             if self.multi_rank:
                 raise ValueError("RunnerConfig.decode_sms is for one rank: P's collectives on a green context's "
                                  "stream have not been run")
-            if self.config.partition == "split":
-                self.p_partition, self.d_partition = shared_split_streams(self.config.decode_sms, self.device)
-            else:
-                self.p_partition = shared_partial_stream(self.config.decode_sms, self.device)
+            self.p_partition, self.d_partition = shared_partition(self.config.decode_sms, self.device,
+                                                                  decode_too=self.config.partition == "split")
         self.p_stream = self.p_partition.stream if self.p_partition else torch.cuda.Stream(self.device, priority=0)
         self._p_in_flight = 0  # P forwards issued and not yet complete on the device
         router = getattr(model.comm, "router", None)

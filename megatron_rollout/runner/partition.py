@@ -113,53 +113,41 @@ def green_stream(driver: Driver, dev: ctypes.c_int, resource: DevResource, devic
                        (ctx.value, stream.value))
 
 
-def split_streams(held_back: int, device: torch.device) -> tuple[GreenStream, GreenStream]:
-    """Two disjoint partitions: (the device minus at least `held_back` SMs, the held-back group)."""
+def partition_streams(held_back: int, device: torch.device, decode_too: bool
+                      ) -> tuple[GreenStream, GreenStream | None]:
+    """(a stream over the device minus at least `held_back` SMs (the driver's rounding), and with
+    `decode_too` one over the held-back group, disjoint from it). Without `decode_too` the
+    held-back SMs get no context of their own: ordinary streams still run on them and on the rest."""
     check_held_back(held_back, torch.cuda.get_device_properties(device).multi_processor_count)
     driver = Driver()
-    dev = driver.device(device.index if device.index is not None else torch.cuda.current_device())
+    dev = driver.device(_index(device))
     group, rest = driver.split(dev, held_back)
-    rest_stream = green_stream(driver, dev, rest, device)
+    prefill = green_stream(driver, dev, rest, device)
+    if not decode_too:
+        return prefill, None
     try:
-        return rest_stream, green_stream(driver, dev, group, device)
+        return prefill, green_stream(driver, dev, group, device)
     except RuntimeError:
-        rest_stream.close()
+        prefill.close()
         raise
 
 
-def partial_stream(held_back: int, device: torch.device) -> GreenStream:
-    """A stream over the device minus at least `held_back` SMs (the driver's rounding); the held-back
-    SMs get no context of their own, so ordinary streams still run on them and on the rest."""
-    check_held_back(held_back, torch.cuda.get_device_properties(device).multi_processor_count)
-    driver = Driver()
-    dev = driver.device(device.index if device.index is not None else torch.cuda.current_device())
-    _, rest = driver.split(dev, held_back)
-    return green_stream(driver, dev, rest, device)
+_SHARED: dict[tuple[int, int, bool], tuple[GreenStream, GreenStream | None]] = {}
 
 
-_SHARED: dict[tuple[int, int], GreenStream] = {}
-
-
-def shared_partial_stream(held_back: int, device: torch.device) -> GreenStream:
-    """`partial_stream`, made once per device and count and kept for the process: runners built one
-    after another (a benchmark's schedules, tests) share it, and no green context is destroyed while
-    graphs captured on its stream may still exist."""
-    key = (device.index if device.index is not None else torch.cuda.current_device(), held_back)
-    if key not in _SHARED or _SHARED[key].closed:
-        _SHARED[key] = partial_stream(held_back, device)
+def shared_partition(held_back: int, device: torch.device, decode_too: bool
+                     ) -> tuple[GreenStream, GreenStream | None]:
+    """`partition_streams`, made once per device, count and shape and kept for the process: runners
+    built one after another (a benchmark's schedules, tests) share it, and no green context is
+    destroyed while graphs captured on its streams may still exist."""
+    key = (_index(device), held_back, decode_too)
+    if key not in _SHARED or any(g is not None and g.closed for g in _SHARED[key]):
+        _SHARED[key] = partition_streams(held_back, device, decode_too)
     return _SHARED[key]
 
 
-_SPLITS: dict[tuple[int, int], tuple[GreenStream, GreenStream]] = {}
-
-
-def shared_split_streams(held_back: int, device: torch.device) -> tuple[GreenStream, GreenStream]:
-    """`split_streams`, made once per device and count and kept for the process, as
-    `shared_partial_stream`."""
-    key = (device.index if device.index is not None else torch.cuda.current_device(), held_back)
-    if key not in _SPLITS or any(g.closed for g in _SPLITS[key]):
-        _SPLITS[key] = split_streams(held_back, device)
-    return _SPLITS[key]
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def check_held_back(held_back: int, num_sms: int) -> None:

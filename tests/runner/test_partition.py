@@ -69,28 +69,30 @@ def test_driver_errors_name_the_call_and_a_driver_without_green_contexts():
 
 
 @pytest.mark.timeout(30)
-def test_runners_share_one_partition_per_device_and_count_until_it_is_closed(monkeypatch):
+def test_runners_share_one_partition_per_device_count_and_shape_until_it_is_closed(monkeypatch):
     made = []
 
-    def fake(held_back, device):
-        made.append((held_back, device.index))
+    def green(held_back):
         return partition.GreenStream(stream=None, sms=132 - held_back, _driver=None, _handles=(0, 0))
 
-    monkeypatch.setattr(partition, "partial_stream", fake)
+    def fake(held_back, device, decode_too):
+        made.append((held_back, device.index, decode_too))
+        return green(held_back), green(0) if decode_too else None
+
+    monkeypatch.setattr(partition, "partition_streams", fake)
     monkeypatch.setattr(partition, "_SHARED", {})
-    first = partition.shared_partial_stream(24, torch.device("cuda", 0))
-    assert partition.shared_partial_stream(24, torch.device("cuda", 0)) is first
-    assert partition.shared_partial_stream(16, torch.device("cuda", 0)) is not first
-    assert partition.shared_partial_stream(24, torch.device("cuda", 1)) is not first
-    first.closed = True
-    assert partition.shared_partial_stream(24, torch.device("cuda", 0)) is not first
-    assert made == [(24, 0), (16, 0), (24, 1), (24, 0)]
-    monkeypatch.setattr(partition, "split_streams", lambda held, device: (fake(held, device), fake(8, device)))
-    monkeypatch.setattr(partition, "_SPLITS", {})
-    pair = partition.shared_split_streams(24, torch.device("cuda", 0))
-    assert partition.shared_split_streams(24, torch.device("cuda", 0)) is pair
-    pair[1].closed = True
-    assert partition.shared_split_streams(24, torch.device("cuda", 0)) is not pair
+    cuda0 = torch.device("cuda", 0)
+    first = partition.shared_partition(24, cuda0, False)
+    assert partition.shared_partition(24, cuda0, False) is first and first[1] is None
+    assert partition.shared_partition(16, cuda0, False) is not first
+    assert partition.shared_partition(24, torch.device("cuda", 1), False) is not first
+    split = partition.shared_partition(24, cuda0, True)
+    assert split is not first and partition.shared_partition(24, cuda0, True) is split
+    first[0].closed = True
+    assert partition.shared_partition(24, cuda0, False) is not first
+    split[1].closed = True  # either stream of a split closed: made again
+    assert partition.shared_partition(24, cuda0, True) is not split
+    assert made == [(24, 0, False), (16, 0, False), (24, 1, False), (24, 0, True), (24, 0, False), (24, 0, True)]
 
 
 @pytest.mark.timeout(30)
@@ -163,7 +165,8 @@ def _sm_ids(stream: torch.cuda.Stream, graph: bool = False) -> set[int]:
 def test_prefill_partition_keeps_its_kernels_off_the_held_back_sms():
     device = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).multi_processor_count
-    green = partition.partial_stream(20, device)
+    green, none = partition.partition_streams(20, device, decode_too=False)
+    assert none is None
     try:
         assert green.sms <= total - 20  # the driver rounds the held-back group up, never down
         eager, graphed = _sm_ids(green.stream), _sm_ids(green.stream, graph=True)
