@@ -325,6 +325,11 @@ def split_spec(spec: str) -> Spec:
                 int(sms[0]) if sms else 0, "split" if held and held[0][0] == "split" else "held")
 
 
+def unpartitioned(spec: str) -> str:
+    """The spec without its '/sms:N' or '/split:N' (the schedule it runs on the whole device)."""
+    return re.sub(r"/(sms|split):\d+", "", spec)
+
+
 def engine_config(args: argparse.Namespace, num_blocks: int, max_model_len: int, spec: Spec, budget: int,
                   measure_expert_kernels: bool = True):
     """The `EngineConfig` a replay of `spec` at `budget` runs under (also what `benchmarks.sim_replay`
@@ -579,8 +584,7 @@ def ratios(result: dict) -> dict[str, float | None]:
         if n.endswith("/sync"):
             out[f"{n[:-5]}_over_{n[:-5]}_sync"] = _ratio(med(n[:-5]), med(n))
     for n in ours:  # SMs held back from prefill: a schedule against the same one without
-        if "/sms:" in n or "/split:" in n:
-            whole = re.sub(r"/(sms|split):\d+", "", n)
+        if (whole := unpartitioned(n)) != n:
             out[f"{n}_over_{whole}"] = _ratio(med(n), med(whole))
     twin = {n: re.sub(r"~[^/]*", "", n) for n in ours if "~" in n}  # the same schedule, no drafts
     twin = {n: t if t in ours else split_spec(n).schedule for n, t in twin.items()}  # else the plain schedule

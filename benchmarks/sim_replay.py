@@ -39,7 +39,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import re
 import statistics
 import sys
 from collections.abc import Sequence
@@ -47,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.report import segments, what_if_table
-from benchmarks.rollout import engine_config, split_spec
+from benchmarks.rollout import engine_config, split_spec, unpartitioned
 from megatron_rollout.engine import Schedule
 from megatron_rollout.engine.records import StepRecord
 from megatron_rollout.sim.cost import CostModel, fit, segments_per_epoch
@@ -170,6 +169,14 @@ def _sim_config(result: dict, spec: str, budget: int, first: dict,
     return dataclasses.replace(SimConfig.of_engine(engine), levers=levers)
 
 
+def _mux_segments(config: SimConfig, first: dict) -> float | None:
+    """A `mux` schedule's segments per epoch in its repeat 0 (its segment policy's, not a cost:
+    module docstring); None for the other schedules."""
+    if config.scheduler.schedule is not Schedule.MUX:
+        return None
+    return segments_per_epoch(without_polls(from_columns(first["steps"])))
+
+
 def _pooled_fits(result: dict, fit_from: dict | None) -> dict[str, CostModel | str]:
     """The out-of-sample cost models: fitted to repeat 0 of `off` and `chunked` pooled, of the run or
     of `fit_from` (same model and device)."""
@@ -195,7 +202,7 @@ def what_if(result: dict, trace: Sequence[TraceRequest], specs: Sequence[str], f
     fits, overlaps = _pooled_fits(result, fit_from), measured_overlaps(overlap_from) if overlap_from else {}
     out: dict[str, Any] = {}
     for spec in specs:
-        base = re.sub(r"/(sms|split):\d+", "", spec)
+        base = unpartitioned(spec)
         entry = result.get("schedules", {}).get(base)
         first = _first(entry) if entry else None
         if first is None:
@@ -206,8 +213,7 @@ def what_if(result: dict, trace: Sequence[TraceRequest], specs: Sequence[str], f
         if reason is not None:
             out[spec] = {"of": base, "skipped": reason}
             continue
-        records = without_polls(from_columns(first["steps"]))
-        segments = segments_per_epoch(records) if configs[1].scheduler.schedule is Schedule.MUX else None
+        segments = _mux_segments(configs[1], first)
         row: dict[str, Any] = {"of": base, "overlap": dataclasses.asdict(configs[0].levers.overlap)
                                if configs[0].levers.overlap else None}
         for name, cost in fits.items():
@@ -231,14 +237,15 @@ def segment_sweep(result: dict, trace: Sequence[TraceRequest], counts: Sequence[
     if isinstance(cost, str):
         raise SystemExit(f"--mux-segments: no linear fit ({cost})")
     entries = result.get("schedules", {})
-    missing = [n for n in ("off", "mux") if _first(entries.get(n) or {}) is None]
+    firsts = {n: _first(entries.get(n) or {}) for n in ("off", "mux")}
+    missing = [n for n, first in firsts.items() if first is None]
     if missing:
         raise SystemExit(f"--mux-segments needs a repeat 0 with step records of off and mux; missing: {missing}")
+    configs = {n: _sim_config(result, entries[n]["spec"], entries[n]["budget"], first) for n, first in firsts.items()}
 
     def run(name: str, segments: float | None) -> dict[str, float]:
-        entry = entries[name]
-        config = _sim_config(result, entry["spec"], entry["budget"], _first(entry))
-        sim = simulate(trace, cost if segments is None else dataclasses.replace(cost, mux_segments=segments), config)
+        sim = simulate(trace, cost if segments is None else dataclasses.replace(cost, mux_segments=segments),
+                       configs[name])
         return {"makespan_s": sim.makespan_s, "mean_ttft_s": statistics.mean(r.first_token - r.arrival
                                                                           for r in sim.requests),
                 "mean_queue_s": statistics.mean(r.admitted - r.arrival for r in sim.requests)}
@@ -249,7 +256,7 @@ def segment_sweep(result: dict, trace: Sequence[TraceRequest], counts: Sequence[
         row = {"segments": n, **run("mux", n)}
         rows.append({**row, "makespan_over_off": row["makespan_s"] / off["makespan_s"],
                      "ttft_over_off": row["mean_ttft_s"] / off["mean_ttft_s"]})
-    measured = segments_per_epoch(without_polls(from_columns(_first(entries["mux"])["steps"])))
+    measured = _mux_segments(configs["mux"], firsts["mux"])
     return {"fit": "linear, out of sample", "off": off, "measured_segments": measured, "mux": rows}
 
 
@@ -299,8 +306,8 @@ def sim_replay(result: dict, trace: Sequence[TraceRequest], fit_from: dict | Non
         if not later:
             row["out_of_sample"] = {"skipped": "no finished repeat after repeat 0"}
             continue
-        segments = segments_per_epoch(without_polls(records)) if config.scheduler.schedule is Schedule.MUX else None
-        row["out_of_sample"] = _compare(trace, pooled_fits, config, statistics.median(later), segments)
+        row["out_of_sample"] = _compare(trace, pooled_fits, config, statistics.median(later),
+                                        _mux_segments(config, first))
         row["out_of_sample"]["repeats"] = len(later)
     return out
 
@@ -359,8 +366,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{trace_path} not found: benchmarks.rollout writes the trace beside rollout.json "
                          f"(or name it with --trace)")
     overlap_from = json.loads(Path(args.overlap_from).read_text()) if args.overlap_from else None
+    trace = load_trace(trace_path)
     report = {"result": str(path), "fit_from": args.fit_from, "overlap_from": args.overlap_from,
-              **sim_replay(result, load_trace(trace_path), fit_from, overlap_from)}
+              **sim_replay(result, trace, fit_from, overlap_from)}
     if args.mux_segments:
         try:
             counts = [float(n) for n in args.mux_segments.split(",") if n.strip()]
@@ -368,10 +376,10 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--mux-segments takes positive numbers, got {args.mux_segments!r}") from None
         if not counts or min(counts) <= 0:
             raise SystemExit(f"--mux-segments takes positive numbers, got {args.mux_segments!r}")
-        report["mux_segments"] = segment_sweep(result, load_trace(trace_path), counts, fit_from)
+        report["mux_segments"] = segment_sweep(result, trace, counts, fit_from)
     if args.what_if:
-        report["what_if"] = what_if(result, load_trace(trace_path), [x for x in args.what_if.split(",") if x],
-                                    fit_from, overlap_from)
+        report["what_if"] = what_if(result, trace, [x for x in args.what_if.split(",") if x], fit_from,
+                                    overlap_from)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(table(report), flush=True)
