@@ -1,12 +1,15 @@
 """`python -m benchmarks.step_times RESULT.json [--schedules A,B]`: where each timed replay's host
 clock went, from its step records (`benchmarks.rollout` keeps them as `steps`).
 
-Per schedule and repeat: the makespan, the records, the time inside forwards (a record's span: the
-forward and the read-back of its samples) and between them (planning, drafting, bookkeeping and
-waits, with the part in gaps longer than `--long-gap-ms`), and the median time of a decode-only
-forward by its decode rows (1, 2-4, 5-31, 32 and more). Two repeats of one schedule that differ
-show whether the forwards or what runs between them took the difference. Left out: the device's
-own time (records hold host clocks only).
+Per schedule and repeat: the makespan, the records, the time inside steps (a record's span: the
+step's inputs, its forward, the read-back of its samples and their bookkeeping; a drafting step's
+verdicts too; a `mux` segment only its enqueue) and between them (planning, the n-gram lookups,
+the engine's loop and waits, with the part in gaps longer than `--long-gap-ms`), and the median
+span of a decode-only step by its decode rows (1, 2-4, 5-31, 32 and more). Two repeats of one
+schedule that differ show whether the steps or what runs between them took the difference. Left
+out: the device's own time (records hold host clocks only), so a step's host and device parts
+are not told apart: where decode is issued ahead (plain schedules on the CUDA runner) the host
+part overlaps the device's, where it is not (drafting) they add up.
 """
 from __future__ import annotations
 
