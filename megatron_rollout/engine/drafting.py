@@ -278,10 +278,9 @@ class SpeculativeExecutor(StepExecutor):
         bad = [i for i, b in enumerate(best) if not b.finite]
         if bad:
             return _Row(owner, first, table, hidden, None, sample_row(all_logits[sl][bad[0]], params, gen).error)
-        if self.table.draws(owner) > 1:  # one draw per sample, each from its own generator
-            logits = all_logits[sl][0]
-            return _Row(owner, first, table, hidden, None, samples=[sample_row(logits, params, g or self.generator)
-                                                                   for g in req.group.generators])
+        if (n := self.table.draws(owner)) > 1:  # the plain executor's n draws, each from its sample's generator
+            return _Row(owner, first, table, hidden, None,
+                        samples=self.draw([owner], all_logits[sl][:1]).result(range(n)))
         if params.temperature == 0.0:  # `verify`'s greedy rule on the host copies
             a = next((i for i, d in enumerate(drafts) if d != best[i].token), len(drafts))
             self.stats.drafted_tokens += len(drafts)
