@@ -13,8 +13,9 @@ overlapped, so it is worth timing by itself, on any machine:
   against temperature 1, interleaved (on a GPU the draws run on the device; here on the CPU).
 - `lookup`: one n-gram lookup and the sync of one new token (`drafts.NgramIndex.propose`, `sync`),
   as a decode step does for each drafting row, over contexts of given lengths: text-like ids
-  (Zipf-distributed, where suffixes mostly recur far back or not at all) and a context whose
-  last 300 tokens repeat (where the latest match is recent: the case drafts pay in).
+  (Zipf-distributed, where suffixes mostly recur far back or not at all), ids drawn uniformly
+  from Qwen3's 151,936 (what `trace.replay` appends as each turn's input: no suffix recurs), and
+  a context whose last 300 tokens repeat (where the latest match is recent: the case drafts pay in).
 - `drafting`: the engine's step as in `engine`, plain against n-gram drafting (`~ngram:4`),
   interleaved. The instant runner's logits make every row repeat one token, so after a few steps
   every draft is accepted and each row emits k + 1 tokens a step: the most host work a drafting
@@ -63,6 +64,10 @@ class InstantRunner:
         yield  # a forward with no boundary
 
 
+LOOKUP_VOCAB = 151_936
+"""Qwen3's vocabulary: the ids of the lookup stage's contexts."""
+
+
 def _summary(samples: list[float]) -> dict[str, float]:
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples)}
 
@@ -103,16 +108,20 @@ def engine_step_ms(rows: int, prompt: int = 48, steps: int = 50, repeats: int = 
     return _summary([_engine_step(rows, rep, None, prompt, steps)[0] for rep in range(repeats)])
 
 
+LOOKUP_KINDS = ("text", "uniform", "loop")
+
+
 def lookup_us(length: int, kind: str, steps: int = 200, repeats: int = 3) -> dict[str, float]:
     """Microseconds of one `propose(4)` and one one-token `sync` of an `NgramIndex(2, 4)` over a
-    `length`-token context, `kind` "text" (Zipf ids) or "loop" (its last 300 tokens said 3 more times),
-    and the share of lookups that proposed drafts."""
+    `length`-token context, `kind` "text" (Zipf ids), "uniform" (ids uniform over `LOOKUP_VOCAB`) or
+    "loop" (its last 300 tokens said 3 more times), and the share of lookups that proposed drafts."""
     from megatron_rollout.drafts import NgramIndex
 
     samples, proposed = [], 0
     for rep in range(repeats):
         rng = np.random.default_rng(rep)
-        tokens = np.minimum(rng.zipf(1.2, length + steps), 151_935).tolist()
+        tokens = (rng.integers(0, LOOKUP_VOCAB, length + steps) if kind == "uniform" else
+                  np.minimum(rng.zipf(1.2, length + steps), LOOKUP_VOCAB - 1)).tolist()
         context, extra = tokens[:length], tokens[length:]
         if kind == "loop":  # the period goes on through the timed steps
             period = context[-300:]
@@ -229,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     for rows in (int(r) for r in args.drafting.split(",") if r):
         out["drafting_step_ms"][rows] = drafting_step_ms(rows)
     for length in (int(n) for n in args.lookup.split(",") if n):
-        out["lookup_us"][length] = {kind: lookup_us(length, kind) for kind in ("text", "loop")}
+        out["lookup_us"][length] = {kind: lookup_us(length, kind) for kind in LOOKUP_KINDS}
     for spec in (s for s in args.fill.split(",") if s):
         rows, blocks = (int(v) for v in spec.split("x"))
         out["fill_ms"][spec] = fill_ms(rows, blocks)
