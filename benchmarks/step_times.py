@@ -4,8 +4,9 @@ clock went, from its step records (`benchmarks.rollout` keeps them as `steps`).
 Per schedule and repeat: the makespan, the records, the time inside steps (a record's span: the
 step's inputs, its forward, the read-back of its samples and their bookkeeping; a drafting step's
 verdicts too; a `mux` segment only its enqueue) and between them (planning, the n-gram lookups,
-the engine's loop and waits, with the part in gaps longer than `--long-gap-ms`), and the median
-span of a decode-only step by its decode rows (1, 2-4, 5-31, 32 and more). Two repeats of one
+the engine's loop and waits, with the part in gaps longer than `--long-gap-ms`), and, for a
+decode-only step by its decode rows (1, 2-4, 5-31, 32 and more), its median span and the median
+gap before it (its planning, with a drafting row's lookup; gaps over the limit are waits, left out). Two repeats of one
 schedule that differ show whether the steps or what runs between them took the difference. Left
 out: the device's own time (records hold host clocks only), so a step's host and device parts
 are not told apart: where decode is issued ahead (plain schedules on the CUDA runner) the host
@@ -33,18 +34,25 @@ def _bucket(lo: int, hi: int | None) -> str:
 
 
 def summarize(records: Sequence[StepRecord], long_gap_s: float = 0.005) -> dict[str, Any]:
-    """Time inside and between `records`' forwards, and the median decode-only forward by rows."""
+    """Time inside and between `records`' forwards, and the median decode-only forward by rows and
+    the median gap before it."""
     recs = sorted(records, key=lambda r: r.start)
     inside = sum(r.end - r.start for r in recs)
-    gaps = [max(0.0, b.start - a.end) for a, b in zip(recs, recs[1:])]
+    gaps = [0.0] + [max(0.0, b.start - a.end) for a, b in zip(recs, recs[1:])]  # gaps[i]: before recs[i]
     out: dict[str, Any] = {"records": len(recs), "inside_s": inside, "between_s": sum(gaps),
                            "long_gaps_s": sum(g for g in gaps if g > long_gap_s)}
     for lo, hi in ROW_BUCKETS:
-        spans = [r.end - r.start for r in recs if r.phase == "D" and not r.prefill_tokens
-                 and lo <= r.decode_rows and (hi is None or r.decode_rows <= hi)]
-        median = statistics.median(spans) * 1e3 if spans else None
-        out[f"rows_{_bucket(lo, hi)}"] = {"n": len(spans), "median_ms": median}
+        picked = [i for i, r in enumerate(recs) if r.phase == "D" and not r.prefill_tokens
+                  and lo <= r.decode_rows and (hi is None or r.decode_rows <= hi)]
+        spans = [recs[i].end - recs[i].start for i in picked]
+        before = [gaps[i] for i in picked if i and gaps[i] <= long_gap_s]
+        out[f"rows_{_bucket(lo, hi)}"] = {"n": len(spans), "median_ms": _median_ms(spans),
+                                          "gap_ms": _median_ms(before)}
     return out
+
+
+def _median_ms(xs: Sequence[float]) -> float | None:
+    return statistics.median(xs) * 1e3 if xs else None
 
 
 def step_times(result: dict[str, Any], schedules: Sequence[str] | None = None,
@@ -68,9 +76,10 @@ def table(times: dict[str, list[dict[str, Any]]]) -> str:
     head = ["schedule", "repeat", "makespan s", "records", "in forwards s", "between s", "gaps > limit s"]
     rows = [[name, str(r["repeat"]), num(r["makespan_s"], ".2f"), str(r["records"]), num(r["inside_s"], ".2f"),
              num(r["between_s"], ".2f"), num(r["long_gaps_s"], ".2f")]
-            + [f"{r[f'rows_{b}']['n']}, {num(r[f'rows_{b}']['median_ms'], '.2f')}" for b in buckets]
+            + [f"{r[f'rows_{b}']['n']}, {num(r[f'rows_{b}']['median_ms'], '.2f')}, "
+               f"{num(r[f'rows_{b}'].get('gap_ms'), '.2f')}" for b in buckets]
             for name, reps in times.items() for r in reps]
-    return markdown(head + [f"{b} rows: n, median ms" for b in buckets], rows)
+    return markdown(head + [f"{b} rows: n, median ms, gap before ms" for b in buckets], rows)
 
 
 def main(argv: list[str] | None = None) -> int:

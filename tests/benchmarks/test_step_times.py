@@ -18,16 +18,17 @@ RECORDS = [_rec("P", 0, 0.000, 0.010, prefill=512), _rec("D", 1, 0.011, 0.013), 
            _rec("D", 3, 0.023, 0.027), _rec("D", 40, 0.028, 0.038), _rec("P", 2, 0.038, 0.048, prefill=64)]
 
 
-def test_inside_between_and_the_median_forward_by_rows():
+def test_inside_between_and_the_median_forward_and_gap_by_rows():
     s = step_times.summarize(list(reversed(RECORDS)), long_gap_s=0.005)  # sorted by start first
     assert s["records"] == 6
     assert s["inside_s"] == pytest.approx(0.010 + 0.002 + 0.003 + 0.004 + 0.010 + 0.010)
     assert s["between_s"] == pytest.approx(0.001 + 0.007 + 0.001)
     assert s["long_gaps_s"] == pytest.approx(0.007)  # only the gap over 5 ms
-    assert s["rows_1"] == {"n": 2, "median_ms": pytest.approx(2.5)}
-    assert s["rows_2-4"] == {"n": 1, "median_ms": pytest.approx(4.0)}  # the mixed forward is left out
-    assert s["rows_5-31"] == {"n": 0, "median_ms": None}
-    assert s["rows_32+"]["n"] == 1
+    # the gap before a step: its planning; the 7 ms one is over the limit, a wait
+    assert s["rows_1"] == {"n": 2, "median_ms": pytest.approx(2.5), "gap_ms": pytest.approx(1.0)}
+    assert s["rows_2-4"] == {"n": 1, "median_ms": pytest.approx(4.0), "gap_ms": 0.0}  # the mixed one left out
+    assert s["rows_5-31"] == {"n": 0, "median_ms": None, "gap_ms": None}
+    assert s["rows_32+"] == {"n": 1, "median_ms": pytest.approx(10.0), "gap_ms": pytest.approx(1.0)}
 
 
 def test_main_reads_a_rollout_result_and_prints_one_row_per_repeat(tmp_path, capsys):
