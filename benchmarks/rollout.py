@@ -32,7 +32,10 @@ A figure counts only warm, repeated, each schedule at its best token budget, nex
 Each timed replay keeps its step records (`engine.step_log`) in the JSON as columns (`steps`,
 `trace.steps`; `--no-step-records` drops them), beside the model's routing (`moe`) and KV blocks
 (`num_blocks`), and the trace goes to `<out>/trace.jsonl`: what `benchmarks.sim_replay` fits the
-simulator's cost model to and simulates again.
+simulator's cost model to and simulates again. `--host-profile SPEC,...` then replays each of
+those schedules once more, untimed, under cProfile (`host_profile`: the functions that took the
+host's time, a read-back's wait for the device included), to tell a step's host work from its
+device work, which the records cannot.
 Results go to `<out>/rollout.json` after every replay (a killed run keeps what it measured);
 `--deadline-s` stops cleanly before a replay that would not fit and leaves time for the peer.
 The last lines of stdout are the table. `--device cpu --model tiny-moe` runs steps 1-4 on CPU
@@ -42,6 +45,8 @@ kernel work and are off by default.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import dataclasses
 import datetime
 import functools
@@ -50,6 +55,7 @@ import json
 import logging
 import math
 import os
+import pstats
 import re
 import signal
 import subprocess
@@ -168,6 +174,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--resume", default=None, metavar="DIR",
                     help="run only the peer stage over DIR/rollout.json (our figures from an earlier run of the "
                          "same trace options, e.g. an earlier run on the same machine); results go to DIR")
+    ap.add_argument("--host-profile", default="", metavar="SPEC,SPEC",
+                    help="after the timed repeats, one more replay of each of these schedules under cProfile, "
+                         "untimed: where the host's time went, the read-backs' waits for the device included "
+                         "(`host_profile` in the JSON)")
     ap.add_argument("--step-records", action=argparse.BooleanOptionalAction, default=True,
                     help="keep each timed replay's step records in the JSON ('steps', columns of trace.steps)")
     ap.add_argument("--out", default="runs/bench")
@@ -402,8 +412,10 @@ def run_micro(model: MoETransformer, cfg: ModelConfig, args, costs, bandwidth: f
     return out
 
 
-def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str) -> dict[str, Any]:
-    """One replay of `trace` under `spec` at `budget` in a fresh engine; compilations counted."""
+def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str,
+               profiler: cProfile.Profile | None = None) -> dict[str, Any]:
+    """One replay of `trace` under `spec` at `budget` in a fresh engine; compilations counted; the
+    replay alone (not the engine's set-up) under `profiler` where one is given."""
     from megatron_rollout.engine import RolloutEngine, SamplingParams
     from megatron_rollout.trace.replay import replay
     from megatron_rollout.trace.steps import to_columns
@@ -444,7 +456,7 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str) -> dict
     counter = CompileCounter()
     details: dict[str, Any] = {}
     try:
-        with counter:
+        with counter, profiler if profiler is not None else contextlib.nullcontext():
             report, _ = replay(engine, trace, seed=args.seed, progress=not args.no_progress, vocab_size=cfg.vocab_size,
                                schedule=schedule, temperature=args.temperature,
                                details=details if kind == "timed" and args.step_records else None)
@@ -781,6 +793,39 @@ def timed_stage(run: Run, result: dict, out: Path, trace: list, specs: list[tupl
             after_round(rep)
 
 
+PROFILE_TOP = 40
+"""Functions kept per ranking of a host profile."""
+
+
+def host_profile(profiler: cProfile.Profile, top: int = PROFILE_TOP) -> dict[str, Any]:
+    """The `top` functions of `profiler` by own time and by cumulative time: [file:line(function),
+    calls, own s, cumulative s]."""
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (primitive calls, calls, own, cumulative, callers)
+    rows = [[f"{Path(f).name}:{line}({name})", calls, own, cum] for (f, line, name), (_, calls, own, cum, _)
+            in stats.items()]
+    return {"total_s": sum(r[2] for r in rows), "columns": ["function", "calls", "own_s", "cumulative_s"],
+            "by_own": sorted(rows, key=lambda r: -r[2])[:top], "by_cumulative": sorted(rows, key=lambda r: -r[3])[:top]}
+
+
+def profile_stage(run: Run, result: dict, out: Path, trace: list, specs: list[str]) -> None:
+    """One untimed replay of each of `specs` (schedules of the timed stage) under cProfile, at the
+    budget the timed stage used; `result["host_profile"][spec]`. Its figures are not comparable
+    with a timed replay's: the profiler slows the host's Python several times over."""
+    for spec in specs:
+        entry = result["schedules"].get(spec)
+        if entry is None:
+            raise SystemExit(f"--host-profile {spec!r}: not one of the timed schedules {list(result['schedules'])}")
+        if not run.fits("timed"):
+            result.setdefault("host_profile", {})[spec] = {"skipped": "deadline"}
+            continue
+        profiler = cProfile.Profile()
+        replayed = run_replay(run, trace, entry["spec"], entry["budget"], "profile", profiler)
+        result.setdefault("host_profile", {})[spec] = {
+            "makespan_s": replayed.get("report", {}).get("makespan_s"), "finished": replayed["finished"],
+            **host_profile(profiler)}
+        _write(out, result)
+
+
 def vllm_stage(run: Run, result: dict, out: Path, trace: list, deadline_total: float) -> dict[str, Any]:
     """The peer on the trace file the replays used: vLLM's async engine with its core in its own process
     at each of `--vllm-budgets`, then its in-process engine at each of `--vllm-in-process`. Each mode
@@ -1020,6 +1065,7 @@ def main(argv: list[str] | None = None) -> int:
         timed_stage(run, result, out, trace, specs, best, after)
         result["ratios"] = ratios(result)
         _write(out, result)
+        profile_stage(run, result, out, trace, [s for s in args.host_profile.split(",") if s])
     run.model = None
     gc.collect()
     if cuda:

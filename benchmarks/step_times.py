@@ -10,7 +10,8 @@ gap before it (its planning, with a drafting row's lookup; gaps over the limit a
 schedule that differ show whether the steps or what runs between them took the difference. Left
 out: the device's own time (records hold host clocks only), so a step's host and device parts
 are not told apart: where decode is issued ahead (plain schedules on the CUDA runner) the host
-part overlaps the device's, where it is not (drafting) they add up.
+part overlaps the device's, where it is not (drafting) they add up. A run with `--host-profile`
+tells them apart for its profiled schedules: their functions by own time follow the table.
 """
 from __future__ import annotations
 
@@ -82,6 +83,22 @@ def table(times: dict[str, list[dict[str, Any]]]) -> str:
     return markdown(head + [f"{b} rows: n, median ms, gap before ms" for b in buckets], rows)
 
 
+def profile_table(result: dict[str, Any], top: int = 15) -> str:
+    """The `top` functions by own time of each profiled replay (`benchmarks.rollout --host-profile`)."""
+    from benchmarks.report import markdown, num
+
+    parts = []
+    for spec, prof in result.get("host_profile", {}).items():
+        if "by_own" not in prof:
+            parts.append(f"{spec}: {prof.get('skipped', 'no profile')}")
+            continue
+        rows = [[name, str(calls), num(own, ".3f"), num(cum, ".3f")] for name, calls, own, cum in prof["by_own"][:top]]
+        parts.append(f"{spec} under cProfile: makespan {num(prof.get('makespan_s'), '.2f')} s, profiled "
+                     f"{num(prof['total_s'], '.2f')} s\n"
+                     + markdown(["function", "calls", "own s", "cumulative s"], rows))
+    return "\n\n".join(parts)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.step_times", description=__doc__.splitlines()[0])
     ap.add_argument("result", help="a benchmarks.rollout rollout.json")
@@ -99,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(times, indent=1))
     print(table(times))
+    if result.get("host_profile"):
+        print("\n" + profile_table(result))
     return 0
 
 

@@ -133,8 +133,9 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
       python3 -m benchmarks.sim_replay "/tmp/res/drafts$n/rollout.json" 2>&1 | tail -8 ;;
     interleave)  # issue 33's comparison with the peer's timed passes interleaved with our repeats, both engines
       # up at once (benchmarks.interleave): CONV, SCHEDULES, REPEATS; VLLM_MODE own | in-process, VLLM_BUDGET,
-      # VLLM_SPEC (its best setting: ngram:4 at 16,384); then the step times and the simulator's check (with
-      # `partition`'s stand-in factors when that stage ran on this machine)
+      # VLLM_SPEC (its best setting: ngram:4 at 16,384), HOST_PROFILE (schedules replayed once more under
+      # cProfile); then the step times and the simulator's check (with `partition`'s stand-in factors when
+      # that stage ran on this machine)
       mkdir -p /tmp/pv/site
       [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.0* | xz -dc -T8 | tar -x -C /tmp/pv/site)
       cd /tmp/run
@@ -143,6 +144,7 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
         --budgets "${BUDGETS:-16384}" --schedules "${SCHEDULES:-off,chunked,mux,mux@budget:24000~ngram:4+7@4}" \
         --no-ablation --repeats "$reps" --vllm --vllm-site /tmp/pv/site --vllm-budgets "${VLLM_BUDGET:-16384}" \
         --vllm-speculative "${VLLM_SPEC:-ngram:4}" --vllm-interleave "$mode" --vllm-passes "$reps" --vllm-warmups 2 \
+        ${HOST_PROFILE:+--host-profile "$HOST_PROFILE"} \
         --deadline-s "${DEADLINE:-570}" --schedule-budget-s 90 --out "/tmp/res/$tag" > "/tmp/res/$tag.log" 2>&1
       tail -22 "/tmp/res/$tag.log"; cp "/tmp/res/$tag/rollout.json" "$OUT/$tag.json"
       cp "/tmp/res/$tag/trace.jsonl" "$OUT/trace$n.jsonl"; cp /tmp/res/$tag/vllm*.log "$OUT/" 2>/dev/null

@@ -430,3 +430,23 @@ def test_unknown_micro_parts_are_named_before_any_work(tmp_path):
                       "--out", str(tmp_path)])
     assert rollout._micro_parts("decode, overlap") == ("decode", "overlap")
     assert "overlap" in rollout.MICRO_PARTS
+
+
+def test_host_profile_replays_a_timed_schedule_once_more_under_cprofile(tmp_path):
+    code = rollout.main(["--model", "tiny-moe", "--device", "cpu", "--repeats", "1", "--conversations", "2",
+                         "--scale", "0.003", "--budgets", "64", "--schedules", "off,mux~ngram:3", "--no-ablation",
+                         "--host-profile", "mux~ngram:3", "--out", str(tmp_path), "--no-progress"])
+    assert code == 0
+    result = json.loads((tmp_path / "rollout.json").read_text())
+    profile = result["host_profile"]
+    assert list(profile) == ["mux~ngram:3"] and profile["mux~ngram:3"]["finished"]
+    own = profile["mux~ngram:3"]["by_own"]
+    assert 0 < len(own) <= rollout.PROFILE_TOP and all(a[2] >= b[2] for a, b in zip(own, own[1:]))
+    cumulative = [row[0] for row in profile["mux~ngram:3"]["by_cumulative"]]
+    assert cumulative[0].endswith("(replay)") and any(n.startswith("engine.py") and n.endswith("(_step)")
+                                                      for n in cumulative)  # the replay alone, its steps inside
+    assert len(result["schedules"]["mux~ngram:3"]["repeats"]) == 1  # the profiled replay is not a repeat
+    with pytest.raises(SystemExit, match="not one of the timed schedules"):
+        rollout.main(["--model", "tiny-moe", "--device", "cpu", "--repeats", "1", "--conversations", "2",
+                      "--scale", "0.003", "--budgets", "64", "--schedules", "off", "--no-ablation",
+                      "--host-profile", "mux", "--out", str(tmp_path / "b"), "--no-progress"])

@@ -43,3 +43,18 @@ def test_main_reads_a_rollout_result_and_prints_one_row_per_repeat(tmp_path, cap
     assert len(rows) == 2 and rows[0].startswith("| mux | 0 | 0.05 | 6 |")
     assert json.loads((tmp_path / "t.json").read_text())["mux"][1]["records"] == 5
     assert step_times.main([str(path), "--schedules", "off"]) == 1  # nothing to show
+
+
+def test_a_host_profile_is_printed_by_own_time(tmp_path, capsys):
+    result = {"schedules": {"mux": {"repeats": [{"repeat": 0, "report": {"makespan_s": 0.05},
+                                                 "steps": to_columns(RECORDS)}]}},
+              "host_profile": {"mux": {"makespan_s": 0.3, "total_s": 0.25,
+                                       "by_own": [["drafting.py:167(_look_up)", 40, 0.1, 0.12],
+                                                  ["engine.py:381(_step)", 40, 0.01, 0.2]]},
+                               "off": {"skipped": "deadline"}}}
+    path = tmp_path / "rollout.json"
+    path.write_text(json.dumps(result))
+    assert step_times.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "mux under cProfile: makespan 0.30 s, profiled 0.25 s" in out and "off: deadline" in out
+    assert out.index("(_look_up)") < out.index("(_step)")

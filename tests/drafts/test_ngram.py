@@ -3,6 +3,7 @@ copy past the context's end, nothing where no suffix occurred; the array kept in
 proposes what a brute-force search over the whole list proposes."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -101,3 +102,35 @@ def test_ids_the_byte_copy_cannot_hold_are_refused():
         index.sync([3, 1 << 28])
     with pytest.raises(ValueError, match="-1"):
         index.sync([-1, 2])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 1 << 20), min_size=1, max_size=300), st.integers(1, 4),
+       st.lists(st.integers(1, 40), max_size=8))
+def test_the_gram_filter_holds_every_gram_before_the_suffix_however_the_context_grew(tokens, n, steps):
+    from megatron_rollout.drafts.ngram import GramFilter
+
+    grown, at = GramFilter(n), 0
+    for step in steps + [len(tokens)]:  # a few tokens a step (one at a time) or many (array operations)
+        at = min(len(tokens), at + step)
+        grown.extend(np.asarray(tokens, dtype=np.int64), at)
+    whole = GramFilter(n)
+    whole.extend(np.asarray(tokens, dtype=np.int64), len(tokens))
+    assert np.array_equal(grown.bitmap, whole.bitmap)  # the same map, bit for bit
+    assert all(grown.may_hold(tokens[end - n:end]) for end in range(n, len(tokens)))  # no false negatives
+
+
+def test_a_context_that_never_repeats_is_not_searched_and_one_that_does_far_back_is():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 151_936, 5_000).tolist()  # a turn's fresh input: no 2-gram recurs
+    index, searched = NgramIndex(2, 4), []
+    search = index._search
+    index._search = lambda size: searched.append(size) or search(size)
+    for t in rng.integers(0, 151_936, 200).tolist():
+        tokens.append(t)
+        index.sync(tokens)
+        assert index.propose(4) == ()
+    assert len(searched) <= 20  # the filter's false positives only (about 3% of lookups)
+    tokens += tokens[100:103]  # a 3-gram of 5,000 tokens back: past the recent bytes, found by the search
+    index.sync(tokens)
+    assert index.propose(4) == brute(tokens, 4, 2, 4) == tuple(tokens[103:107])
