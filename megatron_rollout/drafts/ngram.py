@@ -23,6 +23,13 @@ overhead each. On a looping context of 1,000 to 60,000 tokens a lookup and a one
 adds 2-3 us (`python -m benchmarks.host --lookup`, docs/benchmarks.md). Token ids must be below
 2**28.
 
+The whole-context search is skipped where it cannot succeed: every match ends with the context's
+last `n_min` tokens, so a bitmap of the hashed `n_min`-grams seen so far (`GramFilter`, 32 bits a
+token, a false positive rate near 3%) answers "never occurred" for most contexts that do not repeat,
+such as a turn's fresh input or a row whose output has not started looping. There a lookup
+searched all of a rollout's 17,000 to 60,000 tokens on every decode step, and that search ran
+between the GPU's verify forwards.
+
 Left out: drafts from other sequences (the other samples of an RL group, as Seer drafts). Each
 sample of an n > 1 request drafts from its own context only; a peer's text is a guess for this one
 only where the group's samples agree.
@@ -37,6 +44,57 @@ TOKEN_LIMIT = 1 << 28
 """Token ids the byte copy holds (4 bytes of 7 bits)."""
 RECENT = 1024
 """Tokens the byte search covers (module docstring): 4 KB, about a microsecond."""
+_MUL = 0x9E3779B97F4A7C15
+"""The n-gram hash's multiplier (odd; 2**64 over the golden ratio): h <- (h ^ token) * _MUL mod 2**64."""
+_MASK = (1 << 64) - 1
+
+
+class GramFilter:
+    """Which n-grams a context holds, as a bitmap of their hashes: no false negatives, few false
+    positives. Holds the n-grams that end at positions n..`covered` - 1 (an end is exclusive, and
+    `covered` is the context's length): every one but the suffix itself, which ends at the length.
+    `bits_per_gram` bits for each (the map doubles as the context grows): with one hash, a
+    false positive rate of about 1 - exp(-1 / bits_per_gram)."""
+
+    def __init__(self, n: int, bits_per_gram: int = 32) -> None:
+        self.n, self.bits_per_gram = n, bits_per_gram
+        self.log2 = 12
+        self.bitmap = np.zeros(1 << (self.log2 - 3), dtype=np.uint8)
+        self.covered = 0
+        """Ends below this (and at least n) are in the map."""
+
+    def _slots(self, ctx: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        h = np.zeros(len(ends), dtype=np.uint64)
+        for j in range(self.n, 0, -1):
+            h = (h ^ ctx[ends - j].astype(np.uint64)) * np.uint64(_MUL)
+        return h >> np.uint64(64 - self.log2)
+
+    def _slot(self, grams: Sequence[int]) -> int:
+        h = 0
+        for t in grams:
+            h = ((h ^ t) * _MUL) & _MASK
+        return h >> (64 - self.log2)
+
+    def extend(self, ctx: np.ndarray, length: int) -> None:
+        """Cover every end up to `length` - 1 of the context `ctx[:length]`."""
+        need = max(12, (self.bits_per_gram * length - 1).bit_length())
+        start = max(self.n, self.covered)
+        if need > self.log2:  # grown: rehash every end at the new width
+            self.log2, self.bitmap, start = need, np.zeros(1 << (need - 3), dtype=np.uint8), self.n
+        if length - start > 16:
+            slots = self._slots(ctx, np.arange(start, length))
+            bits = np.left_shift(np.uint8(1), (slots & np.uint64(7)).astype(np.uint8))
+            np.bitwise_or.at(self.bitmap, slots >> np.uint64(3), bits)
+        else:  # a step's few new ends: array calls would cost more than they save
+            for end in range(start, length):
+                slot = self._slot(ctx[end - self.n:end].tolist())
+                self.bitmap[slot >> 3] |= 1 << (slot & 7)
+        self.covered = max(self.covered, length)
+
+    def may_hold(self, grams: Sequence[int]) -> bool:
+        """False only if no covered end holds `grams` (n tokens)."""
+        slot = self._slot(grams)
+        return bool(self.bitmap[slot >> 3] >> (slot & 7) & 1)
 
 
 def encode(tokens: Sequence[int]) -> bytes:
@@ -67,6 +125,9 @@ class NgramIndex:
         self.length = 0
         self.encoded = bytearray()
         """`encode(tokens[:length])`: what `propose` searches."""
+        self.grams = GramFilter(n_min)
+        """The `n_min`-grams ending before the last token (a match's last `n_min` tokens must be one),
+        brought up to date only when the byte search finds nothing: a looping context never pays."""
 
     def sync(self, tokens: Sequence[int]) -> None:
         """Take `tokens`, the sequence's whole context: only the tokens past those held are copied.
@@ -76,6 +137,7 @@ class NgramIndex:
         held = self.length
         if len(tokens) < held or (held and tokens[held - 1] != self.tokens[held - 1]):
             held = 0
+            self.grams = GramFilter(self.n_min)
         new = tokens[held:]
         if new and not (0 <= min(new) and max(new) < TOKEN_LIMIT):
             raise ValueError(f"token ids must lie in [0, {TOKEN_LIMIT}), got {min(new)}..{max(new)}")
@@ -96,7 +158,13 @@ class NgramIndex:
             return ()
         longest, stop = min(self.n_max, size - 1), 4 * (size - 1)  # an occurrence ends before the suffix does
         at = self.encoded.rfind(self.encoded[4 * (size - longest):], max(0, stop - 4 * RECENT), stop)
-        best = at // 4 + longest if at >= 0 else self._search(size)
+        if at >= 0:
+            best = at // 4 + longest
+        else:
+            self.grams.extend(ctx, size)
+            if not self.grams.may_hold(ctx[size - self.n_min:size].tolist()):
+                return ()
+            best = self._search(size)
         if best is None:
             return ()
         period = size - best  # the draft copies ctx[best:], then itself, `period` back
