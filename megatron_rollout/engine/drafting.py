@@ -26,9 +26,11 @@ decodes plainly in the same forward. The drafts are token ids with no law: q is 
 `verify` treats exactly at any temperature. A request for n > 1 samples (an RL group sharing its
 prompt) has its prompt's last position drawn once per sample, each from the sample's generator:
 that forks the samples (`RequestTable.accept`), and each drafts from its own context from then on.
-MTP drafting refuses n > 1 (one hidden state per prompt). Under `tail_rows` the plan gives drafts room only
-while few rows decode, and `tail_k` drafts longer guesses while very few do: the planner's input
-decides both, so every rank of a replica agrees.
+MTP drafting refuses n > 1 (one hidden state per prompt), and top and prompt logprobs. n-gram
+drafting serves both: a request for top logprobs decodes undrafted, through the plain draw, and a
+prefill's prompt positions are scored as the plain executor scores them. Under `tail_rows` the
+plan gives drafts room only while few rows decode, and `tail_k` drafts longer guesses while very
+few do: the planner's input decides both, so every rank of a replica agrees.
 
 The forwards are the runner's (`Runner.forward_hidden`, `Runner.forward_mtp`): the portable one,
 or the CUDA runner on one rank, whose decode graphs run them as one-query rows
@@ -141,12 +143,15 @@ class SpeculativeExecutor(StepExecutor):
         self.deferred: dict[int, Deferred] = {}
         self.contexts: dict[int, NgramIndex] = {}
         """"ngram": each sequence's tokens as the lookup holds them, by sequence id."""
-        why = "speculative decoding verifies tokens and returns each one's own logprob (EngineConfig.speculative)"
-        self.unserved = {"logprobs": why, "prompt_logprobs": why}
-        """What a request may not ask for under this executor (`RequestTable.unserved`)."""
+        self.unserved: dict[str, str] = {}
+        """What a request may not ask for under this executor (`RequestTable.unserved`). n-gram drafting
+        serves everything: a request for top logprobs decodes undrafted, prompt logprobs are scored."""
         if self.mtp:  # n samples would each need their own MTP state for the prompt's last position
-            self.unserved["n"] = ("speculative decoding by MTP keeps one hidden state of the prompt's last position, "
-                                  "not one per sample (EngineConfig.speculative method 'mtp'; 'ngram' serves n > 1)")
+            why = ("speculative decoding by MTP verifies tokens and returns each one's own logprob "
+                   "(EngineConfig.speculative method 'mtp'; 'ngram' serves it)")
+            self.unserved = {"logprobs": why, "prompt_logprobs": why, "n": (
+                "speculative decoding by MTP keeps one hidden state of the prompt's last position, not one per "
+                "sample (EngineConfig.speculative method 'mtp'; 'ngram' serves n > 1)")}
 
     def graph_rows(self, max_rows: int) -> int:
         return self.config.graph_rows(max_rows)
@@ -169,6 +174,8 @@ class SpeculativeExecutor(StepExecutor):
         stands now."""
         for rid in rids:
             req = self.table.requests[rid]
+            if req.params.logprobs is not None:  # its top logprobs come from the plain draw: never drafted
+                continue
             context = self.contexts.get(req.seq.sid)
             if context is None:
                 context = self.contexts[req.seq.sid] = NgramIndex(self.config.ngram_min, self.config.ngram_max)
@@ -256,17 +263,23 @@ class SpeculativeExecutor(StepExecutor):
         return outs
 
     def _verdicts(self, step: StepInputs, out: SpecOutput) -> list[_Row]:
+        """Every sampling row's verdict; the prompt positions that score the next prompt token
+        (`prompt_logprobs`, one logits row each) are scored as the plain executor scores them."""
         best = _best(out.logits)
-        rows, at, owners = [], 0, iter(step.owners)
+        rows, at, owners, scored = [], 0, iter(step.owners), []
         for row, v in zip(step.rows, step.verify, strict=True):
             if not v.logits:
                 continue
             owner, sl = next(owners), slice(at, at + v.logits)
             at += v.logits
-            if self.table.is_live(owner):
+            if owner.scores is not None:
+                scored.append((owner, sl.start))
+            elif self.table.is_live(owner):
                 first = row.span.past + row.span.new - v.logits
                 rows.append(self._verdict(owner, first, row.span.table, tuple(row.token_ids[1:v.logits]),
                                           out.logits, sl, out.hidden[sl] if self.mtp else None, best[sl]))
+        if scored:
+            self.score([o for o, _ in scored], out.logits[self._index([i for _, i in scored])])
         return rows
 
     def _verdict(self, owner: SampleOwner, first: int, table: tuple[int, ...], drafts: tuple[int, ...],
@@ -278,7 +291,9 @@ class SpeculativeExecutor(StepExecutor):
         bad = [i for i, b in enumerate(best) if not b.finite]
         if bad:
             return _Row(owner, first, table, hidden, None, sample_row(all_logits[sl][bad[0]], params, gen).error)
-        if (n := self.table.draws(owner)) > 1:  # the plain executor's n draws, each from its sample's generator
+        if (n := self.table.draws(owner)) > 1 or params.logprobs is not None:
+            # the plain executor's draws: n forking a request's samples, each from its own generator, or
+            # one with its top logprobs (such a row is never drafted)
             return _Row(owner, first, table, hidden, None,
                         samples=self.draw([owner], all_logits[sl][:1]).result(range(n)))
         if params.temperature == 0.0:  # `verify`'s greedy rule on the host copies

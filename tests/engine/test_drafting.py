@@ -271,11 +271,10 @@ def test_the_command_line_spells_it_mtp_k():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("ask", [{"n": 2}, {"logprobs": 3}, {"prompt_logprobs": 1}])
 def test_what_mtp_drafting_cannot_serve_is_refused_per_request(tiny, make_engine, ask):
-    """Speculative decoding verifies tokens and returns each one's own logprob; MTP drafting also
-    keeps one hidden state per prompt: a request for top/prompt logprobs, or (MTP) for n samples, is
-    refused alone (an ERROR result naming why), not served with samples or logprobs silently
-    missing; the others in the batch run. (n-gram drafting serves n samples:
-    tests/engine/test_drafting_ngram.py.)"""
+    """MTP drafting returns each verified token's own logprob and keeps one hidden state per prompt:
+    a request for top/prompt logprobs, or for n samples, is refused alone (an ERROR result naming
+    why), not served with samples or logprobs silently missing; the others in the batch run.
+    (n-gram drafting serves all three: tests/engine/test_drafting_ngram.py.)"""
     m, plain = tiny
     engine = make_engine(m, spec("chunked", 1))
     bad, good = engine.generate(PROMPTS[:2], [dataclasses.replace(GREEDY, **ask), GREEDY])[-2:]

@@ -288,11 +288,25 @@ def test_n_samples_fork_and_each_equals_a_separate_request(make_engine, schedule
 
 
 @pytest.mark.timeout(120)
-def test_top_and_prompt_logprobs_are_refused_per_request_under_drafts(make_engine):
-    m = model()
-    engine = make_engine(m, ngram("chunked"))
-    asked = [dataclasses.replace(GREEDY, logprobs=2), dataclasses.replace(GREEDY, prompt_logprobs=1), GREEDY]
-    top, prompt, good = engine.generate(PROMPTS[:3], asked)
-    for bad, name in ((top, "logprobs"), (prompt, "prompt_logprobs")):
-        assert bad.finish_reason is FinishReason.ERROR and f"{name} not served here: speculative decoding" in bad.error
-    assert good.finish_reason is FinishReason.LENGTH and len(good.token_ids) == GREEDY.max_new_tokens
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_top_and_prompt_logprobs_are_served_under_drafts_as_plain_decoding_serves_them(tiny, make_engine, schedule):
+    m, plain_greedy, _ = tiny
+    asked = [dataclasses.replace(GREEDY, prompt_logprobs=1), dataclasses.replace(GREEDY, logprobs=2), GREEDY,
+             dataclasses.replace(GREEDY, logprobs=1, prompt_logprobs=2)]
+    plain = RolloutEngine(m, small(schedule)).generate(PROMPTS, asked)
+    engine = make_engine(m, ngram(schedule))
+    got = engine.generate(PROMPTS, asked)
+    assert [r.token_ids for r in got] == [r.token_ids for r in plain] == [r.token_ids for r in plain_greedy]
+    def same(mine: dict[int, float] | None, theirs: dict[int, float] | None) -> bool:
+        return (mine is None and theirs is None) or (
+            mine is not None and theirs is not None and mine.keys() == theirs.keys()
+            and list(mine.values()) == pytest.approx(list(theirs.values()), abs=1e-4))
+
+    for r, ref in zip(got, plain):
+        assert r.finish_reason is FinishReason.LENGTH and r.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+        for entries, theirs in ((r.top_logprobs, ref.top_logprobs), (r.prompt_logprobs, ref.prompt_logprobs)):
+            assert (entries is None) == (theirs is None)
+            assert all(same(a, b) for a, b in zip(entries or [], theirs or [], strict=True))
+    for i in (0, 3):  # every prompt position after the first scored
+        assert len(got[i].prompt_logprobs) == len(PROMPTS[i]) and all(got[i].prompt_logprobs[1:])
+    assert engine.stats.drafted_tokens > 0  # the rows without top logprobs still drafted
