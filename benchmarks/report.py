@@ -7,8 +7,8 @@ the repository root); everything up to the closing comment is rewritten:
     | schedule | ... |
     <!-- end report -->
 
-`python -m benchmarks.report docs/benchmarks.md docs/benchmarks-earlier.md docs/kernels.md` rewrites the tables in place;
-`--check` rewrites nothing and exits 1 if a page differs from its JSON. `python -m
+`python -m benchmarks.report docs/benchmarks.md docs/benchmarks-earlier.md docs/kernels.md` rewrites
+the tables in place; `--check` rewrites nothing and exits 1 if a page differs from its JSON. `python -m
 benchmarks.report KIND FILE` prints one table. Kinds (`TABLES`): `rollout` (a
 `benchmarks.rollout` replay: every schedule at its best budget and vLLM at each setting run),
 `decode` and `prefill` (the micro stage, `benchmarks.rollout --micro`), `gap` (its P segment

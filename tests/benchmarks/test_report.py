@@ -52,9 +52,9 @@ def test_unknown_kinds_and_missing_files_are_named():
 
 
 def test_the_docs_tables_match_their_json():
-    pages = [str(report.ROOT / "docs" / name) for name in ("benchmarks.md", "benchmarks-earlier.md", "kernels.md")]
-    assert report.main(["--check", *pages]) == 0
-    assert all(report.MARK.search((report.ROOT / "docs" / n).read_text()) for n in ("benchmarks.md", "benchmarks-earlier.md", "kernels.md"))
+    pages = [report.ROOT / "docs" / name for name in ("benchmarks.md", "benchmarks-earlier.md", "kernels.md")]
+    assert report.main(["--check", *map(str, pages)]) == 0
+    assert all(report.MARK.search(page.read_text()) for page in pages)
 
 
 def test_vllm_speculation_is_named_in_its_row():

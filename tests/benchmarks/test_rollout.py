@@ -110,12 +110,15 @@ def test_timed_replays_keep_their_step_records_and_the_trace(run):
         assert "steps" not in r
 
 
+def tiny_run(out, *args: str) -> dict:
+    """`benchmarks.rollout` on tiny-moe and the CPU, two conversations, one budget, no ablation: its JSON."""
+    assert rollout.main(["--model", "tiny-moe", "--device", "cpu", "--conversations", "2", "--budgets", "64",
+                         "--no-ablation", "--no-progress", "--out", str(out), *args]) == 0
+    return json.loads((out / "rollout.json").read_text())
+
+
 def test_deadline_stops_cleanly_and_keeps_what_it_measured(tmp_path):
-    code = rollout.main(["--model", "tiny-moe", "--device", "cpu", "--repeats", "3", "--conversations", "2",
-                         "--scale", "0.002", "--budgets", "64", "--schedules", "off", "--no-ablation",
-                         "--deadline-s", "0", "--out", str(tmp_path), "--no-progress"])
-    assert code == 0
-    result = json.loads((tmp_path / "rollout.json").read_text())
+    result = tiny_run(tmp_path, "--repeats", "3", "--scale", "0.002", "--schedules", "off", "--deadline-s", "0")
     assert "deadline" in result["stopped"]
     assert result["schedules"]["off"]["repeats"] == []
 
@@ -433,11 +436,8 @@ def test_unknown_micro_parts_are_named_before_any_work(tmp_path):
 
 
 def test_host_profile_replays_a_timed_schedule_once_more_under_cprofile(tmp_path):
-    code = rollout.main(["--model", "tiny-moe", "--device", "cpu", "--repeats", "1", "--conversations", "2",
-                         "--scale", "0.003", "--budgets", "64", "--schedules", "off,mux~ngram:3", "--no-ablation",
-                         "--host-profile", "mux~ngram:3", "--out", str(tmp_path), "--no-progress"])
-    assert code == 0
-    result = json.loads((tmp_path / "rollout.json").read_text())
+    result = tiny_run(tmp_path, "--repeats", "1", "--scale", "0.003", "--schedules", "off,mux~ngram:3",
+                      "--host-profile", "mux~ngram:3")
     profile = result["host_profile"]
     assert list(profile) == ["mux~ngram:3"] and profile["mux~ngram:3"]["finished"]
     own = profile["mux~ngram:3"]["by_own"]
@@ -447,6 +447,4 @@ def test_host_profile_replays_a_timed_schedule_once_more_under_cprofile(tmp_path
                                                       for n in cumulative)  # the replay alone, its steps inside
     assert len(result["schedules"]["mux~ngram:3"]["repeats"]) == 1  # the profiled replay is not a repeat
     with pytest.raises(SystemExit, match="not one of the timed schedules"):
-        rollout.main(["--model", "tiny-moe", "--device", "cpu", "--repeats", "1", "--conversations", "2",
-                      "--scale", "0.003", "--budgets", "64", "--schedules", "off", "--no-ablation",
-                      "--host-profile", "mux", "--out", str(tmp_path / "b"), "--no-progress"])
+        tiny_run(tmp_path / "b", "--repeats", "1", "--scale", "0.003", "--schedules", "off", "--host-profile", "mux")
