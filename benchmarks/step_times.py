@@ -6,7 +6,9 @@ step's inputs, its forward, the read-back of its samples and their bookkeeping; 
 verdicts too; a `mux` segment only its enqueue) and between them (planning, the n-gram lookups,
 the engine's loop and waits, with the part in gaps longer than `--long-gap-ms`), and, for a
 decode-only step by its decode rows (1, 2-4, 5-31, 32 and more), its median span and the median
-gap before it (its planning, with a drafting row's lookup; gaps over the limit are waits, left out). Two repeats of one
+gap before it (its planning, with a drafting row's lookup; gaps over the limit are waits, left out);
+and `mux`'s P segment records (the host's time from the end of a round's decode iteration to the
+end of the round: the segments' enqueue, during which the host issues no decode). Two repeats of one
 schedule that differ show whether the steps or what runs between them took the difference. Left
 out: the device's own time (records hold host clocks only), so a step's host and device parts
 are not told apart: where decode is issued ahead (plain schedules on the CUDA runner) the host
@@ -49,6 +51,8 @@ def summarize(records: Sequence[StepRecord], long_gap_s: float = 0.005) -> dict[
         before = [gaps[i] for i in picked if i and gaps[i] <= long_gap_s]
         out[f"rows_{_bucket(lo, hi)}"] = {"n": len(spans), "median_ms": _median_ms(spans),
                                           "gap_ms": _median_ms(before)}
+    segments = [r.end - r.start for r in recs if r.epoch is not None and r.prefill_tokens]
+    out["segments"] = {"n": len(segments), "median_ms": _median_ms(segments), "total_s": sum(segments)}
     return out
 
 
@@ -79,8 +83,18 @@ def table(times: dict[str, list[dict[str, Any]]]) -> str:
              num(r["between_s"], ".2f"), num(r["long_gaps_s"], ".2f")]
             + [f"{r[f'rows_{b}']['n']}, {num(r[f'rows_{b}']['median_ms'], '.2f')}, "
                f"{num(r[f'rows_{b}'].get('gap_ms'), '.2f')}" for b in buckets]
+            + [_segments(r.get("segments"))]
             for name, reps in times.items() for r in reps]
-    return markdown(head + [f"{b} rows: n, median ms, gap before ms" for b in buckets], rows)
+    return markdown(head + [f"{b} rows: n, median ms, gap before ms" for b in buckets]
+                    + ["mux P segments: n, median ms, total s"], rows)
+
+
+def _segments(seg: dict[str, Any] | None) -> str:
+    from benchmarks.report import num
+
+    if not seg or not seg["n"]:
+        return "-"
+    return f"{seg['n']}, {num(seg['median_ms'], '.2f')}, {num(seg['total_s'], '.2f')}"
 
 
 def profile_table(result: dict[str, Any], top: int = 15) -> str:
