@@ -454,6 +454,7 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str,
     signal.setitimer(signal.ITIMER_REAL, limit)
     started = time.perf_counter()
     counter = CompileCounter()
+    allocator = allocator_counts(args.device)
     details: dict[str, Any] = {}
     try:
         with counter, profiler if profiler is not None else contextlib.nullcontext():
@@ -481,6 +482,7 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str,
         prefill_capture_error=getattr(runner, "prefill_capture_error", None),
         attention_backend=getattr(getattr(runner, "kernels", None), "name", None),
         expert_small_kernel=_expert_small(run.model), runner_stats=dict(getattr(runner, "stats", {})),
+        allocator={k: v - allocator[k] for k, v in allocator_counts(args.device).items()},
         engine_stats={"steps": stats.steps, "decode_iterations": stats.decode_iterations,
                       "prefill_tokens": stats.prefill_tokens, "decode_tokens": stats.decode_tokens,
                       "preemptions": stats.preemptions, "mean_decode_wait_ms": stats.mean_decode_wait_ms,
@@ -493,6 +495,19 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str,
     if args.device != "cpu":
         torch.cuda.empty_cache()
     return result
+
+
+ALLOCATOR_COUNTS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_ooms")
+"""torch's CUDA caching allocator counters kept per replay: its cudaMalloc and cudaFree calls, and
+the times it ran out, freed its cached blocks and retried, which waits for the whole device."""
+
+
+def allocator_counts(device: str) -> dict[str, int]:
+    """`ALLOCATOR_COUNTS` as they stand now on `device` (CUDA; {} elsewhere)."""
+    if not device.startswith("cuda"):
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTS}
 
 
 def _window(events, seconds: float) -> list[list]:

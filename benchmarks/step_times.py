@@ -8,7 +8,9 @@ the engine's loop and waits, with the part in gaps longer than `--long-gap-ms`),
 decode-only step by its decode rows (1, 2-4, 5-31, 32 and more), its median span and the median
 gap before it (its planning, with a drafting row's lookup; gaps over the limit are waits, left out);
 and `mux`'s P segment records (the host's time from the end of a round's decode iteration to the
-end of the round: the segments' enqueue, during which the host issues no decode). Two repeats of one
+end of the round: the segments' enqueue, during which the host issues no decode); and, where the
+run kept them (CUDA), the caching allocator's cudaMalloc and cudaFree calls and retries in the
+replay: a retry frees cached blocks, which waits for the whole device. Two repeats of one
 schedule that differ show whether the steps or what runs between them took the difference. Left
 out: the device's own time (records hold host clocks only), so a step's host and device parts
 are not told apart: where decode is issued ahead (plain schedules on the CUDA runner) the host
@@ -69,7 +71,8 @@ def step_times(result: dict[str, Any], schedules: Sequence[str] | None = None,
             continue
         for rep in entry.get("repeats", []):
             if rep.get("steps") and rep.get("report"):
-                row = {"repeat": rep.get("repeat"), "makespan_s": rep["report"]["makespan_s"]}
+                row = {"repeat": rep.get("repeat"), "makespan_s": rep["report"]["makespan_s"],
+                       "allocator": rep.get("allocator") or None}
                 out.setdefault(name, []).append(row | summarize(from_columns(rep["steps"]), long_gap_s))
     return out
 
@@ -83,10 +86,17 @@ def table(times: dict[str, list[dict[str, Any]]]) -> str:
              num(r["between_s"], ".2f"), num(r["long_gaps_s"], ".2f")]
             + [f"{r[f'rows_{b}']['n']}, {num(r[f'rows_{b}']['median_ms'], '.2f')}, "
                f"{num(r[f'rows_{b}'].get('gap_ms'), '.2f')}" for b in buckets]
-            + [_segments(r.get("segments"))]
+            + [_segments(r.get("segments")), _allocator(r.get("allocator"))]
             for name, reps in times.items() for r in reps]
     return markdown(head + [f"{b} rows: n, median ms, gap before ms" for b in buckets]
-                    + ["mux P segments: n, median ms, total s"], rows)
+                    + ["mux P segments: n, median ms, total s", "cudaMalloc / cudaFree / retries"], rows)
+
+
+def _allocator(counts: dict[str, int] | None) -> str:
+    """The caching allocator's device calls in the replay (`benchmarks.rollout`'s `allocator`)."""
+    if not counts:
+        return "-"
+    return " / ".join(str(counts.get(k, "-")) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries"))
 
 
 def _segments(seg: dict[str, Any] | None) -> str:

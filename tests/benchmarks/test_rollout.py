@@ -106,6 +106,7 @@ def test_timed_replays_keep_their_step_records_and_the_trace(run):
             prefill = sum(rec.prefill_tokens for rec in records)
             assert (decode, prefill) == (r["engine_stats"]["decode_tokens"], r["engine_stats"]["prefill_tokens"])
             assert json.dumps(r["steps"], separators=(",", ":")) in text  # one line, not one value a line
+            assert r["allocator"] == {}  # the CUDA caching allocator's counters: none on the CPU
     for r in result["sweep"]["32"].values():
         assert "steps" not in r
 
@@ -448,3 +449,17 @@ def test_host_profile_replays_a_timed_schedule_once_more_under_cprofile(tmp_path
     assert len(result["schedules"]["mux~ngram:3"]["repeats"]) == 1  # the profiled replay is not a repeat
     with pytest.raises(SystemExit, match="not one of the timed schedules"):
         tiny_run(tmp_path / "b", "--repeats", "1", "--scale", "0.003", "--schedules", "off", "--host-profile", "mux")
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_allocator_counts_see_a_fresh_device_allocation():
+    import torch
+
+    torch.cuda.empty_cache()
+    before = rollout.allocator_counts("cuda")
+    block = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")  # 256 MiB: not in an empty cache
+    after = rollout.allocator_counts("cuda")
+    del block
+    assert set(before) == set(rollout.ALLOCATOR_COUNTS)
+    assert after["num_device_alloc"] >= before["num_device_alloc"] + 1 and after["num_ooms"] == before["num_ooms"]

@@ -41,7 +41,8 @@ def test_mux_segments_are_summed_apart():
 
 def test_main_reads_a_rollout_result_and_prints_one_row_per_repeat(tmp_path, capsys):
     result = {"schedules": {"mux": {"repeats": [
-        {"repeat": 0, "report": {"makespan_s": 0.05}, "steps": to_columns(RECORDS)},
+        {"repeat": 0, "report": {"makespan_s": 0.05}, "steps": to_columns(RECORDS),
+         "allocator": {"num_device_alloc": 3, "num_device_free": 1, "num_alloc_retries": 1, "num_ooms": 0}},
         {"repeat": 1, "report": {"makespan_s": 0.06}, "steps": to_columns(RECORDS[1:])}]},
         "off": {"repeats": [{"repeat": 0, "report": {"makespan_s": 0.07}}]}}}  # no records: left out
     path = tmp_path / "rollout.json"
@@ -49,6 +50,7 @@ def test_main_reads_a_rollout_result_and_prints_one_row_per_repeat(tmp_path, cap
     assert step_times.main([str(path), "--out", str(tmp_path / "t.json")]) == 0
     rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| mux")]
     assert len(rows) == 2 and rows[0].startswith("| mux | 0 | 0.05 | 6 |")
+    assert rows[0].endswith("| 3 / 1 / 1 |") and rows[1].endswith("| - |")  # the allocator, where kept
     assert json.loads((tmp_path / "t.json").read_text())["mux"][1]["records"] == 5
     assert step_times.main([str(path), "--schedules", "off"]) == 1  # nothing to show
 
