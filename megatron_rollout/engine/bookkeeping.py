@@ -477,56 +477,47 @@ class RequestTable:
         """Advance a live owner's request by its sampled token (`draws(owner)` of them: the first
         is its own, the others fork its samples); the outputs of the requests that finished."""
         req = owner.request
-        self._land(req, owner.context, version, 1, req.stage is Stage.PREFILL)
+        self._land(req, owner.context, version)
         children = self._fork(req, len(drawn), now) if len(drawn) > 1 else []
-        outs = []
-        for r, d in zip([req, *children], drawn, strict=True):
-            self._append(r, [d], version, now)
-            outs += self._end(r, d.token)
-        return outs
+        outs = [self._advance(r, d, version, now) for r, d in zip([req, *children], drawn, strict=True)]
+        return [out for out in outs if out is not None]
 
     def accept_run(self, owner: SampleOwner, drawn: Sequence[Sampled], version: int, now: float
                    ) -> list[RequestOutput]:
         """Advance a live owner's request by `drawn` in turn, at positions `owner.context`, + 1, ... (a
         verified row's kept drafts and the target's token), up to the first that finishes it: what
-        `accept` of one token at a time does (one token forks nothing), in one pass over the run."""
-        if not drawn:
-            return []
+        `accept` of one token at a time does (one token forks nothing)."""
         req = owner.request
-        taken = next((j + 1 for j, d in enumerate(drawn) if self._stop_reason(req, d.token, more=j + 1)), len(drawn))
-        prefill = req.stage is Stage.PREFILL
-        self._append(req, drawn[:taken], version, now)
-        self._land(req, owner.context + taken - 1, version, taken, prefill)
-        return self._end(req, drawn[taken - 1].token)
+        for j, d in enumerate(drawn):
+            self._land(req, owner.context + j, version)
+            if (out := self._advance(req, d, version, now)) is not None:
+                return [out]
+        return []
 
-    def _land(self, req: Request, context: int, version: int, tokens: int, prefill: bool) -> None:
-        """`tokens` samples of `req` complete `context` positions, the first of them a prompt's last
-        position where `prefill`: they are computed (a prompt's last one promotes its blocks), and
-        its newly full blocks are offered to the prefix cache."""
+    def _land(self, req: Request, context: int, version: int) -> None:
+        """A sample of `req` completes `context` positions: they are computed (a prompt's last one
+        promotes its blocks), and its newly full blocks are offered to the prefix cache."""
         seq = req.seq
         seq.computed = context
-        if prefill:
+        if req.stage is Stage.PREFILL:
             self.pool.promote(seq.sid)
-        self.stats.decode_tokens += tokens - 1 if prefill else tokens
+        else:
+            self.stats.decode_tokens += 1
         self.prefix.offer(seq, version)
 
-    def _append(self, req: Request, drawn: Sequence[Sampled], version: int, now: float) -> None:
+    def _advance(self, req: Request, drawn: Sampled, version: int, now: float) -> RequestOutput | None:
         seq = req.seq
         if req.stage is not Stage.WAITING:
             req.stage, req.ready_at = Stage.DECODE, now
         req.first_token = req.first_token or now
-        tokens = [d.token for d in drawn]
-        req.output += tokens
-        req.logprobs += [d.logprob for d in drawn]
-        req.versions += [version] * len(drawn)
-        req.top_logprobs += [d.top for d in drawn if d.top is not None]
-        seq.tokens += tokens
-
-    def _end(self, req: Request, token: int) -> list[RequestOutput]:
-        """The request's output if `token`, its last, finishes it (none while its group runs on)."""
-        reason = self._stop_reason(req, token)
-        out = None if reason is None else self.finish(req, reason)
-        return [out] if out is not None else []
+        req.output.append(drawn.token)
+        req.logprobs.append(drawn.logprob)
+        req.versions.append(version)
+        if drawn.top is not None:
+            req.top_logprobs.append(drawn.top)
+        seq.tokens.append(drawn.token)
+        reason = self._stop_reason(req, drawn.token)
+        return None if reason is None else self.finish(req, reason)
 
     def _fork(self, req: Request, n: int, now: float) -> list[Request]:
         """Samples 1..n-1 of `req`, whose prompt is computed: each on a new sequence (`BlockPool.fork`;
@@ -559,12 +550,11 @@ class RequestTable:
             children.append(r)
         return children
 
-    def _stop_reason(self, req: Request, token: int, more: int = 0) -> FinishReason | None:
-        """Why `token` ends the request, `more` tokens from now (it among them), or None."""
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         p = req.params
         if token in p.stop_token_ids and not p.ignore_stop:
             return FinishReason.STOP
-        return FinishReason.LENGTH if self.at_length(req, more) else None
+        return FinishReason.LENGTH if self.at_length(req) else None
 
     def at_length(self, req: Request, more: int = 0) -> bool:
         """The request has its last token by length once `more` further tokens are accepted."""
