@@ -182,17 +182,18 @@ def test_prompt_logprobs_split_the_prompt_into_scoring_rows():
     assert table.stats.prefill_tokens == 9
 
 
-@pytest.mark.parametrize("limit", [3, 9])
-def test_a_run_of_tokens_is_accepted_as_one_token_at_a_time(make_engine, qwen, limit):
+@pytest.mark.parametrize("limit, stop", [(3, ()), (9, ()), (9, (13,))])
+def test_a_run_of_tokens_is_accepted_as_one_token_at_a_time(make_engine, qwen, limit, stop):
     """`RequestTable.accept_run` (a verified row's kept drafts and the target's token) leaves the
     request, its sequence, its prefix-cache registrations and the counters as `accept` called once a
-    token does, and stops at the token that finishes the request (`limit` new tokens)."""
+    token does, and stops at the token that finishes the request (`limit` new tokens, or a `stop`
+    token)."""
     from megatron_rollout.engine.bookkeeping import SampleOwner
     from megatron_rollout.engine.request import Sampled
 
     _, model = qwen
     prompt = prompts([9], seed=5)[0]
-    params = SamplingParams(temperature=0.0, max_new_tokens=limit, ignore_stop=True)
+    params = SamplingParams(temperature=0.0, max_new_tokens=limit, ignore_stop=not stop, stop_token_ids=stop)
     drawn = [Sampled(t, -0.5 - t / 100) for t in (11, 12, 13, 14, 15, 16)]
     states = []
     for run in (True, False):
@@ -217,5 +218,7 @@ def test_a_run_of_tokens_is_accepted_as_one_token_at_a_time(make_engine, qwen, l
     output, _, _, computed, registered, _, finished = states[0]
     if limit == 3:  # the first token plus two of the run: the third of the run is never taken
         assert output == [output[0], 11, 12] and finished and finished[0][1] is FinishReason.LENGTH
+    elif stop:  # the run's third token stops it
+        assert output[1:] == [11, 12, 13] and finished and finished[0][1] is FinishReason.STOP
     else:
         assert output[1:] == [11, 12, 13, 14, 15, 16] and not finished and registered == computed // 4
