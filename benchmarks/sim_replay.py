@@ -133,7 +133,8 @@ def measured_overlaps(pd_overlap: dict) -> dict[tuple[str, int], Overlap]:
         for run in pd_overlap.get("runs", []):
             if run.get("method") == method and "error" not in run and run.get("split"):
                 held = int(run["split"].split("/")[1])
-                out[(partition, held)] = Overlap(max(1.0, run["decode_factor"]), max(1.0, run["prefill_factor"]))
+                out[(partition, held)] = Overlap(max(1.0, run["decode_factor"]), max(1.0, run["prefill_factor"]),
+                                                 max(1.0, run.get("prefill_partition_factor", 1.0)))
     return out
 
 

@@ -40,10 +40,15 @@ class Overlap:
     prefill_factor: float
     """Prefill's time beside decode over its time alone on the whole device (>= 1); measured
     there too."""
+    alone_factor: float = 1.0
+    """Prefill's time with no decode beside it over its time alone on the whole device (>= 1): with
+    SMs held back from prefill (`RunnerConfig.decode_sms`) it still runs on its partition
+    (`benchmarks.pd_overlap`'s `prefill_partition_factor`). 1: it has the whole device."""
 
     def __post_init__(self) -> None:
         _positive("Overlap", "decode_factor", self.decode_factor, 1.0)
         _positive("Overlap", "prefill_factor", self.prefill_factor, 1.0)
+        _positive("Overlap", "alone_factor", self.alone_factor, 1.0)
 
     def step_s(self, decode_s: float, prefill_left_s: float) -> tuple[float, float]:
         """(seconds the step takes, prefill seconds-alone it completes) for a decode iteration of

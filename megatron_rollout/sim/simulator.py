@@ -337,8 +337,9 @@ class Simulator:
                 if hold:
                     segment = min(segment, self.levers.segment_cap_s(decode_s))
                 ep.left_s -= segment
-                self._record(segment, ep.part(segment), ep.index, start=self.now + decode_s)
-                seconds += segment
+                took = segment * (overlap.alone_factor if overlap is not None else 1.0)  # on its partition
+                self._record(took, ep.part(segment), ep.index, start=self.now + decode_s)
+                seconds += took
         self._advance(seconds, None)
         self._finish_decode(decode, spec)
         if ep is not None and ep.left_s <= 1e-12:

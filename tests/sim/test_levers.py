@@ -41,6 +41,9 @@ def test_overlap_runs_prefill_beside_decode():
     # prefill_factor 2: the prefill needs 10 s beside decode; A's nine iterations after B arrives end first,
     # with 4.5 s of it done; the last 0.5 s runs alone, at full speed
     assert simulate(TWO, UNIT, config(overlap=Overlap(1.0, 2.0))).makespan_s == pytest.approx(5 + 1 + 9 + 0.5)
+    # alone_factor 2: B's prefill beside A's decode as before; A's own 5 s prefill, with no decode beside
+    # it, runs on its partition in 10 s
+    assert simulate(TWO, UNIT, config(overlap=Overlap(1.0, 1.0, 2.0))).makespan_s == pytest.approx(15.0 + 5.0)
     with pytest.raises(ValueError, match="need the mux schedule"):
         config("off", overlap=Overlap(1.0, 1.0))
     with pytest.raises(ValueError, match="decode_factor must be a number >= 1"):
