@@ -46,9 +46,11 @@ for s, v in d.get('verify', {}).items(): print(s, sorted((round(x['ms'] * 1e3, 1
     partition)  # SMs held back from prefill (`RunnerConfig.decode_sms`): its GPU tests, where P's kernels land,
       # and the stand-in P/D pair with P on a partition and D on an ordinary stream beside the other methods
       cd /tmp/run
-      # (also the GPU tests of fixes not yet run on a GPU: the spawned one-GPU world, a failed capture's RNG)
+      # (also the GPU tests of fixes not yet run on a GPU: the spawned one-GPU world, a failed capture's RNG,
+      # the allocator counters)
       timeout 300 python3 -m pytest -q -m gpu tests/runner/test_partition.py tests/benchmarks/test_pd_overlap.py \
         tests/kernels/test_cuda_runner.py tests/comm/test_alltoall.py tests/engine/test_samples_gpu.py \
+        tests/benchmarks/test_rollout.py \
         -p no:cacheprovider --timeout 120 -rf 2>&1 | tee "$OUT/gpu_tests.log" | tail -6
       timeout 60 python3 -m benchmarks.sm_partition --splits "${SPLITS:-116/16,108/24}" --methods driver,held --no-copy \
         --out "$OUT" > /dev/null 2>&1; python3 -c "import json; [print({k: p[k] for k in p if k != 'sm_ids'})
