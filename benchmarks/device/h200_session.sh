@@ -151,7 +151,7 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
       tail -22 "/tmp/res/$tag.log"; cp "/tmp/res/$tag/rollout.json" "$OUT/$tag.json"
       cp "/tmp/res/$tag/trace.jsonl" "$OUT/trace$n.jsonl"; cp /tmp/res/$tag/vllm*.log "$OUT/" 2>/dev/null
       python3 -c "import json; d = json.load(open('$OUT/$tag.json')); print(d.get('order'), d['vllm'].get('error'))"
-      python3 -m benchmarks.step_times "$OUT/$tag.json" --out "$OUT/$tag.step_times.json" | tail -12
+      python3 -m benchmarks.step_times "$OUT/$tag.json" --out "$OUT/$tag.step_times.json" | tail -"$([ -n "${HOST_PROFILE:-}" ] && echo 32 || echo 12)"
       python3 -m benchmarks.sim_replay "$OUT/$tag.json" --trace "$OUT/trace$n.jsonl" --out "$OUT/$tag.sim_replay.json" \
         $([ -f /tmp/res/pd_overlap.json ] && echo --overlap-from /tmp/res/pd_overlap.json) \
         ${FIT_FROM:+--fit-from "$FIT_FROM"} 2>&1 | tail -12  # FIT_FROM: an earlier run with off and chunked
