@@ -8,7 +8,8 @@ the engine's loop and waits, with the part in gaps longer than `--long-gap-ms`),
 decode-only step by its decode rows (1, 2-4, 5-31, 32 and more), its median span and the median
 gap before it (its planning, with a drafting row's lookup; gaps over the limit are waits, left out);
 and `mux`'s P segment records (the host's time from the end of a round's decode iteration to the
-end of the round: the segments' enqueue, during which the host issues no decode); and, where the
+end of the round: the segments' enqueue, during which the host issues no decode), the round that
+starts an epoch (its record holds the epoch's tokens) apart from the later ones; and, where the
 run kept them (CUDA), the caching allocator's cudaMalloc and cudaFree calls and retries in the
 replay: a retry frees cached blocks, which waits for the whole device. Two repeats of one
 schedule that differ show whether the steps or what runs between them took the difference. Left
@@ -53,8 +54,10 @@ def summarize(records: Sequence[StepRecord], long_gap_s: float = 0.005) -> dict[
         before = [gaps[i] for i in picked if i and gaps[i] <= long_gap_s]
         out[f"rows_{_bucket(lo, hi)}"] = {"n": len(spans), "median_ms": _median_ms(spans),
                                           "gap_ms": _median_ms(before)}
-    segments = [r.end - r.start for r in recs if r.epoch is not None and r.prefill_tokens]
-    out["segments"] = {"n": len(segments), "median_ms": _median_ms(segments), "total_s": sum(segments)}
+    # a `mux` epoch's rows (its tokens) are on its first segment's record: the round that starts it
+    for part, starts in (("epoch_starts", True), ("later_segments", False)):
+        spans = [r.end - r.start for r in recs if r.epoch is not None and bool(r.prefill_tokens) is starts]
+        out[part] = {"n": len(spans), "median_ms": _median_ms(spans), "total_s": sum(spans)}
     return out
 
 
@@ -85,11 +88,12 @@ def table(times: dict[str, list[dict[str, Any]]]) -> str:
     rows = [[name, str(r["repeat"]), num(r["makespan_s"], ".2f"), str(r["records"]), num(r["inside_s"], ".2f"),
              num(r["between_s"], ".2f"), num(r["long_gaps_s"], ".2f")]
             + [f"{r[f'rows_{b}']['n']}, {num(r[f'rows_{b}']['median_ms'], '.2f')}, "
-               f"{num(r[f'rows_{b}'].get('gap_ms'), '.2f')}" for b in buckets]
-            + [_segments(r.get("segments")), _allocator(r.get("allocator"))]
+               f"{num(r[f'rows_{b}']['gap_ms'], '.2f')}" for b in buckets]
+            + [_segments(r["epoch_starts"]), _segments(r["later_segments"]), _allocator(r["allocator"])]
             for name, reps in times.items() for r in reps]
     return markdown(head + [f"{b} rows: n, median ms, gap before ms" for b in buckets]
-                    + ["mux P segments: n, median ms, total s", "cudaMalloc / cudaFree / retries"], rows)
+                    + ["mux epoch starts: n, median ms, total s", "later segments: n, median ms, total s",
+                       "cudaMalloc / cudaFree / retries"], rows)
 
 
 def _allocator(counts: dict[str, int] | None) -> str:
@@ -99,10 +103,10 @@ def _allocator(counts: dict[str, int] | None) -> str:
     return " / ".join(str(counts.get(k, "-")) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries"))
 
 
-def _segments(seg: dict[str, Any] | None) -> str:
+def _segments(seg: dict[str, Any]) -> str:
     from benchmarks.report import num
 
-    if not seg or not seg["n"]:
+    if not seg["n"]:
         return "-"
     return f"{seg['n']}, {num(seg['median_ms'], '.2f')}, {num(seg['total_s'], '.2f')}"
 

@@ -1,9 +1,8 @@
 """Prefill and mixed forwards as CUDA graphs between attention calls (one rank).
 
-An eager forward launched ~430 kernels; at a few hundred tokens the host took 16-26 ms to launch
-them and the GPU waited (`bench.profile`, 2026-12-01, before the fused small ops; since them a
-256-token forward takes 3.87 ms eager and 3.80 ms piecewise, docs/kernels.md). Every P segment,
-every `off` prefill and every `chunked` mixed step paid that. Only attention depends on the spans' lengths; everything
+An eager forward launches ~430 kernels; at a few hundred tokens the host takes 16-26 ms to launch
+them and the GPU waits (`bench.profile`, 2026-12-01). Every P segment, every `off` prefill and
+every `chunked` mixed step paid that. Only attention depends on the spans' lengths; everything
 else depends on the token count alone. So per token-count bucket a forward is captured in pieces:
 piece 0 from the embedding to layer 0's attention inputs, piece l from layer l-1's attention
 output to layer l's inputs, the last piece to the logits. At replay each piece is one graph

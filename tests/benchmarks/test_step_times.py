@@ -29,14 +29,17 @@ def test_inside_between_and_the_median_forward_and_gap_by_rows():
     assert s["rows_2-4"] == {"n": 1, "median_ms": pytest.approx(4.0), "gap_ms": 0.0}  # the mixed one left out
     assert s["rows_5-31"] == {"n": 0, "median_ms": None, "gap_ms": None}
     assert s["rows_32+"] == {"n": 1, "median_ms": pytest.approx(10.0), "gap_ms": pytest.approx(1.0)}
-    assert s["segments"] == {"n": 0, "median_ms": None, "total_s": 0}  # no mux epoch here
+    assert s["epoch_starts"] == s["later_segments"] == {"n": 0, "median_ms": None, "total_s": 0}  # no mux here
 
 
-def test_mux_segments_are_summed_apart():
-    seg = [StepRecord("P", 0, 0, 1, 256, 256 * 256, 0.000, 0.004, epoch=1),
-           StepRecord("P", 0, 0, 1, 256, 256 * 256, 0.010, 0.016, epoch=1), _rec("D", 2, 0.016, 0.018)]
-    assert step_times.summarize(seg)["segments"] == {"n": 2, "median_ms": pytest.approx(5.0),
-                                                      "total_s": pytest.approx(0.010)}
+def test_an_epochs_start_and_its_later_segments_are_summed_apart():
+    # the epoch's tokens are on its first segment's record; a later one holds none
+    seg = [StepRecord("P", 0, 0, 1, 256, 256 * 256, 0.000, 0.004, epoch=1), _rec("D", 2, 0.004, 0.006),
+           StepRecord("P", 0, 0, 0, 0, 0, 0.006, 0.007, epoch=1), _rec("D", 2, 0.007, 0.009),
+           StepRecord("P", 0, 0, 0, 0, 0, 0.009, 0.012, epoch=1), _rec("D", 2, 0.012, 0.014)]
+    s = step_times.summarize(seg)
+    assert s["epoch_starts"] == {"n": 1, "median_ms": pytest.approx(4.0), "total_s": pytest.approx(0.004)}
+    assert s["later_segments"] == {"n": 2, "median_ms": pytest.approx(2.0), "total_s": pytest.approx(0.004)}
 
 
 def test_main_reads_a_rollout_result_and_prints_one_row_per_repeat(tmp_path, capsys):
