@@ -822,14 +822,22 @@ def host_profile(profiler: cProfile.Profile, top: int = PROFILE_TOP) -> dict[str
             "by_own": sorted(rows, key=lambda r: -r[2])[:top], "by_cumulative": sorted(rows, key=lambda r: -r[3])[:top]}
 
 
+def _profiled(args) -> list[str]:
+    """`--host-profile`'s schedules, each one of those the run times (or SystemExit, before any work)."""
+    specs, timed = [s.strip() for s in args.host_profile.split(",") if s.strip()], [label for label, _ in _specs(args)]
+    unknown = [s for s in specs if s not in timed]
+    if unknown or (specs and args.resume):
+        raise SystemExit(f"--host-profile {unknown or specs}: not among the timed schedules {timed}"
+                         + (" (--resume times none)" if args.resume else ""))
+    return specs
+
+
 def profile_stage(run: Run, result: dict, out: Path, trace: list, specs: list[str]) -> None:
     """One untimed replay of each of `specs` (schedules of the timed stage) under cProfile, at the
     budget the timed stage used; `result["host_profile"][spec]`. Its figures are not comparable
     with a timed replay's: the profiler slows the host's Python several times over."""
     for spec in specs:
-        entry = result["schedules"].get(spec)
-        if entry is None:
-            raise SystemExit(f"--host-profile {spec!r}: not one of the timed schedules {list(result['schedules'])}")
+        entry = result["schedules"][spec]
         if not run.fits("timed"):
             result.setdefault("host_profile", {})[spec] = {"skipped": "deadline"}
             continue
@@ -998,6 +1006,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parser().parse_args(argv)
     micro_parts = _micro_parts(args.micro_parts)  # a typo fails here, not after the model is built
+    profiled = _profiled(args)  # so does a schedule to profile that will not be timed
     t_start = time.perf_counter()
     deadline_total = t_start + args.deadline_s
     out = Path(os.path.expandvars(args.out))
@@ -1080,7 +1089,7 @@ def main(argv: list[str] | None = None) -> int:
         timed_stage(run, result, out, trace, specs, best, after)
         result["ratios"] = ratios(result)
         _write(out, result)
-        profile_stage(run, result, out, trace, [s for s in args.host_profile.split(",") if s])
+        profile_stage(run, result, out, trace, profiled)
     run.model = None
     gc.collect()
     if cuda:

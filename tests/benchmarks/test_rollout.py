@@ -447,8 +447,9 @@ def test_host_profile_replays_a_timed_schedule_once_more_under_cprofile(tmp_path
     assert cumulative[0].endswith("(replay)") and any(n.startswith("engine.py") and n.endswith("(_step)")
                                                       for n in cumulative)  # the replay alone, its steps inside
     assert len(result["schedules"]["mux~ngram:3"]["repeats"]) == 1  # the profiled replay is not a repeat
-    with pytest.raises(SystemExit, match="not one of the timed schedules"):
+    with pytest.raises(SystemExit, match="not among the timed schedules"):  # refused before any replay
         tiny_run(tmp_path / "b", "--repeats", "1", "--scale", "0.003", "--schedules", "off", "--host-profile", "mux")
+    assert not (tmp_path / "b" / "rollout.json").exists()
 
 
 @pytest.mark.gpu
