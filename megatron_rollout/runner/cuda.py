@@ -561,27 +561,28 @@ class CudaRunner:
         """The `output` graph of `bucket` captured now on `stream`, in the decode graphs' pool, and
         kept in `store`; or, if capture fails, why (and `store` emptied: its graphs stay unused)."""
         try:
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            graph = DecodeGraph(self, bucket, output)
-            graph.capture(self.model, stream, self._pool, collective=False)
+            graph = self._new_graph(bucket, output, stream, collective=False)
         except Exception as exc:
             store.clear()
             torch.cuda.synchronize(self.device)
             return f"{type(exc).__name__}: {exc}"
         store[(output, bucket)] = graph
+        return graph
+
+    def _new_graph(self, rows: int, output: DecodeOutput, stream: torch.cuda.Stream, collective: bool) -> DecodeGraph:
+        """The `output` graph of `rows` one-query rows captured now on `stream`, in the decode graphs'
+        pool; raises if the capture fails."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = DecodeGraph(self, rows, output)
+        graph.capture(self.model, stream, self._pool, collective=collective)
         self.stats["graph_captures"] += 1
         return graph
 
     def _graph(self, rows: int) -> DecodeGraph:
         graph = self._graphs.get(rows)
         if graph is None:
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            graph = DecodeGraph(self, rows)
-            graph.capture(self.model, self.d_stream, self._pool, collective=self.multi_rank)
-            self._graphs[rows] = graph
-            self.stats["graph_captures"] += 1
+            graph = self._graphs[rows] = self._new_graph(rows, DecodeOutput.LOGITS, self.d_stream, self.multi_rank)
             log.info("captured decode graph for %d rows", rows)
         return graph
 
