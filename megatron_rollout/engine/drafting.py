@@ -118,8 +118,9 @@ class _Row:
     verdict: Verdict | None
     error: str | None = None
     samples: list[Sampled] | None = None
-    """A prompt's last position drawn once per sample of an n > 1 request (`request.SampleGroup`):
-    they fork its samples, each decoding (and drafting) on its own from then on."""
+    """The plain draw's tokens, in place of a verdict: a prompt's last position drawn once per sample
+    of an n > 1 request (`request.SampleGroup`), which forks its samples, each decoding (and
+    drafting) on its own from then on; or an undrafted row's one token with its top logprobs."""
 
 
 class SpeculativeExecutor(StepExecutor):
