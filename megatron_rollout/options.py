@@ -117,6 +117,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --ngram: draft T tokens per row while at most --draft-tail-k-rows rows decode")
     p.add_argument("--draft-tail-k-rows", type=positive_int, default=None, metavar="W",
                    help="with --draft-tail-k: the most decoding rows at which it applies (default 4)")
+    p.add_argument("--draft-group", action="store_true",
+                   help="with --ngram: a row whose own context proposes nothing drafts from the other samples of "
+                        "its n > 1 request (an RL group)")
     p.add_argument("--device", default=None, help="cpu | cuda; None takes cuda when available")
     p.add_argument("--timeline", default=None, help="write a Chrome/Perfetto trace of P and D work here")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -146,7 +149,8 @@ def engine_config(args: argparse.Namespace, schedule: str | None = None) -> Engi
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
-    """`--mtp K` or `--ngram K` (not both), with `--draft-tail-rows`; None: plain decoding."""
+    """`--mtp K` or `--ngram K` (not both), with `--draft-tail-rows`, `--draft-tail-k` and `--draft-group`;
+    None: plain decoding."""
     if args.mtp and args.ngram:
         raise ValueError(f"--mtp {args.mtp} and --ngram {args.ngram} are two draft sources: pass one of them")
     if args.draft_tail_rows is not None and not (args.mtp or args.ngram):
@@ -155,8 +159,11 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
         raise ValueError("--draft-tail-k needs --ngram K (longer n-gram drafts in the tail)")
     if args.draft_tail_k_rows is not None and args.draft_tail_k is None:
         raise ValueError("--draft-tail-k-rows needs --draft-tail-k T (it says while how few rows T applies)")
+    if args.draft_group and not args.ngram:
+        raise ValueError("--draft-group needs --ngram K (a group's samples are looked up as a row's own context is)")
     if not (args.mtp or args.ngram):
         return None
     method, k = ("mtp", args.mtp) if args.mtp else ("ngram", args.ngram)
     return SpeculativeConfig(method, k, tail_rows=args.draft_tail_rows, tail_k=args.draft_tail_k,
-                             tail_k_rows=args.draft_tail_k_rows or SpeculativeConfig.tail_k_rows)
+                             tail_k_rows=args.draft_tail_k_rows or SpeculativeConfig.tail_k_rows,
+                             group=args.draft_group)

@@ -30,9 +30,13 @@ such as a turn's fresh input or a row whose output has not started looping. Ther
 searched all of a rollout's 17,000 to 60,000 tokens on every decode step, and that search ran
 between the GPU's verify forwards.
 
-Left out: drafts from other sequences (the other samples of an RL group, as Seer drafts). Each
-sample of an n > 1 request drafts from its own context only; a peer's text is a guess for this one
-only where the group's samples agree.
+Another sequence's text can guess too: the samples of one RL group answer the same prompt, and
+where they agree, a sample that lags can copy what a sibling already wrote (Seer's grouped drafts).
+`NgramIndex.follow` finds the longest match of a suffix given by the caller (the lagging sample's)
+anywhere in its own context with a token after it, in a few byte searches of the whole context once
+the n-gram filter has said the shortest suffix may occur at all. `Family` decides between a
+sample's own drafts and a sibling's, and keeps a cursor into the sibling it copies, so that a sample
+that goes on agreeing pays a list compare a step, not a search.
 """
 from __future__ import annotations
 
@@ -188,3 +192,77 @@ class NgramIndex:
             if n >= self.n_min:
                 best = int(ends[-1])
         return best
+
+    def follow(self, suffix: Sequence[int], shortest: int, longest: int) -> tuple[int, int]:
+        """(n, end): the longest n in [shortest, longest] whose last n tokens of `suffix` (another
+        sequence's) occur in this context with a token after them, and where their latest such
+        occurrence ends; (0, -1) where none does. Matches are nested (a suffix that occurs has every
+        shorter one occur), so n is bisected: a few byte searches of the whole context."""
+        size, longest = self.length, min(longest, len(suffix), self.length - 1)
+        shortest = max(shortest, self.n_min)
+        if size <= shortest or longest < shortest:
+            return 0, -1
+        self.grams.extend(self.tokens, size)  # covers every end up to size - 1: the ends a draft may follow
+        if not self.grams.may_hold(list(suffix[len(suffix) - self.n_min:])):
+            return 0, -1
+        found, stop = (0, -1), 4 * (size - 1)
+        while shortest <= longest:
+            n = (shortest + longest) // 2
+            at = self.encoded.rfind(encode(suffix[len(suffix) - n:]), 0, stop)
+            if at >= 0:
+                found, shortest = (n, at // 4 + n), n + 1
+            else:
+                longest = n - 1
+        return found
+
+
+SIBLING_MAX = 16
+"""The longest suffix sought in a sibling's context (`Family`)."""
+
+
+class Family:
+    """The samples of one RL group, each with its tokens and index, and which sibling each sample is
+    copying from (a cursor: the sibling, where in its text the copy stands, and the sample's length
+    then). A sample drafts, in this order:
+    1. on from its cursor, while the tokens it emitted since equal the sibling's text there (a few
+       list compares, however long the texts);
+    2. from its own context (`NgramIndex.propose`);
+    3. from the sibling whose context holds the longest match of its suffix, where that match is
+       longer than any own match can be (more than n_max tokens, up to `SIBLING_MAX`), or where the
+       own context proposed nothing; this sets its cursor.
+    A sibling closed or finished stays a source as long as the family is kept."""
+
+    def __init__(self) -> None:
+        self.members: dict[int, tuple[Sequence[int], NgramIndex]] = {}
+        self.cursors: dict[int, tuple[int, int, int]] = {}
+
+    def join(self, key: int, tokens: Sequence[int], index: NgramIndex) -> None:
+        """`tokens` is the member's live token list: a sibling's index is brought up to it on use."""
+        self.members[key] = (tokens, index)
+
+    def propose(self, key: int, k: int) -> tuple[tuple[int, ...], bool]:
+        """Up to k drafts for member `key` (its index synced by the caller), and whether a sibling's
+        text gave them."""
+        tokens, own = self.members[key]
+        if k <= 0:
+            return (), False
+        cursor = self.cursors.pop(key, None)
+        if cursor is not None:
+            sibling, end, held = cursor
+            text, new = self.members[sibling][0], tokens[held:]
+            if text[end:end + len(new)] == new and end + len(new) < len(text):
+                end += len(new)
+                self.cursors[key] = (sibling, end, len(tokens))
+                return tuple(text[end:end + k]), True
+        drafted = own.propose(k)
+        best = (0, -1, -1)
+        for sibling, (text, index) in self.members.items():
+            if sibling != key:
+                index.sync(text)
+                n, end = index.follow(tokens, own.n_max + 1 if drafted else own.n_min, SIBLING_MAX)
+                best = max(best, (n, end, sibling))
+        n, end, sibling = best
+        if not n:
+            return drafted, False
+        self.cursors[key] = (sibling, end, len(tokens))
+        return tuple(self.members[sibling][0][end:end + k]), True

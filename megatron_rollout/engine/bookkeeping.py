@@ -526,10 +526,12 @@ class RequestTable:
         assert group is not None and not group.forked and n == group.n, "only an unforked group draws n tokens"
         group.forked, group.live = True, n
         full, partial = seq.computed // bs, seq.computed % bs != 0
+        seq.family = seq.sid if seq.family is None else seq.family
         children = []
         for i in range(1, n):
             child = Seq(next(self._ids), list(seq.tokens), session=seq.session, last_used=now,
-                        hashes=list(seq.hashes[:full]), kv_version=seq.kv_version, registered=min(seq.registered, full))
+                        hashes=list(seq.hashes[:full]), kv_version=seq.kv_version, registered=min(seq.registered, full),
+                        family=seq.family)
             self.seqs[child.sid] = child
             copy = self.pool.fork(seq.sid, child.sid, seq.computed)
             child.computed = seq.computed if copy is not None or not partial else full * bs

@@ -143,6 +143,10 @@ class SpeculativeConfig:
     positions one run of the verify kernel (`runner.cuda.MAX_RUN`). None: k throughout."""
     tail_k_rows: int = 4
     """The most decoding rows at which `tail_k` applies."""
+    group: bool = False
+    """"ngram" only: a row whose own context proposes nothing looks its suffix up in the contexts of
+    the other samples of its n > 1 request (an RL group: `SamplingParams.n`, the sessions forked from
+    it included), open or finished, as Seer's grouped drafts do (`engine.drafting`)."""
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -162,6 +166,9 @@ class SpeculativeConfig:
             if self.method != "ngram":
                 raise ValueError(f"SpeculativeConfig.tail_k is for n-gram drafts (method 'ngram'); method "
                                  f"{self.method!r} drafts k tokens through graphs captured for k")
+        if type(self.group) is not bool or (self.group and self.method != "ngram"):
+            raise ValueError(f"SpeculativeConfig.group (drafts from an RL group's other samples) is True or False "
+                             f"and needs method 'ngram', got group={self.group!r} with method {self.method!r}")
         if type(self.tail_k_rows) is not int or self.tail_k_rows <= 0:
             raise ValueError(f"SpeculativeConfig.tail_k_rows must be a positive int, got {self.tail_k_rows!r}")
 

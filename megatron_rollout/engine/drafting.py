@@ -49,7 +49,7 @@ from typing import NamedTuple
 
 import torch
 
-from megatron_rollout.drafts import NgramIndex
+from megatron_rollout.drafts import Family, NgramIndex
 from megatron_rollout.engine.api import FinishReason, RequestOutput, SamplingParams
 from megatron_rollout.engine.bookkeeping import RequestTable, SampleOwner
 from megatron_rollout.engine.config import SpeculativeConfig
@@ -144,6 +144,9 @@ class SpeculativeExecutor(StepExecutor):
         self.deferred: dict[int, Deferred] = {}
         self.contexts: dict[int, NgramIndex] = {}
         """"ngram": each sequence's tokens as the lookup holds them, by sequence id."""
+        self.families: dict[int, Family] = {}
+        """`SpeculativeConfig.group`: each RL group's sequences and their indices, by `Seq.family`; a
+        closed one's kept while its family has an open one: its text is what the family's laggards copy."""
         self.unserved: dict[str, str] = {}
         """What a request may not ask for under this executor (`RequestTable.unserved`). n-gram drafting
         serves everything: a request for top logprobs decodes undrafted, prompt logprobs are scored."""
@@ -177,11 +180,20 @@ class SpeculativeExecutor(StepExecutor):
             req = self.table.requests[rid]
             if req.params.logprobs is not None:  # its top logprobs come from the plain draw: never drafted
                 continue
-            context = self.contexts.get(req.seq.sid)
+            seq, budget = req.seq, self._budget(req, 0, k)
+            family = self.families.get(seq.family) if self.config.group and seq.family is not None else None
+            context = self.contexts.get(seq.sid)
             if context is None:
-                context = self.contexts[req.seq.sid] = NgramIndex(self.config.ngram_min, self.config.ngram_max)
-            context.sync(req.seq.tokens)
-            drafted = context.propose(self._budget(req, 0, k))
+                context = self.contexts[seq.sid] = NgramIndex(self.config.ngram_min, self.config.ngram_max)
+                if self.config.group and seq.family is not None:
+                    family = self.families.setdefault(seq.family, Family())
+                    family.join(seq.sid, seq.tokens, context)
+            context.sync(seq.tokens)
+            if family is not None:
+                drafted, copied = family.propose(seq.sid, budget)
+                self.stats.copied_drafts += len(drafted) if copied else 0
+            else:
+                drafted = context.propose(budget)
             if drafted:
                 self.drafts[rid] = Draft(req.lifetime, drafted, None)
             else:
@@ -407,7 +419,11 @@ class SpeculativeExecutor(StepExecutor):
             for rid in [rid for rid, e in entries.items()
                         if (req := self.table.requests.get(rid)) is None or req.lifetime != e.lifetime]:
                 del entries[rid]
-        for sid in [sid for sid in self.contexts if sid not in self.table.seqs]:
+        gone = [sid for sid in self.contexts if sid not in self.table.seqs]
+        for sid in gone:
             del self.contexts[sid]
+        for key in {f for f, family in self.families.items() if any(sid in family.members for sid in gone)}:
+            if not any(sid in self.table.seqs for sid in self.families[key].members):
+                del self.families[key]
         self._copy_blocks()  # the forks' partial blocks, before the next forward reads them
         return outs

@@ -37,6 +37,9 @@ class Seq:
     generated: int = 0
     """Tokens those requests generated."""
     forks: list["Seq"] = field(default_factory=list)  # a session's samples 1..n-1 not yet taken (`Session.forks`)
+    family: int | None = None
+    """The sequence id of sample 0 where this sequence holds a sample of an n > 1 request (it or one
+    forked from it, and the session going on there): the RL group whose text its drafts may copy."""
 
     def reset_kv(self) -> None:
         self.computed, self.registered, self.kv_version = 0, 0, None

@@ -27,6 +27,9 @@ class EngineStats:
     """Speculative decoding (`engine.drafting`): drafted tokens verified by a decode iteration."""
     accepted_tokens: int = 0
     """Of those, the ones the target accepted."""
+    copied_drafts: int = 0
+    """Tokens an n-gram lookup proposed from a sibling sample's context (`SpeculativeConfig.group`),
+    before the plan cut them to the room it gave."""
 
     @property
     def acceptance_rate(self) -> float:

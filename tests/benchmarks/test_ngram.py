@@ -1,10 +1,13 @@
 """`benchmarks.ngram` on CPU: a periodic text is drafted right every time, a text that never repeats
-proposes nothing, and the whole benchmark runs on a one-conversation trace."""
+proposes nothing, a group's laggard copies samples that agree, and the whole benchmark runs on a
+one-conversation trace."""
 from __future__ import annotations
+
+import random
 
 import pytest
 
-from benchmarks.ngram import main, replay_text
+from benchmarks.ngram import main, replay_group, replay_text
 
 
 def test_text_acceptance_is_one_on_a_period_and_nothing_where_nothing_repeats():
@@ -16,8 +19,21 @@ def test_text_acceptance_is_one_on_a_period_and_nothing_where_nothing_repeats():
 
 @pytest.mark.timeout(300)
 def test_the_benchmark_runs(tmp_path):
-    report = main(["--conversations", "1", "--scale", "0.01", "--out", str(tmp_path / "ngram.json")])
+    pytest.importorskip("matplotlib")
+    report = main(["--conversations", "1", "--scale", "0.01", "--out", str(tmp_path / "ngram.json"),
+                   "--plot", str(tmp_path / "group.png")])
     trace = report["trace"]
     assert trace["plain"]["decode_tokens"] == trace["ngram-k4"]["decode_tokens"] > 0
     assert report["text"]["a passage said 3 times"]["acceptance_rate"] > 0.5  # 0.70 measured (docs/benchmarks.md)
-    assert (tmp_path / "ngram.json").exists()
+    group = report["group"]["0.01"]  # 1,154 own against 461 group iterations measured (docs/benchmarks.md)
+    assert group["group"]["decode_iterations"] < 0.6 * group["own"]["decode_iterations"]
+    assert (tmp_path / "ngram.json").exists() and (tmp_path / "group.png").stat().st_size > 0
+
+
+def test_a_laggard_copies_siblings_that_agree_and_less_as_they_differ():
+    text = random.Random(0).sample(range(10_000), 400)  # no token twice: its own context proposes nothing
+    same = replay_group(text, 0.0, 4, 2, 4, prompt=100, answer=300)
+    assert same["group"]["acceptance_rate"] == 1.0 and same["group"]["decode_iterations"] == 300 // 5
+    assert same["own"]["decode_iterations"] > 2 * same["group"]["decode_iterations"]
+    apart = replay_group(text, 0.2, 4, 2, 4, prompt=100, answer=300)
+    assert same["group"]["decode_iterations"] < apart["group"]["decode_iterations"] <= apart["own"]["decode_iterations"]

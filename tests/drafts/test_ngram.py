@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_rollout.drafts import NgramIndex
+from megatron_rollout.drafts import Family, NgramIndex
 
 
 def brute(tokens: list[int], k: int, n_min: int, n_max: int) -> tuple[int, ...]:
@@ -134,3 +134,57 @@ def test_a_context_that_never_repeats_is_not_searched_and_one_that_does_far_back
     tokens += tokens[100:103]  # a 3-gram of 5,000 tokens back: past the recent bytes, found by the search
     index.sync(tokens)
     assert index.propose(4) == brute(tokens, 4, 2, 4) == tuple(tokens[103:107])
+
+
+def brute_follow(tokens: list[int], suffix: list[int], shortest: int, longest: int) -> tuple[int, int]:
+    """`follow`'s definition, searched naively: longest n first, the latest end with a token after it."""
+    for n in range(min(longest, len(suffix)), shortest - 1, -1):
+        for end in range(len(tokens) - 1, n - 1, -1):
+            if tokens[end - n:end] == suffix[len(suffix) - n:]:
+                return n, end
+    return 0, -1
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(EDGES[:4]), max_size=50), st.lists(st.sampled_from(EDGES[:4]), max_size=12),
+       st.integers(1, 3), st.integers(0, 2), st.integers(0, 8), st.integers(0, 50))
+def test_a_suffix_from_elsewhere_follows_what_a_search_of_the_whole_list_finds(tokens, suffix, n_min, extra, more, cut):
+    """Another sequence's suffix (an RL group's sibling drafting from this one): matched anywhere with
+    a token after it, the longest in the range asked (bisected); the filter never hides a match."""
+    index = NgramIndex(n_min, n_min + extra)
+    index.sync(tokens[:cut])  # grown in two steps: the filter is brought up to date by `follow` itself
+    index.sync(tokens)
+    shortest = n_min + extra // 2
+    assert index.follow(suffix, shortest, shortest + more) == brute_follow(tokens, suffix, shortest, shortest + more)
+
+
+def family(*texts: list[int]) -> Family:
+    group = Family()
+    for key, text in enumerate(texts):
+        index = NgramIndex(2, 4)
+        index.sync(text)
+        group.join(key, text, index)
+    return group
+
+
+def test_a_sibling_is_copied_where_it_matches_longer_and_followed_while_the_sample_agrees():
+    answer = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]
+    ahead, behind = [1, 2, 3] + answer, [1, 2, 3] + answer[:2]
+    group = family(ahead, behind)
+    assert group.propose(1, 3) == ((22, 23, 24), True)  # nothing of its own: the sibling's text
+    behind += [22, 23, 24, 25]  # the drafts and one more accepted: the cursor moves on, no search
+    group.members[0][1].follow = None  # a search would fail here
+    assert group.propose(1, 3) == ((26, 27, 28), True)
+    behind += [99]  # it no longer agrees: its own context, then a search (none matches)
+    del group.members[0][1].follow
+    group.members[1][1].sync(behind)
+    assert group.propose(1, 3) == ((), False)
+    assert group.propose(1, 0) == ((), False)
+
+
+def test_a_sample_keeps_its_own_drafts_unless_a_sibling_matches_longer_than_they_can():
+    own = [5, 6, 7, 8, 1, 5, 6, 7, 8]  # its own context proposes (1, 5, 6) from a 4-token match
+    short = [9, 7, 8, 2, 2, 2]          # a sibling matching 2 tokens: not longer
+    long_ = [4, 1, 5, 6, 7, 8, 3, 3, 3]  # a sibling matching 5 tokens (1 5 6 7 8): longer than 4
+    assert family(short, own).propose(1, 3) == ((1, 5, 6), False)
+    assert family(short, own, long_).propose(1, 3) == ((3, 3, 3), True)
