@@ -25,7 +25,9 @@ MTP layer anywhere, any model), step 3 does not exist, and a row whose context p
 decodes plainly in the same forward. The drafts are token ids with no law: q is one-hot, which
 `verify` treats exactly at any temperature. A request for n > 1 samples (an RL group sharing its
 prompt) has its prompt's last position drawn once per sample, each from the sample's generator:
-that forks the samples (`RequestTable.accept`), and each drafts from its own context from then on.
+that forks the samples (`RequestTable.accept`), and each drafts from its own context from then on;
+with `SpeculativeConfig.group` also from its siblings' text, the sessions continued from them
+included (`Seq.family`, `drafts.Family`).
 MTP drafting refuses n > 1 (one hidden state per prompt), and top and prompt logprobs. n-gram
 drafting serves both: a request for top logprobs decodes undrafted, through the plain draw, and a
 prefill's prompt positions are scored as the plain executor scores them. Under `tail_rows` the
