@@ -9,7 +9,7 @@ Three measurements, all on the CPU:
   first 2,000 bytes said three times (a context that repeats outright), byte-level as `tiny-moe`
   reads them; and the token ids `trace.make` draws for a conversation's inputs (uniformly random).
 - `group`: no model. The samples of an RL group as `SpeculativeConfig.group` drafts them: 8 texts
-  share the source file's first 1,000 bytes (the prompt) and each holds its own copy of the next
+  share the first 1,000 bytes of `PASSAGE` (the prompt) and each holds its own copy of the next
   2,000 (the answer) with a share of its bytes replaced at random (`GROUP_EDITS`). The last sample
   decodes its answer as `text` does, after the others wrote theirs: from its own context alone
   (`own`), and with the others' (`group`). How much real samples of a policy agree is not measured
@@ -40,6 +40,9 @@ from megatron_rollout.trace.make import conversation_inputs, make_trace
 from megatron_rollout.trace.replay import replay
 
 SOURCE = Path(__file__).resolve().parents[1] / "megatron_rollout" / "engine" / "drafting.py"
+PASSAGE = Path(__file__).resolve().parent / "group_passage.txt"
+"""The `group` case's text: the first 3,000 bytes of `engine/drafting.py` as of commit c013449, kept
+apart so that its figures do not move when that file is edited."""
 GROUP_EDITS = (0.0, 0.01, 0.05, 0.2)
 """Shares of an answer's tokens in which the samples of the `group` case differ."""
 
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"k": args.k, "ngram": [args.ngram_min, args.ngram_max],
               "text": {name: replay_text(tokens, len(tokens) // 2, *lookup)
                        for name, tokens in texts(args.seed, 260).items()},
-              "group": {str(e): replay_group(ByteTokenizer().encode(SOURCE.read_text()), e, *lookup, seed=args.seed)
+              "group": {str(e): replay_group(ByteTokenizer().encode(PASSAGE.read_text()), e, *lookup, seed=args.seed)
                         for e in GROUP_EDITS},
               "trace": replay_trace(args.conversations, args.seed, args.scale, *lookup)}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -197,7 +197,8 @@ class NgramIndex:
         """(n, end): the longest n in [shortest, longest] whose last n tokens of `suffix` (another
         sequence's) occur in this context with a token after them, and where their latest such
         occurrence ends; (0, -1) where none does. Matches are nested (a suffix that occurs has every
-        shorter one occur), so n is bisected: a few byte searches of the whole context."""
+        shorter one occur): the shortest is searched first (most lookups end there), then n is
+        bisected above it, a few byte searches of the whole context each."""
         size, longest = self.length, min(longest, len(suffix), self.length - 1)
         shortest = max(shortest, self.n_min)
         if size <= shortest or longest < shortest:
@@ -206,6 +207,10 @@ class NgramIndex:
         if not self.grams.may_hold(list(suffix[len(suffix) - self.n_min:])):
             return 0, -1
         found, stop = (0, -1), 4 * (size - 1)
+        at = self.encoded.rfind(encode(suffix[len(suffix) - shortest:]), 0, stop)
+        if at < 0:
+            return found
+        found, shortest = (shortest, at // 4 + shortest), shortest + 1
         while shortest <= longest:
             n = (shortest + longest) // 2
             at = self.encoded.rfind(encode(suffix[len(suffix) - n:]), 0, stop)

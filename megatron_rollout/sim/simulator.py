@@ -324,6 +324,8 @@ class Simulator:
         overlap = self.levers.overlap
         if ep is not None and decode and overlap is not None:
             seconds, done = overlap.step_s(decode_s, ep.left_s)
+            # prefill runs on its own stream through the host's gap after the iteration, alone on its SMs
+            done += min(ep.left_s - done, self.cost.gap_s / overlap.alone_factor)
             ep.left_s -= done
             part = ep.part(done)
             self._record(seconds, StepSize(d_size.decode_rows, d_size.decode_context, part.prefill_rows,

@@ -11,15 +11,8 @@ import itertools
 import pytest
 import torch
 
-from megatron_rollout.engine import (
-    EngineConfig,
-    KVConfig,
-    RolloutEngine,
-    SamplingParams,
-    SchedulerConfig,
-    SpeculativeConfig,
-    drafting,
-)
+from megatron_rollout.engine import RolloutEngine, SamplingParams, drafting
+from megatron_rollout.engine.config import EngineConfig, KVConfig, SchedulerConfig, SpeculativeConfig
 
 from .common import SCHEDULES, small
 from .test_drafting import _accept_every_draft

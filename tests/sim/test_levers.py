@@ -44,6 +44,13 @@ def test_overlap_runs_prefill_beside_decode():
     # alone_factor 2: B's prefill beside A's decode as before; A's own 5 s prefill, with no decode beside
     # it, runs on its partition in 10 s
     assert simulate(TWO, UNIT, config(overlap=Overlap(1.0, 1.0, 2.0))).makespan_s == pytest.approx(15.0 + 5.0)
+    # a 1 s host gap after each step: B's prefill runs on through it (its own stream), 2 s a round beside
+    # A's last two iterations (6-8, 8-10), its last second alone (10-11), then the gap: B ends at 12;
+    # serial mux, 15. Without the gap's progress it ended at 14.
+    gap = CostModel(decode_base_s=1.0, prefill_base_s=5.0, gap_s=1.0)
+    short = [TraceRequest("A", 0, 10, 3, 0.0), TraceRequest("B", 0, 10, 1, 6000.0)]
+    assert simulate(short, gap, config(overlap=Overlap(1.0, 1.0))).finish_of() == {"A": 10.0, "B": 12.0}
+    assert simulate(short, gap, config()).makespan_s == pytest.approx(15.0)
     with pytest.raises(ValueError, match="need the mux schedule"):
         config("off", overlap=Overlap(1.0, 1.0))
     with pytest.raises(ValueError, match="decode_factor must be a number >= 1"):
