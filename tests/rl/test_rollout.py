@@ -138,16 +138,16 @@ def test_refused_turn_truncates_only_that_episode(policy, tok):
     assert not engine.seqs
 
 
-@pytest.mark.parametrize("schedule", ["chunked", "mux"])
-def test_groups_under_ngram_drafts_share_their_prompt_and_keep_honest_logprobs(policy, tok, schedule):
-    """The RL loop's groups (n samples of one prompt) under n-gram drafting, sampled at temperature 1:
-    nothing is refused, each group's prompt is prefilled once, and every generated token's logprob
-    is the trainer's."""
-    engine = _engine(policy, schedule, SpeculativeConfig("ngram", 3, ngram_min=1))
+@pytest.mark.parametrize("schedule, group", [("chunked", False), ("mux", False), ("mux", True)])
+def test_groups_under_ngram_drafts_share_their_prompt_and_keep_honest_logprobs(policy, tok, schedule, group):
+    """The RL loop's groups (n samples of one prompt) under n-gram drafting, from their own contexts
+    or (`group`) each other's too, sampled at temperature 1: nothing is refused, each group's prompt
+    is prefilled once, and every generated token's logprob is the trainer's."""
+    engine = _engine(policy, schedule, SpeculativeConfig("ngram", 3, ngram_min=1, group=group))
     result = rollout(engine, _digits(tok, groups=2, size=4), RolloutConfig(SamplingParams(max_new_tokens=12)))
     prompts = [len(tok.encode(TASKS["digits"][0](g).text)) + 1 for g in range(2)]  # + BOS
     assert result.stats.engine_errors == 0 and result.stats.prefill_tokens == sum(prompts)
-    assert engine.stats.drafted_tokens > 0
+    assert engine.stats.drafted_tokens > 0 and (engine.stats.copied_drafts > 0) == group
     batch = collate(result.trajectories, tok.pad_id)
     trainer = NativeTrainer(policy, torch.optim.SGD(policy.parameters(), lr=0.0), LossConfig())
     m = batch.loss_mask.bool()
