@@ -82,13 +82,15 @@ def test_ngram_greedy_tokens_equal_one_process_plain_decoding(atp: int, adp: int
 
 @pytest.mark.timeout(600)  # two processes on a shared 2-core machine
 def test_ngram_samples_of_one_prompt_fork_alike_on_atp_peers() -> None:
-    """n > 1 under n-gram drafts at ATP 2: the leader forks the samples and its peer mirrors them;
-    greedy samples are one process's plain tokens."""
+    """n > 1 under n-gram drafts at ATP 2, from each sample's own context and (`mux`) the group's: the
+    leader forks the samples and its peer mirrors them; greedy samples are one process's plain tokens."""
     params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_stop=True, n=2)
     plain = RolloutEngine(MoETransformer(CFG.replace(mtp_num_layers=0)).init_weights(seed=0, std=0.3),
                           _config("chunked", None))
     want = [r.token_ids for r in plain.generate(PROMPTS[:2], params)]
-    runs = (("chunked", SpeculativeConfig("ngram", 3, ngram_min=1)),)
+    runs = (("chunked", SpeculativeConfig("ngram", 3, ngram_min=1)),
+            ("mux", SpeculativeConfig("ngram", 3, ngram_min=1, group=True)))
     got = run_world(_world, 2, 2, 1, runs, 0, PROMPTS[:2], params, timeout=480)
-    assert got[0]["chunked"] == want and len(want) == 4
-    assert got[0]["chunked drafted"] > 0 and got[0]["chunked drafted"] == got[1]["chunked drafted"]
+    for schedule, _ in runs:
+        assert got[0][schedule] == want and len(want) == 4, schedule
+        assert got[0][f"{schedule} drafted"] > 0 and got[0][f"{schedule} drafted"] == got[1][f"{schedule} drafted"]
