@@ -324,12 +324,14 @@ class Simulator:
         overlap = self.levers.overlap
         if ep is not None and decode and overlap is not None:
             seconds, done = overlap.step_s(decode_s, ep.left_s)
-            # prefill runs on its own stream through the host's gap after the iteration, alone on its SMs
-            done += min(ep.left_s - done, self.cost.gap_s / overlap.alone_factor)
             ep.left_s -= done
             part = ep.part(done)
             self._record(seconds, StepSize(d_size.decode_rows, d_size.decode_context, part.prefill_rows,
                                            part.prefill_tokens, part.prefill_pairs), ep.index)
+            # through the host's gap after the iteration prefill runs on, on its own stream, alone on its SMs
+            if (more := min(ep.left_s, self.cost.gap_s / overlap.alone_factor)) > 0:
+                ep.left_s -= more
+                self._record(more * overlap.alone_factor, ep.part(more), ep.index, start=self.now + seconds)
         else:
             seconds = decode_s
             if decode:
