@@ -8,7 +8,8 @@ overlapped, so it is worth timing by itself, on any machine:
   model), every request decoding: the engine's own host time per step at a batch size.
 - `fill`: `StaticDecodeLayout.fill` of a decode batch, full (every table entry converted from
   Python ints each step) against keyed (`SpanInput.key`: only a table's new entries), at long
-  and short contexts.
+  and short contexts. `verify fill`: the same for a verify forward's one-query rows, each row
+  drafting 0 to 4 tokens, a new count every step (the rows after it move).
 - `sample`: `sampler.sample` of a batch of rows over a 151,936-token vocabulary (Qwen3's), greedy
   against temperature 1, interleaved (on a GPU the draws run on the device; here on the CPU).
 - `lookup`: one n-gram lookup and the sync of one new token (`drafts.NgramIndex.propose`, `sync`),
@@ -150,14 +151,17 @@ def drafting_step_ms(rows: int, drafts: int = 4, steps: int = 40, repeats: int =
             for key, v in samples.items()}
 
 
-def fill_ms(rows: int, blocks: int, steps: int = 40, repeats: int = 5) -> dict[str, dict[str, float]]:
+def fill_ms(rows: int, blocks: int, steps: int = 40, repeats: int = 5, drafts: int = 0) -> dict[str, dict[str, float]]:
     """Host ms per `StaticDecodeLayout.fill` of `rows` rows of `blocks`-entry tables, every row
-    gaining a block every 16 steps, full against keyed, interleaved."""
+    gaining a block every 16 steps, full against keyed, interleaved. `drafts` > 0: a verify forward's
+    fill, as the CUDA runner makes it (`runner.speculative.flatten`): each row drafts 0 to `drafts`
+    tokens, a new count every step, so the one-query rows after it move up or down."""
+    from megatron_rollout.runner.speculative import flatten
+
     rng = np.random.default_rng(0)
     tables = [[int(b) for b in rng.integers(0, 1 << 20, blocks)] for _ in range(rows)]
-    keys = [(r, 0) for r in range(rows)]
-    layouts = {m: StaticDecodeLayout(rows, blocks + steps, 16, PortableAttention(), 32, 4, 128, torch.device("cpu"),
-                                     132) for m in ("full", "keyed")}
+    layouts = {m: StaticDecodeLayout(rows * (1 + drafts), blocks + steps, 16, PortableAttention(), 32, 4, 128,
+                                     torch.device("cpu"), 132, max_run=1 + drafts) for m in ("full", "keyed")}
     samples: dict[str, list[float]] = {m: [] for m in layouts}
     for _ in range(repeats):
         for mode, layout in layouts.items():
@@ -166,9 +170,12 @@ def fill_ms(rows: int, blocks: int, steps: int = 40, repeats: int = 5) -> dict[s
                 if step % 16 == 0:
                     for table in tables:
                         table.append(int(rng.integers(0, 1 << 20)))
-                spans = [SeqSpan(tuple(t), 16 * len(t) - 1, 1) for t in tables]
+                counts = rng.integers(0, drafts + 1, rows).tolist()
+                flat = flatten([SpanInput(SeqSpan(tuple(t), 16 * len(t) - 1, 1 + d), [1] * (1 + d), True, (r, 0))
+                                for r, (t, d) in enumerate(zip(tables, counts))])
                 t0 = time.perf_counter()
-                layout.fill(spans, [1] * rows, keys if mode == "keyed" else None)
+                layout.fill([f.span for f in flat], [1] * len(flat), [f.key for f in flat] if mode == "keyed" else None,
+                            [1 + d for d in counts] if drafts else None)
                 spent += time.perf_counter() - t0
             samples[mode].append(spent / steps * 1e3)
     return {m: _summary(v) for m, v in samples.items()}
@@ -209,7 +216,9 @@ def compare(folder: Path) -> str:
         return spread(statistics.median(xs), min(xs), max(xs), spec)
 
     rows = []
-    for stage, unit, spec, what in (("drafting_step_ms", "ms", ".3f", "rows"), ("lookup_us", "us", ".1f", "tokens")):
+    for stage, unit, spec, what in (("drafting_step_ms", "ms", ".3f", "rows"), ("lookup_us", "us", ".1f", "tokens"),
+                                    ("fill_ms", "ms", ".3f", "rows x entries"),
+                                    ("verify_fill_ms", "ms", ".3f", "rows x entries")):
         for size, variants in runs["before"][0].get(stage, {}).items():
             for variant in variants:
                 rows.append([f"{stage.rsplit('_', 1)[0].replace('_', ' ')}, {unit}", f"{size} {what}", variant,
@@ -221,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.host", description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,16,64,256", help="decode batch sizes of the engine stage")
     ap.add_argument("--fill", default="16x1300,64x1300,64x128", help="rows x table entries of the fill stage")
+    ap.add_argument("--verify-fill", default="16x1300,16x3750,64x1300",
+                    help="rows x table entries of the verify fill stage (up to 4 drafts a row; '' skips it)")
     ap.add_argument("--sample", default="1,16,64", help="batch sizes of the sample stage ('' skips it)")
     ap.add_argument("--drafting", default="1,16,64", help="batch sizes of the drafting stage ('' skips it)")
     ap.add_argument("--lookup", default="1000,17000,60000", help="context lengths of the lookup stage ('' skips it)")
@@ -231,8 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         print(compare(Path(args.compare)))
         return 0
     torch.set_num_threads(1)
-    out: dict[str, Any] = {"torch": torch.__version__, "engine_step_ms": {}, "fill_ms": {}, "sample_ms": {},
-                           "drafting_step_ms": {}, "lookup_us": {}}
+    out: dict[str, Any] = {"torch": torch.__version__, "engine_step_ms": {}, "fill_ms": {}, "verify_fill_ms": {},
+                           "sample_ms": {}, "drafting_step_ms": {}, "lookup_us": {}}
     for rows in (int(r) for r in args.rows.split(",") if r):
         out["engine_step_ms"][rows] = engine_step_ms(rows)
     for rows in (int(r) for r in args.drafting.split(",") if r):
@@ -242,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     for spec in (s for s in args.fill.split(",") if s):
         rows, blocks = (int(v) for v in spec.split("x"))
         out["fill_ms"][spec] = fill_ms(rows, blocks)
+    for spec in (s for s in args.verify_fill.split(",") if s):
+        rows, blocks = (int(v) for v in spec.split("x"))
+        out["verify_fill_ms"][spec] = fill_ms(rows, blocks, drafts=4)
     for rows in (int(r) for r in args.sample.split(",") if r):
         out["sample_ms"][rows] = sample_ms(rows)
     print(json.dumps(out, indent=1))

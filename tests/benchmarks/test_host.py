@@ -5,9 +5,10 @@ from benchmarks.host import engine_step_ms, fill_ms, sample_ms
 def test_engine_step_and_fill_are_timed():
     step = engine_step_ms(rows=2, steps=5, repeats=2)
     assert 0 < step["min"] <= step["median"] <= step["max"]
-    fills = fill_ms(rows=4, blocks=50, steps=4, repeats=2)
-    assert set(fills) == {"full", "keyed"}
-    assert all(0 < f["min"] <= f["median"] <= f["max"] for f in fills.values())
+    for drafts in (0, 3):  # a decode batch, and a verify forward's one-query rows
+        fills = fill_ms(rows=4, blocks=50, steps=4, repeats=2, drafts=drafts)
+        assert set(fills) == {"full", "keyed"}
+        assert all(0 < f["min"] <= f["median"] <= f["max"] for f in fills.values())
 
 
 def test_sample_is_timed_greedy_and_sampled():
@@ -43,7 +44,8 @@ def test_compare_tables_two_commits_invocations(tmp_path):
 
     def run(ms, us):
         return {"drafting_step_ms": {"16": {"ngram:4": {"median": ms}}},
-                "lookup_us": {"1000": {"loop": {"median": us}}}}
+                "lookup_us": {"1000": {"loop": {"median": us}}},
+                "verify_fill_ms": {"16x1300": {"keyed": {"median": ms / 2}}}}
 
     pairs = [((1.0, 10.0), (0.5, 2.0)), ((1.2, 12.0), (0.7, 3.0)), ((1.1, 11.0), (0.6, 9.0))]
     for i, (before, after) in enumerate(pairs):
@@ -52,3 +54,4 @@ def test_compare_tables_two_commits_invocations(tmp_path):
     rows = compare(tmp_path).splitlines()
     assert rows[2] == "| drafting step, ms | 16 rows | ngram:4 | 1.100 [1.000-1.200] | 0.600 [0.500-0.700] |"
     assert rows[3] == "| lookup, us | 1000 tokens | loop | 11.0 [10.0-12.0] | 3.0 [2.0-9.0] |"
+    assert rows[4] == "| verify fill, ms | 16x1300 rows x entries | keyed | 0.550 [0.500-0.600] | 0.300 [0.250-0.350] |"
