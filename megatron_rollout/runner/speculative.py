@@ -72,8 +72,8 @@ def verify_forward(runner: Runner, rows: list[SpanInput], verify_rows: list[Veri
 
 
 def flatten(rows: list[SpanInput]) -> list[SpanInput]:
-    """Every new position of `rows` as a one-query row (module docstring), in order; row j of a
-    keyed row is keyed (key, j): it has the same, append-only, table."""
-    return [SpanInput(SeqSpan(r.span.table, r.span.past + j, 1), [r.token_ids[j]], True,
-                      None if r.key is None else (r.key, j))
+    """Every new position of `rows` as a one-query row (module docstring), in order; each keeps its
+    row's key: they share its append-only table, converted once for all of them
+    (`StaticDecodeLayout.fill`)."""
+    return [SpanInput(SeqSpan(r.span.table, r.span.past + j, 1), [r.token_ids[j]], True, r.key)
             for r in rows for j in range(r.span.new)]

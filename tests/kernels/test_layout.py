@@ -109,13 +109,17 @@ def test_static_decode_layout_views_are_aligned(rows):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_keyed_fills_give_the_tables_of_full_fills(seed):
+@pytest.mark.parametrize("drafts", [0, 3])
+def test_keyed_fills_give_the_tables_of_full_fills(seed, drafts):
     """Decode batches over many steps: rows grow by appending, finish (later rows move up), join
-    at the end, and are preempted (a new lifetime: a new key, a new table). The keyed fill, which
-    rewrites only new entries, must leave in the device buffer what a full fill leaves."""
+    at the end, and are preempted (a new lifetime: a new key, a new table). With `drafts`, each row
+    is a verify forward's: 1 to 1 + drafts one-query rows under its key, a new count every step, so
+    the rows after it move up or down. The keyed fill, which converts only new entries, must leave
+    in the device buffer what a full fill leaves."""
     rng = np.random.default_rng(seed)
-    keyed = StaticDecodeLayout(8, 64, 4, PortableAttention(), 8, 4, 8, torch.device("cpu"), num_sms=4)
-    full = StaticDecodeLayout(8, 64, 4, PortableAttention(), 8, 4, 8, torch.device("cpu"), num_sms=4)
+    rows = 8 * (1 + drafts)
+    keyed = StaticDecodeLayout(rows, 64, 4, PortableAttention(), 8, 4, 8, torch.device("cpu"), num_sms=4)
+    full = StaticDecodeLayout(rows, 64, 4, PortableAttention(), 8, 4, 8, torch.device("cpu"), num_sms=4)
     live: dict[tuple[int, int], list[int]] = {}
     next_rid, next_block = 0, 0
     for _step in range(60):
@@ -132,7 +136,7 @@ def test_keyed_fills_give_the_tables_of_full_fills(seed):
         while len(live) < 8 and rng.random() < 0.5:
             live[(next_rid, 0)] = [int(b) for b in rng.integers(0, 1000, int(rng.integers(1, 20)))]
             next_rid += 1
-        keys = sorted(live)[:8]  # oldest first, as the planner orders decode rows
+        keys = [k for k in sorted(live)[:8] for _ in range(1 + int(rng.integers(0, drafts + 1)))]  # oldest first
         spans = [SeqSpan(tuple(live[k]), 4 * len(live[k]) - 1, 1) for k in keys]
         keyed.fill(spans, [1] * len(spans), keys)
         full.fill(spans, [1] * len(spans))
@@ -142,7 +146,7 @@ def test_keyed_fills_give_the_tables_of_full_fills(seed):
 
 
 def test_keyed_fill_of_a_row_that_moved_down_rewrites_it():
-    """Its old row was already overwritten by this fill: nothing of it may be reused."""
+    """Its old row was already overwritten by this fill: its table comes from the key's own copy."""
     layout = StaticDecodeLayout(4, 16, 4, PortableAttention(), 8, 4, 8, torch.device("cpu"), num_sms=4)
     a, b, c = (1, 2, 3), (7, 8), (9, 9, 9, 9)
     layout.fill([SeqSpan(a, 10, 1), SeqSpan(b, 6, 1)], [1, 1], ["a", "b"])
@@ -270,3 +274,27 @@ def test_kv_splits_count_runs_only_for_a_backend_that_reads_them():
     assert splits(PortableAttention(), 8) == alone == 16  # 8 programs a SM over 40 rows x 2 kv heads
     assert splits(ReadsRuns(), 1) == alone
     assert splits(ReadsRuns(), 8) == 32  # 2 programs a SM over 5 runs x 2 kv heads: 27, rounded up to 32
+
+
+def test_a_key_converts_only_its_new_entries_wherever_its_rows_land():
+    """A verify forward's rows: a row with more drafts moves the next one down. Every entry is
+    converted from Python ints once, at the step it first appears (a table that counts its reads)."""
+
+    class Counted(tuple):
+        reads = 0
+
+        def __getitem__(self, item):
+            got = super().__getitem__(item)
+            Counted.reads += len(got) if isinstance(item, slice) else 1
+            return got
+
+    layout = StaticDecodeLayout(8, 16, 4, PortableAttention(), 8, 4, 8, torch.device("cpu"), num_sms=4)
+    a, b = Counted(range(10)), Counted(range(20, 26))
+    layout.fill([SeqSpan(a, 39, 1), SeqSpan(b, 23, 1)], [1, 1], ["a", "b"])
+    assert Counted.reads == 16
+    b2 = Counted((*b, 99))
+    layout.fill([SeqSpan(a, 39, 1)] * 3 + [SeqSpan(b2, 24, 1)] * 2, [1] * 5, ["a"] * 3 + ["b"] * 2)
+    assert Counted.reads == 16 + 1  # b's one new entry; a's three rows and b's moved ones copy
+    assert layout.tables[:5, :10].tolist()[:3] == [list(range(10))] * 3
+    assert layout.tables[3:5, :7].tolist() == [[20, 21, 22, 23, 24, 25, 99]] * 2
+

@@ -31,9 +31,9 @@ BS = 4
 def test_flatten_makes_one_query_row_per_new_position():
     rows = [SpanInput(SeqSpan((3, 1), 5, 3), [7, 8, 9], True, key=("a", 0)),
             SpanInput(SeqSpan((2,), 2, 1), [4], True)]
-    assert flatten(rows) == [SpanInput(SeqSpan((3, 1), 5, 1), [7], True, (("a", 0), 0)),
-                             SpanInput(SeqSpan((3, 1), 6, 1), [8], True, (("a", 0), 1)),
-                             SpanInput(SeqSpan((3, 1), 7, 1), [9], True, (("a", 0), 2)),
+    assert flatten(rows) == [SpanInput(SeqSpan((3, 1), 5, 1), [7], True, ("a", 0)),
+                             SpanInput(SeqSpan((3, 1), 6, 1), [8], True, ("a", 0)),
+                             SpanInput(SeqSpan((3, 1), 7, 1), [9], True, ("a", 0)),
                              SpanInput(SeqSpan((2,), 2, 1), [4], True, None)]
 
 
