@@ -192,6 +192,20 @@ class KernelPagedBatch(AttentionBackend):
         return out
 
 
+def _moving_down(keys: Sequence[Hashable | None], before: dict[Hashable, tuple[int, int]], tables: np.ndarray
+                 ) -> dict[Hashable, np.ndarray]:
+    """The entries of each key whose first row in this fill lies below its old row: that old row is
+    overwritten before the key is reached, so they are copied aside first."""
+    saved, seen = {}, set()
+    for i, key in enumerate(keys):
+        if key is not None and key not in seen:
+            seen.add(key)
+            row, done = before.get(key, (i, 0))
+            if row < i:
+                saved[key] = tables[row, :done].copy()
+    return saved
+
+
 class StaticDecodeLayout:
     """Fixed-size decode indices for one CUDA-graph batch size, refilled in place.
 
@@ -246,7 +260,6 @@ class StaticDecodeLayout:
         """Every row padding (used while capturing)."""
         self._wait_copy()
         self._written: list[tuple[Hashable, int] | None] = [None] * self.rows
-        self._converted: dict[Hashable, tuple[np.ndarray, int]] = {}
         h, st = self.host, self.stride
         h[:self.SECTIONS * st] = 0
         h[2 * st:3 * st] = -1
@@ -258,13 +271,14 @@ class StaticDecodeLayout:
         """Load one decode batch (`len(spans)` <= rows; one new token per span). `runs`: the spans
         are `runner.speculative.flatten`'s rows of rows with these new-position counts (marked as
         runs where `max_run` > 1; None: each span alone). `keys` (see
-        `SpanInput.key`): a key filled last time has its table's earlier entries converted from
-        Python ints already, kept apart from the rows (`_converted`): only the new entries are
-        converted, and they are written in place where the key keeps its row, or its whole table is
-        copied in where the batch shifted (a finished row moves the later ones up; a verify forward's
-        rows move whenever a row before them drafts a different count). Several rows may share a key
-        (a drafting row's positions). A long context's table is thousands of entries, converted every
-        step otherwise."""
+        `SpanInput.key`): a key filled last time has its table's earlier entries in the host buffer
+        already, in its old row: they are reused (in place, or by one row copy where the batch
+        shifted) and only the new entries are converted from Python ints. Rows move up as older
+        ones finish. A verify forward's (`runs` given) also move down, whenever a row before them
+        drafts more than last time: those keys' entries are copied aside before their old rows are
+        overwritten (elsewhere a row that moved down is converted whole), and its consecutive rows
+        share a key (a drafting row's positions): the first is filled so, the others copy it. A long
+        context's table is thousands of entries, converted every step otherwise."""
         n, b, bs, st = len(spans), self.rows, self.block_size, self.stride
         if n > b:
             raise ValueError(f"decode batch of {n} rows exceeds this graph's {b}")
@@ -272,29 +286,32 @@ class StaticDecodeLayout:
         h = self.host
         tables = h[self.SECTIONS * st:].reshape(b, self.width)
         pasts = np.fromiter((s.past for s in spans), np.int64, n)
+        before = {entry[0]: (row, entry[1]) for row, entry in enumerate(self._written) if entry is not None}
+        shared = runs is not None and keys is not None  # a verify forward's rows: they move down too
+        saved = _moving_down(keys, before, tables) if shared else {}
         written: list[tuple[Hashable, int] | None] = [None] * b
-        converted: dict[Hashable, tuple[np.ndarray, int]] = {}
+        placed: dict[Hashable, tuple[int, int]] = {}
         for i, s in enumerate(spans):
             size, key = len(s.table), keys[i] if keys is not None else None
             if size > self.width:
                 raise ValueError(f"block table of {size} blocks exceeds the graph's width {self.width}")
-            if key is None:
-                tables[i, :size] = s.table
+            first = placed.get(key) if shared else None
+            if first is not None and first[1] == size:  # another position of the row just written
+                tables[i, :size] = tables[first[0], :size]
+                written[i] = (key, size)
                 continue
-            entries, done = converted.get(key) or self._converted.get(key) or (tables[i, :0], 0)
-            if done > size:  # not the table the key held: start again
+            row, done = before.get(key, (None, 0)) if key is not None else (None, 0)
+            if row is None or done > size or (row < i and key not in saved):
                 done = 0
-            if size > len(entries):
-                grown = np.empty(max(size, 2 * len(entries)), dtype=tables.dtype)
-                grown[:done] = entries[:done]
-                entries = grown
-            entries[done:size] = s.table[done:size]  # the only entries converted from Python ints
-            converted[key] = (entries, size)
-            held = self._written[i]
-            start = held[1] if held is not None and held[0] == key and held[1] <= size else 0
-            tables[i, start:size] = entries[start:size]
-            written[i] = (key, size)
-        self._written, self._converted = written, converted
+            elif row < i:
+                tables[i, :done] = saved[key]
+            elif row > i:
+                tables[i, :done] = tables[row, :done]
+            tables[i, done:size] = s.table[done:]
+            written[i] = (key, size) if key is not None else None
+            if shared:
+                placed[key] = (i, size)
+        self._written = written
         h[:n] = tokens
         h[n:b] = 0
         h[st:st + n] = pasts

@@ -136,10 +136,11 @@ def test_keyed_fills_give_the_tables_of_full_fills(seed, drafts):
         while len(live) < 8 and rng.random() < 0.5:
             live[(next_rid, 0)] = [int(b) for b in rng.integers(0, 1000, int(rng.integers(1, 20)))]
             next_rid += 1
-        keys = [k for k in sorted(live)[:8] for _ in range(1 + int(rng.integers(0, drafts + 1)))]  # oldest first
+        runs = [1 + int(rng.integers(0, drafts + 1)) for _ in sorted(live)[:8]]
+        keys = [k for k, run in zip(sorted(live)[:8], runs) for _ in range(run)]  # oldest first
         spans = [SeqSpan(tuple(live[k]), 4 * len(live[k]) - 1, 1) for k in keys]
-        keyed.fill(spans, [1] * len(spans), keys)
-        full.fill(spans, [1] * len(spans))
+        keyed.fill(spans, [1] * len(spans), keys, runs if drafts else None)
+        full.fill(spans, [1] * len(spans), None, runs if drafts else None)
         for i, k in enumerate(keys):  # entries past a row's length are never read (its length bounds attention)
             assert keyed.tables[i, :len(live[k])].tolist() == full.tables[i, :len(live[k])].tolist() == live[k]
         assert torch.equal(keyed.device_buf[:4 * keyed.stride], full.device_buf[:4 * full.stride])
@@ -288,12 +289,12 @@ def test_a_key_converts_only_its_new_entries_wherever_its_rows_land():
             Counted.reads += len(got) if isinstance(item, slice) else 1
             return got
 
-    layout = StaticDecodeLayout(8, 16, 4, PortableAttention(), 8, 4, 8, torch.device("cpu"), num_sms=4)
+    layout = StaticDecodeLayout(8, 16, 4, PortableAttention(), 8, 4, 8, torch.device("cpu"), num_sms=4, max_run=4)
     a, b = Counted(range(10)), Counted(range(20, 26))
-    layout.fill([SeqSpan(a, 39, 1), SeqSpan(b, 23, 1)], [1, 1], ["a", "b"])
+    layout.fill([SeqSpan(a, 39, 1), SeqSpan(b, 23, 1)], [1, 1], ["a", "b"], [1, 1])
     assert Counted.reads == 16
     b2 = Counted((*b, 99))
-    layout.fill([SeqSpan(a, 39, 1)] * 3 + [SeqSpan(b2, 24, 1)] * 2, [1] * 5, ["a"] * 3 + ["b"] * 2)
+    layout.fill([SeqSpan(a, 39, 1)] * 3 + [SeqSpan(b2, 24, 1)] * 2, [1] * 5, ["a"] * 3 + ["b"] * 2, [3, 2])
     assert Counted.reads == 16 + 1  # b's one new entry; a's three rows and b's moved ones copy
     assert layout.tables[:5, :10].tolist()[:3] == [list(range(10))] * 3
     assert layout.tables[3:5, :7].tolist() == [[20, 21, 22, 23, 24, 25, 99]] * 2
