@@ -273,7 +273,7 @@ class Run:
 
 
 class Spec(NamedTuple):
-    """What a schedule spec 'schedule[@span][+priority][~drafts][/sync][/sms:N|/split:N]' asks for."""
+    """What a schedule spec 'schedule[@span][+priority][~drafts][/sync][/sms:N|/split:N][/pw:N]' asks for."""
 
     schedule: str
     span: str | None
@@ -289,6 +289,23 @@ class Spec(NamedTuple):
     """'/sms:N' or '/split:N': prefill's stream leaves N SMs out (`RunnerConfig.decode_sms`; mux only)."""
     partition: str = "held"
     """'/split:N': decode beside prefill runs on those N SMs alone (`RunnerConfig.partition`)."""
+    prefill_graph_tokens: tuple[int, ...] | None = None
+    """'/pw:N': piecewise P graphs up to N tokens (`piecewise_buckets`); None: `RunnerConfig`'s."""
+
+
+PIECEWISE_STEP = 2048
+"""'/pw:N' adds piecewise P buckets this many tokens apart past the default largest one."""
+
+
+def piecewise_buckets(largest: int) -> tuple[int, ...]:
+    """`RunnerConfig.prefill_graph_tokens` with buckets every `PIECEWISE_STEP` tokens past its largest,
+    up to `largest` (itself the last). Each bucket keeps its q, k and v: about 10 KB a token and layer
+    for `qwen3-30b-a3b-12l` (`runner.piecewise`), so 16,384 adds several GB."""
+    from megatron_rollout.engine import RunnerConfig
+
+    default = RunnerConfig.prefill_graph_tokens
+    more = range(default[-1] + PIECEWISE_STEP, largest, PIECEWISE_STEP)
+    return tuple(sorted({*default, *more, largest}))
 
 
 def _drafts(spec: str, text: str) -> SpeculativeConfig | None:
@@ -310,17 +327,21 @@ def _drafts(spec: str, text: str) -> SpeculativeConfig | None:
 
 
 def split_spec(spec: str) -> Spec:
-    """'schedule[@span][+priority][~ngram:K[:R][+T@W]][/sync][/sms:N|/split:N]' -> its parts: '/sync'
+    """'schedule[@span][+priority][~ngram:K[:R][+T@W]][/sync][/sms:N|/split:N][/pw:N]' -> its parts: '/sync'
     turns decode ahead off, '/sms:24' leaves 24 SMs out of prefill's stream (mux), '/split:24' too and
-    runs decode beside prefill on those 24 alone, '+name' picks the engine's priority (e.g.
+    runs decode beside prefill on those 24 alone, '/pw:16384' captures piecewise P graphs up to 16,384
+    tokens (`piecewise_buckets`), '+name' picks the engine's priority (e.g.
     'mux+most-turns'), '~ngram:4' drafts 4 tokens per row by prompt lookup (':16': only while at
     most 16 rows decode; '+7@2': 7 while at most 2 do)."""
     core, *flags = spec.split("/")
     held = [f.partition(":") for f in flags if f.startswith(("sms:", "split:"))]
-    if any(f != "sync" and not f.startswith(("sms:", "split:")) for f in flags) or flags.count("sync") > 1 \
-            or len(held) > 1 or not all(n.isdigit() and int(n) > 0 for _, _, n in held):
-        raise SystemExit(f"schedule {spec!r}: the suffixes are '/sync' (decode ahead off), and '/sms:N' or "
-                         f"'/split:N' (N > 0 SMs left out of prefill's stream), each at most once")
+    pw = [f.partition(":")[2] for f in flags if f.startswith("pw:")]
+    if any(f != "sync" and not f.startswith(("sms:", "split:", "pw:")) for f in flags) or flags.count("sync") > 1 \
+            or len(held) > 1 or not all(n.isdigit() and int(n) > 0 for _, _, n in held) or len(pw) > 1 \
+            or not all(n.isdigit() and int(n) > 0 for n in pw):
+        raise SystemExit(f"schedule {spec!r}: the suffixes are '/sync' (decode ahead off), '/sms:N' or "
+                         f"'/split:N' (N > 0 SMs left out of prefill's stream), and '/pw:N' (piecewise P graphs "
+                         f"up to N > 0 tokens), each at most once")
     flag = "sync" if "sync" in flags else ""
     sms = [n for _, _, n in held]
     core, _, drafts = core.partition("~")
@@ -332,7 +353,8 @@ def split_spec(spec: str) -> Spec:
         raise SystemExit(f"schedule {spec!r}: '/sms:N' and '/split:N' are for mux, the one schedule that runs "
                          f"prefill beside decode")
     return Spec(schedule, span or None, "off" if flag else None, priority or None, _drafts(spec, drafts),
-                int(sms[0]) if sms else 0, "split" if held and held[0][0] == "split" else "held")
+                int(sms[0]) if sms else 0, "split" if held and held[0][0] == "split" else "held",
+                piecewise_buckets(int(pw[0])) if pw else None)
 
 
 def unpartitioned(spec: str) -> str:
@@ -353,7 +375,9 @@ def engine_config(args: argparse.Namespace, num_blocks: int, max_model_len: int,
         kv=KVConfig(num_blocks=num_blocks), mux=MuxConfig(spec.span or a.mux_span),
         runner=RunnerConfig(attention=a.attention, measure_expert_kernels=measure_expert_kernels,
                             decode_ahead=spec.ahead or a.decode_ahead, decode_sms=spec.decode_sms,
-                            partition=spec.partition),
+                            partition=spec.partition,
+                            **({"prefill_graph_tokens": spec.prefill_graph_tokens} if spec.prefill_graph_tokens
+                               else {})),
         seed=a.seed, max_model_len=max_model_len, speculative=spec.speculative)
 
 

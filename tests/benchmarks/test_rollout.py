@@ -350,7 +350,7 @@ def test_ratios_are_medians_over_medians_against_the_peer():
 def test_spec_suffix_tilde_asks_for_ngram_drafts():
     assert rollout.split_spec("mux~ngram:4").speculative == SpeculativeConfig("ngram", 4)
     assert rollout.split_spec("mux+most-turns~ngram:3:16/sync") == (
-        "mux", None, "off", "most-turns", SpeculativeConfig("ngram", 3, tail_rows=16), 0, "held")
+        "mux", None, "off", "most-turns", SpeculativeConfig("ngram", 3, tail_rows=16), 0, "held", None)
     assert rollout.split_spec("mux@budget:24000~ngram:4+7@2").speculative == SpeculativeConfig(
         "ngram", 4, tail_k=7, tail_k_rows=2)
     assert rollout.split_spec("mux~ngram:4:16+6").speculative == SpeculativeConfig("ngram", 4, tail_rows=16, tail_k=6)
@@ -362,7 +362,7 @@ def test_spec_suffix_tilde_asks_for_ngram_drafts():
 
 def test_spec_suffix_sync_turns_decode_ahead_off():
     assert rollout.split_spec("mux@fixed:4/sync")[:5] == ("mux", "fixed:4", "off", None, None)
-    assert rollout.split_spec("off") == ("off", None, None, None, None, 0, "held")
+    assert rollout.split_spec("off") == ("off", None, None, None, None, 0, "held", None)
     assert rollout.split_spec("mux@fixed:4+most-turns/sync")[:5] == ("mux", "fixed:4", "off", "most-turns", None)
     with pytest.raises(SystemExit, match="the suffixes are '/sync'"):
         rollout.split_spec("off/fast")
@@ -376,9 +376,9 @@ def test_spec_suffix_sync_turns_decode_ahead_off():
 def test_spec_suffix_sms_holds_sms_back_from_mux_prefill():
     assert rollout.split_spec("mux/sms:24").decode_sms == 24
     assert rollout.split_spec("mux@budget:24000~ngram:4+7@4/sync/sms:16") == (
-        "mux", "budget:24000", "off", None, SpeculativeConfig("ngram", 4, tail_k=7, tail_k_rows=4), 16, "held")
+        "mux", "budget:24000", "off", None, SpeculativeConfig("ngram", 4, tail_k=7, tail_k_rows=4), 16, "held", None)
     assert rollout.split_spec("mux").decode_sms == 0
-    assert rollout.split_spec("mux/split:24")[-2:] == (24, "split") and rollout.split_spec("mux/sms:8")[-1] == "held"
+    assert rollout.split_spec("mux/split:24")[-3:-1] == (24, "split") and rollout.split_spec("mux/sms:8")[-2] == "held"
     for bad in ("mux/sms:0", "mux/sms:", "mux/sms:x", "mux/sms:8/sms:16", "mux/sync/sync", "mux/sms:8/split:8",
                 "mux/split:0"):
         with pytest.raises(SystemExit, match="the suffixes are"):
@@ -395,6 +395,24 @@ def test_spec_suffix_sms_holds_sms_back_from_mux_prefill():
                                       "mux/sms:24": {"median": {"makespan_s": 3.0}},
                                       "mux/split:24": {"median": {"makespan_s": 2.0}}}})
     assert r["mux/sms:24_over_mux"] == pytest.approx(0.75) and r["mux/split:24_over_mux"] == pytest.approx(0.5)
+
+
+def test_spec_suffix_pw_captures_piecewise_prefill_graphs_past_the_default():
+    from megatron_rollout.engine import RunnerConfig
+
+    default = RunnerConfig.prefill_graph_tokens
+    got = rollout.split_spec("mux@budget:24000~ngram:4+7@4/pw:16384").prefill_graph_tokens
+    assert got == (*default, 6144, 8192, 10240, 12288, 14336, 16384)
+    assert rollout.split_spec("chunked/pw:5000").prefill_graph_tokens == (*default, 5000)
+    assert rollout.split_spec("off/pw:2048").prefill_graph_tokens == default  # inside the default: nothing added
+    assert rollout.split_spec("mux/split:24/pw:8192")[-3:] == (24, "split", (*default, 6144, 8192))
+    for bad in ("mux/pw:0", "mux/pw:", "mux/pw:x", "mux/pw:8192/pw:4096"):
+        with pytest.raises(SystemExit, match="the suffixes are"):
+            rollout.split_spec(bad)
+    args = rollout.parser().parse_args(["--model", "tiny-moe"])
+    assert rollout.engine_config(args, 64, 512, rollout.split_spec("off/pw:8192"), 256).runner.prefill_graph_tokens \
+        == (*default, 6144, 8192)
+    assert rollout.engine_config(args, 64, 512, rollout.split_spec("off"), 256).runner.prefill_graph_tokens == default
 
 
 def test_decode_ahead_on_against_its_sync_twin_on_cpu(tmp_path):
