@@ -10,6 +10,8 @@ overlapped, so it is worth timing by itself, on any machine:
   Python ints each step) against keyed (`SpanInput.key`: only a table's new entries), at long
   and short contexts. `verify fill`: the same for a verify forward's one-query rows, each row
   drafting 0 to 4 tokens, a new count every step (the rows after it move).
+- `layout`: `build_layout` of a `chunked` mixed step (decode rows and a 2,048-token prefill chunk,
+  as an eager or piecewise forward builds it every time), full against through a `TableCache`.
 - `sample`: `sampler.sample` of a batch of rows over a 151,936-token vocabulary (Qwen3's), greedy
   against temperature 1, interleaved (on a GPU the draws run on the device; here on the CPU).
 - `lookup`: one n-gram lookup and the sync of one new token (`drafts.NgramIndex.propose`, `sync`),
@@ -181,6 +183,38 @@ def fill_ms(rows: int, blocks: int, steps: int = 40, repeats: int = 5, drafts: i
     return {m: _summary(v) for m, v in samples.items()}
 
 
+def layout_ms(rows: int, blocks: int, chunk: int = 2048, steps: int = 20, repeats: int = 3
+              ) -> dict[str, dict[str, float]]:
+    """Host ms per `build_layout` of a `chunked` mixed step: `rows` decode rows of `blocks`-entry
+    tables, every row gaining a block every 16 steps, and a prefill chunk of `chunk` tokens of a prompt
+    prefilled from its start (its table grows by the chunk each step; a new prompt each repeat);
+    without a `TableCache` (`full`) against with one (`keyed`), interleaved."""
+    from megatron_rollout.kernels.layout import TableCache, build_layout
+
+    rng = np.random.default_rng(0)
+    tables = [[int(b) for b in rng.integers(0, 1 << 20, blocks)] for _ in range(rows)]
+    caches = {"full": None, "keyed": TableCache()}
+    samples: dict[str, list[float]] = {m: [] for m in caches}
+    for _ in range(repeats):
+        for mode, cache in caches.items():
+            spent = 0.0
+            tables[rows:] = [[]]  # the prompt being prefilled: a chunk a step from its start
+            for step in range(steps):
+                if step % 16 == 0:
+                    for table in tables[:rows]:
+                        table.append(int(rng.integers(0, 1 << 20)))
+                tables[rows] += [int(b) for b in rng.integers(0, 1 << 20, chunk // 16)]
+                spans = [SeqSpan(tuple(t), 16 * len(t) - 1, 1) for t in tables[:rows]]
+                spans.append(SeqSpan(tuple(tables[rows]), 16 * len(tables[rows]) - chunk, chunk))
+                tokens = [[1]] * rows + [[1] * chunk]
+                t0 = time.perf_counter()
+                build_layout(spans, tokens, [True] * (rows + 1), 16, PortableAttention(), 32, 4, 128,
+                             torch.device("cpu"), keys=[*range(rows), (rows, len(samples[mode]))], cache=cache)
+                spent += time.perf_counter() - t0
+            samples[mode].append(spent / steps * 1e3)
+    return {m: _summary(v) for m, v in samples.items()}
+
+
 def sample_ms(rows: int, vocab: int = 151_936, repeats: int = 5) -> dict[str, dict[str, float]]:
     """Host ms per `sample` of `rows` rows, greedy (`t0`) against temperature 1 (`t1`), interleaved."""
     from megatron_rollout.engine import SamplingParams
@@ -218,7 +252,8 @@ def compare(folder: Path) -> str:
     rows = []
     for stage, unit, spec, what in (("drafting_step_ms", "ms", ".3f", "rows"), ("lookup_us", "us", ".1f", "tokens"),
                                     ("fill_ms", "ms", ".3f", "rows x entries"),
-                                    ("verify_fill_ms", "ms", ".3f", "rows x entries")):
+                                    ("verify_fill_ms", "ms", ".3f", "rows x entries"),
+                                    ("layout_ms", "ms", ".3f", "rows x entries")):
         for size, variants in runs["before"][0].get(stage, {}).items():
             for variant in variants:
                 rows.append([f"{stage.rsplit('_', 1)[0].replace('_', ' ')}, {unit}", f"{size} {what}", variant,
@@ -232,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fill", default="16x1300,64x1300,64x128", help="rows x table entries of the fill stage")
     ap.add_argument("--verify-fill", default="16x1300,16x3750,64x1300",
                     help="rows x table entries of the verify fill stage (up to 4 drafts a row; '' skips it)")
+    ap.add_argument("--layout", default="16x1300,64x1300,16x3750",
+                    help="decode rows x table entries of the mixed-step layout stage ('' skips it)")
     ap.add_argument("--sample", default="1,16,64", help="batch sizes of the sample stage ('' skips it)")
     ap.add_argument("--drafting", default="1,16,64", help="batch sizes of the drafting stage ('' skips it)")
     ap.add_argument("--lookup", default="1000,17000,60000", help="context lengths of the lookup stage ('' skips it)")
@@ -243,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     torch.set_num_threads(1)
     out: dict[str, Any] = {"torch": torch.__version__, "engine_step_ms": {}, "fill_ms": {}, "verify_fill_ms": {},
-                           "sample_ms": {}, "drafting_step_ms": {}, "lookup_us": {}}
+                           "layout_ms": {}, "sample_ms": {}, "drafting_step_ms": {}, "lookup_us": {}}
     for rows in (int(r) for r in args.rows.split(",") if r):
         out["engine_step_ms"][rows] = engine_step_ms(rows)
     for rows in (int(r) for r in args.drafting.split(",") if r):
@@ -256,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     for spec in (s for s in args.verify_fill.split(",") if s):
         rows, blocks = (int(v) for v in spec.split("x"))
         out["verify_fill_ms"][spec] = fill_ms(rows, blocks, drafts=4)
+    for spec in (s for s in args.layout.split(",") if s):
+        rows, blocks = (int(v) for v in spec.split("x"))
+        out["layout_ms"][spec] = layout_ms(rows, blocks)
     for rows in (int(r) for r in args.sample.split(",") if r):
         out["sample_ms"][rows] = sample_ms(rows)
     print(json.dumps(out, indent=1))

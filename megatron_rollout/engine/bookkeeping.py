@@ -437,11 +437,12 @@ class RequestTable:
         first = len(seq.tokens) - req.prompt_tokens if req.params.prompt_logprobs is not None and not req.output \
             else len(seq.tokens)
         split = min(max(start, first), end)
+        key = (req.rid, req.lifetime)  # its decode rows' key: the same table, grown by appending
         rows = [SpanInput(SeqSpan(table, start, split - start), seq.tokens[start:split],
-                          chunk.completes and split == end)] if split > start else []
+                          chunk.completes and split == end, key)] if split > start else []
         owners = []
         for p in range(split, end):
-            rows.append(SpanInput(SeqSpan(table, p, 1), [seq.tokens[p]], True))
+            rows.append(SpanInput(SeqSpan(table, p, 1), [seq.tokens[p]], True, key))
             if p + 1 < len(seq.tokens):
                 owners.append(SampleOwner(req, req.lifetime, p + 1, scores=p))
         if chunk.completes:

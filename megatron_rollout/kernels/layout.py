@@ -113,17 +113,52 @@ class ForwardLayout:
     prefill: PrefillMeta | None
 
 
+class TableCache:
+    """Block tables converted from Python ints, kept by `SpanInput.key` between forwards: a keyed
+    table only grows by appending, so a forward converts only its new entries and copies the rest.
+    A key the last forward did not use is dropped after it. An eager or piecewise forward rebuilds its
+    layout every time (`build_layout`), over rows whose tables reach thousands of entries at long
+    contexts: a mixed `chunked` step holds every decoding row."""
+
+    def __init__(self) -> None:
+        self._now: dict[Hashable, tuple[np.ndarray, int]] = {}
+        self._last: dict[Hashable, tuple[np.ndarray, int]] = {}
+
+    def entries(self, key: Hashable, table: Sequence[int]) -> np.ndarray:
+        """`table` as int32, converting only what `key` did not hold yet."""
+        size = len(table)
+        held, done = self._now.get(key) or self._last.get(key) or (None, 0)
+        if held is None or done > size:  # not the table the key held: start again
+            held, done = np.empty(max(size, 16), np.int32), 0
+        elif size > len(held):
+            grown = np.empty(max(size, 2 * len(held)), np.int32)
+            grown[:done] = held[:done]
+            held = grown
+        held[done:size] = table[done:size]
+        self._now[key] = (held, size)
+        return held[:size]
+
+    def sweep(self) -> None:
+        """One forward done: keys it did not use age by one."""
+        self._last, self._now = self._now, {}
+
+
 def build_layout(spans: Sequence[SeqSpan], token_ids: Sequence[Sequence[int]], sample: Sequence[bool],
                  block_size: int, kernels: AttentionKernels, q_heads: int, kv_heads: int, head_dim: int,
-                 device: torch.device, num_sms: int = 132) -> ForwardLayout:
-    """Device indices for the spans of one forward (new tokens laid out span after span)."""
+                 device: torch.device, num_sms: int = 132, keys: Sequence[Hashable | None] | None = None,
+                 cache: TableCache | None = None) -> ForwardLayout:
+    """Device indices for the spans of one forward (new tokens laid out span after span); with
+    `keys` (see `SpanInput.key`) and a `cache`, the tables come through it."""
     s_count = len(spans)
     news = np.fromiter((s.new for s in spans), np.int64, s_count)
     pasts = np.fromiter((s.past for s in spans), np.int64, s_count)
     width = table_width(max([len(s.table) for s in spans] + [1]))
     tables = np.zeros((s_count, width), np.int32)
     for i, s in enumerate(spans):
-        tables[i, :len(s.table)] = s.table
+        key = keys[i] if keys is not None and cache is not None else None
+        tables[i, :len(s.table)] = s.table if key is None else cache.entries(key, s.table)
+    if cache is not None:
+        cache.sweep()
     q_start = np.cumsum(news) - news
     n = int(news.sum())
     seg = np.repeat(np.arange(s_count), news)

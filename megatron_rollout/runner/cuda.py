@@ -99,7 +99,7 @@ import torch
 
 from megatron_rollout.comm.facade import LocalComm
 from megatron_rollout.forward import BoundaryPoint, Forward, Site, run_to_end
-from megatron_rollout.kernels.layout import KernelPagedBatch, StaticDecodeLayout, build_layout
+from megatron_rollout.kernels.layout import KernelPagedBatch, StaticDecodeLayout, TableCache, build_layout
 from megatron_rollout.kernels.moe import DeviceLocalComm, install_device_exchange
 from megatron_rollout.kernels.registry import resolve_attention, resolve_mla_attention
 from megatron_rollout.kv.paged import PagedKVCache
@@ -279,6 +279,7 @@ class CudaRunner:
         self._p_graphs: dict[int, PiecewiseGraph] = {}  # P / mixed forwards by token bucket (one rank)
         self._p_hidden: dict[int, PiecewiseGraph] = {}  # the same, of hidden states (speculative decoding)
         self._p_pool = None  # their pool: never shared with decode graphs (see runner.piecewise)
+        self._tables = TableCache()  # eager and piecewise forwards' block tables, by row key
         self._p_outputs = self._shared_outputs()  # their attention outputs, shared by the buckets
         self.prefill_capture_error: str | None = None  # why piecewise P capture failed (P then runs eagerly)
         self._captured = False  # multi-rank: the collective capture of every bucket was attempted
@@ -767,7 +768,7 @@ class CudaRunner:
             stream.wait_stream(caller)  # weight copies and earlier host-to-device copies
             layout = build_layout([i.span for i in inputs], [i.token_ids for i in inputs], [i.sample for i in inputs],
                                   self.cache.block_size, self.kernels, self.q_heads, self.kv_heads,
-                                  self.head_dim, self.device, self.num_sms)
+                                  self.head_dim, self.device, self.num_sms, [i.key for i in inputs], self._tables)
             attn = KernelPagedBatch(self.cache, layout, self.kernels)
             if graph is not None:
                 gen = graph.run(layout, attn)

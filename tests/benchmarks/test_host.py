@@ -11,6 +11,13 @@ def test_engine_step_and_fill_are_timed():
         assert all(0 < f["min"] <= f["median"] <= f["max"] for f in fills.values())
 
 
+def test_a_mixed_steps_layout_is_timed_with_and_without_the_table_cache():
+    from benchmarks.host import layout_ms
+
+    timed = layout_ms(rows=4, blocks=50, chunk=64, steps=3, repeats=2)
+    assert set(timed) == {"full", "keyed"} and all(0 < t["min"] <= t["median"] <= t["max"] for t in timed.values())
+
+
 def test_sample_is_timed_greedy_and_sampled():
     timed = sample_ms(rows=2, vocab=64, repeats=2)
     assert set(timed) == {"t0", "t1"}

@@ -11,6 +11,7 @@ from megatron_rollout.kernels.layout import (
     ALIGN_ELEMS,
     TABLE_ALIGN,
     StaticDecodeLayout,
+    TableCache,
     build_layout,
     decode_runs,
     pack_aligned,
@@ -298,4 +299,52 @@ def test_a_key_converts_only_its_new_entries_wherever_its_rows_land():
     assert Counted.reads == 16 + 1  # b's one new entry; a's three rows and b's moved ones copy
     assert layout.tables[:5, :10].tolist()[:3] == [list(range(10))] * 3
     assert layout.tables[3:5, :7].tolist() == [[20, 21, 22, 23, 24, 25, 99]] * 2
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_table_cache_gives_the_layouts_of_full_conversions(seed):
+    """Eager forwards over many steps (a `chunked` run's mixed steps): keyed rows grow, finish, are
+    preempted (a new key), skip a forward (their key is dropped) and come back; a request's prefill
+    rows and decode rows share its key. Every layout equals the one built without the cache."""
+    rng = np.random.default_rng(seed)
+    cache, live, next_rid = TableCache(), {}, 0
+    for _step in range(50):
+        for key in list(live):
+            roll = rng.random()
+            if roll < 0.1:
+                del live[key]
+            elif roll < 0.15:
+                del live[key]
+                live[(key[0], key[1] + 1)] = [int(b) for b in rng.integers(0, 1000, int(rng.integers(1, 5)))]
+            else:
+                live[key] += [int(b) for b in rng.integers(0, 1000, int(rng.integers(0, 3)))]
+        while len(live) < 6 and rng.random() < 0.5:
+            live[(next_rid, 0)] = [int(b) for b in rng.integers(0, 1000, int(rng.integers(1, 20)))]
+            next_rid += 1
+        keys = [k for k in sorted(live) if rng.random() < 0.8]  # some sit a forward out
+        keys += keys[:1]  # a prompt-logprobs row beside its chunk: the same key twice
+        if not keys:
+            continue
+        spans = [SeqSpan(tuple(live[k]), 16 * len(live[k]) - 1, 1) for k in keys]
+        args = (spans, [[1]] * len(spans), [True] * len(spans), 16, PortableAttention(), 8, 4, 8, torch.device("cpu"))
+        cached, full = build_layout(*args, keys=keys, cache=cache), build_layout(*args)
+        assert torch.equal(cached.decode.tables, full.decode.tables) and torch.equal(cached.slots, full.slots)
+
+
+def test_a_table_cache_converts_each_entry_once():
+    class Counted(tuple):
+        reads = 0
+
+        def __getitem__(self, item):
+            got = super().__getitem__(item)
+            Counted.reads += len(got) if isinstance(item, slice) else 1
+            return got
+
+    cache = TableCache()
+    assert cache.entries("a", Counted(range(100))).tolist() == list(range(100)) and Counted.reads == 100
+    assert cache.entries("a", Counted(range(103))).tolist() == list(range(103)) and Counted.reads == 103
+    cache.sweep()
+    cache.sweep()  # a forward without "a": dropped
+    assert cache.entries("a", Counted(range(103))).tolist() == list(range(103)) and Counted.reads == 206
+    assert cache.entries("a", Counted(range(5))).tolist() == list(range(5))  # shorter: not its table, again
 
