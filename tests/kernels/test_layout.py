@@ -278,9 +278,9 @@ def test_kv_splits_count_runs_only_for_a_backend_that_reads_them():
     assert splits(ReadsRuns(), 8) == 32  # 2 programs a SM over 5 runs x 2 kv heads: 27, rounded up to 32
 
 
-def test_a_key_converts_only_its_new_entries_wherever_its_rows_land():
-    """A verify forward's rows: a row with more drafts moves the next one down. Every entry is
-    converted from Python ints once, at the step it first appears (a table that counts its reads)."""
+def counted_tuple() -> type:
+    """A tuple type that counts the entries read from its instances (`reads`): a block table whose
+    conversion from Python ints is counted."""
 
     class Counted(tuple):
         reads = 0
@@ -290,6 +290,14 @@ def test_a_key_converts_only_its_new_entries_wherever_its_rows_land():
             Counted.reads += len(got) if isinstance(item, slice) else 1
             return got
 
+    return Counted
+
+
+def test_a_key_converts_only_its_new_entries_wherever_its_rows_land():
+    """A verify forward's rows: a row with more drafts moves the next one down. Every entry is
+    converted from Python ints once, at the step it first appears (a table that counts its reads)."""
+
+    Counted = counted_tuple()
     layout = StaticDecodeLayout(8, 16, 4, PortableAttention(), 8, 4, 8, torch.device("cpu"), num_sms=4, max_run=4)
     a, b = Counted(range(10)), Counted(range(20, 26))
     layout.fill([SeqSpan(a, 39, 1), SeqSpan(b, 23, 1)], [1, 1], ["a", "b"], [1, 1])
@@ -332,14 +340,7 @@ def test_a_table_cache_gives_the_layouts_of_full_conversions(seed):
 
 
 def test_a_table_cache_converts_each_entry_once():
-    class Counted(tuple):
-        reads = 0
-
-        def __getitem__(self, item):
-            got = super().__getitem__(item)
-            Counted.reads += len(got) if isinstance(item, slice) else 1
-            return got
-
+    Counted = counted_tuple()
     cache = TableCache()
     assert cache.entries("a", Counted(range(100))).tolist() == list(range(100)) and Counted.reads == 100
     assert cache.entries("a", Counted(range(103))).tolist() == list(range(103)) and Counted.reads == 103
