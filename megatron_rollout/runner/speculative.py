@@ -67,7 +67,9 @@ def verify_forward(runner: Runner, rows: list[SpanInput], verify_rows: list[Veri
     index = lambda values: torch.tensor(values, dtype=torch.long, device=model.device)  # noqa: E731
     if mtp and phase is Phase.P:  # every rank's P forward runs it, maybe over nothing: its collectives pair up
         yield from runner.forward_mtp(spans, h[index(at)], index(follow), phase)
-    hidden = h[index(pick)]
+    # every position picked (a decode iteration's rows, drafts and all): no index to copy to the device,
+    # whose copy from pageable memory would wait for the forward before the logits are even enqueued
+    hidden = h if len(pick) == start else h[index(pick)]
     return SpecOutput(model.logits(hidden), hidden)
 
 
