@@ -330,7 +330,7 @@ class StaticDecodeLayout:
             size, key = len(s.table), keys[i] if keys is not None else None
             if size > self.width:
                 raise ValueError(f"block table of {size} blocks exceeds the graph's width {self.width}")
-            first = placed.get(key) if shared else None
+            first = placed.get(key) if shared and key is not None else None
             if first is not None and first[1] == size:  # another position of the row just written
                 tables[i, :size] = tables[first[0], :size]
                 written[i] = (key, size)
@@ -344,7 +344,7 @@ class StaticDecodeLayout:
                 tables[i, :done] = tables[row, :done]
             tables[i, done:size] = s.table[done:]
             written[i] = (key, size) if key is not None else None
-            if shared:
+            if shared and key is not None:
                 placed[key] = (i, size)
         self._written = written
         h[:n] = tokens

@@ -115,8 +115,8 @@ def test_keyed_fills_give_the_tables_of_full_fills(seed, drafts):
     """Decode batches over many steps: rows grow by appending, finish (later rows move up), join
     at the end, and are preempted (a new lifetime: a new key, a new table). With `drafts`, each row
     is a verify forward's: 1 to 1 + drafts one-query rows under its key, a new count every step, so
-    the rows after it move up or down. The keyed fill, which converts only new entries, must leave
-    in the device buffer what a full fill leaves."""
+    the rows after it move up or down; some rows have no key. The keyed fill, which converts only
+    new entries, must leave in the device buffer what a full fill leaves."""
     rng = np.random.default_rng(seed)
     rows = 8 * (1 + drafts)
     keyed = StaticDecodeLayout(rows, 64, 4, PortableAttention(), 8, 4, 8, torch.device("cpu"), num_sms=4)
@@ -140,7 +140,8 @@ def test_keyed_fills_give_the_tables_of_full_fills(seed, drafts):
         runs = [1 + int(rng.integers(0, drafts + 1)) for _ in sorted(live)[:8]]
         keys = [k for k, run in zip(sorted(live)[:8], runs) for _ in range(run)]  # oldest first
         spans = [SeqSpan(tuple(live[k]), 4 * len(live[k]) - 1, 1) for k in keys]
-        keyed.fill(spans, [1] * len(spans), keys, runs if drafts else None)
+        unkeyed = {k for k in live if rng.random() < 0.2}  # rows that promise nothing (an MTP draft's)
+        keyed.fill(spans, [1] * len(spans), [None if k in unkeyed else k for k in keys], runs if drafts else None)
         full.fill(spans, [1] * len(spans), None, runs if drafts else None)
         for i, k in enumerate(keys):  # entries past a row's length are never read (its length bounds attention)
             assert keyed.tables[i, :len(live[k])].tolist() == full.tables[i, :len(live[k])].tolist() == live[k]
