@@ -240,12 +240,13 @@ class SpeculativeExecutor(StepExecutor):
     def _index(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.model.device)
 
-    def _mtp(self, spans: list[SeqSpan], hidden: list[torch.Tensor], tokens: list[int], phase: Phase
-             ) -> torch.Tensor:
-        """The MTP layer over `spans`; its output [positions, H]."""
+    def _mtp(self, spans: list[SeqSpan], hidden: list[torch.Tensor], tokens: list[int], phase: Phase,
+             rows: list[_Row]) -> torch.Tensor:
+        """The MTP layer over `spans` (one per row of `rows`, on its request's table); its output [positions, H]."""
         h = torch.cat(hidden) if hidden else torch.zeros(0, self.model.cfg.hidden_size,
                                                            dtype=self.model.cfg.torch_dtype, device=self.model.device)
-        return run_to_end(self.runner.forward_mtp(spans, h, self._index(tokens), phase))
+        keys = [(r.owner.request.rid, r.owner.lifetime) for r in rows]
+        return run_to_end(self.runner.forward_mtp(spans, h, self._index(tokens), phase, keys))
 
     # -- one step ---------------------------------------------------------------------------------------
     def run(self, plan: StepPlan, phase: Phase) -> list[RequestOutput]:
@@ -344,7 +345,7 @@ class SpeculativeExecutor(StepExecutor):
             spans.append(SeqSpan(row.table, past, len(nxt)))
             hidden.extend(h)
             tokens.extend(nxt)
-        x = self._mtp(spans, hidden, tokens, phase)
+        x = self._mtp(spans, hidden, tokens, phase, rows)
         last = [r - 1 for r in torch.tensor([s.new for s in spans], dtype=torch.long).cumsum(0).tolist()]
         x = x[self._index(last)]  # [rows, H]: the layer's output at each row's last confirmed position
         want = [self._room(row) for row in rows]
@@ -356,7 +357,8 @@ class SpeculativeExecutor(StepExecutor):
                 table = self.table
                 spans = [SeqSpan(tuple(table.pool.table(rows[i].owner.request.seq.sid)),
                                  rows[i].first + len(rows[i].verdict.tokens) + j - 1, 1) for i in chain]
-                y = self._mtp(spans, [x[self._index(chain)]], [drafted[i][-1] for i in chain], phase)
+                y = self._mtp(spans, [x[self._index(chain)]], [drafted[i][-1] for i in chain], phase,
+                              [rows[i] for i in chain])
                 x = x.index_copy(0, self._index(chain), y)
             else:
                 chain = [i for i in range(len(rows)) if want[i] > 0]

@@ -11,6 +11,7 @@ complete, a runner runs the deferred checks of the comm's sync-free dispatch dom
 """
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from typing import NamedTuple, Protocol
 
 import torch
@@ -68,9 +69,9 @@ class Runner(Protocol):
         ...
 
     def forward_mtp(self, spans: list[SeqSpan], hidden: torch.Tensor, next_tokens: torch.Tensor,
-                    phase: Phase) -> Forward:
+                    phase: Phase, keys: Sequence[Hashable | None] | None = None) -> Forward:
         """Speculative decoding: the first MTP layer over the spans' new positions
-        (`MoETransformer.mtp_step`); its output [N, H]."""
+        (`MoETransformer.mtp_step`); its output [N, H]. `keys`: each span's `SpanInput.key`."""
         ...
 
     @property
@@ -120,7 +121,7 @@ class ModelRunner:
         return self._checked(self.model.hidden_step(tokens.to(self.device), batch.positions, batch, phase))
 
     def forward_mtp(self, spans: list[SeqSpan], hidden: torch.Tensor, next_tokens: torch.Tensor,
-                    phase: Phase) -> Forward:
+                    phase: Phase, keys: Sequence[Hashable | None] | None = None) -> Forward:
         """`MoETransformer.mtp_step` over `spans` (hidden [N, H], next_tokens [N] for their N new
         positions, in order): the first MTP layer's output [N, H], before its final norm."""
         batch = PagedBatch(self.cache, spans)

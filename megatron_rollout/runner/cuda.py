@@ -93,7 +93,7 @@ import enum
 import itertools
 import logging
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 
 import torch
 
@@ -666,12 +666,13 @@ class CudaRunner:
         return self._eager(inputs, phase, DecodeOutput.HIDDEN)
 
     def forward_mtp(self, spans: list[SeqSpan], hidden: torch.Tensor, next_tokens: torch.Tensor,
-                    phase: Phase) -> Forward:
+                    phase: Phase, keys: Sequence[Hashable | None] | None = None) -> Forward:
         """`Runner.forward_mtp`, placed as `forward_hidden`: in D, one-query rows in a draft graph."""
         self._probe.poll()
         if not spans:  # one rank (many are refused): no collective waits for this forward
             return _value(hidden[:0])
-        inputs = [SpanInput(s, [0] * s.new, True) for s in spans]  # the tokens are `next_tokens`
+        keys = keys if keys is not None else [None] * len(spans)
+        inputs = [SpanInput(s, [0] * s.new, True, k) for s, k in zip(spans, keys, strict=True)]  # tokens: `next_tokens`
         if phase is Phase.D:
             rows = flatten(inputs)
             graph = self._spec_graph(DecodeOutput.MTP, rows)

@@ -55,18 +55,19 @@ def verify_forward(runner: Runner, rows: list[SpanInput], verify_rows: list[Veri
     model = runner.model
     h = yield from runner.forward_hidden(rows, phase)  # [tokens, H]
     pick: list[int] = []
-    spans, at, follow, start = [], [], [], 0
+    spans, keys, at, follow, start = [], [], [], [], 0
     for row, v in zip(rows, verify_rows, strict=True):
         end = start + row.span.new
         pick.extend(range(end - v.logits, end))
         if v.follow:
             spans.append(SeqSpan(row.span.table, row.span.past, len(v.follow)))
+            keys.append(row.key)
             at.extend(range(start, start + len(v.follow)))
             follow.extend(v.follow)
         start = end
     index = lambda values: torch.tensor(values, dtype=torch.long, device=model.device)  # noqa: E731
     if mtp and phase is Phase.P:  # every rank's P forward runs it, maybe over nothing: its collectives pair up
-        yield from runner.forward_mtp(spans, h[index(at)], index(follow), phase)
+        yield from runner.forward_mtp(spans, h[index(at)], index(follow), phase, keys)
     # every position picked (a decode iteration's rows, drafts and all): no index to copy to the device,
     # whose copy from pageable memory would wait for the forward before the logits are even enqueued
     hidden = h if len(pick) == start else h[index(pick)]
