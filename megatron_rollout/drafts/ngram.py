@@ -139,6 +139,8 @@ class NgramIndex:
         shorter than held, or whose token at the held end differs, is taken whole. A stale copy
         would lower the acceptance rate only: drafts are verified."""
         held = self.length
+        if len(tokens) == held and (not held or tokens[held - 1] == self.tokens[held - 1]):
+            return  # nothing new: a finished sibling's context, synced again at every lookup of its family
         if len(tokens) < held or (held and tokens[held - 1] != self.tokens[held - 1]):
             held = 0
             self.grams = GramFilter(self.n_min)
@@ -207,13 +209,14 @@ class NgramIndex:
         if not self.grams.may_hold(list(suffix[len(suffix) - self.n_min:])):
             return 0, -1
         found, stop = (0, -1), 4 * (size - 1)
-        at = self.encoded.rfind(encode(suffix[len(suffix) - shortest:]), 0, stop)
+        top, pattern = longest, encode(suffix[len(suffix) - longest:])  # the last n tokens' bytes: its last 4n
+        at = self.encoded.rfind(pattern[4 * (top - shortest):], 0, stop)
         if at < 0:
             return found
         found, shortest = (shortest, at // 4 + shortest), shortest + 1
         while shortest <= longest:
             n = (shortest + longest) // 2
-            at = self.encoded.rfind(encode(suffix[len(suffix) - n:]), 0, stop)
+            at = self.encoded.rfind(pattern[4 * (top - n):], 0, stop)
             if at >= 0:
                 found, shortest = (n, at // 4 + n), n + 1
             else:
@@ -240,6 +243,9 @@ class Family:
     def __init__(self) -> None:
         self.members: dict[int, tuple[Sequence[int], NgramIndex]] = {}
         self.cursors: dict[int, tuple[int, int, int]] = {}
+        self.longer: dict[int, GramFilter] = {}
+        """Each member's (n_max + 1)-grams: where a sibling must match longer than a row's own
+        lookup can, most siblings are ruled out by one bit, not searched."""
 
     def join(self, key: int, tokens: Sequence[int], index: NgramIndex) -> None:
         """`tokens` is the member's live token list: a sibling's index is brought up to it on use."""
@@ -260,11 +266,18 @@ class Family:
                 self.cursors[key] = (sibling, end, len(tokens))
                 return tuple(text[end:end + k]), True
         drafted = own.propose(k)
+        shortest = own.n_max + 1 if drafted else own.n_min
+        suffix = list(tokens[len(tokens) - shortest:]) if drafted and len(tokens) >= shortest else None
         best = (0, -1, -1)
         for sibling, (text, index) in self.members.items():
             if sibling != key:
                 index.sync(text)
-                n, end = index.follow(tokens, own.n_max + 1 if drafted else own.n_min, SIBLING_MAX)
+                if suffix is not None:
+                    grams = self.longer.get(sibling) or self.longer.setdefault(sibling, GramFilter(shortest))
+                    grams.extend(index.tokens, index.length)
+                    if not grams.may_hold(suffix):
+                        continue
+                n, end = index.follow(tokens, shortest, SIBLING_MAX)
                 best = max(best, (n, end, sibling))
         n, end, sibling = best
         if not n:
