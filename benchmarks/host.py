@@ -12,6 +12,8 @@ overlapped, so it is worth timing by itself, on any machine:
   drafting 0 to 4 tokens, a new count every step (the rows after it move).
 - `layout`: `build_layout` of a `chunked` mixed step (decode rows and a 2,048-token prefill chunk,
   as an eager or piecewise forward builds it every time), full against through a `TableCache`.
+  `turn layout`: the same for a 16,384-token prefill epoch over sessions' next turns, whose tables
+  the cache holds from their previous turns.
 - `sample`: `sampler.sample` of a batch of rows over a 151,936-token vocabulary (Qwen3's), greedy
   against temperature 1, interleaved (on a GPU the draws run on the device; here on the CPU).
 - `lookup`: one n-gram lookup and the sync of one new token (`drafts.NgramIndex.propose`, `sync`),
@@ -215,6 +217,33 @@ def layout_ms(rows: int, blocks: int, chunk: int = 2048, steps: int = 20, repeat
     return {m: _summary(v) for m, v in samples.items()}
 
 
+def turn_layout_ms(requests: int, blocks: int, tokens: int = 16_384, repeats: int = 5) -> dict[str, dict[str, float]]:
+    """Host ms per `build_layout` of a prefill epoch of `tokens` new tokens over `requests` sessions'
+    next turns, each session's table `blocks` entries long, the new turn's blocks at its end: without
+    a `TableCache` (`full`) against one that holds each session's table from its previous turn
+    (`keyed`, keyed by `Seq.table_key`), interleaved."""
+    from megatron_rollout.kernels.layout import TableCache, build_layout
+
+    rng = np.random.default_rng(0)
+    per = tokens // requests
+    new_blocks = -(-per // 16)
+    tables = [tuple(int(b) for b in rng.integers(0, 1 << 20, blocks)) for _ in range(requests)]
+    spans = [SeqSpan(t, 16 * (blocks - new_blocks), per) for t in tables]
+    ids = [rng.integers(0, LOOKUP_VOCAB, per).tolist() for _ in range(requests)]
+    samples: dict[str, list[float]] = {"full": [], "keyed": []}
+    for _ in range(repeats):
+        for mode in samples:
+            cache = TableCache() if mode == "keyed" else None
+            if cache is not None:  # the previous turn: every table but this turn's blocks
+                for r, t in enumerate(tables):
+                    cache.entries((r, 0), t[:blocks - new_blocks])
+            t0 = time.perf_counter()
+            build_layout(spans, ids, [True] * requests, 16, PortableAttention(), 32, 4, 128, torch.device("cpu"),
+                         keys=[(r, 0) for r in range(requests)], cache=cache)
+            samples[mode].append((time.perf_counter() - t0) * 1e3)
+    return {m: _summary(v) for m, v in samples.items()}
+
+
 def sample_ms(rows: int, vocab: int = 151_936, repeats: int = 5) -> dict[str, dict[str, float]]:
     """Host ms per `sample` of `rows` rows, greedy (`t0`) against temperature 1 (`t1`), interleaved."""
     from megatron_rollout.engine import SamplingParams
@@ -253,7 +282,8 @@ def compare(folder: Path) -> str:
     for stage, unit, spec, what in (("drafting_step_ms", "ms", ".3f", "rows"), ("lookup_us", "us", ".1f", "tokens"),
                                     ("fill_ms", "ms", ".3f", "rows x entries"),
                                     ("verify_fill_ms", "ms", ".3f", "rows x entries"),
-                                    ("layout_ms", "ms", ".3f", "rows x entries")):
+                                    ("layout_ms", "ms", ".3f", "rows x entries"),
+                                    ("turn_layout_ms", "ms", ".3f", "sessions x entries")):
         for size, variants in runs["before"][0].get(stage, {}).items():
             for variant in variants:
                 rows.append([f"{stage.rsplit('_', 1)[0].replace('_', ' ')}, {unit}", f"{size} {what}", variant,
@@ -269,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="rows x table entries of the verify fill stage (up to 4 drafts a row; '' skips it)")
     ap.add_argument("--layout", default="16x1300,64x1300,16x3750",
                     help="decode rows x table entries of the mixed-step layout stage ('' skips it)")
+    ap.add_argument("--turn-layout", default="8x1300,32x3750",
+                    help="sessions x table entries of the next-turn prefill layout stage ('' skips it)")
     ap.add_argument("--sample", default="1,16,64", help="batch sizes of the sample stage ('' skips it)")
     ap.add_argument("--drafting", default="1,16,64", help="batch sizes of the drafting stage ('' skips it)")
     ap.add_argument("--lookup", default="1000,17000,60000", help="context lengths of the lookup stage ('' skips it)")
@@ -280,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     torch.set_num_threads(1)
     out: dict[str, Any] = {"torch": torch.__version__, "engine_step_ms": {}, "fill_ms": {}, "verify_fill_ms": {},
-                           "layout_ms": {}, "sample_ms": {}, "drafting_step_ms": {}, "lookup_us": {}}
+                           "layout_ms": {}, "turn_layout_ms": {}, "sample_ms": {}, "drafting_step_ms": {},
+                           "lookup_us": {}}
     for rows in (int(r) for r in args.rows.split(",") if r):
         out["engine_step_ms"][rows] = engine_step_ms(rows)
     for rows in (int(r) for r in args.drafting.split(",") if r):
@@ -296,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     for spec in (s for s in args.layout.split(",") if s):
         rows, blocks = (int(v) for v in spec.split("x"))
         out["layout_ms"][spec] = layout_ms(rows, blocks)
+    for spec in (s for s in args.turn_layout.split(",") if s):
+        requests, blocks = (int(v) for v in spec.split("x"))
+        out["turn_layout_ms"][spec] = turn_layout_ms(requests, blocks)
     for rows in (int(r) for r in args.sample.split(",") if r):
         out["sample_ms"][rows] = sample_ms(rows)
     print(json.dumps(out, indent=1))

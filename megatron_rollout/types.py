@@ -46,6 +46,7 @@ class SpanInput:
     """Return logits for the span's last token."""
     key: Hashable | None = None
     """Who the row's block table belongs to, with the promise that rows of one key have tables
-    that only grow by appending (the engine passes (request id, lifetime) for its decode and prefill
-    rows). Lets the CUDA runner convert only a table's new entries, in a decode graph's static layout
-    and in an eager or piecewise forward's (`kernels.layout.TableCache`); None promises nothing."""
+    that only grow by appending (the engine passes `Seq.table_key` for its decode and prefill rows:
+    the sequence and how often its blocks were dropped). Lets the CUDA runner convert only a
+    table's new entries, in a decode graph's static layout and in an eager or piecewise forward's
+    (`kernels.layout.TableCache`); None promises nothing."""

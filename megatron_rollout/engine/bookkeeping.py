@@ -418,7 +418,7 @@ class RequestTable:
     def _decode_row(self, req: Request, past: int, token: list[int]) -> tuple[SpanInput, SampleOwner]:
         self.pool.grow(req.seq.sid, past + len(token))
         span = SeqSpan(tuple(self.pool.table(req.seq.sid)), past, len(token))
-        row = SpanInput(span, token, sample=True, key=(req.rid, req.lifetime))
+        row = SpanInput(span, token, sample=True, key=req.seq.table_key)
         return row, SampleOwner(req, req.lifetime, past + 1)
 
     def prefill_rows(self, chunk: PrefillChunk) -> tuple[list[SpanInput], list[SampleOwner]]:
@@ -437,7 +437,7 @@ class RequestTable:
         first = len(seq.tokens) - req.prompt_tokens if req.params.prompt_logprobs is not None and not req.output \
             else len(seq.tokens)
         split = min(max(start, first), end)
-        key = (req.rid, req.lifetime)  # its decode rows' key: the same table, grown by appending
+        key = seq.table_key  # its decode rows' key too: the same table, grown by appending
         rows = [SpanInput(SeqSpan(table, start, split - start), seq.tokens[start:split],
                           chunk.completes and split == end, key)] if split > start else []
         owners = []

@@ -245,7 +245,7 @@ class SpeculativeExecutor(StepExecutor):
         """The MTP layer over `spans` (one per row of `rows`, on its request's table); its output [positions, H]."""
         h = torch.cat(hidden) if hidden else torch.zeros(0, self.model.cfg.hidden_size,
                                                            dtype=self.model.cfg.torch_dtype, device=self.model.device)
-        keys = [(r.owner.request.rid, r.owner.lifetime) for r in rows]
+        keys = [r.owner.request.seq.table_key for r in rows]
         return run_to_end(self.runner.forward_mtp(spans, h, self._index(tokens), phase, keys))
 
     # -- one step ---------------------------------------------------------------------------------------

@@ -41,8 +41,19 @@ class Seq:
     """The sequence id of sample 0 where this sequence holds a sample of an n > 1 request (it or one
     forked from it, and the session going on there): the RL group whose text its drafts may copy."""
 
+    kv_epoch: int = 0
+    """Counts the times its blocks were dropped (`reset_kv`): between two drops its block table
+    only grows by appending, across a session's turns too, so (sid, kv_epoch) is its rows'
+    `SpanInput.key` (`table_key`)."""
+
     def reset_kv(self) -> None:
         self.computed, self.registered, self.kv_version = 0, 0, None
+        self.kv_epoch += 1
+
+    @property
+    def table_key(self) -> tuple[int, int]:
+        """Names its block table as it grows (`SpanInput.key`): a new one after each drop."""
+        return self.sid, self.kv_epoch
 
     def block_hashes(self, block_size: int) -> list[int]:
         full = len(self.tokens) // block_size

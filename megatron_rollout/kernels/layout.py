@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -116,18 +117,23 @@ class ForwardLayout:
 class TableCache:
     """Block tables converted from Python ints, kept by `SpanInput.key` between forwards: a keyed
     table only grows by appending, so a forward converts only its new entries and copies the rest.
-    A key the last forward did not use is dropped after it. An eager or piecewise forward rebuilds its
-    layout every time (`build_layout`), over rows whose tables reach thousands of entries at long
-    contexts: a mixed `chunked` step holds every decoding row."""
+    An eager or piecewise forward rebuilds its layout every time (`build_layout`), over rows whose
+    tables reach thousands of entries at long contexts: a mixed `chunked` step holds every decoding
+    row, and a session's next turn prefills over its whole context's table. The least recently used
+    tables go once more than `budget` entries are held (4 bytes each)."""
 
-    def __init__(self) -> None:
-        self._now: dict[Hashable, tuple[np.ndarray, int]] = {}
-        self._last: dict[Hashable, tuple[np.ndarray, int]] = {}
+    def __init__(self, budget: int = 1 << 22) -> None:
+        self.budget = budget
+        self._held: OrderedDict[Hashable, tuple[np.ndarray, int]] = OrderedDict()
+        self._size = 0
+        """Entries the held arrays have room for."""
 
     def entries(self, key: Hashable, table: Sequence[int]) -> np.ndarray:
         """`table` as int32, converting only what `key` did not hold yet."""
         size = len(table)
-        held, done = self._now.get(key) or self._last.get(key) or (None, 0)
+        held, done = self._held.pop(key, None) or (None, 0)
+        if held is not None:
+            self._size -= len(held)
         if held is None or done > size:  # not the table the key held: start again
             held, done = np.empty(max(size, 16), np.int32), 0
         elif size > len(held):
@@ -135,12 +141,11 @@ class TableCache:
             grown[:done] = held[:done]
             held = grown
         held[done:size] = table[done:size]
-        self._now[key] = (held, size)
+        self._held[key] = (held, size)
+        self._size += len(held)
+        while self._size > self.budget and len(self._held) > 1:
+            self._size -= len(self._held.popitem(last=False)[1][0])
         return held[:size]
-
-    def sweep(self) -> None:
-        """One forward done: keys it did not use age by one."""
-        self._last, self._now = self._now, {}
 
 
 def build_layout(spans: Sequence[SeqSpan], token_ids: Sequence[Sequence[int]], sample: Sequence[bool],
@@ -157,8 +162,6 @@ def build_layout(spans: Sequence[SeqSpan], token_ids: Sequence[Sequence[int]], s
     for i, s in enumerate(spans):
         key = keys[i] if keys is not None and cache is not None else None
         tables[i, :len(s.table)] = s.table if key is None else cache.entries(key, s.table)
-    if cache is not None:
-        cache.sweep()
     q_start = np.cumsum(news) - news
     n = int(news.sum())
     seg = np.repeat(np.arange(s_count), news)

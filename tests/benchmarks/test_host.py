@@ -16,6 +16,10 @@ def test_a_mixed_steps_layout_is_timed_with_and_without_the_table_cache():
 
     timed = layout_ms(rows=4, blocks=50, chunk=64, steps=3, repeats=2)
     assert set(timed) == {"full", "keyed"} and all(0 < t["min"] <= t["median"] <= t["max"] for t in timed.values())
+    from benchmarks.host import turn_layout_ms
+
+    turns = turn_layout_ms(requests=4, blocks=80, tokens=256, repeats=2)
+    assert set(turns) == {"full", "keyed"} and all(0 < t["min"] <= t["median"] <= t["max"] for t in turns.values())
 
 
 def test_sample_is_timed_greedy_and_sampled():

@@ -222,3 +222,34 @@ def test_a_run_of_tokens_is_accepted_as_one_token_at_a_time(make_engine, qwen, l
         assert output[1:] == [11, 12, 13] and finished and finished[0][1] is FinishReason.STOP
     else:
         assert output[1:] == [11, 12, 13, 14, 15, 16] and not finished and registered == computed // 4
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_row_key_names_a_table_that_only_grows_by_appending(make_engine, qwen, schedule):
+    """The promise the CUDA runner's table caches rest on (`SpanInput.key`): every table a forward
+    sees under one key extends the one seen before, across a session's turns, preemptions (tight KV)
+    and idle sessions evicted under pressure."""
+    _, model = qwen
+    engine = make_engine(model, small(schedule, kv=KVConfig(num_blocks=14),
+                                      scheduler=SchedulerConfig(schedule, block_size=4, max_batch_tokens=16)))
+    seen: dict = {}
+    forward = engine.runner.forward
+
+    def spy(inputs, phase):
+        for row in inputs:
+            if row.key is not None:
+                before = seen.get(row.key, ())
+                assert row.span.table[:len(before)] == before, (row.key, before, row.span.table)
+                seen[row.key] = row.span.table
+        return forward(inputs, phase)
+
+    engine.runner.forward = engine.executor.runner.forward = spy
+    sessions = [engine.open_session() for _ in range(3)]
+    for turn in range(3):
+        for i, s in enumerate(sessions):
+            s.append(prompts([5 + i + turn], seed=10 * turn + i)[0])
+        rids = [s.submit(SamplingParams(temperature=0.0, max_new_tokens=6)) for s in sessions]
+        engine.run_until(rids)
+    assert {sid for sid, _ in seen} == {s.sid for s in sessions}  # every row keyed by its session's sequence
+    assert any(epoch > 0 for _, epoch in seen)  # blocks were dropped and the table built again, under a new key

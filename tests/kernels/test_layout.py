@@ -313,8 +313,8 @@ def test_a_key_converts_only_its_new_entries_wherever_its_rows_land():
 @pytest.mark.parametrize("seed", range(3))
 def test_a_table_cache_gives_the_layouts_of_full_conversions(seed):
     """Eager forwards over many steps (a `chunked` run's mixed steps): keyed rows grow, finish, are
-    preempted (a new key), skip a forward (their key is dropped) and come back; a request's prefill
-    rows and decode rows share its key. Every layout equals the one built without the cache."""
+    preempted (a new key), sit forwards out and come back; a request's prefill rows and decode rows
+    share its key. Every layout equals the one built without the cache."""
     rng = np.random.default_rng(seed)
     cache, live, next_rid = TableCache(), {}, 0
     for _step in range(50):
@@ -340,13 +340,17 @@ def test_a_table_cache_gives_the_layouts_of_full_conversions(seed):
         assert torch.equal(cached.decode.tables, full.decode.tables) and torch.equal(cached.slots, full.slots)
 
 
-def test_a_table_cache_converts_each_entry_once():
+def test_a_table_cache_converts_each_entry_once_and_forgets_the_least_recently_used():
     Counted = counted_tuple()
-    cache = TableCache()
+    cache = TableCache(budget=250)
     assert cache.entries("a", Counted(range(100))).tolist() == list(range(100)) and Counted.reads == 100
     assert cache.entries("a", Counted(range(103))).tolist() == list(range(103)) and Counted.reads == 103
-    cache.sweep()
-    cache.sweep()  # a forward without "a": dropped
-    assert cache.entries("a", Counted(range(103))).tolist() == list(range(103)) and Counted.reads == 206
+    cache.entries("b", Counted(range(40)))  # a's 200 entries of room (grown by doubling) and b's 40: 240
+    assert Counted.reads == 143
+    cache.entries("a", Counted(range(103)))  # a used again: b is now the oldest
+    cache.entries("c", Counted(range(20)))  # 260 > 250: b goes
+    assert Counted.reads == 163
+    cache.entries("a", Counted(range(104)))
+    cache.entries("b", Counted(range(40)))
+    assert Counted.reads == 163 + 1 + 40  # a kept (one new entry), b converted again
     assert cache.entries("a", Counted(range(5))).tolist() == list(range(5))  # shorter: not its table, again
-
