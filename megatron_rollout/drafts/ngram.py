@@ -251,6 +251,14 @@ class Family:
         """`tokens` is the member's live token list: a sibling's index is brought up to it on use."""
         self.members[key] = (tokens, index)
 
+    def _longer(self, key: int, index: NgramIndex) -> GramFilter:
+        """Member `key`'s (n_max + 1)-grams, brought up to its index."""
+        grams = self.longer.get(key)
+        if grams is None:
+            grams = self.longer[key] = GramFilter(index.n_max + 1)
+        grams.extend(index.tokens, index.length)
+        return grams
+
     def propose(self, key: int, k: int) -> tuple[tuple[int, ...], bool]:
         """Up to k drafts for member `key` (its index synced by the caller), and whether a sibling's
         text gave them."""
@@ -272,11 +280,8 @@ class Family:
         for sibling, (text, index) in self.members.items():
             if sibling != key:
                 index.sync(text)
-                if suffix is not None:
-                    grams = self.longer.get(sibling) or self.longer.setdefault(sibling, GramFilter(shortest))
-                    grams.extend(index.tokens, index.length)
-                    if not grams.may_hold(suffix):
-                        continue
+                if suffix is not None and not self._longer(sibling, index).may_hold(suffix):
+                    continue
                 n, end = index.follow(tokens, shortest, SIBLING_MAX)
                 best = max(best, (n, end, sibling))
         n, end, sibling = best

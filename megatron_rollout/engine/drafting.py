@@ -56,7 +56,7 @@ from megatron_rollout.engine.api import FinishReason, RequestOutput, SamplingPar
 from megatron_rollout.engine.bookkeeping import RequestTable, SampleOwner
 from megatron_rollout.engine.config import SpeculativeConfig
 from megatron_rollout.engine.execution import StepExecutor, StepInputs
-from megatron_rollout.engine.request import Request, Sampled
+from megatron_rollout.engine.request import Request, Sampled, Seq
 from megatron_rollout.engine.sampler import PendingDraw, filtered_logprobs, sample_row
 from megatron_rollout.engine.scheduler import PrefillChunk, SchedulerState, Stage, StepPlan
 from megatron_rollout.engine.speculative import Verdict, draw_index, verify
@@ -183,14 +183,11 @@ class SpeculativeExecutor(StepExecutor):
             if req.params.logprobs is not None:  # its top logprobs come from the plain draw: never drafted
                 continue
             seq, budget = req.seq, self._budget(req, 0, k)
-            family = self.families.get(seq.family) if self.config.group and seq.family is not None else None
             context = self.contexts.get(seq.sid)
             if context is None:
                 context = self.contexts[seq.sid] = NgramIndex(self.config.ngram_min, self.config.ngram_max)
-                if self.config.group and seq.family is not None:
-                    family = self.families.setdefault(seq.family, Family())
-                    family.join(seq.sid, seq.tokens, context)
             context.sync(seq.tokens)
+            family = self._family(seq, context) if self.config.group and seq.family is not None else None
             if family is not None:
                 drafted, copied = family.propose(seq.sid, budget)
                 self.stats.copied_drafts += len(drafted) if copied else 0
@@ -200,6 +197,14 @@ class SpeculativeExecutor(StepExecutor):
                 self.drafts[rid] = Draft(req.lifetime, drafted, None)
             else:
                 self.drafts.pop(rid, None)
+
+    def _family(self, seq: Seq, context: NgramIndex) -> Family:
+        """`seq`'s family, `seq` a member: a session may have drafted alone before a turn with n > 1
+        made it sample 0 of one."""
+        family = self.families.setdefault(seq.family, Family())
+        if seq.sid not in family.members:
+            family.join(seq.sid, seq.tokens, context)
+        return family
 
     def _draft(self, rid: int) -> Draft | None:
         draft, req = self.drafts.get(rid), self.table.requests.get(rid)

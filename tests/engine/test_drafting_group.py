@@ -141,3 +141,22 @@ def test_the_config_and_command_line_name_what_group_drafts_need():
         engine_config(parser.parse_args(["--draft-group"]))
     with pytest.raises(ValueError, match="--draft-group needs --ngram"):
         engine_config(parser.parse_args(["--mtp", "1", "--draft-group"]))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_session_that_drafted_alone_joins_the_family_its_next_turn_forks(make_engine, schedule):
+    """Turn 1 alone (its lookups made its index), turn 2 with n = 2: it is sample 0 of a family now,
+    and both samples are greedy decoding's."""
+    m = model(seed=2, vocab=64)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_stop=True)
+    engine = make_engine(m, group(schedule))
+    s0 = engine.open_session()
+    s0.append(PROMPT)
+    first = s0.generate(greedy).token_ids
+    s0.append(REPLY)
+    assert len(s0.generate(dataclasses.replace(greedy, n=2)).token_ids) == 8
+    (s1,) = s0.forks()
+    want = RolloutEngine(m, small(schedule)).generate([PROMPT + first + REPLY], greedy)[0].token_ids
+    assert s0.token_ids[-8:] == s1.token_ids[-8:] == want
+    assert set(engine.executor.families[s0.sid].members) == {s0.sid, s1.sid}
