@@ -21,6 +21,9 @@ overlapped, so it is worth timing by itself, on any machine:
   (Zipf-distributed, where suffixes mostly recur far back or not at all), ids drawn uniformly
   from Qwen3's 151,936 (what `trace.replay` appends as each turn's input: no suffix recurs), and
   a context whose last 300 tokens repeat (where the latest match is recent: the case drafts pay in).
+- `append`: `Session.append` of a turn of given length (ids uniform over the model's vocabulary,
+  as `trace.replay` appends each turn's input): the per-token checks a turn's tokens get before
+  the engine takes them, in microseconds per 1,000 tokens.
 - `drafting`: the engine's step as in `engine`, plain against n-gram drafting (`~ngram:4`),
   interleaved. The instant runner's logits make every row repeat one token, so after a few steps
   every draft is accepted and each row emits k + 1 tokens a step: the most host work a drafting
@@ -244,6 +247,25 @@ def turn_layout_ms(requests: int, blocks: int, tokens: int = 16_384, repeats: in
     return {m: _summary(v) for m, v in samples.items()}
 
 
+def append_us(tokens: int, repeats: int = 5) -> dict[str, dict[str, float]]:
+    """Microseconds per 1,000 tokens of one `Session.append` of `tokens` ids (tiny-moe, no model)."""
+    from megatron_rollout.engine import EngineConfig, KVConfig, RolloutEngine
+    from megatron_rollout.model.config import PRESETS
+    from megatron_rollout.model.transformer import MoETransformer
+
+    cfg = PRESETS["tiny-moe"]
+    engine = RolloutEngine(MoETransformer(cfg).init_weights(0), EngineConfig(kv=KVConfig(num_blocks=64)))
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, tokens).tolist()
+    samples = []
+    for _ in range(repeats):
+        session = engine.open_session()
+        t0 = time.perf_counter()
+        session.append(ids)
+        samples.append((time.perf_counter() - t0) * 1e6 / (tokens / 1000))
+        session.close()
+    return {"append": _summary(samples)}
+
+
 def sample_ms(rows: int, vocab: int = 151_936, repeats: int = 5) -> dict[str, dict[str, float]]:
     """Host ms per `sample` of `rows` rows, greedy (`t0`) against temperature 1 (`t1`), interleaved."""
     from megatron_rollout.engine import SamplingParams
@@ -280,6 +302,7 @@ def compare(folder: Path) -> str:
 
     rows = []
     for stage, unit, spec, what in (("drafting_step_ms", "ms", ".3f", "rows"), ("lookup_us", "us", ".1f", "tokens"),
+                                    ("append_us", "us", ".1f", "tokens"),
                                     ("fill_ms", "ms", ".3f", "rows x entries"),
                                     ("verify_fill_ms", "ms", ".3f", "rows x entries"),
                                     ("layout_ms", "ms", ".3f", "rows x entries"),
@@ -301,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="decode rows x table entries of the mixed-step layout stage ('' skips it)")
     ap.add_argument("--turn-layout", default="8x1300,32x3750",
                     help="sessions x table entries of the next-turn prefill layout stage ('' skips it)")
+    ap.add_argument("--append", default="5000,50000", help="turn lengths of the append stage ('' skips it)")
     ap.add_argument("--sample", default="1,16,64", help="batch sizes of the sample stage ('' skips it)")
     ap.add_argument("--drafting", default="1,16,64", help="batch sizes of the drafting stage ('' skips it)")
     ap.add_argument("--lookup", default="1000,17000,60000", help="context lengths of the lookup stage ('' skips it)")
@@ -312,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     torch.set_num_threads(1)
     out: dict[str, Any] = {"torch": torch.__version__, "engine_step_ms": {}, "fill_ms": {}, "verify_fill_ms": {},
-                           "layout_ms": {}, "turn_layout_ms": {}, "sample_ms": {}, "drafting_step_ms": {},
-                           "lookup_us": {}}
+                           "layout_ms": {}, "turn_layout_ms": {}, "append_us": {}, "sample_ms": {},
+                           "drafting_step_ms": {}, "lookup_us": {}}
     for rows in (int(r) for r in args.rows.split(",") if r):
         out["engine_step_ms"][rows] = engine_step_ms(rows)
     for rows in (int(r) for r in args.drafting.split(",") if r):
@@ -332,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     for spec in (s for s in args.turn_layout.split(",") if s):
         requests, blocks = (int(v) for v in spec.split("x"))
         out["turn_layout_ms"][spec] = turn_layout_ms(requests, blocks)
+    for tokens in (int(n) for n in args.append.split(",") if n):
+        out["append_us"][tokens] = append_us(tokens)
     for rows in (int(r) for r in args.sample.split(",") if r):
         out["sample_ms"][rows] = sample_ms(rows)
     print(json.dumps(out, indent=1))
