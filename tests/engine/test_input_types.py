@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron_rollout.engine import FinishReason, KVConfig, RequestError, SamplingParams, SchedulerConfig
 
@@ -54,3 +56,35 @@ def test_float_array_prompt_is_refused_for_its_request_alone(engine, want):
     assert [results[0].token_ids, results[2].token_ids] == want
     with pytest.raises(RequestError, match="token ids must be integers"):
         engine.add_request(torch.tensor([1.0, 2.0]), PARAMS)
+
+
+def _reference_check(ids: list, vocab: int) -> list[int] | str:
+    """The rule token by token: the first non-integer (bools too) is named, then the first id outside."""
+    import numbers
+
+    for t in ids:
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+            return f"token ids must be integers, got {t!r} ({type(t).__name__})"
+    for t in ids:
+        if not 0 <= t < vocab:
+            return f"token id {t} is outside the vocabulary [0, {vocab})"
+    return [int(t) for t in ids]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.integers(-2, 12), st.booleans(), st.integers(0, 9).map(np.int64),
+                          st.sampled_from([2.0, "3"])), max_size=12))
+def test_validation_names_the_first_wrong_id_as_the_token_by_token_rule_does(ids):
+    from types import SimpleNamespace
+
+    from megatron_rollout.engine.bookkeeping import RequestTable
+
+    table = SimpleNamespace(vocab_size=10)  # validate_tokens reads the vocabulary size alone
+    want = _reference_check(ids, 10)
+    try:
+        got = RequestTable.validate_tokens(table, ids, allow_empty=True)
+    except RequestError as e:
+        got = str(e)
+    assert got == want and (isinstance(got, str) or all(type(t) is int for t in got))
+    if not isinstance(got, str):
+        assert got is not ids  # a copy: the caller's list stays the caller's
