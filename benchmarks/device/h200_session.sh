@@ -3,7 +3,10 @@
 # current vllm`. A device machine that keeps /tmp between commands may run the stages over several
 # commands: `setup` copies the code to /tmp/run, and later stages run from there. vLLM's offline
 # bundle (the peer, `benchmarks.vllm_peer`) arrives in pieces in folders `.vb0/`, `.vb1/`, ... beside
-# the code (each small enough to travel with the tree: 28 MiB with a 36 MB tree); `piece` moves the
+# the code, each small enough to travel with the tree (a piece of 24.5 MB passed beside a 39.8 MB tree
+# and 2.4 MB of wheels, one of 26.8 MB did not: keep piece + tree + wheels well under 64 MiB, and cut
+# the pieces again as the tree grows, e.g. `split -b 20000000 -d -a 2 bundle.txz vllm026.txz.`, names
+# that sort in order under `vllm026.txz.*`); `piece` moves the
 # ones present to /tmp/pc, and the `vllm` stages unpack them once all are there. The stages and settings behind a result folder are in its COMMIT file, where it has
 # one (benchmarks/results/README.md lists the folders).
 #
@@ -105,7 +108,7 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
       # its default, 8,192 and 16,384 with its core in its own process; `peerin` at its best of those with
       # the core in process (as RL frameworks colocate it); 2 warm-up passes, 2 timed
       mkdir -p /tmp/pv/site
-      [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.0* | xz -dc -T8 | tar -x -C /tmp/pv/site)
+      [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.* | xz -dc -T8 | tar -x -C /tmp/pv/site)
       # (PEER_RUN names another of our runs in /tmp/res, e.g. drafts64)
       cd /tmp/run
       n=${CONV:-64}
@@ -123,7 +126,7 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
       # default wait budget and a 3x one (more prefill a round); vLLM after, with `PEER_RUN=drafts64 peer`.
       # (ran 2026-12-04: benchmarks/results/2026-12-04-verify-runs-fa3-h200; CONV and SCHEDULES override)
       mkdir -p /tmp/pv/site
-      [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.0* | xz -dc -T8 | tar -x -C /tmp/pv/site)
+      [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.* | xz -dc -T8 | tar -x -C /tmp/pv/site)
       cd /tmp/run
       n=${CONV:-64}
       PYTHONPATH=/tmp/site:/tmp/run:/tmp/pv/site bench --profile prefill --conversations "$n" --attention flash \
@@ -139,7 +142,7 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
       # cProfile); then the step times and the simulator's check (with `partition`'s stand-in factors when
       # that stage ran on this machine)
       mkdir -p /tmp/pv/site
-      [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.0* | xz -dc -T8 | tar -x -C /tmp/pv/site)
+      [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.* | xz -dc -T8 | tar -x -C /tmp/pv/site)
       cd /tmp/run
       n=${CONV:-64}; mode=${VLLM_MODE:-own}; tag=inter$n${mode#own}; reps=${REPEATS:-3}
       PYTHONPATH=/tmp/site:/tmp/run:/tmp/pv/site bench --profile prefill --conversations "$n" --attention flash \
@@ -203,7 +206,7 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
         --idle-repeats 3 --out "$OUT/idle.json" > /tmp/res/idle.log 2>&1; grep -i "window" /tmp/res/idle.log | cut -c1-240 ;;
     flashmicro)  # the micro stage's decode and prefill with FA3 (the unpacked bundle) on every prefill
       mkdir -p /tmp/pv/site
-      [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.0* | xz -dc -T8 | tar -x -C /tmp/pv/site)
+      [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.* | xz -dc -T8 | tar -x -C /tmp/pv/site)
       cd /tmp/run
       PYTHONPATH=/tmp/site:/tmp/run:/tmp/pv/site timeout 150 python3 -m benchmarks.rollout --schedules '' \
         --micro --micro-parts decode,prefill --attention flash --no-vllm --out /tmp/res/micro-flash \
@@ -211,7 +214,7 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
       cp /tmp/res/micro-flash/rollout.json "$OUT/micro-flash.json" ;;
     vllm|vllm48)  # unpack the bundle, then the peer on each profile's trace, against our runs
       mkdir -p /tmp/pv/site
-      [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.0* | xz -dc -T8 | tar -x -C /tmp/pv/site)
+      [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.* | xz -dc -T8 | tar -x -C /tmp/pv/site)
       cd /tmp/run
       if [ "$stage" = vllm ]; then runs=${VLLM_RUNS:-"current:default,best:270 prefill:default,best:290"}
       else runs="p48:default:200"; fi
