@@ -162,11 +162,8 @@ class RequestTable:
             ids = ids.tolist()
         if len(ids) == 0 and not allow_empty:
             raise RequestError("empty prompt: give at least one token id")
-        if set(map(type, ids)) <= {int}:  # plain ints (the usual case): checked in C, not token by token
-            if ids and not (min(ids) >= 0 and max(ids) < self.vocab_size):
-                bad = next(t for t in ids if not 0 <= t < self.vocab_size)
-                raise RequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-            return list(ids)
+        if set(map(type, ids)) <= {int} and (not ids or 0 <= min(ids) <= max(ids) < self.vocab_size):
+            return list(ids)  # plain ints in range (the usual case), checked in C; the rest token by token
         wrong = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
         if wrong:
             raise RequestError(f"token ids must be integers, got {wrong[0]!r} ({type(wrong[0]).__name__})")
