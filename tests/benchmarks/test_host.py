@@ -1,5 +1,5 @@
 """benchmarks.host times the engine's host work, the static layout's fill and sampling without a GPU."""
-from benchmarks.host import engine_step_ms, fill_ms, sample_ms
+from benchmarks.host import append_us, engine_step_ms, fill_ms, layout_ms, sample_ms, turn_layout_ms
 
 
 def test_engine_step_and_fill_are_timed():
@@ -12,14 +12,16 @@ def test_engine_step_and_fill_are_timed():
 
 
 def test_a_mixed_steps_layout_is_timed_with_and_without_the_table_cache():
-    from benchmarks.host import layout_ms
-
     timed = layout_ms(rows=4, blocks=50, chunk=64, steps=3, repeats=2)
     assert set(timed) == {"full", "keyed"} and all(0 < t["min"] <= t["median"] <= t["max"] for t in timed.values())
-    from benchmarks.host import turn_layout_ms
-
     turns = turn_layout_ms(requests=4, blocks=80, tokens=256, repeats=2)
     assert set(turns) == {"full", "keyed"} and all(0 < t["min"] <= t["median"] <= t["max"] for t in turns.values())
+
+
+def test_a_turns_append_is_timed_per_thousand_tokens():
+    timed = append_us(tokens=2000, repeats=2)
+    assert list(timed) == ["append"]
+    assert 0 < timed["append"]["min"] <= timed["append"]["median"] <= timed["append"]["max"]
 
 
 def test_sample_is_timed_greedy_and_sampled():
