@@ -497,6 +497,7 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str,
     run.last_s[kind] = max(run.last_s.get(kind, 0.0), wall + setup_s)
     if details.get("records") is not None:
         result["steps"] = to_columns(details["records"])
+        result["replay_start"] = details["start"]  # the records' clock: the start-up before the first forward
     stats, events = engine.stats, engine.timeline.events[first_event:]
     compiles = counter.counts
     result.update(

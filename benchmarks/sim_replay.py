@@ -13,6 +13,10 @@ the experts fit (`sim.cost`, the expert term on the model's routing; dense model
   makespan of its later repeats (`--fit-from OTHER.json`: those of another run on the same model
   and device, for a run that measured neither).
 
+Each fit also charges the replay's start-up: the host's time from its start to its first forward,
+while the conversations' first turns are submitted, per input token of those turns
+(`submit_cost`; `CostModel.submit_token_s`). No record covers it.
+
 Errors are simulated / measured - 1. How a `mux` schedule cuts its epochs is its segment policy's,
 not a cost: out of sample it takes its repeat 0's segments per epoch (`cost.segments_per_epoch`,
 completion polls left out: `without_polls`).
@@ -49,10 +53,10 @@ from benchmarks.report import segments, what_if_table
 from benchmarks.rollout import engine_config, split_spec, unpartitioned
 from megatron_rollout.engine import Schedule
 from megatron_rollout.engine.records import StepRecord
-from megatron_rollout.sim.cost import CostModel, fit, segments_per_epoch
+from megatron_rollout.sim.cost import CostModel, fit, segments_per_epoch, startup_token_s
 from megatron_rollout.sim.levers import Levers, Overlap, Speculation
 from megatron_rollout.sim.simulator import SimConfig, SimulationError, simulate
-from megatron_rollout.trace.schema import TraceRequest, load_trace
+from megatron_rollout.trace.schema import TraceRequest, group_conversations, load_trace
 from megatron_rollout.trace.steps import from_columns
 
 log = logging.getLogger("benchmarks.sim_replay")
@@ -88,17 +92,39 @@ def _first(entry: dict) -> dict | None:
     return first if first and first.get("finished") and first.get("steps") else None
 
 
-def _fits(records: Sequence[StepRecord], moe: dict | None) -> dict[str, CostModel | str]:
-    """Each of `FITS` fitted to `records`, or why not."""
+def first_forward_s(repeat: dict) -> float:
+    """Seconds from a replay's start to its first forward: from `replay_start` (the records' clock)
+    where the result has it, else its makespan less the span of its records (older results: the last
+    turn finishes as the last forward's samples come back)."""
+    records = from_columns(repeat["steps"])
+    first = min(r.start for r in records)
+    if repeat.get("replay_start") is not None:
+        return first - repeat["replay_start"]
+    return repeat["report"]["makespan_s"] - (max(r.end for r in records) - first)
+
+
+def submit_cost(repeat: dict, trace: Sequence[TraceRequest]) -> float:
+    """`CostModel.submit_token_s` of a replay: its start-up over the input tokens of the conversations'
+    first turns released by its first forward (`sim.cost.startup_token_s`)."""
+    seconds = first_forward_s(repeat)
+    released = sum(turns[0].input_tokens for turns in group_conversations(trace).values()
+                   if turns[0].wait_ms / 1e3 <= seconds)
+    return startup_token_s(seconds, released)
+
+
+def _fits(records: Sequence[StepRecord], moe: dict | None, submit_token_s: float = 0.0) -> dict[str, CostModel | str]:
+    """Each of `FITS` fitted to `records`, with the start-up's `submit_token_s`, or why not."""
     out: dict[str, CostModel | str] = {}
     for name in FITS:
         if name == "experts" and not moe:
             out[name] = "a dense model has no expert term"
             continue
         try:
-            out[name] = fit(records, **(moe if name == "experts" else {}))
+            cost = fit(records, **(moe if name == "experts" else {}))
         except ValueError as exc:
             out[name] = str(exc)
+            continue
+        out[name] = dataclasses.replace(cost, submit_token_s=submit_token_s)
     return out
 
 
@@ -178,19 +204,21 @@ def _mux_segments(config: SimConfig, first: dict) -> float | None:
     return segments_per_epoch(without_polls(from_columns(first["steps"])))
 
 
-def _pooled_fits(result: dict, fit_from: dict | None) -> dict[str, CostModel | str]:
+def _pooled_fits(result: dict, trace: Sequence[TraceRequest], fit_from: dict | None) -> dict[str, CostModel | str]:
     """The out-of-sample cost models: fitted to repeat 0 of `off` and `chunked` pooled, of the run or
-    of `fit_from` (same model and device)."""
+    of `fit_from` (same model and device, the same trace), their start-ups averaged."""
     if "num_blocks" not in result:
         raise SystemExit("the result has no 'num_blocks': it predates step records; run benchmarks.rollout again")
     source = result if fit_from is None else fit_from
     for key in ("model", "device") if fit_from is not None else ():
         if fit_from.get(key) != result.get(key):
             raise SystemExit(f"--fit-from: its {key} is {fit_from.get(key)!r}, the result's {result.get(key)!r}")
-    pooled = [rec for name in POOLED if name in source.get("schedules", {})
-              and (first := _first(source["schedules"][name])) for rec in from_columns(first["steps"])]
-    return _fits(pooled, result.get("moe")) if pooled else \
-        {n: f"no repeat 0 with step records of {POOLED}" for n in FITS}
+    firsts = [first for name in POOLED if name in source.get("schedules", {})
+              and (first := _first(source["schedules"][name]))]
+    if not firsts:
+        return {n: f"no repeat 0 with step records of {POOLED}" for n in FITS}
+    return _fits([rec for first in firsts for rec in from_columns(first["steps"])], result.get("moe"),
+                 statistics.fmean(submit_cost(first, trace) for first in firsts))
 
 
 def what_if(result: dict, trace: Sequence[TraceRequest], specs: Sequence[str], fit_from: dict | None = None,
@@ -200,7 +228,7 @@ def what_if(result: dict, trace: Sequence[TraceRequest], specs: Sequence[str], f
     the run, whose repeat 0 gives the segments per epoch and the drafting statistics; the overlap
     factors come from `overlap_from` (`measured_overlaps`). `over_base` is the prediction: the
     spec's simulated makespan over its base's, both simulated the same way."""
-    fits, overlaps = _pooled_fits(result, fit_from), measured_overlaps(overlap_from) if overlap_from else {}
+    fits, overlaps = _pooled_fits(result, trace, fit_from), measured_overlaps(overlap_from) if overlap_from else {}
     out: dict[str, Any] = {}
     for spec in specs:
         base = unpartitioned(spec)
@@ -234,7 +262,7 @@ def segment_sweep(result: dict, trace: Sequence[TraceRequest], counts: Sequence[
     linear out-of-sample fit: makespan, mean TTFT and mean queueing of each, and mux's over off's.
     On one stream a segment only moves P's work behind a decode iteration, so it shows what the
     segments cost in TTFT and what they give in makespan; the run's own count is `measured_segments`."""
-    cost = _pooled_fits(result, fit_from)["linear"]
+    cost = _pooled_fits(result, trace, fit_from)["linear"]
     if isinstance(cost, str):
         raise SystemExit(f"--mux-segments: no linear fit ({cost})")
     entries = result.get("schedules", {})
@@ -270,7 +298,7 @@ def sim_replay(result: dict, trace: Sequence[TraceRequest], fit_from: dict | Non
     schedules' overlap factors."""
     overlaps = measured_overlaps(overlap_from) if overlap_from else {}
     moe, schedules = result.get("moe"), result.get("schedules", {})
-    pooled_fits = _pooled_fits(result, fit_from)
+    pooled_fits = _pooled_fits(result, trace, fit_from)
     out: dict[str, Any] = {
         "model": result.get("model"), "profile": result.get("profile"), "device": result.get("device"),
         "trace": result.get("trace"), "num_blocks": result["num_blocks"], "moe": moe,
@@ -300,7 +328,7 @@ def sim_replay(result: dict, trace: Sequence[TraceRequest], fit_from: dict | Non
             row["in_sample"] = {"skipped": "drafting: these records predate `decode_positions`, so a verify forward "
                                            "reads as one row a request (module docstring)"}
         else:
-            fits = _fits(records, moe)
+            fits = _fits(records, moe, submit_cost(first, trace))
             row["in_sample"] = _compare(trace, fits, config, first["report"]["makespan_s"])
             row["in_sample"]["cost"] = {n: c if isinstance(c, str) else c.to_dict() for n, c in fits.items()}
         later = [r["report"]["makespan_s"] for r in entry["repeats"] if r.get("repeat", 0) > 0 and r.get("finished")]

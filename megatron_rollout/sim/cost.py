@@ -7,7 +7,9 @@ step records (`engine.records`).
            + expert_s * distinct experts the step's tokens route to   [if decode rows, and asked for]
 
 A mixed (`chunked`) step pays both bases and both sets of terms. `gap_s` is the host's time between
-two forwards (planning, bookkeeping), added once per step. Coefficients are fitted by non-negative
+two forwards (planning, bookkeeping), added once per step. `submit_token_s` is the host's time per
+input token of the turns submitted before the first forward (`startup_token_s`): a replay's
+start-up, which no step record covers. Coefficients are fitted by non-negative
 least squares, so none of them can come out as a saving. Observations are not weighted: a makespan
 is a sum of step times, so what must come out right is the total of the long steps as much as
 the many short ones (a relative-error weighting fitted the fastest, quietest steps and
@@ -111,6 +113,9 @@ class CostModel:
     prefill_pair_s: float = 0.0
     gap_s: float = 0.0
     """Host time between two forwards."""
+    submit_token_s: float = 0.0
+    """Host time per input token of a turn submitted before the first forward (its ids checked and
+    queued). Later turns are submitted between forwards, where `gap_s` averages their cost in."""
     mux_segments: float = 1.0
     """Mean segments a `mux` epoch was cut into while decode rows ran beside it."""
     expert_s: float = 0.0
@@ -181,6 +186,16 @@ def fit(records: Sequence[StepRecord], num_experts: int | None = None, top_k: in
     names = FEATURES + (("expert_s",) if routing is not None else ())
     return CostModel(**dict(zip(names, (float(c) for c in coef))), gap_s=_gap(records),
                      mux_segments=segments_per_epoch(records), routing=routing)
+
+
+def startup_token_s(first_forward_s: float, tokens: int) -> float:
+    """`CostModel.submit_token_s` of a replay whose first forward began `first_forward_s` after its
+    start, with `tokens` input tokens submitted by then (0 when none were, or the forward began at once)."""
+    if not math.isfinite(first_forward_s):
+        raise ValueError(f"first_forward_s must be finite, got {first_forward_s!r}")
+    if type(tokens) is not int or tokens < 0:
+        raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
+    return max(0.0, first_forward_s) / tokens if tokens else 0.0
 
 
 def _gap(records: Sequence[StepRecord]) -> float:

@@ -7,9 +7,11 @@ turn k at turn k-1's finish plus its wait, checked between steps like the replay
 step the planner (`engine.scheduler.plan_step`, the engine's own function) plans on the modelled
 state; preempted requests lose their KV and recompute; when nothing fits, KV is freed the way
 `RequestTable.unblock` frees it. A step costs its forward (`CostModel.step_s`)
-plus the host gap. `off` and `chunked` run one forward per step; `mux` runs one decode iteration
-and one prefill segment per step, an epoch being cut into `CostModel.mux_segments` segments while
-decode rows run (whole otherwise), the two serial on one device as on the engine's one stream.
+plus the host gap; the turns submitted before the first step cost `CostModel.submit_token_s` per
+input token first, as a replay's start-up does. `off` and `chunked` run one forward per step;
+`mux` runs one decode iteration and one prefill segment per step, an epoch being cut into
+`CostModel.mux_segments` segments while decode rows run (whole otherwise), the two serial on one
+device as on the engine's one stream.
 
 Levers the engine does not have (yet) are options (`sim.levers`: decode priority for the
 critical chain, P/D side by side on one device under `mux`, speculative decoding of the tail);
@@ -227,7 +229,10 @@ class Simulator:
     def run(self) -> SimResult:
         while self.releases or self.active:
             while self.releases and self.releases[0][0] <= self.now:
-                self._submit(self.convs[heapq.heappop(self.releases)[1]])
+                conv = self.convs[heapq.heappop(self.releases)[1]]
+                if not self.steps:  # the start-up: no forward runs while the first turns are submitted
+                    self.now += self.cost.submit_token_s * conv.turns[conv.next_turn].input_tokens
+                self._submit(conv)
             if not self.active:
                 self.now = self.releases[0][0]
                 continue

@@ -12,6 +12,7 @@ import pytest
 from benchmarks import rollout, sim_replay
 from megatron_rollout.sim.levers import Overlap, Speculation
 from megatron_rollout.trace.schema import load_trace
+from megatron_rollout.trace.steps import from_columns
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +76,29 @@ def test_a_dense_model_has_no_experts_fit_and_drafting_uses_the_lever(run):
     row = sim_replay.sim_replay(spec, trace)["schedules"]["chunked~ngram:4"]
     assert math.isfinite(row["in_sample"]["linear"]["error"])  # its records carry decode_positions
     assert math.isfinite(row["out_of_sample"]["linear"]["error"])
+
+
+@pytest.mark.timeout(60)
+def test_the_start_up_before_the_first_forward_is_charged_per_first_turn_token(run):
+    out, result = run
+    trace = load_trace(out / "trace.jsonl")
+    first = result["schedules"]["off"]["repeats"][0]
+    records = from_columns(first["steps"])
+    seconds = sim_replay.first_forward_s(first)
+    assert seconds == min(r.start for r in records) - first["replay_start"] >= 0
+    tokens = sum(t.input_tokens for t in trace if t.turn == 0)  # every conversation starts at once
+    assert all(t.wait_ms == 0 for t in trace if t.turn == 0)
+    assert sim_replay.submit_cost(first, trace) == pytest.approx(seconds / tokens)
+    older = {k: v for k, v in first.items() if k != "replay_start"}  # a result from before the field
+    span = max(r.end for r in records) - min(r.start for r in records)
+    assert sim_replay.first_forward_s(older) == pytest.approx(first["report"]["makespan_s"] - span)
+    # the last turn finishes as the last forward's samples come back: the two agree but for that bookkeeping
+    assert abs(sim_replay.first_forward_s(older) - seconds) < 0.1 * first["report"]["makespan_s"]
+    report = sim_replay.sim_replay(result, trace)
+    cost = report["schedules"]["off"]["in_sample"]["cost"]["linear"]
+    assert cost["submit_token_s"] == pytest.approx(seconds / tokens)
+    pooled = [sim_replay.submit_cost(result["schedules"][n]["repeats"][0], trace) for n in ("off", "chunked")]
+    assert report["pooled"]["linear"]["submit_token_s"] == pytest.approx(sum(pooled) / 2)
 
 
 @pytest.mark.timeout(60)

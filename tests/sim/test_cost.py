@@ -4,7 +4,15 @@ import dataclasses
 import pytest
 
 from megatron_rollout.engine.records import StepRecord
-from megatron_rollout.sim.cost import CostModel, Routing, StepSize, fit, observations, segments_per_epoch
+from megatron_rollout.sim.cost import (
+    CostModel,
+    Routing,
+    StepSize,
+    fit,
+    observations,
+    segments_per_epoch,
+    startup_token_s,
+)
 
 TRUE = CostModel(decode_base_s=0.004, decode_row_s=0.0002, decode_context_s=1e-7, prefill_base_s=0.01,
                  prefill_row_s=0.0005, prefill_token_s=3e-5, prefill_pair_s=2e-9)
@@ -98,3 +106,15 @@ def test_the_expert_term_is_used_only_when_asked_for():
     with pytest.raises(ValueError, match="expert_s is 0.1 but routing is None"):
         CostModel(expert_s=0.1)
     assert segments_per_epoch(recs) == 1.0
+
+
+def test_the_start_up_is_spread_over_the_tokens_submitted_before_the_first_forward():
+    assert startup_token_s(0.25, 50_000) == pytest.approx(5e-6)
+    assert startup_token_s(0.25, 0) == 0.0  # nothing was submitted: nothing to charge it to
+    assert startup_token_s(-1e-4, 10) == 0.0  # clocks a hair apart: no saving
+    with pytest.raises(ValueError, match="first_forward_s must be finite"):
+        startup_token_s(float("nan"), 10)
+    with pytest.raises(ValueError, match="tokens must be an int >= 0"):
+        startup_token_s(0.1, -1)
+    with pytest.raises(ValueError, match="CostModel.submit_token_s must be a finite number >= 0"):
+        CostModel(submit_token_s=-1e-6)

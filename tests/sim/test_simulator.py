@@ -1,5 +1,6 @@
 """The simulator: the engine's planner on modelled state gives the engine's own forwards, known
 costs give hand-computed makespans, KV pressure and tool waits behave as in the engine."""
+import dataclasses
 import time
 
 import pytest
@@ -59,6 +60,23 @@ def test_a_known_cost_gives_the_hand_computed_makespan():
     first, second = sim.requests
     assert second.arrival == pytest.approx(first.finish + 0.5)
     assert sim.steps == 5
+
+
+@pytest.mark.parametrize("schedule", ["off", "chunked", "mux"])
+def test_only_the_turns_submitted_before_the_first_step_cost_their_tokens(schedule):
+    """A replay's start-up: every mark moves by the first turns' tokens times `submit_token_s`; a later
+    turn, submitted between steps, costs nothing more (the host gap holds it)."""
+    trace = [TraceRequest("a", 0, 30, 3, 0.0), TraceRequest("a", 1, 400, 2, 5.0), TraceRequest("b", 0, 20, 4, 0.0)]
+    config = SimConfig(SchedulerConfig(schedule=schedule, max_batch_tokens=48))
+    plain = simulate(trace, COST, config)
+    charged = simulate(trace, dataclasses.replace(COST, submit_token_s=1e-3), config)
+    assert charged.makespan_s == pytest.approx(plain.makespan_s + 1e-3 * (30 + 20))
+    assert charged.sizes == plain.sizes
+    for a, b in zip(plain.requests, charged.requests):
+        assert (b.conversation, b.turn) == (a.conversation, a.turn)
+        assert b.finish == pytest.approx(a.finish + 0.05)
+    arrival = {(r.conversation, r.turn): r.arrival for r in charged.requests}
+    assert arrival[("a", 0)] == pytest.approx(0.03) and arrival[("b", 0)] == pytest.approx(0.05)  # one after the other
 
 
 @pytest.mark.parametrize("schedule", ["off", "chunked", "mux"])
