@@ -146,6 +146,34 @@ def plot_segments(sweep: dict, path: str | Path) -> Path:
     return Path(path)
 
 
+def plot_sim_errors(report: dict, path: str | Path) -> Path:
+    """`sim_replay.sim_replay`: each schedule's simulated makespan over its measured one, minus 1, in and
+    out of sample, for each fit; the 10% band the simulator is held to shaded. A skipped check has no bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(report["schedules"])
+    parts = [(part, fit) for part in ("in_sample", "out_of_sample") for fit in ("linear", "experts")]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(labels)), 3.8))
+    width = 0.8 / len(parts)
+    for i, (part, fit) in enumerate(parts):
+        errors = [100 * ((report["schedules"][n].get(part) or {}).get(fit) or {}).get("error", float("nan"))
+                  for n in labels]
+        ax.bar([j + (i - (len(parts) - 1) / 2) * width for j in range(len(labels))], errors, width,
+               label=f"{part.replace('_', ' ')}, {fit}")
+    ax.axhspan(-10, 10, color="grey", alpha=0.12, label="within 10%")
+    ax.axhline(0, color="black", linewidth=0.6)
+    ax.set_xticks(range(len(labels)), [re.sub(r"(~|/)", r"\n\1", n) for n in labels], fontsize=7)
+    ax.set_ylabel("simulated / measured - 1 (%)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:

@@ -380,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mux-segments", default=None, metavar="N,N,...",
                     help="also simulate the run's mux with each count of prefill segments per epoch, beside off "
                          "(makespan, TTFT; `segment_sweep`)")
-    ap.add_argument("--plot", default=None, metavar="PNG", help="with --mux-segments: draw the sweep here")
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="draw the errors here (with --mux-segments: the sweep)")
     ap.add_argument("--what-if", default=None, metavar="SPEC,SPEC",
                     help="also simulate schedules the run did not measure: its schedules with '/sms:N' or '/split:N' "
                          "(factors from --overlap-from), each beside the schedule it extends (`what_if`)")
@@ -416,10 +417,13 @@ def main(argv: list[str] | None = None) -> int:
         print(what_if_table(report), flush=True)
     if "mux_segments" in report:
         print(segments(report), flush=True)
-        if args.plot:
-            from benchmarks.plot import plot_segments
+    if args.plot:
+        from benchmarks.plot import plot_segments, plot_sim_errors
 
+        if "mux_segments" in report:
             plot_segments(report["mux_segments"], args.plot)
+        else:
+            plot_sim_errors(report, args.plot)
     return 0
 
 

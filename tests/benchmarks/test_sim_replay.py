@@ -28,7 +28,9 @@ def run(tmp_path_factory):
 @pytest.mark.timeout(120)
 def test_every_schedule_gets_both_errors_from_both_fits(run, capsys):
     out, _ = run
-    assert sim_replay.main([str(out / "rollout.json"), "--out", str(out / "sim.json")]) == 0
+    assert sim_replay.main([str(out / "rollout.json"), "--out", str(out / "sim.json"), "--plot",
+                            str(out / "errors.png")]) == 0
+    assert (out / "errors.png").stat().st_size > 0
     report = json.loads((out / "sim.json").read_text())
     assert report["moe"] == {"num_experts": 8, "top_k": 2}
     assert report["pooled"]["experts"]["routing"] == {"num_experts": 8, "top_k": 2}
