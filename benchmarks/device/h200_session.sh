@@ -159,6 +159,22 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
         $([ -f /tmp/res/pd_overlap.json ] && echo --overlap-from /tmp/res/pd_overlap.json) \
         ${FIT_FROM:+--fit-from "$FIT_FROM"} 2>&1 | tail -12  # FIT_FROM: an earlier run with off and chunked
       python3 -m benchmarks.plot "$OUT/$tag.json" "$OUT/$tag.png" ;;
+    splitrun)  # SM partitions in the engine's own rollout (issue 33's P/D overlap; never run on a GPU so far):
+      # plain and drafting mux on the whole device and with 24 SMs split off for decode while prefill runs,
+      # `chunked` for the simulator's out-of-sample fit; Triton attention, so no bundle is needed. First the
+      # allocator-count test, fixed in b439cb6 and not yet run on a GPU. CONV, SCHEDULES, REPEATS, DEADLINE
+      cd /tmp/run
+      timeout 120 python3 -m pytest -q -m gpu tests/benchmarks/test_rollout.py -k allocator -p no:cacheprovider \
+        --timeout 100 -rf 2>&1 | tail -3
+      n=${CONV:-64}
+      bench --profile prefill --conversations "$n" --budgets 16384 --schedules "${SCHEDULES:-chunked,mux,mux/split:24,\
+mux@budget:24000~ngram:4+7@4,mux@budget:24000~ngram:4+7@4/split:24}" --no-ablation --repeats "${REPEATS:-2}" \
+        --no-vllm --deadline-s "${DEADLINE:-480}" --schedule-budget-s 90 --out "/tmp/res/split$n" > "/tmp/res/split$n.log" 2>&1
+      tail -16 "/tmp/res/split$n.log"; cp "/tmp/res/split$n/rollout.json" "$OUT/split$n.json"
+      cp "/tmp/res/split$n/trace.jsonl" "$OUT/split-trace$n.jsonl"
+      python3 -m benchmarks.step_times "$OUT/split$n.json" --out "$OUT/split$n.step_times.json" | tail -12
+      python3 -m benchmarks.sim_replay "$OUT/split$n.json" --trace "$OUT/split-trace$n.jsonl" \
+        --overlap-from "${PD:-benchmarks/results/2026-12-04-pd-overlap-h200/pd_overlap.json}" 2>&1 | tail -8 ;;
     p48)  # the full 48-layer preset on the prefill profile: off and mux, one budget, one repeat
       cd /tmp/run
       bench --model qwen3-30b-a3b --profile prefill --conversations 6 --schedules off,mux --no-ablation \
