@@ -215,15 +215,17 @@ def _write(out: Path, result: dict) -> None:
 
 
 def _dumps(result: dict) -> str:
-    """`result` as indented JSON, each repeat's step columns on one line (one value a line would
-    make them most of the file)."""
+    """`result` as indented JSON, each repeat's step and submission columns on one line (one value a
+    line would make them most of the file)."""
     columns: list[str] = []
 
     def stash(repeat: dict) -> dict:
-        if "steps" not in repeat:
-            return repeat
-        columns.append(json.dumps(repeat["steps"], separators=(",", ":")))
-        return {**repeat, "steps": f"@steps:{len(columns) - 1}@"}
+        out = dict(repeat)
+        for key in ("steps", "submissions"):
+            if key in repeat:
+                columns.append(json.dumps(repeat[key], separators=(",", ":")))
+                out[key] = f"@steps:{len(columns) - 1}@"
+        return out
 
     schedules = {name: {**entry, "repeats": [stash(r) for r in entry.get("repeats", [])]}
                  for name, entry in result.get("schedules", {}).items()}
@@ -498,6 +500,7 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str,
     if details.get("records") is not None:
         result["steps"] = to_columns(details["records"])
         result["replay_start"] = details["start"]  # the records' clock: the start-up before the first forward
+        result["submissions"] = dict(zip(("start", "end", "tokens"), map(list, zip(*details["submissions"]))))
     stats, events = engine.stats, engine.timeline.events[first_event:]
     compiles = counter.counts
     result.update(

@@ -15,7 +15,9 @@ the experts fit (`sim.cost`, the expert term on the model's routing; dense model
 
 Each fit also charges the replay's start-up: the host's time from its start to its first forward,
 while the conversations' first turns are submitted, per input token of those turns
-(`submit_cost`; `CostModel.submit_token_s`). No record covers it.
+(`submit_cost`; `CostModel.submit_token_s`). No record covers it. Where the result marks each turn's
+submission (`submissions`, kept since 2026-12-05), the later turns are charged too, at the rate the
+marks measured (`CostModel.turn_token_s`), and their time comes out of the host gap.
 
 Errors are simulated / measured - 1. How a `mux` schedule cuts its epochs is its segment policy's,
 not a cost: out of sample it takes its repeat 0's segments per epoch (`cost.segments_per_epoch`,
@@ -112,15 +114,24 @@ def submit_cost(repeat: dict, trace: Sequence[TraceRequest]) -> float:
     return startup_token_s(seconds, released)
 
 
-def _fits(records: Sequence[StepRecord], moe: dict | None, submit_token_s: float = 0.0) -> dict[str, CostModel | str]:
-    """Each of `FITS` fitted to `records`, with the start-up's `submit_token_s`, or why not."""
+def submissions(repeat: dict) -> list[tuple[float, float, int]]:
+    """A replay's turn submissions as (start, end, input tokens), where its result marks them (none
+    before benchmarks.rollout kept them)."""
+    marks = repeat.get("submissions") or {}
+    return list(zip(marks.get("start", []), marks.get("end", []), marks.get("tokens", []), strict=True))
+
+
+def _fits(records: Sequence[StepRecord], moe: dict | None, submit_token_s: float = 0.0,
+          marks: Sequence[tuple[float, float, int]] = ()) -> dict[str, CostModel | str]:
+    """Each of `FITS` fitted to `records` and the submissions' `marks`, with the start-up's
+    `submit_token_s`, or why not."""
     out: dict[str, CostModel | str] = {}
     for name in FITS:
         if name == "experts" and not moe:
             out[name] = "a dense model has no expert term"
             continue
         try:
-            cost = fit(records, **(moe if name == "experts" else {}))
+            cost = fit(records, **(moe if name == "experts" else {}), submissions=marks)
         except ValueError as exc:
             out[name] = str(exc)
             continue
@@ -218,7 +229,8 @@ def _pooled_fits(result: dict, trace: Sequence[TraceRequest], fit_from: dict | N
     if not firsts:
         return {n: f"no repeat 0 with step records of {POOLED}" for n in FITS}
     return _fits([rec for first in firsts for rec in from_columns(first["steps"])], result.get("moe"),
-                 statistics.fmean(submit_cost(first, trace) for first in firsts))
+                 statistics.fmean(submit_cost(first, trace) for first in firsts),
+                 [mark for first in firsts for mark in submissions(first)])
 
 
 def what_if(result: dict, trace: Sequence[TraceRequest], specs: Sequence[str], fit_from: dict | None = None,
@@ -328,7 +340,7 @@ def sim_replay(result: dict, trace: Sequence[TraceRequest], fit_from: dict | Non
             row["in_sample"] = {"skipped": "drafting: these records predate `decode_positions`, so a verify forward "
                                            "reads as one row a request (module docstring)"}
         else:
-            fits = _fits(records, moe, submit_cost(first, trace))
+            fits = _fits(records, moe, submit_cost(first, trace), submissions(first))
             row["in_sample"] = _compare(trace, fits, config, first["report"]["makespan_s"])
             row["in_sample"]["cost"] = {n: c if isinstance(c, str) else c.to_dict() for n, c in fits.items()}
         later = [r["report"]["makespan_s"] for r in entry["repeats"] if r.get("repeat", 0) > 0 and r.get("finished")]

@@ -9,11 +9,14 @@ step records (`engine.records`).
 A mixed (`chunked`) step pays both bases and both sets of terms. `gap_s` is the host's time between
 two forwards (planning, bookkeeping), added once per step. `submit_token_s` is the host's time per
 input token of the turns submitted before the first forward (`startup_token_s`): a replay's
-start-up, which no step record covers. Coefficients are fitted by non-negative
-least squares, so none of them can come out as a saving. Observations are not weighted: a makespan
-is a sum of step times, so what must come out right is the total of the long steps as much as
-the many short ones (a relative-error weighting fitted the fastest, quietest steps and
-under-predicted a loaded host's makespans by a third). A `mux` epoch's
+start-up, which no step record covers. `turn_token_s` is the same for a turn submitted later,
+between two forwards; where the replay marked its submissions (`trace.replay`'s details), they are
+fitted from those marks (`turn_cost`) and taken out of the gaps `gap_s` averages.
+
+Coefficients are fitted by non-negative least squares, so none of them can come out as a saving.
+Observations are not weighted: a makespan is a sum of step times, so what must come out right is
+the total of the long steps as much as the many short ones (a relative-error weighting fitted the
+fastest, quietest steps and under-predicted a loaded host's makespans by a third). A `mux` epoch's
 segments are one prefill observation (its sizes over the sum of its segments' durations); the
 segments an epoch was cut into are counted in `mux_segments`.
 
@@ -29,6 +32,7 @@ or device is fitted from its own records.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import statistics
@@ -115,7 +119,11 @@ class CostModel:
     """Host time between two forwards."""
     submit_token_s: float = 0.0
     """Host time per input token of a turn submitted before the first forward (its ids checked and
-    queued). Later turns are submitted between forwards, where `gap_s` averages their cost in."""
+    queued)."""
+    turn_token_s: float = 0.0
+    """Host time per input token of a turn submitted after the first forward, between two forwards.
+    0 where the records did not mark the submissions: `gap_s` then averages their cost in, as far as
+    the gaps it keeps hold them."""
     mux_segments: float = 1.0
     """Mean segments a `mux` epoch was cut into while decode rows ran beside it."""
     expert_s: float = 0.0
@@ -162,9 +170,12 @@ def observations(records: Sequence[StepRecord]) -> list[tuple[StepSize, float]]:
     return out
 
 
-def fit(records: Sequence[StepRecord], num_experts: int | None = None, top_k: int | None = None) -> CostModel:
+def fit(records: Sequence[StepRecord], num_experts: int | None = None, top_k: int | None = None,
+        submissions: Sequence[tuple[float, float, int]] = ()) -> CostModel:
     """The cost model of the engine that produced `records` (one or more replays' worth); with
-    `num_experts` and `top_k` (the model's routing), with the expert term.
+    `num_experts` and `top_k` (the model's routing), with the expert term; with `submissions` (the
+    replays' turns as (start, end, input tokens) on the records' clock), with `turn_token_s` fitted
+    to them, their time taken out of the gaps between forwards.
 
     Raises ValueError when the records cannot determine it (no decode-only and no prefill
     forward), or when only one of `num_experts` and `top_k` is given.
@@ -184,8 +195,15 @@ def fit(records: Sequence[StepRecord], num_experts: int | None = None, top_k: in
     coef, _ = nnls(x / scale, y)
     coef = coef / scale
     names = FEATURES + (("expert_s",) if routing is not None else ())
-    return CostModel(**dict(zip(names, (float(c) for c in coef))), gap_s=_gap(records),
-                     mux_segments=segments_per_epoch(records), routing=routing)
+    return CostModel(**dict(zip(names, (float(c) for c in coef))), gap_s=_gap(records, submissions),
+                     turn_token_s=turn_cost(submissions), mux_segments=segments_per_epoch(records), routing=routing)
+
+
+def turn_cost(submissions: Sequence[tuple[float, float, int]]) -> float:
+    """Host seconds per input token of `submissions` ((start, end, input tokens) each): their time over
+    their tokens (0 when they have none)."""
+    tokens = sum(n for _, _, n in submissions)
+    return sum(b - a for a, b, _ in submissions) / tokens if tokens else 0.0
 
 
 def startup_token_s(first_forward_s: float, tokens: int) -> float:
@@ -198,12 +216,22 @@ def startup_token_s(first_forward_s: float, tokens: int) -> float:
     return max(0.0, first_forward_s) / tokens if tokens else 0.0
 
 
-def _gap(records: Sequence[StepRecord]) -> float:
+def _gap(records: Sequence[StepRecord], submissions: Sequence[tuple[float, float, int]] = ()) -> float:
     """Mean host time between consecutive forwards (a makespan adds them up: the mean, not the
-    median), leaving out gaps longer than the forward before them (the engine had nothing to do:
-    tool waits, not host cost)."""
+    median), less the submissions inside each gap (charged apart), leaving out gaps longer than the
+    forward before them (the engine had nothing to do: tool waits, not host cost)."""
     ordered = sorted(records, key=lambda r: r.start)
-    gaps = [b.start - a.end for a, b in zip(ordered, ordered[1:]) if 0 <= b.start - a.end <= max(a.duration, 1e-3)]
+    spans = sorted((a, b) for a, b, _ in submissions)
+    starts = [a for a, _ in spans]
+    gaps = []
+    for a, b in zip(ordered, ordered[1:]):
+        gap = b.start - a.end
+        i = bisect.bisect_left(starts, a.end)
+        while i < len(spans) and spans[i][0] < b.start:
+            gap -= min(spans[i][1], b.start) - spans[i][0]
+            i += 1
+        if 0 <= gap <= max(a.duration, 1e-3):
+            gaps.append(gap)
     return statistics.fmean(gaps) if gaps else 0.0
 
 

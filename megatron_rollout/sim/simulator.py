@@ -6,12 +6,12 @@ turns; a turn prefills its new tokens and the last sampled token); turn 0 is rel
 turn k at turn k-1's finish plus its wait, checked between steps like the replay loop does; each
 step the planner (`engine.scheduler.plan_step`, the engine's own function) plans on the modelled
 state; preempted requests lose their KV and recompute; when nothing fits, KV is freed the way
-`RequestTable.unblock` frees it. A step costs its forward (`CostModel.step_s`)
-plus the host gap; the turns submitted before the first step cost `CostModel.submit_token_s` per
-input token first, as a replay's start-up does. `off` and `chunked` run one forward per step;
-`mux` runs one decode iteration and one prefill segment per step, an epoch being cut into
-`CostModel.mux_segments` segments while decode rows run (whole otherwise), the two serial on one
-device as on the engine's one stream.
+`RequestTable.unblock` frees it. A step costs its forward (`CostModel.step_s`) plus the host gap; a
+turn's submission costs `CostModel.submit_token_s` per input token before the first step (a
+replay's start-up) and `turn_token_s` after it, serially, as in the replay's loop. `off` and
+`chunked` run one forward per step; `mux` runs one decode iteration and one prefill segment per
+step, an epoch being cut into `CostModel.mux_segments` segments while decode rows run (whole
+otherwise), the two serial on one device as on the engine's one stream.
 
 Levers the engine does not have (yet) are options (`sim.levers`: decode priority for the
 critical chain, P/D side by side on one device under `mux`, speculative decoding of the tail);
@@ -230,8 +230,9 @@ class Simulator:
         while self.releases or self.active:
             while self.releases and self.releases[0][0] <= self.now:
                 conv = self.convs[heapq.heappop(self.releases)[1]]
-                if not self.steps:  # the start-up: no forward runs while the first turns are submitted
-                    self.now += self.cost.submit_token_s * conv.turns[conv.next_turn].input_tokens
+                # the host submits a turn between forwards; before the first, that is the start-up
+                per_token = self.cost.turn_token_s if self.steps else self.cost.submit_token_s
+                self.now += per_token * conv.turns[conv.next_turn].input_tokens
                 self._submit(conv)
             if not self.active:
                 self.now = self.releases[0][0]

@@ -78,8 +78,10 @@ def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, prog
         vocab_size: input ids are drawn from [0, vocab_size); required.
         schedule: the engine's schedule, copied into the report.
         details: if given, receives "conversation_of" (request id -> conversation), "turn_of"
-            (request id -> its trace line), "start", "skipped" and "refused", so that replicas'
-            replays can be merged into one report; and, where the engine keeps step records
+            (request id -> its trace line), "start", "skipped", "refused" and "submissions" (each
+            turn's (start, end, input tokens) on the host clock: its ids drawn, appended and
+            submitted, which no step record covers), so that replicas' replays can be merged into
+            one report; and, where the engine keeps step records
             (`engine.step_log`), "records" (this replay's) and "breakdown" (`trace.breakdown`, also
             in the report as a dict).
         max_model_len: the engine's context length, to refuse lines that cannot fit before
@@ -103,6 +105,7 @@ def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, prog
     owner: dict[int, _Conversation] = {}  # in-flight request id -> its conversation
     skipped = 0
     refused: list[ConversationId] = []
+    submissions: list[tuple[float, float, int]] = []
 
     log = getattr(engine, "step_log", None)
     first_record = len(log) if log is not None else 0
@@ -119,7 +122,10 @@ def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, prog
                 while releases and releases[0][0] <= now:
                     _, index = heapq.heappop(releases)
                     conv = conversations[index]
-                    if not _submit(engine, conv, seed, vocab_size, owner, conversation_of, turn_of, temperature):
+                    tokens, began = conv.turns[conv.next_turn].input_tokens, time.perf_counter()
+                    submitted = _submit(engine, conv, seed, vocab_size, owner, conversation_of, turn_of, temperature)
+                    submissions.append((began, time.perf_counter(), tokens))
+                    if not submitted:
                         refused.append(conv.key)
                         skipped_now = _end_after_failure(conv)
                         skipped += skipped_now
@@ -148,7 +154,7 @@ def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, prog
 
     if details is not None:
         details.update(conversation_of=conversation_of, turn_of=turn_of, start=start, skipped=skipped,
-                       refused=refused)
+                       refused=refused, submissions=submissions)
     report = build_report(outputs, conversation_of, start=start,
                           mean_decode_wait_ms=engine.stats.mean_decode_wait_ms,
                           schedule=schedule, skipped=skipped, refused=refused, turn_of=turn_of)

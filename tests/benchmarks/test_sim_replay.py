@@ -10,6 +10,7 @@ import math
 import pytest
 
 from benchmarks import rollout, sim_replay
+from megatron_rollout.sim.cost import turn_cost
 from megatron_rollout.sim.levers import Overlap, Speculation
 from megatron_rollout.trace.schema import load_trace
 from megatron_rollout.trace.steps import from_columns
@@ -101,6 +102,10 @@ def test_the_start_up_before_the_first_forward_is_charged_per_first_turn_token(r
     assert cost["submit_token_s"] == pytest.approx(seconds / tokens)
     pooled = [sim_replay.submit_cost(result["schedules"][n]["repeats"][0], trace) for n in ("off", "chunked")]
     assert report["pooled"]["linear"]["submit_token_s"] == pytest.approx(sum(pooled) / 2)
+    marks = sim_replay.submissions(first)  # every turn's, the later ones charged at their own rate
+    assert sorted(n for _, _, n in marks) == sorted(t.input_tokens for t in trace)
+    assert cost["turn_token_s"] == pytest.approx(turn_cost(marks)) and cost["turn_token_s"] > 0
+    assert sim_replay.submissions({k: v for k, v in first.items() if k != "submissions"}) == []
 
 
 @pytest.mark.timeout(60)

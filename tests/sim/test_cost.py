@@ -12,6 +12,7 @@ from megatron_rollout.sim.cost import (
     observations,
     segments_per_epoch,
     startup_token_s,
+    turn_cost,
 )
 
 TRUE = CostModel(decode_base_s=0.004, decode_row_s=0.0002, decode_context_s=1e-7, prefill_base_s=0.01,
@@ -118,3 +119,18 @@ def test_the_start_up_is_spread_over_the_tokens_submitted_before_the_first_forwa
         startup_token_s(0.1, -1)
     with pytest.raises(ValueError, match="CostModel.submit_token_s must be a finite number >= 0"):
         CostModel(submit_token_s=-1e-6)
+
+
+def test_submissions_marked_between_forwards_come_out_of_the_gap_and_are_charged_per_token():
+    recs = records(TRUE, sizes())
+    marks = []  # a turn of 1,000 tokens submitted in every fifth gap, 2 us a token
+    for i in range(0, len(recs) - 1, 5):
+        later = 0.002
+        recs[i + 1:] = [dataclasses.replace(r, start=r.start + later, end=r.end + later) for r in recs[i + 1:]]
+        marks.append((recs[i].end + 0.0004, recs[i].end + 0.0004 + later, 1000))
+    assert fit(recs).gap_s > 0.0013  # unmarked, the submissions swell the gaps
+    fitted = fit(recs, submissions=marks)
+    assert fitted.gap_s == pytest.approx(0.001)
+    assert fitted.turn_token_s == pytest.approx(2e-6) == turn_cost(marks)
+    assert fitted.decode_base_s == pytest.approx(TRUE.decode_base_s, rel=1e-4)
+    assert turn_cost([]) == 0.0 and fit(recs).turn_token_s == 0.0

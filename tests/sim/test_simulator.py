@@ -63,9 +63,9 @@ def test_a_known_cost_gives_the_hand_computed_makespan():
 
 
 @pytest.mark.parametrize("schedule", ["off", "chunked", "mux"])
-def test_only_the_turns_submitted_before_the_first_step_cost_their_tokens(schedule):
-    """A replay's start-up: every mark moves by the first turns' tokens times `submit_token_s`; a later
-    turn, submitted between steps, costs nothing more (the host gap holds it)."""
+def test_a_turns_submission_costs_its_tokens_at_the_start_up_or_the_later_rate(schedule):
+    """A replay's start-up: every mark moves by the first turns' tokens times `submit_token_s`, which a
+    later turn does not pay; it pays `turn_token_s` for its own."""
     trace = [TraceRequest("a", 0, 30, 3, 0.0), TraceRequest("a", 1, 400, 2, 5.0), TraceRequest("b", 0, 20, 4, 0.0)]
     config = SimConfig(SchedulerConfig(schedule=schedule, max_batch_tokens=48))
     plain = simulate(trace, COST, config)
@@ -77,6 +77,9 @@ def test_only_the_turns_submitted_before_the_first_step_cost_their_tokens(schedu
         assert b.finish == pytest.approx(a.finish + 0.05)
     arrival = {(r.conversation, r.turn): r.arrival for r in charged.requests}
     assert arrival[("a", 0)] == pytest.approx(0.03) and arrival[("b", 0)] == pytest.approx(0.05)  # one after the other
+    later = simulate(trace, dataclasses.replace(COST, turn_token_s=1e-4), config)  # a's turn 1, between steps
+    assert later.makespan_s == pytest.approx(plain.makespan_s + 1e-4 * 400)
+    assert later.sizes == plain.sizes
 
 
 @pytest.mark.parametrize("schedule", ["off", "chunked", "mux"])

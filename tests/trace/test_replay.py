@@ -148,6 +148,18 @@ def test_every_turn_served_with_forced_lengths_and_random_inputs():
     assert len({tuple(c) for s in engine.sessions for c in s.appended}) == 6  # not one constant chunk
 
 
+def test_each_turns_submission_is_marked_on_the_host_clock():
+    trace = _trace(SPEC)
+    details: dict = {}
+    _, outputs = replay(FakeEngine(), trace, seed=1, progress=False, vocab_size=VOCAB, details=details)
+    marks = details["submissions"]
+    assert sorted(n for _, _, n in marks) == sorted(r.input_tokens for r in trace)
+    assert all(details["start"] <= a <= b for a, b, _ in marks)
+    assert [a for a, _, _ in marks] == sorted(a for a, _, _ in marks)  # in the order they were submitted
+    arrivals = sorted(o.times.arrival for o in outputs)
+    assert all(a <= arrival <= b for (a, b, _), arrival in zip(marks, arrivals))  # the request is made inside it
+
+
 def test_tool_wait_separates_a_finish_from_the_next_arrival():
     # Slack 50 ms: well under any wait, so a doubled or skipped wait fails.
     trace = [TraceRequest("w", 0, 4, 2, 60.0), TraceRequest("w", 1, 4, 2, 80.0), TraceRequest("w", 2, 4, 1, 60.0)]
