@@ -16,7 +16,9 @@ schedule that differ show whether the steps or what runs between them took the d
 out: the device's own time (records hold host clocks only), so a step's host and device parts
 are not told apart: where decode is issued ahead (plain schedules on the CUDA runner) the host
 part overlaps the device's, where it is not (drafting) they add up. A run with `--host-profile`
-tells them apart for its profiled schedules: their functions by own time follow the table.
+tells them apart for its profiled schedules: their functions by own time follow the table. Where
+the run kept them, the replay's start-up (its start to its first forward, the first turns submitted)
+and its turns' submissions (host time between forwards that no record covers) close each row.
 """
 from __future__ import annotations
 
@@ -74,10 +76,23 @@ def step_times(result: dict[str, Any], schedules: Sequence[str] | None = None,
             continue
         for rep in entry.get("repeats", []):
             if rep.get("steps") and rep.get("report"):
+                records = from_columns(rep["steps"])
                 row = {"repeat": rep.get("repeat"), "makespan_s": rep["report"]["makespan_s"],
-                       "allocator": rep.get("allocator") or None}
-                out.setdefault(name, []).append(row | summarize(from_columns(rep["steps"]), long_gap_s))
+                       "allocator": rep.get("allocator") or None, **_submissions(rep, records)}
+                out.setdefault(name, []).append(row | summarize(records, long_gap_s))
     return out
+
+
+def _submissions(rep: dict[str, Any], records: Sequence[StepRecord]) -> dict[str, Any]:
+    """The replay's start-up (its start to its first forward) and its turns' submissions (n, host
+    seconds, us per input token), where the run kept them (`replay_start`, `submissions`)."""
+    start = rep.get("replay_start")
+    marks = rep.get("submissions") or {}
+    spans = [b - a for a, b in zip(marks.get("start", []), marks.get("end", []))]
+    tokens = sum(marks.get("tokens", []))
+    return {"start_up_s": None if start is None else min(r.start for r in records) - start,
+            "submissions": {"n": len(spans), "total_s": sum(spans), "us_per_token": 1e6 * sum(spans) / tokens}
+            if tokens else None}
 
 
 def table(times: dict[str, list[dict[str, Any]]]) -> str:
@@ -89,11 +104,17 @@ def table(times: dict[str, list[dict[str, Any]]]) -> str:
              num(r["between_s"], ".2f"), num(r["long_gaps_s"], ".2f")]
             + [f"{r[f'rows_{b}']['n']}, {num(r[f'rows_{b}']['median_ms'], '.2f')}, "
                f"{num(r[f'rows_{b}']['gap_ms'], '.2f')}" for b in buckets]
-            + [_segments(r["epoch_starts"]), _segments(r["later_segments"]), _allocator(r["allocator"])]
+            + [_segments(r["epoch_starts"]), _segments(r["later_segments"]), _allocator(r["allocator"]),
+               num(r.get("start_up_s"), ".3f"), _marks(r.get("submissions"))]
             for name, reps in times.items() for r in reps]
     return markdown(head + [f"{b} rows: n, median ms, gap before ms" for b in buckets]
                     + ["mux epoch starts: n, median ms, total s", "later segments: n, median ms, total s",
-                       "cudaMalloc / cudaFree / retries"], rows)
+                       "cudaMalloc / cudaFree / retries", "start-up s", "turn submissions: n, total s, us/token"],
+                    rows)
+
+
+def _marks(sub: dict[str, Any] | None) -> str:
+    return "-" if sub is None else f"{sub['n']}, {sub['total_s']:.3f}, {sub['us_per_token']:.3f}"
 
 
 def _allocator(counts: dict[str, int] | None) -> str:
