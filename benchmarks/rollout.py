@@ -72,6 +72,7 @@ import torch
 from benchmarks.bounds import model_costs, trace_lower_bound
 from benchmarks.compiles import CompileCounter
 from benchmarks.interleave import PeerSession
+from benchmarks.pauses import GcPauses
 from megatron_rollout.engine.config import DEFAULT_SPAN, SpeculativeConfig
 from megatron_rollout.engine.priority import PRIORITIES
 from megatron_rollout.model.config import PRESETS, ModelConfig
@@ -479,11 +480,11 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str,
     previous = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, limit)
     started = time.perf_counter()
-    counter = CompileCounter()
+    counter, pauses = CompileCounter(), GcPauses()
     allocator = allocator_counts(args.device)
     details: dict[str, Any] = {}
     try:
-        with counter, profiler if profiler is not None else contextlib.nullcontext():
+        with counter, pauses, profiler if profiler is not None else contextlib.nullcontext():
             report, _ = replay(engine, trace, seed=args.seed, progress=not args.no_progress, vocab_size=cfg.vocab_size,
                                schedule=schedule, temperature=args.temperature,
                                details=details if kind == "timed" and args.step_records else None)
@@ -510,7 +511,7 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str,
         prefill_capture_error=getattr(runner, "prefill_capture_error", None),
         attention_backend=getattr(getattr(runner, "kernels", None), "name", None),
         expert_small_kernel=_expert_small(run.model), runner_stats=dict(getattr(runner, "stats", {})),
-        allocator={k: v - allocator[k] for k, v in allocator_counts(args.device).items()},
+        allocator={k: v - allocator[k] for k, v in allocator_counts(args.device).items()}, gc=pauses.to_dict(),
         engine_stats={"steps": stats.steps, "decode_iterations": stats.decode_iterations,
                       "prefill_tokens": stats.prefill_tokens, "decode_tokens": stats.decode_tokens,
                       "preemptions": stats.preemptions, "mean_decode_wait_ms": stats.mean_decode_wait_ms,

@@ -18,7 +18,8 @@ are not told apart: where decode is issued ahead (plain schedules on the CUDA ru
 part overlaps the device's, where it is not (drafting) they add up. A run with `--host-profile`
 tells them apart for its profiled schedules: their functions by own time follow the table. Where
 the run kept them, the replay's start-up (its start to its first forward, the first turns submitted)
-and its turns' submissions (host time between forwards that no record covers) close each row.
+and its turns' submissions (host time between forwards that no record covers), and Python's garbage
+collections in the replay (`benchmarks.pauses`) close each row.
 """
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def step_times(result: dict[str, Any], schedules: Sequence[str] | None = None,
             if rep.get("steps") and rep.get("report"):
                 records = from_columns(rep["steps"])
                 row = {"repeat": rep.get("repeat"), "makespan_s": rep["report"]["makespan_s"],
-                       "allocator": rep.get("allocator") or None, **_submissions(rep, records)}
+                       "allocator": rep.get("allocator") or None, "gc": rep.get("gc"), **_submissions(rep, records)}
                 out.setdefault(name, []).append(row | summarize(records, long_gap_s))
     return out
 
@@ -105,12 +106,19 @@ def table(times: dict[str, list[dict[str, Any]]]) -> str:
             + [f"{r[f'rows_{b}']['n']}, {num(r[f'rows_{b}']['median_ms'], '.2f')}, "
                f"{num(r[f'rows_{b}']['gap_ms'], '.2f')}" for b in buckets]
             + [_segments(r["epoch_starts"]), _segments(r["later_segments"]), _allocator(r["allocator"]),
-               num(r.get("start_up_s"), ".3f"), _marks(r.get("submissions"))]
+               num(r.get("start_up_s"), ".3f"), _marks(r.get("submissions")), _gc(r.get("gc"))]
             for name, reps in times.items() for r in reps]
     return markdown(head + [f"{b} rows: n, median ms, gap before ms" for b in buckets]
                     + ["mux epoch starts: n, median ms, total s", "later segments: n, median ms, total s",
-                       "cudaMalloc / cudaFree / retries", "start-up s", "turn submissions: n, total s, us/token"],
-                    rows)
+                       "cudaMalloc / cudaFree / retries", "start-up s", "turn submissions: n, total s, us/token",
+                       "gc: collections by generation, total s, longest ms"], rows)
+
+
+def _gc(pauses: dict[str, Any] | None) -> str:
+    """Python's collections in the replay (`benchmarks.pauses`), where the run kept them."""
+    if not pauses:
+        return "-"
+    return f"{'/'.join(map(str, pauses['collections']))}, {pauses['total_s']:.3f}, {1e3 * pauses['longest_s']:.1f}"
 
 
 def _marks(sub: dict[str, Any] | None) -> str:

@@ -47,7 +47,8 @@ def test_main_reads_a_rollout_result_and_prints_one_row_per_repeat(tmp_path, cap
         {"repeat": 0, "report": {"makespan_s": 0.05}, "steps": to_columns(RECORDS),
          "allocator": {"num_device_alloc": 3, "num_device_free": 1, "num_alloc_retries": 1, "num_ooms": 0},
          "replay_start": -0.004, "submissions": {"start": [-0.004, 0.014], "end": [-0.001, 0.019],
-                                                 "tokens": [1000, 3000]}},
+                                                 "tokens": [1000, 3000]},
+         "gc": {"collections": [40, 3, 1], "total_s": 0.0125, "longest_s": 0.0091}},
         {"repeat": 1, "report": {"makespan_s": 0.06}, "steps": to_columns(RECORDS[1:])}]},
         "off": {"repeats": [{"repeat": 0, "report": {"makespan_s": 0.07}}]}}}  # no records: left out
     path = tmp_path / "rollout.json"
@@ -55,8 +56,9 @@ def test_main_reads_a_rollout_result_and_prints_one_row_per_repeat(tmp_path, cap
     assert step_times.main([str(path), "--out", str(tmp_path / "t.json")]) == 0
     rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| mux")]
     assert len(rows) == 2 and rows[0].startswith("| mux | 0 | 0.05 | 6 |")
-    # the allocator, the start-up and the turns' submissions (3 + 5 ms over 4,000 tokens), where kept
-    assert rows[0].endswith("| 3 / 1 / 1 | 0.004 | 2, 0.008, 2.000 |") and rows[1].endswith("| - | - | - |")
+    # the allocator, the start-up, the turns' submissions (3 + 5 ms over 4,000 tokens) and gc, where kept
+    assert rows[0].endswith("| 3 / 1 / 1 | 0.004 | 2, 0.008, 2.000 | 40/3/1, 0.013, 9.1 |")
+    assert rows[1].endswith("| - | - | - | - |")
     saved = json.loads((tmp_path / "t.json").read_text())["mux"]
     assert saved[1]["records"] == 5 and saved[1]["start_up_s"] is None and saved[1]["submissions"] is None
     assert saved[0]["start_up_s"] == pytest.approx(0.004)
