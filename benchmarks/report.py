@@ -256,10 +256,20 @@ def what_if_table(result: dict) -> str:
                      "experts fit: s / base s", "skipped"], rows)
 
 
+def orderings_table(report: dict) -> str:
+    """`benchmarks.sim_replay --orderings`: each schedule's simulated makespan under each ordering over FIFO's."""
+    parts = [(label, part, cells) for label, row in report["orderings"].items() if "skipped" not in row
+             for part in ("in_sample", "out_of_sample") if (cells := row.get(part)) and "skipped" not in cells]
+    names = [n for n in (parts[0][2] if parts else {}) if n != "fifo"]
+    rows = [[f"`{label}`", part.replace("_", " "), f"{cells['fifo']['sim_s']:.2f}",
+             *(f"{cells[n]['over_fifo']:.3f}" for n in names)] for label, part, cells in parts]
+    return markdown(["schedule", "fit", "FIFO s", *(f"{n} / FIFO" for n in names)], rows)
+
+
 TABLES: dict[str, Callable[[dict], str]] = {"rollout": rollout, "decode": decode, "prefill": prefill, "gap": gap,
                                             "ops": ops, "fused-decode": fused_decode, "sort": sort, "idle": idle,
                                             "fp8": fp8, "verify": verify, "segments": segments,
-                                            "what-if": what_if_table}
+                                            "what-if": what_if_table, "orderings": orderings_table}
 
 
 def table(kind: str, path: str | Path) -> str:

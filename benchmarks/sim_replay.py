@@ -51,12 +51,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import segments, what_if_table
+from benchmarks.report import orderings_table, segments, what_if_table
 from benchmarks.rollout import engine_config, split_spec, unpartitioned
 from megatron_rollout.engine import Schedule
 from megatron_rollout.engine.records import StepRecord
 from megatron_rollout.sim.cost import CostModel, fit, segments_per_epoch, startup_token_s
 from megatron_rollout.sim.levers import Levers, Overlap, Speculation
+from megatron_rollout.sim.policy import POLICIES, make_policy
 from megatron_rollout.sim.simulator import SimConfig, SimulationError, simulate
 from megatron_rollout.trace.schema import TraceRequest, group_conversations, load_trace
 from megatron_rollout.trace.steps import from_columns
@@ -301,6 +302,37 @@ def segment_sweep(result: dict, trace: Sequence[TraceRequest], counts: Sequence[
     return {"fit": "linear, out of sample", "off": off, "measured_segments": measured, "mux": rows}
 
 
+def orderings(result: dict, trace: Sequence[TraceRequest], fit_from: dict | None = None) -> dict[str, Any]:
+    """Each schedule of the run simulated under every ordering the simulator knows (the engine's
+    priorities and the oracle, `sim.policy.POLICIES`) on the linear fits, in sample (its repeat 0's
+    records) and out of sample (`off` and `chunked` pooled): makespan, and over the same fit's
+    simulation in arrival order (FIFO). The measured makespans are the run's, under its own ordering."""
+    pooled = _pooled_fits(result, trace, fit_from)["linear"]
+    out: dict[str, Any] = {}
+    for label, entry in result.get("schedules", {}).items():
+        first = _first(entry)
+        config = _sim_config(result, entry["spec"], entry["budget"], first) if first else "no repeat 0 with records"
+        if isinstance(config, str) or config.levers.overlap is not None:
+            out[label] = {"skipped": config if isinstance(config, str) else "an overlap lever: out of sample only"}
+            continue
+        records = from_columns(first["steps"])
+        fits = {"out_of_sample": pooled}
+        if config.levers.speculation is None or all(r.decode_positions is not None for r in records if r.decode_rows):
+            own = _fits(records, result.get("moe"), submit_cost(first, trace), submissions(first))
+            fits["in_sample"] = own["linear"]
+        segments = _mux_segments(config, first)
+        row: dict[str, Any] = {"priority": config.scheduler.priority}
+        for part, cost in fits.items():
+            if isinstance(cost, str):
+                row[part] = {"skipped": cost}
+                continue
+            cost = cost if segments is None else dataclasses.replace(cost, mux_segments=segments)
+            made = {name: simulate(trace, cost, config, make_policy(name)).makespan_s for name in POLICIES}
+            row[part] = {name: {"sim_s": v, "over_fifo": v / made["fifo"]} for name, v in made.items()}
+        out[label] = row
+    return out
+
+
 def sim_replay(result: dict, trace: Sequence[TraceRequest], fit_from: dict | None = None,
                overlap_from: dict | None = None) -> dict[str, Any]:
     """In- and out-of-sample errors of every schedule of a `benchmarks.rollout` result (module docstring).
@@ -397,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--what-if", default=None, metavar="SPEC,SPEC",
                     help="also simulate schedules the run did not measure: its schedules with '/sms:N' or '/split:N' "
                          "(factors from --overlap-from), each beside the schedule it extends (`what_if`)")
+    ap.add_argument("--orderings", action="store_true",
+                    help="also simulate each schedule under every ordering (the engine's priorities, the oracle) on "
+                         "the linear fits, over arrival order (`orderings`)")
     ap.add_argument("--trace", default=None, metavar="TRACE.jsonl",
                     help="the run's trace (default: trace.jsonl beside the result)")
     args = ap.parse_args(argv)
@@ -422,11 +457,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.what_if:
         report["what_if"] = what_if(result, trace, [x for x in args.what_if.split(",") if x], fit_from,
                                     overlap_from)
+    if args.orderings:
+        report["orderings"] = orderings(result, trace, fit_from)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(table(report), flush=True)
     if "what_if" in report:
         print(what_if_table(report), flush=True)
+    if "orderings" in report:
+        print(orderings_table(report), flush=True)
     if "mux_segments" in report:
         print(segments(report), flush=True)
     if args.plot:

@@ -12,6 +12,7 @@ import pytest
 from benchmarks import rollout, sim_replay
 from megatron_rollout.sim.cost import turn_cost
 from megatron_rollout.sim.levers import Overlap, Speculation
+from megatron_rollout.sim.policy import POLICIES
 from megatron_rollout.trace.schema import load_trace
 from megatron_rollout.trace.steps import from_columns
 
@@ -106,6 +107,25 @@ def test_the_start_up_before_the_first_forward_is_charged_per_first_turn_token(r
     assert sorted(n for _, _, n in marks) == sorted(t.input_tokens for t in trace)
     assert cost["turn_token_s"] == pytest.approx(turn_cost(marks)) and cost["turn_token_s"] > 0
     assert sim_replay.submissions({k: v for k, v in first.items() if k != "submissions"}) == []
+
+
+@pytest.mark.timeout(120)
+def test_every_ordering_is_simulated_on_both_linear_fits_against_fifo(run, capsys):
+    out, result = run
+    assert sim_replay.main([str(out / "rollout.json"), "--orderings", "--out", str(out / "ord.json")]) == 0
+    rows = json.loads((out / "ord.json").read_text())["orderings"]
+    assert list(rows) == ["off", "chunked", "mux"]
+    for row in rows.values():
+        assert row["priority"] == "fifo"
+        for part in ("in_sample", "out_of_sample"):
+            assert list(row[part]) == list(POLICIES)  # the engine's priorities, then the oracle
+            assert row[part]["fifo"]["over_fifo"] == 1.0
+            fifo = row[part]["fifo"]["sim_s"]
+            for cell in row[part].values():
+                assert cell["sim_s"] > 0 and cell["over_fifo"] == pytest.approx(cell["sim_s"] / fifo)
+    text = capsys.readouterr().out
+    assert "| schedule | fit | FIFO s | most-turns / FIFO |" in text and "oracle / FIFO" in text
+    assert text.count("| `mux` |") == 2
 
 
 @pytest.mark.timeout(60)
