@@ -326,7 +326,8 @@ def orderings(result: dict, trace: Sequence[TraceRequest], fit_from: dict | None
             if isinstance(cost, str):
                 row[part] = {"skipped": cost}
                 continue
-            cost = cost if segments is None else dataclasses.replace(cost, mux_segments=segments)
+            if segments is not None and part == "out_of_sample":  # as the errors' check does (`sim_replay`)
+                cost = dataclasses.replace(cost, mux_segments=segments)
             made = {name: simulate(trace, cost, config, make_policy(name)).makespan_s for name in POLICIES}
             row[part] = {name: {"sim_s": v, "over_fifo": v / made["fifo"]} for name, v in made.items()}
         out[label] = row
