@@ -216,13 +216,13 @@ def _write(out: Path, result: dict) -> None:
 
 
 def _dumps(result: dict) -> str:
-    """`result` as indented JSON, each repeat's step and submission columns on one line (one value a
-    line would make them most of the file)."""
+    """`result` as indented JSON, each repeat's step records, submissions and step starts on one line
+    each (one value a line would make them most of the file)."""
     columns: list[str] = []
 
     def stash(repeat: dict) -> dict:
         out = dict(repeat)
-        for key in ("steps", "submissions"):
+        for key in ("steps", "submissions", "step_starts"):
             if key in repeat:
                 columns.append(json.dumps(repeat[key], separators=(",", ":")))
                 out[key] = f"@steps:{len(columns) - 1}@"
@@ -502,6 +502,7 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str,
         result["steps"] = to_columns(details["records"])
         result["replay_start"] = details["start"]  # the records' clock: the start-up before the first forward
         result["submissions"] = dict(zip(("start", "end", "tokens"), map(list, zip(*details["submissions"]))))
+        result["step_starts"] = details["step_starts"]
     stats, events = engine.stats, engine.timeline.events[first_event:]
     compiles = counter.counts
     result.update(

@@ -18,12 +18,14 @@ are not told apart: where decode is issued ahead (plain schedules on the CUDA ru
 part overlaps the device's, where it is not (drafting) they add up. A run with `--host-profile`
 tells them apart for its profiled schedules: their functions by own time follow the table. Where
 the run kept them, the replay's start-up (its start to its first forward, the first turns submitted)
-and its turns' submissions (host time between forwards that no record covers), and Python's garbage
-collections in the replay (`benchmarks.pauses`) close each row.
+and its turns' submissions (host time between forwards that no record covers), Python's garbage
+collections in the replay (`benchmarks.pauses`) and the time between forwards split where each
+engine step began (`StepLog.step_starts`) close each row.
 """
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import statistics
 import sys
@@ -42,14 +44,20 @@ def _bucket(lo: int, hi: int | None) -> str:
     return f"{lo}" if lo == hi else f"{lo}+" if hi is None else f"{lo}-{hi}"
 
 
-def summarize(records: Sequence[StepRecord], long_gap_s: float = 0.005) -> dict[str, Any]:
+def summarize(records: Sequence[StepRecord], long_gap_s: float = 0.005,
+              step_starts: Sequence[float] = ()) -> dict[str, Any]:
     """Time inside and between `records`' forwards, and the median decode-only forward by rows and
-    the median gap before it."""
+    the median gap before it; with the engine steps' `step_starts`, the gaps' time split into the
+    caller's between steps (the replay's loop: its tool waits and submissions), the steps' own before
+    their first forward (planning, a drafting step's lookups) and the rest (within a step: a `mux`
+    round between its decode iteration and its segment)."""
     recs = sorted(records, key=lambda r: r.start)
     inside = sum(r.end - r.start for r in recs)
     gaps = [0.0] + [max(0.0, b.start - a.end) for a, b in zip(recs, recs[1:])]  # gaps[i]: before recs[i]
     out: dict[str, Any] = {"records": len(recs), "inside_s": inside, "between_s": sum(gaps),
                            "long_gaps_s": sum(g for g in gaps if g > long_gap_s)}
+    if step_starts:
+        out["gaps_split_s"] = _split_gaps(recs, sorted(step_starts))
     for lo, hi in ROW_BUCKETS:
         picked = [i for i, r in enumerate(recs) if r.phase == "D" and not r.prefill_tokens
                   and lo <= r.decode_rows and (hi is None or r.decode_rows <= hi)]
@@ -62,6 +70,21 @@ def summarize(records: Sequence[StepRecord], long_gap_s: float = 0.005) -> dict[
         spans = [r.end - r.start for r in recs if r.epoch is not None and bool(r.prefill_tokens) is starts]
         out[part] = {"n": len(spans), "median_ms": _median_ms(spans), "total_s": sum(spans)}
     return out
+
+
+def _split_gaps(recs: Sequence[StepRecord], starts: Sequence[float]) -> dict[str, float]:
+    """The time between consecutive records, split at the engine step that began inside the gap (the
+    last, where several did: the ones before ran no forward)."""
+    loop = planning = within = 0.0
+    for a, b in zip(recs, recs[1:]):
+        if b.start <= a.end:
+            continue
+        i = bisect.bisect_right(starts, b.start) - 1
+        if i >= 0 and starts[i] >= a.end:
+            loop, planning = loop + starts[i] - a.end, planning + b.start - starts[i]
+        else:
+            within += b.start - a.end
+    return {"loop": loop, "planning": planning, "within": within}
 
 
 def _median_ms(xs: Sequence[float]) -> float | None:
@@ -80,7 +103,7 @@ def step_times(result: dict[str, Any], schedules: Sequence[str] | None = None,
                 records = from_columns(rep["steps"])
                 row = {"repeat": rep.get("repeat"), "makespan_s": rep["report"]["makespan_s"],
                        "allocator": rep.get("allocator") or None, "gc": rep.get("gc"), **_submissions(rep, records)}
-                out.setdefault(name, []).append(row | summarize(records, long_gap_s))
+                out.setdefault(name, []).append(row | summarize(records, long_gap_s, rep.get("step_starts") or ()))
     return out
 
 
@@ -106,12 +129,18 @@ def table(times: dict[str, list[dict[str, Any]]]) -> str:
             + [f"{r[f'rows_{b}']['n']}, {num(r[f'rows_{b}']['median_ms'], '.2f')}, "
                f"{num(r[f'rows_{b}']['gap_ms'], '.2f')}" for b in buckets]
             + [_segments(r["epoch_starts"]), _segments(r["later_segments"]), _allocator(r["allocator"]),
-               num(r.get("start_up_s"), ".3f"), _marks(r.get("submissions")), _gc(r.get("gc"))]
+               num(r.get("start_up_s"), ".3f"), _marks(r.get("submissions")), _gc(r.get("gc")),
+               _split(r.get("gaps_split_s"))]
             for name, reps in times.items() for r in reps]
     return markdown(head + [f"{b} rows: n, median ms, gap before ms" for b in buckets]
                     + ["mux epoch starts: n, median ms, total s", "later segments: n, median ms, total s",
                        "cudaMalloc / cudaFree / retries", "start-up s", "turn submissions: n, total s, us/token",
-                       "gc: collections by generation, total s, longest ms"], rows)
+                       "gc: collections by generation, total s, longest ms",
+                       "between, s: loop / step's planning / within a step"], rows)
+
+
+def _split(split: dict[str, float] | None) -> str:
+    return "-" if not split else f"{split['loop']:.2f} / {split['planning']:.2f} / {split['within']:.2f}"
 
 
 def _gc(pauses: dict[str, Any] | None) -> str:

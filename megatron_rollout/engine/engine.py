@@ -384,6 +384,7 @@ class RolloutEngine:
         if self.table.requests or self._vote is None:  # a vote's step runs no forward: it may run asleep
             self._check_awake("generating")
         self.stats.steps += 1
+        self.step_log.step_began()
         offer = self._vote.prepared.offer if self._vote is not None else None
         plan, view = self.coordinator.plan(self._planning_state, self.config.scheduler, self.stats.steps,
                                            self.table.take_ops(), self._apply_ops, self.done, offer)

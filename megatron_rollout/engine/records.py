@@ -76,10 +76,14 @@ def step_record(phase: str, rows: Sequence[SpanInput], decode_rows: int, start: 
 
 class StepLog:
     """The engine's step records, in the order the forwards ran, taken only while `enabled` (a replay
-    turns it on for its duration): an RL job's rollouts pay nothing for them, per step or in memory."""
+    turns it on for its duration): an RL job's rollouts pay nothing for them, per step or in memory.
+    Beside them, `step_starts`: when each engine step began (its planning comes before its first
+    forward's record), so that a gap between two records splits into the caller's time between
+    steps and the step's own before its forward."""
 
     def __init__(self) -> None:
         self.records: list[StepRecord] = []
+        self.step_starts: list[float] = []
         self.enabled = False
 
     @contextlib.contextmanager
@@ -94,12 +98,17 @@ class StepLog:
     def add(self, record: StepRecord) -> None:
         self.records.append(record)
 
+    def step_began(self) -> None:
+        if self.enabled:
+            self.step_starts.append(time.perf_counter())
+
     def since(self, start: float) -> list[StepRecord]:
         """Records of forwards that began at or after `start` (one replay's, on a reused engine)."""
         return [r for r in self.records if r.start >= start]
 
     def clear(self) -> None:
         self.records.clear()
+        self.step_starts.clear()
 
     def __len__(self) -> int:
         return len(self.records)

@@ -82,8 +82,8 @@ def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, prog
             turn's (start, end, input tokens) on the host clock: its ids drawn, appended and
             submitted, which no step record covers), so that replicas' replays can be merged into
             one report; and, where the engine keeps step records
-            (`engine.step_log`), "records" (this replay's) and "breakdown" (`trace.breakdown`, also
-            in the report as a dict).
+            (`engine.step_log`), "records" (this replay's), "step_starts" (when each engine step
+            began) and "breakdown" (`trace.breakdown`, also in the report as a dict).
         max_model_len: the engine's context length, to refuse lines that cannot fit before
             anything runs; None reads `engine.max_model_len` where the engine has one.
         temperature: of every turn (0: greedy). A sampled turn's seed comes from (seed,
@@ -109,6 +109,7 @@ def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, prog
 
     log = getattr(engine, "step_log", None)
     first_record = len(log) if log is not None else 0
+    first_start = len(log.step_starts) if log is not None else 0
     start = time.perf_counter()
     # (release time, conversation index): the index breaks ties deterministically.
     releases = [(start + c.turns[0].wait_ms / 1e3, c.index) for c in conversations]
@@ -164,7 +165,7 @@ def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, prog
                                     mean_decode_wait_ms=engine.stats.mean_decode_wait_ms, turn_of=turn_of)
         report = dataclasses.replace(report, breakdown=breakdown.to_dict())
         if details is not None:
-            details.update(records=records, breakdown=breakdown)
+            details.update(records=records, breakdown=breakdown, step_starts=log.step_starts[first_start:])
     accounted = report.requests + report.truncated + report.failed + report.skipped
     if accounted != total:
         raise RuntimeError(f"replay accounted for {accounted} of {total} requests")

@@ -107,6 +107,9 @@ def test_the_start_up_before_the_first_forward_is_charged_per_first_turn_token(r
     assert sorted(n for _, _, n in marks) == sorted(t.input_tokens for t in trace)
     assert cost["turn_token_s"] == pytest.approx(turn_cost(marks)) and cost["turn_token_s"] > 0
     assert sim_replay.submissions({k: v for k, v in first.items() if k != "submissions"}) == []
+    starts = first["step_starts"]  # every engine step of the replay, each before its forward
+    assert len(starts) == first["engine_stats"]["steps"] and starts == sorted(starts)
+    assert first["replay_start"] <= starts[0] <= min(r.start for r in records)
 
 
 @pytest.mark.timeout(120)

@@ -32,6 +32,16 @@ def test_inside_between_and_the_median_forward_and_gap_by_rows():
     assert s["epoch_starts"] == s["later_segments"] == {"n": 0, "median_ms": None, "total_s": 0}  # no mux here
 
 
+def test_the_gaps_split_where_each_engine_step_began():
+    # steps begin at 10.5 ms (after the P record: 0.5 ms of loop, then 0.5 of planning) and at 15 ms
+    # (inside the 7 ms gap: 2 ms of loop, 5 of planning); the other gaps hold no step start
+    s = step_times.summarize(RECORDS, step_starts=[0.0105, 0.015])
+    assert s["gaps_split_s"] == pytest.approx({"loop": 0.0005 + 0.002, "planning": 0.0005 + 0.005,
+                                               "within": 0.001})
+    assert sum(s["gaps_split_s"].values()) == pytest.approx(s["between_s"])
+    assert "gaps_split_s" not in step_times.summarize(RECORDS)
+
+
 def test_an_epochs_start_and_its_later_segments_are_summed_apart():
     # the epoch's tokens are on its first segment's record; a later one holds none
     seg = [StepRecord("P", 0, 0, 1, 256, 256 * 256, 0.000, 0.004, epoch=1), _rec("D", 2, 0.004, 0.006),
@@ -48,7 +58,8 @@ def test_main_reads_a_rollout_result_and_prints_one_row_per_repeat(tmp_path, cap
          "allocator": {"num_device_alloc": 3, "num_device_free": 1, "num_alloc_retries": 1, "num_ooms": 0},
          "replay_start": -0.004, "submissions": {"start": [-0.004, 0.014], "end": [-0.001, 0.019],
                                                  "tokens": [1000, 3000]},
-         "gc": {"collections": [40, 3, 1], "total_s": 0.0125, "longest_s": 0.0091}},
+         "gc": {"collections": [40, 3, 1], "total_s": 0.0125, "longest_s": 0.0091},
+         "step_starts": [0.0105, 0.015]},
         {"repeat": 1, "report": {"makespan_s": 0.06}, "steps": to_columns(RECORDS[1:])}]},
         "off": {"repeats": [{"repeat": 0, "report": {"makespan_s": 0.07}}]}}}  # no records: left out
     path = tmp_path / "rollout.json"
@@ -57,8 +68,8 @@ def test_main_reads_a_rollout_result_and_prints_one_row_per_repeat(tmp_path, cap
     rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| mux")]
     assert len(rows) == 2 and rows[0].startswith("| mux | 0 | 0.05 | 6 |")
     # the allocator, the start-up, the turns' submissions (3 + 5 ms over 4,000 tokens) and gc, where kept
-    assert rows[0].endswith("| 3 / 1 / 1 | 0.004 | 2, 0.008, 2.000 | 40/3/1, 0.013, 9.1 |")
-    assert rows[1].endswith("| - | - | - | - |")
+    assert rows[0].endswith("| 3 / 1 / 1 | 0.004 | 2, 0.008, 2.000 | 40/3/1, 0.013, 9.1 | 0.00 / 0.01 / 0.00 |")
+    assert rows[1].endswith("| - | - | - | - | - |")
     saved = json.loads((tmp_path / "t.json").read_text())["mux"]
     assert saved[1]["records"] == 5 and saved[1]["start_up_s"] is None and saved[1]["submissions"] is None
     assert saved[0]["start_up_s"] == pytest.approx(0.004)

@@ -45,6 +45,12 @@ def test_one_record_per_forward_with_its_sizes(model, schedule):
     assert recs[0].prefill_pairs == 55 + 28
     assert [r.decode_context for r in recs[1:]] == [11 + 8, 12 + 9]
     assert all(a.end <= b.start for a, b in zip(recs, recs[1:])) and all(r.duration > 0 for r in recs)
+    # one engine step a forward here, each begun before its forward (its planning between them)
+    starts = engine.step_log.step_starts
+    assert len(starts) == len(recs) and all(s <= r.start for s, r in zip(starts, recs))
+    assert all(r.end <= s for r, s in zip(recs, starts[1:]))
+    engine.step_log.clear()
+    assert engine.step_log.step_starts == [] and len(engine.step_log) == 0
 
 
 def test_mux_segments_carry_their_epoch_and_its_sizes_once(model):
