@@ -24,6 +24,8 @@ overlapped, so it is worth timing by itself, on any machine:
 - `append`: `Session.append` of a turn of given length (ids uniform over the model's vocabulary,
   as `trace.replay` appends each turn's input): the per-token checks a turn's tokens get before
   the engine takes them, in microseconds per 1,000 tokens.
+- `startup` (`--startup TRACE.jsonl`): a replay's start-up, which no step record covers: the first
+  turn of each conversation of a trace drawn, appended and submitted, in ms and us per token.
 - `drafting`: the engine's step as in `engine`, plain against n-gram drafting (`~ngram:4`),
   interleaved. The instant runner's logits make every row repeat one token, so after a few steps
   every draft is accepted and each row emits k + 1 tokens a step: the most host work a drafting
@@ -266,6 +268,36 @@ def append_us(tokens: int, repeats: int = 5) -> dict[str, dict[str, float]]:
     return {"append": _summary(samples)}
 
 
+def startup_ms(trace_path: str, repeats: int = 5) -> dict[str, Any]:
+    """A replay's start-up without a model: each conversation's first turn of the trace at
+    `trace_path` drawn (random ids, as `trace.replay` draws them), appended to a new session and
+    submitted, on a fresh engine (tiny-moe bookkeeping, a KV pool and context that hold the trace);
+    ms for all of them, and us per token."""
+    from megatron_rollout.engine import EngineConfig, KVConfig, RolloutEngine, SamplingParams
+    from megatron_rollout.model.config import PRESETS
+    from megatron_rollout.model.transformer import MoETransformer
+    from megatron_rollout.trace.schema import group_conversations, load_trace
+
+    cfg = PRESETS["tiny-moe"]
+    firsts = [turns[0] for turns in group_conversations(load_trace(trace_path)).values()]
+    tokens = sum(t.input_tokens for t in firsts)
+    longest = max(t.input_tokens + t.output_tokens for t in firsts)
+    model = MoETransformer(cfg).init_weights(0)
+    samples = []
+    for _ in range(repeats):
+        engine = RolloutEngine(model, EngineConfig(kv=KVConfig(num_blocks=tokens // 16 + 16 * len(firsts)),
+                                                   max_model_len=longest + 16, allow_long_context=True))
+        t0 = time.perf_counter()
+        for i, turn in enumerate(firsts):
+            ids = np.random.default_rng([0, i, turn.turn]).integers(0, cfg.vocab_size, turn.input_tokens).tolist()
+            session = engine.open_session()
+            session.append(ids)
+            session.submit(SamplingParams(temperature=0.0, max_new_tokens=turn.output_tokens, ignore_stop=True))
+        samples.append((time.perf_counter() - t0) * 1e3)
+    summary = _summary(samples)
+    return {"turns": len(firsts), "tokens": tokens, "ms": summary, "us_per_token": 1e3 * summary["median"] / tokens}
+
+
 def sample_ms(rows: int, vocab: int = 151_936, repeats: int = 5) -> dict[str, dict[str, float]]:
     """Host ms per `sample` of `rows` rows, greedy (`t0`) against temperature 1 (`t1`), interleaved."""
     from megatron_rollout.engine import SamplingParams
@@ -328,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample", default="1,16,64", help="batch sizes of the sample stage ('' skips it)")
     ap.add_argument("--drafting", default="1,16,64", help="batch sizes of the drafting stage ('' skips it)")
     ap.add_argument("--lookup", default="1000,17000,60000", help="context lengths of the lookup stage ('' skips it)")
+    ap.add_argument("--startup", default="", metavar="TRACE.jsonl",
+                    help="the start-up stage: submit the first turn of each conversation of this trace ('' skips it)")
     ap.add_argument("--compare", default=None, metavar="DIR",
                     help="only print DIR's host-before-*.json against its host-after-*.json as a table")
     args = ap.parse_args(argv)
@@ -337,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     out: dict[str, Any] = {"torch": torch.__version__, "engine_step_ms": {}, "fill_ms": {}, "verify_fill_ms": {},
                            "layout_ms": {}, "turn_layout_ms": {}, "append_us": {}, "sample_ms": {},
-                           "drafting_step_ms": {}, "lookup_us": {}}
+                           "drafting_step_ms": {}, "lookup_us": {}, "startup": {}}
     for rows in (int(r) for r in args.rows.split(",") if r):
         out["engine_step_ms"][rows] = engine_step_ms(rows)
     for rows in (int(r) for r in args.drafting.split(",") if r):
@@ -360,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         out["append_us"][tokens] = append_us(tokens)
     for rows in (int(r) for r in args.sample.split(",") if r):
         out["sample_ms"][rows] = sample_ms(rows)
+    if args.startup:
+        out["startup"] = startup_ms(args.startup)
     print(json.dumps(out, indent=1))
     return 0
 

@@ -1,5 +1,9 @@
 """benchmarks.host times the engine's host work, the static layout's fill and sampling without a GPU."""
-from benchmarks.host import append_us, engine_step_ms, fill_ms, layout_ms, sample_ms, turn_layout_ms
+import json
+
+import pytest
+
+from benchmarks.host import append_us, engine_step_ms, fill_ms, layout_ms, sample_ms, startup_ms, turn_layout_ms
 
 
 def test_engine_step_and_fill_are_timed():
@@ -22,6 +26,18 @@ def test_a_turns_append_is_timed_per_thousand_tokens():
     timed = append_us(tokens=2000, repeats=2)
     assert list(timed) == ["append"]
     assert 0 < timed["append"]["min"] <= timed["append"]["median"] <= timed["append"]["max"]
+
+
+@pytest.mark.timeout(60)
+def test_the_start_up_submits_each_conversations_first_turn(tmp_path):
+    lines = [{"conversation": c, "turn": t, "input_tokens": 300 + 100 * c + t, "output_tokens": 5, "wait_ms": 0.0}
+             for c in range(3) for t in range(2)]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    timed = startup_ms(str(path), repeats=2)
+    assert (timed["turns"], timed["tokens"]) == (3, 300 + 400 + 500)  # the later turns are not submitted
+    assert 0 < timed["ms"]["min"] <= timed["ms"]["median"] <= timed["ms"]["max"]
+    assert timed["us_per_token"] == 1e3 * timed["ms"]["median"] / timed["tokens"]
 
 
 def test_sample_is_timed_greedy_and_sampled():
