@@ -318,7 +318,7 @@ def sample_ms(rows: int, vocab: int = 151_936, repeats: int = 5) -> dict[str, di
 
 
 def compare(folder: Path) -> str:
-    """A markdown table of the drafting and lookup stages of `folder`'s `host-before-*.json` against its
+    """A markdown table of the stages of `folder`'s `host-before-*.json` against its
     `host-after-*.json` (invocations of two commits, alternated): per figure, the median over the
     invocations of their medians, [min-max]."""
     runs = {v: [json.loads(f.read_text()) for f in sorted(folder.glob(f"host-{v}-*.json"))]
@@ -343,6 +343,11 @@ def compare(folder: Path) -> str:
             for variant in variants:
                 rows.append([f"{stage.rsplit('_', 1)[0].replace('_', ' ')}, {unit}", f"{size} {what}", variant,
                              cell("before", stage, size, variant, spec), cell("after", stage, size, variant, spec)])
+    if all(r.get("startup") for rs in runs.values() for r in rs):
+        first = runs["before"][0]["startup"]
+        ms = {v: [r["startup"]["ms"]["median"] for r in rs] for v, rs in runs.items()}
+        rows.append(["startup, ms", f"{first['tokens']} tokens of {first['turns']} first turns", "submit",
+                     *(spread(statistics.median(ms[v]), min(ms[v]), max(ms[v]), ".1f") for v in ("before", "after"))])
     return markdown(["stage", "size", "variant", "before", "after"], rows)
 
 

@@ -74,7 +74,8 @@ def test_compare_tables_two_commits_invocations(tmp_path):
     def run(ms, us):
         return {"drafting_step_ms": {"16": {"ngram:4": {"median": ms}}},
                 "lookup_us": {"1000": {"loop": {"median": us}}},
-                "verify_fill_ms": {"16x1300": {"keyed": {"median": ms / 2}}}}
+                "verify_fill_ms": {"16x1300": {"keyed": {"median": ms / 2}}},
+                "startup": {"turns": 2, "tokens": 900, "ms": {"median": 10 * ms}}}
 
     pairs = [((1.0, 10.0), (0.5, 2.0)), ((1.2, 12.0), (0.7, 3.0)), ((1.1, 11.0), (0.6, 9.0))]
     for i, (before, after) in enumerate(pairs):
@@ -84,3 +85,4 @@ def test_compare_tables_two_commits_invocations(tmp_path):
     assert rows[2] == "| drafting step, ms | 16 rows | ngram:4 | 1.100 [1.000-1.200] | 0.600 [0.500-0.700] |"
     assert rows[3] == "| lookup, us | 1000 tokens | loop | 11.0 [10.0-12.0] | 3.0 [2.0-9.0] |"
     assert rows[4] == "| verify fill, ms | 16x1300 rows x entries | keyed | 0.550 [0.500-0.600] | 0.300 [0.250-0.350] |"
+    assert rows[5] == "| startup, ms | 900 tokens of 2 first turns | submit | 11.0 [10.0-12.0] | 6.0 [5.0-7.0] |"
