@@ -222,7 +222,7 @@ def _dumps(result: dict) -> str:
 
     def stash(repeat: dict) -> dict:
         out = dict(repeat)
-        for key in ("steps", "submissions", "step_starts"):
+        for key in ("steps", "submissions", "step_starts", "sleeps"):
             if key in repeat:
                 columns.append(json.dumps(repeat[key], separators=(",", ":")))
                 out[key] = f"@steps:{len(columns) - 1}@"
@@ -503,6 +503,8 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str,
         result["replay_start"] = details["start"]  # the records' clock: the start-up before the first forward
         result["submissions"] = dict(zip(("start", "end", "tokens"), map(list, zip(*details["submissions"]))))
         result["step_starts"] = details["step_starts"]
+        result["sleeps"] = dict(zip(("start", "end"), map(list, zip(*details["sleeps"])))) if details["sleeps"] \
+            else {"start": [], "end": []}
     stats, events = engine.stats, engine.timeline.events[first_event:]
     compiles = counter.counts
     result.update(

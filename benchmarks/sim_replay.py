@@ -17,7 +17,9 @@ Each fit also charges the replay's start-up: the host's time from its start to i
 while the conversations' first turns are submitted, per input token of those turns
 (`submit_cost`; `CostModel.submit_token_s`). No record covers it. Where the result marks each turn's
 submission (`submissions`, kept since 2026-12-05), the later turns are charged too, at the rate the
-marks measured (`CostModel.turn_token_s`), and their time comes out of the host gap.
+marks measured (`CostModel.turn_token_s`), and their time comes out of the host gap; where it marks
+the replay's sleeps (`sleeps`), what is left of each gap is host time, and no gap is taken for idle
+by its length.
 
 Errors are simulated / measured - 1. How a `mux` schedule cuts its epochs is its segment policy's,
 not a cost: out of sample it takes its repeat 0's segments per epoch (`cost.segments_per_epoch`,
@@ -122,17 +124,25 @@ def submissions(repeat: dict) -> list[tuple[float, float, int]]:
     return list(zip(marks.get("start", []), marks.get("end", []), marks.get("tokens", []), strict=True))
 
 
+def sleeps(repeat: dict) -> list[tuple[float, float]] | None:
+    """The spans a replay slept with nothing to run, where its result marks them (None before
+    benchmarks.rollout kept them: the fit then tells idle gaps by their length)."""
+    marks = repeat.get("sleeps")
+    return None if marks is None else list(zip(marks["start"], marks["end"], strict=True))
+
+
 def _fits(records: Sequence[StepRecord], moe: dict | None, submit_token_s: float = 0.0,
-          marks: Sequence[tuple[float, float, int]] = ()) -> dict[str, CostModel | str]:
-    """Each of `FITS` fitted to `records` and the submissions' `marks`, with the start-up's
-    `submit_token_s`, or why not."""
+          marks: Sequence[tuple[float, float, int]] = (),
+          idle: Sequence[tuple[float, float]] | None = None) -> dict[str, CostModel | str]:
+    """Each of `FITS` fitted to `records`, the submissions' `marks` and the `idle` sleeps, with the
+    start-up's `submit_token_s`, or why not."""
     out: dict[str, CostModel | str] = {}
     for name in FITS:
         if name == "experts" and not moe:
             out[name] = "a dense model has no expert term"
             continue
         try:
-            cost = fit(records, **(moe if name == "experts" else {}), submissions=marks)
+            cost = fit(records, **(moe if name == "experts" else {}), submissions=marks, sleeps=idle)
         except ValueError as exc:
             out[name] = str(exc)
             continue
@@ -229,9 +239,11 @@ def _pooled_fits(result: dict, trace: Sequence[TraceRequest], fit_from: dict | N
               and (first := _first(source["schedules"][name]))]
     if not firsts:
         return {n: f"no repeat 0 with step records of {POOLED}" for n in FITS}
+    slept = [sleeps(first) for first in firsts]
     return _fits([rec for first in firsts for rec in from_columns(first["steps"])], result.get("moe"),
                  statistics.fmean(submit_cost(first, trace) for first in firsts),
-                 [mark for first in firsts for mark in submissions(first)])
+                 [mark for first in firsts for mark in submissions(first)],
+                 None if None in slept else [span for spans in slept for span in spans])
 
 
 def what_if(result: dict, trace: Sequence[TraceRequest], specs: Sequence[str], fit_from: dict | None = None,
@@ -318,7 +330,7 @@ def orderings(result: dict, trace: Sequence[TraceRequest], fit_from: dict | None
         records = from_columns(first["steps"])
         fits = {"out_of_sample": pooled}
         if config.levers.speculation is None or all(r.decode_positions is not None for r in records if r.decode_rows):
-            own = _fits(records, result.get("moe"), submit_cost(first, trace), submissions(first))
+            own = _fits(records, result.get("moe"), submit_cost(first, trace), submissions(first), sleeps(first))
             fits["in_sample"] = own["linear"]
         segments = _mux_segments(config, first)
         row: dict[str, Any] = {"priority": config.scheduler.priority}
@@ -373,7 +385,7 @@ def sim_replay(result: dict, trace: Sequence[TraceRequest], fit_from: dict | Non
             row["in_sample"] = {"skipped": "drafting: these records predate `decode_positions`, so a verify forward "
                                            "reads as one row a request (module docstring)"}
         else:
-            fits = _fits(records, moe, submit_cost(first, trace), submissions(first))
+            fits = _fits(records, moe, submit_cost(first, trace), submissions(first), sleeps(first))
             row["in_sample"] = _compare(trace, fits, config, first["report"]["makespan_s"])
             row["in_sample"]["cost"] = {n: c if isinstance(c, str) else c.to_dict() for n, c in fits.items()}
         later = [r["report"]["makespan_s"] for r in entry["repeats"] if r.get("repeat", 0) > 0 and r.get("finished")]

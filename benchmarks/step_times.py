@@ -45,19 +45,20 @@ def _bucket(lo: int, hi: int | None) -> str:
 
 
 def summarize(records: Sequence[StepRecord], long_gap_s: float = 0.005,
-              step_starts: Sequence[float] = ()) -> dict[str, Any]:
+              step_starts: Sequence[float] = (), slept_s: float = 0.0) -> dict[str, Any]:
     """Time inside and between `records`' forwards, and the median decode-only forward by rows and
     the median gap before it; with the engine steps' `step_starts`, the gaps' time split into the
-    caller's between steps (the replay's loop: its tool waits and submissions), the steps' own before
-    their first forward (planning, a drafting step's lookups) and the rest (within a step: a `mux`
-    round between its decode iteration and its segment)."""
+    caller's between steps (the replay's loop: its submissions, and `slept_s` of sleeping with nothing
+    to run, given apart), the steps' own before their first forward (planning, a drafting step's
+    lookups) and the rest (within a step: a `mux` round between its decode iteration and its segment)."""
     recs = sorted(records, key=lambda r: r.start)
     inside = sum(r.end - r.start for r in recs)
     gaps = [0.0] + [max(0.0, b.start - a.end) for a, b in zip(recs, recs[1:])]  # gaps[i]: before recs[i]
     out: dict[str, Any] = {"records": len(recs), "inside_s": inside, "between_s": sum(gaps),
                            "long_gaps_s": sum(g for g in gaps if g > long_gap_s)}
     if step_starts:
-        out["gaps_split_s"] = _split_gaps(recs, sorted(step_starts))
+        split = _split_gaps(recs, sorted(step_starts))
+        out["gaps_split_s"] = {**split, "loop": split["loop"] - slept_s, "slept": slept_s}
     for lo, hi in ROW_BUCKETS:
         picked = [i for i, r in enumerate(recs) if r.phase == "D" and not r.prefill_tokens
                   and lo <= r.decode_rows and (hi is None or r.decode_rows <= hi)]
@@ -103,7 +104,10 @@ def step_times(result: dict[str, Any], schedules: Sequence[str] | None = None,
                 records = from_columns(rep["steps"])
                 row = {"repeat": rep.get("repeat"), "makespan_s": rep["report"]["makespan_s"],
                        "allocator": rep.get("allocator") or None, "gc": rep.get("gc"), **_submissions(rep, records)}
-                out.setdefault(name, []).append(row | summarize(records, long_gap_s, rep.get("step_starts") or ()))
+                slept = rep.get("sleeps") or {}
+                out.setdefault(name, []).append(row | summarize(records, long_gap_s, rep.get("step_starts") or (),
+                                                                sum(b - a for a, b in zip(slept.get("start", []),
+                                                                                          slept.get("end", [])))))
     return out
 
 
@@ -136,11 +140,11 @@ def table(times: dict[str, list[dict[str, Any]]]) -> str:
                     + ["mux epoch starts: n, median ms, total s", "later segments: n, median ms, total s",
                        "cudaMalloc / cudaFree / retries", "start-up s", "turn submissions: n, total s, us/token",
                        "gc: collections by generation, total s, longest ms",
-                       "between, s: loop / step's planning / within a step"], rows)
+                       "between, s: slept / loop / step's planning / within a step"], rows)
 
 
 def _split(split: dict[str, float] | None) -> str:
-    return "-" if not split else f"{split['loop']:.2f} / {split['planning']:.2f} / {split['within']:.2f}"
+    return "-" if not split else "/".join(f" {split[k]:.2f} " for k in ("slept", "loop", "planning", "within")).strip()
 
 
 def _gc(pauses: dict[str, Any] | None) -> str:

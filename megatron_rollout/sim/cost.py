@@ -171,11 +171,14 @@ def observations(records: Sequence[StepRecord]) -> list[tuple[StepSize, float]]:
 
 
 def fit(records: Sequence[StepRecord], num_experts: int | None = None, top_k: int | None = None,
-        submissions: Sequence[tuple[float, float, int]] = ()) -> CostModel:
+        submissions: Sequence[tuple[float, float, int]] = (),
+        sleeps: Sequence[tuple[float, float]] | None = None) -> CostModel:
     """The cost model of the engine that produced `records` (one or more replays' worth); with
     `num_experts` and `top_k` (the model's routing), with the expert term; with `submissions` (the
     replays' turns as (start, end, input tokens) on the records' clock), with `turn_token_s` fitted
-    to them, their time taken out of the gaps between forwards.
+    to them, their time taken out of the gaps between forwards; with `sleeps` (the spans in which the
+    replay had nothing to run), the gaps less those are host time, every one of them (without, a gap
+    longer than the forward before it counts as nothing to do).
 
     Raises ValueError when the records cannot determine it (no decode-only and no prefill
     forward), or when only one of `num_experts` and `top_k` is given.
@@ -195,7 +198,7 @@ def fit(records: Sequence[StepRecord], num_experts: int | None = None, top_k: in
     coef, _ = nnls(x / scale, y)
     coef = coef / scale
     names = FEATURES + (("expert_s",) if routing is not None else ())
-    return CostModel(**dict(zip(names, (float(c) for c in coef))), gap_s=_gap(records, submissions),
+    return CostModel(**dict(zip(names, (float(c) for c in coef))), gap_s=_gap(records, submissions, sleeps),
                      turn_token_s=turn_cost(submissions), mux_segments=segments_per_epoch(records), routing=routing)
 
 
@@ -216,12 +219,14 @@ def startup_token_s(first_forward_s: float, tokens: int) -> float:
     return max(0.0, first_forward_s) / tokens if tokens else 0.0
 
 
-def _gap(records: Sequence[StepRecord], submissions: Sequence[tuple[float, float, int]] = ()) -> float:
+def _gap(records: Sequence[StepRecord], submissions: Sequence[tuple[float, float, int]] = (),
+         sleeps: Sequence[tuple[float, float]] | None = None) -> float:
     """Mean host time between consecutive forwards (a makespan adds them up: the mean, not the
-    median), less the submissions inside each gap (charged apart), leaving out gaps longer than the
-    forward before them (the engine had nothing to do: tool waits, not host cost)."""
+    median), less the submissions inside each gap (charged apart). Without `sleeps`, gaps longer than
+    the forward before them are left out (the engine had nothing to do: tool waits, not host cost);
+    with them, each gap less its sleeps counts."""
     ordered = sorted(records, key=lambda r: r.start)
-    spans = sorted((a, b) for a, b, _ in submissions)
+    spans = sorted([(a, b) for a, b, _ in submissions] + list(sleeps or ()))
     starts = [a for a, _ in spans]
     gaps = []
     for a, b in zip(ordered, ordered[1:]):
@@ -230,7 +235,7 @@ def _gap(records: Sequence[StepRecord], submissions: Sequence[tuple[float, float
         while i < len(spans) and spans[i][0] < b.start:
             gap -= min(spans[i][1], b.start) - spans[i][0]
             i += 1
-        if 0 <= gap <= max(a.duration, 1e-3):
+        if 0 <= gap and (sleeps is not None or gap <= max(a.duration, 1e-3)):
             gaps.append(gap)
     return statistics.fmean(gaps) if gaps else 0.0
 

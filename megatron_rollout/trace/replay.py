@@ -78,10 +78,11 @@ def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, prog
         vocab_size: input ids are drawn from [0, vocab_size); required.
         schedule: the engine's schedule, copied into the report.
         details: if given, receives "conversation_of" (request id -> conversation), "turn_of"
-            (request id -> its trace line), "start", "skipped", "refused" and "submissions" (each
+            (request id -> its trace line), "start", "skipped", "refused", "submissions" (each
             turn's (start, end, input tokens) on the host clock: its ids drawn, appended and
-            submitted, which no step record covers), so that replicas' replays can be merged into
-            one report; and, where the engine keeps step records
+            submitted, which no step record covers) and "sleeps" (each (start, end) the loop slept
+            with nothing to run until the next release), so that replicas' replays can be merged
+            into one report; and, where the engine keeps step records
             (`engine.step_log`), "records" (this replay's), "step_starts" (when each engine step
             began) and "breakdown" (`trace.breakdown`, also in the report as a dict).
         max_model_len: the engine's context length, to refuse lines that cannot fit before
@@ -106,6 +107,7 @@ def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, prog
     skipped = 0
     refused: list[ConversationId] = []
     submissions: list[tuple[float, float, int]] = []
+    sleeps: list[tuple[float, float]] = []
 
     log = getattr(engine, "step_log", None)
     first_record = len(log) if log is not None else 0
@@ -147,7 +149,9 @@ def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, prog
                         raise RuntimeError(f"engine has no work but request(s) {sorted(owner)[:10]} never "
                                            f"finished; the engine lost them")
                 elif releases:
-                    time.sleep(max(0.0, releases[0][0] - time.perf_counter()))
+                    began = time.perf_counter()
+                    time.sleep(max(0.0, releases[0][0] - began))
+                    sleeps.append((began, time.perf_counter()))
         finally:
             bar.close()
             for conv in conversations:
@@ -155,7 +159,7 @@ def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, prog
 
     if details is not None:
         details.update(conversation_of=conversation_of, turn_of=turn_of, start=start, skipped=skipped,
-                       refused=refused, submissions=submissions)
+                       refused=refused, submissions=submissions, sleeps=sleeps)
     report = build_report(outputs, conversation_of, start=start,
                           mean_decode_wait_ms=engine.stats.mean_decode_wait_ms,
                           schedule=schedule, skipped=skipped, refused=refused, turn_of=turn_of)

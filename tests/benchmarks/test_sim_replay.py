@@ -10,6 +10,7 @@ import math
 import pytest
 
 from benchmarks import rollout, sim_replay
+from megatron_rollout.sim import cost as sim_cost
 from megatron_rollout.sim.cost import turn_cost
 from megatron_rollout.sim.levers import Overlap, Speculation
 from megatron_rollout.sim.policy import POLICIES
@@ -107,6 +108,9 @@ def test_the_start_up_before_the_first_forward_is_charged_per_first_turn_token(r
     assert sorted(n for _, _, n in marks) == sorted(t.input_tokens for t in trace)
     assert cost["turn_token_s"] == pytest.approx(turn_cost(marks)) and cost["turn_token_s"] > 0
     assert sim_replay.submissions({k: v for k, v in first.items() if k != "submissions"}) == []
+    slept = sim_replay.sleeps(first)  # marked: each gap less its sleeps and submissions is host time
+    assert slept is not None and sim_replay.sleeps({k: v for k, v in first.items() if k != "sleeps"}) is None
+    assert cost["gap_s"] == pytest.approx(sim_cost.fit(records, submissions=marks, sleeps=slept).gap_s)
     starts = first["step_starts"]  # every engine step of the replay, each before its forward
     assert len(starts) == first["engine_stats"]["steps"] and starts == sorted(starts)
     assert first["replay_start"] <= starts[0] <= min(r.start for r in records)

@@ -35,9 +35,9 @@ def test_inside_between_and_the_median_forward_and_gap_by_rows():
 def test_the_gaps_split_where_each_engine_step_began():
     # steps begin at 10.5 ms (after the P record: 0.5 ms of loop, then 0.5 of planning) and at 15 ms
     # (inside the 7 ms gap: 2 ms of loop, 5 of planning); the other gaps hold no step start
-    s = step_times.summarize(RECORDS, step_starts=[0.0105, 0.015])
-    assert s["gaps_split_s"] == pytest.approx({"loop": 0.0005 + 0.002, "planning": 0.0005 + 0.005,
-                                               "within": 0.001})
+    s = step_times.summarize(RECORDS, step_starts=[0.0105, 0.015], slept_s=0.0015)
+    assert s["gaps_split_s"] == pytest.approx({"slept": 0.0015, "loop": 0.0005 + 0.002 - 0.0015,
+                                               "planning": 0.0005 + 0.005, "within": 0.001})
     assert sum(s["gaps_split_s"].values()) == pytest.approx(s["between_s"])
     assert "gaps_split_s" not in step_times.summarize(RECORDS)
 
@@ -59,7 +59,7 @@ def test_main_reads_a_rollout_result_and_prints_one_row_per_repeat(tmp_path, cap
          "replay_start": -0.004, "submissions": {"start": [-0.004, 0.014], "end": [-0.001, 0.019],
                                                  "tokens": [1000, 3000]},
          "gc": {"collections": [40, 3, 1], "total_s": 0.0125, "longest_s": 0.0091},
-         "step_starts": [0.0105, 0.015]},
+         "step_starts": [0.0105, 0.015], "sleeps": {"start": [0.0110], "end": [0.0125]}},
         {"repeat": 1, "report": {"makespan_s": 0.06}, "steps": to_columns(RECORDS[1:])}]},
         "off": {"repeats": [{"repeat": 0, "report": {"makespan_s": 0.07}}]}}}  # no records: left out
     path = tmp_path / "rollout.json"
@@ -68,7 +68,7 @@ def test_main_reads_a_rollout_result_and_prints_one_row_per_repeat(tmp_path, cap
     rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| mux")]
     assert len(rows) == 2 and rows[0].startswith("| mux | 0 | 0.05 | 6 |")
     # the allocator, the start-up, the turns' submissions (3 + 5 ms over 4,000 tokens) and gc, where kept
-    assert rows[0].endswith("| 3 / 1 / 1 | 0.004 | 2, 0.008, 2.000 | 40/3/1, 0.013, 9.1 | 0.00 / 0.01 / 0.00 |")
+    assert rows[0].endswith("| 3 / 1 / 1 | 0.004 | 2, 0.008, 2.000 | 40/3/1, 0.013, 9.1 | 0.00 / 0.00 / 0.01 / 0.00 |")
     assert rows[1].endswith("| - | - | - | - | - |")
     saved = json.loads((tmp_path / "t.json").read_text())["mux"]
     assert saved[1]["records"] == 5 and saved[1]["start_up_s"] is None and saved[1]["submissions"] is None

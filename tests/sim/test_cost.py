@@ -134,3 +134,17 @@ def test_submissions_marked_between_forwards_come_out_of_the_gap_and_are_charged
     assert fitted.turn_token_s == pytest.approx(2e-6) == turn_cost(marks)
     assert fitted.decode_base_s == pytest.approx(TRUE.decode_base_s, rel=1e-4)
     assert turn_cost([]) == 0.0 and fit(recs).turn_token_s == 0.0
+
+
+def test_with_the_replays_sleeps_every_gap_less_them_is_host_time():
+    recs = records(TRUE, sizes())
+    # one 3 ms gap of host work, and a 50 ms sleep in every seventh gap (nothing to run)
+    recs[3:] = [dataclasses.replace(r, start=r.start + 0.002, end=r.end + 0.002) for r in recs[3:]]
+    idle = []
+    for i in range(0, len(recs) - 1, 7):
+        recs[i + 1:] = [dataclasses.replace(r, start=r.start + 0.05, end=r.end + 0.05) for r in recs[i + 1:]]
+        idle.append((recs[i].end + 0.0005, recs[i].end + 0.0505))
+    n = len(recs) - 1
+    assert fit(recs, sleeps=idle).gap_s == pytest.approx((0.001 * n + 0.002) / n)
+    unmarked = fit(recs).gap_s  # the sleeps' gaps are long enough to be left out by their length
+    assert unmarked == pytest.approx((0.001 * (n - len(idle)) + 0.002) / (n - len(idle)))

@@ -175,10 +175,16 @@ def test_tool_wait_separates_a_finish_from_the_next_arrival():
 def test_idle_replay_sleeps_until_the_next_release():
     engine = FakeEngine()
     t0 = time.perf_counter()
-    report, _ = replay(engine, [TraceRequest(0, 0, 2, 1, 150.0), TraceRequest(0, 1, 2, 1, 150.0)],
-                       progress=False, vocab_size=VOCAB)
+    details: dict = {}
+    report, outputs = replay(engine, [TraceRequest(0, 0, 2, 1, 150.0), TraceRequest(0, 1, 2, 1, 150.0)],
+                             progress=False, vocab_size=VOCAB, details=details)
     assert time.perf_counter() - t0 >= 0.3
     assert report.requests == 2
+    # the sleeps are marked: before turn 0 and between turn 0's finish and turn 1's release
+    slept = details["sleeps"]
+    assert sum(b - a for a, b in slept) >= 0.3 - 0.01 and all(a <= b for a, b in slept)
+    first = min(o.times.arrival for o in outputs)
+    assert any(b <= first for _, b in slept)
     # A busy loop would call the engine thousands of times in 0.3 s.
     assert engine.steps <= 6 and engine.has_work_calls <= 12
 
