@@ -240,10 +240,13 @@ def _pooled_fits(result: dict, trace: Sequence[TraceRequest], fit_from: dict | N
     if not firsts:
         return {n: f"no repeat 0 with step records of {POOLED}" for n in FITS}
     slept = [sleeps(first) for first in firsts]
-    return _fits([rec for first in firsts for rec in from_columns(first["steps"])], result.get("moe"),
+    replays = sorted((from_columns(first["steps"]) for first in firsts), key=lambda recs: min(r.start for r in recs))
+    # between two pooled replays nothing of theirs runs: idle, as their sleeps are
+    between = [(max(r.end for r in a), min(r.start for r in b)) for a, b in zip(replays, replays[1:])]
+    return _fits([rec for recs in replays for rec in recs], result.get("moe"),
                  statistics.fmean(submit_cost(first, trace) for first in firsts),
                  [mark for first in firsts for mark in submissions(first)],
-                 None if None in slept else [span for spans in slept for span in spans])
+                 None if None in slept else [span for spans in slept for span in spans] + between)
 
 
 def what_if(result: dict, trace: Sequence[TraceRequest], specs: Sequence[str], fit_from: dict | None = None,

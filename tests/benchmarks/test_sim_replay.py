@@ -111,6 +111,8 @@ def test_the_start_up_before_the_first_forward_is_charged_per_first_turn_token(r
     slept = sim_replay.sleeps(first)  # marked: each gap less its sleeps and submissions is host time
     assert slept is not None and sim_replay.sleeps({k: v for k, v in first.items() if k != "sleeps"}) is None
     assert cost["gap_s"] == pytest.approx(sim_cost.fit(records, submissions=marks, sleeps=slept).gap_s)
+    own = [report["schedules"][n]["in_sample"]["cost"]["linear"]["gap_s"] for n in ("off", "chunked")]
+    assert min(own) <= report["pooled"]["linear"]["gap_s"] <= max(own)  # the time between the two replays is no gap
     starts = first["step_starts"]  # every engine step of the replay, each before its forward
     assert len(starts) == first["engine_stats"]["steps"] and starts == sorted(starts)
     assert first["replay_start"] <= starts[0] <= min(r.start for r in records)
