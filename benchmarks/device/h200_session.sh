@@ -171,6 +171,9 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
 mux@budget:24000~ngram:4+7@4,mux@budget:24000~ngram:4+7@4/split:24}" --no-ablation --repeats "${REPEATS:-2}" \
         --no-vllm --deadline-s "${DEADLINE:-480}" --schedule-budget-s 90 --out "/tmp/res/split$n" > "/tmp/res/split$n.log" 2>&1
       tail -16 "/tmp/res/split$n.log"; cp "/tmp/res/split$n/rollout.json" "$OUT/split$n.json"
+      python3 -c "import json; d = json.load(open('$OUT/split$n.json'))  # a failed capture on D's SMs moves D back
+for k, e in d['schedules'].items(): r = (e.get('repeats') or [{}])[0]; print(k, {x: r.get(x) for x in (
+    'capture_error', 'beside_capture_error', 'compilations', 'gc')})"
       cp "/tmp/res/split$n/trace.jsonl" "$OUT/split-trace$n.jsonl"
       python3 -m benchmarks.step_times "$OUT/split$n.json" --out "$OUT/split$n.step_times.json" | tail -12
       python3 -m benchmarks.sim_replay "$OUT/split$n.json" --trace "$OUT/split-trace$n.jsonl" \
