@@ -101,6 +101,10 @@ def rollout(result: dict) -> str:
                        ("mux_ttft_over_off", "mux mean TTFT over off's")):
         if isinstance(r.get(key), (int, float)):
             notes.append(f"{label} {r[key]:.3f}")
+    oracle = {n: o for n, o in (result.get("oracle") or {}).items() if "over_fifo" in o}
+    if oracle:
+        notes.append("the oracle order over arrival order, simulated on each schedule's own fit: " + ", ".join(
+            f"{n} {o['over_fifo']:.3f}" for n, o in oracle.items()))
     if result.get("stopped"):
         notes.append(f"stopped early: {result['stopped']}")
     return text + ("\n\n" + "; ".join(notes) + "." if notes else "")

@@ -613,6 +613,22 @@ def breakdown_figures(b: dict | None) -> dict[str, float | None]:
     return out
 
 
+def simulated_oracle(result: dict, trace: list) -> dict[str, Any]:
+    """Each timed schedule in arrival order and under the oracle ordering (longest remaining chain
+    first, knowing each conversation's future), simulated on the cost model fitted to its own repeat
+    0 (`benchmarks.sim_replay.orderings`, in sample): what order alone could give on this trace,
+    reported beside the peer and the lower bound. A schedule the simulator cannot represent says why."""
+    from benchmarks.sim_replay import orderings
+
+    out: dict[str, Any] = {}
+    for label, row in orderings(result, trace, names=("fifo", "oracle"), parts=("in_sample",)).items():
+        cells = row.get("in_sample") or {}
+        out[label] = ({"fifo_sim_s": cells["fifo"]["sim_s"], "oracle_sim_s": cells["oracle"]["sim_s"],
+                       "over_fifo": cells["oracle"]["over_fifo"]} if "oracle" in cells else
+                      {"skipped": row.get("skipped") or cells.get("skipped") or "no in-sample fit"})
+    return out
+
+
 def _ratio(a, b):
     return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0 else None
 
@@ -738,6 +754,10 @@ def table(result: dict) -> str:
     lb = result.get("lower_bound")
     if lb:
         lines.append(f"lower bound {lb['bound_s']:.2f} s (chain {lb['chain_s']:.2f} s, work {lb['work_s']:.2f} s)")
+    for name, o in (result.get("oracle") or {}).items():
+        lines.append(f"oracle order, simulated on {name}'s own fit: " + (
+            f"{o['oracle_sim_s']:.2f} s against {o['fifo_sim_s']:.2f} s in arrival order ({o['over_fifo']:.3f})"
+            if "over_fifo" in o else f"skipped ({o['skipped']})"))
     targets = TARGETS.get(result.get("profile"), {})
     for key, value in result.get("ratios", {}).items():
         if value is None:
@@ -1120,6 +1140,7 @@ def main(argv: list[str] | None = None) -> int:
         best = sweep_stage(run, result, out, trace, specs, _budgets(args))
         result["expert_kernel"] = run.expert_choice
         timed_stage(run, result, out, trace, specs, best, after)
+        result["oracle"] = simulated_oracle(result, trace)
         result["ratios"] = ratios(result)
         _write(out, result)
         profile_stage(run, result, out, trace, profiled)

@@ -317,12 +317,17 @@ def segment_sweep(result: dict, trace: Sequence[TraceRequest], counts: Sequence[
     return {"fit": "linear, out of sample", "off": off, "measured_segments": measured, "mux": rows}
 
 
-def orderings(result: dict, trace: Sequence[TraceRequest], fit_from: dict | None = None) -> dict[str, Any]:
+def orderings(result: dict, trace: Sequence[TraceRequest], fit_from: dict | None = None,
+              names: Sequence[str] = tuple(POLICIES), parts: Sequence[str] = ("in_sample", "out_of_sample")
+              ) -> dict[str, Any]:
     """Each schedule of the run simulated under every ordering the simulator knows (the engine's
-    priorities and the oracle, `sim.policy.POLICIES`) on the linear fits, in sample (its repeat 0's
-    records) and out of sample (`off` and `chunked` pooled): makespan, and over the same fit's
-    simulation in arrival order (FIFO). The measured makespans are the run's, under its own ordering."""
-    pooled = _pooled_fits(result, trace, fit_from)["linear"]
+    priorities and the oracle, `sim.policy.POLICIES`; or `names`, FIFO among them) on the linear
+    fits, in sample (its repeat 0's records) and out of sample (`off` and `chunked` pooled; or the
+    `parts` named): makespan, and over the same fit's simulation in arrival order (FIFO). The
+    measured makespans are the run's, under its own ordering."""
+    if "fifo" not in names:
+        raise ValueError(f"orderings are given over FIFO's: names must include 'fifo', got {list(names)}")
+    pooled = _pooled_fits(result, trace, fit_from)["linear"] if "out_of_sample" in parts else None
     out: dict[str, Any] = {}
     for label, entry in result.get("schedules", {}).items():
         first = _first(entry)
@@ -331,8 +336,9 @@ def orderings(result: dict, trace: Sequence[TraceRequest], fit_from: dict | None
             out[label] = {"skipped": config if isinstance(config, str) else "an overlap lever: out of sample only"}
             continue
         records = from_columns(first["steps"])
-        fits = {"out_of_sample": pooled}
-        if config.levers.speculation is None or all(r.decode_positions is not None for r in records if r.decode_rows):
+        fits = {"out_of_sample": pooled} if "out_of_sample" in parts else {}
+        if "in_sample" in parts and (config.levers.speculation is None
+                                     or all(r.decode_positions is not None for r in records if r.decode_rows)):
             own = _fits(records, result.get("moe"), submit_cost(first, trace), submissions(first), sleeps(first))
             fits["in_sample"] = own["linear"]
         segments = _mux_segments(config, first)
@@ -343,7 +349,7 @@ def orderings(result: dict, trace: Sequence[TraceRequest], fit_from: dict | None
                 continue
             if segments is not None and part == "out_of_sample":  # as the errors' check does (`sim_replay`)
                 cost = dataclasses.replace(cost, mux_segments=segments)
-            made = {name: simulate(trace, cost, config, make_policy(name)).makespan_s for name in POLICIES}
+            made = {name: simulate(trace, cost, config, make_policy(name)).makespan_s for name in names}
             row[part] = {name: {"sim_s": v, "over_fifo": v / made["fifo"]} for name, v in made.items()}
         out[label] = row
     return out

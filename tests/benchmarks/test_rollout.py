@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks import rollout
+from benchmarks import rollout, sim_replay
 from megatron_rollout.engine.config import SpeculativeConfig
 from megatron_rollout.trace.make import make_trace
 from megatron_rollout.trace.schema import load_trace
@@ -91,6 +91,22 @@ def test_table_and_plot(run, capsys):
     assert (out / "plot.stretch.png").stat().st_size > 1000
     for name in result["schedules"]:
         assert (out / f"plot.breakdown.{name}.png").stat().st_size > 1000
+
+
+def test_the_oracle_order_is_simulated_beside_each_schedule(run):
+    """The bench reports the oracle beside the peer and the lower bound: each timed schedule in
+    arrival order and under the oracle, simulated on its own repeat 0's fit."""
+    from benchmarks.report import rollout as rollout_table
+
+    _, result = run
+    oracle = result["oracle"]
+    assert set(oracle) == set(result["schedules"])
+    for name, o in oracle.items():
+        assert o["fifo_sim_s"] > 0 and o["over_fifo"] == pytest.approx(o["oracle_sim_s"] / o["fifo_sim_s"]), name
+    assert rollout.table(result).count("oracle order, simulated on") == len(oracle)
+    assert "the oracle order over arrival order, simulated on each schedule's own fit: off " in rollout_table(result)
+    with pytest.raises(ValueError, match="must include 'fifo'"):
+        sim_replay.orderings(result, load_trace(run[0] / "trace.jsonl"), names=("oracle",))
 
 
 def test_timed_replays_keep_their_step_records_and_the_trace(run):
