@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.report import orderings_table, segments, what_if_table
-from benchmarks.rollout import engine_config, split_spec, unpartitioned
+from benchmarks.specs import engine_config, split_spec, unpartitioned
 from megatron_rollout.engine import Schedule
 from megatron_rollout.engine.records import StepRecord
 from megatron_rollout.sim.cost import CostModel, fit, segments_per_epoch, startup_token_s

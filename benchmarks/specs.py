@@ -1,0 +1,122 @@
+"""Schedule specs of the rollout benchmark, 'schedule[@span][+priority][~drafts][/sync][/sms:N|/split:N][/pw:N]':
+what each asks for (`split_spec`), the schedule it runs on the whole device (`unpartitioned`) and the
+`EngineConfig` its replays run under (`engine_config`). `benchmarks.rollout` times them and
+`benchmarks.sim_replay` simulates them from the same parse.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+from typing import NamedTuple
+
+from megatron_rollout.engine.config import SpeculativeConfig
+from megatron_rollout.engine.priority import PRIORITIES
+
+
+class Spec(NamedTuple):
+    """What a schedule spec 'schedule[@span][+priority][~drafts][/sync][/sms:N|/split:N][/pw:N]' asks for."""
+
+    schedule: str
+    span: str | None
+    """mux's segment policy (None: --mux-span)."""
+    ahead: str | None
+    """"off" for '/sync' (decode ahead off); None: --decode-ahead."""
+    priority: str | None
+    """The engine's priority (`engine.priority`); None: SchedulerConfig's default."""
+    speculative: SpeculativeConfig | None = None
+    """'~ngram:K[:R][+T@W]': n-gram drafts of K tokens (`drafts.ngram`), only while at most R rows
+    decode, T while at most W do."""
+    decode_sms: int = 0
+    """'/sms:N' or '/split:N': prefill's stream leaves N SMs out (`RunnerConfig.decode_sms`; mux only)."""
+    partition: str = "held"
+    """'/split:N': decode beside prefill runs on those N SMs alone (`RunnerConfig.partition`)."""
+    prefill_graph_tokens: tuple[int, ...] | None = None
+    """'/pw:N': piecewise P graphs up to N tokens (`piecewise_buckets`); None: `RunnerConfig`'s."""
+
+
+PIECEWISE_STEP = 2048
+"""'/pw:N' adds piecewise P buckets this many tokens apart past the default largest one."""
+
+
+def piecewise_buckets(largest: int) -> tuple[int, ...]:
+    """`RunnerConfig.prefill_graph_tokens` with buckets every `PIECEWISE_STEP` tokens past its largest,
+    up to `largest` (itself the last). Each bucket keeps its q, k and v: about 10 KB a token and layer
+    for `qwen3-30b-a3b-12l` (`runner.piecewise`), so 16,384 adds several GB."""
+    from megatron_rollout.engine import RunnerConfig
+
+    default = RunnerConfig.prefill_graph_tokens
+    more = range(default[-1] + PIECEWISE_STEP, largest, PIECEWISE_STEP)
+    return tuple(sorted({*default, *more, largest}))
+
+
+def _drafts(spec: str, text: str) -> SpeculativeConfig | None:
+    """'ngram:K[:R][+T@W]' -> SpeculativeConfig("ngram", K, tail_rows=R, tail_k=T, tail_k_rows=W); '' -> None."""
+    if not text:
+        return None
+    text, _, tail = text.partition("+")
+    method, *numbers = text.split(":")
+    try:
+        k, *rows = (int(n) for n in numbers)
+        wide = {}
+        if tail:
+            tail_k, at, tail_rows = tail.partition("@")
+            wide = {"tail_k": int(tail_k), **({"tail_k_rows": int(tail_rows)} if at else {})}
+        return SpeculativeConfig(method, k, tail_rows=rows[0] if rows else None, **wide)
+    except (ValueError, TypeError) as exc:
+        raise SystemExit(f"schedule {spec!r}: drafts are '~ngram:K', '~ngram:K:R' or either with '+T@W' "
+                         f"({exc})") from None
+
+
+def split_spec(spec: str) -> Spec:
+    """'schedule[@span][+priority][~ngram:K[:R][+T@W]][/sync][/sms:N|/split:N][/pw:N]' -> its parts: '/sync'
+    turns decode ahead off, '/sms:24' leaves 24 SMs out of prefill's stream (mux), '/split:24' too and
+    runs decode beside prefill on those 24 alone, '/pw:16384' captures piecewise P graphs up to 16,384
+    tokens (`piecewise_buckets`), '+name' picks the engine's priority (e.g.
+    'mux+most-turns'), '~ngram:4' drafts 4 tokens per row by prompt lookup (':16': only while at
+    most 16 rows decode; '+7@2': 7 while at most 2 do)."""
+    core, *flags = spec.split("/")
+    held = [f.partition(":") for f in flags if f.startswith(("sms:", "split:"))]
+    pw = [f.partition(":")[2] for f in flags if f.startswith("pw:")]
+    if any(f != "sync" and not f.startswith(("sms:", "split:", "pw:")) for f in flags) or flags.count("sync") > 1 \
+            or len(held) > 1 or not all(n.isdigit() and int(n) > 0 for _, _, n in held) or len(pw) > 1 \
+            or not all(n.isdigit() and int(n) > 0 for n in pw):
+        raise SystemExit(f"schedule {spec!r}: the suffixes are '/sync' (decode ahead off), '/sms:N' or "
+                         f"'/split:N' (N > 0 SMs left out of prefill's stream), and '/pw:N' (piecewise P graphs "
+                         f"up to N > 0 tokens), each at most once")
+    flag = "sync" if "sync" in flags else ""
+    sms = [n for _, _, n in held]
+    core, _, drafts = core.partition("~")
+    core, _, priority = core.partition("+")
+    if priority and priority not in PRIORITIES:
+        raise SystemExit(f"schedule {spec!r}: unknown priority {priority!r}; choose from {sorted(PRIORITIES)}")
+    schedule, _, span = core.partition("@")
+    if sms and schedule != "mux":
+        raise SystemExit(f"schedule {spec!r}: '/sms:N' and '/split:N' are for mux, the one schedule that runs "
+                         f"prefill beside decode")
+    return Spec(schedule, span or None, "off" if flag else None, priority or None, _drafts(spec, drafts),
+                int(sms[0]) if sms else 0, "split" if held and held[0][0] == "split" else "held",
+                piecewise_buckets(int(pw[0])) if pw else None)
+
+
+def unpartitioned(spec: str) -> str:
+    """The spec without its '/sms:N' or '/split:N' (the schedule it runs on the whole device)."""
+    return re.sub(r"/(sms|split):\d+", "", spec)
+
+
+def engine_config(args: argparse.Namespace, num_blocks: int, max_model_len: int, spec: Spec, budget: int,
+                  measure_expert_kernels: bool = True):
+    """The `EngineConfig` a replay of `spec` at `budget` runs under (also what `benchmarks.sim_replay`
+    simulates: `SimConfig.of_engine`)."""
+    from megatron_rollout.engine import EngineConfig, KVConfig, MuxConfig, RunnerConfig, SchedulerConfig
+
+    a, priority = args, spec.priority or SchedulerConfig.priority
+    return EngineConfig(
+        scheduler=SchedulerConfig(spec.schedule, block_size=a.block_size, max_batch_tokens=budget,
+                                  max_decode_rows=a.max_decode_rows, priority=priority),
+        kv=KVConfig(num_blocks=num_blocks), mux=MuxConfig(spec.span or a.mux_span),
+        runner=RunnerConfig(attention=a.attention, measure_expert_kernels=measure_expert_kernels,
+                            decode_ahead=spec.ahead or a.decode_ahead, decode_sms=spec.decode_sms,
+                            partition=spec.partition,
+                            **({"prefill_graph_tokens": spec.prefill_graph_tokens} if spec.prefill_graph_tokens
+                               else {})),
+        seed=a.seed, max_model_len=max_model_len, speculative=spec.speculative)
