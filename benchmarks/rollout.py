@@ -216,8 +216,8 @@ def _write(out: Path, result: dict) -> None:
 
 
 def _dumps(result: dict) -> str:
-    """`result` as indented JSON, each repeat's step records, submissions and step starts on one line
-    each (one value a line would make them most of the file)."""
+    """`result` as indented JSON, each repeat's step records, submissions, sleeps and step starts on
+    one line each (one value a line would make them most of the file)."""
     columns: list[str] = []
 
     def stash(repeat: dict) -> dict:
@@ -225,14 +225,14 @@ def _dumps(result: dict) -> str:
         for key in ("steps", "submissions", "step_starts", "sleeps"):
             if key in repeat:
                 columns.append(json.dumps(repeat[key], separators=(",", ":")))
-                out[key] = f"@steps:{len(columns) - 1}@"
+                out[key] = f"@columns:{len(columns) - 1}@"
         return out
 
     schedules = {name: {**entry, "repeats": [stash(r) for r in entry.get("repeats", [])]}
                  for name, entry in result.get("schedules", {}).items()}
     text = json.dumps({**result, "schedules": schedules}, indent=1, default=str)
     for i, cols in enumerate(columns):
-        text = text.replace(f'"@steps:{i}@"', cols, 1)
+        text = text.replace(f'"@columns:{i}@"', cols, 1)
     return text
 
 
@@ -336,7 +336,7 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str,
     replay alone (not the engine's set-up) under `profiler` where one is given."""
     from megatron_rollout.engine import RolloutEngine, SamplingParams
     from megatron_rollout.trace.replay import replay
-    from megatron_rollout.trace.steps import to_columns
+    from megatron_rollout.trace.steps import SLEEP_COLUMNS, SUBMISSION_COLUMNS, marks_to_columns, to_columns
     from megatron_rollout.trace.timeline import Timeline
 
     args, cfg = run.args, run.cfg
@@ -392,10 +392,9 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str,
     if details.get("records") is not None:
         result["steps"] = to_columns(details["records"])
         result["replay_start"] = details["start"]  # the records' clock: the start-up before the first forward
-        result["submissions"] = dict(zip(("start", "end", "tokens"), map(list, zip(*details["submissions"]))))
+        result["submissions"] = marks_to_columns(details["submissions"], SUBMISSION_COLUMNS)
+        result["sleeps"] = marks_to_columns(details["sleeps"], SLEEP_COLUMNS)
         result["step_starts"] = details["step_starts"]
-        result["sleeps"] = dict(zip(("start", "end"), map(list, zip(*details["sleeps"])))) if details["sleeps"] \
-            else {"start": [], "end": []}
     stats, events = engine.stats, engine.timeline.events[first_event:]
     compiles = counter.counts
     result.update(

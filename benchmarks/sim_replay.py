@@ -62,7 +62,7 @@ from megatron_rollout.sim.levers import Levers, Overlap, Speculation
 from megatron_rollout.sim.policy import POLICIES, make_policy
 from megatron_rollout.sim.simulator import SimConfig, SimulationError, simulate
 from megatron_rollout.trace.schema import TraceRequest, group_conversations, load_trace
-from megatron_rollout.trace.steps import from_columns
+from megatron_rollout.trace.steps import SLEEP_COLUMNS, SUBMISSION_COLUMNS, from_columns, marks_from_columns
 
 log = logging.getLogger("benchmarks.sim_replay")
 
@@ -120,15 +120,14 @@ def submit_cost(repeat: dict, trace: Sequence[TraceRequest]) -> float:
 def submissions(repeat: dict) -> list[tuple[float, float, int]]:
     """A replay's turn submissions as (start, end, input tokens), where its result marks them (none
     before benchmarks.rollout kept them)."""
-    marks = repeat.get("submissions") or {}
-    return list(zip(marks.get("start", []), marks.get("end", []), marks.get("tokens", []), strict=True))
+    return marks_from_columns(repeat.get("submissions") or {}, SUBMISSION_COLUMNS)
 
 
 def sleeps(repeat: dict) -> list[tuple[float, float]] | None:
     """The spans a replay slept with nothing to run, where its result marks them (None before
     benchmarks.rollout kept them: the fit then tells idle gaps by their length)."""
     marks = repeat.get("sleeps")
-    return None if marks is None else list(zip(marks["start"], marks["end"], strict=True))
+    return None if marks is None else marks_from_columns(marks, SLEEP_COLUMNS)
 
 
 def _fits(records: Sequence[StepRecord], moe: dict | None, submit_token_s: float = 0.0,

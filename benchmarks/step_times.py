@@ -16,11 +16,12 @@ schedule that differ show whether the steps or what runs between them took the d
 out: the device's own time (records hold host clocks only), so a step's host and device parts
 are not told apart: where decode is issued ahead (plain schedules on the CUDA runner) the host
 part overlaps the device's, where it is not (drafting) they add up. A run with `--host-profile`
-tells them apart for its profiled schedules: their functions by own time follow the table. Where
-the run kept them, the replay's start-up (its start to its first forward, the first turns submitted)
-and its turns' submissions (host time between forwards that no record covers), Python's garbage
-collections in the replay (`benchmarks.pauses`) and the time between forwards split where each
-engine step began (`StepLog.step_starts`) close each row.
+tells them apart for its profiled schedules: their functions by own time follow the table. The
+replay's start-up (its start to its first forward, the first turns submitted:
+`sim_replay.first_forward_s`) and, where the run kept them, its turns' submissions (host time
+between forwards that no record covers), Python's garbage collections in the replay
+(`benchmarks.pauses`) and the time between forwards split where each engine step began
+(`StepLog.step_starts`) close each row.
 """
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.sim_replay import first_forward_s, sleeps, submissions
 from megatron_rollout.engine.records import StepRecord
+from megatron_rollout.sim.cost import turn_cost
 from megatron_rollout.trace.steps import from_columns
 
 ROW_BUCKETS = ((1, 1), (2, 4), (5, 31), (32, None))
@@ -101,26 +104,17 @@ def step_times(result: dict[str, Any], schedules: Sequence[str] | None = None,
             continue
         for rep in entry.get("repeats", []):
             if rep.get("steps") and rep.get("report"):
-                records = from_columns(rep["steps"])
+                marks = submissions(rep)
+                tokens = sum(n for _, _, n in marks)
                 row = {"repeat": rep.get("repeat"), "makespan_s": rep["report"]["makespan_s"],
-                       "allocator": rep.get("allocator") or None, "gc": rep.get("gc"), **_submissions(rep, records)}
-                slept = rep.get("sleeps") or {}
-                out.setdefault(name, []).append(row | summarize(records, long_gap_s, rep.get("step_starts") or (),
-                                                                sum(b - a for a, b in zip(slept.get("start", []),
-                                                                                          slept.get("end", [])))))
+                       "allocator": rep.get("allocator") or None, "gc": rep.get("gc"),
+                       "start_up_s": first_forward_s(rep),
+                       "submissions": {"n": len(marks), "total_s": sum(b - a for a, b, _ in marks),
+                                       "us_per_token": 1e6 * turn_cost(marks)} if tokens else None}
+                slept = sum(b - a for a, b in sleeps(rep) or ())
+                out.setdefault(name, []).append(row | summarize(from_columns(rep["steps"]), long_gap_s,
+                                                                rep.get("step_starts") or (), slept))
     return out
-
-
-def _submissions(rep: dict[str, Any], records: Sequence[StepRecord]) -> dict[str, Any]:
-    """The replay's start-up (its start to its first forward) and its turns' submissions (n, host
-    seconds, us per input token), where the run kept them (`replay_start`, `submissions`)."""
-    start = rep.get("replay_start")
-    marks = rep.get("submissions") or {}
-    spans = [b - a for a, b in zip(marks.get("start", []), marks.get("end", []))]
-    tokens = sum(marks.get("tokens", []))
-    return {"start_up_s": None if start is None else min(r.start for r in records) - start,
-            "submissions": {"n": len(spans), "total_s": sum(spans), "us_per_token": 1e6 * sum(spans) / tokens}
-            if tokens else None}
 
 
 def table(times: dict[str, list[dict[str, Any]]]) -> str:

@@ -37,7 +37,6 @@ def test_the_start_up_submits_each_conversations_first_turn(tmp_path):
     timed = startup_ms(str(path), repeats=2)
     assert (timed["turns"], timed["tokens"]) == (3, 300 + 400 + 500)  # the later turns are not submitted
     assert 0 < timed["ms"]["min"] <= timed["ms"]["median"] <= timed["ms"]["max"]
-    assert timed["us_per_token"] == 1e3 * timed["ms"]["median"] / timed["tokens"]
 
 
 def test_sample_is_timed_greedy_and_sampled():

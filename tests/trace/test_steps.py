@@ -4,7 +4,14 @@ import json
 import pytest
 
 from megatron_rollout.engine.records import StepRecord
-from megatron_rollout.trace.steps import FIELDS, from_columns, to_columns
+from megatron_rollout.trace.steps import (
+    FIELDS,
+    SUBMISSION_COLUMNS,
+    from_columns,
+    marks_from_columns,
+    marks_to_columns,
+    to_columns,
+)
 
 RECORDS = [
     StepRecord("P", 0, 0, 2, 300, 45_150, 1234.567890123456, 1234.6012345678901),
@@ -42,3 +49,14 @@ def test_results_written_before_decode_positions_read_as_one_position_a_row():
     back = from_columns(json.loads(json.dumps(cols)))
     assert back == RECORDS[:3] and [r.positions for r in back] == [0, 5, 3]
     assert RECORDS[4].positions == 9
+
+
+def test_the_replays_marks_round_trip_and_keep_their_columns_when_empty():
+    marks = [(1.5, 1.75, 300), (2.0, 2.125, 4000)]
+    cols = json.loads(json.dumps(marks_to_columns(marks, SUBMISSION_COLUMNS)))
+    assert cols == {"start": [1.5, 2.0], "end": [1.75, 2.125], "tokens": [300, 4000]}
+    assert marks_from_columns(cols, SUBMISSION_COLUMNS) == marks
+    assert marks_to_columns([], SUBMISSION_COLUMNS) == {"start": [], "end": [], "tokens": []}
+    assert marks_from_columns({}, SUBMISSION_COLUMNS) == []
+    with pytest.raises(ValueError):
+        marks_from_columns({"start": [1.0], "end": [], "tokens": [3]}, SUBMISSION_COLUMNS)
