@@ -270,12 +270,13 @@ def append_us(tokens: int, repeats: int = 5) -> dict[str, dict[str, float]]:
 
 def startup_ms(trace_path: str, repeats: int = 5) -> dict[str, Any]:
     """A replay's start-up without a model: each conversation's first turn of the trace at
-    `trace_path` drawn (random ids, as `trace.replay` draws them), appended to a new session and
+    `trace_path` drawn (`trace.replay.input_ids`), appended to a new session and
     submitted, on a fresh engine (tiny-moe bookkeeping, a KV pool and context that hold the trace);
     ms for all of them, and us per token."""
     from megatron_rollout.engine import EngineConfig, KVConfig, RolloutEngine, SamplingParams
     from megatron_rollout.model.config import PRESETS
     from megatron_rollout.model.transformer import MoETransformer
+    from megatron_rollout.trace.replay import input_ids
     from megatron_rollout.trace.schema import group_conversations, load_trace
 
     cfg = PRESETS["tiny-moe"]
@@ -289,9 +290,8 @@ def startup_ms(trace_path: str, repeats: int = 5) -> dict[str, Any]:
                                                    max_model_len=longest + 16, allow_long_context=True))
         t0 = time.perf_counter()
         for i, turn in enumerate(firsts):
-            ids = np.random.default_rng([0, i, turn.turn]).integers(0, cfg.vocab_size, turn.input_tokens).tolist()
             session = engine.open_session()
-            session.append(ids)
+            session.append(input_ids(0, i, turn, cfg.vocab_size))
             session.submit(SamplingParams(temperature=0.0, max_new_tokens=turn.output_tokens, ignore_stop=True))
         samples.append((time.perf_counter() - t0) * 1e3)
     summary = _summary(samples)

@@ -55,8 +55,9 @@ class _Conversation:
     session: Any = None
 
 
-def _input_ids(seed: int, conv: _Conversation, turn: TraceRequest, vocab_size: int) -> list[int]:
-    rng = np.random.default_rng([seed, conv.index, turn.turn])
+def input_ids(seed: int, conversation: int, turn: TraceRequest, vocab_size: int) -> list[int]:
+    """The ids a replay appends for `turn` of the conversation at index `conversation` of its trace."""
+    rng = np.random.default_rng([seed, conversation, turn.turn])
     return rng.integers(0, vocab_size, size=turn.input_tokens).tolist()
 
 
@@ -183,7 +184,7 @@ def _submit(engine: Any, conv: _Conversation, seed: int, vocab_size: int,
     turn = conv.turns[conv.next_turn]
     if conv.session is None:
         conv.session = engine.open_session()
-    conv.session.append(_input_ids(seed, conv, turn, vocab_size))
+    conv.session.append(input_ids(seed, conv.index, turn, vocab_size))
     draw_seed = int(np.random.default_rng([seed, conv.index, turn.turn, 1]).integers(2**63)) if temperature else None
     params = SamplingParams(temperature=temperature, max_new_tokens=turn.output_tokens, ignore_stop=True,
                             seed=draw_seed)
