@@ -178,7 +178,8 @@ def fit(records: Sequence[StepRecord], num_experts: int | None = None, top_k: in
     replays' turns as (start, end, input tokens) on the records' clock), with `turn_token_s` fitted
     to them, their time taken out of the gaps between forwards; with `sleeps` (the spans in which the
     replay had nothing to run), the gaps less those are host time, every one of them (without, a gap
-    longer than the forward before it counts as nothing to do).
+    longer than the forward before it counts as nothing to do). Records of several replays pooled
+    with `sleeps` need the time between two replays among the sleeps: nothing of theirs ran then.
 
     Raises ValueError when the records cannot determine it (no decode-only and no prefill
     forward), or when only one of `num_experts` and `top_k` is given.
