@@ -492,8 +492,8 @@ def test_allocator_counts_see_a_fresh_device_allocation():
     import torch
 
     torch.cuda.empty_cache()  # frees whole free segments only: a live tensor keeps its segment's free part
-    stats = torch.cuda.memory_stats()
-    cached_free = stats["reserved_bytes.all.current"] - stats["allocated_bytes.all.current"]
+    stats = torch.cuda.memory_stats()  # empty until the process's first allocation
+    cached_free = stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0)
     before = rollout.allocator_counts("cuda")
     block = torch.empty(cached_free + (1 << 28), dtype=torch.uint8, device="cuda")  # more than the cache holds
     after = rollout.allocator_counts("cuda")

@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from megatron_rollout.engine import EngineConfig, KVConfig, RolloutEngine, SamplingParams, SchedulerConfig
+from megatron_rollout.engine import EngineConfig, KVConfig, MuxConfig, RolloutEngine, SamplingParams, SchedulerConfig
 from megatron_rollout.kv.paged import PagedKVCache
 from megatron_rollout.model.config import preset
 from megatron_rollout.model.transformer import MoETransformer
@@ -180,8 +180,11 @@ def _tokens(decode_sms: int, partition: str = "held") -> tuple[list[list[int]], 
     cfg = preset("tiny-moe").replace(dtype="bfloat16", max_position_embeddings=512)
     model = MoETransformer(cfg, device="cuda").init_weights(2)
     runner = RunnerConfig(decode_sms=decode_sms, partition=partition)
+    # one layer a segment: D steps run between P's segments, so "split" replays its graphs on D's SMs
+    # (the default span makes each of these short prefills one segment, with no D step beside it)
     engine = RolloutEngine(model, EngineConfig(scheduler=SchedulerConfig("mux", block_size=4, max_batch_tokens=64),
-                                               kv=KVConfig(num_blocks=256), runner=runner))
+                                               kv=KVConfig(num_blocks=256), mux=MuxConfig(span="fixed:1"),
+                                               runner=runner))
     gen = torch.Generator().manual_seed(3)
     sessions, tokens = [engine.open_session() for _ in range(4)], []
     for _turn in range(3):
