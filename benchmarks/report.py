@@ -250,14 +250,15 @@ def what_if_table(result: dict) -> str:
     rows = []
     for spec, row in result["what_if"].items():
         overlap = row.get("overlap")
-        factors = (f"{overlap['decode_factor']:.2f} / {overlap['prefill_factor']:.2f} / "
-                   f"{overlap.get('alone_factor', 1.0):.2f}" if overlap else "-")  # older results: alone at 1
+        factors = (f"{overlap['decode_factor']:.2f} / {overlap['prefill_factor']:.2f} / "  # older results: alone at 1
+                   f"{overlap.get('alone_factor', 1.0):.2f} / {overlap.get('decode_alone_factor', 1.0):.2f}"
+                   if overlap else "-")
         fits = [(row.get(fit) or {}) for fit in ("linear", "experts")]
         cells = [f"{c['sim_s']:.2f} / {c['base_sim_s']:.2f} = {c['over_base']:.3f}" if "sim_s" in c else "-"
                  for c in fits]
         rows.append([f"`{spec}`", f"`{row['of']}`", factors, *cells, row.get("skipped") or ""])
-    return markdown(["schedule (simulated)", "extends", "decode / prefill / alone factor", "linear fit: s / base s",
-                     "experts fit: s / base s", "skipped"], rows)
+    return markdown(["schedule (simulated)", "extends", "decode / prefill / prefill alone / decode alone factor",
+                     "linear fit: s / base s", "experts fit: s / base s", "skipped"], rows)
 
 
 def orderings_table(report: dict) -> str:

@@ -180,8 +180,10 @@ def measured_overlaps(pd_overlap: dict) -> dict[tuple[str, int], Overlap]:
         for run in pd_overlap.get("runs", []):
             if run.get("method") == method and "error" not in run and run.get("split"):
                 held = int(run["split"].split("/")[1])
+                # D alone on its partition: "split" only ("held" leaves D every SM)
+                alone = run.get("decode_partition_factor", 1.0) if partition == "split" else 1.0
                 out[(partition, held)] = Overlap(max(1.0, run["decode_factor"]), max(1.0, run["prefill_factor"]),
-                                                 max(1.0, run.get("prefill_partition_factor", 1.0)))
+                                                 max(1.0, run.get("prefill_partition_factor", 1.0)), max(1.0, alone))
     return out
 
 

@@ -9,8 +9,9 @@ mixed in. What changes the chain's own time is what its steps cost and how many 
   segment at most share / (1 - share) of its time; share 0, any schedule: no prefill at all, it
   runs only in the gaps of those chains, their tool waits and prefills).
 - `Overlap` (spatial P/D multiplexing, `mux` only): a decode iteration runs beside the prefill
-  epoch on its own SM partition; each runs slower than alone, by `decode_factor` and
-  `prefill_factor`, instead of one after the other.
+  segment issued with it, each on its own SM partition; each runs slower than alone, by
+  `decode_factor` and `prefill_factor`, instead of one after the other. As in the engine, one
+  segment is issued a round: prefill does not run ahead of the host into the next.
 - `Speculation`: decode iterations of at most `max_rows` rows verify `draft_tokens` drafted
   tokens per row and keep `1 + acceptance * draft_tokens` tokens per row on average, at the cost
   of a forward with `1 + draft_tokens` times the rows (each row's KV read once), times `overhead`;
@@ -44,21 +45,28 @@ class Overlap:
     """Prefill's time with no decode beside it over its time alone on the whole device (>= 1): with
     SMs held back from prefill (`RunnerConfig.decode_sms`) it still runs on its partition
     (`benchmarks.pd_overlap`'s `prefill_partition_factor`). 1: it has the whole device."""
+    decode_alone_factor: float = 1.0
+    """A decode iteration's time on its partition with no prefill beside it over its time alone on
+    the whole device (>= 1): an iteration issued beside prefill stays on the SMs it was issued to
+    when prefill ends first (`RunnerConfig.partition` "split": its graph was captured there;
+    `benchmarks.pd_overlap`'s `decode_partition_factor`). 1: it finishes at full speed."""
 
     def __post_init__(self) -> None:
         _positive("Overlap", "decode_factor", self.decode_factor, 1.0)
         _positive("Overlap", "prefill_factor", self.prefill_factor, 1.0)
         _positive("Overlap", "alone_factor", self.alone_factor, 1.0)
+        _positive("Overlap", "decode_alone_factor", self.decode_alone_factor, 1.0)
 
     def step_s(self, decode_s: float, prefill_left_s: float) -> tuple[float, float]:
         """(seconds the step takes, prefill seconds-alone it completes) for a decode iteration of
-        `decode_s` alone beside an epoch with `prefill_left_s` alone left. When the epoch ends
-        first, the rest of the iteration runs alone, at full speed."""
+        `decode_s` alone beside `prefill_left_s` alone of prefill (the segment issued with it).
+        When prefill ends first, the rest of the iteration runs alone, `decode_alone_factor` slower
+        than on the whole device."""
         beside = decode_s * self.decode_factor
         if prefill_left_s * self.prefill_factor >= beside:
             return beside, beside / self.prefill_factor
         shared = prefill_left_s * self.prefill_factor
-        return shared + decode_s * (1.0 - shared / beside), prefill_left_s
+        return shared + decode_s * (1.0 - shared / beside) * self.decode_alone_factor, prefill_left_s
 
 
 @dataclass(frozen=True)

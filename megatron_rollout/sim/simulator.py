@@ -329,13 +329,14 @@ class Simulator:
         ep = None if hold and not self.levers.critical_share else self.epoch
         overlap = self.levers.overlap
         if ep is not None and decode and overlap is not None:
-            seconds, done = overlap.step_s(decode_s, ep.left_s)
+            segment = min(ep.left_s, ep.segment_s)  # the engine issues the next segment after this round
+            seconds, done = overlap.step_s(decode_s, segment)
             ep.left_s -= done
             part = ep.part(done)
             self._record(seconds, StepSize(d_size.decode_rows, d_size.decode_context, part.prefill_rows,
                                            part.prefill_tokens, part.prefill_pairs), ep.index)
-            # through the host's gap after the iteration prefill runs on, on its own stream, alone on its SMs
-            if (more := min(ep.left_s, self.cost.gap_s / overlap.alone_factor)) > 0:
+            # through the host's gap after the iteration the segment runs on, on its own stream, alone on its SMs
+            if (more := min(segment - done, self.cost.gap_s / overlap.alone_factor)) > 0:
                 ep.left_s -= more
                 self._record(more * overlap.alone_factor, ep.part(more), ep.index, start=self.now + seconds)
         else:

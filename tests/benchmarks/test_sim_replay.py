@@ -206,14 +206,15 @@ def test_sms_held_back_are_simulated_with_the_held_methods_overlap_factors(run):
     spec = {**result, "schedules": {"off": result["schedules"]["off"], "chunked": result["schedules"]["chunked"],
                                     "mux": mux, "mux/sms:24": {**mux, "spec": "mux/sms:24"}}}
     pd = {"runs": [{"method": "driver", "split": "108/24", "decode_factor": 9.0, "prefill_factor": 9.0,
-                    "prefill_partition_factor": 1.25},
+                    "prefill_partition_factor": 1.25, "decode_partition_factor": 1.5},
                    {"method": "held", "split": "116/16", "error": "RuntimeError: refused"},
                    {"method": "held", "split": "108/24", "decode_factor": 1.0, "prefill_factor": 1.0}]}
-    assert sim_replay.measured_overlaps(pd) == {("held", 24): Overlap(1.0, 1.0),
-                                                ("split", 24): Overlap(9.0, 9.0, 1.25)}
+    assert sim_replay.measured_overlaps(pd) == {("held", 24): Overlap(1.0, 1.0),  # "held": D keeps every SM
+                                                ("split", 24): Overlap(9.0, 9.0, 1.25, 1.5)}
     rows = sim_replay.sim_replay(spec, trace, overlap_from=pd)["schedules"]
     held = rows["mux/sms:24"]
-    assert held["overlap"] == {"decode_factor": 1.0, "prefill_factor": 1.0, "alone_factor": 1.0}
+    assert held["overlap"] == {"decode_factor": 1.0, "prefill_factor": 1.0, "alone_factor": 1.0,
+                               "decode_alone_factor": 1.0}
     assert "count the slow-down twice" in held["in_sample"]["skipped"]
     # P and D side by side at no cost to either: shorter than the serial mux on the same costs
     assert held["out_of_sample"]["linear"]["sim_s"] < rows["mux"]["out_of_sample"]["linear"]["sim_s"]
@@ -221,7 +222,8 @@ def test_sms_held_back_are_simulated_with_the_held_methods_overlap_factors(run):
     assert "no `held` run of benchmarks.pd_overlap" in skipped["out_of_sample"]["skipped"]
     split = sim_replay.sim_replay({**spec, "schedules": {**spec["schedules"], "mux/split:24": {
         **mux, "spec": "mux/split:24"}}}, trace, overlap_from=pd)["schedules"]["mux/split:24"]
-    assert split["overlap"] == {"decode_factor": 9.0, "prefill_factor": 9.0, "alone_factor": 1.25}  # the driver run's
+    assert split["overlap"] == {"decode_factor": 9.0, "prefill_factor": 9.0, "alone_factor": 1.25,
+                                "decode_alone_factor": 1.5}  # the driver run's
 
 
 @pytest.mark.timeout(120)
@@ -258,10 +260,10 @@ def test_what_if_predicts_a_partition_against_the_schedule_it_extends(run, capsy
     rows = json.loads((out / "wi.json").read_text())["what_if"]
     split = rows["mux/split:24"]
     assert split["of"] == "mux" and split["overlap"] == {"decode_factor": 1.0, "prefill_factor": 1.0,
-                                                         "alone_factor": 1.0}
+                                                         "alone_factor": 1.0, "decode_alone_factor": 1.0}
     for fit in sim_replay.FITS:  # side by side at no cost to either: shorter than the serial mux
         assert split[fit]["over_base"] == pytest.approx(split[fit]["sim_s"] / split[fit]["base_sim_s"])
         assert split[fit]["over_base"] < 1
     assert "no `held` run" in rows["mux/sms:24"]["skipped"]
     assert "no repeat 0 of 'mux+most-turns'" in rows["mux+most-turns/split:24"]["skipped"]
-    assert "| `mux/split:24` | `mux` | 1.00 / 1.00 / 1.00 |" in capsys.readouterr().out
+    assert "| `mux/split:24` | `mux` | 1.00 / 1.00 / 1.00 / 1.00 |" in capsys.readouterr().out
