@@ -159,16 +159,17 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
         $([ -f /tmp/res/pd_overlap.json ] && echo --overlap-from /tmp/res/pd_overlap.json) \
         ${FIT_FROM:+--fit-from "$FIT_FROM"} 2>&1 | tail -12  # FIT_FROM: an earlier run with off and chunked
       python3 -m benchmarks.plot "$OUT/$tag.json" "$OUT/$tag.png" ;;
-    splitrun)  # SM partitions in the engine's own rollout (issue 33's P/D overlap; never run on a GPU so far):
-      # plain and drafting mux on the whole device and with 24 SMs split off for decode while prefill runs,
+    splitrun)  # SM partitions in the engine's own rollout (issue 33's P/D overlap): plain and drafting mux on
+      # the whole device and with 24 SMs held back from prefill (`/sms:24`, decode keeps every SM: 0.970 of
+      # mux on an H100 on 2026-12-05; `/split:24`, decode on those SMs alone beside prefill, was 1.036),
       # `chunked` for the simulator's out-of-sample fit; Triton attention, so no bundle is needed. First the
-      # allocator-count test, fixed in b439cb6 and not yet run on a GPU. CONV, SCHEDULES, REPEATS, DEADLINE
+      # allocator-count test. CONV, SCHEDULES, REPEATS, DEADLINE; PD: the stand-in factors of this card
       cd /tmp/run
       timeout 120 python3 -m pytest -q -m gpu tests/benchmarks/test_rollout.py -k allocator -p no:cacheprovider \
         --timeout 100 -rf 2>&1 | tail -3
       n=${CONV:-64}
-      bench --profile prefill --conversations "$n" --budgets 16384 --schedules "${SCHEDULES:-chunked,mux,mux/split:24,\
-mux@budget:24000~ngram:4+7@4,mux@budget:24000~ngram:4+7@4/split:24}" --no-ablation --repeats "${REPEATS:-2}" \
+      bench --profile prefill --conversations "$n" --budgets 16384 --schedules "${SCHEDULES:-chunked,mux,mux/sms:24,\
+mux@budget:24000~ngram:4+7@4,mux@budget:24000~ngram:4+7@4/sms:24}" --no-ablation --repeats "${REPEATS:-2}" \
         --no-vllm --deadline-s "${DEADLINE:-480}" --schedule-budget-s 90 --out "/tmp/res/split$n" > "/tmp/res/split$n.log" 2>&1
       tail -16 "/tmp/res/split$n.log"; cp "/tmp/res/split$n/rollout.json" "$OUT/split$n.json"
       python3 -c "import json; d = json.load(open('$OUT/split$n.json'))  # a failed capture on D's SMs moves D back
