@@ -149,6 +149,11 @@ def _fits(records: Sequence[StepRecord], moe: dict | None, submit_token_s: float
     return out
 
 
+def _segmented(cost: CostModel, segments: float | None) -> CostModel:
+    """`cost` with a `mux` schedule's own segments per epoch (`_mux_segments`; None: as it is)."""
+    return cost if segments is None else dataclasses.replace(cost, mux_segments=segments)
+
+
 def _compare(trace: Sequence[TraceRequest], fits: dict[str, CostModel | str], config: SimConfig,
              measured_s: float, mux_segments: float | None = None) -> dict[str, Any]:
     """Each fit's simulated makespan and error against `measured_s` (or why it has none)."""
@@ -157,10 +162,8 @@ def _compare(trace: Sequence[TraceRequest], fits: dict[str, CostModel | str], co
         if isinstance(cost, str):
             out[name] = {"skipped": cost}
             continue
-        if mux_segments is not None:
-            cost = dataclasses.replace(cost, mux_segments=mux_segments)
         try:
-            sim_s = simulate(trace, cost, config).makespan_s
+            sim_s = simulate(trace, _segmented(cost, mux_segments), config).makespan_s
         except SimulationError as exc:
             out[name] = {"skipped": f"simulation failed: {exc}"}
             continue
@@ -227,6 +230,20 @@ def _mux_segments(config: SimConfig, first: dict) -> float | None:
     return segments_per_epoch(without_polls(from_columns(first["steps"])))
 
 
+def _own_fits(result: dict, trace: Sequence[TraceRequest], first: dict, config: SimConfig
+              ) -> dict[str, CostModel | str] | str:
+    """The in-sample cost models: fitted to the schedule's repeat 0 (`first`) alone, or why they
+    cannot be."""
+    if config.levers.overlap is not None:
+        return ("its decode records ran beside prefill on the held-back SMs: fitted to them, the overlap "
+                "lever would count the slow-down twice")
+    records = from_columns(first["steps"])
+    if config.levers.speculation is not None and any(r.decode_positions is None for r in records if r.decode_rows):
+        return ("drafting: these records predate `decode_positions`, so a verify forward reads as one row a "
+                "request (module docstring)")
+    return _fits(records, result.get("moe"), submit_cost(first, trace), submissions(first), sleeps(first))
+
+
 def _pooled_fits(result: dict, trace: Sequence[TraceRequest], fit_from: dict | None) -> dict[str, CostModel | str]:
     """The out-of-sample cost models: fitted to repeat 0 of `off` and `chunked` pooled, of the run or
     of `fit_from` (same model and device, the same trace), their start-ups averaged."""
@@ -278,8 +295,7 @@ def what_if(result: dict, trace: Sequence[TraceRequest], specs: Sequence[str], f
             if isinstance(cost, str):
                 row[name] = {"skipped": cost}
                 continue
-            cost = cost if segments is None else dataclasses.replace(cost, mux_segments=segments)
-            sim_s, base_s = (simulate(trace, cost, c).makespan_s for c in configs)
+            sim_s, base_s = (simulate(trace, _segmented(cost, segments), c).makespan_s for c in configs)
             row[name] = {"sim_s": sim_s, "base_sim_s": base_s, "over_base": sim_s / base_s}
         out[spec] = row
     return out
@@ -302,8 +318,7 @@ def segment_sweep(result: dict, trace: Sequence[TraceRequest], counts: Sequence[
     configs = {n: _sim_config(result, entries[n]["spec"], entries[n]["budget"], first) for n, first in firsts.items()}
 
     def run(name: str, segments: float | None) -> dict[str, float]:
-        sim = simulate(trace, cost if segments is None else dataclasses.replace(cost, mux_segments=segments),
-                       configs[name])
+        sim = simulate(trace, _segmented(cost, segments), configs[name])
         return {"makespan_s": sim.makespan_s, "mean_ttft_s": statistics.mean(r.first_token - r.arrival
                                                                           for r in sim.requests),
                 "mean_queue_s": statistics.mean(r.admitted - r.arrival for r in sim.requests)}
@@ -333,23 +348,21 @@ def orderings(result: dict, trace: Sequence[TraceRequest], fit_from: dict | None
     for label, entry in result.get("schedules", {}).items():
         first = _first(entry)
         config = _sim_config(result, entry["spec"], entry["budget"], first) if first else "no repeat 0 with records"
-        if isinstance(config, str) or config.levers.overlap is not None:
-            out[label] = {"skipped": config if isinstance(config, str) else "an overlap lever: out of sample only"}
+        if isinstance(config, str):
+            out[label] = {"skipped": config}
             continue
-        records = from_columns(first["steps"])
-        fits = {"out_of_sample": pooled} if "out_of_sample" in parts else {}
-        if "in_sample" in parts and (config.levers.speculation is None
-                                     or all(r.decode_positions is not None for r in records if r.decode_rows)):
-            own = _fits(records, result.get("moe"), submit_cost(first, trace), submissions(first), sleeps(first))
-            fits["in_sample"] = own["linear"]
+        fits: dict[str, CostModel | str] = {"out_of_sample": pooled} if "out_of_sample" in parts else {}
+        if "in_sample" in parts:
+            own = _own_fits(result, trace, first, config)
+            fits["in_sample"] = own if isinstance(own, str) else own["linear"]
         segments = _mux_segments(config, first)
         row: dict[str, Any] = {"priority": config.scheduler.priority}
         for part, cost in fits.items():
             if isinstance(cost, str):
                 row[part] = {"skipped": cost}
                 continue
-            if segments is not None and part == "out_of_sample":  # as the errors' check does (`sim_replay`)
-                cost = dataclasses.replace(cost, mux_segments=segments)
+            if part == "out_of_sample":  # as the errors' check does (`sim_replay`)
+                cost = _segmented(cost, segments)
             made = {name: simulate(trace, cost, config, make_policy(name)).makespan_s for name in names}
             row[part] = {name: {"sim_s": v, "over_fifo": v / made["fifo"]} for name, v in made.items()}
         out[label] = row
@@ -382,20 +395,15 @@ def sim_replay(result: dict, trace: Sequence[TraceRequest], fit_from: dict | Non
         if isinstance(config, str):
             row["in_sample"] = row["out_of_sample"] = {"skipped": config}
             continue
-        records = from_columns(first["steps"])
         if config.levers.speculation is not None:
             row["speculation"] = {**dataclasses.asdict(config.levers.speculation),
                                   **{k: first["engine_stats"][k] for k in ("drafted_tokens", "accepted_tokens")}}
         if config.levers.overlap is not None:
             row["overlap"] = dataclasses.asdict(config.levers.overlap)
-            row["in_sample"] = {"skipped": "its decode records ran beside prefill on the held-back SMs: fitted to "
-                                           "them, the overlap lever would count the slow-down twice"}
-        elif config.levers.speculation is not None and any(r.decode_positions is None
-                                                           for r in records if r.decode_rows):
-            row["in_sample"] = {"skipped": "drafting: these records predate `decode_positions`, so a verify forward "
-                                           "reads as one row a request (module docstring)"}
+        fits = _own_fits(result, trace, first, config)
+        if isinstance(fits, str):
+            row["in_sample"] = {"skipped": fits}
         else:
-            fits = _fits(records, moe, submit_cost(first, trace), submissions(first), sleeps(first))
             row["in_sample"] = _compare(trace, fits, config, first["report"]["makespan_s"])
             row["in_sample"]["cost"] = {n: c if isinstance(c, str) else c.to_dict() for n, c in fits.items()}
         later = [r["report"]["makespan_s"] for r in entry["repeats"] if r.get("repeat", 0) > 0 and r.get("finished")]

@@ -134,6 +134,15 @@ def test_every_ordering_is_simulated_on_both_linear_fits_against_fifo(run, capsy
     text = capsys.readouterr().out
     assert "| schedule | fit | FIFO s | most-turns / FIFO |" in text and "oracle / FIFO" in text
     assert text.count("| `mux` |") == 2
+    # a partition's own records already hold the slow-down: no in-sample fit (the errors' check and orderings alike)
+    split = {**result, "schedules": {**result["schedules"], "mux/split:24": {**result["schedules"]["mux"],
+                                                                          "spec": "mux/split:24"}}}
+    pd = {"runs": [{"method": "driver", "split": "108/24", "decode_factor": 1.5, "prefill_factor": 1.2}]}
+    trace = load_trace(out / "trace.jsonl")
+    config = sim_replay._sim_config(split, "mux/split:24", result["schedules"]["mux"]["budget"],
+                                    sim_replay._first(result["schedules"]["mux"]), sim_replay.measured_overlaps(pd))
+    assert "count the slow-down twice" in sim_replay._own_fits(split, trace, sim_replay._first(
+        result["schedules"]["mux"]), config)
 
 
 @pytest.mark.timeout(60)
