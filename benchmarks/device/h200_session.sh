@@ -160,8 +160,9 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
         ${FIT_FROM:+--fit-from "$FIT_FROM"} 2>&1 | tail -12  # FIT_FROM: an earlier run with off and chunked
       python3 -m benchmarks.plot "$OUT/$tag.json" "$OUT/$tag.png" ;;
     splitrun)  # SM partitions in the engine's own rollout (issue 33's P/D overlap): plain and drafting mux on
-      # the whole device and with 24 SMs held back from prefill (`/sms:24`, decode keeps every SM: 0.970 of
-      # mux on an H100 on 2026-12-05; `/split:24`, decode on those SMs alone beside prefill, was 1.036),
+      # the whole device and with 24 SMs held back from prefill (`/sms:24`, decode keeps every SM: 0.97 of
+      # mux on two H100s on 2026-12-05, 1.03-1.05 of the drafting schedule; `/split:24`, decode on those
+      # SMs alone beside prefill, was 1.036),
       # `chunked` for the simulator's out-of-sample fit; Triton attention, so no bundle is needed. First the
       # allocator-count test. CONV, SCHEDULES, REPEATS, DEADLINE; PD: the stand-in factors of this card
       cd /tmp/run
