@@ -40,6 +40,11 @@ a measurement it is skipped.
 
 Left out: the mux segment policies' other effects (a segment's own launch gap), which rows share
 a prefix, and any sampling noise of repeat 0 itself (one replay's records are the whole fit).
+
+`--verify-check` tells apart one part of a drafting schedule's out-of-sample error: its verify
+forwards that ran with no prefill epoch around them (`prefill_free`), measured against what each
+out-of-sample fit charges them, by their positions (the `Speculation` lever's unit) and by their
+rows alone, per decode-row bucket (`verify_check`).
 """
 from __future__ import annotations
 
@@ -57,7 +62,7 @@ from benchmarks.report import orderings_table, segments, what_if_table
 from benchmarks.specs import engine_config, split_spec, unpartitioned
 from megatron_rollout.engine import Schedule
 from megatron_rollout.engine.records import StepRecord
-from megatron_rollout.sim.cost import CostModel, fit, segments_per_epoch, startup_token_s
+from megatron_rollout.sim.cost import CostModel, StepSize, fit, segments_per_epoch, startup_token_s
 from megatron_rollout.sim.levers import Levers, Overlap, Speculation
 from megatron_rollout.sim.policy import POLICIES, make_policy
 from megatron_rollout.sim.simulator import SimConfig, SimulationError, simulate
@@ -70,6 +75,8 @@ POOLED = ("off", "chunked")
 """The schedules whose repeat-0 records make the out-of-sample fit: whole forwards only (a `mux`
 prefill segment's device time lands in the decode iteration after it, `engine.records`)."""
 FITS = ("linear", "experts")
+ROW_BUCKETS = ((1, 1), (2, 4), (5, 31), (32, None))
+"""Decode rows per forward, inclusive bounds (None: no upper bound)."""
 POLL_S = 50e-6
 """A `mux` record that follows another of its epoch with no decode record between them, has no
 tokens and took under this much host time, is a completion poll in a round that ran no decode: not
@@ -416,6 +423,76 @@ def sim_replay(result: dict, trace: Sequence[TraceRequest], fit_from: dict | Non
     return out
 
 
+def bucket_name(lo: int, hi: int | None) -> str:
+    return f"{lo}" if lo == hi else f"{lo}+" if hi is None else f"{lo}-{hi}"
+
+
+def prefill_free(records: Sequence[StepRecord]) -> list[StepRecord]:
+    """The decode-only records that no `mux` epoch overlaps (an epoch: from its first record's start
+    to its last one's end), so no prefill ran beside them."""
+    spans: dict[int, tuple[float, float]] = {}
+    for r in records:
+        if r.epoch is not None:
+            lo, hi = spans.get(r.epoch, (r.start, r.end))
+            spans[r.epoch] = (min(lo, r.start), max(hi, r.end))
+    return [r for r in records if r.phase == "D" and not r.prefill_tokens
+            and all(r.end <= lo or r.start >= hi for lo, hi in spans.values())]
+
+
+def verify_costs(records: Sequence[StepRecord], fits: dict[str, CostModel | str]) -> dict[str, Any]:
+    """Per fit and decode-row bucket, the measured time of the verify forwards among `records` (decode
+    records with drafted positions and no prefill beside them) over what the fit charges them: by
+    their positions, as the `Speculation` lever does (`over_positions`), and by their rows alone
+    (`over_rows`). Above 1 the fit charges them too little."""
+    verify = [r for r in prefill_free(records) if r.decode_positions and r.decode_positions > r.decode_rows]
+    out: dict[str, Any] = {"forwards": len(verify)}
+    for name, cost in fits.items():
+        if isinstance(cost, str):
+            out[name] = {"skipped": cost}
+            continue
+        out[name] = {}
+        for lo, hi in ROW_BUCKETS:
+            picked = [r for r in verify if lo <= r.decode_rows and (hi is None or r.decode_rows <= hi)]
+            if not picked:
+                continue
+            measured = sum(r.duration for r in picked)
+            by_positions = sum(cost.step_s(StepSize(r.decode_positions, r.decode_context)) for r in picked)
+            by_rows = sum(cost.step_s(StepSize(r.decode_rows, r.decode_context)) for r in picked)
+            out[name][bucket_name(lo, hi)] = {"n": len(picked), "measured_s": measured,
+                                              "over_positions": measured / by_positions,
+                                              "over_rows": measured / by_rows}
+    return out
+
+
+def verify_check(result: dict, trace: Sequence[TraceRequest], fit_from: dict | None = None) -> dict[str, Any]:
+    """`verify_costs` of each drafting schedule's repeat 0 on the out-of-sample fits (module docstring)."""
+    pooled = _pooled_fits(result, trace, fit_from)
+    out: dict[str, Any] = {}
+    for label, entry in result.get("schedules", {}).items():
+        if split_spec(entry["spec"]).speculative is None:
+            continue
+        first = _first(entry)
+        out[label] = {"skipped": "repeat 0 did not finish or kept no step records"} if first is None \
+            else verify_costs(from_columns(first["steps"]), pooled)
+    return out
+
+
+def verify_table(report: dict) -> str:
+    """The printed `verify_check`: measured over charged, by positions (and by rows), per bucket."""
+    lines = ["verify forwards with no prefill beside them, measured over what the out-of-sample fit charges "
+             "(by positions; by rows alone):"]
+    for label, row in report["verify_check"].items():
+        if "skipped" in row:
+            lines.append(f"  {label}: {row['skipped']}")
+            continue
+        for name in FITS:
+            part = row.get(name) or {}
+            cells = [f"{b} (n={v['n']}): {v['over_positions']:.2f} ({v['over_rows']:.2f})"
+                     for b, v in part.items() if isinstance(v, dict)]
+            lines.append(f"  {label} {name}: " + (part.get("skipped") or "; ".join(cells) or "none"))
+    return "\n".join(lines)
+
+
 def _cell(part: dict, fit_name: str) -> str:
     e = (part.get(fit_name) or {}).get("error")
     return f"{100 * e:+.1f}%" if e is not None else "-"
@@ -463,6 +540,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--orderings", action="store_true",
                     help="also simulate each schedule under every ordering (the engine's priorities, the oracle) on "
                          "the linear fits, over arrival order (`orderings`)")
+    ap.add_argument("--verify-check", action="store_true",
+                    help="also set each drafting schedule's verify forwards with no prefill beside them against "
+                         "what the out-of-sample fits charge them (`verify_check`)")
     ap.add_argument("--trace", default=None, metavar="TRACE.jsonl",
                     help="the run's trace (default: trace.jsonl beside the result)")
     args = ap.parse_args(argv)
@@ -490,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
                                     overlap_from)
     if args.orderings:
         report["orderings"] = orderings(result, trace, fit_from)
+    if args.verify_check:
+        report["verify_check"] = verify_check(result, trace, fit_from)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(table(report), flush=True)
@@ -499,6 +581,8 @@ def main(argv: list[str] | None = None) -> int:
         print(orderings_table(report), flush=True)
     if "mux_segments" in report:
         print(segments(report), flush=True)
+    if "verify_check" in report:
+        print(verify_table(report), flush=True)
     if args.plot:
         from benchmarks.plot import plot_segments, plot_sim_errors
 

@@ -34,17 +34,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.sim_replay import first_forward_s, sleeps, submissions
+from benchmarks.sim_replay import ROW_BUCKETS, bucket_name, first_forward_s, sleeps, submissions
 from megatron_rollout.engine.records import StepRecord
 from megatron_rollout.sim.cost import turn_cost
 from megatron_rollout.trace.steps import from_columns
-
-ROW_BUCKETS = ((1, 1), (2, 4), (5, 31), (32, None))
-"""Decode rows per forward, inclusive bounds (None: no upper bound)."""
-
-
-def _bucket(lo: int, hi: int | None) -> str:
-    return f"{lo}" if lo == hi else f"{lo}+" if hi is None else f"{lo}-{hi}"
 
 
 def summarize(records: Sequence[StepRecord], long_gap_s: float = 0.005,
@@ -67,7 +60,7 @@ def summarize(records: Sequence[StepRecord], long_gap_s: float = 0.005,
                   and lo <= r.decode_rows and (hi is None or r.decode_rows <= hi)]
         spans = [recs[i].end - recs[i].start for i in picked]
         before = [gaps[i] for i in picked if i and gaps[i] <= long_gap_s]
-        out[f"rows_{_bucket(lo, hi)}"] = {"n": len(spans), "median_ms": _median_ms(spans),
+        out[f"rows_{bucket_name(lo, hi)}"] = {"n": len(spans), "median_ms": _median_ms(spans),
                                           "gap_ms": _median_ms(before)}
     # a `mux` epoch's rows (its tokens) are on its first segment's record: the round that starts it
     for part, starts in (("epoch_starts", True), ("later_segments", False)):
@@ -120,7 +113,7 @@ def step_times(result: dict[str, Any], schedules: Sequence[str] | None = None,
 def table(times: dict[str, list[dict[str, Any]]]) -> str:
     from benchmarks.report import markdown, num
 
-    buckets = [_bucket(lo, hi) for lo, hi in ROW_BUCKETS]
+    buckets = [bucket_name(lo, hi) for lo, hi in ROW_BUCKETS]
     head = ["schedule", "repeat", "makespan s", "records", "in forwards s", "between s", "gaps > limit s"]
     rows = [[name, str(r["repeat"]), num(r["makespan_s"], ".2f"), str(r["records"]), num(r["inside_s"], ".2f"),
              num(r["between_s"], ".2f"), num(r["long_gaps_s"], ".2f")]

@@ -276,3 +276,39 @@ def test_what_if_predicts_a_partition_against_the_schedule_it_extends(run, capsy
     assert "no `held` run" in rows["mux/sms:24"]["skipped"]
     assert "no repeat 0 of 'mux+most-turns'" in rows["mux+most-turns/split:24"]["skipped"]
     assert "| `mux/split:24` | `mux` | 1.00 / 1.00 / 1.00 / 1.00 |" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(60)
+def test_verify_forwards_are_set_against_the_fit_by_positions_and_by_rows_with_no_prefill_beside(run):
+    """A verify forward costs `measured / charged` of what the fit charges its positions (the
+    Speculation lever's unit) and its rows; forwards inside a mux epoch's span, plain decode rows
+    and prefill are left out; a run without drafting schedules has nothing to check."""
+    from megatron_rollout.engine.records import StepRecord
+
+    cost = sim_cost.CostModel(decode_base_s=1e-3, decode_row_s=1e-4, decode_context_s=1e-7)
+
+    def decode(start: float, rows: int, positions: int, context: int, seconds: float) -> StepRecord:
+        return StepRecord("D", rows, context, 0, 0, 0, start, start + seconds, decode_positions=positions)
+
+    records = [
+        decode(0.0, 1, 5, 1000, 2 * (1e-3 + 5e-4 + 1e-4)),  # 1 row, 5 positions: twice its charge
+        decode(1.0, 4, 20, 4000, 1e-3 + 20e-4 + 4e-4),  # 4 rows, 20 positions: exactly its charge
+        decode(2.0, 3, 3, 3000, 1.0),  # no drafts: not a verify forward
+        StepRecord("P", 0, 0, 1, 512, 0, 3.0, 3.1, epoch=1),  # epoch 1: 3.0 to 3.5
+        decode(3.2, 2, 10, 2000, 1.0),  # beside epoch 1's prefill
+        StepRecord("P", 0, 0, 0, 0, 0, 3.4, 3.5, epoch=1),
+        StepRecord("P", 0, 0, 1, 512, 0, 4.0, 4.1),  # a whole prefill step: not decode
+    ]
+    assert [r.start for r in sim_replay.prefill_free(records)] == [0.0, 1.0, 2.0]
+    checked = sim_replay.verify_costs(records, {"linear": cost, "experts": "a dense model has no expert term"})
+    assert checked["forwards"] == 2
+    assert checked["experts"] == {"skipped": "a dense model has no expert term"}
+    one, few = checked["linear"]["1"], checked["linear"]["2-4"]
+    assert one["n"] == 1 and one["over_positions"] == pytest.approx(2.0)
+    assert one["over_rows"] == pytest.approx(2 * (1e-3 + 5e-4 + 1e-4) / (1e-3 + 1e-4 + 1e-4))
+    assert few["n"] == 1 and few["over_positions"] == pytest.approx(1.0) and few["over_rows"] > 1
+    assert set(checked["linear"]) == {"1", "2-4"}
+    out, result = run
+    assert sim_replay.verify_check(result, load_trace(out / "trace.jsonl")) == {}
+    assert sim_replay.main([str(out / "rollout.json"), "--verify-check", "--out", str(out / "verify.json")]) == 0
+    assert json.loads((out / "verify.json").read_text())["verify_check"] == {}
