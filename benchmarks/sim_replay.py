@@ -44,7 +44,9 @@ a prefix, and any sampling noise of repeat 0 itself (one replay's records are th
 `--verify-check` tells apart one part of a drafting schedule's out-of-sample error: its verify
 forwards that ran with no prefill epoch around them (`prefill_free`), measured against what each
 out-of-sample fit charges them, by their positions (the `Speculation` lever's unit) and by their
-rows alone, per decode-row bucket (`verify_check`).
+rows alone, per decode-row bucket (`verify_check`). `--epoch-check` splits each `mux` schedule's
+makespan, measured (repeat 0) and simulated out of sample, into the time its epochs were in flight,
+its decode forwards outside them and the rest (`epoch_check`).
 """
 from __future__ import annotations
 
@@ -430,13 +432,9 @@ def bucket_name(lo: int, hi: int | None) -> str:
 def prefill_free(records: Sequence[StepRecord]) -> list[StepRecord]:
     """The decode-only records that no `mux` epoch overlaps (an epoch: from its first record's start
     to its last one's end), so no prefill ran beside them."""
-    spans: dict[int, tuple[float, float]] = {}
-    for r in records:
-        if r.epoch is not None:
-            lo, hi = spans.get(r.epoch, (r.start, r.end))
-            spans[r.epoch] = (min(lo, r.start), max(hi, r.end))
+    spans = epoch_spans(records).values()
     return [r for r in records if r.phase == "D" and not r.prefill_tokens
-            and all(r.end <= lo or r.start >= hi for lo, hi in spans.values())]
+            and all(r.end <= lo or r.start >= hi for lo, hi in spans)]
 
 
 def verify_costs(records: Sequence[StepRecord], fits: dict[str, CostModel | str]) -> dict[str, Any]:
@@ -475,6 +473,75 @@ def verify_check(result: dict, trace: Sequence[TraceRequest], fit_from: dict | N
         out[label] = {"skipped": "repeat 0 did not finish or kept no step records"} if first is None \
             else verify_costs(from_columns(first["steps"]), pooled)
     return out
+
+
+def epoch_spans(records: Sequence[StepRecord]) -> dict[int, tuple[float, float]]:
+    """Each `mux` epoch's span: from its first record's start to its last one's end."""
+    spans: dict[int, tuple[float, float]] = {}
+    for r in records:
+        if r.epoch is not None:
+            lo, hi = spans.get(r.epoch, (r.start, r.end))
+            spans[r.epoch] = (min(lo, r.start), max(hi, r.end))
+    return spans
+
+
+def epoch_split(records: Sequence[StepRecord]) -> dict[str, float]:
+    """A replay's span (first record's start to last one's end) split into the time some `mux` epoch
+    was in flight, its decode forwards outside every epoch, and the rest (the host's gaps and
+    idling outside epochs)."""
+    spans = sorted(epoch_spans(records).values())
+    merged: list[list[float]] = []
+    for lo, hi in spans:
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    inside = sum(hi - lo for lo, hi in merged)
+    outside = sum(r.duration for r in records if r.phase == "D" and not r.prefill_tokens
+                  and all(r.end <= lo or r.start >= hi for lo, hi in merged))
+    span = max(r.end for r in records) - min(r.start for r in records) if records else 0.0
+    return {"span_s": span, "epochs": len(spans), "in_epochs_s": inside, "decode_outside_s": outside,
+            "rest_s": span - inside - outside}
+
+
+def epoch_check(result: dict, trace: Sequence[TraceRequest], fit_from: dict | None = None) -> dict[str, Any]:
+    """`epoch_split` of each `mux` schedule's repeat 0 beside the same of its out-of-sample simulations
+    (module docstring; partition schedules are left out: they run prefill beside decode)."""
+    pooled = _pooled_fits(result, trace, fit_from)
+    out: dict[str, Any] = {}
+    for label, entry in result.get("schedules", {}).items():
+        parts = split_spec(entry["spec"])
+        if parts.schedule != "mux" or parts.decode_sms:
+            continue
+        first = _first(entry)
+        if first is None:
+            out[label] = {"skipped": "repeat 0 did not finish or kept no step records"}
+            continue
+        config = _sim_config(result, entry["spec"], entry["budget"], first)
+        if isinstance(config, str):
+            out[label] = {"skipped": config}
+            continue
+        row: dict[str, Any] = {"measured": epoch_split(from_columns(first["steps"]))}
+        for name, cost in pooled.items():
+            row[name] = {"skipped": cost} if isinstance(cost, str) else epoch_split(
+                simulate(trace, _segmented(cost, _mux_segments(config, first)), config).records)
+        out[label] = row
+    return out
+
+
+def epoch_table(report: dict) -> str:
+    """The printed `epoch_check`: seconds of each part, measured and simulated."""
+    lines = [f"{'mux schedule':<40}{'of':>10}{'span_s':>9}{'epochs':>8}{'in_ep_s':>9}{'D_out_s':>9}{'rest_s':>8}"]
+    for label, row in report["epoch_check"].items():
+        if "skipped" in row:
+            lines.append(f"{label:<40} {row['skipped']}")
+            continue
+        for name in ("measured", *FITS):
+            v = row.get(name) or {}
+            lines.append(f"{label:<40}{name:>10}" + (f"  {v['skipped']}" if "skipped" in v else
+                         f"{v['span_s']:>9.2f}{v['epochs']:>8}{v['in_epochs_s']:>9.2f}{v['decode_outside_s']:>9.2f}"
+                         f"{v['rest_s']:>8.2f}"))
+    return "\n".join(lines)
 
 
 def verify_table(report: dict) -> str:
@@ -543,6 +610,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--verify-check", action="store_true",
                     help="also set each drafting schedule's verify forwards with no prefill beside them against "
                          "what the out-of-sample fits charge them (`verify_check`)")
+    ap.add_argument("--epoch-check", action="store_true",
+                    help="also split each mux schedule's makespan, measured and simulated out of sample, into "
+                         "its epochs in flight, decode outside them and the rest (`epoch_check`)")
     ap.add_argument("--trace", default=None, metavar="TRACE.jsonl",
                     help="the run's trace (default: trace.jsonl beside the result)")
     args = ap.parse_args(argv)
@@ -572,6 +642,8 @@ def main(argv: list[str] | None = None) -> int:
         report["orderings"] = orderings(result, trace, fit_from)
     if args.verify_check:
         report["verify_check"] = verify_check(result, trace, fit_from)
+    if args.epoch_check:
+        report["epoch_check"] = epoch_check(result, trace, fit_from)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(table(report), flush=True)
@@ -583,6 +655,8 @@ def main(argv: list[str] | None = None) -> int:
         print(segments(report), flush=True)
     if "verify_check" in report:
         print(verify_table(report), flush=True)
+    if "epoch_check" in report:
+        print(epoch_table(report), flush=True)
     if args.plot:
         from benchmarks.plot import plot_segments, plot_sim_errors
 

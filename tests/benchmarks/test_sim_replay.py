@@ -312,3 +312,32 @@ def test_verify_forwards_are_set_against_the_fit_by_positions_and_by_rows_with_n
     assert sim_replay.verify_check(result, load_trace(out / "trace.jsonl")) == {}
     assert sim_replay.main([str(out / "rollout.json"), "--verify-check", "--out", str(out / "verify.json")]) == 0
     assert json.loads((out / "verify.json").read_text())["verify_check"] == {}
+
+
+@pytest.mark.timeout(120)
+def test_a_mux_replay_splits_into_its_epochs_decode_outside_them_and_the_rest(run):
+    """`epoch_split` counts overlapping epochs once, decode forwards outside every epoch apart, and
+    the rest of the span; `epoch_check` gives the measured split and each fit's simulated one."""
+    from megatron_rollout.engine.records import StepRecord
+
+    def rec(phase: str, start: float, end: float, epoch: int | None = None, prefill: int = 0) -> StepRecord:
+        return StepRecord(phase, 0 if phase == "P" else 2, 0 if phase == "P" else 100, int(prefill > 0), prefill,
+                          0, start, end, epoch=epoch)
+
+    records = [rec("D", 0.0, 1.0), rec("P", 1.5, 2.0, 1, 64), rec("D", 2.0, 2.5), rec("P", 2.5, 3.0, 1),
+               rec("P", 2.8, 3.5, 2, 64), rec("D", 4.0, 4.5), rec("P", 5.0, 6.0, prefill=64)]
+    split = sim_replay.epoch_split(records)
+    assert split == pytest.approx({"span_s": 6.0, "epochs": 2, "in_epochs_s": 2.0, "decode_outside_s": 1.5,
+                                   "rest_s": 2.5})
+    out, result = run
+    checked = sim_replay.epoch_check(result, load_trace(out / "trace.jsonl"))
+    assert list(checked) == ["mux"]
+    measured = checked["mux"]["measured"]
+    records = from_columns(result["schedules"]["mux"]["repeats"][0]["steps"])
+    assert measured["span_s"] == pytest.approx(max(r.end for r in records) - min(r.start for r in records))
+    assert measured["epochs"] == len({r.epoch for r in records if r.epoch is not None}) > 0
+    for name in sim_replay.FITS:
+        part = checked["mux"][name]
+        assert part["epochs"] > 0 and part["span_s"] > 0
+        assert part["in_epochs_s"] + part["decode_outside_s"] + part["rest_s"] == pytest.approx(part["span_s"])
+    assert sim_replay.main([str(out / "rollout.json"), "--epoch-check"]) == 0
