@@ -426,7 +426,13 @@ def sim_replay(result: dict, trace: Sequence[TraceRequest], fit_from: dict | Non
 
 
 def bucket_name(lo: int, hi: int | None) -> str:
+    """A `ROW_BUCKETS` bucket as its tables name it: '1', '2-4', '32+'."""
     return f"{lo}" if lo == hi else f"{lo}+" if hi is None else f"{lo}-{hi}"
+
+
+def in_bucket(rows: int, lo: int, hi: int | None) -> bool:
+    """`rows` decode rows fall in the `ROW_BUCKETS` bucket (lo, hi)."""
+    return lo <= rows and (hi is None or rows <= hi)
 
 
 def prefill_free(records: Sequence[StepRecord]) -> list[StepRecord]:
@@ -450,7 +456,7 @@ def verify_costs(records: Sequence[StepRecord], fits: dict[str, CostModel | str]
             continue
         out[name] = {}
         for lo, hi in ROW_BUCKETS:
-            picked = [r for r in verify if lo <= r.decode_rows and (hi is None or r.decode_rows <= hi)]
+            picked = [r for r in verify if in_bucket(r.decode_rows, lo, hi)]
             if not picked:
                 continue
             measured = sum(r.duration for r in picked)
@@ -497,8 +503,7 @@ def epoch_split(records: Sequence[StepRecord]) -> dict[str, float]:
         else:
             merged.append([lo, hi])
     inside = sum(hi - lo for lo, hi in merged)
-    outside = sum(r.duration for r in records if r.phase == "D" and not r.prefill_tokens
-                  and all(r.end <= lo or r.start >= hi for lo, hi in merged))
+    outside = sum(r.duration for r in prefill_free(records))
     span = max(r.end for r in records) - min(r.start for r in records) if records else 0.0
     return {"span_s": span, "epochs": len(spans), "in_epochs_s": inside, "decode_outside_s": outside,
             "rest_s": span - inside - outside}

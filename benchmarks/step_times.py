@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.sim_replay import ROW_BUCKETS, bucket_name, first_forward_s, sleeps, submissions
+from benchmarks.sim_replay import ROW_BUCKETS, bucket_name, first_forward_s, in_bucket, sleeps, submissions
 from megatron_rollout.engine.records import StepRecord
 from megatron_rollout.sim.cost import turn_cost
 from megatron_rollout.trace.steps import from_columns
@@ -57,7 +57,7 @@ def summarize(records: Sequence[StepRecord], long_gap_s: float = 0.005,
         out["gaps_split_s"] = {**split, "loop": split["loop"] - slept_s, "slept": slept_s}
     for lo, hi in ROW_BUCKETS:
         picked = [i for i, r in enumerate(recs) if r.phase == "D" and not r.prefill_tokens
-                  and lo <= r.decode_rows and (hi is None or r.decode_rows <= hi)]
+                  and in_bucket(r.decode_rows, lo, hi)]
         spans = [recs[i].end - recs[i].start for i in picked]
         before = [gaps[i] for i in picked if i and gaps[i] <= long_gap_s]
         out[f"rows_{bucket_name(lo, hi)}"] = {"n": len(spans), "median_ms": _median_ms(spans),
