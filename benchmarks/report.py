@@ -105,9 +105,28 @@ def rollout(result: dict) -> str:
     if oracle:
         notes.append("the oracle order over arrival order, simulated on each schedule's own fit: " + ", ".join(
             f"{n} {o['over_fifo']:.3f}" for n, o in oracle.items()))
+    if (accepted := acceptance_note(result)) is not None:
+        notes.append(accepted)
     if result.get("stopped"):
         notes.append(f"stopped early: {result['stopped']}")
     return text + ("\n\n" + "; ".join(notes) + "." if notes else "")
+
+
+def acceptance_note(result: dict) -> str | None:
+    """Drafted tokens kept, ours per drafting schedule (over all its repeats) beside the peer's (its
+    median pass), and whose weights the peer ran; None unless the peer counted its drafts."""
+    vllm = result.get("vllm") or {}
+    theirs = (vllm.get("median") or {}).get("acceptance")
+    if not isinstance(theirs, (int, float)):
+        return None
+    parts = []
+    for name, s in result.get("schedules", {}).items():
+        stats = [r.get("engine_stats") or {} for r in s.get("repeats") or []]
+        made = sum(st.get("drafted_tokens", 0) for st in stats)
+        if made:
+            parts.append(f"{name} {sum(st.get('accepted_tokens', 0) for st in stats) / made:.3f}")
+    weights = "ours" if vllm.get("weights") not in (None, "dummy") else "its dummy init"
+    return "drafts accepted: " + ", ".join(parts + [f"vLLM {theirs:.3f} (on {weights})"])
 
 
 def _micro(result: dict) -> dict:

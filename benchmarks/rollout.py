@@ -27,7 +27,8 @@ A figure counts only warm, repeated, each schedule at its best token budget, nex
 5. the vLLM peer (`benchmarks.vllm_peer`) in its own process after this one has freed the GPU, on
    the same trace file and token ids; its figures join the table and the ratios. With
    `--vllm-interleave` the peer instead stays up beside our engines from the start, and one of its
-   timed passes follows each round of our repeats (`benchmarks.interleave`).
+   timed passes follows each round of our repeats (`benchmarks.interleave`). The peer runs our
+   model: its weights are written once for it (`--vllm-weights ours`, `peer-weights` in the JSON).
 
 Each timed replay keeps its step records (`engine.step_log`) in the JSON as columns (`steps`,
 `trace.steps`; `--no-step-records` drops them), beside the model's routing (`moe`) and KV blocks
@@ -73,6 +74,7 @@ from benchmarks.bounds import model_costs, trace_lower_bound
 from benchmarks.compiles import CompileCounter
 from benchmarks.interleave import PeerSession
 from benchmarks.pauses import GcPauses
+from benchmarks.report import acceptance_note
 from benchmarks.specs import engine_config, split_spec, unpartitioned
 from megatron_rollout.engine.config import DEFAULT_SPAN
 from megatron_rollout.model.config import PRESETS, ModelConfig
@@ -160,6 +162,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--vllm-speculative", default=None, metavar="ngram:K",
                     help="the peer with its own prompt-lookup speculation (keys '<budget>~ngram:K'), to compare "
                          "with our '~ngram:K' schedules; default: none")
+    ap.add_argument("--vllm-weights", default="ours", choices=("ours", "dummy"),
+                    help="the peer's weights: ours (written once to OUT/peer-weights.safetensors for it to load, "
+                         "so both engines run one model and accept drafts alike) or vLLM's own dummy init")
     ap.add_argument("--vllm-reserve-s", type=float, default=250.0, help="time kept for the peer")
     ap.add_argument("--vllm-interleave", default=None, choices=("own", "in-process"),
                     help="keep the peer up beside our engines (its core in its own process, or in the peer's) and "
@@ -266,6 +271,8 @@ class Run:
     """The small-batch expert kernel the first engine measured; later engines keep it."""
     last_s: dict[str, float] = field(default_factory=dict)
     """Duration of the last replay of each kind (sweep, timed), to keep within the deadline."""
+    peer_weights: Path | None = None
+    """Our weights written for the peer (`--vllm-weights ours`), removed once it is done."""
 
     def start_sweep_clock(self) -> None:
         self.sweep_deadline = time.perf_counter() + SWEEP_SHARE * max(0.0, self.deadline - time.perf_counter())
@@ -633,6 +640,8 @@ def table(result: dict) -> str:
                              f"median {_fmt(((v['budgets'][k].get('median') or {}).get('makespan_s')), '.2f')} s")
             for line in (v.get("log_lines") or [])[:4]:
                 lines.append(f"  vllm log: {line[:150]}")
+            if (accepted := acceptance_note(result)) is not None:
+                lines.append(accepted)
         else:
             lines.append(f"{'vllm':<11} not measured: {v.get('error') or v.get('reason') or 'no finished pass'}")
     sweep = result.get("sweep") or {}
@@ -814,7 +823,8 @@ def vllm_stage(run: Run, result: dict, out: Path, trace: list, deadline_total: f
     if remaining < 90:
         return {**earlier, "reason": f"only {remaining:.0f} s left of --deadline-s for the peer"}
     env = _peer_env(args)
-    peer = (_peer_process(args, env, out, trace_path, run.max_model_len, budgets, remaining, in_process=False)
+    peer = (_peer_process(args, env, out, trace_path, run.max_model_len, budgets, remaining, in_process=False,
+                          weights=run.peer_weights)
             if budgets else {k: v for k, v in earlier.items() if k != "budgets"})
     peer["budgets"] = {**(earlier.get("budgets") or {}), **(peer.get("budgets") or {})}
     own = _best_pass(peer["budgets"], in_process=False)
@@ -822,7 +832,8 @@ def vllm_stage(run: Run, result: dict, out: Path, trace: list, deadline_total: f
               for b in args.vllm_in_process.split(",") if b.strip()]
     left = deadline_total - time.perf_counter() - 10
     if inproc and left >= 90:
-        colocated = _peer_process(args, env, out, trace_path, run.max_model_len, inproc, left, in_process=True)
+        colocated = _peer_process(args, env, out, trace_path, run.max_model_len, inproc, left, in_process=True,
+                                  weights=run.peer_weights)
         peer["budgets"].update(colocated.get("budgets") or {})
         peer.setdefault("vllm", colocated.get("vllm"))
         peer["in_process"] = {k: colocated.get(k) for k in ("command", "exit", "wall_s", "error") if k in colocated}
@@ -835,14 +846,32 @@ def vllm_stage(run: Run, result: dict, out: Path, trace: list, deadline_total: f
     return peer
 
 
-def start_interleaved(args, out: Path, trace_path: Path, max_model_len: int, seconds: float) -> PeerSession:
-    """The peer kept up beside our stages (`benchmarks.interleave`), at the one budget asked for."""
+def _interleaved_budget(args) -> str:
     budgets = [b.strip() for b in args.vllm_budgets.split(",") if b.strip()]
     if len(budgets) != 1 or budgets[0] == "best":
         raise SystemExit(f"--vllm-interleave runs the peer at one budget (a number or 'default'), "
                          f"got --vllm-budgets {args.vllm_budgets!r}")
-    cmd, name = _peer_command(args, out, trace_path, max_model_len, budgets, seconds,
-                              in_process=args.vllm_interleave == "in-process")
+    return budgets[0]
+
+
+def write_peer_weights(run: Run, device: torch.device, out: Path, result: dict) -> Path:
+    """The weights our replays run, written for the peer to load (`--vllm-weights ours`); with no
+    schedule of ours to run (`--resume`), the same random draw is made for it alone."""
+    from benchmarks.vllm_peer import save_weights
+
+    t0 = time.perf_counter()
+    model = run.model if run.model is not None else random_model(run.cfg, device, run.args.seed)
+    path = save_weights(model, run.cfg, out / "peer-weights.safetensors")
+    result["peer_weights"] = {"weights": "ours", "seed": run.args.seed, "bytes": path.stat().st_size,
+                              "write_s": time.perf_counter() - t0}
+    return path
+
+
+def start_interleaved(args, out: Path, trace_path: Path, max_model_len: int, seconds: float,
+                      weights: Path | None = None) -> PeerSession:
+    """The peer kept up beside our stages (`benchmarks.interleave`), at the one budget asked for."""
+    cmd, name = _peer_command(args, out, trace_path, max_model_len, [_interleaved_budget(args)], seconds,
+                              in_process=args.vllm_interleave == "in-process", weights=weights)
     log.info("vLLM peer, interleaved: %s --serve", " ".join(cmd))
     return PeerSession(cmd, _peer_env(args), out / f"{name}.log", out / f"{name}.json")
 
@@ -885,7 +914,7 @@ def _peer_env(args) -> dict[str, str]:
 
 
 def _peer_command(args, out: Path, trace_path: Path, max_model_len: int, budgets: list[str], seconds: float,
-                  in_process: bool) -> tuple[list[str], str]:
+                  in_process: bool, weights: Path | None = None) -> tuple[list[str], str]:
     """The `benchmarks.vllm_peer` command line over `budgets`, and its output name."""
     name = "vllm-in-process" if in_process else "vllm"
     cmd = [sys.executable, "-m", "benchmarks.vllm_peer", "--trace", str(trace_path),
@@ -896,6 +925,8 @@ def _peer_command(args, out: Path, trace_path: Path, max_model_len: int, budgets
     cmd += ["--in-process"] if in_process else []
     if args.vllm_speculative:
         cmd += ["--speculative", args.vllm_speculative]
+    if weights is not None:
+        cmd += ["--weights", str(weights)]
     interleaved = args.vllm_interleave is not None
     kv_gb = args.vllm_kv_gb if args.vllm_kv_gb is not None else (args.kv_gb if interleaved else None)
     if kv_gb is not None:
@@ -907,9 +938,9 @@ def _peer_command(args, out: Path, trace_path: Path, max_model_len: int, budgets
 
 
 def _peer_process(args, env: dict[str, str], out: Path, trace_path: Path, max_model_len: int, budgets: list[str],
-                  seconds: float, in_process: bool) -> dict[str, Any]:
+                  seconds: float, in_process: bool, weights: Path | None = None) -> dict[str, Any]:
     """One `benchmarks.vllm_peer` process over `budgets`; its JSON with how it ran."""
-    cmd, name = _peer_command(args, out, trace_path, max_model_len, budgets, seconds, in_process)
+    cmd, name = _peer_command(args, out, trace_path, max_model_len, budgets, seconds, in_process, weights)
     log_path = out / f"{name}.log"
     log.info("vLLM peer: %s", " ".join(cmd))
     t0 = time.perf_counter()
@@ -1003,10 +1034,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.vllm_interleave is not None and not (vllm_on and specs):
         raise SystemExit("--vllm-interleave runs the peer between our repeats: it needs --vllm (CUDA: on by "
                          "default) and schedules of ours to time (not --resume, not --schedules '')")
-    peer = None
-    if args.vllm_interleave is not None:  # starts while we build the model
-        peer = start_interleaved(args, out, out / "trace.jsonl", max_model_len, args.deadline_s)
-    reserve = 30.0 if peer is not None else args.vllm_reserve_s if vllm_on else 0.0  # (an interleaved peer: its close)
+    if args.vllm_interleave is not None:
+        _interleaved_budget(args)  # a second budget fails here, before the model is built
+    interleaved = args.vllm_interleave is not None
+    reserve = 30.0 if interleaved else args.vllm_reserve_s if vllm_on else 0.0  # (an interleaved peer: its close)
     ours = deadline_total - reserve
     run = Run(args, cfg, None, max_model_len, _num_blocks(args, cfg), ours)
     run.start_sweep_clock()
@@ -1015,6 +1046,11 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         run.model = random_model(cfg, device, args.seed)
         result["model_build_s"] = time.perf_counter() - t0
+    if vllm_on and args.vllm_weights == "ours":
+        run.peer_weights = write_peer_weights(run, device, out, result)
+    peer = None
+    if interleaved:  # starts once our weights are written (those it loads)
+        peer = start_interleaved(args, out, out / "trace.jsonl", max_model_len, args.deadline_s, run.peer_weights)
     _write(out, result)
     if args.micro and cuda:
         result["micro"] = run_micro(run.model, cfg, args, costs, bandwidth, peak, micro_parts)
@@ -1046,6 +1082,8 @@ def main(argv: list[str] | None = None) -> int:
         result["vllm"] = vllm_stage(run, result, out, trace, deadline_total)
         result["ratios"] = ratios(result)
         _write(out, result)
+    if run.peer_weights is not None:
+        run.peer_weights.unlink(missing_ok=True)  # the size of the model: the peer has loaded it
     if args.hf and time.perf_counter() + args.hf_budget_s < deadline_total:
         from benchmarks.hf_peer import run_peer
 

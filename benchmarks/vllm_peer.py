@@ -3,7 +3,7 @@
 `python -m benchmarks.vllm_peer --trace T.jsonl --out vllm.json --model qwen3-30b-a3b-12l`
 runs in its own process (the benchmark starts it after its own engines have freed the GPU). It
 writes a directory holding only `config.json` (`Qwen3MoeForCausalLM` with the preset's sizes and
-layer count) and starts `vllm.v1.engine.async_llm.AsyncLLM` on it with dummy weights, prefix
+layer count) and starts `vllm.v1.engine.async_llm.AsyncLLM` on it with dummy weights (or ours: below), prefix
 caching on, CUDA graphs and torch.compile as vLLM chooses by itself, and its own defaults for
 everything else (the JSON records what it chose: token budget, sequences, block size, graph mode,
 the attention backend lines of its log).
@@ -20,6 +20,13 @@ measured; `--deadline-s` stops before a pass that would not fit. `--in-process` 
 frameworks colocate it with a trainer: `LLMEngine` with its engine core in this process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), stepped by `closed_loop_stepped` (same replay rules); its
 budgets are keyed `<budget>/in-process`. One process runs one mode (the benchmark starts one per mode).
+
+`--weights FILE` gives vLLM our model's weights (`save_weights`: one safetensors file under Hugging Face
+Qwen3-MoE names, which `benchmarks.rollout` writes from the model its replays ran) in place of its
+dummy init: both engines then compute one function, so greedy tokens agree and the drafts' acceptance
+is comparable. vLLM's dummy init (every value, norms included, uniform in +-1e-3) is another model,
+whose greedy outputs repeat differently. With `--speculative`, each pass also reports vLLM's drafted and
+accepted tokens, counted by a stat logger of ours (vLLM's stats are on for that, its own default).
 
 `--serve` keeps one budget's engine up for the benchmark to interleave its passes with our replays
 (`benchmarks.rollout --vllm-interleave`): after the warm-up passes it answers `ready`, then runs one
@@ -83,10 +90,70 @@ def hf_config(cfg: ModelConfig, max_model_len: int) -> dict[str, Any]:
     }
 
 
-def write_model_dir(path: Path, cfg: ModelConfig, max_model_len: int) -> Path:
+def write_model_dir(path: Path, cfg: ModelConfig, max_model_len: int, weights: Path | None = None) -> Path:
+    """config.json, and `weights` linked in as model.safetensors (None: no weights file, for the dummy init)."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(hf_config(cfg, max_model_len), indent=1))
+    link = path / "model.safetensors"
+    link.unlink(missing_ok=True)
+    if weights is not None:
+        if not weights.is_file():
+            raise SystemExit(f"--weights {weights}: no such file")
+        link.symlink_to(weights.resolve())
     return path
+
+
+def save_weights(model, cfg: ModelConfig, path: Path) -> Path:
+    """`model`'s weights (a whole `MoETransformer`) as one safetensors file under the Hugging Face
+    Qwen3-MoE names the peer's config.json describes, for `--weights`."""
+    from safetensors.torch import save_file
+
+    from megatron_rollout.model.checkpoint import QWEN3_MOE, megatron_to_hf
+
+    hf_config(cfg, cfg.max_position_embeddings)  # a shape the peer cannot build fails before the copy
+    tensors = megatron_to_hf(model.state_dict(), cfg, QWEN3_MOE)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # one host copy each (q/k/v and gate/up are views of one tensor; safetensors refuses shared storage)
+    save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}, str(path),
+              metadata={"format": "pt"})
+    return path
+
+
+class DraftCounts:
+    """vLLM's speculation counters summed over its steps: a per-engine stat logger (vLLM's
+    `StatLoggerBase` interface, duck-typed so that this module imports without vLLM)."""
+
+    def __init__(self) -> None:
+        self.drafts = self.drafted = self.accepted = 0
+
+    def __call__(self, vllm_config: Any, engine_index: int = 0) -> DraftCounts:
+        return self  # the factory vLLM calls once per engine
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+               engine_idx: int = 0) -> None:
+        spec = getattr(scheduler_stats, "spec_decoding_stats", None)
+        if spec is not None:
+            self.drafts += spec.num_drafts
+            self.drafted += spec.num_draft_tokens
+            self.accepted += spec.num_accepted_tokens
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def log(self) -> None:
+        pass
+
+    def record_sleep_state(self, *args: Any) -> None:
+        pass
+
+    def snapshot(self) -> tuple[int, int, int]:
+        return self.drafts, self.drafted, self.accepted
+
+    def since(self, before: tuple[int, int, int]) -> dict[str, Any]:
+        """The counts since `snapshot()` gave `before`, as a pass report's fields."""
+        drafts, drafted, accepted = (a - b for a, b in zip(self.snapshot(), before))
+        return {"drafts": drafts, "drafted_tokens": drafted, "accepted_tokens": accepted,
+                "acceptance": accepted / drafted if drafted else None}
 
 
 # -- the closed-loop driver (engine-agnostic: tested on CPU with a fake engine) ------------------
@@ -301,7 +368,8 @@ def _vllm_choices(engine) -> dict[str, Any]:
 def _engine_args(model_dir: Path, max_model_len: int, budget: int | None, args, in_process: bool = False):
     from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 
-    kwargs = dict(model=str(model_dir), dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True,
+    load = "safetensors" if args.weights else "dummy"
+    kwargs = dict(model=str(model_dir), dtype="bfloat16", load_format=load, skip_tokenizer_init=True,
                   generation_config="vllm", enable_prefix_caching=True, max_model_len=max_model_len,
                   seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization, disable_log_stats=True)
     if budget is not None:
@@ -407,17 +475,32 @@ def _run_budget_in_process(budget: int | None, model_dir: Path, requests: list[T
 
     entry: dict[str, Any] = {"budget": _key(budget, True, args.speculative), "passes": [], "in_process": True}
     t0 = time.perf_counter()
-    engine = LLMEngine.from_engine_args(_engine_args(model_dir, max_model_len, budget, args, in_process=True))
+    counts, loggers = _draft_counts(args)
+    engine = LLMEngine.from_engine_args(_engine_args(model_dir, max_model_len, budget, args, in_process=True),
+                                        **loggers)
     entry["startup_s"] = time.perf_counter() - t0
     entry["chosen"] = _vllm_choices(engine)
     write(entry)
     for i in _passes(args, deadline, entry, control):
         engine.reset_prefix_cache()
+        before = counts.snapshot()
         start, records = closed_loop_stepped(engine, requests, inputs, lambda ids: TokensPrompt(prompt_token_ids=ids),
                                              _sampling, tag=f"i{budget}-p{i}")
-        _record_pass(entry, i, report(start, records, len(requests)), args)
+        _record_pass(entry, i, _pass_report(start, records, requests, counts, before, args), args)
         write(entry)
     return entry
+
+
+def _draft_counts(args) -> tuple[DraftCounts, dict[str, Any]]:
+    """The counter, and the engine's `from_engine_args` keywords that install it (none without drafts)."""
+    counts = DraftCounts()
+    return counts, ({"stat_loggers": [counts]} if args.speculative else {})
+
+
+def _pass_report(start: float, records: Sequence[TurnRecord], requests: Sequence[TraceRequest],
+                 counts: DraftCounts, before: tuple[int, int, int], args) -> dict[str, Any]:
+    rep = report(start, records, len(requests))
+    return {**rep, **counts.since(before)} if args.speculative else rep
 
 
 def _key(budget: int | None, in_process: bool, speculative: str | None = None) -> str:
@@ -433,7 +516,8 @@ async def _run_budget(budget: int | None, model_dir: Path, requests: list[TraceR
 
     entry: dict[str, Any] = {"budget": _key(budget, False, args.speculative), "passes": []}
     t0 = time.perf_counter()
-    engine = AsyncLLM.from_engine_args(_engine_args(model_dir, max_model_len, budget, args))
+    counts, loggers = _draft_counts(args)
+    engine = AsyncLLM.from_engine_args(_engine_args(model_dir, max_model_len, budget, args), **loggers)
     entry["startup_s"] = time.perf_counter() - t0
     entry["chosen"] = _vllm_choices(engine)
     write(entry)
@@ -445,8 +529,9 @@ async def _run_budget(budget: int | None, model_dir: Path, requests: list[TraceR
     try:  # (a command is awaited in a thread: the engine's output loop keeps running meanwhile)
         while (i := await asyncio.to_thread(next, passes, None)) is not None:
             await engine.reset_prefix_cache()
+            before = counts.snapshot()
             start, records = await closed_loop(engine, requests, inputs, prompt, _sampling, tag=f"b{budget}-p{i}")
-            _record_pass(entry, i, report(start, records, len(requests)), args)
+            _record_pass(entry, i, _pass_report(start, records, requests, counts, before, args), args)
             write(entry)
     finally:
         engine.shutdown()
@@ -485,6 +570,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--deadline-s", type=float, default=480.0, help="stop before a pass that would end later")
     ap.add_argument("--log", default=None, help="vLLM's log file (read back for its backend choices)")
     ap.add_argument("--model-dir", default="/tmp/mr-vllm-model")
+    ap.add_argument("--weights", default=None, metavar="FILE",
+                    help="our model's weights (`save_weights`) for vLLM to load; default: vLLM's dummy init")
     return ap
 
 
@@ -509,10 +596,11 @@ def main(argv: list[str] | None = None) -> int:
     need = max_context(requests) + 16
     max_model_len = args.max_model_len or max(cfg.max_position_embeddings, need)
     inputs = conversation_inputs(requests, args.seed, cfg.vocab_size)
-    model_dir = write_model_dir(Path(args.model_dir), cfg, max_model_len)
+    model_dir = write_model_dir(Path(args.model_dir), cfg, max_model_len, Path(args.weights) if args.weights else None)
     out = Path(args.out)
     result: dict[str, Any] = {"ran": False, "model": args.model, "max_model_len": max_model_len,
-                              "trace": args.trace, "requests": len(requests), "budgets": {}}
+                              "trace": args.trace, "requests": len(requests), "budgets": {},
+                              "weights": args.weights or "dummy"}
     try:
         import vllm
 

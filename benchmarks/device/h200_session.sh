@@ -140,7 +140,8 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
       # up at once (benchmarks.interleave): CONV, SCHEDULES, REPEATS; VLLM_MODE own | in-process, VLLM_BUDGET,
       # VLLM_SPEC (its best setting: ngram:4 at 16,384), HOST_PROFILE (schedules replayed once more under
       # cProfile); then the step times and the simulator's check (with `partition`'s stand-in factors when
-      # that stage ran on this machine)
+      # that stage ran on this machine). The peer runs our weights (written to /tmp/res/$tag for it,
+      # removed after; VLLM_WEIGHTS=dummy: its own dummy init) and counts its accepted drafts
       mkdir -p /tmp/pv/site
       [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.* | xz -dc -T8 | tar -x -C /tmp/pv/site)
       cd /tmp/run
@@ -149,7 +150,7 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
         --budgets "${BUDGETS:-16384}" --schedules "${SCHEDULES:-off,chunked,mux,mux@budget:24000~ngram:4+7@4}" \
         --no-ablation --repeats "$reps" --vllm --vllm-site /tmp/pv/site --vllm-budgets "${VLLM_BUDGET:-16384}" \
         --vllm-speculative "${VLLM_SPEC:-ngram:4}" --vllm-interleave "$mode" --vllm-passes "$reps" --vllm-warmups 2 \
-        ${HOST_PROFILE:+--host-profile "$HOST_PROFILE"} \
+        --vllm-weights "${VLLM_WEIGHTS:-ours}" ${HOST_PROFILE:+--host-profile "$HOST_PROFILE"} \
         --deadline-s "${DEADLINE:-570}" --schedule-budget-s 90 --out "/tmp/res/$tag" > "/tmp/res/$tag.log" 2>&1
       tail -22 "/tmp/res/$tag.log"; cp "/tmp/res/$tag/rollout.json" "$OUT/$tag.json"
       cp "/tmp/res/$tag/trace.jsonl" "$OUT/trace$n.jsonl"; cp /tmp/res/$tag/vllm*.log "$OUT/" 2>/dev/null

@@ -88,3 +88,17 @@ def test_verify_table_names_the_fastest_setting_of_a_grid():
     lines = report.verify(result).splitlines()
     assert "| fastest setting us | its setting | its GB/s |" in lines[0]
     assert lines[2].endswith("| 1.98 | 140.5 | n=32 stages=2 warps=4 sm=2 | 2,866 | 2.7e-03 | 0 |")
+
+
+def test_drafts_accepted_are_set_beside_the_peer_s_and_name_its_weights():
+    def repeat(made, kept):
+        return {"engine_stats": {"drafted_tokens": made, "accepted_tokens": kept}}
+
+    result = {"schedules": {"mux": {"repeats": [repeat(0, 0)]},
+                            "mux~ngram:4": {"repeats": [repeat(100, 70), repeat(300, 230)]}},
+              "vllm": {"weights": "/tmp/out/peer-weights.safetensors", "median": {"acceptance": 0.7512}}}
+    assert report.acceptance_note(result) == "drafts accepted: mux~ngram:4 0.750, vLLM 0.751 (on ours)"
+    result["vllm"]["weights"] = "dummy"
+    assert report.acceptance_note(result).endswith("vLLM 0.751 (on its dummy init)")
+    del result["vllm"]["median"]["acceptance"]  # a peer that counted nothing: no note, stored tables unchanged
+    assert report.acceptance_note(result) is None

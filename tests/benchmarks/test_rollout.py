@@ -214,12 +214,14 @@ def _stand_in_site(tmp_path):
 def test_vllm_stage_runs_the_peer_in_its_own_process(tmp_path):
     """The peer's subprocess path end to end with a stand-in `vllm` package on --vllm-site (this
     checks our orchestration: trace file, environment, JSON merge, table; not vLLM). No schedule
-    of ours runs, so no model is built and the Qwen3 preset's config.json is only written."""
+    of ours runs and the peer keeps its dummy init, so no model is built and the Qwen3 preset's
+    config.json is only written."""
     site = _stand_in_site(tmp_path)
     out = tmp_path / "out"
     code = rollout.main(["--model", "qwen3-30b-a3b-12l", "--device", "cpu", "--conversations", "2",
-                         "--scale", "0.001", "--schedules", "", "--vllm", "--vllm-site", str(site),
-                         "--vllm-budgets", "default,2048", "--vllm-passes", "2", "--vllm-in-process", "best",
+                         "--scale", "0.001", "--schedules", "", "--vllm", "--vllm-weights", "dummy",
+                         "--vllm-site", str(site), "--vllm-budgets", "default,2048", "--vllm-passes", "2",
+                         "--vllm-in-process", "best",
                          "--deadline-s", "200", "--out", str(out), "--no-progress"])
     assert code == 0
     result = json.loads((out / "rollout.json").read_text())
@@ -230,9 +232,9 @@ def test_vllm_stage_runs_the_peer_in_its_own_process(tmp_path):
     assert set(peer["budgets"]) == {"default", "2048", f"{own_best}/in-process"}
     assert len(peer["budgets"][f"{own_best}/in-process"]["passes"]) == 2
     code = rollout.main(["--model", "qwen3-30b-a3b-12l", "--device", "cpu", "--conversations", "2",
-                         "--scale", "0.001", "--schedules", "", "--vllm", "--vllm-site", str(site),
-                         "--vllm-budgets", "", "--vllm-in-process", "2048", "--vllm-passes", "1", "--deadline-s", "200",
-                         "--resume", str(out), "--no-progress"])
+                         "--scale", "0.001", "--schedules", "", "--vllm", "--vllm-weights", "dummy",
+                         "--vllm-site", str(site), "--vllm-budgets", "", "--vllm-in-process", "2048",
+                         "--vllm-passes", "1", "--deadline-s", "200", "--resume", str(out), "--no-progress"])
     assert code == 0
     again = json.loads((out / "rollout.json").read_text())["vllm"]
     assert set(again["budgets"]) == set(peer["budgets"]) | {"2048/in-process"}  # what was measured is kept
@@ -257,19 +259,30 @@ def _peer_command_edited(monkeypatch, edit) -> None:
 
 
 def _qwen_shaped(cmd: list[str]) -> list[str]:
-    """The peer writes the Qwen3 preset's config.json (tiny-moe has no vLLM shape); nothing else in it
-    depends on the model."""
+    """The peer writes the Qwen3 preset's config.json (the peer process does not know the tests' tiny
+    preset); the stand-in vLLM reads no weights, so nothing else in it depends on the model."""
     cmd[cmd.index("--model") + 1] = "qwen3-30b-a3b-12l"
     return cmd
 
 
+@pytest.fixture
+def tiny_qwen(monkeypatch) -> str:
+    """tiny-moe in the one shape the peer builds (every layer MoE, no shared expert), as a preset."""
+    from megatron_rollout.model.config import PRESETS
+
+    monkeypatch.setitem(PRESETS, "tiny-qwen3-moe", PRESETS["tiny-moe"].replace(
+        moe_layer_freq=(1, 1, 1), moe_shared_expert_intermediate_size=0))
+    return "tiny-qwen3-moe"
+
+
 @pytest.mark.parametrize("mode", ["own", "in-process"])
-def test_interleaved_peer_runs_a_pass_after_each_round_of_ours(tmp_path, monkeypatch, mode):
+def test_interleaved_peer_runs_a_pass_after_each_round_of_ours(tmp_path, monkeypatch, mode, tiny_qwen):
     """`--vllm-interleave`: the peer (a real `benchmarks.vllm_peer --serve` process over the stand-in
-    `vllm`) starts before our stages, and one of its timed passes follows each round of our repeats."""
+    `vllm`) starts before our stages, on our weights, and one of its timed passes follows each round
+    of our repeats."""
     _peer_command_edited(monkeypatch, _qwen_shaped)
     site, out = _stand_in_site(tmp_path), tmp_path / "out"
-    code = rollout.main(["--model", "tiny-moe", "--device", "cpu", "--conversations", "2", "--scale", "0.002",
+    code = rollout.main(["--model", tiny_qwen, "--device", "cpu", "--conversations", "2", "--scale", "0.002",
                          "--schedules", "off,chunked", "--repeats", "2", "--budgets", "64", "--vllm",
                          "--vllm-site", str(site), "--vllm-budgets", "2048", "--vllm-interleave", mode,
                          "--vllm-passes", "3", "--vllm-warmups", "1", "--deadline-s", "300", "--out", str(out),
@@ -290,6 +303,10 @@ def test_interleaved_peer_runs_a_pass_after_each_round_of_ours(tmp_path, monkeyp
     log_text = (out / f"{name}.log").read_text()
     kv_bytes = int(40.0 * 2 ** 30)  # --kv-gb's default: both engines hold their KV at once
     assert f"('kv_cache_memory_bytes', {kv_bytes})" in log_text and "('gpu_memory_utilization', 0.45)" in log_text
+    weights = out / "peer-weights.safetensors"  # ours, written once for the peer, gone once it is done
+    assert "('load_format', 'safetensors')" in log_text and peer["weights"] == str(weights)
+    assert result["peer_weights"]["weights"] == "ours" and result["peer_weights"]["bytes"] > 0
+    assert not weights.exists()
     from benchmarks import report
 
     assert "interleaved with ours: its best | - | 3 |" in report.rollout(result)
@@ -306,10 +323,10 @@ def test_interleaving_needs_one_budget_for_the_peer_and_repeats_of_ours(tmp_path
         rollout.main(base + ["--schedules", "off", "--no-vllm"])
 
 
-def test_the_interleaved_peer_runs_no_more_passes_than_asked(tmp_path, monkeypatch):
+def test_the_interleaved_peer_runs_no_more_passes_than_asked(tmp_path, monkeypatch, tiny_qwen):
     _peer_command_edited(monkeypatch, _qwen_shaped)
     out = tmp_path / "out"
-    assert rollout.main(["--model", "tiny-moe", "--device", "cpu", "--conversations", "2", "--scale", "0.002",
+    assert rollout.main(["--model", tiny_qwen, "--device", "cpu", "--conversations", "2", "--scale", "0.002",
                          "--schedules", "off", "--repeats", "3", "--budgets", "64", "--vllm", "--vllm-site",
                          str(_stand_in_site(tmp_path)), "--vllm-budgets", "2048", "--vllm-interleave", "own",
                          "--vllm-passes", "1", "--vllm-warmups", "0", "--deadline-s", "300", "--out", str(out),
@@ -319,11 +336,11 @@ def test_the_interleaved_peer_runs_no_more_passes_than_asked(tmp_path, monkeypat
     assert len(result["vllm"]["budgets"]["2048"]["passes"]) == 1
 
 
-def test_a_peer_that_dies_leaves_our_replays_running(tmp_path, monkeypatch):
+def test_a_peer_that_dies_leaves_our_replays_running(tmp_path, monkeypatch, tiny_qwen):
     """A peer that exits before answering: its error is kept, our repeats all run, nothing hangs."""
     _peer_command_edited(monkeypatch, lambda cmd: [cmd[0], "-c", "import sys; sys.exit(3)"])
     out = tmp_path / "out"
-    code = rollout.main(["--model", "tiny-moe", "--device", "cpu", "--conversations", "2", "--scale", "0.002",
+    code = rollout.main(["--model", tiny_qwen, "--device", "cpu", "--conversations", "2", "--scale", "0.002",
                          "--schedules", "off", "--repeats", "2", "--budgets", "64", "--vllm", "--vllm-budgets",
                          "2048", "--vllm-interleave", "own", "--deadline-s", "300", "--out", str(out), "--no-progress"])
     assert code == 0

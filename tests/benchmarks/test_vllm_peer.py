@@ -121,6 +121,41 @@ def test_hf_config_has_the_preset_shape():
         hf_config(PRESETS["tiny-moe"], 4096)
 
 
+def test_the_peer_reads_our_weights_as_the_function_our_model_computes(tmp_path):
+    """`save_weights` under the peer's own config.json is our model for a Hugging Face reader: the
+    logits transformers computes from that directory are ours (fp32, a Qwen3-MoE shape in small)."""
+    import torch
+    import transformers
+
+    from benchmarks.vllm_peer import save_weights, write_model_dir
+    from megatron_rollout.model.checkpoint import config_from_hf
+    from megatron_rollout.model.transformer import MoETransformer
+
+    cfg = config_from_hf(transformers.Qwen3MoeConfig(
+        vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=2,
+        moe_intermediate_size=16, num_experts=6, num_experts_per_tok=2, norm_topk_prob=True, rms_norm_eps=1e-6,
+        max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 50000.0}))
+    model = MoETransformer(cfg)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # larger than the 0.02 init, so routing and logits are far from flat
+        for p in model.parameters():
+            p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen) if p.dim() == 1 else
+                    0.3 * torch.randn(p.shape, generator=gen))
+    weights = save_weights(model, cfg, tmp_path / "w" / "peer-weights.safetensors")
+    model_dir = write_model_dir(tmp_path / "m", cfg, 512, weights)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                               attn_implementation="eager").eval()
+    ids = torch.randint(0, 96, (1, 11), generator=gen)
+    with torch.no_grad():
+        ours, ref = model(ids), theirs(ids).logits
+    assert ref.abs().max() > 1.0
+    assert (ours - ref).abs().max().item() < 1e-4
+    write_model_dir(tmp_path / "m", cfg, 512)  # the dummy init again: no weights file left behind
+    assert not (tmp_path / "m" / "model.safetensors").exists()
+    with pytest.raises(SystemExit, match="no such file"):
+        write_model_dir(tmp_path / "m", cfg, 512, tmp_path / "absent.safetensors")
+
+
 def test_peer_ids_are_the_ids_our_replay_appends():
     """Replay a trace on a fake engine that records what each session appended: the same ids as
     `conversation_inputs` gives the peer."""
@@ -206,9 +241,10 @@ def _fake_vllm(monkeypatch, calls: list):
 
     class AsyncLLM:
         @classmethod
-        def from_engine_args(cls, args):
+        def from_engine_args(cls, args, stat_loggers=None):
             calls.append(("start", args.kw.get("max_num_batched_tokens")))
             engine = cls()
+            engine.loggers = [factory(None, 0) for factory in stat_loggers or []]
             engine.budget = args.kw.get("max_num_batched_tokens") or 2048
             engine.vllm_config = types.SimpleNamespace(
                 scheduler_config=types.SimpleNamespace(max_num_batched_tokens=engine.budget, max_num_seqs=1024),
@@ -223,6 +259,9 @@ def _fake_vllm(monkeypatch, calls: list):
             n = sampling_params.kw["max_tokens"]
             assert sampling_params.kw["min_tokens"] == n and sampling_params.kw["ignore_eos"]
             await asyncio.sleep(0.001 if self.budget == 4096 else 0.012)
+            for stat_logger in self.loggers:  # one step that drafted 3 tokens and kept 2 of them
+                spec = types.SimpleNamespace(num_drafts=1, num_draft_tokens=3, num_accepted_tokens=2)
+                stat_logger.record(types.SimpleNamespace(spec_decoding_stats=spec), None)
             yield _Out([_Delta([7] * n)], finished=True)
 
         def shutdown(self):
@@ -387,14 +426,23 @@ def test_peer_speculation_reaches_vllm_s_engine_args_and_keys_the_budget(monkeyp
     seen: list = []
     real = vllm_peer._engine_args
     monkeypatch.setattr(vllm_peer, "_engine_args", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
-    write_trace(tmp_path / "t.jsonl", make_trace(conversations=2, seed=0, scale=0.002, wait_scale=0.0))
+    trace = make_trace(conversations=2, seed=0, scale=0.002, wait_scale=0.0)
+    write_trace(tmp_path / "t.jsonl", trace)
     code = vllm_peer.main(["--trace", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "v.json"), "--budgets",
-                           "4096", "--passes", "1", "--warmups", "0", "--speculative", "ngram:3",
+                           "4096", "--passes", "2", "--warmups", "1", "--speculative", "ngram:3",
                            "--model-dir", str(tmp_path / "m")])
     assert code == 0
     assert seen[0].kw["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3,
                                                 "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    assert list(json.loads((tmp_path / "v.json").read_text())["budgets"]) == ["4096~ngram:3"]
+    result = json.loads((tmp_path / "v.json").read_text())
+    assert list(result["budgets"]) == ["4096~ngram:3"]
+    # vLLM's counts, per pass: the stand-in drafts 3 tokens once per request and keeps 2 (the
+    # warm-up's counts are not carried into the first timed pass)
+    for rep in result["budgets"]["4096~ngram:3"]["passes"]:
+        assert (rep["drafts"], rep["drafted_tokens"], rep["accepted_tokens"]) == (len(trace), 3 * len(trace),
+                                                                                 2 * len(trace))
+        assert rep["acceptance"] == pytest.approx(2 / 3)
+    assert seen[0].kw["load_format"] == "dummy" and result["weights"] == "dummy"
 
 
 @pytest.mark.parametrize("bad", ["ngram", "ngram:0", "eagle:2", "ngram:x"])
