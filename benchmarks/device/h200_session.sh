@@ -106,7 +106,8 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
       python3 -m benchmarks.plot "$OUT/target$n.json" "$OUT/target$n.png" ;;
     peer|peerin)  # vLLM on `target`'s trace (its folder in /tmp/res, or carried back as .res/targetN): `peer` at
       # its default, 8,192 and 16,384 with its core in its own process; `peerin` at its best of those with
-      # the core in process (as RL frameworks colocate it); 2 warm-up passes, 2 timed
+      # the core in process (as RL frameworks colocate it); 2 warm-up passes, 2 timed; VLLM_WEIGHTS=dummy:
+      # vLLM's own init (copy the run's folder first, e.g. inter64 to dummy64, as a --resume adds to its JSON)
       mkdir -p /tmp/pv/site
       [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.* | xz -dc -T8 | tar -x -C /tmp/pv/site)
       # (PEER_RUN names another of our runs in /tmp/res, e.g. drafts64)
@@ -117,7 +118,7 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
       if [ "$stage" = peer ]; then modes="--vllm-budgets ${VLLM_BUDGETS:-default,8192,16384}"
       else modes="--vllm-budgets '' --vllm-in-process ${VLLM_INPROC:-best}"; fi
       eval bench --profile prefill --conversations "$n" --resume "/tmp/res/$run" --vllm --vllm-site /tmp/pv/site \
-        $modes ${VLLM_SPEC:+--vllm-speculative $VLLM_SPEC} --vllm-passes 2 --vllm-warmups 2 --deadline-s "${DEADLINE:-570}" --vllm-reserve-s "${DEADLINE:-570}" \
+        $modes ${VLLM_SPEC:+--vllm-speculative $VLLM_SPEC} --vllm-weights "${VLLM_WEIGHTS:-ours}" --vllm-passes 2 --vllm-warmups 2 --deadline-s "${DEADLINE:-570}" --vllm-reserve-s "${DEADLINE:-570}" \
         > "/tmp/res/$stage$n.log" 2>&1
       tail -14 "/tmp/res/$stage$n.log"; cp "/tmp/res/$run/rollout.json" "$OUT/$run.json"
       cp /tmp/res/$run/vllm*.log "$OUT/" 2>/dev/null
