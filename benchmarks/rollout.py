@@ -1048,6 +1048,8 @@ def main(argv: list[str] | None = None) -> int:
         result["model_build_s"] = time.perf_counter() - t0
     if vllm_on and args.vllm_weights == "ours":
         run.peer_weights = write_peer_weights(run, device, out, result)
+    elif vllm_on:  # (a resumed run's earlier record of them no longer holds)
+        result["peer_weights"] = {"weights": "dummy"}
     peer = None
     if interleaved:  # starts once our weights are written (those it loads)
         peer = start_interleaved(args, out, out / "trace.jsonl", max_model_len, args.deadline_s, run.peer_weights)

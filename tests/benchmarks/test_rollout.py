@@ -231,12 +231,16 @@ def test_vllm_stage_runs_the_peer_in_its_own_process(tmp_path):
     own_best = min(("default", "2048"), key=lambda k: peer["budgets"][k]["median"]["makespan_s"])
     assert set(peer["budgets"]) == {"default", "2048", f"{own_best}/in-process"}
     assert len(peer["budgets"][f"{own_best}/in-process"]["passes"]) == 2
+    stale = {**result, "peer_weights": {"weights": "ours", "seed": 0}}  # as a run on our weights left it
+    (out / "rollout.json").write_text(json.dumps(stale))
     code = rollout.main(["--model", "qwen3-30b-a3b-12l", "--device", "cpu", "--conversations", "2",
                          "--scale", "0.001", "--schedules", "", "--vllm", "--vllm-weights", "dummy",
                          "--vllm-site", str(site), "--vllm-budgets", "", "--vllm-in-process", "2048",
                          "--vllm-passes", "1", "--deadline-s", "200", "--resume", str(out), "--no-progress"])
     assert code == 0
-    again = json.loads((out / "rollout.json").read_text())["vllm"]
+    resumed = json.loads((out / "rollout.json").read_text())
+    assert resumed["peer_weights"] == {"weights": "dummy"} and resumed["vllm"]["weights"] == "dummy"
+    again = resumed["vllm"]
     assert set(again["budgets"]) == set(peer["budgets"]) | {"2048/in-process"}  # what was measured is kept
     assert again["budgets"]["default"] == peer["budgets"]["default"]
     assert len(again["budgets"]["2048/in-process"]["passes"]) == 1
