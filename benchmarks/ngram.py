@@ -15,6 +15,12 @@ Three measurements, all on the CPU:
   (`own`), and with the others' (`group`). How much real samples of a policy agree is not measured
   here; this gives the iterations a laggard needs at each rate of agreement, and the lookups' host
   time per iteration.
+- `rules`: no model. The `text` replay under two lookup rules: ours (the latest earlier occurrence
+  of the longest matching suffix, copied on periodically past the context's end) and vLLM's
+  `NgramProposer`'s (the earliest occurrence of the longest matching suffix, nothing past the
+  context's end; re-implemented here from what it does, `earliest_draft`), on the texts above and
+  on the greedy outputs of `tiny-moe` with random weights (`model_outputs`), which loop as the
+  benchmark's random models do.
 - `trace`: the engine. A trace from `trace.make` replayed on the `tiny-moe` preset (random weights,
   greedy), with `SpeculativeConfig("ngram", k)`: drafted and accepted tokens and decode iterations
   against the same replay without drafts. The inputs are random ids and the outputs a random
@@ -33,7 +39,14 @@ from pathlib import Path
 import numpy as np
 
 from megatron_rollout.drafts import Family, NgramIndex
-from megatron_rollout.engine import EngineConfig, KVConfig, RolloutEngine, SchedulerConfig, SpeculativeConfig
+from megatron_rollout.engine import (
+    EngineConfig,
+    KVConfig,
+    RolloutEngine,
+    SamplingParams,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from megatron_rollout.model.checkpoint import load_model
 from megatron_rollout.tokenizer import ByteTokenizer
 from megatron_rollout.trace.make import conversation_inputs, make_trace
@@ -47,11 +60,25 @@ GROUP_EDITS = (0.0, 0.01, 0.05, 0.2)
 """Shares of an answer's tokens in which the samples of the `group` case differ."""
 
 
+def earliest_draft(context: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """vLLM's prompt-lookup rule, for comparison: the longest n in [n_min, n_max] whose last n tokens
+    occurred earlier, their earliest such occurrence, and up to k tokens after it (none past the
+    context's end)."""
+    ids = np.asarray(context)
+    for n in range(min(n_max, len(ids) - 1), n_min - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)  # those ending before the suffix's end
+        hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
+        if hits.size:
+            return ids[hits[0] + n:hits[0] + n + k].tolist()
+    return []
+
+
 def replay_text(tokens: list[int], start: int, k: int, n_min: int, n_max: int,
-                siblings: Sequence[list[int]] = ()) -> dict:
+                siblings: Sequence[list[int]] = (), rule: str = "latest") -> dict:
     """Decode tokens[start:] as a model that writes `tokens` greedily would, drafting by lookup; with
-    `siblings` (other samples' whole texts), as `SpeculativeConfig.group` drafts (`drafts.Family`).
-    `host_us`: the lookups' time per iteration on this machine."""
+    `siblings` (other samples' whole texts), as `SpeculativeConfig.group` drafts (`drafts.Family`);
+    `rule` "earliest": by `earliest_draft` instead of `NgramIndex`. `host_us`: the lookups' time per
+    iteration on this machine."""
     context, index, group = list(tokens[:start]), NgramIndex(n_min, n_max), Family()
     group.join(0, context, index)
     for key, text in enumerate(siblings, start=1):
@@ -65,7 +92,10 @@ def replay_text(tokens: list[int], start: int, k: int, n_min: int, n_max: int,
         t0 = time.perf_counter()
         index.sync(context)  # its last token is the pending one: the drafts guess tokens[pos:]
         budget = min(k, len(tokens) - pos - 1)
-        draft, from_sibling = group.propose(0, budget) if siblings else (index.propose(budget), False)
+        if rule == "earliest":
+            draft, from_sibling = earliest_draft(context, budget, n_min, n_max), False
+        else:
+            draft, from_sibling = group.propose(0, budget) if siblings else (index.propose(budget), False)
         spent += time.perf_counter() - t0
         kept = next((i for i, t in enumerate(draft) if t != tokens[pos + i]), len(draft))
         drafted, accepted, iterations = drafted + len(draft), accepted + kept, iterations + 1
@@ -109,6 +139,30 @@ def texts(seed: int, vocab_size: int) -> dict[str, list[int]]:
     tok = ByteTokenizer()
     return {"source file": tok.encode(source), "a passage said 3 times": tok.encode(source[:2000] * 3),
             "trace input ids": ids}
+
+
+def model_outputs(seed: int, prompts: int = 4, prompt_len: int = 400, new: int = 1000) -> list[tuple[list[int], int]]:
+    """(prompt + greedy output, prompt length) of `tiny-moe` with random weights on random prompts."""
+    model = load_model("tiny-moe")
+    engine = RolloutEngine(model, EngineConfig(scheduler=SchedulerConfig(block_size=16), kv=KVConfig(num_blocks=4096)))
+    rng = np.random.default_rng(seed)
+    ids = [rng.integers(0, model.cfg.vocab_size, prompt_len).tolist() for _ in range(prompts)]
+    outs = engine.generate(ids, SamplingParams(temperature=0.0, max_new_tokens=new, ignore_stop=True))
+    return [(p + o.token_ids, prompt_len) for p, o in zip(ids, outs)]
+
+
+def replay_rules(seed: int, k: int, n_min: int, n_max: int) -> dict:
+    """Each text case, and the model outputs summed, under both lookup rules."""
+    cases = {name: [(tokens, len(tokens) // 2)] for name, tokens in texts(seed, 260).items()}
+    cases["tiny-moe greedy outputs"] = model_outputs(seed)
+    out: dict = {}
+    for rule in ("latest", "earliest"):
+        for name, parts in cases.items():
+            runs = [replay_text(tokens, start, k, n_min, n_max, rule=rule) for tokens, start in parts]
+            total = {key: sum(r[key] for r in runs) for key in ("tokens", "drafted", "accepted", "decode_iterations")}
+            total["acceptance_rate"] = total["accepted"] / total["drafted"] if total["drafted"] else 0.0
+            out.setdefault(rule, {})[name] = total
+    return out
 
 
 def replay_trace(conversations: int, seed: int, scale: float, k: int, n_min: int, n_max: int) -> dict:
@@ -170,19 +224,21 @@ def main(argv: list[str] | None = None) -> dict:
                        for name, tokens in texts(args.seed, 260).items()},
               "group": {str(e): replay_group(ByteTokenizer().encode(PASSAGE.read_text()), e, *lookup, seed=args.seed)
                         for e in GROUP_EDITS},
+              "rules": replay_rules(args.seed, *lookup),
               "trace": replay_trace(args.conversations, args.seed, args.scale, *lookup)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     if args.plot is not None:
         plot_group(report, args.plot)
     print(f"n-gram drafts, k={args.k}, n in [{args.ngram_min}, {args.ngram_max}]")
-    print(f"{'case':32} {'tokens':>7} {'drafted':>8} {'accepted':>8} {'accept':>7} {'iters':>6} {'host us':>8}")
+    print(f"{'case':40} {'tokens':>7} {'drafted':>8} {'accepted':>8} {'accept':>7} {'iters':>6} {'host us':>8}")
     rows = [(f"text: {n}", r["tokens"], r) for n, r in report["text"].items()]
     rows += [(f"group, edits {e}: {n}", r["tokens"], r) for e, g in report["group"].items() for n, r in g.items()]
+    rows += [(f"{rule} rule: {n}", r["tokens"], r) for rule, cases in report["rules"].items() for n, r in cases.items()]
     rows += [(f"trace: {n}", r["decode_tokens"], r) for n, r in report["trace"].items()]
     for name, tokens, r in rows:
         host = f"{r['host_us']:8.1f}" if "host_us" in r else f"{'-':>8}"
-        print(f"{name:32} {tokens:7d} {r['drafted']:8d} {r['accepted']:8d} {r['acceptance_rate']:7.3f} "
+        print(f"{name:40} {tokens:7d} {r['drafted']:8d} {r['accepted']:8d} {r['acceptance_rate']:7.3f} "
               f"{r['decode_iterations']:6d} {host}")
     return report
 

@@ -37,3 +37,19 @@ def test_a_laggard_copies_siblings_that_agree_and_less_as_they_differ():
     assert same["own"]["decode_iterations"] > 2 * same["group"]["decode_iterations"]
     apart = replay_group(text, 0.2, 4, 2, 4, prompt=100, answer=300)
     assert same["group"]["decode_iterations"] < apart["group"]["decode_iterations"] <= apart["own"]["decode_iterations"]
+
+
+def test_vllm_s_rule_copies_the_earliest_occurrence_where_ours_copies_the_latest():
+    from benchmarks.ngram import earliest_draft
+    from megatron_rollout.drafts import NgramIndex
+
+    context = [1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3]  # "1 2 3" twice before the suffix, "7 1 2 3" never
+    assert earliest_draft(context, 2, 2, 4) == [9, 1]
+    ours = NgramIndex(2, 4)
+    ours.sync(context)
+    assert list(ours.propose(2)) == [7, 1]
+    assert earliest_draft([5, 6, 5, 6], 4, 2, 4) == [5, 6]  # nothing past the context's end
+    assert earliest_draft([1, 2, 3], 4, 2, 4) == []
+    looped = [4, 8, 15, 16, 23, 42] * 4  # a period: both rules keep every draft
+    for rule in ("latest", "earliest"):
+        assert replay_text(looped, 8, 4, 2, 4, rule=rule)["acceptance_rate"] == 1.0
