@@ -39,14 +39,8 @@ from pathlib import Path
 import numpy as np
 
 from megatron_rollout.drafts import Family, NgramIndex
-from megatron_rollout.engine import (
-    EngineConfig,
-    KVConfig,
-    RolloutEngine,
-    SamplingParams,
-    SchedulerConfig,
-    SpeculativeConfig,
-)
+from megatron_rollout.engine import EngineConfig, KVConfig, RolloutEngine, SchedulerConfig, SpeculativeConfig
+from megatron_rollout.engine.api import SamplingParams
 from megatron_rollout.model.checkpoint import load_model
 from megatron_rollout.tokenizer import ByteTokenizer
 from megatron_rollout.trace.make import conversation_inputs, make_trace
