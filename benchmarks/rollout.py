@@ -846,6 +846,17 @@ def vllm_stage(run: Run, result: dict, out: Path, trace: list, deadline_total: f
     return peer
 
 
+def _no_peer_shape(cfg: ModelConfig) -> str | None:
+    """Why the peer cannot build this model (it builds Qwen3-MoE shapes only), or None."""
+    from benchmarks.vllm_peer import hf_config
+
+    try:
+        hf_config(cfg, cfg.max_position_embeddings)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def _interleaved_budget(args) -> str:
     budgets = [b.strip() for b in args.vllm_budgets.split(",") if b.strip()]
     if len(budgets) != 1 or budgets[0] == "best":
@@ -1031,6 +1042,11 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(os.path.expandvars(args.resume))
         result, specs = _resume(out, result), []
     write_trace(out / "trace.jsonl", trace)  # the peer and `benchmarks.sim_replay` replay this file
+    if vllm_on and (why := _no_peer_shape(cfg)) is not None:
+        if args.vllm:
+            raise SystemExit(f"--vllm on {args.model}: {why} (pass --no-vllm)")
+        log.info("no vLLM peer for %s: %s", args.model, why)
+        vllm_on = False
     if args.vllm_interleave is not None and not (vllm_on and specs):
         raise SystemExit("--vllm-interleave runs the peer between our repeats: it needs --vllm (CUDA: on by "
                          "default) and schedules of ours to time (not --resume, not --schedules '')")

@@ -9,6 +9,7 @@ import pytest
 
 from benchmarks import rollout, sim_replay
 from megatron_rollout.engine.config import SpeculativeConfig
+from megatron_rollout.model.config import PRESETS
 from megatron_rollout.trace.make import make_trace
 from megatron_rollout.trace.schema import load_trace
 from megatron_rollout.trace.steps import from_columns
@@ -316,8 +317,8 @@ def test_interleaved_peer_runs_a_pass_after_each_round_of_ours(tmp_path, monkeyp
     assert "interleaved with ours: its best | - | 3 |" in report.rollout(result)
 
 
-def test_interleaving_needs_one_budget_for_the_peer_and_repeats_of_ours(tmp_path):
-    base = ["--model", "tiny-moe", "--device", "cpu", "--conversations", "2", "--scale", "0.002", "--budgets", "64",
+def test_interleaving_needs_one_budget_for_the_peer_and_repeats_of_ours(tmp_path, tiny_qwen):
+    base = ["--model", tiny_qwen, "--device", "cpu", "--conversations", "2", "--scale", "0.002", "--budgets", "64",
             "--vllm-interleave", "own", "--out", str(tmp_path)]
     with pytest.raises(SystemExit, match="one budget"):
         rollout.main(base + ["--schedules", "off", "--vllm", "--vllm-budgets", "default,best"])
@@ -352,6 +353,17 @@ def test_a_peer_that_dies_leaves_our_replays_running(tmp_path, monkeypatch, tiny
     assert result["order"] == ["off#0", "off#1"]
     assert "exited (code 3)" in result["vllm"]["error"] and not result["vllm"].get("ran")
     assert result["ratios"]["best_over_vllm"] is None
+
+
+def test_a_model_the_peer_cannot_build_fails_before_any_work_when_the_peer_is_asked_for(tmp_path, monkeypatch):
+    """tiny-moe has a dense layer and a shared expert: `--vllm` is refused before a model is built (on
+    a GPU, where the peer is on by default, it is left out instead and our schedules run)."""
+    monkeypatch.setattr(rollout, "random_model", lambda *a: pytest.fail("a model was built"))
+    with pytest.raises(SystemExit, match="every layer MoE.*--no-vllm"):
+        rollout.main(["--model", "tiny-moe", "--device", "cpu", "--conversations", "2", "--scale", "0.002",
+                      "--schedules", "off", "--budgets", "64", "--vllm", "--out", str(tmp_path)])
+    assert "every layer MoE" in rollout._no_peer_shape(PRESETS["tiny-moe"])
+    assert rollout._no_peer_shape(PRESETS["qwen3-30b-a3b-12l"]) is None
 
 
 def test_ratios_are_medians_over_medians_against_the_peer():
