@@ -145,10 +145,16 @@ def model_outputs(seed: int, prompts: int = 4, prompt_len: int = 400, new: int =
     return [(p + o.token_ids, prompt_len) for p, o in zip(ids, outs)]
 
 
-def replay_rules(seed: int, k: int, n_min: int, n_max: int) -> dict:
-    """Each text case, and the model outputs summed, under both lookup rules."""
+def rule_cases(seed: int) -> dict[str, list[tuple[list[int], int]]]:
+    """The `rules` cases, each (tokens, where decoding starts) parts: the texts from their second
+    half, and the model's outputs from each prompt's end."""
     cases = {name: [(tokens, len(tokens) // 2)] for name, tokens in texts(seed, 260).items()}
     cases["tiny-moe greedy outputs"] = model_outputs(seed)
+    return cases
+
+
+def replay_rules(cases: dict[str, list[tuple[list[int], int]]], k: int, n_min: int, n_max: int) -> dict:
+    """Each case's parts replayed and summed, under both lookup rules."""
     out: dict = {}
     for rule in ("latest", "earliest"):
         for name, parts in cases.items():
@@ -210,6 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--scale", type=float, default=0.05, help="the trace's token counts (decode profile)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/ngram.json"))
+    ap.add_argument("--rules", action=argparse.BooleanOptionalAction, default=True,
+                    help="the text replay under both lookup rules (ours and vLLM's)")
     ap.add_argument("--plot", type=Path, default=None, help="draw the group case here (PNG; needs matplotlib)")
     args = ap.parse_args(argv)
     lookup = (args.k, args.ngram_min, args.ngram_max)
@@ -218,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
                        for name, tokens in texts(args.seed, 260).items()},
               "group": {str(e): replay_group(ByteTokenizer().encode(PASSAGE.read_text()), e, *lookup, seed=args.seed)
                         for e in GROUP_EDITS},
-              "rules": replay_rules(args.seed, *lookup),
+              "rules": replay_rules(rule_cases(args.seed), *lookup) if args.rules else {},
               "trace": replay_trace(args.conversations, args.seed, args.scale, *lookup)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))

@@ -21,7 +21,7 @@ def test_text_acceptance_is_one_on_a_period_and_nothing_where_nothing_repeats():
 def test_the_benchmark_runs(tmp_path):
     pytest.importorskip("matplotlib")
     report = main(["--conversations", "1", "--scale", "0.01", "--out", str(tmp_path / "ngram.json"),
-                   "--plot", str(tmp_path / "group.png")])
+                   "--plot", str(tmp_path / "group.png"), "--no-rules"])  # the rules: the test below
     trace = report["trace"]
     assert trace["plain"]["decode_tokens"] == trace["ngram-k4"]["decode_tokens"] > 0
     assert report["text"]["a passage said 3 times"]["acceptance_rate"] > 0.5  # 0.70 measured (docs/benchmarks.md)
@@ -53,3 +53,10 @@ def test_vllm_s_rule_copies_the_earliest_occurrence_where_ours_copies_the_latest
     looped = [4, 8, 15, 16, 23, 42] * 4  # a period: both rules keep every draft
     for rule in ("latest", "earliest"):
         assert replay_text(looped, 8, 4, 2, 4, rule=rule)["acceptance_rate"] == 1.0
+    from benchmarks.ngram import replay_rules
+
+    rules = replay_rules({"parts": [(looped, 8), (context, 5)]}, 4, 2, 4)
+    parts = [replay_text(looped, 8, 4, 2, 4, rule="earliest"), replay_text(context, 5, 4, 2, 4, rule="earliest")]
+    assert rules["earliest"]["parts"]["tokens"] == (len(looped) - 8) + (len(context) - 5)
+    for key in ("drafted", "accepted", "decode_iterations"):  # the parts summed
+        assert rules["earliest"]["parts"][key] == sum(p[key] for p in parts)
