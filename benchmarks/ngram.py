@@ -73,6 +73,8 @@ def replay_text(tokens: list[int], start: int, k: int, n_min: int, n_max: int,
     `siblings` (other samples' whole texts), as `SpeculativeConfig.group` drafts (`drafts.Family`);
     `rule` "earliest": by `earliest_draft` instead of `NgramIndex`. `host_us`: the lookups' time per
     iteration on this machine."""
+    if rule not in ("latest", "earliest"):
+        raise ValueError(f"rule must be 'latest' (ours) or 'earliest' (vLLM's), got {rule!r}")
     context, index, group = list(tokens[:start]), NgramIndex(n_min, n_max), Family()
     group.join(0, context, index)
     for key, text in enumerate(siblings, start=1):
@@ -84,11 +86,11 @@ def replay_text(tokens: list[int], start: int, k: int, n_min: int, n_max: int,
     while len(context) < len(tokens):
         pos = len(context)
         t0 = time.perf_counter()
-        index.sync(context)  # its last token is the pending one: the drafts guess tokens[pos:]
-        budget = min(k, len(tokens) - pos - 1)
+        budget = min(k, len(tokens) - pos - 1)  # the context's last token is the pending one: drafts guess tokens[pos:]
         if rule == "earliest":
             draft, from_sibling = earliest_draft(context, budget, n_min, n_max), False
         else:
+            index.sync(context)
             draft, from_sibling = group.propose(0, budget) if siblings else (index.propose(budget), False)
         spent += time.perf_counter() - t0
         kept = next((i for i, t in enumerate(draft) if t != tokens[pos + i]), len(draft))

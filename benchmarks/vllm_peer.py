@@ -23,8 +23,8 @@ budgets are keyed `<budget>/in-process`. One process runs one mode (the benchmar
 
 `--weights FILE` gives vLLM our model's weights (`save_weights`: one safetensors file under Hugging Face
 Qwen3-MoE names, which `benchmarks.rollout` writes from the model its replays ran) in place of its
-dummy init: both engines then compute one function, so greedy tokens agree and the drafts' acceptance
-is comparable. vLLM's dummy init (every value, norms included, uniform in +-1e-3) is another model,
+dummy init: both engines then compute one function (up to the order of their bf16 sums), so the
+drafts' acceptance is comparable. vLLM's dummy init (every value, norms included, uniform in +-1e-3) is another model,
 whose greedy outputs repeat differently. With `--speculative`, each pass also reports vLLM's drafted and
 accepted tokens, counted by a stat logger of ours (vLLM's stats are on for that, its own default).
 
@@ -106,17 +106,10 @@ def write_model_dir(path: Path, cfg: ModelConfig, max_model_len: int, weights: P
 def save_weights(model, cfg: ModelConfig, path: Path) -> Path:
     """`model`'s weights (a whole `MoETransformer`) as one safetensors file under the Hugging Face
     Qwen3-MoE names the peer's config.json describes, for `--weights`."""
-    from safetensors.torch import save_file
-
-    from megatron_rollout.model.checkpoint import QWEN3_MOE, megatron_to_hf
+    from megatron_rollout.model.checkpoint import QWEN3_MOE, save_safetensors
 
     hf_config(cfg, cfg.max_position_embeddings)  # a shape the peer cannot build fails before the copy
-    tensors = megatron_to_hf(model.state_dict(), cfg, QWEN3_MOE)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # one host copy each (q/k/v and gate/up are views of one tensor; safetensors refuses shared storage)
-    save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}, str(path),
-              metadata={"format": "pt"})
-    return path
+    return save_safetensors(model, cfg, path, QWEN3_MOE)
 
 
 class DraftCounts:

@@ -548,9 +548,9 @@ def load_pretrained(path: str | os.PathLike, comm: Comm | None = None, device: t
     return model
 
 
-def save_pretrained(model_or_full_state: MoETransformer | Mapping[str, torch.Tensor], cfg: ModelConfig,
-                    path: str | os.PathLike, arch: str) -> None:
-    """Write config.json + model.safetensors that `transformers.AutoModelForCausalLM` loads."""
+def save_safetensors(model_or_full_state: MoETransformer | Mapping[str, torch.Tensor], cfg: ModelConfig,
+                     path: str | os.PathLike, arch: str) -> Path:
+    """The weights alone: one safetensors file under `arch`'s Hugging Face names (per-expert layout)."""
     from safetensors.torch import save_file
 
     if isinstance(model_or_full_state, MoETransformer):
@@ -560,14 +560,23 @@ def save_pretrained(model_or_full_state: MoETransformer | Mapping[str, torch.Ten
         state = model_or_full_state.state_dict()
     else:
         state = model_or_full_state
-    hf_config = hf_config_from(cfg, arch)
     tensors = megatron_to_hf(state, cfg, arch)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # one host copy each: q/k/v (and gate/up) are views of one tensor, and safetensors refuses shared storage
+    save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}, str(path),
+              metadata={"format": "pt"})
+    return path
+
+
+def save_pretrained(model_or_full_state: MoETransformer | Mapping[str, torch.Tensor], cfg: ModelConfig,
+                    path: str | os.PathLike, arch: str) -> None:
+    """Write config.json + model.safetensors that `transformers.AutoModelForCausalLM` loads."""
+    hf_config = hf_config_from(cfg, arch)  # a config the architecture cannot express fails before any write
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     hf_config.save_pretrained(path)
-    # clone: q/k/v (and gate/up) are views of one tensor, and safetensors refuses shared storage
-    save_file({k: v.detach().cpu().clone() for k, v in tensors.items()}, str(path / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_safetensors(model_or_full_state, cfg, path / "model.safetensors", arch)
 
 
 def load_model(spec: str, comm: Comm | None = None, device: torch.device | str | None = None) -> MoETransformer:

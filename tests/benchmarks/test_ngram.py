@@ -53,6 +53,8 @@ def test_vllm_s_rule_copies_the_earliest_occurrence_where_ours_copies_the_latest
     looped = [4, 8, 15, 16, 23, 42] * 4  # a period: both rules keep every draft
     for rule in ("latest", "earliest"):
         assert replay_text(looped, 8, 4, 2, 4, rule=rule)["acceptance_rate"] == 1.0
+    with pytest.raises(ValueError, match="rule must be"):
+        replay_text(looped, 8, 4, 2, 4, rule="first")
     from benchmarks.ngram import replay_rules
 
     rules = replay_rules({"parts": [(looped, 8), (context, 5)]}, 4, 2, 4)
