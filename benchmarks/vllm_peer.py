@@ -362,9 +362,12 @@ def _engine_args(model_dir: Path, max_model_len: int, budget: int | None, args, 
     from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 
     load = "safetensors" if args.weights else "dummy"
+    # Stats stay off but where drafts are counted in process: `AsyncLLM` turns them on by itself for a
+    # stat logger (`DraftCounts`), `LLMEngine` calls its loggers only with them on (vLLM 0.26)
+    quiet = not (in_process and args.speculative)
     kwargs = dict(model=str(model_dir), dtype="bfloat16", load_format=load, skip_tokenizer_init=True,
                   generation_config="vllm", enable_prefix_caching=True, max_model_len=max_model_len,
-                  seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization, disable_log_stats=True)
+                  seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization, disable_log_stats=quiet)
     if budget is not None:
         kwargs["max_num_batched_tokens"] = budget
     if args.kv_cache_gb is not None:

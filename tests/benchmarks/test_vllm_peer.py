@@ -268,10 +268,12 @@ def _fake_vllm(monkeypatch, calls: list):
             calls.append(("shutdown", self.budget))
 
     class LLMEngine:
-        """The in-process engine: finishes every request one `step()` after it was added, in one delta."""
+        """The in-process engine: finishes every request one `step()` after it was added, in one delta.
+        As vLLM 0.26's `LLMEngine` (unlike its `AsyncLLM`), it calls its stat loggers only with stats on
+        (`disable_log_stats` False): each step that finishes requests drafted 3 tokens and kept 2 per request."""
 
         @classmethod
-        def from_engine_args(cls, args):
+        def from_engine_args(cls, args, stat_loggers=None):
             assert isinstance(args, EngineArgs)
             calls.append(("start-in-process", args.kw.get("max_num_batched_tokens"),
                           os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")))
@@ -279,6 +281,8 @@ def _fake_vllm(monkeypatch, calls: list):
             calls.pop()
             stepped = cls()
             stepped.vllm_config, stepped.added = engine.vllm_config, []
+            stepped.loggers = ([] if args.kw.get("disable_log_stats", False)
+                               else [factory(None, 0) for factory in stat_loggers or []])
             return stepped
 
         def reset_prefix_cache(self):
@@ -290,6 +294,10 @@ def _fake_vllm(monkeypatch, calls: list):
         def step(self):
             time.sleep(0.002)
             done, self.added = self.added, []
+            for stat_logger in self.loggers:
+                spec = types.SimpleNamespace(num_drafts=len(done), num_draft_tokens=3 * len(done),
+                                             num_accepted_tokens=2 * len(done))
+                stat_logger.record(types.SimpleNamespace(spec_decoding_stats=spec), None)
             return [types.SimpleNamespace(request_id=rid, outputs=[_Delta([7] * n)], finished=True) for rid, n in done]
 
     module("vllm", __version__="0.26.0-fake", SamplingParams=SamplingParams,
@@ -415,7 +423,10 @@ def test_stepped_loop_keeps_the_async_loop_s_rules():
     assert all(r.first_token is not None and r.arrival <= r.first_token <= r.finish for r in records if not r.error)
 
 
-def test_peer_speculation_reaches_vllm_s_engine_args_and_keys_the_budget(monkeypatch, tmp_path):
+@pytest.mark.parametrize("in_process", [False, True])
+def test_peer_speculation_reaches_vllm_s_engine_args_and_keys_the_budget(monkeypatch, tmp_path, in_process):
+    """Both modes draft as asked and count their drafts: the in-process engine only with its stats on,
+    which the own-process one turns on by itself once given a stat logger."""
     import json
 
     from benchmarks import vllm_peer
@@ -423,6 +434,7 @@ def test_peer_speculation_reaches_vllm_s_engine_args_and_keys_the_budget(monkeyp
 
     calls: list = []
     _fake_vllm(monkeypatch, calls)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     seen: list = []
     real = vllm_peer._engine_args
     monkeypatch.setattr(vllm_peer, "_engine_args", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
@@ -430,15 +442,16 @@ def test_peer_speculation_reaches_vllm_s_engine_args_and_keys_the_budget(monkeyp
     write_trace(tmp_path / "t.jsonl", trace)
     code = vllm_peer.main(["--trace", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "v.json"), "--budgets",
                            "4096", "--passes", "2", "--warmups", "1", "--speculative", "ngram:3",
-                           "--model-dir", str(tmp_path / "m")])
+                           "--model-dir", str(tmp_path / "m")] + (["--in-process"] if in_process else []))
     assert code == 0
     assert seen[0].kw["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3,
                                                 "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     result = json.loads((tmp_path / "v.json").read_text())
-    assert list(result["budgets"]) == ["4096~ngram:3"]
+    key = "4096~ngram:3" + ("/in-process" if in_process else "")
+    assert list(result["budgets"]) == [key]
     # vLLM's counts, per pass: the stand-in drafts 3 tokens once per request and keeps 2 (the
     # warm-up's counts are not carried into the first timed pass)
-    for rep in result["budgets"]["4096~ngram:3"]["passes"]:
+    for rep in result["budgets"][key]["passes"]:
         assert (rep["drafts"], rep["drafted_tokens"], rep["accepted_tokens"]) == (len(trace), 3 * len(trace),
                                                                                  2 * len(trace))
         assert rep["acceptance"] == pytest.approx(2 / 3)
