@@ -30,7 +30,8 @@ rows decode) that repeat 0 drafted on the whole (n-gram lookup drafts only where
 rounded, at least 1) and accepting as many tokens as repeat 0 accepted. In sample its verify
 forwards are fitted by their positions (`StepRecord.decode_positions`, a row and its drafts), the
 unit the lever costs them in; records made before that field hold one row a request, and their
-in-sample check is skipped. Other drafters (an MTP layer's own forward) are not simulated. Decode
+in-sample check is skipped. Other drafters (an MTP layer's own forward) and `streak_k` (a row's draft
+length by its own verdicts) are not simulated. Decode
 ahead (`/sync` or not) is not modelled: both run the same simulation.
 A `mux` schedule with SMs held back from prefill (`/sms:N`, `/split:N`) is simulated with the
 `Overlap` lever, its factors from a `benchmarks.pd_overlap` run of the same shape (`held`; `driver`
@@ -216,6 +217,8 @@ def _sim_config(result: dict, spec: str, budget: int, first: dict,
     if drafts is not None:
         if drafts.method != "ngram":
             return f"drafting by {drafts.method!r}: the drafter's own forward is not modelled"
+        if drafts.streak_k is not None:
+            return "streak_k: a row's draft length by its own last verdict is not modelled"
         max_rows = drafts.tail_rows or args["max_decode_rows"]
         steps = [r.decode_rows for r in from_columns(first["steps"]) if 0 < r.decode_rows <= max_rows]
         stats = first["engine_stats"]

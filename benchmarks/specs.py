@@ -24,8 +24,8 @@ class Spec(NamedTuple):
     priority: str | None
     """The engine's priority (`engine.priority`); None: SchedulerConfig's default."""
     speculative: SpeculativeConfig | None = None
-    """'~ngram:K[:R][+T@W]': n-gram drafts of K tokens (`drafts.ngram`), only while at most R rows
-    decode, T while at most W do."""
+    """'~ngram:K[:R][+T@W][^S]': n-gram drafts of K tokens (`drafts.ngram`), only while at most R rows
+    decode, T while at most W do, S for a row whose last draft was kept whole."""
     decode_sms: int = 0
     """'/sms:N' or '/split:N': prefill's stream leaves N SMs out (`RunnerConfig.decode_sms`; mux only)."""
     partition: str = "held"
@@ -50,21 +50,23 @@ def piecewise_buckets(largest: int) -> tuple[int, ...]:
 
 
 def _drafts(spec: str, text: str) -> SpeculativeConfig | None:
-    """'ngram:K[:R][+T@W]' -> SpeculativeConfig("ngram", K, tail_rows=R, tail_k=T, tail_k_rows=W); '' -> None."""
+    """'ngram:K[:R][+T@W][^S]' -> SpeculativeConfig("ngram", K, tail_rows=R, tail_k=T, tail_k_rows=W,
+    streak_k=S); '' -> None."""
     if not text:
         return None
+    text, caret, streak = text.partition("^")
     text, _, tail = text.partition("+")
     method, *numbers = text.split(":")
     try:
         k, *rows = (int(n) for n in numbers)
-        wide = {}
+        wide = {"streak_k": int(streak)} if caret else {}
         if tail:
             tail_k, at, tail_rows = tail.partition("@")
-            wide = {"tail_k": int(tail_k), **({"tail_k_rows": int(tail_rows)} if at else {})}
+            wide.update(tail_k=int(tail_k), **({"tail_k_rows": int(tail_rows)} if at else {}))
         return SpeculativeConfig(method, k, tail_rows=rows[0] if rows else None, **wide)
     except (ValueError, TypeError) as exc:
-        raise SystemExit(f"schedule {spec!r}: drafts are '~ngram:K', '~ngram:K:R' or either with '+T@W' "
-                         f"({exc})") from None
+        raise SystemExit(f"schedule {spec!r}: drafts are '~ngram:K', '~ngram:K:R', either with '+T@W', "
+                         f"then '^S' ({exc})") from None
 
 
 def split_spec(spec: str) -> Spec:
@@ -73,7 +75,7 @@ def split_spec(spec: str) -> Spec:
     runs decode beside prefill on those 24 alone, '/pw:16384' captures piecewise P graphs up to 16,384
     tokens (`piecewise_buckets`), '+name' picks the engine's priority (e.g.
     'mux+most-turns'), '~ngram:4' drafts 4 tokens per row by prompt lookup (':16': only while at
-    most 16 rows decode; '+7@2': 7 while at most 2 do)."""
+    most 16 rows decode; '+7@2': 7 while at most 2 do; '^7': 7 for a row whose last draft was kept whole)."""
     core, *flags = spec.split("/")
     held = [f.partition(":") for f in flags if f.startswith(("sms:", "split:"))]
     pw = [f.partition(":")[2] for f in flags if f.startswith("pw:")]

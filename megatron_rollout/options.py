@@ -117,6 +117,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --ngram: draft T tokens per row while at most --draft-tail-k-rows rows decode")
     p.add_argument("--draft-tail-k-rows", type=positive_int, default=None, metavar="W",
                    help="with --draft-tail-k: the most decoding rows at which it applies (default 4)")
+    p.add_argument("--draft-streak-k", type=positive_int, default=None, metavar="S",
+                   help="with --ngram: draft S tokens for a row whose last draft was kept whole")
     p.add_argument("--draft-group", action="store_true",
                    help="with --ngram: a row whose own context proposes nothing drafts from the other samples of "
                         "its n > 1 request (an RL group)")
@@ -149,7 +151,8 @@ def engine_config(args: argparse.Namespace, schedule: str | None = None) -> Engi
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
-    """`--mtp K` or `--ngram K` (not both), with `--draft-tail-rows`, `--draft-tail-k` and `--draft-group`;
+    """`--mtp K` or `--ngram K` (not both), with `--draft-tail-rows`, `--draft-tail-k`, `--draft-streak-k`
+    and `--draft-group`;
     None: plain decoding."""
     if args.mtp and args.ngram:
         raise ValueError(f"--mtp {args.mtp} and --ngram {args.ngram} are two draft sources: pass one of them")
@@ -161,9 +164,11 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
         raise ValueError("--draft-tail-k-rows needs --draft-tail-k T (it says while how few rows T applies)")
     if args.draft_group and not args.ngram:
         raise ValueError("--draft-group needs --ngram K (a group's samples are looked up as a row's own context is)")
+    if args.draft_streak_k is not None and not args.ngram:
+        raise ValueError("--draft-streak-k needs --ngram K (longer n-gram drafts for rows whose guesses hold)")
     if not (args.mtp or args.ngram):
         return None
     method, k = ("mtp", args.mtp) if args.mtp else ("ngram", args.ngram)
     return SpeculativeConfig(method, k, tail_rows=args.draft_tail_rows, tail_k=args.draft_tail_k,
                              tail_k_rows=args.draft_tail_k_rows or SpeculativeConfig.tail_k_rows,
-                             group=args.draft_group)
+                             streak_k=args.draft_streak_k, group=args.draft_group)

@@ -143,6 +143,11 @@ class SpeculativeConfig:
     positions one run of the verify kernel (`runner.cuda.MAX_RUN`). None: k throughout."""
     tail_k_rows: int = 4
     """The most decoding rows at which `tail_k` applies."""
+    streak_k: int | None = None
+    """"ngram" only: drafted tokens for a row whose last draft was kept whole (where k, or `tail_k`, is
+    fewer). A row whose text loops keeps whole drafts one iteration after another, and a longer guess
+    there takes it through in fewer iterations; a row that missed drafts k again, so the verify
+    forward grows only where guesses hold. Up to 7 keeps a row one run of the verify kernel. None: off."""
     group: bool = False
     """"ngram" only: a row whose own context proposes nothing looks its suffix up in the contexts of
     the other samples of its n > 1 request (an RL group: `SamplingParams.n`, the sessions forked from
@@ -166,19 +171,27 @@ class SpeculativeConfig:
             if self.method != "ngram":
                 raise ValueError(f"SpeculativeConfig.tail_k is for n-gram drafts (method 'ngram'); method "
                                  f"{self.method!r} drafts k tokens through graphs captured for k")
+        if self.streak_k is not None:
+            if type(self.streak_k) is not int or not 1 <= self.streak_k <= 8:
+                raise ValueError(f"SpeculativeConfig.streak_k must be an int in [1, 8] or None, got {self.streak_k!r}")
+            if self.method != "ngram":
+                raise ValueError(f"SpeculativeConfig.streak_k is for n-gram drafts (method 'ngram'); method "
+                                 f"{self.method!r} drafts k tokens through graphs captured for k")
         if type(self.group) is not bool or (self.group and self.method != "ngram"):
             raise ValueError(f"SpeculativeConfig.group (drafts from an RL group's other samples) is True or False "
                              f"and needs method 'ngram', got group={self.group!r} with method {self.method!r}")
         if type(self.tail_k_rows) is not int or self.tail_k_rows <= 0:
             raise ValueError(f"SpeculativeConfig.tail_k_rows must be a positive int, got {self.tail_k_rows!r}")
 
-    def k_at(self, rows: int) -> int:
-        """Drafted tokens per row while `rows` rows decode (`tail_k` in the tail, k elsewhere)."""
-        return self.tail_k if self.tail_k is not None and rows <= self.tail_k_rows else self.k
+    def k_at(self, rows: int, streak: bool = False) -> int:
+        """Drafted tokens per row while `rows` rows decode (`tail_k` in the tail, k elsewhere), for a
+        row whose last draft was kept whole (`streak`) at least `streak_k`."""
+        k = self.tail_k if self.tail_k is not None and rows <= self.tail_k_rows else self.k
+        return max(k, self.streak_k) if streak and self.streak_k is not None else k
 
     def graph_rows(self, max_rows: int) -> int:
         """One-token verify rows of an iteration of up to `max_rows` decode rows, at most."""
-        rows = max_rows * (1 + self.k)
+        rows = max_rows * (1 + max(self.k, self.streak_k or 0))
         if self.tail_k is not None:
             rows = max(rows, min(max_rows, self.tail_k_rows) * (1 + self.tail_k))
         return rows

@@ -32,7 +32,8 @@ MTP drafting refuses n > 1 (one hidden state per prompt), and top and prompt log
 drafting serves both: a request for top logprobs decodes undrafted, through the plain draw, and a
 prefill's prompt positions are scored as the plain executor scores them. Under `tail_rows` the
 plan gives drafts room only while few rows decode, and `tail_k` drafts longer guesses while very
-few do: the planner's input decides both, so every rank of a replica agrees.
+few do: the planner's input decides both, so every rank of a replica agrees. Under `streak_k` a row
+whose last draft was kept whole drafts that many: its verdicts, which every rank computes alike, decide.
 
 The forwards are the runner's (`Runner.forward_hidden`, `Runner.forward_mtp`): the portable one,
 or the CUDA runner on one rank, whose decode graphs run them as one-query rows
@@ -143,6 +144,8 @@ class SpeculativeExecutor(StepExecutor):
         self.graph_outputs = ("hidden", "mtp") if self.mtp else ("hidden",)  # verify; MTP also drafts
         self.mtp_norm = model.mtp.layers[0].final_layernorm if self.mtp else None
         self.drafts: dict[int, Draft] = {}
+        self.whole: set[int] = set()
+        """The requests whose last draft was kept whole (`SpeculativeConfig.streak_k`), by id."""
         self.deferred: dict[int, Deferred] = {}
         self.contexts: dict[int, NgramIndex] = {}
         """"ngram": each sequence's tokens as the lookup holds them, by sequence id."""
@@ -170,19 +173,19 @@ class SpeculativeExecutor(StepExecutor):
         if self.config.tail_rows is not None and len(decoding) > self.config.tail_rows:
             return state
         if not self.mtp:
-            self._look_up(decoding, self.config.k_at(len(decoding)))
+            self._look_up(decoding, len(decoding))
         seqs = tuple(dataclasses.replace(v, lookahead=len(d.tokens))
                      if v.stage is Stage.DECODE and (d := self._draft(v.rid)) is not None else v for v in state.seqs)
         return dataclasses.replace(state, seqs=seqs)
 
-    def _look_up(self, rids: list[int], k: int) -> None:
-        """"ngram": each row's drafts (up to k) for the step being planned, from its context as it
-        stands now."""
+    def _look_up(self, rids: list[int], rows: int) -> None:
+        """"ngram": each row's drafts for the step being planned, `rows` rows decoding (as many as
+        `SpeculativeConfig.k_at` gives the row), from its context as it stands now."""
         for rid in rids:
             req = self.table.requests[rid]
             if req.params.logprobs is not None:  # its top logprobs come from the plain draw: never drafted
                 continue
-            seq, budget = req.seq, self._budget(req, 0, k)
+            seq, budget = req.seq, self._budget(req, 0, self.config.k_at(rows, rid in self.whole))
             context = self.contexts.get(seq.sid)
             if context is None:
                 context = self.contexts[seq.sid] = NgramIndex(self.config.ngram_min, self.config.ngram_max)
@@ -319,21 +322,29 @@ class SpeculativeExecutor(StepExecutor):
                         samples=self.draw([owner], all_logits[sl][:1]).result(range(n)))
         if params.temperature == 0.0:  # `verify`'s greedy rule on the host copies
             a = next((i for i, d in enumerate(drafts) if d != best[i].token), len(drafts))
-            self.stats.drafted_tokens += len(drafts)
-            self.stats.accepted_tokens += a
+            self._count(req.rid, len(drafts), a)
             kept = best[:a + 1]
             return _Row(owner, first, table, hidden, Verdict(a, tuple(b.token for b in kept),
                                                              tuple(b.logprob for b in kept)))
         logits = all_logits[sl]
         if not drafts:  # the plain sampler's draw
+            self.whole.discard(req.rid)
             s = sample_row(logits[0], params, gen)
             return _Row(owner, first, table, hidden, Verdict(0, (s.token,), (s.logprob,)))
         draft = self._draft(req.rid)
         logq = None if draft is None or draft.logq is None else draft.logq[:len(drafts)]
         verdict = verify(logits, list(drafts), logq, params, gen)
-        self.stats.drafted_tokens += len(drafts)
-        self.stats.accepted_tokens += verdict.accepted
+        self._count(req.rid, len(drafts), verdict.accepted)
         return _Row(owner, first, table, hidden, verdict)
+
+    def _count(self, rid: int, drafted: int, accepted: int) -> None:
+        """A row's verdict on its drafts, in the stats and in `whole`."""
+        self.stats.drafted_tokens += drafted
+        self.stats.accepted_tokens += accepted
+        if drafted and accepted == drafted:
+            self.whole.add(rid)
+        else:
+            self.whole.discard(rid)
 
     def _draft_next(self, rows: list[_Row], phase: Phase) -> None:
         """Step 3 (module docstring): the MTP layer over every row's confirmed positions, then up to
@@ -428,6 +439,7 @@ class SpeculativeExecutor(StepExecutor):
             for rid in [rid for rid, e in entries.items()
                         if (req := self.table.requests.get(rid)) is None or req.lifetime != e.lifetime]:
                 del entries[rid]
+        self.whole.intersection_update(self.table.requests)
         gone = [sid for sid in self.contexts if sid not in self.table.seqs]
         for sid in gone:
             del self.contexts[sid]

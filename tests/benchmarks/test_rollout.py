@@ -403,8 +403,11 @@ def test_spec_suffix_tilde_asks_for_ngram_drafts():
     assert rollout.split_spec("mux@budget:24000~ngram:4+7@2").speculative == SpeculativeConfig(
         "ngram", 4, tail_k=7, tail_k_rows=2)
     assert rollout.split_spec("mux~ngram:4:16+6").speculative == SpeculativeConfig("ngram", 4, tail_rows=16, tail_k=6)
+    assert rollout.split_spec("mux@budget:24000~ngram:4+7@4^7/sync").speculative == SpeculativeConfig(
+        "ngram", 4, tail_k=7, tail_k_rows=4, streak_k=7)
+    assert rollout.split_spec("mux~ngram:4^6").speculative == SpeculativeConfig("ngram", 4, streak_k=6)
     for bad in ("mux~ngram", "mux~ngram:x", "mux~ngram:9", "mux~eagle:2", "mux~ngram:4+9", "mux~ngram:4+x@2",
-                "mux~ngram:4+7@0", "mux~mtp:1+3"):
+                "mux~ngram:4+7@0", "mux~mtp:1+3", "mux~ngram:4^9", "mux~ngram:4^", "mux~mtp:1^3"):
         with pytest.raises((SystemExit, ValueError)):
             rollout.split_spec(bad)
 

@@ -74,6 +74,7 @@ def test_a_dense_model_has_no_experts_fit_and_drafting_uses_the_lever(run):
     assert one and tail.levers.speculation == Speculation(2, 2, acceptance=decode_rows / (2 * decode_rows + one),
                                                           tail_tokens=3, tail_rows=1)
     assert "not modelled" in sim_replay._sim_config(result, "chunked~mtp:1", 64, first)
+    assert "not modelled" in sim_replay._sim_config(result, "mux~ngram:4^7", 64, first)
     assert "no `held` run" in sim_replay._sim_config(result, "mux/sms:24", 64, first)
     assert "(split): no `driver` run" in sim_replay._sim_config(result, "mux/split:24", 64, first)
     spec = {**result, "schedules": {"off": result["schedules"]["off"],

@@ -2,7 +2,7 @@
 layer's forwards run in lockstep on every rank (ATP peers mirror their leader's drafts; replicas
 without a row run matched forwards over nothing), and the greedy tokens are one process's plain ones.
 n-gram drafts (no MTP layer) likewise, with `tail_rows`: each replica decides from the state its
-leader plans, so its ATP peers draft alike."""
+leader plans, so its ATP peers draft alike; and with `streak_k` (under `off`), which the rows' verdicts decide."""
 from __future__ import annotations
 
 import pytest
@@ -26,7 +26,7 @@ MTP = tuple((schedule, SpeculativeConfig(k=2)) for schedule in SCHEDULES)
 # the long prompt's prefill runs while two rows decode (drafting, under `tail_rows`), then three rows
 # decode (not drafting); `off` runs every prefill before decode resumes: no tail, so it drafts always
 NGRAM_PROMPTS = PROMPTS[:2] + [[3, 3, 9, 0, 11, 2, 6, 4, 8, 1, 10, 2, 5, 7, 3, 9, 0, 11, 2, 6]]
-NGRAM = (("off", SpeculativeConfig("ngram", 3, ngram_min=1)),
+NGRAM = (("off", SpeculativeConfig("ngram", 3, ngram_min=1, streak_k=6)),
          ("chunked", SpeculativeConfig("ngram", 3, ngram_min=1, tail_rows=2)),
          ("mux", SpeculativeConfig("ngram", 3, ngram_min=1, tail_rows=2)))
 

@@ -1,7 +1,8 @@
 """n-gram (prompt-lookup) speculative decoding (`SpeculativeConfig("ngram")`, `drafts.ngram`) on a
 tiny DeepSeek-V3 without an MTP layer: greedy tokens and logprobs equal plain decoding under off,
 chunked and mux; a repeating context is drafted and accepted (fewer decode iterations); `tail_rows`
-drafts only while few rows decode, `tail_k` longer while very few do; every request finishes, or
+drafts only while few rows decode, `tail_k` longer while very few do, `streak_k` longer for a row
+whose last draft was kept whole; every request finishes, or
 fails with its reason, under KV pressure; the sampled law is the plain sampler's with one-hot
 drafts (chi-square), and the same test rejects a broken acceptance rule."""
 from __future__ import annotations
@@ -137,6 +138,44 @@ def test_tail_k_drafts_longer_only_while_very_few_rows_decode(make_engine, sched
     assert stats.decode_iterations < runs["k"][1].decode_iterations, (stats, runs["k"][1])
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_streak_k_drafts_longer_only_after_a_draft_kept_whole(make_engine, schedule, monkeypatch):
+    """`streak_k`: a row drafts 6 where its last draft was kept whole, 2 otherwise; on a repeating
+    context that takes fewer iterations than k = 2 throughout; tokens unchanged."""
+    m = bigram(model())
+    params = [SamplingParams(temperature=0.0, max_new_tokens=8 + 12 * i, ignore_stop=True) for i in range(4)]
+    want = make_engine(m, small(schedule)).generate(PROMPTS, params)
+    runs = {}
+    for name, fields in (("k", {}), ("streak", {"streak_k": 6})):
+        engine = make_engine(m, ngram(schedule, k=2, **fields))
+        seen: list[tuple[int, bool]] = []  # (a row's drafts, its last draft kept whole) of every decode row
+        executor, inputs = engine.executor, engine.executor.inputs
+
+        def spy(decode, prefill, lookahead=(), inputs=inputs, seen=seen, executor=executor):
+            decode = tuple(decode)
+            seen += [(drafted, rid in executor.whole) for rid, drafted in zip(decode, lookahead)]
+            return inputs(decode, prefill, lookahead)
+
+        monkeypatch.setattr(executor, "inputs", spy)
+        got = engine.generate(PROMPTS, params)
+        assert [r.token_ids for r in got] == [r.token_ids for r in want], name
+        runs[name] = (seen, engine.stats)
+    seen, stats = runs["streak"]
+    assert all(whole for drafted, whole in seen if drafted > 2), seen
+    assert any(drafted > 2 for drafted, _ in seen), seen
+    assert all(drafted <= 2 for drafted, _ in runs["k"][0])
+    assert stats.decode_iterations < runs["k"][1].decode_iterations, (stats, runs["k"][1])
+    assert not executor.whole - set(engine.table.requests)  # finished requests are forgotten
+
+
+def test_streak_k_reaches_the_row_count_and_the_graphs():
+    cfg = SpeculativeConfig("ngram", 3, tail_k=5, tail_k_rows=2, streak_k=7)
+    assert [cfg.k_at(r) for r in (1, 4)] == [5, 3] and [cfg.k_at(r, streak=True) for r in (1, 4)] == [7, 7]
+    assert SpeculativeConfig("ngram", 4, streak_k=2).k_at(9, streak=True) == 4  # never below k
+    assert cfg.graph_rows(64) == 64 * 8 and SpeculativeConfig("ngram", 3).k_at(1, streak=True) == 3
+
+
 def test_tail_k_graph_rows_cover_the_tails_longer_rows():
     cfg = SpeculativeConfig("ngram", 3, tail_k=7, tail_k_rows=4)
     assert [cfg.k_at(r) for r in (1, 4, 5)] == [7, 7, 3]
@@ -146,7 +185,7 @@ def test_tail_k_graph_rows_cover_the_tails_longer_rows():
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("tail", [{}, {"tail_k": 7, "tail_k_rows": 2}])
+@pytest.mark.parametrize("tail", [{}, {"tail_k": 7, "tail_k_rows": 2}, {"streak_k": 7}])
 def test_under_kv_pressure_every_request_finishes_or_fails_with_its_reason(tiny, make_engine, schedule, tail):
     """Few KV blocks: drafts are planned only where blocks remain (they never preempt), rows are
     preempted and recomputed; a request for n samples forks and its samples finish too. `tail`:
@@ -182,6 +221,10 @@ def test_the_config_names_what_is_wrong():
         SpeculativeConfig("mtp", 1, tail_k=3)
     with pytest.raises(ValueError, match="tail_k_rows must be a positive int, got 0"):
         SpeculativeConfig("ngram", 2, tail_k=3, tail_k_rows=0)
+    with pytest.raises(ValueError, match=r"streak_k must be an int in \[1, 8\] or None, got 0"):
+        SpeculativeConfig("ngram", 2, streak_k=0)
+    with pytest.raises(ValueError, match="streak_k is for n-gram drafts"):
+        SpeculativeConfig("mtp", 1, streak_k=3)
     got = EngineConfig.from_dict({"speculative": {"method": "ngram", "k": 3, "tail_rows": 8}}).speculative
     assert got == SpeculativeConfig("ngram", 3, tail_rows=8)
 
@@ -206,6 +249,10 @@ def test_the_command_line_spells_it_ngram_k():
     with pytest.raises(ValueError, match="--draft-tail-k-rows needs --draft-tail-k"):
         engine_config(parser.parse_args(["--ngram", "4", "--draft-tail-k-rows", "2"]))
     assert engine_config(parser.parse_args(["--ngram", "4", "--draft-tail-k", "6"])).speculative.tail_k_rows == 4
+    got = engine_config(parser.parse_args(["--ngram", "4", "--draft-streak-k", "7"])).speculative
+    assert got == SpeculativeConfig("ngram", 4, streak_k=7)
+    with pytest.raises(ValueError, match="--draft-streak-k needs --ngram"):
+        engine_config(parser.parse_args(["--draft-streak-k", "7"]))
 
 
 @pytest.mark.gpu
