@@ -126,6 +126,8 @@ class PeerSession:
         peer = json.loads(self.json_path.read_text()) if self.json_path.exists() else {}
         peer.update(command=" ".join(self.cmd + ["--serve"]), exit=self.proc.returncode,
                     wall_s=time.perf_counter() - self.started, interleaved=True, pass_wall_s=self.pass_s)
+        for entry in (peer.get("budgets") or {}).values():  # per setting: a resumed run adds others, not interleaved
+            entry["interleaved"] = True
         if self.error is not None:
             peer["error"] = self.error
         return peer

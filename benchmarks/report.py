@@ -26,6 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.agreement import agreement_note
+
 ROOT = Path(__file__).resolve().parents[1]
 
 MARK = re.compile(r"^<!-- report (?P<kind>[\w-]+) (?P<path>\S+) -->\n(?P<body>.*?)^<!-- end report -->$",
@@ -86,7 +88,7 @@ def rollout(result: dict) -> str:
         label = (f"vLLM {vllm.get('vllm', '')}, its default ({num(chosen, 'd')})" if budget == "default"
                  else f"vLLM {vllm.get('vllm', '')} at {num(chosen, 'd')}") + (", core in process" if mode else "")
         label += f", {drafts} drafts" if drafts else ""
-        label += ", interleaved with ours" if vllm.get("interleaved") else ""
+        label += ", interleaved with ours" if entry.get("interleaved", vllm.get("interleaved")) else ""
         if str(key) == str(vllm.get("best_budget")):
             label += ": its best"
         rows.append(_rollout_row(label, "-", len(passes), entry.get("median") or {}, lo, hi, "-"))
@@ -107,6 +109,8 @@ def rollout(result: dict) -> str:
             f"{n} {o['over_fifo']:.3f}" for n, o in oracle.items()))
     if (accepted := acceptance_note(result)) is not None:
         notes.append(accepted)
+    if (alike := agreement_note(result)) is not None:
+        notes.append(alike)
     if result.get("stopped"):
         notes.append(f"stopped early: {result['stopped']}")
     return text + ("\n\n" + "; ".join(notes) + "." if notes else "")

@@ -70,6 +70,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.agreement import agreement, agreement_note, replay_digests
 from benchmarks.bounds import model_costs, trace_lower_bound
 from benchmarks.compiles import CompileCounter
 from benchmarks.interleave import PeerSession
@@ -383,12 +384,14 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str,
     details: dict[str, Any] = {}
     try:
         with counter, pauses, profiler if profiler is not None else contextlib.nullcontext():
-            report, _ = replay(engine, trace, seed=args.seed, progress=not args.no_progress, vocab_size=cfg.vocab_size,
-                               schedule=schedule, temperature=args.temperature,
-                               details=details if kind == "timed" and args.step_records else None)
+            report, outputs = replay(engine, trace, seed=args.seed, progress=not args.no_progress,
+                                     vocab_size=cfg.vocab_size, schedule=schedule, temperature=args.temperature,
+                                     details=details if kind == "timed" else None)
             if args.device != "cpu":
                 torch.cuda.synchronize()
         result: dict[str, Any] = {"report": report.to_dict(), "finished": True}
+        if kind == "timed":  # each turn's generated ids, for `benchmarks.agreement`
+            result["digests"] = replay_digests(outputs, details["conversation_of"], details["turn_of"])
     except ScheduleTimeout as exc:
         result = {"finished": False, "error": str(exc)}
     finally:
@@ -396,7 +399,7 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str,
         signal.signal(signal.SIGALRM, previous)
     wall = time.perf_counter() - started
     run.last_s[kind] = max(run.last_s.get(kind, 0.0), wall + setup_s)
-    if details.get("records") is not None:
+    if details.get("records") is not None and args.step_records:
         result["steps"] = to_columns(details["records"])
         result["replay_start"] = details["start"]  # the records' clock: the start-up before the first forward
         result["submissions"] = marks_to_columns(details["submissions"], SUBMISSION_COLUMNS)
@@ -653,6 +656,8 @@ def table(result: dict) -> str:
     lb = result.get("lower_bound")
     if lb:
         lines.append(f"lower bound {lb['bound_s']:.2f} s (chain {lb['chain_s']:.2f} s, work {lb['work_s']:.2f} s)")
+    if (alike := agreement_note(result)) is not None:
+        lines.append(alike)
     for name, o in (result.get("oracle") or {}).items():
         lines.append(f"oracle order, simulated on {name}'s own fit: " + (
             f"{o['oracle_sim_s']:.2f} s against {o['fifo_sim_s']:.2f} s in arrival order ({o['over_fifo']:.3f})"
@@ -1108,6 +1113,7 @@ def main(argv: list[str] | None = None) -> int:
         result["hf_peer"] = run_peer(cfg, trace, args.device, args.seed, args.hf_budget_s)
         _write(out, result)
     result["ratios"] = ratios(result)
+    result["agreement"] = agreement(result)
     result["wall_s"] = time.perf_counter() - t_start
     _write(out, result)
     print(table(result), flush=True)

@@ -57,6 +57,7 @@ from typing import Any, Protocol, TextIO
 
 import numpy as np
 
+from benchmarks.agreement import digest, turn_key
 from megatron_rollout.model.config import PRESETS, ModelConfig
 from megatron_rollout.trace.make import conversation_inputs
 from megatron_rollout.trace.schema import ConversationId, TraceRequest, group_conversations, load_trace
@@ -178,6 +179,8 @@ class TurnRecord:
     prompt_tokens: int
     output_tokens: int
     error: str | None = None
+    digest: str | None = None
+    """`benchmarks.agreement.digest` of the turn's generated ids."""
 
 
 async def closed_loop(engine: AsyncGenerateEngine, requests: Sequence[TraceRequest],
@@ -210,7 +213,7 @@ async def closed_loop(engine: AsyncGenerateEngine, requests: Sequence[TraceReque
                 error = f"{type(exc).__name__}: {exc}"
             finish = time.perf_counter()
             records.append(TurnRecord(key, k, arrival, first, finish, len(inputs[key][k]), len(history),
-                                      len(generated), error))
+                                      len(generated), error, digest(generated)))
             if error is not None:
                 log.warning("conversation %r turn %d failed: %s", key, k, error)
                 return
@@ -253,7 +256,7 @@ def closed_loop_stepped(engine: SteppedEngine, requests: Sequence[TraceRequest],
                error: str | None) -> None:
         end = time.perf_counter()
         records.append(TurnRecord(key, k, arrival, first, end, len(inputs[key][k]), len(history[key]),
-                                  len(generated), error))
+                                  len(generated), error, digest(generated)))
         if error is not None:
             log.warning("conversation %r turn %d failed: %s", key, k, error)
             return
@@ -318,13 +321,17 @@ def report(start: float, records: Sequence[TurnRecord], total_requests: int) -> 
         "p99_trajectory_s": _pct([b - a for a, b in spans.values()], 99),
         "mean_ttft_s": float(np.mean(ttfts)) if ttfts else None, "p99_ttft_s": _pct(ttfts, 99),
         "mean_decode_wait_ms": None, "tokens_per_s": out_tokens / makespan if makespan > 0 else None,
+        "digests": {turn_key(r.conversation, r.turn): r.digest for r in done},
     }
 
 
 def median_report(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Each numeric figure's median over `reports` (None where no report has it)."""
+    """Each numeric figure's median over `reports` (None where no report has it); per-turn fields
+    (`digests`) stay in the reports."""
     out: dict[str, Any] = {}
     for key in reports[0] if reports else ():
+        if isinstance(reports[0][key], dict):
+            continue
         values = [r[key] for r in reports if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
         out[key] = float(np.median(values)) if values else reports[0][key]
     return out

@@ -76,6 +76,11 @@ def test_repeats_are_interleaved_warm_and_summarised(run):
     assert ratios["mux_load_over_mux"] == pytest.approx(med["mux-load"] / med["mux"])
     assert ratios["mux_over_best_baseline"] == pytest.approx(med["mux"] / min(med["off"], med["chunked"]))
     assert "mux_over_off@32" in ratios and ratios["best_over_vllm"] is None
+    # every timed replay keeps a digest of each turn's tokens: no schedule or priority changed one
+    for s in result["schedules"].values():
+        assert all(len(r["digests"]) == result["trace"]["requests"] for r in s["repeats"])
+    alike = result["agreement"]["ours"]
+    assert len(alike) == 12 and all(c["turns"] == c["of"] == result["trace"]["requests"] for c in alike), alike
 
 
 def test_table_and_plot(run, capsys):
@@ -304,6 +309,12 @@ def test_interleaved_peer_runs_a_pass_after_each_round_of_ours(tmp_path, monkeyp
     assert len(passes) == 3 == len(peer["pass_wall_s"])
     assert all(p["requests"] == result["trace"]["requests"] and p["failed"] == 0 for p in passes)
     assert result["ratios"]["best_over_vllm"] is not None
+    # the stand-in writes 7s: its passes agree with each other on every turn and with ours on none
+    assert all(len(p["digests"]) == result["trace"]["requests"] for p in passes) and "digests" not in peer["median"]
+    alike = result["agreement"]["vllm"][key]
+    assert [c["turns"] for c in alike["with_its_first"]] == [result["trace"]["requests"]] * 2
+    assert [c["turns"] for c in alike["with_ours"]] == [0] * 3
+    assert peer["budgets"][key]["interleaved"]  # per setting: a resumed run's other settings are not
     name = "vllm-in-process" if mode == "in-process" else "vllm"
     log_text = (out / f"{name}.log").read_text()
     kv_bytes = int(40.0 * 2 ** 30)  # --kv-gb's default: both engines hold their KV at once
