@@ -165,17 +165,14 @@ class SpeculativeConfig:
                              f"ngram_max, got {n_min!r} and {n_max!r}")
         if self.tail_rows is not None and (type(self.tail_rows) is not int or self.tail_rows <= 0):
             raise ValueError(f"SpeculativeConfig.tail_rows must be a positive int or None, got {self.tail_rows!r}")
-        if self.tail_k is not None:
-            if type(self.tail_k) is not int or not 1 <= self.tail_k <= 8:
-                raise ValueError(f"SpeculativeConfig.tail_k must be an int in [1, 8] or None, got {self.tail_k!r}")
+        for name in ("tail_k", "streak_k"):  # n-gram drafts of another length than k
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if type(value) is not int or not 1 <= value <= 8:
+                raise ValueError(f"SpeculativeConfig.{name} must be an int in [1, 8] or None, got {value!r}")
             if self.method != "ngram":
-                raise ValueError(f"SpeculativeConfig.tail_k is for n-gram drafts (method 'ngram'); method "
-                                 f"{self.method!r} drafts k tokens through graphs captured for k")
-        if self.streak_k is not None:
-            if type(self.streak_k) is not int or not 1 <= self.streak_k <= 8:
-                raise ValueError(f"SpeculativeConfig.streak_k must be an int in [1, 8] or None, got {self.streak_k!r}")
-            if self.method != "ngram":
-                raise ValueError(f"SpeculativeConfig.streak_k is for n-gram drafts (method 'ngram'); method "
+                raise ValueError(f"SpeculativeConfig.{name} is for n-gram drafts (method 'ngram'); method "
                                  f"{self.method!r} drafts k tokens through graphs captured for k")
         if type(self.group) is not bool or (self.group and self.method != "ngram"):
             raise ValueError(f"SpeculativeConfig.group (drafts from an RL group's other samples) is True or False "
