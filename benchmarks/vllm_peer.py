@@ -26,7 +26,8 @@ Qwen3-MoE names, which `benchmarks.rollout` writes from the model its replays ra
 dummy init: both engines then compute one function (up to the order of their bf16 sums), so the
 drafts' acceptance is comparable. vLLM's dummy init (every value, norms included, uniform in +-1e-3) is another model,
 whose greedy outputs repeat differently. With `--speculative`, each pass also reports vLLM's drafted and
-accepted tokens, counted by a stat logger of ours (vLLM's stats are on for that, its own default).
+accepted tokens, counted by a stat logger of ours (`DraftCounts`; `AsyncLLM` turns its stats on for
+a logger, `LLMEngine` needs them on, so they are on in process with drafts, off elsewhere).
 
 `--serve` keeps one budget's engine up for the benchmark to interleave its passes with our replays
 (`benchmarks.rollout --vllm-interleave`): after the warm-up passes it answers `ready`, then runs one

@@ -328,7 +328,7 @@ class SpeculativeExecutor(StepExecutor):
                                                              tuple(b.logprob for b in kept)))
         logits = all_logits[sl]
         if not drafts:  # the plain sampler's draw
-            self.whole.discard(req.rid)
+            self._count(req.rid, 0, 0)
             s = sample_row(logits[0], params, gen)
             return _Row(owner, first, table, hidden, Verdict(0, (s.token,), (s.logprob,)))
         draft = self._draft(req.rid)
@@ -338,9 +338,11 @@ class SpeculativeExecutor(StepExecutor):
         return _Row(owner, first, table, hidden, verdict)
 
     def _count(self, rid: int, drafted: int, accepted: int) -> None:
-        """A row's verdict on its drafts, in the stats and in `whole`."""
+        """A row's verdict on its drafts, in the stats and (under `streak_k`) in `whole`."""
         self.stats.drafted_tokens += drafted
         self.stats.accepted_tokens += accepted
+        if self.config.streak_k is None:
+            return
         if drafted and accepted == drafted:
             self.whole.add(rid)
         else:
@@ -439,7 +441,8 @@ class SpeculativeExecutor(StepExecutor):
             for rid in [rid for rid, e in entries.items()
                         if (req := self.table.requests.get(rid)) is None or req.lifetime != e.lifetime]:
                 del entries[rid]
-        self.whole.intersection_update(self.table.requests)
+        if self.whole:
+            self.whole.intersection_update(self.table.requests)
         gone = [sid for sid in self.contexts if sid not in self.table.seqs]
         for sid in gone:
             del self.contexts[sid]
