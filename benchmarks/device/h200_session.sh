@@ -148,7 +148,7 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
       cd /tmp/run
       n=${CONV:-64}; mode=${VLLM_MODE:-own}; tag=inter$n${mode#own}; reps=${REPEATS:-3}
       PYTHONPATH=/tmp/site:/tmp/run:/tmp/pv/site bench --profile prefill --conversations "$n" --attention flash \
-        --budgets "${BUDGETS:-16384}" --schedules "${SCHEDULES:-off,chunked,mux,mux@budget:24000~ngram:4+7@4,mux@budget:24000~ngram:7}" \
+        --budgets "${BUDGETS:-16384}" --schedules "${SCHEDULES:-off,chunked,mux,mux@budget:24000~ngram:4+7@4}" \
         --no-ablation --repeats "$reps" --vllm --vllm-site /tmp/pv/site --vllm-budgets "${VLLM_BUDGET:-16384}" \
         --vllm-speculative "${VLLM_SPEC:-ngram:4}" --vllm-interleave "$mode" --vllm-passes "$reps" --vllm-warmups 2 \
         --vllm-weights "${VLLM_WEIGHTS:-ours}" ${HOST_PROFILE:+--host-profile "$HOST_PROFILE"} \
