@@ -1,3 +1,4 @@
+import gc
 import os
 import threading
 import time
@@ -49,3 +50,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
         if "multigpu" in item.keywords and n_gpu < 2:
             item.add_marker(pytest.mark.skip(reason="needs several CUDA devices"))
+
+
+@pytest.fixture(autouse=True)
+def _collector_unfrozen():
+    """An engine left with requests in flight keeps the heap frozen (`engine.gc_freeze`) until a step
+    finds it idle; the next test starts with the collector seeing everything."""
+    yield
+    gc.unfreeze()

@@ -222,6 +222,10 @@ class EngineConfig:
     allow_long_context: bool = False
     """Accept a `max_model_len` beyond the model's positions. For random-weight benchmarking only:
     RoPE extrapolates arithmetically, but a trained model's outputs there are meaningless."""
+    gc_freeze: bool = True
+    """While the engine has requests, Python's garbage collector walks only the objects created
+    since they came (`engine.gc_freeze`): a full collection of a trainer's heap would hold the host,
+    and the GPU with it, for a fraction of a second. False: the collector is left as it is."""
 
     def __post_init__(self) -> None:
         for name, kind in COMPONENTS.items():
@@ -240,8 +244,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be a positive int or None, got {self.max_model_len!r}")
         if type(self.seed) is not int:
             raise ValueError(f"seed must be an int, got {self.seed!r}")
-        if not isinstance(self.allow_long_context, bool):
-            raise ValueError(f"allow_long_context must be True or False, got {self.allow_long_context!r}")
+        for name in ("allow_long_context", "gc_freeze"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> EngineConfig:

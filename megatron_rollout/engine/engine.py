@@ -53,6 +53,7 @@ from megatron_rollout.engine.config import EngineConfig
 from megatron_rollout.engine.coordinator import GlobalView, LocalCoordinator, RankSharedCoordinator
 from megatron_rollout.engine.drafting import SpeculativeExecutor
 from megatron_rollout.engine.execution import StepExecutor
+from megatron_rollout.engine.gc_freeze import GcFreeze
 from megatron_rollout.engine.memory import EngineAsleep, EngineMemory, Tag
 from megatron_rollout.engine.prefix import PrefixCache
 from megatron_rollout.engine.priority import make_priority
@@ -133,6 +134,7 @@ class RolloutEngine:
         self._gate = UpdateGate()
         self._lock = self._gate.lock  # held by every step and every change (module docstring)
         self._vote: Vote | None = None  # this rank's side of the weight update in progress
+        self.gc_freeze = GcFreeze(c.gc_freeze)  # the collector skips what existed before the work came
         self.memory = EngineMemory(self.runner, self.table, self.weights,
                                    lambda: PagedKVCache(*self._kv_shape, device=model.device, stable=stable),
                                    self._stop_ahead, stable)
@@ -379,6 +381,17 @@ class RolloutEngine:
 
     # -- one step --------------------------------------------------------------------------
     def _step(self) -> list[RequestOutput]:
+        self.gc_freeze.busy(self._busy)
+        try:
+            return self._planned_step()
+        finally:
+            self.gc_freeze.busy(self._busy)  # the last request done: the collector sees everything again
+
+    @property
+    def _busy(self) -> bool:
+        return bool(self.table.requests) or self.schedule.busy
+
+    def _planned_step(self) -> list[RequestOutput]:
         if not self.table.requests and not self.distributed and not self.schedule.busy:
             return []
         if self.table.requests or self._vote is None:  # a vote's step runs no forward: it may run asleep
