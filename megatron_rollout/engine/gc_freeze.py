@@ -1,43 +1,77 @@
-"""Python's cyclic garbage collector kept off the host's critical path while the engine has work.
+"""Python's cyclic garbage collector kept off the host's critical path while an engine has work.
 
 A full collection walks every tracked object in the process: in a trainer (or a benchmark holding
 its trace and records) millions of them, a quarter of a second each time. The engine's host loop
 waits for it between forwards, and a step that is not issued ahead of the host waits with the GPU
-idle. So when the engine gets work it moves the objects alive then into the collector's permanent
+idle. So when an engine gets work the objects alive then move into the collector's permanent
 generation (`gc.freeze`): collections during the rollout walk only what the rollout created. When
-the engine has no request left it hands them back (`gc.unfreeze`), and the next collection sees
-everything again. Both calls are constant-time list splices.
+no engine of the process has a request left they are handed back (`gc.unfreeze`), and the next
+collection sees everything again. Both calls are constant-time list splices.
 
-The engine owns the permanent generation only if it finds it empty: a process that froze objects
-itself (vLLM's way, once after start-up) manages it, and the engine then leaves it alone for good.
-Left out: a process that freezes objects while the engine holds the freeze has them handed back
-with the engine's.
+The freeze belongs to the process: it is held while any engine that wants it is busy. The engines
+own the permanent generation only if they find it empty: a process that froze objects itself
+(vLLM's way, once after start-up) manages it, and the engines then leave it alone for good.
+Left out: objects that die in a reference cycle while frozen are freed only after the hand-back,
+so an engine dropped with requests in flight keeps the heap of its time frozen.
 """
 from __future__ import annotations
 
 import gc
+import threading
+
+
+class _Process:
+    """The engines' shared hold on the collector's permanent generation."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.holders = 0
+        self.declined = False
+        """Objects were frozen by someone else: the engines leave the collector alone."""
+        self.freezes = 0
+
+    def hold(self) -> bool:
+        """Whether the heap is frozen for this holder (False: the process manages its freeze)."""
+        with self.lock:
+            if self.holders == 0 and not self.declined:
+                if gc.get_freeze_count():  # walks the permanent generation: empty unless someone else froze
+                    self.declined = True
+                else:
+                    gc.freeze()
+                    self.freezes += 1
+            if self.declined:
+                return False
+            self.holders += 1
+            return True
+
+    def release(self) -> None:
+        with self.lock:
+            self.holders -= 1
+            if self.holders == 0:
+                gc.unfreeze()
+
+
+PROCESS = _Process()
 
 
 class GcFreeze:
-    """`busy(True)` when the engine has requests, `busy(False)` when it has none; `on=False`
-    (`EngineConfig.gc_freeze`) never touches the collector."""
+    """One engine's side: `busy(True)` when it has requests, `busy(False)` when it has none;
+    `on=False` (`EngineConfig.gc_freeze`) never touches the collector."""
 
     def __init__(self, on: bool = True) -> None:
         self.on = on
         self.held = False
-        """The engine's freeze is in place."""
-        self.declined = False
-        """Objects were frozen by someone else: the engine leaves the collector alone."""
+        """This engine holds the process's freeze."""
+        self.wanted = False
         self.freezes = 0
+        """Times this engine's work began with the heap frozen for it."""
 
     def busy(self, busy: bool) -> None:
-        if busy == self.held or not self.on or self.declined:
+        if busy == self.wanted or not self.on:
             return
-        if not busy:
-            gc.unfreeze()
-            self.held = False
-        elif gc.get_freeze_count():  # walks the permanent generation: empty, unless someone else froze
-            self.declined = True
-        else:
-            gc.freeze()
+        self.wanted = busy
+        if busy and PROCESS.hold():
             self.held, self.freezes = True, self.freezes + 1
+        elif not busy and self.held:
+            PROCESS.release()
+            self.held = False

@@ -9,13 +9,21 @@ import time
 
 import pytest
 
-from megatron_rollout.engine import SamplingParams
+from megatron_rollout.engine import SamplingParams, gc_freeze
 from megatron_rollout.engine.gc_freeze import GcFreeze
 from tests.engine.common import prompts, small
 
 pytestmark = pytest.mark.timeout(120)
 
 LONG = SamplingParams(temperature=0.0, max_new_tokens=12)
+
+
+@pytest.fixture(autouse=True)
+def process(monkeypatch):
+    """A process whose engines have not met a foreign freeze yet (the hold is process-wide)."""
+    fresh = gc_freeze._Process()
+    monkeypatch.setattr(gc_freeze, "PROCESS", fresh)
+    return fresh
 
 
 def test_frozen_only_while_requests_run(qwen, make_engine):
@@ -61,17 +69,28 @@ def test_off_leaves_the_collector_alone(qwen, make_engine):
     assert engine.gc_freeze.freezes == 0
 
 
-def test_a_freeze_made_elsewhere_is_kept():
+def test_a_freeze_made_elsewhere_is_kept(process):
     held = [object() for _ in range(10)]
     gc.freeze()
     before = gc.get_freeze_count()
     freeze = GcFreeze()
     freeze.busy(True)
-    assert freeze.declined and not freeze.held
+    assert process.declined and not freeze.held
     freeze.busy(False)
-    freeze.busy(True)  # declined for good: no second walk, no freeze, no unfreeze
-    assert gc.get_freeze_count() == before and freeze.freezes == 0
+    freeze.busy(True)  # declined for good: no freeze, no unfreeze
+    assert gc.get_freeze_count() == before and freeze.freezes == 0 and process.freezes == 0
     del held
+
+
+def test_engines_share_the_hold(process):
+    """Frozen while either of two engines is busy; handed back when both are idle."""
+    a, b = GcFreeze(), GcFreeze()
+    a.busy(True)
+    b.busy(True)
+    a.busy(False)
+    assert gc.get_freeze_count() > 0 and b.held
+    b.busy(False)
+    assert gc.get_freeze_count() == 0 and process.holders == 0 and process.freezes == 1
 
 
 def test_busy_and_idle_alternate():
@@ -83,6 +102,8 @@ def test_busy_and_idle_alternate():
         freeze.busy(False)
         assert not freeze.held and gc.get_freeze_count() == 0
     assert freeze.freezes == 3
+    freeze.busy(False)
+    assert gc.get_freeze_count() == 0  # an idle engine hands back nothing twice
 
 
 def test_config_refuses_a_non_bool():
