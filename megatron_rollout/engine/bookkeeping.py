@@ -487,15 +487,38 @@ class RequestTable:
 
     def accept_run(self, owner: SampleOwner, drawn: Sequence[Sampled], version: int, now: float
                    ) -> list[RequestOutput]:
-        """Advance a live owner's request by `drawn` in turn, at positions `owner.context`, + 1, ... (a
+        """Advance a live owner's request by `drawn`, at positions `owner.context`, + 1, ... (a
         verified row's kept drafts and the target's token), up to the first that finishes it: what
-        `accept` of one token at a time does (one token forks nothing)."""
-        req = owner.request
+        `accept` of one token at a time does (one token forks nothing), its bookkeeping done once.
+        Nothing after that token lands, whether or not its group still runs."""
+        req, seq = owner.request, owner.request.seq
+        kept, reason = self._run_end(req, drawn)
+        tokens = [d.token for d in drawn[:kept]]
+        seq.tokens += tokens
+        self.stats.decode_tokens += kept - 1  # every token but the first decodes (`_land` counts that one)
+        self._land(req, owner.context + kept - 1, version)
+        if req.stage is not Stage.WAITING:
+            req.stage, req.ready_at = Stage.DECODE, now
+        req.first_token = req.first_token or now
+        req.output += tokens
+        req.logprobs += [d.logprob for d in drawn[:kept]]
+        req.versions += [version] * kept
+        req.top_logprobs += [d.top for d in drawn[:kept] if d.top is not None]
+        out = None if reason is None else self.finish(req, reason)
+        return [] if out is None else [out]
+
+    def _run_end(self, req: Request, drawn: Sequence[Sampled]) -> tuple[int, FinishReason | None]:
+        """How many of `drawn` the request keeps, and why it finishes at the last of them (None: it
+        goes on): `_stop_reason` of each in turn."""
+        p = req.params
+        stops = () if p.ignore_stop else p.stop_token_ids
+        room = min(p.max_new_tokens - len(req.output), self.max_model_len - len(req.seq.tokens))
         for j, d in enumerate(drawn):
-            self._land(req, owner.context + j, version)
-            if (out := self._advance(req, d, version, now)) is not None:
-                return [out]
-        return []
+            if d.token in stops:
+                return j + 1, FinishReason.STOP
+            if j + 1 >= room:
+                return j + 1, FinishReason.LENGTH
+        return len(drawn), None
 
     def _land(self, req: Request, context: int, version: int) -> None:
         """A sample of `req` completes `context` positions: they are computed (a prompt's last one

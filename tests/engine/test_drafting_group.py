@@ -160,3 +160,37 @@ def test_a_session_that_drafted_alone_joins_the_family_its_next_turn_forks(make_
     want = RolloutEngine(m, small(schedule)).generate([PROMPT + first + REPLY], greedy)[0].token_ids
     assert s0.token_ids[-8:] == s1.token_ids[-8:] == want
     assert set(engine.executor.families[s0.sid].members) == {s0.sid, s1.sid}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_stop_inside_a_drafted_run_ends_every_sample_there(make_engine, monkeypatch, n):
+    """A stop token among a row's kept drafts ends the sample at it, while its sibling still runs too
+    (an n = 2 sample once went on landing the run's later tokens after its end: IndexError). Greedy
+    tokens equal plain decoding's cut at the stop; every case whose run held tokens past the stop
+    counts, and there must be some."""
+    from megatron_rollout.engine.bookkeeping import RequestTable
+
+    m = model(seed=0, vocab=12)  # a small vocabulary: greedy text loops, drafts hold
+    said = [3, 5, 7, 3, 5, 7, 1]
+    said += RolloutEngine(m, small("chunked")).generate([said], SamplingParams(temperature=0.0,
+                                                                               max_new_tokens=16))[0].token_ids
+    prompt, plain = said[:-10], said[-10:]  # the stops come again: drafts can hold tokens past them
+    accept_run, cut_short = RequestTable.accept_run, []
+
+    def spy(self, owner, drawn, version, now):
+        before = len(owner.request.output)
+        outs = accept_run(self, owner, drawn, version, now)
+        cut_short.append(len(owner.request.output) - before < len(drawn))
+        return outs
+
+    monkeypatch.setattr(RequestTable, "accept_run", spy)
+    for stop in sorted(set(plain)):
+        want = plain[:plain.index(stop) + 1]
+        engine = make_engine(m, small("chunked", speculative=SpeculativeConfig("ngram", 4, ngram_min=1)))
+        rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_new_tokens=10, n=n,
+                                                        stop_token_ids=[stop]))
+        out = engine.run_until([rid])[rid]
+        assert [r.token_ids for r in out.results] == [want] * n, stop
+        assert all(r.finish_reason.value == "stop" for r in out.results)
+    assert any(cut_short)
