@@ -118,7 +118,7 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
       if [ "$stage" = peer ]; then modes="--vllm-budgets ${VLLM_BUDGETS:-default,8192,16384}"
       else modes="--vllm-budgets '' --vllm-in-process ${VLLM_INPROC:-best}"; fi
       eval bench --profile prefill --conversations "$n" --resume "/tmp/res/$run" --vllm --vllm-site /tmp/pv/site \
-        $modes ${VLLM_SPEC:+--vllm-speculative $VLLM_SPEC} --vllm-weights "${VLLM_WEIGHTS:-ours}" --vllm-passes 2 --vllm-warmups 2 --deadline-s "${DEADLINE:-570}" --vllm-reserve-s "${DEADLINE:-570}" \
+        $modes ${VLLM_SPEC:+--vllm-speculative $VLLM_SPEC} --vllm-weights "${VLLM_WEIGHTS:-ours}" --vllm-passes 2 --vllm-warmups 2 --deadline-s "${DEADLINE:-570}" --vllm-reserve-s "${DEADLINE:-570}" ${EXTRA:-} \
         > "/tmp/res/$stage$n.log" 2>&1
       tail -14 "/tmp/res/$stage$n.log"; cp "/tmp/res/$run/rollout.json" "$OUT/$run.json"
       cp /tmp/res/$run/vllm*.log "$OUT/" 2>/dev/null
@@ -132,7 +132,7 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
       n=${CONV:-64}
       PYTHONPATH=/tmp/site:/tmp/run:/tmp/pv/site bench --profile prefill --conversations "$n" --attention flash \
         --budgets "${BUDGETS:-16384}" --schedules "${SCHEDULES:-mux,mux~ngram:4,mux@budget:24000~ngram:4}" \
-        --no-ablation --repeats 2 --no-vllm --deadline-s "${DEADLINE:-450}" --schedule-budget-s 90 \
+        --no-ablation --repeats 2 --no-vllm --deadline-s "${DEADLINE:-450}" --schedule-budget-s 90 ${EXTRA:-} \
         --out "/tmp/res/drafts$n" > "/tmp/res/drafts$n.log" 2>&1
       tail -20 "/tmp/res/drafts$n.log"; cp "/tmp/res/drafts$n/rollout.json" "$OUT/drafts$n.json"
       cp "/tmp/res/drafts$n/trace.jsonl" "$OUT/"
@@ -141,7 +141,8 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
       # up at once (benchmarks.interleave): CONV, SCHEDULES, REPEATS; VLLM_MODE own | in-process, VLLM_BUDGET,
       # VLLM_SPEC (its best setting: ngram:4 at 16,384), HOST_PROFILE (schedules replayed once more under
       # cProfile); then the step times and the simulator's check (with `partition`'s stand-in factors when
-      # that stage ran on this machine). The peer runs our weights (written to /tmp/res/$tag for it,
+      # that stage ran on this machine; EXTRA: more options, e.g. '--trace-seed 1', given to `peer`, `peerin` and
+      # `drafts` alike when they add to or follow this run). The peer runs our weights (written to /tmp/res/$tag for it,
       # removed after; VLLM_WEIGHTS=dummy: its own dummy init) and counts its accepted drafts
       mkdir -p /tmp/pv/site
       [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.* | xz -dc -T8 | tar -x -C /tmp/pv/site)
@@ -152,7 +153,7 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
         --no-ablation --repeats "$reps" --vllm --vllm-site /tmp/pv/site --vllm-budgets "${VLLM_BUDGET:-16384}" \
         --vllm-speculative "${VLLM_SPEC:-ngram:4}" --vllm-interleave "$mode" --vllm-passes "$reps" --vllm-warmups 2 \
         --vllm-weights "${VLLM_WEIGHTS:-ours}" ${HOST_PROFILE:+--host-profile "$HOST_PROFILE"} \
-        --deadline-s "${DEADLINE:-570}" --schedule-budget-s 90 --out "/tmp/res/$tag" > "/tmp/res/$tag.log" 2>&1
+        --deadline-s "${DEADLINE:-570}" --schedule-budget-s 90 ${EXTRA:-} --out "/tmp/res/$tag" > "/tmp/res/$tag.log" 2>&1
       tail -22 "/tmp/res/$tag.log"; cp "/tmp/res/$tag/rollout.json" "$OUT/$tag.json"
       cp "/tmp/res/$tag/trace.jsonl" "$OUT/trace$n.jsonl"; cp /tmp/res/$tag/vllm*.log "$OUT/" 2>/dev/null
       python3 -c "import json; d = json.load(open('$OUT/$tag.json')); print(d.get('order'), d['vllm'].get('error'))"
