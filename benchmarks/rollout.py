@@ -415,7 +415,8 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str,
         beside_capture_error=getattr(runner, "beside_capture_error", None),
         attention_backend=getattr(getattr(runner, "kernels", None), "name", None),
         expert_small_kernel=_expert_small(run.model), runner_stats=dict(getattr(runner, "stats", {})),
-        allocator={k: v - allocator[k] for k, v in allocator_counts(args.device).items()}, gc=pauses.to_dict(),
+        allocator={k: v - allocator[k] for k, v in allocator_counts(args.device).items()},
+        gc=_gc(pauses, engine, result.get("report"), details.get("start")),
         engine_stats={"steps": stats.steps, "decode_iterations": stats.decode_iterations,
                       "prefill_tokens": stats.prefill_tokens, "decode_tokens": stats.decode_tokens,
                       "preemptions": stats.preemptions, "mean_decode_wait_ms": stats.mean_decode_wait_ms,
@@ -428,6 +429,14 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str,
     if args.device != "cpu":
         torch.cuda.empty_cache()
     return result
+
+
+def _gc(pauses: GcPauses, engine: Any, report: dict[str, Any] | None, start: float | None) -> dict[str, Any]:
+    """The replay's collections, those begun inside its makespan apart (a timed replay's, which
+    started at `start`), and how often the engine froze the heap for them (`engine.gc_freeze`)."""
+    window = (start, start + report["makespan_s"]) if report and start is not None else None
+    freeze = getattr(engine, "gc_freeze", None)
+    return pauses.to_dict(window) | ({"freezes": freeze.freezes, "on": freeze.on} if freeze is not None else {})
 
 
 ALLOCATOR_COUNTS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_ooms")

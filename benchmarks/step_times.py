@@ -126,7 +126,8 @@ def table(times: dict[str, list[dict[str, Any]]]) -> str:
     return markdown(head + [f"{b} rows: n, median ms, gap before ms" for b in buckets]
                     + ["mux epoch starts: n, median ms, total s", "later segments: n, median ms, total s",
                        "cudaMalloc / cudaFree / retries", "start-up s", "turn submissions: n, total s, us/token",
-                       "gc: collections by generation, total s, longest ms",
+                       "gc: collections by generation, total s, longest ms (begun in the makespan: total s, "
+                       "longest ms)",
                        "between, s: slept / loop / step's planning / within a step"], rows)
 
 
@@ -138,7 +139,11 @@ def _gc(pauses: dict[str, Any] | None) -> str:
     """Python's collections in the replay (`benchmarks.pauses`), where the run kept them."""
     if not pauses:
         return "-"
-    return f"{'/'.join(map(str, pauses['collections']))}, {pauses['total_s']:.3f}, {1e3 * pauses['longest_s']:.1f}"
+    text = f"{'/'.join(map(str, pauses['collections']))}, {pauses['total_s']:.3f}, {1e3 * pauses['longest_s']:.1f}"
+    inside = pauses.get("in_window")
+    if inside is None:
+        return text
+    return f"{text} (in the makespan: {inside['total_s']:.3f}, {1e3 * inside['longest_s']:.1f})"
 
 
 def _marks(sub: dict[str, Any] | None) -> str:

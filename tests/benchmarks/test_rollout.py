@@ -129,6 +129,8 @@ def test_timed_replays_keep_their_step_records_and_the_trace(run):
             assert (decode, prefill) == (r["engine_stats"]["decode_tokens"], r["engine_stats"]["prefill_tokens"])
             assert json.dumps(r["steps"], separators=(",", ":")) in text  # one line, not one value a line
             assert r["allocator"] == {}  # the CUDA caching allocator's counters: none on the CPU
+            # the collections begun inside the makespan, and the engine's freezes of the heap
+            assert r["gc"]["in_window"]["total_s"] <= r["gc"]["total_s"] and r["gc"]["freezes"] >= 1
     for r in result["sweep"]["32"].values():
         assert "steps" not in r
 

@@ -60,7 +60,9 @@ def test_main_reads_a_rollout_result_and_prints_one_row_per_repeat(tmp_path, cap
                                                  "tokens": [1000, 3000]},
          "gc": {"collections": [40, 3, 1], "total_s": 0.0125, "longest_s": 0.0091},
          "step_starts": [0.0105, 0.015], "sleeps": {"start": [0.0110], "end": [0.0125]}},
-        {"repeat": 1, "report": {"makespan_s": 0.06}, "steps": to_columns(RECORDS[1:])}]},
+        {"repeat": 1, "report": {"makespan_s": 0.06}, "steps": to_columns(RECORDS[1:]),
+         "gc": {"collections": [30, 2, 1], "total_s": 0.3, "longest_s": 0.25,
+                "in_window": {"collections": [30, 2, 0], "total_s": 0.05, "longest_s": 0.002}}}]},
         "off": {"repeats": [{"repeat": 0, "report": {"makespan_s": 0.07}}]}}}  # no records: left out
     path = tmp_path / "rollout.json"
     path.write_text(json.dumps(result))
@@ -70,7 +72,7 @@ def test_main_reads_a_rollout_result_and_prints_one_row_per_repeat(tmp_path, cap
     # the allocator, the start-up, the turns' submissions (3 + 5 ms over 4,000 tokens) and gc, where kept
     assert rows[0].endswith("| 3 / 1 / 1 | 0.004 | 2, 0.008, 2.000 | 40/3/1, 0.013, 9.1 | 0.00 / 0.00 / 0.01 / 0.00 |")
     # repeat 1 keeps no marks: its start-up is its makespan less its records' span (0.060 - 0.037)
-    assert rows[1].endswith("| - | 0.023 | - | - | - |")
+    assert rows[1].endswith("| - | 0.023 | - | 30/2/1, 0.300, 250.0 (in the makespan: 0.050, 2.0) | - |")
     saved = json.loads((tmp_path / "t.json").read_text())["mux"]
     assert saved[1]["records"] == 5 and saved[1]["start_up_s"] == pytest.approx(0.023)
     assert saved[1]["submissions"] is None
