@@ -397,7 +397,7 @@ class RequestTable:
         """The hash of its first full block, where it may share it with a twin (`SeqView.prefix_key`)."""
         seq = req.seq
         twin = self.prefix_caching and (seq.computed == 0 or req.stage is Stage.PREFILL)
-        return (seq.block_hashes(self.pool.block_size) or [None])[0] if twin else None
+        return (seq.block_hashes(self.pool.block_size, stop=1) or [None])[0] if twin else None
 
     def _view(self, req: Request, order: int) -> SeqView:
         seq = req.seq

@@ -34,7 +34,7 @@ class PrefixCache:
         if req.params.prompt_logprobs is not None and not req.output:  # every prompt position is scored
             return headroom
         usable = (len(seq.tokens) - 1) // bs  # always compute at least the last token
-        blocks = pool.lookup(self.keys(seq.block_hashes(bs)[:usable], version))
+        blocks = pool.lookup(self.keys(seq.block_hashes(bs, stop=usable), version))
         revived = sum(pool.refcount[b] == 0 for b in blocks)
         if blocks and revived <= headroom:
             headroom -= revived
@@ -51,7 +51,7 @@ class PrefixCache:
         if not self.enabled or seq.kv_version != version or full <= seq.registered:
             return
         table = self.pool.table(seq.sid)
-        for i, key in enumerate(self.keys(seq.block_hashes(self.pool.block_size)[seq.registered:full], version),
+        for i, key in enumerate(self.keys(seq.block_hashes(self.pool.block_size, seq.registered, full), version),
                                 start=seq.registered):
             self.pool.register(table[i], key)
         seq.registered = full

@@ -55,13 +55,16 @@ class Seq:
         """Names its block table as it grows (`SpanInput.key`): a new one after each drop."""
         return self.sid, self.kv_epoch
 
-    def block_hashes(self, block_size: int) -> list[int]:
+    def block_hashes(self, block_size: int, start: int = 0, stop: int | None = None) -> list[int]:
+        """The hash chain of its full blocks `start` to `stop` (None: the last full one), each hashed
+        once, when first asked for."""
         full = len(self.tokens) // block_size
-        while len(self.hashes) < full:
+        stop = full if stop is None else min(stop, full)
+        while len(self.hashes) < stop:
             i = len(self.hashes)
             prev = self.hashes[-1] if self.hashes else 0
             self.hashes.append(hash((prev, tuple(self.tokens[i * block_size:(i + 1) * block_size]))))
-        return self.hashes[:full]
+        return self.hashes[start:stop]
 
 
 @dataclass(frozen=True)
