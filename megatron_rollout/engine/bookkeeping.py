@@ -491,6 +491,8 @@ class RequestTable:
         verified row's kept drafts and the target's token), up to the first that finishes it: what
         `accept` of one token at a time does (one token forks nothing), its bookkeeping done once.
         Nothing after that token lands, whether or not its group still runs."""
+        if not drawn:
+            return []
         req, seq = owner.request, owner.request.seq
         kept, reason = self._run_end(req, drawn)
         tokens = [d.token for d in drawn[:kept]]
