@@ -122,6 +122,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--wait-scale", type=float, default=None, help="tool-wait scale (default: --scale)")
     ap.add_argument("--trace-seed", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0, help="weights and input token ids")
+    ap.add_argument("--weight-std", type=_positive_float, default=0.02,
+                    help="standard deviation of the random weights: 0.02 gives nearly flat logits, whose greedy "
+                         "near-ties bf16 rounding can flip (what the timed runs use); 0.2 gives clear winners, "
+                         "for comparing tokens between replays on the GPU")
     ap.add_argument("--schedules", default="off,chunked,mux",
                     help="comma-separated; 'mux@fixed:K' runs mux with another segment policy, 'off/sync' a schedule "
                          "without decode ahead, 'mux/sms:24' mux with 24 SMs left out of prefill's stream "
@@ -192,8 +196,20 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def random_model(cfg: ModelConfig, device: torch.device, seed: int) -> MoETransformer:
-    """Random weights drawn on the device (init_weights draws 8B values on CPU: too slow)."""
+def _positive_float(text: str) -> float:
+    """`--weight-std`: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a number > 0, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"takes a finite number > 0, got {text}")
+    return value
+
+
+def random_model(cfg: ModelConfig, device: torch.device, seed: int, std: float = 0.02) -> MoETransformer:
+    """Random weights of standard deviation `std` (norms 1) drawn on the device (init_weights draws 8B
+    values on CPU: too slow)."""
     model = MoETransformer(cfg, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
@@ -201,7 +217,7 @@ def random_model(cfg: ModelConfig, device: torch.device, seed: int) -> MoETransf
             if name.endswith("layernorm.weight"):
                 p.fill_(1.0)
             else:
-                p.normal_(0.0, 0.02, generator=gen)
+                p.normal_(0.0, std, generator=gen)
     return model.requires_grad_(False)
 
 
@@ -885,7 +901,8 @@ def write_peer_weights(run: Run, device: torch.device, out: Path, result: dict) 
     from benchmarks.vllm_peer import save_weights
 
     t0 = time.perf_counter()
-    model = run.model if run.model is not None else random_model(run.cfg, device, run.args.seed)
+    model = run.model if run.model is not None else random_model(run.cfg, device, run.args.seed,
+                                                                 run.args.weight_std)
     path = save_weights(model, run.cfg, out / "peer-weights.safetensors")
     result["peer_weights"] = {"weights": "ours", "seed": run.args.seed, "bytes": path.stat().st_size,
                               "write_s": time.perf_counter() - t0}
@@ -986,7 +1003,8 @@ def _peer_process(args, env: dict[str, str], out: Path, trace_path: Path, max_mo
 def _resume(path: Path, fresh: dict[str, Any]) -> dict[str, Any]:
     """An earlier run's result, checked to be of the same trace (the peer must replay what we did)."""
     earlier = json.loads((path / "rollout.json").read_text())
-    for key in ("model", "profile", "conversations", "scale", "max_model_len", "trace"):
+    earlier.setdefault("weight_std", 0.02)  # runs before --weight-std drew every weight at 0.02
+    for key in ("model", "profile", "conversations", "scale", "max_model_len", "weight_std", "trace"):
         if earlier.get(key) != json.loads(json.dumps(fresh.get(key))):
             raise SystemExit(f"--resume {path}: its {key} is {earlier.get(key)!r}, this run's is {fresh.get(key)!r}; "
                              f"give the same trace options")
@@ -1031,7 +1049,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "model": args.model, "profile": args.profile, "conversations": conversations, "scale": scale,
-        "max_model_len": max_model_len, "args": vars(args), "trace": trace_summary(trace),
+        "max_model_len": max_model_len, "weight_std": args.weight_std, "args": vars(args),
+        "trace": trace_summary(trace),
         "moe": {"num_experts": cfg.num_moe_experts, "top_k": cfg.moe_router_topk} if cfg.num_moe_experts else None,
         "schedules": {}}
     try:
@@ -1074,7 +1093,7 @@ def main(argv: list[str] | None = None) -> int:
     result["num_blocks"] = run.num_blocks
     if specs or args.micro:
         t0 = time.perf_counter()
-        run.model = random_model(cfg, device, args.seed)
+        run.model = random_model(cfg, device, args.seed, args.weight_std)
         result["model_build_s"] = time.perf_counter() - t0
     if vllm_on and args.vllm_weights == "ours":
         run.peer_weights = write_peer_weights(run, device, out, result)

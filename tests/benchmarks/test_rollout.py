@@ -2,10 +2,12 @@
 repeats of off / chunked / mux / mux-epoch, medians, compile counts, ratios, table and plot."""
 from __future__ import annotations
 
+import argparse
 import json
 
 import numpy as np
 import pytest
+import torch
 
 from benchmarks import rollout, sim_replay
 from megatron_rollout.engine.config import SpeculativeConfig
@@ -257,6 +259,10 @@ def test_vllm_stage_runs_the_peer_in_its_own_process(tmp_path):
     assert peer["repeats"][0]["output_tokens"] == result["trace"]["output_tokens"]
     assert any("FLASH_ATTN" in line for line in peer["log_lines"])
     assert (out / "trace.jsonl").exists() and "vllm" in rollout.table(result)
+    with pytest.raises(SystemExit, match="its weight_std is 0.02, this run's is 0.2"):  # other weights: refused
+        rollout.main(["--model", "qwen3-30b-a3b-12l", "--device", "cpu", "--conversations", "2", "--scale", "0.001",
+                      "--schedules", "", "--vllm", "--vllm-site", str(site), "--weight-std", "0.2",
+                      "--resume", str(out), "--no-progress"])
 
 
 def _peer_command_edited(monkeypatch, edit) -> None:
@@ -549,3 +555,16 @@ def test_allocator_counts_see_a_fresh_device_allocation():
     del block
     assert set(before) == set(rollout.ALLOCATOR_COUNTS)
     assert after["num_device_alloc"] >= before["num_device_alloc"] + 1 and after["num_ooms"] == before["num_ooms"]
+
+
+def test_weight_std_sets_the_random_weights_and_refuses_what_is_not_a_positive_number():
+    cfg = PRESETS["tiny-moe"]
+    for std in (0.02, 0.2):
+        model = rollout.random_model(cfg, torch.device("cpu"), seed=0, std=std)
+        weights = torch.cat([p.flatten() for n, p in model.named_parameters() if not n.endswith("layernorm.weight")])
+        assert abs(weights.std().item() - std) < 0.05 * std
+        assert all(torch.all(p == 1) for n, p in model.named_parameters() if n.endswith("layernorm.weight"))
+    for bad in ("0", "-1", "nan", "inf", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            rollout._positive_float(bad)
+    assert rollout._positive_float("0.2") == 0.2
