@@ -35,14 +35,19 @@ def replay_digests(outputs: Iterable[Any], conversation_of: Mapping[int, Any], t
 
 
 def compare(a: Mapping[str, str], b: Mapping[str, str]) -> dict[str, int]:
-    """How many of the turns both replays finished generated the same ids, and how many conversations
-    agree on every such turn."""
+    """How many of the turns both replays finished generated the same ids, how many conversations
+    agree on every such turn, and in how many the first turn both finished already differs (no
+    earlier turn's text can have led the two apart there: only how its forwards were computed)."""
     common = a.keys() & b.keys()
     differ = {k for k in common if a[k] != b[k]}
     conversations = {k.rpartition("/")[0] for k in common}
     split = {k.rpartition("/")[0] for k in differ}
+    first: dict[str, str] = {}
+    for k in sorted(common, key=lambda k: int(k.rpartition("/")[2])):
+        first.setdefault(k.rpartition("/")[0], k)
     return {"turns": len(common) - len(differ), "of": len(common),
-            "conversations": len(conversations - split), "of_conversations": len(conversations)}
+            "conversations": len(conversations - split), "of_conversations": len(conversations),
+            "first_turn_differs": sum(k in differ for k in first.values())}
 
 
 def agreement(result: dict[str, Any]) -> dict[str, Any] | None:

@@ -14,8 +14,13 @@ def test_a_digest_stands_for_the_ids_their_order_and_length():
 def test_compare_counts_turns_and_whole_conversations():
     a = {"0/0": "x", "0/1": "y", "1/0": "z", "2/0": "w"}
     b = {"0/0": "x", "0/1": "Y", "1/0": "z", "3/0": "v"}  # conversation 0 parts at turn 1; 2 and 3 not shared
-    assert compare(a, b) == {"turns": 2, "of": 3, "conversations": 1, "of_conversations": 2}
-    assert compare(a, a) == {"turns": 4, "of": 4, "conversations": 3, "of_conversations": 3}
+    assert compare(a, b) == {"turns": 2, "of": 3, "conversations": 1, "of_conversations": 2,
+                             "first_turn_differs": 0}
+    assert compare(a, a) == {"turns": 4, "of": 4, "conversations": 3, "of_conversations": 3,
+                             "first_turn_differs": 0}
+    # 0 differs on its first turn, 1 only later: turns order as numbers (2 before 10)
+    assert compare({"0/0": "x", "1/2": "q", "1/10": "q"}, {"0/0": "X", "1/2": "q", "1/10": "Q"}) == {
+        "turns": 1, "of": 3, "conversations": 0, "of_conversations": 2, "first_turn_differs": 1}
 
 
 def test_our_digests_come_from_the_replay_s_outputs():
