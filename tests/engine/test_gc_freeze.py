@@ -76,7 +76,8 @@ def test_a_freeze_made_elsewhere_is_kept(process):
     assert process.declined and not freeze.held
     freeze.busy(False)
     freeze.busy(True)  # declined for good: no freeze, no unfreeze
-    assert gc.get_freeze_count() == before and freeze.freezes == 0 and process.freezes == 0
+    # (frozen objects whose references all go are still freed, so the count may only fall a little)
+    assert before // 2 < gc.get_freeze_count() <= before and freeze.freezes == 0 and process.freezes == 0
     del held
 
 
