@@ -482,36 +482,32 @@ class RequestTable:
         req = owner.request
         self._land(req, owner.context, version)
         children = self._fork(req, len(drawn), now) if len(drawn) > 1 else []
-        outs = [self._advance(r, d, version, now) for r, d in zip([req, *children], drawn, strict=True)]
+        outs = []
+        for r, d in zip([req, *children], drawn, strict=True):
+            reason = self._run_end(r, (d,))[1]
+            r.seq.tokens.append(d.token)
+            outs.append(self._advance(r, (d,), version, now, reason))
         return [out for out in outs if out is not None]
 
     def accept_run(self, owner: SampleOwner, drawn: Sequence[Sampled], version: int, now: float
                    ) -> list[RequestOutput]:
         """Advance a live owner's request by `drawn`, at positions `owner.context`, + 1, ... (a
         verified row's kept drafts and the target's token), up to the first that finishes it: what
-        `accept` of one token at a time does (one token forks nothing), its bookkeeping done once.
-        Nothing after that token lands, whether or not its group still runs."""
-        if not drawn:
-            return []
-        req, seq = owner.request, owner.request.seq
+        `accept` of one token at a time does (one token forks nothing), landed once. Nothing after
+        that token lands, whether or not its group still runs."""
+        req = owner.request
         kept, reason = self._run_end(req, drawn)
-        tokens = [d.token for d in drawn[:kept]]
-        seq.tokens += tokens
-        self.stats.decode_tokens += kept - 1  # every token but the first decodes (`_land` counts that one)
-        self._land(req, owner.context + kept - 1, version)
-        if req.stage is not Stage.WAITING:
-            req.stage, req.ready_at = Stage.DECODE, now
-        req.first_token = req.first_token or now
-        req.output += tokens
-        req.logprobs += [d.logprob for d in drawn[:kept]]
-        req.versions += [version] * kept
-        req.top_logprobs += [d.top for d in drawn[:kept] if d.top is not None]
-        out = None if reason is None else self.finish(req, reason)
+        if not kept:
+            return []
+        run = drawn[:kept]
+        req.seq.tokens += [d.token for d in run]  # before landing: the prefix cache keys its blocks by them
+        self._land(req, owner.context + kept - 1, version, kept)
+        out = self._advance(req, run, version, now, reason)
         return [] if out is None else [out]
 
     def _run_end(self, req: Request, drawn: Sequence[Sampled]) -> tuple[int, FinishReason | None]:
         """How many of `drawn` the request keeps, and why it finishes at the last of them (None: it
-        goes on): `_stop_reason` of each in turn."""
+        goes on): a stop token, or its length (`at_length`) reached."""
         p = req.params
         stops = () if p.ignore_stop else p.stop_token_ids
         room = min(p.max_new_tokens - len(req.output), self.max_model_len - len(req.seq.tokens))
@@ -522,29 +518,31 @@ class RequestTable:
                 return j + 1, FinishReason.LENGTH
         return len(drawn), None
 
-    def _land(self, req: Request, context: int, version: int) -> None:
-        """A sample of `req` completes `context` positions: they are computed (a prompt's last one
-        promotes its blocks), and its newly full blocks are offered to the prefix cache."""
+    def _land(self, req: Request, context: int, version: int, tokens: int = 1) -> None:
+        """`tokens` samples of `req` complete `context` positions: they are computed (a prompt's last
+        one promotes its blocks; every other sample is a decoded token), and its newly full blocks
+        are offered to the prefix cache."""
         seq = req.seq
         seq.computed = context
         if req.stage is Stage.PREFILL:
             self.pool.promote(seq.sid)
-        else:
-            self.stats.decode_tokens += 1
+            tokens -= 1
+        self.stats.decode_tokens += tokens
         self.prefix.offer(seq, version)
 
-    def _advance(self, req: Request, drawn: Sampled, version: int, now: float) -> RequestOutput | None:
-        seq = req.seq
+    def _advance(self, req: Request, run: Sequence[Sampled], version: int, now: float,
+                 reason: FinishReason | None) -> RequestOutput | None:
+        """Give the request `run` (what `_run_end` kept, already in its sequence's tokens) as output;
+        finish it for `reason`, if any."""
         if req.stage is not Stage.WAITING:
             req.stage, req.ready_at = Stage.DECODE, now
         req.first_token = req.first_token or now
-        req.output.append(drawn.token)
-        req.logprobs.append(drawn.logprob)
-        req.versions.append(version)
-        if drawn.top is not None:
-            req.top_logprobs.append(drawn.top)
-        seq.tokens.append(drawn.token)
-        reason = self._stop_reason(req, drawn.token)
+        for d in run:  # appends: a plain decode step's one token each row, on its host path
+            req.output.append(d.token)
+            req.logprobs.append(d.logprob)
+            req.versions.append(version)
+            if d.top is not None:
+                req.top_logprobs.append(d.top)
         return None if reason is None else self.finish(req, reason)
 
     def _fork(self, req: Request, n: int, now: float) -> list[Request]:
@@ -579,12 +577,6 @@ class RequestTable:
                 self._active[r.rid] = r
             children.append(r)
         return children
-
-    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
-        p = req.params
-        if token in p.stop_token_ids and not p.ignore_stop:
-            return FinishReason.STOP
-        return FinishReason.LENGTH if self.at_length(req) else None
 
     def at_length(self, req: Request, more: int = 0) -> bool:
         """The request has its last token by length once `more` further tokens are accepted."""

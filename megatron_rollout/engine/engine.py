@@ -392,7 +392,7 @@ class RolloutEngine:
         return bool(self.table.requests) or self.schedule.busy
 
     def _planned_step(self) -> list[RequestOutput]:
-        if not self.table.requests and not self.distributed and not self.schedule.busy:
+        if not self._busy and not self.distributed:
             return []
         if self.table.requests or self._vote is None:  # a vote's step runs no forward: it may run asleep
             self._check_awake("generating")
