@@ -40,18 +40,6 @@ class GcPauses:
     def __exit__(self, *exc: object) -> None:
         gc.callbacks.remove(self)
 
-    @property
-    def collections(self) -> list[int]:
-        return _summary(self.marks)["collections"]
-
-    @property
-    def total_s(self) -> float:
-        return _summary(self.marks)["total_s"]
-
-    @property
-    def longest_s(self) -> float:
-        return _summary(self.marks)["longest_s"]
-
     def to_dict(self, window: tuple[float, float] | None = None) -> dict[str, Any]:
         out = _summary(self.marks)
         if window is not None:
