@@ -230,6 +230,10 @@ class RequestTable:
         self.requests[rid] = req
         return rid
 
+    def sessions_open(self) -> bool:
+        """Some session is open: a conversation that may submit again (waiting on a tool, say)."""
+        return any(seq.session for seq in self.seqs.values())
+
     def running(self, rid: int) -> bool:
         """The request (for n > 1: any of its samples) has not finished."""
         return rid in self.requests or rid in self.groups

@@ -223,9 +223,11 @@ class EngineConfig:
     """Accept a `max_model_len` beyond the model's positions. For random-weight benchmarking only:
     RoPE extrapolates arithmetically, but a trained model's outputs there are meaningless."""
     gc_freeze: bool = True
-    """While the engine has requests, Python's garbage collector walks only the objects created
-    since they came (`engine.gc_freeze`): a full collection of a trainer's heap would hold the host,
-    and the GPU with it, for a fraction of a second. False: the collector is left as it is."""
+    """During a rollout (requests running, or sessions open between turns), Python's garbage
+    collector walks only the objects created since it began (`engine.gc_freeze`): a full collection
+    of a trainer's heap would hold the host, and the GPU with it, for a fraction of a second. The
+    heap is handed back when the last request ends with no session open, the last session closes,
+    or the engine sleeps. False: the collector is left as it is."""
 
     def __post_init__(self) -> None:
         for name, kind in COMPONENTS.items():

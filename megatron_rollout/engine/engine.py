@@ -223,7 +223,7 @@ class RolloutEngine:
     # -- public API ------------------------------------------------------------------------
     def open_session(self) -> Session:
         with self._lock:
-            return Session(self.table, self.table.open_seq(), self.run_until, self._lock)
+            return Session(self.table, self.table.open_seq(), self.run_until, self._lock, self._hand_back_gc)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> int:
         """Raises `EngineAsleep` while any memory tag sleeps (nothing is added)."""
@@ -326,7 +326,9 @@ class RolloutEngine:
             if self.table.requests or self.schedule.busy:
                 raise RuntimeError(f"cannot sleep with {len(self.table.requests)} requests in flight: let them "
                                    f"finish (run_until, or AsyncEngine.sleep, which drains first) or abort them")
-            return self.memory.sleep(tags)
+            report = self.memory.sleep(tags)
+            self._hand_back_gc()  # the trainer's step: its garbage is the collector's again
+            return report
 
     def wake_up(self, tags: str | Iterable[str] | None = None) -> dict:
         """Take the memory back (None: every tag); "graphs" wake with the call that leaves "kv" and
@@ -381,15 +383,26 @@ class RolloutEngine:
 
     # -- one step --------------------------------------------------------------------------
     def _step(self) -> list[RequestOutput]:
-        self.gc_freeze.busy(self._busy)
+        self.gc_freeze.busy(self._in_rollout)
         try:
             return self._planned_step()
         finally:
-            self.gc_freeze.busy(self._busy)  # the last request done: the collector sees everything again
+            self._hand_back_gc()
 
     @property
     def _busy(self) -> bool:
         return bool(self.table.requests) or self.schedule.busy
+
+    @property
+    def _in_rollout(self) -> bool:
+        """Requests run, or awake with sessions open between turns (a tool call's wait is part of
+        the rollout): the collector's freeze is held (`engine.gc_freeze`)."""
+        return self._busy or (not self.memory.asleep and self.table.sessions_open())
+
+    def _hand_back_gc(self) -> None:
+        """The last request done with no session open, the last session closed, or asleep: the
+        collector sees everything again."""
+        self.gc_freeze.busy(self._in_rollout)
 
     def _planned_step(self) -> list[RequestOutput]:
         if not self._busy and not self.distributed:

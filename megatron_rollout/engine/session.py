@@ -21,10 +21,12 @@ class SessionClosed(ValueError):
 
 class Session:
     def __init__(self, table: RequestTable, seq: Seq, run_until: Callable[[list[int]], dict[int, RequestOutput]],
-                 lock: AbstractContextManager | None = None) -> None:
-        """`lock`: the engine's, held while the session changes the table (engine.engine's threads)."""
+                 lock: AbstractContextManager | None = None, on_close: Callable[[], None] | None = None) -> None:
+        """`lock`: the engine's, held while the session changes the table (engine.engine's threads);
+        `on_close`: called under it once the session and its forks are dropped."""
         self._table, self._seq, self._run_until, self.closed = table, seq, run_until, False
         self._lock = lock if lock is not None else nullcontext()
+        self._on_close = on_close
 
     @property
     def sid(self) -> int:
@@ -71,7 +73,7 @@ class Session:
             self._check_open()
             seqs, self._seq.forks = self._seq.forks, []
             self._table.record(TakeForks(self.sid))
-            return [Session(self._table, seq, self._run_until, self._lock) for seq in seqs]
+            return [Session(self._table, seq, self._run_until, self._lock, self._on_close) for seq in seqs]
 
     def close(self) -> None:
         with self._lock:
@@ -83,3 +85,5 @@ class Session:
             for fork in [seq, *seq.forks]:
                 table.drop_seq(fork)
             seq.forks = []
+            if self._on_close is not None:
+                self._on_close()

@@ -1,6 +1,7 @@
-"""`EngineConfig.gc_freeze`: while the engine has requests the collector skips the objects that
-existed before they came; once the last one is done it sees them again. A process that froze
-objects itself keeps its freeze, and the engine never undoes it."""
+"""`EngineConfig.gc_freeze`: while the engine has requests, or sessions open between turns, the
+collector skips the objects that existed before the work came; once the last request is done with no
+session open, the last session closes, or the engine sleeps, it sees them again. A process that
+froze objects itself keeps its freeze, and the engine never undoes it."""
 from __future__ import annotations
 
 import dataclasses
@@ -37,6 +38,60 @@ def test_frozen_only_while_requests_run(qwen, make_engine):
     assert all(o.result.error is None and len(o.result.token_ids) == 12 for o in outs.values())
     assert gc.get_freeze_count() == 0 and not engine.gc_freeze.held  # handed back by the step that finished them
     assert engine.gc_freeze.freezes == 1
+
+
+def test_held_across_a_tool_wait_until_the_last_session_closes(qwen, make_engine):
+    """A conversation between turns (its tool running) is still the rollout: a collection then would
+    hold up the next turn. The freeze goes when the last session closes, forks included."""
+    engine = make_engine(qwen[1], small("chunked"))
+    a, b = engine.open_session(), engine.open_session()
+    for s, p in zip((a, b), prompts([5, 8])):
+        s.append(p)
+    assert len(a.generate(LONG).token_ids) == 12 and gc.get_freeze_count() > 0
+    group = b.generate(dataclasses.replace(LONG, temperature=1.0, seed=3, n=2))
+    assert group.token_ids and not engine.has_work() and engine.gc_freeze.held  # every turn done, sessions open
+    fork, = b.forks()
+    a.close()
+    b.close()
+    assert engine.gc_freeze.held  # the fork is a conversation still
+    fork.append(prompts([3])[0])
+    fork.generate(LONG)
+    assert engine.gc_freeze.freezes == 1  # one freeze for the whole rollout
+    fork.close()
+    assert gc.get_freeze_count() == 0 and not engine.gc_freeze.held
+
+
+def test_each_step_freezes_what_the_rollout_made_before_it(qwen, make_engine):
+    """What the rollout keeps (results, records; here a list made between steps) is frozen by the next
+    step too, so a collection late in a long rollout walks no more than one at its start."""
+    engine = make_engine(qwen[1], small("chunked"))
+    rid = engine.add_request(prompts([7])[0], LONG)
+    engine.step()
+    kept = [[i] for i in range(100_000)]  # made mid-rollout and kept to its end
+    engine.step()
+    assert len(gc.get_objects()) * 10 < len(kept)  # a full collection now would not walk them
+    engine.run_until([rid])
+    assert gc.get_freeze_count() == 0 and len(gc.get_objects()) > len(kept)
+    del kept
+
+
+def test_sleep_hands_the_heap_back_and_the_next_turn_takes_it(qwen, make_engine):
+    """The trainer's step (`sleep`) is the rollout's end even with sessions kept open across it."""
+    engine = make_engine(qwen[1], small("chunked"))
+    session = engine.open_session()
+    session.append(prompts([6])[0])
+    session.generate(LONG)
+    assert engine.gc_freeze.held
+    engine.sleep()
+    assert gc.get_freeze_count() == 0 and not engine.gc_freeze.held
+    engine.step()  # a step while asleep (a distributed driver's) takes nothing back
+    assert not engine.gc_freeze.held
+    engine.wake_up()
+    session.append(prompts([4])[0])
+    assert len(session.generate(LONG).token_ids) == 12
+    assert engine.gc_freeze.held and engine.gc_freeze.freezes == 2
+    session.close()
+    assert gc.get_freeze_count() == 0
 
 
 def test_collections_during_a_rollout_skip_the_heap_before_it(qwen, make_engine):
