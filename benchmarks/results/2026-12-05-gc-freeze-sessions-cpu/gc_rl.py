@@ -1,0 +1,16 @@
+"""Cyclic garbage kept frozen through each rollout of the tool GRPO job: a full collection right
+after each hand-back counts what the freeze held (with gc_freeze on)."""
+import gc, runpy, sys, time
+from megatron_rollout.engine import gc_freeze
+freed = []
+orig = gc_freeze._Process.release
+def release(self):
+    orig(self)
+    if self.holders == 0:
+        t = time.perf_counter(); n = gc.collect(); freed.append((n, time.perf_counter() - t))
+gc_freeze._Process.release = release
+sys.argv = ["train_grpo.py", "--config", "configs/grpo_tool_cpu.yaml", "--steps", "4", "--out", "/tmp/gcrl", "--overwrite"]
+try:
+    runpy.run_path("examples/train_grpo.py", run_name="__main__")
+finally:
+    print("hand-backs:", len(freed), "objects freed by a full collection right after each:", [n for n, _ in freed])
