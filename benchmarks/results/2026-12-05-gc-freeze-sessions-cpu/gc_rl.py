@@ -1,15 +1,27 @@
 """Cyclic garbage kept frozen through each rollout of the tool GRPO job: a full collection right
-after each hand-back counts what the freeze held (with gc_freeze on)."""
-import gc, runpy, sys, time
+after each hand-back counts what the freeze held (gc_freeze on, the job's default).
+Run from the checkout's root."""
+import gc
+import runpy
+import sys
+import time
+
 from megatron_rollout.engine import gc_freeze
+
 freed = []
-orig = gc_freeze._Process.release
+release_once = gc_freeze._Process.release
+
+
 def release(self):
-    orig(self)
+    release_once(self)
     if self.holders == 0:
-        t = time.perf_counter(); n = gc.collect(); freed.append((n, time.perf_counter() - t))
+        t = time.perf_counter()
+        freed.append((gc.collect(), time.perf_counter() - t))
+
+
 gc_freeze._Process.release = release
-sys.argv = ["train_grpo.py", "--config", "configs/grpo_tool_cpu.yaml", "--steps", "4", "--out", "/tmp/gcrl", "--overwrite"]
+sys.argv = ["train_grpo.py", "--config", "configs/grpo_tool_cpu.yaml", "--steps", "4", "--out", "/tmp/gcrl",
+            "--overwrite"]
 try:
     runpy.run_path("examples/train_grpo.py", run_name="__main__")
 finally:
