@@ -56,6 +56,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import statistics
 import sys
 from collections.abc import Sequence
@@ -515,22 +516,31 @@ def epoch_split(records: Sequence[StepRecord]) -> dict[str, float]:
 
 def epoch_charge(records: Sequence[StepRecord], cost: CostModel) -> dict[str, float]:
     """A replay's `mux` epochs, summed, against what `cost` charges their prefill alone and the decode
-    forwards that ran inside them (by positions). A simulated round runs the two one after the other,
-    so `over_serial` under 1 means the device ran prefill beside those forwards, or in the host's
-    time between them; the records cannot tell which."""
+    forwards that ran inside them (by positions). A segment's record holds its enqueue, so the device
+    time of an epoch's last segment shows in the decode forward after it: each epoch runs to the end
+    of that forward (where it starts before the next epoch), and the forward is charged with it. A
+    simulated round runs prefill and decode one after the other, so `over_serial` under 1 means the
+    device ran prefill beside those forwards, or in the host's time between them; the records cannot
+    tell which."""
+    spans = epoch_spans(records)
+    starts = sorted(lo for lo, _ in spans.values())
+    decodes = sorted((r for r in records if r.phase == "D" and r.epoch is None and not r.prefill_tokens),
+                     key=lambda r: r.start)
     span = prefill = decode = 0.0
-    decodes = [r for r in records if r.phase == "D" and r.epoch is None and not r.prefill_tokens]
-    for epoch, (lo, hi) in epoch_spans(records).items():
+    for epoch, (lo, hi) in spans.items():
         segments = [r for r in records if r.epoch == epoch]
         prefill += cost.step_s(StepSize(0, 0, sum(r.prefill_rows for r in segments),
                                         sum(r.prefill_tokens for r in segments),
                                         sum(r.prefill_pairs for r in segments)))
+        after = next((r for r in decodes if r.start >= hi), None)
+        following = next((s for s in starts if s > lo), math.inf)
+        end = after.end if after is not None and after.start < following else hi
         decode += sum(cost.step_s(StepSize(r.positions, r.decode_context)) for r in decodes
-                      if r.start < hi and r.end > lo)
-        span += hi - lo
+                      if r.start < end and r.end > lo)
+        span += end - lo
     serial = prefill + decode
     return {"span_s": span, "prefill_charge_s": prefill, "decode_charge_s": decode,
-            "over_serial": span / serial if serial else float("nan")}
+            "over_serial": span / serial if serial else math.nan}
 
 
 def epoch_check(result: dict, trace: Sequence[TraceRequest], fit_from: dict | None = None) -> dict[str, Any]:

@@ -344,22 +344,25 @@ def test_a_mux_replay_splits_into_its_epochs_decode_outside_them_and_the_rest(ru
     assert sim_replay.main([str(out / "rollout.json"), "--epoch-check"]) == 0
     for name in sim_replay.FITS:
         charged = checked["mux"]["charged"][name]
-        assert charged["span_s"] == pytest.approx(measured["in_epochs_s"]) and charged["prefill_charge_s"] > 0
+        assert charged["span_s"] >= measured["in_epochs_s"] - 1e-9 and charged["prefill_charge_s"] > 0
 
 
 def test_epochs_are_set_against_their_serial_charge():
-    """`epoch_charge`: each epoch's span against its prefill alone plus the decode forwards inside it,
-    by positions (a row and its drafts); decode outside every epoch is not charged."""
+    """`epoch_charge`: each epoch's span, to the end of the decode forward after its last segment
+    (which holds that segment's device time), against its prefill alone plus the decode forwards in
+    that span, by positions (a row and its drafts); decode further out is not charged."""
     from megatron_rollout.engine.records import StepRecord
     from megatron_rollout.sim.cost import CostModel
 
     cost = CostModel(decode_base_s=0.5, decode_row_s=0.25, prefill_base_s=1.0, prefill_token_s=0.01)
     records = [StepRecord("P", 0, 0, 1, 100, 0, 0.0, 0.1, epoch=1),
                StepRecord("D", 2, 50, 0, 0, 0, 0.1, 0.6, decode_positions=6),  # inside: 0.5 + 6 * 0.25
-               StepRecord("P", 0, 0, 0, 100, 0, 0.6, 1.5, epoch=1),
-               StepRecord("D", 1, 50, 0, 0, 0, 2.0, 2.5)]  # after the epoch: not charged to it
+               StepRecord("P", 0, 0, 0, 100, 0, 0.6, 0.7, epoch=1),
+               StepRecord("D", 1, 50, 0, 0, 0, 0.7, 1.5),  # the last segment's device time: 0.5 + 0.25
+               StepRecord("D", 1, 50, 0, 0, 0, 2.0, 2.5),  # after the epoch: not charged to it
+               StepRecord("P", 0, 0, 1, 10, 0, 3.0, 3.2, epoch=2)]  # no decode after it: its span is its own
     got = sim_replay.epoch_charge(records, cost)
-    assert got["span_s"] == pytest.approx(1.5)
-    assert got["prefill_charge_s"] == pytest.approx(1.0 + 200 * 0.01)
-    assert got["decode_charge_s"] == pytest.approx(0.5 + 6 * 0.25)
-    assert got["over_serial"] == pytest.approx(1.5 / 5.0)
+    assert got["span_s"] == pytest.approx(1.5 + 0.2)
+    assert got["prefill_charge_s"] == pytest.approx(1.0 + 200 * 0.01 + 1.0 + 10 * 0.01)
+    assert got["decode_charge_s"] == pytest.approx(0.5 + 6 * 0.25 + 0.75)
+    assert got["over_serial"] == pytest.approx(1.7 / (3.0 + 1.1 + 2.75))

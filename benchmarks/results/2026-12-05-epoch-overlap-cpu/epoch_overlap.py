@@ -1,10 +1,11 @@
 """Where the drafting schedule's out-of-sample surplus sits, from the seed-1 H200 run's stored records
-(CPU only). For each `mux` schedule's repeat 0: each epoch's span (its first record's start to its
-last one's end) against what the out-of-sample linear fit (`benchmarks.sim_replay`, fitted to
-`chunked`, or `off` and `chunked`) charges its prefill alone and the decode forwards that ran
-inside it, by their positions; then the whole replay simulated with the simulator's `Overlap`
-lever on plain streams, for a grid of (decode_factor, prefill_factor), against the median of the
-later repeats. Last, the span ratio of every stored H200 run whose `off` or `chunked` gives that fit.
+(CPU only). For each `mux` schedule's repeat 0: its epochs' spans (each from its first record's start
+to the end of the decode forward after its last segment, `sim_replay.epoch_charge`) against what the
+out-of-sample linear fit (`benchmarks.sim_replay`, fitted to `chunked`, or `off` and `chunked`)
+charges their prefill alone and the decode forwards that ran inside them, by their positions; then
+the whole replay simulated with the simulator's `Overlap` lever on plain streams, for a grid of
+(decode_factor, prefill_factor), against the median of the later repeats. Last, the span ratio of
+every stored H200 run whose `off` or `chunked` gives that fit.
 Run from the checkout's root:
     python benchmarks/results/2026-12-05-epoch-overlap-cpu/epoch_overlap.py > .../epoch_overlap.log"""
 import dataclasses
@@ -25,17 +26,10 @@ FACTORS = [(df, pf) for df in (1.0, 1.5, 2.0, 2.5, 3.0, 4.0) for pf in (1.0, 1.2
 
 
 def epochs(records, cost):
-    """(span, prefill charge, decode charge, decode measured) summed over the replay's epochs."""
-    span = p = d = dm = 0.0
-    for e, (lo, hi) in sr.epoch_spans(records).items():
-        seg = [r for r in records if r.epoch == e]
-        p += cost.step_s(StepSize(0, 0, sum(r.prefill_rows for r in seg), sum(r.prefill_tokens for r in seg),
-                                  sum(r.prefill_pairs for r in seg)))
-        inside = [r for r in records if r.epoch is None and r.phase == "D" and r.start < hi and r.end > lo]
-        d += sum(cost.step_s(StepSize(r.decode_positions or r.decode_rows, r.decode_context)) for r in inside)
-        dm += sum(r.duration for r in inside)
-        span += hi - lo
-    return span, p, d, dm
+    """(span, prefill charge, decode charge) of the replay's epochs (`sim_replay.epoch_charge`: each to
+    the end of the decode forward after its last segment, which holds that segment's device time)."""
+    c = sr.epoch_charge(records, cost)
+    return c["span_s"], c["prefill_charge_s"], c["decode_charge_s"]
 
 
 def main() -> None:
@@ -55,9 +49,9 @@ def main() -> None:
             if parts.schedule != "mux" or parts.decode_sms:
                 continue
             first = sr._first(entry)
-            span, p, d, dm = epochs(from_columns(first["steps"]), cost)
+            span, p, d = epochs(from_columns(first["steps"]), cost)
             print(f"{name} {label}: epochs span {span:.2f} s; charged prefill {p:.2f} + decode inside {d:.2f} = "
-                  f"{p + d:.2f} s (span over it {span / (p + d):.3f}); decode records inside measured {dm:.2f} s")
+                  f"{p + d:.2f} s (span over it {span / (p + d):.3f})")
             config = sr._sim_config(result, entry["spec"], entry["budget"], first)
             later = statistics.median(r["report"]["makespan_s"] for r in entry["repeats"]
                                       if r.get("repeat") and r.get("finished"))
@@ -70,7 +64,7 @@ def main() -> None:
             print("   simulated over measured (later repeats' median): serial " f"{serial / later - 1:+.1%}; overlap "
                   + ", ".join(f"{k} {v:+.1%}" for k, v in grid.items()))
             out[f"{name}/{label}"] = {"span_s": span, "prefill_charge_s": p, "decode_charge_s": d,
-                                      "decode_measured_s": dm, "later_median_s": later,
+                                      "later_median_s": later,
                                       "serial_error": serial / later - 1, "overlap_error": grid}
     out["runs"] = scan()
     with open("benchmarks/results/2026-12-05-epoch-overlap-cpu/epoch_overlap.json", "w") as f:
@@ -93,7 +87,7 @@ def scan() -> list[dict]:
             first = sr._first(entry)
             if parts.schedule != "mux" or parts.decode_sms or first is None:
                 continue
-            span, p, d, _ = epochs(from_columns(first["steps"]), cost)
+            span, p, d = epochs(from_columns(first["steps"]), cost)
             rows.append({"run": path.split("results/")[1], "schedule": label, "span_s": span, "prefill_charge_s": p,
                          "decode_charge_s": d, "span_over_serial": span / (p + d), "span_over_prefill": span / p})
             print(f"{rows[-1]['run']:52s} {label:42s} span {span:5.2f} s = {span / (p + d):.3f} of prefill + "
