@@ -136,7 +136,7 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
         --out "/tmp/res/drafts$n" > "/tmp/res/drafts$n.log" 2>&1
       tail -20 "/tmp/res/drafts$n.log"; cp "/tmp/res/drafts$n/rollout.json" "$OUT/drafts$n.json"
       cp "/tmp/res/drafts$n/trace.jsonl" "$OUT/"
-      python3 -m benchmarks.sim_replay "/tmp/res/drafts$n/rollout.json" 2>&1 | tail -8 ;;
+      python3 -m benchmarks.sim_replay "/tmp/res/drafts$n/rollout.json" --epoch-check 2>&1 | tail -16 ;;
     interleave)  # issue 33's comparison with the peer's timed passes interleaved with our repeats, both engines
       # up at once (benchmarks.interleave): CONV, SCHEDULES, REPEATS; VLLM_MODE own | in-process, VLLM_BUDGET,
       # VLLM_SPEC (its best setting: ngram:4 at 16,384), HOST_PROFILE (schedules replayed once more under
@@ -159,8 +159,8 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
       python3 -c "import json; d = json.load(open('$OUT/$tag.json')); print(d.get('order'), d['vllm'].get('error'))"
       python3 -m benchmarks.step_times "$OUT/$tag.json" --out "$OUT/$tag.step_times.json" | tail -"$([ -n "${HOST_PROFILE:-}" ] && echo 32 || echo 12)"
       python3 -m benchmarks.sim_replay "$OUT/$tag.json" --trace "$OUT/trace$n.jsonl" --out "$OUT/$tag.sim_replay.json" \
-        $([ -f /tmp/res/pd_overlap.json ] && echo --overlap-from /tmp/res/pd_overlap.json) \
-        ${FIT_FROM:+--fit-from "$FIT_FROM"} 2>&1 | tail -12  # FIT_FROM: an earlier run with off and chunked
+        $([ -f /tmp/res/pd_overlap.json ] && echo --overlap-from /tmp/res/pd_overlap.json) --epoch-check \
+        ${FIT_FROM:+--fit-from "$FIT_FROM"} 2>&1 | tail -20  # FIT_FROM: an earlier run with off and chunked
       python3 -m benchmarks.plot "$OUT/$tag.json" "$OUT/$tag.png" ;;
     splitrun)  # SM partitions in the engine's own rollout (issue 33's P/D overlap): plain and drafting mux on
       # the whole device and with 24 SMs held back from prefill (`/sms:24`, decode keeps every SM: 0.97 of
