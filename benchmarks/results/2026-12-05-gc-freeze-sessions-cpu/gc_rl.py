@@ -9,17 +9,18 @@ import time
 from megatron_rollout.engine import gc_freeze
 
 freed = []
-release_once = gc_freeze._Process.release
+process = gc_freeze.PROCESS
+release_once = process.release
 
 
-def release(self):
-    release_once(self)
-    if self.holders == 0:
+def release():
+    release_once()
+    if process.holders == 0:
         t = time.perf_counter()
         freed.append((gc.collect(), time.perf_counter() - t))
 
 
-gc_freeze._Process.release = release
+process.release = release
 sys.argv = ["train_grpo.py", "--config", "configs/grpo_tool_cpu.yaml", "--steps", "4", "--out", "/tmp/gcrl",
             "--overwrite"]
 try:
