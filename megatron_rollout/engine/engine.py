@@ -223,7 +223,7 @@ class RolloutEngine:
     # -- public API ------------------------------------------------------------------------
     def open_session(self) -> Session:
         with self._lock:
-            return Session(self.table, self.table.open_seq(), self.run_until, self._lock, self._hand_back_gc)
+            return Session(self.table, self.table.open_seq(), self.run_until, self._lock, self._sync_gc)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> int:
         """Raises `EngineAsleep` while any memory tag sleeps (nothing is added)."""
@@ -327,7 +327,7 @@ class RolloutEngine:
                 raise RuntimeError(f"cannot sleep with {len(self.table.requests)} requests in flight: let them "
                                    f"finish (run_until, or AsyncEngine.sleep, which drains first) or abort them")
             report = self.memory.sleep(tags)
-            self._hand_back_gc()  # the trainer's step: its garbage is the collector's again
+            self._sync_gc()  # the trainer's step: its garbage is the collector's again
             return report
 
     def wake_up(self, tags: str | Iterable[str] | None = None) -> dict:
@@ -383,11 +383,11 @@ class RolloutEngine:
 
     # -- one step --------------------------------------------------------------------------
     def _step(self) -> list[RequestOutput]:
-        self.gc_freeze.busy(self._in_rollout)
+        self._sync_gc()
         try:
             return self._planned_step()
         finally:
-            self._hand_back_gc()
+            self._sync_gc()
 
     @property
     def _busy(self) -> bool:
@@ -399,9 +399,9 @@ class RolloutEngine:
         the rollout): the collector's freeze is held (`engine.gc_freeze`)."""
         return self._busy or (not self.memory.asleep and self.table.sessions_open())
 
-    def _hand_back_gc(self) -> None:
-        """The last request done with no session open, the last session closed, or asleep: the
-        collector sees everything again."""
+    def _sync_gc(self) -> None:
+        """In a rollout, the collector's freeze taken or refreshed; out of one (the last request done
+        with no session open, the last session closed, or asleep), handed back."""
         self.gc_freeze.busy(self._in_rollout)
 
     def _planned_step(self) -> list[RequestOutput]:
