@@ -174,8 +174,8 @@ class SpeculativeExecutor(StepExecutor):
             return state
         if not self.mtp:
             self._look_up(decoding, len(decoding))
-        seqs = tuple(dataclasses.replace(v, lookahead=len(d.tokens))
-                     if v.stage is Stage.DECODE and (d := self._draft(v.rid)) is not None else v for v in state.seqs)
+        seqs = tuple(v.ahead(len(d.tokens)) if v.stage is Stage.DECODE and (d := self._draft(v.rid)) is not None
+                     else v for v in state.seqs)
         return dataclasses.replace(state, seqs=seqs)
 
     def _look_up(self, rids: list[int], rows: int) -> None:

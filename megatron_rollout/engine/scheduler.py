@@ -19,7 +19,6 @@ without a leader (docs/design.md §7). The rules:
 """
 from __future__ import annotations
 
-import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -51,6 +50,12 @@ class SeqView:
     """Hash of the first full block, for prefix sharing; None if shorter than a block."""
     lookahead: int = 0
     """Drafted tokens a decode row would verify beyond `tokens` (speculative decoding)."""
+
+    def ahead(self, lookahead: int) -> SeqView:
+        """This view with `lookahead` drafted positions (`dataclasses.replace`, without its cost per
+        row and step)."""
+        return SeqView(self.rid, self.stage, self.tokens, self.computed, self.blocks, self.freeable, self.order,
+                       self.prefix_key, lookahead)
 
 
 @dataclass(frozen=True)
@@ -142,7 +147,7 @@ def plan_step(state: SchedulerState, cfg: SchedulerConfig) -> StepPlan:
         # a row may hold more blocks than it needs (grown for drafts that were rejected): never a credit
         need = max(0, _blocks(seq.tokens + seq.lookahead, bs) - seq.blocks)
         if seq.lookahead and need > free:  # drafts never preempt: the row runs without them
-            need, seq = max(0, _blocks(seq.tokens, bs) - seq.blocks), dataclasses.replace(seq, lookahead=0)
+            need, seq = max(0, _blocks(seq.tokens, bs) - seq.blocks), seq.ahead(0)
         while need > free:  # make room by preempting the youngest of those younger than this row
             victim = _youngest(queue, halfway, younger_than=seq.order)
             if victim is None:
