@@ -524,14 +524,16 @@ def epoch_charge(records: Sequence[StepRecord], cost: CostModel) -> dict[str, fl
     tell which."""
     spans = epoch_spans(records)
     starts = sorted(lo for lo, _ in spans.values())
+    segments: dict[int, list[StepRecord]] = {}
+    for r in records:
+        if r.epoch is not None:
+            segments.setdefault(r.epoch, []).append(r)
     decodes = sorted((r for r in records if r.phase == "D" and r.epoch is None and not r.prefill_tokens),
                      key=lambda r: r.start)
     span = prefill = decode = 0.0
     for epoch, (lo, hi) in spans.items():
-        segments = [r for r in records if r.epoch == epoch]
-        prefill += cost.step_s(StepSize(0, 0, sum(r.prefill_rows for r in segments),
-                                        sum(r.prefill_tokens for r in segments),
-                                        sum(r.prefill_pairs for r in segments)))
+        prefill += cost.step_s(StepSize(0, 0, *(sum(getattr(r, f) for r in segments[epoch])
+                                                for f in ("prefill_rows", "prefill_tokens", "prefill_pairs"))))
         after = next((r for r in decodes if r.start >= hi), None)
         following = next((s for s in starts if s > lo), math.inf)
         end = after.end if after is not None and after.start < following else hi

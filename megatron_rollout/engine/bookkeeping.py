@@ -501,8 +501,6 @@ class RequestTable:
         that token lands, whether or not its group still runs."""
         req = owner.request
         kept, reason = self._run_end(req, drawn)
-        if not kept:
-            return []
         run = drawn[:kept]
         req.seq.tokens += [d.token for d in run]  # before landing: the prefix cache keys its blocks by them
         self._land(req, owner.context + kept - 1, version, kept)

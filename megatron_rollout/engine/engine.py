@@ -388,6 +388,7 @@ class RolloutEngine:
             return self._planned_step()
         finally:
             self._sync_gc()
+            self.gc_freeze.step_done()
 
     @property
     def _busy(self) -> bool:
@@ -400,8 +401,8 @@ class RolloutEngine:
         return self._busy or (not self.memory.asleep and self.table.sessions_open())
 
     def _sync_gc(self) -> None:
-        """In a rollout, the collector's freeze taken or refreshed; out of one (the last request done
-        with no session open, the last session closed, or asleep), handed back."""
+        """In a rollout, the collector's freeze taken; out of one (the last request done with no
+        session open, the last session closed, or asleep), handed back."""
         self.gc_freeze.busy(self._in_rollout)
 
     def _planned_step(self) -> list[RequestOutput]:

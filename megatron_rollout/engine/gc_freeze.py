@@ -66,8 +66,8 @@ PROCESS = _Process()
 
 
 class GcFreeze:
-    """One engine's side: `busy(True)` at each step of a rollout (the first freezes the heap, the
-    later ones what was made since), `busy(False)` when none is under way; `on=False`
+    """One engine's side: `busy(True)` while a rollout is under way, `busy(False)` when none is, and
+    `step_done()` after each of its steps (what the step kept is frozen too); `on=False`
     (`EngineConfig.gc_freeze`) never touches the collector."""
 
     def __init__(self, on: bool = True) -> None:
@@ -80,8 +80,6 @@ class GcFreeze:
 
     def busy(self, busy: bool) -> None:
         if busy == self.wanted or not self.on:
-            if busy and self.held:
-                PROCESS.refresh()
             return
         self.wanted = busy
         if busy and PROCESS.hold():
@@ -89,3 +87,8 @@ class GcFreeze:
         elif not busy and self.held:
             PROCESS.release()
             self.held = False
+
+    def step_done(self) -> None:
+        """A step of the rollout ended: freeze what was made since the last freeze."""
+        if self.held:
+            PROCESS.refresh()
