@@ -38,7 +38,8 @@ whose last draft was kept whole drafts that many: its verdicts, which every rank
 The forwards are the runner's (`Runner.forward_hidden`, `Runner.forward_mtp`): the portable one,
 or the CUDA runner on one rank, whose decode graphs run them as one-query rows
 (`runner.speculative`). Greedy rows are verified and drafted from one host read of every row's
-argmax and logprob (`_best`), sampled rows row by row (`engine.speculative.verify`). Left out:
+argmax and logprob (`_best`); sampled rows with lookup drafts or none all at once, on the device
+(`engine.speculative.verify_lookup`), sampled MTP drafts row by row (`engine.speculative.verify`). Left out:
 the CUDA runner on many ranks, decode ahead, the naive ordering baseline, MTP layers beyond the
 first.
 """
@@ -60,7 +61,7 @@ from megatron_rollout.engine.execution import StepExecutor, StepInputs
 from megatron_rollout.engine.request import Request, Sampled, Seq
 from megatron_rollout.engine.sampler import PendingDraw, filtered_logprobs, sample_row
 from megatron_rollout.engine.scheduler import PrefillChunk, SchedulerState, Stage, StepPlan
-from megatron_rollout.engine.speculative import Verdict, draw_index, verify
+from megatron_rollout.engine.speculative import LookupRow, Verdict, draw_index, verify, verify_lookup
 from megatron_rollout.engine.stats import EngineStats
 from megatron_rollout.forward import Forward, run_to_end
 from megatron_rollout.runner.base import Runner
@@ -290,7 +291,7 @@ class SpeculativeExecutor(StepExecutor):
         """Every sampling row's verdict; the prompt positions that score the next prompt token
         (`prompt_logprobs`, one logits row each) are scored as the plain executor scores them."""
         best = _best(out.logits)
-        rows, at, owners, scored = [], 0, iter(step.owners), []
+        rows, at, owners, scored, lookups = [], 0, iter(step.owners), [], []
         for row, v in zip(step.rows, step.verify, strict=True):
             if not v.logits:
                 continue
@@ -301,15 +302,21 @@ class SpeculativeExecutor(StepExecutor):
             elif self.table.is_live(owner):
                 first = row.span.past + row.span.new - v.logits
                 rows.append(self._verdict(owner, first, row.span.table, tuple(row.token_ids[1:v.logits]),
-                                          out.logits, sl, out.hidden[sl] if self.mtp else None, best[sl]))
+                                          out.logits, sl, out.hidden[sl] if self.mtp else None, best[sl], lookups))
         if scored:
             self.score([o for o, _ in scored], out.logits[self._index([i for _, i in scored])])
+        for (row, ask), verdict in zip(lookups, verify_lookup(out.logits, [ask for _, ask in lookups]), strict=True):
+            row.verdict = verdict
+            self._count(row.owner.request.rid, len(ask.drafts), verdict.accepted)
         return rows
 
     def _verdict(self, owner: SampleOwner, first: int, table: tuple[int, ...], drafts: tuple[int, ...],
-                 all_logits: torch.Tensor, sl: slice, hidden: torch.Tensor | None, best: list[_Best]) -> _Row:
+                 all_logits: torch.Tensor, sl: slice, hidden: torch.Tensor | None, best: list[_Best],
+                 lookups: list[tuple[_Row, LookupRow]]) -> _Row:
         """The row's verdict from its logits `all_logits[sl]`, which a greedy row never reads (its
-        choices are in `best`, read to the host with every row's)."""
+        choices are in `best`, read to the host with every row's). A sampled row whose drafts have no
+        law (n-gram lookup), or that has none, joins `lookups`: `verify_lookup` decides them all at
+        once, and its verdict comes then."""
         req = owner.request
         params, gen = req.params, req.generator or self.generator
         bad = [i for i, b in enumerate(best) if not b.finite]
@@ -326,14 +333,11 @@ class SpeculativeExecutor(StepExecutor):
             kept = best[:a + 1]
             return _Row(owner, first, table, hidden, Verdict(a, tuple(b.token for b in kept),
                                                              tuple(b.logprob for b in kept)))
-        logits = all_logits[sl]
-        if not drafts:  # the plain sampler's draw
-            self._count(req.rid, 0, 0)
-            s = sample_row(logits[0], params, gen)
-            return _Row(owner, first, table, hidden, Verdict(0, (s.token,), (s.logprob,)))
-        draft = self._draft(req.rid)
-        logq = None if draft is None or draft.logq is None else draft.logq[:len(drafts)]
-        verdict = verify(logits, list(drafts), logq, params, gen)
+        draft = self._draft(req.rid) if drafts else None
+        if draft is None or draft.logq is None:  # one-hot drafts, or none: the plain sampler's draw then
+            lookups.append((row := _Row(owner, first, table, hidden, None), LookupRow(sl.start, drafts, params, gen)))
+            return row
+        verdict = verify(all_logits[sl], list(drafts), draft.logq[:len(drafts)], params, gen)
         self._count(req.rid, len(drafts), verdict.accepted)
         return _Row(owner, first, table, hidden, verdict)
 

@@ -70,7 +70,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     return PendingDraw(logits, params, generators).result(range(logits.shape[0]))
 
 
-def _inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One token per row of `logp` [g, V] for uniforms `u` [g] in [0, 1): the first index whose
     cumulative probability passes u * total, never past the last token of positive probability."""
     cdf = logp.exp().cumsum(-1)
@@ -91,7 +91,7 @@ def _draw(rows: torch.Tensor, params: SamplingParams, generators: Sequence[torch
     else:
         logp = filtered_logprobs(rows, params)
         u = torch.cat([torch.rand(1, generator=g) for g in generators])
-        token = _inverse_cdf(logp, to_device(u, rows.device))
+        token = inverse_cdf(logp, to_device(u, rows.device))
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
 

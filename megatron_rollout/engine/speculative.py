@@ -16,17 +16,24 @@ top-k, top-p), and the logprob reported for each emitted token is the target's u
 plain sampler reports: what an RL trainer's importance ratio needs, whatever the drafter proposed.
 A drafter that proposes greedily has one-hot q (`draft_logprobs=None`).
 
-This module is the decision on tensors of one row; which rows draft, and the KV positions of
-rejected drafts (written by the verifying forward, then simply overwritten), are the engine's.
+`verify` decides one row on the host. `verify_lookup` decides every sampled row of a step whose
+drafts have no law (one-hot q: n-gram lookup), and every sampled row without drafts, on the logits'
+device with one host read: per row, its acceptance tests and its last draw come from k + 1 uniforms
+of its own generator (a row without drafts draws exactly as the plain sampler does). Which rows
+draft, and the KV positions of rejected drafts (written by the verifying forward, then simply
+overwritten), are the engine's.
 """
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from megatron_rollout.engine.api import SamplingParams
-from megatron_rollout.engine.sampler import filtered_logprobs
+from megatron_rollout.engine.sampler import filtered_logprobs, inverse_cdf
+from megatron_rollout.kernels.layout import to_device
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,76 @@ def verify(target_logits: torch.Tensor, drafts: list[int], draft_logprobs: torch
         tokens.append(x)
     tokens.append(int(logp[k].argmax()) if greedy else draw_index(logp[k].exp(), generator))
     return _verdict(k, tokens, logp)
+
+
+@dataclass(frozen=True)
+class LookupRow:
+    """One sampled row for `verify_lookup`: its k drafts (one-hot q, maybe none) and the k + 1 rows of
+    the step's logits that score them, from `start`."""
+
+    start: int
+    drafts: tuple[int, ...]
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+def verify_lookup(logits: torch.Tensor, rows: Sequence[LookupRow]) -> list[Verdict]:
+    """`verify`'s rule for sampled rows with one-hot drafts, every row at once: draft i is kept with
+    probability p_i(x_i); at the first rejection the token is drawn from p_i without x_i, after k kept
+    drafts from p_k. logits: [positions, V] finite rows; one verdict per row, in order."""
+    if not rows:
+        return []
+    if any(r.params.temperature == 0.0 for r in rows):
+        raise ValueError("verify_lookup decides sampled rows; a greedy row keeps the drafts equal to its argmax")
+    device, n, k = logits.device, len(rows), max(len(r.drafts) for r in rows)
+    sizes = [len(r.drafts) + 1 for r in rows]
+    logp = _filtered(logits, rows, sizes)  # [sum(sizes), V], each row's positions in turn
+    starts = itertools.accumulate(sizes[:-1], initial=0)
+    # a [rows, k + 1] grid of each row's positions, padded with its last one (never a draft there)
+    grid = torch.tensor([[s + min(j, size - 1) for j in range(k + 1)] for s, size in zip(starts, sizes)])
+    ids = torch.tensor([[*r.drafts, *[0] * (k + 1 - len(r.drafts))] for r in rows])
+    is_draft = torch.tensor([[j < len(r.drafts) for j in range(k + 1)] for r in rows])
+    u = [torch.rand(size, generator=r.generator) for r, size in zip(rows, sizes)]
+    u_test = torch.stack([torch.cat([x[:-1], x.new_ones(k + 1 - len(x[:-1]))]) for x in u])
+    u_last = torch.stack([x[-1] for x in u])
+    grid, ids, is_draft, u_test, u_last = (to_device(t, device) for t in (grid, ids, is_draft, u_test, u_last))
+    draft_lp = logp[grid, ids]  # [rows, k + 1]
+    accepted = (is_draft & (u_test < draft_lp.exp())).long().cumprod(-1).sum(-1)  # kept before the first rejection
+    final = logp[grid.gather(-1, accepted[:, None])[:, 0]]  # [rows, V]: the law of each row's last token
+    banned, rejected = ids.gather(-1, accepted[:, None]), is_draft.gather(-1, accepted[:, None])
+    residual = final.scatter(-1, banned, final.gather(-1, banned).masked_fill(rejected, float("-inf")))
+    # no mass left only where p put all of it on the rejected draft, a rejection of probability ~0
+    residual = torch.where(residual.amax(-1, keepdim=True) > float("-inf"), residual, final)
+    token = inverse_cdf(residual, u_last)
+    host = torch.cat([accepted.double(), token.double(), final.gather(-1, token[:, None])[:, 0].double(),
+                      draft_lp.double().flatten()]).tolist()
+    out = []
+    for i, r in enumerate(rows):
+        a, kept = int(host[i]), 3 * n + i * (k + 1)
+        out.append(Verdict(a, (*r.drafts[:a], int(host[n + i])), (*host[kept:kept + a], host[2 * n + i])))
+    return out
+
+
+def _filtered(logits: torch.Tensor, rows: Sequence[LookupRow], sizes: list[int]) -> torch.Tensor:
+    """`filtered_logprobs` of each row's `size` positions from its `start`, rows that share sampling
+    params filtered together, in row order."""
+    device = logits.device
+    groups: dict[tuple, tuple[SamplingParams, list[int], list[int]]] = {}  # params: (params, at, logits rows)
+    at = 0
+    for r, size in zip(rows, sizes):
+        p = r.params
+        _, mine, source = groups.setdefault((p.temperature, p.top_k, p.top_p), (p, [], []))
+        mine.extend(range(at, at + size))
+        source.extend(range(r.start, r.start + size))
+        at += size
+    if len(groups) == 1:
+        ((params, _, source),) = groups.values()
+        return filtered_logprobs(logits[to_device(torch.tensor(source), device)], params)
+    out = torch.empty(at, logits.shape[-1], dtype=torch.float32, device=device)
+    for params, mine, source in groups.values():
+        out[to_device(torch.tensor(mine), device)] = filtered_logprobs(logits[to_device(torch.tensor(source), device)],
+                                                                       params)
+    return out
 
 
 def _residual(logp: torch.Tensor, draft_logprobs: torch.Tensor | None, i: int, rejected: int) -> torch.Tensor:

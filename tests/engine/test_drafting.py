@@ -111,6 +111,15 @@ def _accept_every_draft(target, drafts, q, params, generator):
     return Verdict(len(drafts), (*drafts, last.token), (0.0,) * len(drafts) + (last.logprob,))
 
 
+def _accept_every_lookup(logits, rows):
+    """The same broken rule for the rows decided at once (n-gram drafts)."""
+    from megatron_rollout.engine.sampler import sample_row
+
+    last = [sample_row(logits[r.start + len(r.drafts)], r.params, r.generator) for r in rows]
+    return [Verdict(len(r.drafts), (*r.drafts, s.token), (0.0,) * len(r.drafts) + (s.logprob,))
+            for r, s in zip(rows, last)]
+
+
 def _counts(m: MoETransformer, config: EngineConfig, prompt: list[int], n: int) -> tuple[list[int], float]:
     params = SamplingParams(temperature=1.0, max_new_tokens=3, ignore_stop=True)
     engine = RolloutEngine(m, config)
@@ -142,6 +151,7 @@ def check_the_sampled_law(monkeypatch, prompt: list[int], speculative: Speculati
     seen = [i for i in range(len(cells)) if drafted[i] + plain[i]]
     assert stats.chi2_contingency([[drafted[i] for i in seen], [plain[i] for i in seen]]).pvalue > 1e-3
     monkeypatch.setattr(drafting, "verify", _accept_every_draft)
+    monkeypatch.setattr(drafting, "verify_lookup", _accept_every_lookup)
     broken, acceptance = _counts(m, config, prompt, n)
     assert acceptance == 1.0
     assert stats.chisquare(broken, expected).pvalue < 1e-6

@@ -15,7 +15,7 @@ from megatron_rollout.engine import RolloutEngine, SamplingParams, drafting
 from megatron_rollout.engine.config import EngineConfig, KVConfig, SchedulerConfig, SpeculativeConfig
 
 from .common import SCHEDULES, small
-from .test_drafting import _accept_every_draft
+from .test_drafting import _accept_every_draft, _accept_every_lookup
 from .test_drafting_ngram import model
 
 PROMPT = [5, 9, 17, 2, 40, 33, 11]
@@ -102,6 +102,7 @@ def test_copied_drafts_keep_the_sampled_law_and_the_samples_independent(monkeypa
     assert 0.1 < acceptance < 0.95 and copied > 50, (acceptance, copied)  # copies accepted and rejected
     assert law_p > 1e-3 and alike_p > 1e-3, (law_p, alike_p)
     monkeypatch.setattr(drafting, "verify", _accept_every_draft)
+    monkeypatch.setattr(drafting, "verify_lookup", _accept_every_lookup)
     _, alike_p, acceptance, _ = check(RolloutEngine(m, config))
     assert acceptance == 1.0 and alike_p < 1e-6, alike_p
 

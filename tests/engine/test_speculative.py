@@ -1,6 +1,8 @@
 """Speculative verification keeps the target distribution exact (chi-square against the plain
 sampler and against the exact law, on a Markov-chain target with a different drafter) and is plain
-greedy decoding at temperature 0."""
+greedy decoding at temperature 0; `verify_lookup`, which decides many sampled rows with one-hot
+drafts at once, keeps the same law, decides each row as it would alone, and draws a row without
+drafts as the plain sampler does."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +10,7 @@ import torch
 
 from megatron_rollout.engine.api import SamplingParams
 from megatron_rollout.engine.sampler import filtered_logprobs, sample_row
-from megatron_rollout.engine.speculative import Verdict, verify
+from megatron_rollout.engine.speculative import LookupRow, Verdict, verify, verify_lookup
 
 scipy_stats = pytest.importorskip("scipy.stats")
 
@@ -38,6 +40,12 @@ def speculative_sequence(params: SamplingParams, gen: torch.Generator, k: int = 
         q = None if greedy_drafts else DRAFT[context[:-1]]
         seq.extend(verifier(TARGET[context], drafts, q, params, gen).tokens)
     return tuple(seq[1:LENGTH + 1])
+
+
+def lookup_verifier(target, drafts, q, params, gen) -> Verdict:
+    """`verify_lookup` on one row (its drafts one-hot)."""
+    assert q is None
+    return verify_lookup(target, [LookupRow(0, tuple(drafts), params, gen)])[0]
 
 
 def exact_law(params: SamplingParams) -> dict[tuple[int, ...], float]:
@@ -77,6 +85,44 @@ def test_sampled_distribution_is_the_targets(params, greedy_drafts):
     cells = sorted(set(spec) | set(plain))
     table = [[spec.get(c, 0) for c in cells], [plain.get(c, 0) for c in cells]]
     assert scipy_stats.chi2_contingency(table).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3),
+                                    SamplingParams(temperature=1.3, top_p=0.8)])
+def test_lookup_verdicts_keep_the_targets_law(params):
+    n = 4000
+    law = exact_law(params)
+    spec = _counts(lambda g: speculative_sequence(params, g, greedy_drafts=True, verifier=lookup_verifier), n, seed=5)
+    assert _fit_p(spec, law) > 1e-3
+
+
+def test_lookup_rows_are_decided_at_once_as_each_alone():
+    """Rows of several lengths and sampling params in one call: each verdict is the one its row gets
+    alone from the same generator state (no row's draws or filtering leak into another's), its
+    logprobs the target's under the row's params; a row without drafts draws as the plain sampler."""
+    logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(7)) * 3
+    kinds = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.6, top_k=5),
+             SamplingParams(temperature=1.0, top_p=0.7)]
+    drafts = [(3, 4, 5), (), (int(logits[5].argmax()), 9), (1,), (), (2, 2, 2, 2)]
+    rows, at = [], 0
+    for i, d in enumerate(drafts):
+        rows.append(LookupRow(at, d, kinds[i % 3], torch.Generator().manual_seed(100 + i)))
+        at += len(d) + 1
+    assert at == 16
+    together = verify_lookup(logits, rows)
+    for r, got in zip(rows, together):
+        alone = verify_lookup(logits, [LookupRow(r.start, r.drafts, r.params, torch.Generator().manual_seed(
+            r.generator.initial_seed()))])[0]
+        assert got == alone
+        assert got.tokens[:got.accepted] == r.drafts[:got.accepted] and len(got.tokens) == got.accepted + 1
+        logp = filtered_logprobs(logits[r.start:r.start + got.accepted + 1], r.params)
+        assert got.logprobs == pytest.approx([float(logp[j, t]) for j, t in enumerate(got.tokens)], abs=1e-5)
+        if not r.drafts:
+            plain = sample_row(logits[r.start], r.params, torch.Generator().manual_seed(r.generator.initial_seed()))
+            assert (got.tokens, got.logprobs) == ((plain.token,), pytest.approx((plain.logprob,)))
+    with pytest.raises(ValueError, match="sampled rows"):
+        verify_lookup(logits, [LookupRow(0, (), SamplingParams(temperature=0.0), None)])
+    assert verify_lookup(logits, []) == []
 
 
 def test_the_statistical_test_rejects_a_biased_verifier():

@@ -49,7 +49,7 @@ def _shared_uniform(rows, params, generators):
     """Broken: one uniform for every row of a batch (rows, group members, episodes correlated)."""
     logp = sampler.filtered_logprobs(rows, params)
     u = torch.rand(1, generator=generators[0]).expand(rows.shape[0])
-    token = sampler._inverse_cdf(logp, u.contiguous())
+    token = sampler.inverse_cdf(logp, u.contiguous())
     for g in generators[1:]:
         torch.rand(1, generator=g)  # keep every stream's position as ours would
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
@@ -59,7 +59,7 @@ def _biased(rows, params, generators):
     """Broken: uniforms bent towards 0, so low token ids are drawn too often."""
     logp = sampler.filtered_logprobs(rows, params)
     u = torch.cat([torch.rand(1, generator=g) for g in generators]) ** 1.25
-    token = sampler._inverse_cdf(logp, u)
+    token = sampler.inverse_cdf(logp, u)
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
 
@@ -70,7 +70,7 @@ def _turn_seeded(rows, params, generators):
     for g in generators:
         torch.rand(1, generator=g)  # keep every stream's position as ours would
         us.append(torch.rand(1, generator=torch.Generator().manual_seed(g.initial_seed() % 1000)))
-    token = sampler._inverse_cdf(logp, torch.cat(us))
+    token = sampler.inverse_cdf(logp, torch.cat(us))
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
 
