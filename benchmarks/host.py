@@ -16,6 +16,11 @@ overlapped, so it is worth timing by itself, on any machine:
   the cache holds from their previous turns.
 - `sample`: `sampler.sample` of a batch of rows over a 151,936-token vocabulary (Qwen3's), greedy
   against temperature 1, interleaved (on a GPU the draws run on the device; here on the CPU).
+- `verdicts` (`ROWSxK`): the sampled rows of one drafting step decided (temperature 1, 151,936 ids,
+  each row K random drafts, 0 for none) row by row (`speculative.verify`, or `sample_row` for a row
+  without drafts: each a host read of its own, the executor's path before `verify_lookup`) against
+  all at once (`speculative.verify_lookup`: one read), interleaved, on `--device` (a GPU is where the
+  per-row reads cost: each waits for the device).
 - `lookup`: one n-gram lookup and the sync of one new token (`drafts.NgramIndex.propose`, `sync`),
   as a decode step does for each drafting row, over contexts of given lengths: text-like ids
   (Zipf-distributed, where suffixes mostly recur far back or not at all), ids drawn uniformly
@@ -317,6 +322,39 @@ def sample_ms(rows: int, vocab: int = 151_936, repeats: int = 5) -> dict[str, di
     return {k: _summary(v) for k, v in samples.items()}
 
 
+def verdicts_ms(rows: int, drafts: int, device: str = "cpu", vocab: int = 151_936, repeats: int = 5
+                ) -> dict[str, dict[str, float]]:
+    """Host ms to decide one step's `rows` sampled rows of `drafts` drafts each, row by row (`rows`)
+    against at once (`at_once`), interleaved, the logits on `device` (module docstring)."""
+    from megatron_rollout.engine import SamplingParams
+    from megatron_rollout.engine.sampler import sample_row
+    from megatron_rollout.engine.speculative import LookupRow, verify, verify_lookup
+
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(rows * (drafts + 1), vocab, generator=gen) * 3).to(device, torch.bfloat16)
+    params = SamplingParams(temperature=1.0)
+    asks = [LookupRow(r * (drafts + 1), tuple(torch.randint(0, vocab, (drafts,), generator=gen).tolist()), params,
+                      torch.Generator().manual_seed(r)) for r in range(rows)]
+
+    def one_by_one() -> None:
+        for a in asks:
+            if a.drafts:
+                verify(logits[a.start:a.start + drafts + 1], list(a.drafts), None, params, a.generator)
+            else:
+                sample_row(logits[a.start], params, a.generator)
+
+    variants = {"rows": one_by_one, "at_once": lambda: verify_lookup(logits, asks)}
+    for run in variants.values():  # warm
+        run()
+    samples: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(repeats):
+        for key, run in variants.items():
+            t0 = time.perf_counter()
+            run()
+            samples[key].append((time.perf_counter() - t0) * 1e3)
+    return {k: _summary(v) for k, v in samples.items()}
+
+
 def compare(folder: Path) -> str:
     """A markdown table of the stages of `folder`'s `host-before-*.json` against its
     `host-after-*.json` (invocations of two commits, alternated): per figure, the median over the
@@ -364,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--append", default="5000,50000", help="turn lengths of the append stage ('' skips it)")
     ap.add_argument("--sample", default="1,16,64", help="batch sizes of the sample stage ('' skips it)")
     ap.add_argument("--drafting", default="1,16,64", help="batch sizes of the drafting stage ('' skips it)")
+    ap.add_argument("--verdicts", default="16x0,64x0,64x4",
+                    help="rows x drafts of the sampled verdicts stage ('' skips it)")
+    ap.add_argument("--device", default="cpu", help="the verdicts stage's device (cpu, cuda)")
     ap.add_argument("--lookup", default="1000,17000,60000", help="context lengths of the lookup stage ('' skips it)")
     ap.add_argument("--startup", default="", metavar="TRACE.jsonl",
                     help="the start-up stage: submit the first turn of each conversation of this trace ('' skips it)")
@@ -376,11 +417,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     out: dict[str, Any] = {"torch": torch.__version__, "engine_step_ms": {}, "fill_ms": {}, "verify_fill_ms": {},
                            "layout_ms": {}, "turn_layout_ms": {}, "append_us": {}, "sample_ms": {},
-                           "drafting_step_ms": {}, "lookup_us": {}, "startup": {}}
+                           "drafting_step_ms": {}, "verdicts_ms": {}, "lookup_us": {}, "startup": {}}
     for rows in (int(r) for r in args.rows.split(",") if r):
         out["engine_step_ms"][rows] = engine_step_ms(rows)
     for rows in (int(r) for r in args.drafting.split(",") if r):
         out["drafting_step_ms"][rows] = drafting_step_ms(rows)
+    for spec in (s for s in args.verdicts.split(",") if s):
+        rows, drafts = (int(v) for v in spec.split("x"))
+        out["verdicts_ms"][spec] = verdicts_ms(rows, drafts, args.device)
     for length in (int(n) for n in args.lookup.split(",") if n):
         out["lookup_us"][length] = {kind: lookup_us(length, kind) for kind in LOOKUP_KINDS}
     for spec in (s for s in args.fill.split(",") if s):

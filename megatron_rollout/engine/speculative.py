@@ -96,19 +96,41 @@ class LookupRow:
     generator: torch.Generator | None
 
 
+CPU_PASS_BYTES = 1 << 21
+"""On the CPU, `verify_lookup` decides rows in passes of about this many bytes of fp32 logits: rows
+that stay in cache go faster than one pass through memory, and a pass costs no device wait there."""
+
+
 def verify_lookup(logits: torch.Tensor, rows: Sequence[LookupRow]) -> list[Verdict]:
     """`verify`'s rule for sampled rows with one-hot drafts, every row at once: draft i is kept with
     probability p_i(x_i); at the first rejection the token is drawn from p_i without x_i, after k kept
-    drafts from p_k. logits: [positions, V] finite rows; one verdict per row, in order."""
-    if not rows:
-        return []
+    drafts from p_k. logits: [positions, V] finite rows; one verdict per row, in order. On a GPU one
+    pass and one host read decide them all; on the CPU, passes of `CPU_PASS_BYTES` (the same draws)."""
     if any(r.params.temperature == 0.0 for r in rows):
         raise ValueError("verify_lookup decides sampled rows; a greedy row keeps the drafts equal to its argmax")
+    if logits.is_cuda:
+        return _verify_pass(logits, rows)
+    out: list[Verdict] = []
+    per_position = 4 * logits.shape[-1]
+    while len(out) < len(rows):
+        take, positions = 0, 0
+        for r in rows[len(out):]:
+            positions += len(r.drafts) + 1
+            if take and positions * per_position > CPU_PASS_BYTES:
+                break
+            take += 1
+        out += _verify_pass(logits, rows[len(out):len(out) + take])
+    return out
+
+
+def _verify_pass(logits: torch.Tensor, rows: Sequence[LookupRow]) -> list[Verdict]:
+    if not rows:
+        return []
     device, n, k = logits.device, len(rows), max(len(r.drafts) for r in rows)
     sizes = [len(r.drafts) + 1 for r in rows]
     logp = _filtered(logits, rows, sizes)  # [sum(sizes), V], each row's positions in turn
     starts = itertools.accumulate(sizes[:-1], initial=0)
-    # a [rows, k + 1] grid of each row's positions, padded with its last one (never a draft there)
+    # a [rows, k + 1] grid of each row's positions (into logp), padded with its last one (never a draft there)
     grid = torch.tensor([[s + min(j, size - 1) for j in range(k + 1)] for s, size in zip(starts, sizes)])
     ids = torch.tensor([[*r.drafts, *[0] * (k + 1 - len(r.drafts))] for r in rows])
     is_draft = torch.tensor([[j < len(r.drafts) for j in range(k + 1)] for r in rows])
@@ -118,13 +140,16 @@ def verify_lookup(logits: torch.Tensor, rows: Sequence[LookupRow]) -> list[Verdi
     grid, ids, is_draft, u_test, u_last = (to_device(t, device) for t in (grid, ids, is_draft, u_test, u_last))
     draft_lp = logp[grid, ids]  # [rows, k + 1]
     accepted = (is_draft & (u_test < draft_lp.exp())).long().cumprod(-1).sum(-1)  # kept before the first rejection
-    final = logp[grid.gather(-1, accepted[:, None])[:, 0]]  # [rows, V]: the law of each row's last token
-    banned, rejected = ids.gather(-1, accepted[:, None]), is_draft.gather(-1, accepted[:, None])
-    residual = final.scatter(-1, banned, final.gather(-1, banned).masked_fill(rejected, float("-inf")))
-    # no mass left only where p put all of it on the rejected draft, a rejection of probability ~0
-    residual = torch.where(residual.amax(-1, keepdim=True) > float("-inf"), residual, final)
-    token = inverse_cdf(residual, u_last)
-    host = torch.cat([accepted.double(), token.double(), final.gather(-1, token[:, None])[:, 0].double(),
+    # the law of each row's last token [rows, V] (a copy), less a rejected draft: p_i(x_i) < 1 then,
+    # so mass is left (a draft holding all of it is always kept: u < 1)
+    if k:
+        last = logp.index_select(0, grid.gather(-1, accepted[:, None])[:, 0])
+        banned, rejected = ids.gather(-1, accepted[:, None]), is_draft.gather(-1, accepted[:, None])
+        last.scatter_(-1, banned, last.gather(-1, banned).masked_fill_(rejected, float("-inf")))
+    else:  # no row drafted: each row's one position, the plain sampler's draw
+        last = logp
+    token = inverse_cdf(last, u_last)  # the token's logprob is p's: only the banned id was masked
+    host = torch.cat([accepted.double(), token.double(), last.gather(-1, token[:, None])[:, 0].double(),
                       draft_lp.double().flatten()]).tolist()
     out = []
     for i, r in enumerate(rows):
@@ -147,12 +172,18 @@ def _filtered(logits: torch.Tensor, rows: Sequence[LookupRow], sizes: list[int])
         at += size
     if len(groups) == 1:
         ((params, _, source),) = groups.values()
-        return filtered_logprobs(logits[to_device(torch.tensor(source), device)], params)
+        return filtered_logprobs(_select(logits, source), params)
     out = torch.empty(at, logits.shape[-1], dtype=torch.float32, device=device)
     for params, mine, source in groups.values():
-        out[to_device(torch.tensor(mine), device)] = filtered_logprobs(logits[to_device(torch.tensor(source), device)],
-                                                                       params)
+        out[to_device(torch.tensor(mine), device)] = filtered_logprobs(_select(logits, source), params)
     return out
+
+
+def _select(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits[rows]: the tensor itself where `rows` are all of it in order (a step whose rows all sample)."""
+    if rows == list(range(logits.shape[0])):
+        return logits
+    return logits.index_select(0, to_device(torch.tensor(rows, dtype=torch.long), logits.device))
 
 
 def _residual(logp: torch.Tensor, draft_logprobs: torch.Tensor | None, i: int, rejected: int) -> torch.Tensor:

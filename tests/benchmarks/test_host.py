@@ -3,7 +3,16 @@ import json
 
 import pytest
 
-from benchmarks.host import append_us, engine_step_ms, fill_ms, layout_ms, sample_ms, startup_ms, turn_layout_ms
+from benchmarks.host import (
+    append_us,
+    engine_step_ms,
+    fill_ms,
+    layout_ms,
+    sample_ms,
+    startup_ms,
+    turn_layout_ms,
+    verdicts_ms,
+)
 
 
 def test_engine_step_and_fill_are_timed():
@@ -85,3 +94,10 @@ def test_compare_tables_two_commits_invocations(tmp_path):
     assert rows[3] == "| lookup, us | 1000 tokens | loop | 11.0 [10.0-12.0] | 3.0 [2.0-9.0] |"
     assert rows[4] == "| verify fill, ms | 16x1300 rows x entries | keyed | 0.550 [0.500-0.600] | 0.300 [0.250-0.350] |"
     assert rows[5] == "| startup, ms | 900 tokens of 2 first turns | submit | 11.0 [10.0-12.0] | 6.0 [5.0-7.0] |"
+
+
+def test_verdicts_are_timed_row_by_row_and_at_once():
+    for drafts in (0, 2):
+        timed = verdicts_ms(rows=3, drafts=drafts, vocab=64, repeats=2)
+        assert set(timed) == {"rows", "at_once"}
+        assert all(v["min"] > 0 for v in timed.values())

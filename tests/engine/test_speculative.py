@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_rollout.engine import speculative
 from megatron_rollout.engine.api import SamplingParams
 from megatron_rollout.engine.sampler import filtered_logprobs, sample_row
 from megatron_rollout.engine.speculative import LookupRow, Verdict, verify, verify_lookup
@@ -96,10 +97,11 @@ def test_lookup_verdicts_keep_the_targets_law(params):
     assert _fit_p(spec, law) > 1e-3
 
 
-def test_lookup_rows_are_decided_at_once_as_each_alone():
+def test_lookup_rows_are_decided_at_once_as_each_alone(monkeypatch):
     """Rows of several lengths and sampling params in one call: each verdict is the one its row gets
     alone from the same generator state (no row's draws or filtering leak into another's), its
-    logprobs the target's under the row's params; a row without drafts draws as the plain sampler."""
+    logprobs the target's under the row's params; a row without drafts draws as the plain sampler;
+    the CPU's passes of a few rows each (`CPU_PASS_BYTES`) give the same verdicts as one pass."""
     logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(7)) * 3
     kinds = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.6, top_k=5),
              SamplingParams(temperature=1.0, top_p=0.7)]
@@ -120,6 +122,10 @@ def test_lookup_rows_are_decided_at_once_as_each_alone():
         if not r.drafts:
             plain = sample_row(logits[r.start], r.params, torch.Generator().manual_seed(r.generator.initial_seed()))
             assert (got.tokens, got.logprobs) == ((plain.token,), pytest.approx((plain.logprob,)))
+    monkeypatch.setattr(speculative, "CPU_PASS_BYTES", 3 * 4 * 50)  # three positions a pass
+    again = [LookupRow(r.start, r.drafts, r.params, torch.Generator().manual_seed(r.generator.initial_seed()))
+             for r in rows]
+    assert verify_lookup(logits, again) == together
     with pytest.raises(ValueError, match="sampled rows"):
         verify_lookup(logits, [LookupRow(0, (), SamplingParams(temperature=0.0), None)])
     assert verify_lookup(logits, []) == []
