@@ -290,7 +290,12 @@ class SpeculativeExecutor(StepExecutor):
     def _verdicts(self, step: StepInputs, out: SpecOutput) -> list[_Row]:
         """Every sampling row's verdict; the prompt positions that score the next prompt token
         (`prompt_logprobs`, one logits row each) are scored as the plain executor scores them."""
-        best = _best(out.logits)
+        # every row's argmax, logprob and finiteness in one read, unless every row is a sampled one
+        # that `verify_lookup` decides (and checks) with its own read
+        plain = self.mtp or any(o.scores is not None or o.request.params.temperature == 0.0
+                                or o.request.params.logprobs is not None or self.table.draws(o) > 1
+                                for o in step.owners)
+        best = _best(out.logits) if plain else None
         rows, at, owners, scored, lookups = [], 0, iter(step.owners), [], []
         for row, v in zip(step.rows, step.verify, strict=True):
             if not v.logits:
@@ -302,24 +307,28 @@ class SpeculativeExecutor(StepExecutor):
             elif self.table.is_live(owner):
                 first = row.span.past + row.span.new - v.logits
                 rows.append(self._verdict(owner, first, row.span.table, tuple(row.token_ids[1:v.logits]),
-                                          out.logits, sl, out.hidden[sl] if self.mtp else None, best[sl], lookups))
+                                          out.logits, sl, out.hidden[sl] if self.mtp else None,
+                                          None if best is None else best[sl], lookups))
         if scored:
             self.score([o for o, _ in scored], out.logits[self._index([i for _, i in scored])])
         for (row, ask), verdict in zip(lookups, verify_lookup(out.logits, [ask for _, ask in lookups]), strict=True):
+            if verdict.error is not None:
+                row.error = verdict.error
+                continue
             row.verdict = verdict
             self._count(row.owner.request.rid, len(ask.drafts), verdict.accepted)
         return rows
 
     def _verdict(self, owner: SampleOwner, first: int, table: tuple[int, ...], drafts: tuple[int, ...],
-                 all_logits: torch.Tensor, sl: slice, hidden: torch.Tensor | None, best: list[_Best],
+                 all_logits: torch.Tensor, sl: slice, hidden: torch.Tensor | None, best: list[_Best] | None,
                  lookups: list[tuple[_Row, LookupRow]]) -> _Row:
         """The row's verdict from its logits `all_logits[sl]`, which a greedy row never reads (its
         choices are in `best`, read to the host with every row's). A sampled row whose drafts have no
         law (n-gram lookup), or that has none, joins `lookups`: `verify_lookup` decides them all at
-        once, and its verdict comes then."""
+        once, and its verdict (or its error: `best` is None when only such rows sample) comes then."""
         req = owner.request
         params, gen = req.params, req.generator or self.generator
-        bad = [i for i, b in enumerate(best) if not b.finite]
+        bad = [i for i, b in enumerate(best or ()) if not b.finite]
         if bad:
             return _Row(owner, first, table, hidden, None, sample_row(all_logits[sl][bad[0]], params, gen).error)
         if (n := self.table.draws(owner)) > 1 or params.logprobs is not None:

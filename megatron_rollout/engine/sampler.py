@@ -32,7 +32,7 @@ from megatron_rollout.engine.request import Sampled
 from megatron_rollout.kernels.layout import to_device
 
 
-def _non_finite(row_max: float) -> Sampled:
+def non_finite(row_max: float) -> Sampled:
     # A row's max is NaN if any entry is NaN (amax propagates NaN), +inf if any entry is +inf,
     # and -inf only when every entry is -inf: the three ways a softmax over it has no meaning.
     kind = "nan" if math.isnan(row_max) else ("inf" if row_max > 0 else "-inf everywhere")
@@ -150,7 +150,7 @@ class PendingDraw:
         for i in rows:  # a token id below 2**24 is exact in fp32
             m = host[i]
             out.append(Sampled(int(host[n + i]), host[2 * n + i], top=self._top(host, i)) if math.isfinite(m)
-                       else _non_finite(m))
+                       else non_finite(m))
         return out
 
     def _top(self, host: list[float], i: int) -> dict[int, float] | None:

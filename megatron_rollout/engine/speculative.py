@@ -26,13 +26,14 @@ overwritten), are the engine's.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from megatron_rollout.engine.api import SamplingParams
-from megatron_rollout.engine.sampler import filtered_logprobs, inverse_cdf
+from megatron_rollout.engine.sampler import filtered_logprobs, inverse_cdf, non_finite
 from megatron_rollout.kernels.layout import to_device
 
 
@@ -44,6 +45,8 @@ class Verdict:
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
     """The target's logprob of each emitted token under its sampling distribution."""
+    error: str | None = None
+    """Why the row has no tokens (`verify_lookup`: one of its logits rows was not finite)."""
 
 
 def _uniform(generator: torch.Generator | None) -> float:
@@ -104,8 +107,9 @@ that stay in cache go faster than one pass through memory, and a pass costs no d
 def verify_lookup(logits: torch.Tensor, rows: Sequence[LookupRow]) -> list[Verdict]:
     """`verify`'s rule for sampled rows with one-hot drafts, every row at once: draft i is kept with
     probability p_i(x_i); at the first rejection the token is drawn from p_i without x_i, after k kept
-    drafts from p_k. logits: [positions, V] finite rows; one verdict per row, in order. On a GPU one
-    pass and one host read decide them all; on the CPU, passes of `CPU_PASS_BYTES` (the same draws)."""
+    drafts from p_k. logits: [positions, V]; one verdict per row, in order, a row with a non-finite
+    logits row failing alone (`Verdict.error`, the plain sampler's reason). On a GPU one pass and one
+    host read decide them all; on the CPU, passes of `CPU_PASS_BYTES` (the same draws)."""
     if any(r.params.temperature == 0.0 for r in rows):
         raise ValueError("verify_lookup decides sampled rows; a greedy row keeps the drafts equal to its argmax")
     if logits.is_cuda:
@@ -128,8 +132,8 @@ def _verify_pass(logits: torch.Tensor, rows: Sequence[LookupRow]) -> list[Verdic
         return []
     device, n, k = logits.device, len(rows), max(len(r.drafts) for r in rows)
     sizes = [len(r.drafts) + 1 for r in rows]
-    logp = _filtered(logits, rows, sizes)  # [sum(sizes), V], each row's positions in turn
-    starts = itertools.accumulate(sizes[:-1], initial=0)
+    logp, peak = _filtered(logits, rows, sizes)  # [sum(sizes), V], each row's positions in turn; their maxima
+    starts = list(itertools.accumulate(sizes[:-1], initial=0))
     # a [rows, k + 1] grid of each row's positions (into logp), padded with its last one (never a draft there)
     grid = torch.tensor([[s + min(j, size - 1) for j in range(k + 1)] for s, size in zip(starts, sizes)])
     ids = torch.tensor([[*r.drafts, *[0] * (k + 1 - len(r.drafts))] for r in rows])
@@ -150,17 +154,21 @@ def _verify_pass(logits: torch.Tensor, rows: Sequence[LookupRow]) -> list[Verdic
         last = logp
     token = inverse_cdf(last, u_last)  # the token's logprob is p's: only the banned id was masked
     host = torch.cat([accepted.double(), token.double(), last.gather(-1, token[:, None])[:, 0].double(),
-                      draft_lp.double().flatten()]).tolist()
-    out = []
-    for i, r in enumerate(rows):
+                      draft_lp.double().flatten(), peak.double()]).tolist()
+    out, peaks = [], host[3 * n + n * (k + 1):]
+    for i, (r, start, size) in enumerate(zip(rows, starts, sizes)):
+        bad = next((m for m in peaks[start:start + size] if not math.isfinite(m)), None)
+        if bad is not None:
+            out.append(Verdict(0, (), (), non_finite(bad).error))
+            continue
         a, kept = int(host[i]), 3 * n + i * (k + 1)
         out.append(Verdict(a, (*r.drafts[:a], int(host[n + i])), (*host[kept:kept + a], host[2 * n + i])))
     return out
 
 
-def _filtered(logits: torch.Tensor, rows: Sequence[LookupRow], sizes: list[int]) -> torch.Tensor:
+def _filtered(logits: torch.Tensor, rows: Sequence[LookupRow], sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """`filtered_logprobs` of each row's `size` positions from its `start`, rows that share sampling
-    params filtered together, in row order."""
+    params filtered together, in row order; and each position's largest logit (fp32)."""
     device = logits.device
     groups: dict[tuple, tuple[SamplingParams, list[int], list[int]]] = {}  # params: (params, at, logits rows)
     at = 0
@@ -172,11 +180,14 @@ def _filtered(logits: torch.Tensor, rows: Sequence[LookupRow], sizes: list[int])
         at += size
     if len(groups) == 1:
         ((params, _, source),) = groups.values()
-        return filtered_logprobs(_select(logits, source), params)
+        picked = _select(logits, source)
+        return filtered_logprobs(picked, params), picked.amax(-1).float()
     out = torch.empty(at, logits.shape[-1], dtype=torch.float32, device=device)
+    peak = torch.empty(at, dtype=torch.float32, device=device)
     for params, mine, source in groups.values():
-        out[to_device(torch.tensor(mine), device)] = filtered_logprobs(_select(logits, source), params)
-    return out
+        picked, here = _select(logits, source), to_device(torch.tensor(mine), device)
+        out[here], peak[here] = filtered_logprobs(picked, params), picked.amax(-1).float()
+    return out, peak
 
 
 def _select(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -51,6 +51,25 @@ def test_a_nan_row_fails_its_request_alone(make_engine, qwen, nan_model, schedul
     assert all(r.finish_reason is FinishReason.LENGTH for r in again)
 
 
+def test_under_lookup_drafts_a_sampled_nan_row_fails_alone(make_engine, qwen, nan_model):
+    """Every row sampled under n-gram drafting: the verifier decides them together and checks them
+    itself (no separate read of every row's argmax), and the NaN row still fails alone."""
+    from megatron_rollout.engine import SpeculativeConfig
+
+    def drafting() -> EngineConfig:
+        return EngineConfig(scheduler=SchedulerConfig("chunked", block_size=4, max_batch_tokens=8),
+                            kv=KVConfig(num_blocks=24), speculative=SpeculativeConfig("ngram", 2, ngram_min=1))
+
+    params = [SamplingParams(temperature=0.8, top_k=20, max_new_tokens=6, seed=i) for i in range(3)]
+    results = make_engine(nan_model, drafting()).generate(PROMPTS, params)
+    bad = results[1]
+    assert bad.finish_reason is FinishReason.ERROR and bad.token_ids == []
+    assert bad.error == f"request 3: non-finite logits (nan) at position {len(PROMPTS[1])} under weight version 0"
+    want = make_engine(qwen[1], drafting()).generate([PROMPTS[0], PROMPTS[2]], [params[0], params[2]])
+    for got, ref in zip([results[0], results[2]], want):
+        assert got.finish_reason is FinishReason.LENGTH and got.token_ids == ref.token_ids
+
+
 def test_a_session_turn_that_turns_nan_fails_and_the_session_goes_on(make_engine, qwen, nan_model):
     engine = make_engine(nan_model, config("chunked"))
     session = engine.open_session()
