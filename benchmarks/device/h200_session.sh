@@ -80,6 +80,18 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
         --temperature 1 --repeats 3 --no-vllm --deadline-s "${DEADLINE:-200}" --out /tmp/res/sampled \
         > /tmp/res/sampled.log 2>&1
       tail -16 /tmp/res/sampled.log; cp /tmp/res/sampled/rollout.json "$OUT/sampled.json" ;;
+    sampled-drafts)  # temperature 1 on the prefill trace: chunked with and without n-gram drafts (at 99546c8 drafting
+      # took 1.41x with no draft proposed: every sampled row was read to the host alone; see
+      # benchmarks/results/2026-12-05-chunked-drafts-h100), then the verdicts' host time row by row and at once
+      cd /tmp/run
+      bench --profile prefill --conversations "${CONV:-64}" --budgets 16384 --schedules "${SCHEDULES:-chunked,chunked~ngram:7}" \
+        --temperature 1 --no-ablation --repeats "${REPEATS:-2}" --no-vllm --deadline-s "${DEADLINE:-330}" \
+        --schedule-budget-s 150 ${EXTRA:-} --out /tmp/res/t1 > /tmp/res/t1.log 2>&1
+      tail -12 /tmp/res/t1.log; cp /tmp/res/t1/rollout.json "$OUT/t1.json"
+      timeout 90 python3 -m benchmarks.host --rows '' --fill '' --verify-fill '' --layout '' --turn-layout '' --append '' \
+        --sample '' --lookup '' --drafting '' --verdicts 16x0,64x0,64x4,64x7 --device cuda > "$OUT/verdicts-cuda.json"
+      python3 -c "import json; [print(k, {a: round(b['median'], 3) for a, b in v.items()})
+for k, v in json.load(open('$OUT/verdicts-cuda.json'))['verdicts_ms'].items()]" ;;
     prefill)  # 16 conversations (24 did not fit 3 repeats in one command); the sweep and the ablation
       cd /tmp/run
       bench --profile prefill --conversations 16 --budgets "${BUDGETS:-2048,4096,8192,16384}" ${ABLATION:---ablation} \
@@ -143,7 +155,8 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
       # cProfile); then the step times and the simulator's check (with `partition`'s stand-in factors when
       # that stage ran on this machine; EXTRA: more options, e.g. '--trace-seed 1', given to `peer`, `peerin` and
       # `drafts` alike when they add to or follow this run). The peer runs our weights (written to /tmp/res/$tag for it,
-      # removed after; VLLM_WEIGHTS=dummy: its own dummy init) and counts its accepted drafts
+      # removed after; VLLM_WEIGHTS=dummy: its own dummy init) and counts its accepted drafts. Both engines hold their
+      # memory at once: on an 80 GB H100 give each a 13 GiB KV cache (EXTRA='... --kv-gb 13'; 40 and 22 ran out)
       mkdir -p /tmp/pv/site
       [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.* | xz -dc -T8 | tar -x -C /tmp/pv/site)
       cd /tmp/run
