@@ -135,13 +135,16 @@ def _verify_pass(logits: torch.Tensor, rows: Sequence[LookupRow]) -> list[Verdic
     logp, peak = _filtered(logits, rows, sizes)  # [sum(sizes), V], each row's positions in turn; their maxima
     starts = list(itertools.accumulate(sizes[:-1], initial=0))
     # a [rows, k + 1] grid of each row's positions (into logp), padded with its last one (never a draft there)
-    grid = torch.tensor([[s + min(j, size - 1) for j in range(k + 1)] for s, size in zip(starts, sizes)])
-    ids = torch.tensor([[*r.drafts, *[0] * (k + 1 - len(r.drafts))] for r in rows])
-    is_draft = torch.tensor([[j < len(r.drafts) for j in range(k + 1)] for r in rows])
-    u = [torch.rand(size, generator=r.generator) for r, size in zip(rows, sizes)]
-    u_test = torch.stack([torch.cat([x[:-1], x.new_ones(k + 1 - len(x[:-1]))]) for x in u])
-    u_last = torch.stack([x[-1] for x in u])
-    grid, ids, is_draft, u_test, u_last = (to_device(t, device) for t in (grid, ids, is_draft, u_test, u_last))
+    # (two copies to the device: the positions, drafts and draft flags; the uniforms)
+    grid, ids, is_draft = to_device(torch.tensor([
+        [[s + min(j, size - 1) for j in range(k + 1)] for s, size in zip(starts, sizes)],
+        [[*r.drafts, *[0] * (k + 1 - len(r.drafts))] for r in rows],
+        [[int(j < len(r.drafts)) for j in range(k + 1)] for r in rows]]), device)
+    is_draft = is_draft.bool()
+    # each row's k + 1 uniforms: its tests (1 where it has no draft: never kept), then its last draw
+    u = to_device(torch.stack([torch.cat([x[:-1], x.new_ones(k + 1 - len(x[:-1])), x[-1:]]) for x in (
+        torch.rand(size, generator=r.generator) for r, size in zip(rows, sizes))]), device)
+    u_test, u_last = u[:, :-1], u[:, -1]
     draft_lp = logp[grid, ids]  # [rows, k + 1]
     accepted = (is_draft & (u_test < draft_lp.exp())).long().cumprod(-1).sum(-1)  # kept before the first rejection
     # the law of each row's last token [rows, V] (a copy), less a rejected draft: p_i(x_i) < 1 then,
