@@ -132,7 +132,7 @@ def _verify_pass(logits: torch.Tensor, rows: Sequence[LookupRow]) -> list[Verdic
         return []
     device, n, k = logits.device, len(rows), max(len(r.drafts) for r in rows)
     sizes = [len(r.drafts) + 1 for r in rows]
-    logp, peak = _filtered(logits, rows, sizes)  # [sum(sizes), V], each row's positions in turn; their maxima
+    logp = _filtered(logits, rows, sizes)  # [sum(sizes), V], each row's positions in turn
     starts = list(itertools.accumulate(sizes[:-1], initial=0))
     # a [rows, k + 1] grid of each row's positions (into logp), padded with its last one (never a draft there)
     # (two copies to the device: the positions, drafts and draft flags; the uniforms)
@@ -145,7 +145,7 @@ def _verify_pass(logits: torch.Tensor, rows: Sequence[LookupRow]) -> list[Verdic
     u = to_device(torch.stack([torch.cat([x[:-1], x.new_ones(k + 1 - len(x[:-1])), x[-1:]]) for x in (
         torch.rand(size, generator=r.generator) for r, size in zip(rows, sizes))]), device)
     u_test, u_last = u[:, :-1], u[:, -1]
-    draft_lp = logp[grid, ids]  # [rows, k + 1]
+    draft_lp = logp[grid, ids]  # [rows, k + 1]; NaN at a position whose logits were not finite (its whole row is)
     accepted = (is_draft & (u_test < draft_lp.exp())).long().cumprod(-1).sum(-1)  # kept before the first rejection
     # the law of each row's last token [rows, V] (a copy), less a rejected draft: p_i(x_i) < 1 then,
     # so mass is left (a draft holding all of it is always kept: u < 1)
@@ -157,21 +157,21 @@ def _verify_pass(logits: torch.Tensor, rows: Sequence[LookupRow]) -> list[Verdic
         last = logp
     token = inverse_cdf(last, u_last)  # the token's logprob is p's: only the banned id was masked
     host = torch.cat([accepted.double(), token.double(), last.gather(-1, token[:, None])[:, 0].double(),
-                      draft_lp.double().flatten(), peak.double()]).tolist()
-    out, peaks = [], host[3 * n + n * (k + 1):]
-    for i, (r, start, size) in enumerate(zip(rows, starts, sizes)):
-        bad = next((m for m in peaks[start:start + size] if not math.isfinite(m)), None)
-        if bad is not None:
-            out.append(Verdict(0, (), (), non_finite(bad).error))
-            continue
+                      draft_lp.double().flatten()]).tolist()
+    out = []
+    for i, (r, size) in enumerate(zip(rows, sizes)):
         a, kept = int(host[i]), 3 * n + i * (k + 1)
+        bad = next((j for j in range(size) if math.isnan(host[kept + j])), None)
+        if bad is not None:  # the plain sampler's reason, from that position's largest logit (read once more)
+            out.append(Verdict(0, (), (), non_finite(float(logits[r.start + bad].float().amax())).error))
+            continue
         out.append(Verdict(a, (*r.drafts[:a], int(host[n + i])), (*host[kept:kept + a], host[2 * n + i])))
     return out
 
 
-def _filtered(logits: torch.Tensor, rows: Sequence[LookupRow], sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _filtered(logits: torch.Tensor, rows: Sequence[LookupRow], sizes: list[int]) -> torch.Tensor:
     """`filtered_logprobs` of each row's `size` positions from its `start`, rows that share sampling
-    params filtered together, in row order; and each position's largest logit (fp32)."""
+    params filtered together, in row order."""
     device = logits.device
     groups: dict[tuple, tuple[SamplingParams, list[int], list[int]]] = {}  # params: (params, at, logits rows)
     at = 0
@@ -183,20 +183,18 @@ def _filtered(logits: torch.Tensor, rows: Sequence[LookupRow], sizes: list[int])
         at += size
     if len(groups) == 1:
         ((params, _, source),) = groups.values()
-        picked = _select(logits, source)
-        return filtered_logprobs(picked, params), picked.amax(-1).float()
+        return filtered_logprobs(_select(logits, source), params)
     out = torch.empty(at, logits.shape[-1], dtype=torch.float32, device=device)
-    peak = torch.empty(at, dtype=torch.float32, device=device)
     for params, mine, source in groups.values():
-        picked, here = _select(logits, source), to_device(torch.tensor(mine), device)
-        out[here], peak[here] = filtered_logprobs(picked, params), picked.amax(-1).float()
-    return out, peak
+        out[to_device(torch.tensor(mine), device)] = filtered_logprobs(_select(logits, source), params)
+    return out
 
 
 def _select(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """logits[rows]: the tensor itself where `rows` are all of it in order (a step whose rows all sample)."""
-    if rows == list(range(logits.shape[0])):
-        return logits
+    """logits[rows]: a view where `rows` run in order without a gap (a step whose rows all sample, a
+    CPU pass of one row), else a copy."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return logits.narrow(0, rows[0], len(rows))
     return logits.index_select(0, to_device(torch.tensor(rows, dtype=torch.long), logits.device))
 
 

@@ -130,12 +130,15 @@ def test_lookup_rows_are_decided_at_once_as_each_alone(monkeypatch):
     poisoned = logits.clone()
     poisoned[rows[2].start + 1, 3] = float("nan")
     poisoned[rows[4].start, :] = float("-inf")
+    poisoned[rows[5].start + 3, 7] = float("inf")
     fresh = [LookupRow(r.start, r.drafts, r.params, torch.Generator().manual_seed(r.generator.initial_seed()))
              for r in rows]
     got = verify_lookup(poisoned, fresh)
     assert got[2] == Verdict(0, (), (), "non-finite logits (nan)")
     assert got[4] == Verdict(0, (), (), "non-finite logits (-inf everywhere)")
-    assert [g for i, g in enumerate(got) if i not in (2, 4)] == [g for i, g in enumerate(together) if i not in (2, 4)]
+    assert got[5] == Verdict(0, (), (), "non-finite logits (inf)")
+    fine = [i for i in range(len(rows)) if i not in (2, 4, 5)]
+    assert [got[i] for i in fine] == [together[i] for i in fine]
     with pytest.raises(ValueError, match="sampled rows"):
         verify_lookup(logits, [LookupRow(0, (), SamplingParams(temperature=0.0), None)])
     assert verify_lookup(logits, []) == []
