@@ -134,8 +134,8 @@ def _verify_pass(logits: torch.Tensor, rows: Sequence[LookupRow]) -> list[Verdic
     sizes = [len(r.drafts) + 1 for r in rows]
     logp = _filtered(logits, rows, sizes)  # [sum(sizes), V], each row's positions in turn
     starts = list(itertools.accumulate(sizes[:-1], initial=0))
-    # a [rows, k + 1] grid of each row's positions (into logp), padded with its last one (never a draft there)
-    # (two copies to the device: the positions, drafts and draft flags; the uniforms)
+    # a [rows, k + 1] grid of each row's positions (into logp), padded with its last one (never a draft
+    # there), with its drafts and which are drafts: one copy to the device, the uniforms another
     grid, ids, is_draft = to_device(torch.tensor([
         [[s + min(j, size - 1) for j in range(k + 1)] for s, size in zip(starts, sizes)],
         [[*r.drafts, *[0] * (k + 1 - len(r.drafts))] for r in rows],
@@ -147,8 +147,8 @@ def _verify_pass(logits: torch.Tensor, rows: Sequence[LookupRow]) -> list[Verdic
     u_test, u_last = u[:, :-1], u[:, -1]
     draft_lp = logp[grid, ids]  # [rows, k + 1]; NaN at a position whose logits were not finite (its whole row is)
     accepted = (is_draft & (u_test < draft_lp.exp())).long().cumprod(-1).sum(-1)  # kept before the first rejection
-    # the law of each row's last token [rows, V] (a copy), less a rejected draft: p_i(x_i) < 1 then,
-    # so mass is left (a draft holding all of it is always kept: u < 1)
+    # the law of each row's last token [rows, V], less a rejected draft: p_i(x_i) < 1 then, so mass is
+    # left (a draft holding all of it is always kept: u < 1)
     if k:
         last = logp.index_select(0, grid.gather(-1, accepted[:, None])[:, 0])
         banned, rejected = ids.gather(-1, accepted[:, None]), is_draft.gather(-1, accepted[:, None])
