@@ -82,8 +82,10 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
       tail -16 /tmp/res/sampled.log; cp /tmp/res/sampled/rollout.json "$OUT/sampled.json" ;;
     sampled-drafts)  # temperature 1 on the prefill trace: chunked with and without n-gram drafts (at 99546c8 drafting
       # took 1.41x with no draft proposed: every sampled row was read to the host alone; see
-      # benchmarks/results/2026-12-05-chunked-drafts-h100), then the verdicts' host time row by row and at once
+      # benchmarks/results/2026-12-05-chunked-drafts-h100), then the verdicts' host time row by row and at once;
+      # first the batched verifier's GPU test
       cd /tmp/run
+      timeout 120 python3 -m pytest -q -m gpu tests/engine/test_speculative.py -p no:cacheprovider -rf 2>&1 | tail -3
       bench --profile prefill --conversations "${CONV:-64}" --budgets 16384 --schedules "${SCHEDULES:-chunked,chunked~ngram:7}" \
         --temperature 1 --no-ablation --repeats "${REPEATS:-2}" --no-vllm --deadline-s "${DEADLINE:-330}" \
         --schedule-budget-s 150 ${EXTRA:-} --out /tmp/res/t1 > /tmp/res/t1.log 2>&1

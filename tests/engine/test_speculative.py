@@ -97,12 +97,20 @@ def test_lookup_verdicts_keep_the_targets_law(params):
     assert _fit_p(spec, law) > 1e-3
 
 
-def test_lookup_rows_are_decided_at_once_as_each_alone(monkeypatch):
+def _alike(a: Verdict, b: Verdict) -> bool:
+    """The same verdict: tokens and error exactly, logprobs to fp32 rounding."""
+    return ((a.accepted, a.tokens, a.error) == (b.accepted, b.tokens, b.error)
+            and a.logprobs == pytest.approx(b.logprobs, abs=1e-5))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_lookup_rows_are_decided_at_once_as_each_alone(monkeypatch, device):
     """Rows of several lengths and sampling params in one call: each verdict is the one its row gets
     alone from the same generator state (no row's draws or filtering leak into another's), its
     logprobs the target's under the row's params; a row without drafts draws as the plain sampler;
-    the CPU's passes of a few rows each (`CPU_PASS_BYTES`) give the same verdicts as one pass."""
-    logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(7)) * 3
+    the CPU's passes of a few rows each (`CPU_PASS_BYTES`) give the same verdicts as one pass; a
+    non-finite logits row fails its own row only."""
+    logits = (torch.randn(16, 50, generator=torch.Generator().manual_seed(7)) * 3).to(device)
     kinds = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.6, top_k=5),
              SamplingParams(temperature=1.0, top_p=0.7)]
     drafts = [(3, 4, 5), (), (int(logits[5].argmax()), 9), (1,), (), (2, 2, 2, 2)]
@@ -111,34 +119,31 @@ def test_lookup_rows_are_decided_at_once_as_each_alone(monkeypatch):
         rows.append(LookupRow(at, d, kinds[i % 3], torch.Generator().manual_seed(100 + i)))
         at += len(d) + 1
     assert at == 16
+
+    def reseeded(rs: list[LookupRow]) -> list[LookupRow]:
+        return [LookupRow(r.start, r.drafts, r.params, torch.Generator().manual_seed(r.generator.initial_seed()))
+                for r in rs]
+
     together = verify_lookup(logits, rows)
     for r, got in zip(rows, together):
-        alone = verify_lookup(logits, [LookupRow(r.start, r.drafts, r.params, torch.Generator().manual_seed(
-            r.generator.initial_seed()))])[0]
-        assert got == alone
+        assert _alike(got, verify_lookup(logits, reseeded([r]))[0])
         assert got.tokens[:got.accepted] == r.drafts[:got.accepted] and len(got.tokens) == got.accepted + 1
         logp = filtered_logprobs(logits[r.start:r.start + got.accepted + 1], r.params)
         assert got.logprobs == pytest.approx([float(logp[j, t]) for j, t in enumerate(got.tokens)], abs=1e-5)
         if not r.drafts:
-            plain = sample_row(logits[r.start], r.params, torch.Generator().manual_seed(r.generator.initial_seed()))
+            plain = sample_row(logits[r.start], r.params, reseeded([r])[0].generator)
             assert (got.tokens, got.logprobs) == ((plain.token,), pytest.approx((plain.logprob,)))
-    monkeypatch.setattr(speculative, "CPU_PASS_BYTES", 3 * 4 * 50)  # three positions a pass
-    again = [LookupRow(r.start, r.drafts, r.params, torch.Generator().manual_seed(r.generator.initial_seed()))
-             for r in rows]
-    assert verify_lookup(logits, again) == together
-    # a non-finite position fails its own row only, with the plain sampler's reason
+    monkeypatch.setattr(speculative, "CPU_PASS_BYTES", 3 * 4 * 50)  # three positions a pass (on the CPU)
+    assert all(_alike(a, b) for a, b in zip(verify_lookup(logits, reseeded(rows)), together, strict=True))
     poisoned = logits.clone()
     poisoned[rows[2].start + 1, 3] = float("nan")
     poisoned[rows[4].start, :] = float("-inf")
     poisoned[rows[5].start + 3, 7] = float("inf")
-    fresh = [LookupRow(r.start, r.drafts, r.params, torch.Generator().manual_seed(r.generator.initial_seed()))
-             for r in rows]
-    got = verify_lookup(poisoned, fresh)
+    got = verify_lookup(poisoned, reseeded(rows))
     assert got[2] == Verdict(0, (), (), "non-finite logits (nan)")
     assert got[4] == Verdict(0, (), (), "non-finite logits (-inf everywhere)")
     assert got[5] == Verdict(0, (), (), "non-finite logits (inf)")
-    fine = [i for i in range(len(rows)) if i not in (2, 4, 5)]
-    assert [got[i] for i in fine] == [together[i] for i in fine]
+    assert all(_alike(got[i], together[i]) for i in range(len(rows)) if i not in (2, 4, 5))
     with pytest.raises(ValueError, match="sampled rows"):
         verify_lookup(logits, [LookupRow(0, (), SamplingParams(temperature=0.0), None)])
     assert verify_lookup(logits, []) == []
