@@ -59,7 +59,7 @@ from megatron_rollout.engine.bookkeeping import RequestTable, SampleOwner
 from megatron_rollout.engine.config import SpeculativeConfig
 from megatron_rollout.engine.execution import StepExecutor, StepInputs
 from megatron_rollout.engine.request import Request, Sampled, Seq
-from megatron_rollout.engine.sampler import PendingDraw, filtered_logprobs, sample_row
+from megatron_rollout.engine.sampler import PendingDraw, filtered_logprobs, non_finite
 from megatron_rollout.engine.scheduler import PrefillChunk, SchedulerState, Stage, StepPlan
 from megatron_rollout.engine.speculative import LookupRow, Verdict, draw_index, verify, verify_lookup
 from megatron_rollout.engine.stats import EngineStats
@@ -330,7 +330,8 @@ class SpeculativeExecutor(StepExecutor):
         params, gen = req.params, req.generator or self.generator
         bad = [i for i, b in enumerate(best or ()) if not b.finite]
         if bad:
-            return _Row(owner, first, table, hidden, None, sample_row(all_logits[sl][bad[0]], params, gen).error)
+            why = non_finite(float(all_logits[sl][bad[0]].float().amax())).error  # the plain sampler's reason
+            return _Row(owner, first, table, hidden, None, why)
         if (n := self.table.draws(owner)) > 1 or params.logprobs is not None:
             # the plain executor's draws: n forking a request's samples, each from its own generator, or
             # one with its top logprobs (such a row is never drafted)

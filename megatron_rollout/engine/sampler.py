@@ -70,6 +70,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     return PendingDraw(logits, params, generators).result(range(logits.shape[0]))
 
 
+def by_law(params: Sequence[SamplingParams]) -> list[list[int]]:
+    """The indices of `params` that sample from one law, in order of first appearance: greedy rows
+    together, sampled ones by (temperature, top_k, top_p); rows of one group are filtered together."""
+    groups: dict[tuple | None, list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault(None if p.temperature == 0.0 else (p.temperature, p.top_k, p.top_p), []).append(i)
+    return list(groups.values())
+
+
 def inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One token per row of `logp` [g, V] for uniforms `u` [g] in [0, 1): the first index whose
     cumulative probability passes u * total, never past the last token of positive probability."""
@@ -111,16 +120,14 @@ class PendingDraw:
                  generators: Sequence[torch.Generator | None]) -> None:
         self.rows = logits.shape[0]
         row_max = logits.amax(-1).float() if self.rows else logits.new_zeros(0, dtype=torch.float32)
-        groups: dict[tuple | None, list[int]] = {}  # greedy rows under None, sampled ones by their params
-        for i, p in enumerate(params):
-            groups.setdefault(None if p.temperature == 0.0 else (p.temperature, p.top_k, p.top_p), []).append(i)
+        groups = by_law(params)
         if len(groups) == 1:  # the usual batch: no row index to build or move
-            (members,) = groups.values()
+            (members,) = groups
             self.tokens, logprobs = _draw(logits, params[members[0]], generators)
         else:
             self.tokens = torch.zeros(self.rows, dtype=torch.long, device=logits.device)
             logprobs = torch.zeros(self.rows, dtype=torch.float32, device=logits.device)
-            for members in groups.values():
+            for members in groups:
                 index = to_device(torch.tensor(members, dtype=torch.long), logits.device)
                 self.tokens[index], logprobs[index] = _draw(logits[index], params[members[0]],
                                                             [generators[i] for i in members])

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rollout.engine.api import SamplingParams
-from megatron_rollout.engine.sampler import filtered_logprobs, inverse_cdf, non_finite
+from megatron_rollout.engine.sampler import by_law, filtered_logprobs, inverse_cdf, non_finite
 from megatron_rollout.kernels.layout import to_device
 
 
@@ -132,8 +132,8 @@ def _verify_pass(logits: torch.Tensor, rows: Sequence[LookupRow]) -> list[Verdic
         return []
     device, n, k = logits.device, len(rows), max(len(r.drafts) for r in rows)
     sizes = [len(r.drafts) + 1 for r in rows]
-    logp = _filtered(logits, rows, sizes)  # [sum(sizes), V], each row's positions in turn
-    starts = list(itertools.accumulate(sizes[:-1], initial=0))
+    starts = list(itertools.accumulate(sizes[:-1], initial=0))  # each row's first position in logp
+    logp = _filtered(logits, rows, sizes, starts)  # [sum(sizes), V], each row's positions in turn
     # a [rows, k + 1] grid of each row's positions (into logp), padded with its last one (never a draft
     # there), with its drafts and which are drafts: one copy to the device, the uniforms another
     grid, ids, is_draft = to_device(torch.tensor([
@@ -169,24 +169,19 @@ def _verify_pass(logits: torch.Tensor, rows: Sequence[LookupRow]) -> list[Verdic
     return out
 
 
-def _filtered(logits: torch.Tensor, rows: Sequence[LookupRow], sizes: list[int]) -> torch.Tensor:
-    """`filtered_logprobs` of each row's `size` positions from its `start`, rows that share sampling
-    params filtered together, in row order."""
-    device = logits.device
-    groups: dict[tuple, tuple[SamplingParams, list[int], list[int]]] = {}  # params: (params, at, logits rows)
-    at = 0
-    for r, size in zip(rows, sizes):
-        p = r.params
-        _, mine, source = groups.setdefault((p.temperature, p.top_k, p.top_p), (p, [], []))
-        mine.extend(range(at, at + size))
-        source.extend(range(r.start, r.start + size))
-        at += size
+def _filtered(logits: torch.Tensor, rows: Sequence[LookupRow], sizes: list[int], starts: list[int]) -> torch.Tensor:
+    """`filtered_logprobs` of each row's `size` positions from its `start`, placed from its `starts`
+    entry on, rows of one law (`sampler.by_law`) filtered together."""
+    groups = by_law([r.params for r in rows])
     if len(groups) == 1:
-        ((params, _, source),) = groups.values()
-        return filtered_logprobs(_select(logits, source), params)
-    out = torch.empty(at, logits.shape[-1], dtype=torch.float32, device=device)
-    for params, mine, source in groups.values():
-        out[to_device(torch.tensor(mine), device)] = filtered_logprobs(_select(logits, source), params)
+        return filtered_logprobs(_select(logits, [i for r, n in zip(rows, sizes) for i in range(r.start, r.start + n)]),
+                                 rows[0].params)
+    out = torch.empty(sum(sizes), logits.shape[-1], dtype=torch.float32, device=logits.device)
+    for members in groups:
+        mine = [starts[m] + j for m in members for j in range(sizes[m])]
+        source = [rows[m].start + j for m in members for j in range(sizes[m])]
+        out[to_device(torch.tensor(mine), logits.device)] = filtered_logprobs(_select(logits, source),
+                                                                              rows[members[0]].params)
     return out
 
 

@@ -51,16 +51,19 @@ def test_a_nan_row_fails_its_request_alone(make_engine, qwen, nan_model, schedul
     assert all(r.finish_reason is FinishReason.LENGTH for r in again)
 
 
-def test_under_lookup_drafts_a_sampled_nan_row_fails_alone(make_engine, qwen, nan_model):
-    """Every row sampled under n-gram drafting: the verifier decides them together and checks them
-    itself (no separate read of every row's argmax), and the NaN row still fails alone."""
+@pytest.mark.parametrize("greedy", [False, True])
+def test_under_lookup_drafts_a_nan_row_fails_alone(make_engine, qwen, nan_model, greedy):
+    """Under n-gram drafting, every row sampled (the verifier decides them together and checks them
+    itself, with no separate read of every row's argmax) or the NaN row greedy (found in that read):
+    the NaN row fails alone, with the plain sampler's reason."""
     from megatron_rollout.engine import SpeculativeConfig
 
     def drafting() -> EngineConfig:
         return EngineConfig(scheduler=SchedulerConfig("chunked", block_size=4, max_batch_tokens=8),
                             kv=KVConfig(num_blocks=24), speculative=SpeculativeConfig("ngram", 2, ngram_min=1))
 
-    params = [SamplingParams(temperature=0.8, top_k=20, max_new_tokens=6, seed=i) for i in range(3)]
+    params = PARAMS if greedy else [SamplingParams(temperature=0.8, top_k=20, max_new_tokens=6, seed=i)
+                                    for i in range(3)]
     results = make_engine(nan_model, drafting()).generate(PROMPTS, params)
     bad = results[1]
     assert bad.finish_reason is FinishReason.ERROR and bad.token_ids == []
