@@ -39,9 +39,16 @@ The forwards are the runner's (`Runner.forward_hidden`, `Runner.forward_mtp`): t
 or the CUDA runner on one rank, whose decode graphs run them as one-query rows
 (`runner.speculative`). Greedy rows are verified and drafted from one host read of every row's
 argmax and logprob (`_best`); sampled rows with lookup drafts or none all at once, on the device
-(`engine.speculative.verify_lookup`), sampled MTP drafts row by row (`engine.speculative.verify`). Left out:
-the CUDA runner on many ranks, decode ahead, the naive ordering baseline, MTP layers beyond the
-first.
+(`engine.speculative.verify_lookup`), sampled MTP drafts row by row (`engine.speculative.verify`).
+
+A pure decode step of n-gram drafting in which no row carries drafts (nothing repeats, or
+`tail_rows` holds them back) runs as the plain executor's step where the engine decodes ahead
+(`engine.ahead`, one rank): on the plain decode graphs, and, when the plan's lookup found drafts for
+no row, issuing the next forward before reading its tokens. The next plan looks up drafts as
+usual; while that forward is in flight, rows it holds that now have drafts wait one step for them,
+so the forward is taken, not thrown away. Tokens are the same either way: a row without drafts draws
+as the plain sampler does. Left out: the CUDA runner on many ranks, decode ahead for MTP drafting
+and for drafted steps, the naive ordering baseline, MTP layers beyond the first.
 """
 from __future__ import annotations
 
@@ -153,6 +160,9 @@ class SpeculativeExecutor(StepExecutor):
         self.families: dict[int, Family] = {}
         """`SpeculativeConfig.group`: each RL group's sequences and their indices, by `Seq.family`; a
         closed one's kept while its family has an open one: its text is what the family's laggards copy."""
+        self.dry = False
+        """"ngram": the last plan's lookup found drafts for no decoding row, so an undrafted step may
+        issue the next forward ahead (module docstring)."""
         self.unserved: dict[str, str] = {}
         """What a request may not ask for under this executor (`RequestTable.unserved`). n-gram drafting
         serves everything: a request for top logprobs decodes undrafted, prompt logprobs are scored."""
@@ -172,9 +182,13 @@ class SpeculativeExecutor(StepExecutor):
         none does while more than `tail_rows` rows decode."""
         decoding = [v.rid for v in state.seqs if v.stage is Stage.DECODE]
         if self.config.tail_rows is not None and len(decoding) > self.config.tail_rows:
+            self.dry = True
             return state
         if not self.mtp:
             self._look_up(decoding, len(decoding))
+            self.dry = not any(self._draft(rid) for rid in decoding)
+            if self.ahead is not None and self.ahead.issued is not None:
+                return state  # that forward carries no drafts: its rows draft in the step after it
         seqs = tuple(v.ahead(len(d.tokens)) if v.stage is Stage.DECODE and (d := self._draft(v.rid)) is not None
                      else v for v in state.seqs)
         return dataclasses.replace(state, seqs=seqs)
@@ -243,6 +257,8 @@ class SpeculativeExecutor(StepExecutor):
     def forward(self, step: StepInputs, phase: Phase) -> Forward:
         """The target forward (in P, with the MTP layer over the prefill positions it can run; "ngram":
         the target alone); returns a `SpecOutput`. A `mux` epoch resumes it boundary by boundary."""
+        if phase is Phase.D and self.ahead is not None:
+            self.ahead.drop()  # a decode forward outside `run` moves the rows past it
         verify = step.verify or [VerifyRow(int(r.sample)) for r in step.rows]
         return verify_forward(self.runner, step.rows, verify, phase, mtp=self.mtp)
 
@@ -260,7 +276,15 @@ class SpeculativeExecutor(StepExecutor):
     # -- one step ---------------------------------------------------------------------------------------
     def run(self, plan: StepPlan, phase: Phase) -> list[RequestOutput]:
         """One step: the target forward, the verdicts, the MTP layer's pass and the next drafts (all in
-        `phase`: every rank runs the same forwards), then the tokens into the request table."""
+        `phase`: every rank runs the same forwards), then the tokens into the request table. A pure
+        decode step that drafts nothing, where the engine decodes ahead, is the plain executor's step
+        (module docstring)."""
+        if self.ahead is not None:
+            if not self.mtp and phase is Phase.D and not plan.prefill and not any(plan.lookahead):
+                outs = super().run(plan, phase)
+                self._forget()
+                return outs
+            self.ahead.drop()  # this step drafts: the rows move past the forward issued without drafts
         t0 = time.perf_counter()
         step = self.inputs(plan.decode, plan.prefill, plan.lookahead)
         self.table.note_decode_wait(plan.decode, t0)
@@ -451,6 +475,15 @@ class SpeculativeExecutor(StepExecutor):
                 continue
             drawn = [Sampled(t, lp) for t, lp in zip(row.verdict.tokens, row.verdict.logprobs)]
             outs += self.table.accept_run(owner, drawn, version, now)
+        self._forget()
+        self._copy_blocks()  # the forks' partial blocks, before the next forward reads them
+        return outs
+
+    def may_issue_ahead(self) -> bool:
+        return self.dry
+
+    def _forget(self) -> None:
+        """Drop the drafts, deferred states, contexts and families of requests that are gone."""
         for entries in (self.drafts, self.deferred):  # forget finished, preempted and cancelled requests
             for rid in [rid for rid, e in entries.items()
                         if (req := self.table.requests.get(rid)) is None or req.lifetime != e.lifetime]:
@@ -463,5 +496,3 @@ class SpeculativeExecutor(StepExecutor):
         for key in {f for f, family in self.families.items() if any(sid in family.members for sid in gone)}:
             if not any(sid in self.table.seqs for sid in self.families[key].members):
                 del self.families[key]
-        self._copy_blocks()  # the forks' partial blocks, before the next forward reads them
-        return outs

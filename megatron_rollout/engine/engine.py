@@ -162,10 +162,11 @@ class RolloutEngine:
         return engine
 
     def _decode_ahead(self, mode: str) -> bool:
-        if self.config.speculative is not None:
+        if self.config.speculative is not None and self.config.speculative.method != "ngram":
             if mode == "on":
-                raise ValueError("decode_ahead='on' and EngineConfig.speculative exclude each other: a forward issued "
-                                 "ahead runs one token per row, before the drafts it would verify exist")
+                raise ValueError("decode_ahead='on' and MTP drafting (EngineConfig.speculative) exclude each other: "
+                                 "a forward issued ahead runs one token per row, before the drafts it would verify "
+                                 "exist (n-gram drafting decodes its undrafted steps ahead)")
             return False
         one_rank = not self.distributed and isinstance(self.model.comm, LocalComm)
         if mode == "on" and not one_rank:
@@ -193,8 +194,8 @@ class RolloutEngine:
     def capture_graphs(self, max_rows: int) -> bool:
         """Capture now every CUDA graph a rollout of up to `max_rows` decode rows replays: the decode
         buckets and the piecewise P graphs or, drafting, the verify (and MTP draft) graphs of each
-        row's one-token rows and the hidden-state P graphs (the plain ones are never replayed then).
-        Otherwise each is captured on first use, inside the first rollout. On many ranks every rank
+        row's one-token rows and the hidden-state P graphs, and no plain graph but the decode buckets
+        of up to `max_rows` rows where n-gram drafting decodes its undrafted steps ahead. Otherwise each is captured on first use, inside the first rollout. On many ranks every rank
         calls it at the same point. False: this runner has no graphs, or capture failed
         (`runner.capture`)."""
         if max_rows <= 0:
@@ -205,7 +206,11 @@ class RolloutEngine:
         top = self.runner.bucket(self.executor.graph_rows(max_rows))
         sizes = [b for b in self.runner.config.graph_batch_sizes if top is None or b <= top]
         outputs = self.executor.graph_outputs
-        return capture(sizes, speculative=outputs, plain=not outputs)
+        if not outputs:
+            return capture(sizes)
+        rows = self.runner.bucket(max_rows)
+        undrafted = [b for b in sizes if rows is None or b <= rows] if self.executor.ahead is not None else []
+        return capture(sizes, speculative=outputs, plain=False, plain_decode=undrafted)
 
     @property
     def step_log(self) -> StepLog:

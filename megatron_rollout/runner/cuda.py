@@ -360,7 +360,7 @@ class CudaRunner:
         return None if graph is None else run_to_end(self._replay(graph, inputs, tokens))
 
     def capture(self, batch_sizes: Sequence[int] | None = None, speculative: Sequence[str] = (),
-                plain: bool = True) -> bool:
+                plain: bool = True, plain_decode: Sequence[int] = ()) -> bool:
         """Capture decode graphs now (largest first, sharing one memory pool) and, on one rank, the
         piecewise P graphs of every token bucket, and (`partition` "split") D's graphs on its
         partition; False if decode capture failed (decode then runs eagerly; `capture_error` says
@@ -370,7 +370,9 @@ class CudaRunner:
         buckets of `batch_sizes`, with the piecewise hidden-state P graphs; otherwise a drafting
         engine captures each on first use, inside its first rollout. `plain=False` leaves out the
         plain decode and P graphs, which a drafting engine never replays; the result is then whether
-        every verify and draft graph was captured (False on many ranks: drafting runs eagerly there)."""
+        every verify and draft graph was captured (False on many ranks: drafting runs eagerly there).
+        `plain_decode`: with `plain=False`, the plain decode graphs of these sizes still (n-gram
+        drafting decodes its undrafted steps ahead on them, `engine.drafting`)."""
         if not plain and not speculative:
             raise ValueError("capture(plain=False) needs the speculative outputs to capture instead")
         if not (self.config.use_graphs and self.graph_safe):
@@ -379,7 +381,8 @@ class CudaRunner:
         if self.multi_rank:
             self._captured = True
             return self._capture_collectively(sizes) if plain else False
-        decode = all(self._try_graph(rows) is not None for rows in sorted(sizes, reverse=True)) if plain else True
+        decode = all(self._try_graph(rows) is not None for rows in sorted(sizes if plain else plain_decode,
+                                                                          reverse=True))
         for hidden in ((False,) if plain else ()) + ((True,) if speculative else ()):
             for tokens in sorted(self.config.prefill_graph_tokens, reverse=True) if self.graph_safe else ():
                 if self._prefill_graph(tokens, hidden) is None:
@@ -392,7 +395,7 @@ class CudaRunner:
             for output, b in itertools.product(beside, buckets):
                 if self._beside_graph(output, b) is None:
                     break  # failed there: D stays on the whole device beside P (`beside_capture_error`)
-        return decode if plain else drafting
+        return decode if plain else drafting and decode
 
     # -- for measurement: the parts benchmarks time, without the engine around them ------------
     PER_FORWARD_SETTINGS = ("use_graphs", "graph_batch_sizes", "prefill_graph_tokens", "prefill_graph_rows",

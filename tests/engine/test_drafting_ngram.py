@@ -204,10 +204,47 @@ def test_under_kv_pressure_every_request_finishes_or_fails_with_its_reason(tiny,
 
 
 @pytest.mark.timeout(300)
-def test_sampled_law_is_the_plain_samplers_and_a_broken_rule_is_caught(monkeypatch):
+@pytest.mark.parametrize("ahead", ["off", "on"])
+def test_sampled_law_is_the_plain_samplers_and_a_broken_rule_is_caught(monkeypatch, ahead):
     """A repeating prompt: the lookup proposes a draft for every row (q one-hot), accepted with
-    probability p(draft) and resampled from the rest of p otherwise."""
-    check_the_sampled_law(monkeypatch, [1, 2, 0, 1, 2, 0, 1], SpeculativeConfig("ngram", 2, ngram_min=1))
+    probability p(draft) and resampled from the rest of p otherwise; with decode ahead, the rows'
+    undrafted steps are plain draws and their drafts come a step later."""
+    check_the_sampled_law(monkeypatch, [1, 2, 0, 1, 2, 0, 1], SpeculativeConfig("ngram", 2, ngram_min=1),
+                          runner=RunnerConfig(decode_ahead=ahead))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_undrafted_steps_decode_ahead_and_keep_greedy_tokens(make_engine, schedule):
+    """Steps whose lookup finds nothing issue the next forward ahead; a forward in flight when drafts
+    turn up is taken (its rows draft a step later): 2-grams on 24 ids come and go."""
+    m, params = model(vocab=24), SamplingParams(temperature=0.0, max_new_tokens=24, ignore_stop=True)
+    plain = make_engine(m, small(schedule)).generate(PROMPTS, params)
+    drafts = SpeculativeConfig("ngram", 3, ngram_min=2)
+    engine = make_engine(m, small(schedule, speculative=drafts, runner=RunnerConfig(decode_ahead="on")))
+    got = engine.generate(PROMPTS, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in plain]
+    for r, ref in zip(got, plain):
+        assert r.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+    stats = engine.stats
+    assert stats.drafted_tokens > 0 and stats.ahead_taken > 0 and stats.ahead_dropped == 0, stats
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_sampled_rows_that_never_draft_decode_ahead_as_plain_sampling(make_engine, schedule):
+    """Temperature 1 where no 6-gram repeats: every decode step is undrafted and decoded ahead, with
+    the plain engine's tokens and logprobs (the same draws from the same generators)."""
+    m = model(vocab=64)
+    params = [SamplingParams(temperature=1.0, seed=s, max_new_tokens=12, ignore_stop=True) for s in range(4)]
+    want = make_engine(m, small(schedule, runner=RunnerConfig(decode_ahead="off"))).generate(PROMPTS, params)
+    rare = SpeculativeConfig("ngram", 3, ngram_min=6, ngram_max=6)
+    engine = make_engine(m, small(schedule, speculative=rare, runner=RunnerConfig(decode_ahead="on")))
+    got = engine.generate(PROMPTS, params)
+    assert engine.stats.drafted_tokens == 0 and engine.stats.ahead_taken > 0, engine.stats
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    for r, ref in zip(got, want):
+        assert r.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
 
 
 def test_the_config_names_what_is_wrong():
@@ -279,9 +316,9 @@ class _CaptureSurface:
     def bucket(self, rows: int) -> int | None:
         return next((b for b in self.config.graph_batch_sizes if b >= rows), None)
 
-    def capture(self, sizes, speculative=(), plain=True) -> bool:
+    def capture(self, sizes, speculative=(), plain=True, plain_decode=()) -> bool:
         self.asked = (list(sizes), tuple(speculative))
-        self.plain = plain
+        self.plain, self.plain_decode = plain, list(plain_decode)
         return True
 
 
@@ -299,6 +336,11 @@ def test_capture_graphs_asks_for_the_verify_rows_of_every_draft():
         engine.runner = _CaptureSurface()
         assert engine.capture_graphs(rows) and engine.runner.asked == want
         assert engine.runner.plain == (not want[1])  # a drafting engine replays no plain graph
+        assert engine.runner.plain_decode == []  # ... unless it decodes ahead (below)
+    ahead = RolloutEngine(model(), dataclasses.replace(ngram("chunked"), runner=RunnerConfig(decode_ahead="on")))
+    ahead.runner = _CaptureSurface()  # its undrafted steps: the plain decode buckets of up to 5 rows
+    assert ahead.capture_graphs(5) and ahead.runner.asked == ([1, 2, 4, 8, 16, 32], ("hidden",))
+    assert not ahead.runner.plain and ahead.runner.plain_decode == [1, 2, 4, 8]
     mtp = RolloutEngine(MoETransformer(CFG).init_weights(seed=0, std=0.3),
                         small("mux", speculative=SpeculativeConfig("mtp", 2)))
     mtp.runner = _CaptureSurface()
