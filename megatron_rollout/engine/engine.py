@@ -195,8 +195,9 @@ class RolloutEngine:
         """Capture now every CUDA graph a rollout of up to `max_rows` decode rows replays: the decode
         buckets and the piecewise P graphs or, drafting, the verify (and MTP draft) graphs of each
         row's one-token rows and the hidden-state P graphs, and no plain graph but the decode buckets
-        of up to `max_rows` rows where n-gram drafting decodes its undrafted steps ahead. Otherwise each is captured on first use, inside the first rollout. On many ranks every rank
-        calls it at the same point. False: this runner has no graphs, or capture failed
+        of up to `max_rows` rows where n-gram drafting decodes its undrafted steps ahead. Otherwise
+        each is captured on first use, inside the first rollout. On many ranks every rank calls it at
+        the same point. False: this runner has no graphs, or capture failed
         (`runner.capture`)."""
         if max_rows <= 0:
             raise ValueError(f"capture_graphs: max_rows must be positive, got {max_rows}")
