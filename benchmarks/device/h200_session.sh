@@ -81,13 +81,16 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
         > /tmp/res/sampled.log 2>&1
       tail -16 /tmp/res/sampled.log; cp /tmp/res/sampled/rollout.json "$OUT/sampled.json" ;;
     sampled-drafts)  # temperature 1 on the prefill trace: chunked with and without n-gram drafts (at 99546c8 drafting
-      # took 1.41x with no draft proposed: every sampled row was read to the host alone; see
-      # benchmarks/results/2026-12-05-chunked-drafts-h100), then the verdicts' host time row by row and at once;
-      # first the batched verifier's GPU test
+      # took 1.41x with no draft proposed, every sampled row read to the host alone, 2026-12-05-chunked-drafts-h100;
+      # at 97acfda, rows decided at once, 1.14x, 2026-12-06-h200-drafts-48l), drafting with its undrafted steps
+      # decoded ahead (--decode-ahead on) and without (/sync); then the verdicts' host time row by row and at
+      # once; first the GPU tests of the batched verifier and of drafting with decode ahead
       cd /tmp/run
-      timeout 120 python3 -m pytest -q -m gpu tests/engine/test_speculative.py -p no:cacheprovider -rf 2>&1 | tail -3
-      bench --profile prefill --conversations "${CONV:-64}" --budgets 16384 --schedules "${SCHEDULES:-chunked,chunked~ngram:7}" \
-        --temperature 1 --no-ablation --repeats "${REPEATS:-2}" --no-vllm --deadline-s "${DEADLINE:-330}" \
+      timeout 150 python3 -m pytest -q -m gpu tests/engine/test_speculative.py tests/engine/test_drafting_ngram.py \
+        -p no:cacheprovider -rf 2>&1 | tail -3
+      bench --profile prefill --conversations "${CONV:-64}" --budgets 16384 --decode-ahead on \
+        --schedules "${SCHEDULES:-chunked,chunked~ngram:7,chunked~ngram:7/sync}" \
+        --temperature 1 --no-ablation --repeats "${REPEATS:-3}" --no-vllm --deadline-s "${DEADLINE:-420}" \
         --schedule-budget-s 150 ${EXTRA:-} --out /tmp/res/t1 > /tmp/res/t1.log 2>&1
       tail -12 /tmp/res/t1.log; cp /tmp/res/t1/rollout.json "$OUT/t1.json"
       timeout 90 python3 -m benchmarks.host --rows '' --fill '' --verify-fill '' --layout '' --turn-layout '' --append '' \

@@ -43,11 +43,12 @@ argmax and logprob (`_best`); sampled rows with lookup drafts or none all at onc
 
 A pure decode step of n-gram drafting in which no row carries drafts (nothing repeats, or
 `tail_rows` holds them back) runs as the plain executor's step where the engine decodes ahead
-(`engine.ahead`, one rank): on the plain decode graphs, and, when the plan's lookup found drafts for
-no row, issuing the next forward before reading its tokens. The next plan looks up drafts as
-usual; while that forward is in flight, rows it holds that now have drafts wait one step for them,
-so the forward is taken, not thrown away. Tokens are the same either way: a row without drafts draws
-as the plain sampler does. Left out: the CUDA runner on many ranks, decode ahead for MTP drafting
+(`engine.ahead`: one rank, and `RunnerConfig.decode_ahead="on"`, since "auto" leaves it off under
+drafting): on the plain decode graphs, and, when the plan's lookup found drafts for no row, issuing
+the next forward before reading its tokens. The next plan looks up drafts as usual; while that
+forward is in flight, rows it holds that now have drafts wait one step for them, so the forward is
+taken, not thrown away. Tokens are the same either way: a row without drafts draws as the plain
+sampler does. Left out: the CUDA runner on many ranks, decode ahead for MTP drafting
 and for drafted steps, the naive ordering baseline, MTP layers beyond the first.
 """
 from __future__ import annotations

@@ -162,12 +162,13 @@ class RolloutEngine:
         return engine
 
     def _decode_ahead(self, mode: str) -> bool:
-        if self.config.speculative is not None and self.config.speculative.method != "ngram":
-            if mode == "on":
-                raise ValueError("decode_ahead='on' and MTP drafting (EngineConfig.speculative) exclude each other: "
-                                 "a forward issued ahead runs one token per row, before the drafts it would verify "
-                                 "exist (n-gram drafting decodes its undrafted steps ahead)")
-            return False
+        drafting = self.config.speculative
+        if drafting is not None and drafting.method != "ngram" and mode == "on":
+            raise ValueError("decode_ahead='on' and MTP drafting (EngineConfig.speculative) exclude each other: "
+                             "a forward issued ahead runs one token per row, before the drafts it would verify "
+                             "exist (n-gram drafting decodes its undrafted steps ahead)")
+        if drafting is not None and mode != "on":
+            return False  # n-gram drafting's undrafted steps are decoded ahead only when asked for
         one_rank = not self.distributed and isinstance(self.model.comm, LocalComm)
         if mode == "on" and not one_rank:
             raise ValueError("decode_ahead='on' needs a single-rank engine: on many ranks every rank plans "

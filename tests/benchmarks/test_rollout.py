@@ -486,20 +486,22 @@ def test_spec_suffix_pw_captures_piecewise_prefill_graphs_past_the_default():
     assert rollout.engine_config(args, 64, 512, rollout.split_spec("off"), 256).runner.prefill_graph_tokens == default
 
 
-def test_decode_ahead_on_against_its_sync_twin_on_cpu(tmp_path):
+@pytest.mark.parametrize("schedule,extra", [("off", []), ("chunked~ngram:4", ["--temperature", "1"])])
+def test_decode_ahead_on_against_its_sync_twin_on_cpu(tmp_path, schedule, extra):
     """`--decode-ahead on` forces it on the portable runner (nothing to overlap there: this checks
-    the plumbing and that both finish every request with the same output tokens)."""
+    the plumbing and that both finish every request with the same output tokens); under n-gram
+    drafts at temperature 1 the steps that draft nothing are decoded ahead."""
     # scale 0.01: turns long enough that most decode steps have every request in them (at 0.003 a
     # replay issued 3 forwards ahead, and whether any was taken depended on the tool waits' timing)
     code = rollout.main(["--model", "tiny-moe", "--device", "cpu", "--repeats", "1", "--conversations", "2",
-                         "--scale", "0.01", "--budgets", "64", "--schedules", "off,off/sync", "--no-ablation",
-                         "--decode-ahead", "on", "--out", str(tmp_path), "--no-progress"])
+                         "--scale", "0.01", "--budgets", "64", "--schedules", f"{schedule},{schedule}/sync",
+                         "--no-ablation", "--decode-ahead", "on", *extra, "--out", str(tmp_path), "--no-progress"])
     assert code == 0
     result = json.loads((tmp_path / "rollout.json").read_text())
-    ahead, sync = (result["schedules"][n]["repeats"][0] for n in ("off", "off/sync"))
+    ahead, sync = (result["schedules"][n]["repeats"][0] for n in (schedule, f"{schedule}/sync"))
     assert ahead["engine_stats"]["ahead_taken"] > 0 and sync["engine_stats"]["ahead_issued"] == 0
     assert ahead["report"]["output_tokens"] == sync["report"]["output_tokens"] == result["trace"]["output_tokens"]
-    assert "off_over_off_sync" in result["ratios"]
+    assert f"{schedule}_over_{schedule}_sync" in result["ratios"]
 
 
 def test_sampled_replays_run_every_turn_and_refuse_the_peer(tmp_path):

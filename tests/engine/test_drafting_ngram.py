@@ -222,6 +222,7 @@ def test_undrafted_steps_decode_ahead_and_keep_greedy_tokens(make_engine, schedu
     plain = make_engine(m, small(schedule)).generate(PROMPTS, params)
     drafts = SpeculativeConfig("ngram", 3, ngram_min=2)
     engine = make_engine(m, small(schedule, speculative=drafts, runner=RunnerConfig(decode_ahead="on")))
+    assert make_engine(m, small(schedule, speculative=drafts)).executor.ahead is None  # "auto": off under drafts
     got = engine.generate(PROMPTS, params)
     assert [r.token_ids for r in got] == [r.token_ids for r in plain]
     for r, ref in zip(got, plain):
@@ -305,6 +306,12 @@ def test_on_the_gpu_lookup_drafts_keep_greedy_tokens(make_engine):
         assert engine.stats.acceptance_rate > 0.5, (schedule, engine.stats)
     engine = make_engine(m, ngram("mux", k=2, tail_k=7, tail_k_rows=2))  # 8-position rows: one run each
     assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == [r.token_ids for r in want]
+    for schedule in SCHEDULES:  # undrafted steps decoded ahead on the plain decode graphs, captured up front
+        drafts = SpeculativeConfig("ngram", 3, ngram_min=4)  # on the CPU: 1-3 steps taken ahead, 24 drafts
+        engine = make_engine(m, small(schedule, speculative=drafts, runner=RunnerConfig(decode_ahead="on")))
+        assert engine.capture_graphs(len(PROMPTS))
+        assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == [r.token_ids for r in want], schedule
+        assert engine.stats.ahead_taken > 0 and engine.stats.drafted_tokens > 0, (schedule, engine.stats)
 
 
 class _CaptureSurface:
