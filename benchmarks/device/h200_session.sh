@@ -113,12 +113,13 @@ for k, v in json.load(open('$OUT/verdicts-cuda.json'))['verdicts_ms'].items()]" 
       tail -24 "/tmp/res/$stage.log"; cp "/tmp/res/$stage/rollout.json" "$OUT/$stage.json"
       python3 -m benchmarks.plot "$OUT/$stage.json" "$OUT/$stage.png" ;;
     target)  # issue 33's targets on the prefill profile (CONV conversations, 64 by default): our schedules at
-      # both budgets, 2 interleaved warm repeats, the breakdown in the JSON; the peer comes in `peer`
+      # both budgets, 2 interleaved warm repeats, the breakdown in the JSON; the peer comes in `peer`;
+      # EXTRA: more options (e.g. '--model qwen3-30b-a3b --trace-seed 1': before 2026-12-06 this stage dropped them)
       cd /tmp/run
       n=${CONV:-64}
       bench --profile prefill --conversations "$n" --budgets "${BUDGETS:-8192,16384}" \
         --schedules "${SCHEDULES:-off,chunked,mux,mux+longest-context}" --no-ablation --repeats 2 --no-vllm \
-        --deadline-s "${DEADLINE:-560}" --schedule-budget-s 90 --out "/tmp/res/target$n" > "/tmp/res/target$n.log" 2>&1
+        --deadline-s "${DEADLINE:-560}" --schedule-budget-s 90 ${EXTRA:-} --out "/tmp/res/target$n" > "/tmp/res/target$n.log" 2>&1
       tail -24 "/tmp/res/target$n.log"; cp "/tmp/res/target$n/rollout.json" "$OUT/target$n.json"
       python3 -m benchmarks.plot "$OUT/target$n.json" "$OUT/target$n.png" ;;
     peer|peerin)  # vLLM on `target`'s trace (its folder in /tmp/res, or carried back as .res/targetN): `peer` at
