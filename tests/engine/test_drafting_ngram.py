@@ -215,12 +215,15 @@ def test_sampled_law_is_the_plain_samplers_and_a_broken_rule_is_caught(monkeypat
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_undrafted_steps_decode_ahead_and_keep_greedy_tokens(make_engine, schedule):
+@pytest.mark.parametrize("tail", [{}, {"tail_rows": 2}])
+def test_undrafted_steps_decode_ahead_and_keep_greedy_tokens(make_engine, schedule, tail):
     """Steps whose lookup finds nothing issue the next forward ahead; a forward in flight when drafts
-    turn up is taken (its rows draft a step later): 2-grams on 24 ids come and go."""
-    m, params = model(vocab=24), SamplingParams(temperature=0.0, max_new_tokens=24, ignore_stop=True)
+    turn up is taken (its rows draft a step later): 2-grams on 24 ids come and go. `tail_rows`: the
+    steps of more than 2 rows draft nothing and are decoded ahead, the last rows draft."""
+    m = model(vocab=24)
+    params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_stop=True) for n in (24, 10, 16, 30)]
     plain = make_engine(m, small(schedule)).generate(PROMPTS, params)
-    drafts = SpeculativeConfig("ngram", 3, ngram_min=2)
+    drafts = SpeculativeConfig("ngram", 3, ngram_min=2, **tail)
     engine = make_engine(m, small(schedule, speculative=drafts, runner=RunnerConfig(decode_ahead="on")))
     assert make_engine(m, small(schedule, speculative=drafts)).executor.ahead is None  # "auto": off under drafts
     got = engine.generate(PROMPTS, params)
