@@ -86,8 +86,8 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
       # decoded ahead (--decode-ahead on) and without (/sync); then the verdicts' host time row by row and at
       # once; first the GPU tests of the batched verifier and of drafting with decode ahead
       cd /tmp/run
-      timeout 150 python3 -m pytest -q -m gpu tests/engine/test_speculative.py tests/engine/test_drafting_ngram.py \
-        -p no:cacheprovider -rf 2>&1 | tail -3
+      timeout 200 python3 -m pytest -q -m gpu tests/engine/test_speculative.py tests/engine/test_drafting_ngram.py \
+        tests/runner/test_speculative.py -p no:cacheprovider -rf 2>&1 | tail -3
       bench --profile prefill --conversations "${CONV:-64}" --budgets 16384 --decode-ahead on \
         --schedules "${SCHEDULES:-chunked,chunked~ngram:7,chunked~ngram:7/sync}" \
         --temperature 1 --no-ablation --repeats "${REPEATS:-3}" --no-vllm --deadline-s "${DEADLINE:-420}" \

@@ -217,3 +217,32 @@ def test_capture_takes_the_drafting_graphs_ahead_so_a_rollout_captures_none():
         run_to_end(fast.forward_mtp([r.span for r in rows], h, torch.arange(6, device="cuda"), Phase.D))
     assert fast.stats["graph_captures"] == before and fast.stats["verify_replays"] == 1
     assert fast.stats["draft_replays"] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_capture_of_plain_decode_buckets_beside_the_drafting_graphs():
+    """`plain_decode` (n-gram drafting that decodes its undrafted steps ahead): those plain decode
+    buckets are captured with the verify graphs, no plain P graph, and a plain decode forward
+    replays one without capturing."""
+    from megatron_rollout.runner.config import RunnerConfig
+    from megatron_rollout.runner.cuda import make_runner
+
+    cfg = preset("tiny-deepseek").replace(dtype="bfloat16", max_position_embeddings=1024)
+    fast = make_runner(MoETransformer(cfg, device="cuda").init_weights(0, std=0.1),
+                       PagedKVCache(cfg, 64, 16, 1, device="cuda"),
+                       RunnerConfig(graph_batch_sizes=(1, 2, 4, 8, 16), prefill_graph_tokens=(64, 256)))
+    assert fast.capture((2, 8), speculative=("hidden",), plain=False, plain_decode=(2,))
+    assert fast.captured.decode == (2,) and fast.captured.prefill == ()
+    assert ("hidden", 8) in fast.captured.speculative
+    gen = torch.Generator().manual_seed(0)
+    tables = [tuple(range(i * 16, (i + 1) * 16)) for i in range(2)]
+    with torch.no_grad():
+        prompts = [SpanInput(SeqSpan(t, 0, 40), torch.randint(0, 256, (40,), generator=gen).tolist(), True)
+                   for t in tables]
+        run_to_end(fast.forward_hidden(prompts, Phase.P))
+        before, replays = fast.stats["graph_captures"], fast.stats["graph_replays"]
+        rows = [SpanInput(SeqSpan(t, 40, 1), [1], True, key=i) for i, t in enumerate(tables)]
+        logits = run_to_end(fast.forward(rows, Phase.D))
+    assert logits.shape[0] == 2
+    assert fast.stats["graph_captures"] == before and fast.stats["graph_replays"] == replays + 1
