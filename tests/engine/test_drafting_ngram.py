@@ -185,14 +185,19 @@ def test_tail_k_graph_rows_cover_the_tails_longer_rows():
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("tail", [{}, {"tail_k": 7, "tail_k_rows": 2}, {"streak_k": 7}])
+@pytest.mark.parametrize("tail", [{}, {"tail_k": 7, "tail_k_rows": 2}, {"streak_k": 7},
+                                  {"ngram_min": 4, "ahead": True}])
 def test_under_kv_pressure_every_request_finishes_or_fails_with_its_reason(tiny, make_engine, schedule, tail):
     """Few KV blocks: drafts are planned only where blocks remain (they never preempt), rows are
     preempted and recomputed; a request for n samples forks and its samples finish too. `tail`:
-    longer drafts for the last rows ask for more blocks at the end, with the same outcome."""
+    longer drafts for the last rows ask for more blocks at the end, with the same outcome; or the
+    steps that draft nothing decoded ahead (`ahead`), whose forwards grow blocks a step early."""
     m, plain, _ = tiny
-    drafts = SpeculativeConfig("ngram", 4, ngram_min=1, **tail)
-    tight = small(schedule, kv=KVConfig(num_blocks=14), speculative=drafts)
+    fields = {"ngram_min": 1, **tail}
+    ahead = fields.pop("ahead", False)
+    drafts = SpeculativeConfig("ngram", 4, **fields)
+    tight = small(schedule, kv=KVConfig(num_blocks=14), speculative=drafts,
+                  runner=RunnerConfig(decode_ahead="on" if ahead else "auto"))
     engine = make_engine(m, tight)
     params = [GREEDY] * len(PROMPTS) + [SamplingParams(temperature=0.0, max_new_tokens=4, n=2)]
     got = engine.generate(PROMPTS + [PROMPTS[0]], params)
@@ -200,6 +205,7 @@ def test_under_kv_pressure_every_request_finishes_or_fails_with_its_reason(tiny,
     assert all(r.finish_reason is FinishReason.LENGTH for r in got[:len(PROMPTS)])
     assert [(r.finish_reason, r.token_ids) for r in got[-2:]] == [(FinishReason.LENGTH, plain[0].token_ids[:4])] * 2
     assert engine.stats.preemptions > 0 and engine.stats.accepted_tokens > 0, engine.stats
+    assert engine.stats.ahead_taken > 0 if ahead else engine.stats.ahead_issued == 0, engine.stats
     assert not engine.has_work()
 
 
