@@ -130,11 +130,10 @@ def _counts(m: MoETransformer, config: EngineConfig, prompt: list[int], n: int) 
     return counts, engine.stats.acceptance_rate
 
 
-def check_the_sampled_law(monkeypatch, prompt: list[int], speculative: SpeculativeConfig, n: int = 300,
-                          runner: RunnerConfig | None = None) -> None:
+def check_the_sampled_law(monkeypatch, prompt: list[int], speculative: SpeculativeConfig, n: int = 300) -> None:
     """Three tokens after `prompt` on a 3-token vocabulary (27 cells), `n` runs each: sampling under
-    `speculative` (and `runner`) against the exact law and against the plain sampler; accepting every
-    draft (the broken rule) fails the same test."""
+    `speculative` against the exact law and against the plain sampler; accepting every draft (the
+    broken rule) fails the same test."""
     stats = pytest.importorskip("scipy.stats")
     m = model(seed=2, vocab=3)
     cells = list(itertools.product(range(3), repeat=3))
@@ -143,7 +142,7 @@ def check_the_sampled_law(monkeypatch, prompt: list[int], speculative: Speculati
     expected = (law.double() / law.double().sum() * n).tolist()
     roomy = dict(scheduler=SchedulerConfig(block_size=4, max_batch_tokens=512, max_decode_rows=512),
                  kv=KVConfig(num_blocks=4096))
-    config = EngineConfig(**roomy, speculative=speculative, seed=5, runner=runner or RunnerConfig())
+    config = EngineConfig(**roomy, speculative=speculative, seed=5)
     drafted, acceptance = _counts(m, config, prompt, n)
     assert 0.1 < acceptance < 0.95, acceptance  # accepted and rejected drafts both exercised
     plain, _ = _counts(m, EngineConfig(**roomy, seed=6), prompt, n)

@@ -210,13 +210,10 @@ def test_under_kv_pressure_every_request_finishes_or_fails_with_its_reason(tiny,
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("ahead", ["off", "on"])
-def test_sampled_law_is_the_plain_samplers_and_a_broken_rule_is_caught(monkeypatch, ahead):
+def test_sampled_law_is_the_plain_samplers_and_a_broken_rule_is_caught(monkeypatch):
     """A repeating prompt: the lookup proposes a draft for every row (q one-hot), accepted with
-    probability p(draft) and resampled from the rest of p otherwise; with decode ahead, the rows'
-    undrafted steps are plain draws and their drafts come a step later."""
-    check_the_sampled_law(monkeypatch, [1, 2, 0, 1, 2, 0, 1], SpeculativeConfig("ngram", 2, ngram_min=1),
-                          runner=RunnerConfig(decode_ahead=ahead))
+    probability p(draft) and resampled from the rest of p otherwise."""
+    check_the_sampled_law(monkeypatch, [1, 2, 0, 1, 2, 0, 1], SpeculativeConfig("ngram", 2, ngram_min=1))
 
 
 @pytest.mark.timeout(120)
