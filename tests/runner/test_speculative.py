@@ -186,19 +186,35 @@ def test_the_cuda_runner_replays_verify_and_draft_graphs_like_the_portable_runne
     assert "3 of 3 verify/draft" in fast.restore_graphs(held) and fast.captured == held
 
 
+def _graphed_runner(mtp_layers: int):
+    """A CUDA runner of tiny-deepseek with decode buckets 1-16 and P graphs of 64 and 256 tokens."""
+    from megatron_rollout.runner.config import RunnerConfig
+    from megatron_rollout.runner.cuda import make_runner
+
+    cfg = preset("tiny-deepseek").replace(dtype="bfloat16", max_position_embeddings=1024, mtp_num_layers=mtp_layers)
+    return make_runner(MoETransformer(cfg, device="cuda").init_weights(0, std=0.1),
+                       PagedKVCache(cfg, 64, 16, 1, device="cuda"),
+                       RunnerConfig(graph_batch_sizes=(1, 2, 4, 8, 16), prefill_graph_tokens=(64, 256)))
+
+
+def _prefilled(fast, rows: int) -> list[tuple[int, ...]]:
+    """`rows` 40-token prompts run through `fast`'s hidden-state P forward; their block tables."""
+    gen = torch.Generator().manual_seed(0)
+    tables = [tuple(range(i * 16, (i + 1) * 16)) for i in range(rows)]
+    prompts = [SpanInput(SeqSpan(t, 0, 40), torch.randint(0, 256, (40,), generator=gen).tolist(), True)
+               for t in tables]
+    with torch.no_grad():
+        run_to_end(fast.forward_hidden(prompts, Phase.P))
+    return tables
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 def test_capture_takes_the_drafting_graphs_ahead_so_a_rollout_captures_none():
     """`capture(sizes, speculative=..., plain=False)` captures the verify and draft graphs of every
     bucket and the hidden-state P graphs before the first forward, and no plain graph: the forwards
     that follow capture nothing."""
-    from megatron_rollout.runner.config import RunnerConfig
-    from megatron_rollout.runner.cuda import make_runner
-
-    cfg = preset("tiny-deepseek").replace(dtype="bfloat16", max_position_embeddings=1024, mtp_num_layers=1)
-    fast = make_runner(MoETransformer(cfg, device="cuda").init_weights(0, std=0.1),
-                       PagedKVCache(cfg, 64, 16, 1, device="cuda"),
-                       RunnerConfig(graph_batch_sizes=(1, 2, 4, 8, 16), prefill_graph_tokens=(64, 256)))
+    fast = _graphed_runner(mtp_layers=1)
     with pytest.raises(ValueError, match="plain=False"):
         fast.capture((2, 8), plain=False)
     assert fast.capture((2, 8), speculative=("hidden", "mtp"), plain=False)  # a drafting engine's capture
@@ -206,12 +222,8 @@ def test_capture_takes_the_drafting_graphs_ahead_so_a_rollout_captures_none():
                                          ("prefill-hidden", 64), ("prefill-hidden", 256))
     assert fast.captured.decode == () and fast.captured.prefill == ()  # no plain graph it would never replay
     before = fast.stats["graph_captures"]
-    gen = torch.Generator().manual_seed(0)
-    tables = [tuple(range(i * 16, (i + 1) * 16)) for i in range(3)]
+    tables = _prefilled(fast, 3)
     with torch.no_grad():
-        prompts = [SpanInput(SeqSpan(t, 0, 40), torch.randint(0, 256, (40,), generator=gen).tolist(), True)
-                   for t in tables]
-        run_to_end(fast.forward_hidden(prompts, Phase.P))
         rows = [SpanInput(SeqSpan(t, 40, 2), [1, 2], True, key=i) for i, t in enumerate(tables)]
         h = run_to_end(fast.forward_hidden(rows, Phase.D))
         run_to_end(fast.forward_mtp([r.span for r in rows], h, torch.arange(6, device="cuda"), Phase.D))
@@ -225,23 +237,14 @@ def test_capture_of_plain_decode_buckets_beside_the_drafting_graphs():
     """`plain_decode` (n-gram drafting that decodes its undrafted steps ahead): those plain decode
     buckets are captured with the verify graphs, no plain P graph, and a plain decode forward
     replays one without capturing."""
-    from megatron_rollout.runner.config import RunnerConfig
-    from megatron_rollout.runner.cuda import make_runner
-
-    cfg = preset("tiny-deepseek").replace(dtype="bfloat16", max_position_embeddings=1024)
-    fast = make_runner(MoETransformer(cfg, device="cuda").init_weights(0, std=0.1),
-                       PagedKVCache(cfg, 64, 16, 1, device="cuda"),
-                       RunnerConfig(graph_batch_sizes=(1, 2, 4, 8, 16), prefill_graph_tokens=(64, 256)))
+    fast = _graphed_runner(mtp_layers=0)
     assert fast.capture((2, 8), speculative=("hidden",), plain=False, plain_decode=(2,))
     assert fast.captured.decode == (2,) and fast.captured.prefill == ()
     assert ("hidden", 8) in fast.captured.speculative
-    gen = torch.Generator().manual_seed(0)
-    tables = [tuple(range(i * 16, (i + 1) * 16)) for i in range(2)]
+    before = fast.stats["graph_captures"]
+    tables = _prefilled(fast, 2)
+    replays = fast.stats["graph_replays"]
     with torch.no_grad():
-        prompts = [SpanInput(SeqSpan(t, 0, 40), torch.randint(0, 256, (40,), generator=gen).tolist(), True)
-                   for t in tables]
-        run_to_end(fast.forward_hidden(prompts, Phase.P))
-        before, replays = fast.stats["graph_captures"], fast.stats["graph_replays"]
         rows = [SpanInput(SeqSpan(t, 40, 1), [1], True, key=i) for i, t in enumerate(tables)]
         logits = run_to_end(fast.forward(rows, Phase.D))
     assert logits.shape[0] == 2
