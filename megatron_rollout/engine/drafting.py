@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -161,9 +161,6 @@ class SpeculativeExecutor(StepExecutor):
         self.families: dict[int, Family] = {}
         """`SpeculativeConfig.group`: each RL group's sequences and their indices, by `Seq.family`; a
         closed one's kept while its family has an open one: its text is what the family's laggards copy."""
-        self.dry = False
-        """"ngram": the last plan's lookup found drafts for no decoding row, so an undrafted step may
-        issue the next forward ahead (module docstring)."""
         self.unserved: dict[str, str] = {}
         """What a request may not ask for under this executor (`RequestTable.unserved`). n-gram drafting
         serves everything: a request for top logprobs decodes undrafted, prompt logprobs are scored."""
@@ -183,11 +180,11 @@ class SpeculativeExecutor(StepExecutor):
         none does while more than `tail_rows` rows decode."""
         decoding = [v.rid for v in state.seqs if v.stage is Stage.DECODE]
         if self.config.tail_rows is not None and len(decoding) > self.config.tail_rows:
-            self.dry = True
+            if not self.mtp:
+                self.drafts.clear()  # looked up afresh at each plan: none while the tail has not begun
             return state
         if not self.mtp:
             self._look_up(decoding, len(decoding))
-            self.dry = not any(self._draft(rid) for rid in decoding)
             if self.ahead is not None and self.ahead.issued is not None:
                 return state  # that forward carries no drafts: its rows draft in the step after it
         seqs = tuple(v.ahead(len(d.tokens)) if v.stage is Stage.DECODE and (d := self._draft(v.rid)) is not None
@@ -258,8 +255,6 @@ class SpeculativeExecutor(StepExecutor):
     def forward(self, step: StepInputs, phase: Phase) -> Forward:
         """The target forward (in P, with the MTP layer over the prefill positions it can run; "ngram":
         the target alone); returns a `SpecOutput`. A `mux` epoch resumes it boundary by boundary."""
-        if phase is Phase.D and self.ahead is not None:
-            self.ahead.drop()  # a decode forward outside `run` moves the rows past it
         verify = step.verify or [VerifyRow(int(r.sample)) for r in step.rows]
         return verify_forward(self.runner, step.rows, verify, phase, mtp=self.mtp)
 
@@ -281,7 +276,7 @@ class SpeculativeExecutor(StepExecutor):
         decode step that drafts nothing, where the engine decodes ahead, is the plain executor's step
         (module docstring)."""
         if self.ahead is not None:
-            if not self.mtp and phase is Phase.D and not plan.prefill and not any(plan.lookahead):
+            if phase is Phase.D and not plan.prefill and not any(plan.lookahead):  # (never MTP: no ahead there)
                 outs = super().run(plan, phase)
                 self.whole.difference_update(plan.decode)  # as `_count` does for a row that drafted nothing
                 self._forget()
@@ -316,12 +311,15 @@ class SpeculativeExecutor(StepExecutor):
     def _verdicts(self, step: StepInputs, out: SpecOutput) -> list[_Row]:
         """Every sampling row's verdict; the prompt positions that score the next prompt token
         (`prompt_logprobs`, one logits row each) are scored as the plain executor scores them."""
-        # every row's argmax, logprob and finiteness in one read, unless every row is a sampled one
-        # that `verify_lookup` decides (and checks) with its own read
-        plain = self.mtp or any(o.scores is not None or o.request.params.temperature == 0.0
-                                or o.request.params.logprobs is not None or self.table.draws(o) > 1
-                                for o in step.owners)
-        best = _best(out.logits) if plain else None
+        read: list[list[_Best]] = []
+
+        def best(sl: slice) -> list[_Best]:
+            """Rows `sl` of every row's argmax, logprob and finiteness, read to the host in one go the
+            first time a row needs them (a step whose rows all go to `verify_lookup` never does)."""
+            if not read:
+                read.append(_best(out.logits))
+            return read[0][sl]
+
         rows, at, owners, scored, lookups = [], 0, iter(step.owners), [], []
         for row, v in zip(step.rows, step.verify, strict=True):
             if not v.logits:
@@ -333,8 +331,7 @@ class SpeculativeExecutor(StepExecutor):
             elif self.table.is_live(owner):
                 first = row.span.past + row.span.new - v.logits
                 rows.append(self._verdict(owner, first, row.span.table, tuple(row.token_ids[1:v.logits]),
-                                          out.logits, sl, out.hidden[sl] if self.mtp else None,
-                                          None if best is None else best[sl], lookups))
+                                          out.logits, sl, out.hidden[sl] if self.mtp else None, best, lookups))
         if scored:
             self.score([o for o, _ in scored], out.logits[self._index([i for _, i in scored])])
         for (row, ask), verdict in zip(lookups, verify_lookup(out.logits, [ask for _, ask in lookups]), strict=True):
@@ -346,34 +343,39 @@ class SpeculativeExecutor(StepExecutor):
         return rows
 
     def _verdict(self, owner: SampleOwner, first: int, table: tuple[int, ...], drafts: tuple[int, ...],
-                 all_logits: torch.Tensor, sl: slice, hidden: torch.Tensor | None, best: list[_Best] | None,
-                 lookups: list[tuple[_Row, LookupRow]]) -> _Row:
-        """The row's verdict from its logits `all_logits[sl]`, which a greedy row never reads (its
-        choices are in `best`, read to the host with every row's). A sampled row whose drafts have no
-        law (n-gram lookup), or that has none, joins `lookups`: `verify_lookup` decides them all at
-        once, and its verdict (or its error: `best` is None when only such rows sample) comes then."""
+                 all_logits: torch.Tensor, sl: slice, hidden: torch.Tensor | None,
+                 best: Callable[[slice], list[_Best]], lookups: list[tuple[_Row, LookupRow]]) -> _Row:
+        """The row's verdict from its logits `all_logits[sl]`. A sampled row of one draw whose drafts
+        have no law (n-gram lookup), or that has none, joins `lookups`: `verify_lookup` decides (and
+        checks) them all at once, and its verdict or its error comes then. The others read their
+        choices from `best(sl)` (a greedy row never reads its logits)."""
         req = owner.request
-        params, gen = req.params, req.generator or self.generator
-        bad = [i for i, b in enumerate(best or ()) if not b.finite]
+        params, gen, n = req.params, req.generator or self.generator, self.table.draws(owner)
+        law = None  # the drafts' law (MTP's sampled drafts): `verify` decides the row alone
+        if params.temperature != 0.0 and n == 1 and params.logprobs is None:
+            draft = self._draft(req.rid) if drafts else None
+            if draft is None or draft.logq is None:
+                row = _Row(owner, first, table, hidden, None)
+                lookups.append((row, LookupRow(sl.start, drafts, params, gen)))
+                return row
+            law = draft.logq[:len(drafts)]
+        mine = best(sl)
+        bad = [i for i, b in enumerate(mine) if not b.finite]
         if bad:
             why = non_finite(float(all_logits[sl][bad[0]].float().amax())).error  # the plain sampler's reason
             return _Row(owner, first, table, hidden, None, why)
-        if (n := self.table.draws(owner)) > 1 or params.logprobs is not None:
+        if n > 1 or params.logprobs is not None:
             # the plain executor's draws: n forking a request's samples, each from its own generator, or
             # one with its top logprobs (such a row is never drafted)
             return _Row(owner, first, table, hidden, None,
                         samples=self.draw([owner], all_logits[sl][:1]).result(range(n)))
         if params.temperature == 0.0:  # `verify`'s greedy rule on the host copies
-            a = next((i for i, d in enumerate(drafts) if d != best[i].token), len(drafts))
+            a = next((i for i, d in enumerate(drafts) if d != mine[i].token), len(drafts))
             self._count(req.rid, len(drafts), a)
-            kept = best[:a + 1]
+            kept = mine[:a + 1]
             return _Row(owner, first, table, hidden, Verdict(a, tuple(b.token for b in kept),
                                                              tuple(b.logprob for b in kept)))
-        draft = self._draft(req.rid) if drafts else None
-        if draft is None or draft.logq is None:  # one-hot drafts, or none: the plain sampler's draw then
-            lookups.append((row := _Row(owner, first, table, hidden, None), LookupRow(sl.start, drafts, params, gen)))
-            return row
-        verdict = verify(all_logits[sl], list(drafts), draft.logq[:len(drafts)], params, gen)
+        verdict = verify(all_logits[sl], list(drafts), law, params, gen)
         self._count(req.rid, len(drafts), verdict.accepted)
         return _Row(owner, first, table, hidden, verdict)
 
@@ -481,8 +483,9 @@ class SpeculativeExecutor(StepExecutor):
         self._copy_blocks()  # the forks' partial blocks, before the next forward reads them
         return outs
 
-    def may_issue_ahead(self) -> bool:
-        return self.dry
+    def may_issue_ahead(self, plan: StepPlan) -> bool:
+        """Only when the plan's lookup found drafts for none of its rows (module docstring)."""
+        return not any(self._draft(rid) for rid in plan.decode)
 
     def _forget(self) -> None:
         """Drop the drafts, deferred states, contexts and families of requests that are gone."""

@@ -97,16 +97,16 @@ class StepExecutor:
             owners, logits = self.score(owners, logits)
             draw = self.draw(owners, logits)
             if self.ahead is not None and phase is Phase.D and plan.decode and not plan.prefill \
-                    and self.may_issue_ahead():
+                    and self.may_issue_ahead(plan):
                 self.ahead.issue(owners, draw)  # before this step's tokens reach the host
         self._record_time(plan, phase, t0)
         outs = self.complete(owners, logits, draw)
         self._record_step(plan, phase, rows, t0)
         return outs
 
-    def may_issue_ahead(self) -> bool:
-        """Whether a pure decode step may issue the next one ahead (n-gram drafting: only when the
-        plan found no drafts, `engine.drafting`)."""
+    def may_issue_ahead(self, plan: StepPlan) -> bool:
+        """Whether the pure decode step of `plan` may issue the next one ahead (n-gram drafting: only
+        when the plan found no drafts, `engine.drafting`)."""
         return True
 
     def _record_time(self, plan: StepPlan, phase: Phase, t0: float) -> None:

@@ -229,12 +229,20 @@ def test_undrafted_steps_decode_ahead_and_keep_greedy_tokens(make_engine, schedu
     drafts = SpeculativeConfig("ngram", 3, ngram_min=2, **tail)
     engine = make_engine(m, small(schedule, speculative=drafts, runner=RunnerConfig(decode_ahead="on")))
     assert make_engine(m, small(schedule, speculative=drafts)).executor.ahead is None  # "auto": off under drafts
+    ex, issue, waiting = engine.executor, engine.executor.ahead.issue, []
+
+    def spy(owners, draw):  # a forward issued ahead while a row has drafts waiting would hold them back again
+        waiting.extend(o.request.rid for o in owners if ex._draft(o.request.rid) is not None)
+        issue(owners, draw)
+
+    ex.ahead.issue = spy
     got = engine.generate(PROMPTS, params)
     assert [r.token_ids for r in got] == [r.token_ids for r in plain]
     for r, ref in zip(got, plain):
         assert r.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
     stats = engine.stats
     assert stats.drafted_tokens > 0 and stats.ahead_taken > 0 and stats.ahead_dropped == 0, stats
+    assert not waiting
 
 
 @pytest.mark.timeout(120)
