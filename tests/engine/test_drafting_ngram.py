@@ -4,7 +4,8 @@ chunked and mux; a repeating context is drafted and accepted (fewer decode itera
 drafts only while few rows decode, `tail_k` longer while very few do, `streak_k` longer for a row
 whose last draft was kept whole; every request finishes, or
 fails with its reason, under KV pressure; the sampled law is the plain sampler's with one-hot
-drafts (chi-square), and the same test rejects a broken acceptance rule."""
+drafts (chi-square), and the same test rejects a broken acceptance rule; undrafted steps decode ahead,
+rows arriving after the tail began included."""
 from __future__ import annotations
 
 import dataclasses
@@ -243,6 +244,36 @@ def test_undrafted_steps_decode_ahead_and_keep_greedy_tokens(make_engine, schedu
     stats = engine.stats
     assert stats.drafted_tokens > 0 and stats.ahead_taken > 0 and stats.ahead_dropped == 0, stats
     assert not waiting
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_rows_arriving_after_the_tail_began_close_it_and_decode_ahead(make_engine, schedule):
+    """Two rows draft (the tail of `tail_rows=2`); two more arrive, and while four decode no row
+    carries the drafts it was given before: those steps are issued ahead. Tokens stay plain decoding's."""
+    m = model(vocab=24)
+    early = [SamplingParams(temperature=0.0, max_new_tokens=40, ignore_stop=True)] * 2
+    late = [SamplingParams(temperature=0.0, max_new_tokens=12, ignore_stop=True)] * 2
+    prompts = [PROMPTS[0], PROMPTS[3], PROMPTS[2], PROMPTS[1]]
+    plain = make_engine(m, small(schedule)).generate(prompts, early + late)
+    drafts = SpeculativeConfig("ngram", 3, ngram_min=1, tail_rows=2)
+    engine = make_engine(m, small(schedule, speculative=drafts, runner=RunnerConfig(decode_ahead="on")))
+    issue, wide = engine.executor.ahead.issue, []
+
+    def spy(owners, draw):
+        wide.append(len(owners) > 2)
+        issue(owners, draw)
+
+    engine.executor.ahead.issue = spy
+    rids = [engine.add_request(p, s) for p, s in zip(prompts[:2], early)]
+    done = {}
+    while engine.stats.drafted_tokens == 0:
+        done.update((o.request_id, o) for o in engine.step())
+    rids += [engine.add_request(p, s) for p, s in zip(prompts[2:], late)]
+    while engine.has_work():
+        done.update((o.request_id, o) for o in engine.step())
+    assert [done[r].results[0].token_ids for r in rids] == [r.token_ids for r in plain]
+    assert any(wide), "no step of four rows was issued ahead: drafts from before the tail closed held it back"
 
 
 @pytest.mark.timeout(120)
