@@ -28,7 +28,8 @@ A figure counts only warm, repeated, each schedule at its best token budget, nex
    the same trace file and token ids; its figures join the table and the ratios. With
    `--vllm-interleave` the peer instead stays up beside our engines from the start, and one of its
    timed passes follows each round of our repeats (`benchmarks.interleave`). The peer runs our
-   model: its weights are written once for it (`--vllm-weights ours`, `peer-weights` in the JSON).
+   model: its weights are written once for it (`--vllm-weights ours`, `peer-weights` in the JSON),
+   or drawn inside it where the file would not fit the disk (`--vllm-weights drawn`).
 
 Each timed replay keeps its step records (`engine.step_log`) in the JSON as columns (`steps`,
 `trace.steps`; `--no-step-records` drops them), beside the model's routing (`moe`) and KV blocks
@@ -62,7 +63,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -167,9 +168,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--vllm-speculative", default=None, metavar="ngram:K",
                     help="the peer with its own prompt-lookup speculation (keys '<budget>~ngram:K'), to compare "
                          "with our '~ngram:K' schedules; default: none")
-    ap.add_argument("--vllm-weights", default="ours", choices=("ours", "dummy"),
+    ap.add_argument("--vllm-weights", default="ours", choices=("ours", "drawn", "dummy"),
                     help="the peer's weights: ours (written once to OUT/peer-weights.safetensors for it to load, "
-                         "so both engines run one model and accept drafts alike) or vLLM's own dummy init")
+                         "so both engines run one model and accept drafts alike), drawn (the same weights drawn "
+                         "inside the peer and loaded in place: no file, for models larger than the disk) or "
+                         "vLLM's own dummy init")
     ap.add_argument("--vllm-reserve-s", type=float, default=250.0, help="time kept for the peer")
     ap.add_argument("--vllm-interleave", default=None, choices=("own", "in-process"),
                     help="keep the peer up beside our engines (its core in its own process, or in the peer's) and "
@@ -209,16 +212,23 @@ def _positive_float(text: str) -> float:
 
 def random_model(cfg: ModelConfig, device: torch.device, seed: int, std: float = 0.02) -> MoETransformer:
     """Random weights of standard deviation `std` (norms 1) drawn on the device (init_weights draws 8B
-    values on CPU: too slow)."""
+    values on CPU: too slow): `draw_weights`' tensors."""
     model = MoETransformer(cfg, device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("layernorm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, std, generator=gen)
+        for (name, t), (own, p) in zip(draw_weights(cfg, device, seed, std), model.named_parameters(), strict=True):
+            assert name == own, (name, own)
+            p.copy_(t)
     return model.requires_grad_(False)
+
+
+def draw_weights(cfg: ModelConfig, device: torch.device, seed: int, std: float = 0.02
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The random model's full tensors by name, drawn one at a time in parameter order on `device`
+    (the peer draws the same ones inside vLLM: `benchmarks.vllm_peer --drawn-weights`)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in MoETransformer(cfg, device="meta").named_parameters():
+        t = torch.empty(p.shape, dtype=p.dtype, device=device)
+        yield name, (t.fill_(1.0) if name.endswith("layernorm.weight") else t.normal_(0.0, std, generator=gen))
 
 
 def _num_blocks(args: argparse.Namespace, cfg: ModelConfig) -> int:
@@ -865,7 +875,8 @@ def vllm_stage(run: Run, result: dict, out: Path, trace: list, deadline_total: f
         colocated = _peer_process(args, env, out, trace_path, run.max_model_len, inproc, left, in_process=True,
                                   weights=run.peer_weights)
         peer["budgets"].update(colocated.get("budgets") or {})
-        peer.setdefault("vllm", colocated.get("vllm"))
+        for key in ("vllm", "weights"):
+            peer.setdefault(key, colocated.get(key))
         peer["in_process"] = {k: colocated.get(k) for k in ("command", "exit", "wall_s", "error") if k in colocated}
     elif inproc:
         peer["in_process"] = {"error": f"only {left:.0f} s left of --deadline-s"}
@@ -969,6 +980,8 @@ def _peer_command(args, out: Path, trace_path: Path, max_model_len: int, budgets
         cmd += ["--speculative", args.vllm_speculative]
     if weights is not None:
         cmd += ["--weights", str(weights)]
+    elif args.vllm_weights == "drawn":
+        cmd += ["--drawn-weights", f"{args.seed}:{args.weight_std}"]
     interleaved = args.vllm_interleave is not None
     kv_gb = args.vllm_kv_gb if args.vllm_kv_gb is not None else (args.kv_gb if interleaved else None)
     if kv_gb is not None:
@@ -1098,7 +1111,8 @@ def main(argv: list[str] | None = None) -> int:
     if vllm_on and args.vllm_weights == "ours":
         run.peer_weights = write_peer_weights(run, device, out, result)
     elif vllm_on:  # (a resumed run's earlier record of them no longer holds)
-        result["peer_weights"] = {"weights": "dummy"}
+        result["peer_weights"] = ({"weights": "drawn", "seed": args.seed, "std": args.weight_std}
+                                  if args.vllm_weights == "drawn" else {"weights": "dummy"})
     peer = None
     if interleaved:  # starts once our weights are written (those it loads)
         peer = start_interleaved(args, out, out / "trace.jsonl", max_model_len, args.deadline_s, run.peer_weights)

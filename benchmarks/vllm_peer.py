@@ -28,6 +28,11 @@ drafts' acceptance is comparable. vLLM's dummy init (every value, norms included
 whose greedy outputs repeat differently. With `--speculative`, each pass also reports vLLM's drafted and
 accepted tokens, counted by a stat logger of ours (`DraftCounts`; `AsyncLLM` turns its stats on for
 a logger, `LLMEngine` needs them on, so they are on in process with drafts, off elsewhere).
+`--drawn-weights SEED:STD` gives it the same weights with no file: once vLLM is up on its dummy init,
+its worker draws our random model's tensors one at a time (`benchmarks.rollout.draw_weights`, the
+draw `random_model` makes) and loads them in place through vLLM's own reload (`draw_into`), which
+keeps the storage its CUDA graphs read. The 48-layer preset's 61 GB file does not fit the device's
+disk; this needs none.
 
 `--serve` keeps one budget's engine up for the benchmark to interleave its passes with our replays
 (`benchmarks.rollout --vllm-interleave`): after the warm-up passes it answers `ready`, then runs one
@@ -396,6 +401,47 @@ def speculative_config(text: str) -> dict[str, Any]:
     return {"method": "ngram", "num_speculative_tokens": int(k), "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
+def drawn_weights(text: str) -> tuple[int, float]:
+    """'SEED:STD' -> (seed, std) of the random weights `--drawn-weights` draws into vLLM."""
+    seed, _, std = text.partition(":")
+    try:
+        seed_n, std_x = int(seed), float(std)
+    except ValueError:
+        seed_n, std_x = -1, 0.0
+    if seed_n < 0 or not 0 < std_x < float("inf"):
+        raise SystemExit(f"--drawn-weights {text!r}: expected SEED:STD, a seed >= 0 and a std > 0 (e.g. 0:0.02)")
+    return seed_n, std_x
+
+
+def draw_into(worker, cfg: ModelConfig, seed: int, std: float, device=None) -> int:
+    """Run by vLLM's worker (`collective_rpc`): our random model's weights (`draw_weights`), drawn on its
+    device one tensor at a time, loaded through `reload_weights` under their Hugging Face names;
+    returns how many HF tensors it loaded."""
+    import torch
+
+    from benchmarks.rollout import draw_weights
+    from megatron_rollout.model.checkpoint import QWEN3_MOE, hf_items
+
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+    loaded = 0
+
+    def stream():
+        nonlocal loaded
+        for item in hf_items(draw_weights(cfg, device, seed, std), cfg, QWEN3_MOE):
+            loaded += 1
+            yield item
+
+    with torch.no_grad():
+        worker.model_runner.reload_weights(weights_iterator=stream())
+    return loaded
+
+
+def _load_drawn(entry: dict[str, Any], args, results: list) -> None:
+    """What `--drawn-weights` loaded into a started engine (`collective_rpc`'s one result per worker)."""
+    seed, std = drawn_weights(args.drawn_weights)
+    entry["drawn_weights"] = {"seed": seed, "std": std, "hf_tensors": list(results)}
+
+
 def _sampling(n: int):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -483,6 +529,11 @@ def _run_budget_in_process(budget: int | None, model_dir: Path, requests: list[T
     engine = LLMEngine.from_engine_args(_engine_args(model_dir, max_model_len, budget, args, in_process=True),
                                         **loggers)
     entry["startup_s"] = time.perf_counter() - t0
+    if args.drawn_weights:
+        t0 = time.perf_counter()
+        _load_drawn(entry, args, engine.collective_rpc(draw_into, args=(PRESETS[args.model], *drawn_weights(
+            args.drawn_weights))))
+        entry["weights_load_s"] = time.perf_counter() - t0
     entry["chosen"] = _vllm_choices(engine)
     write(entry)
     for i in _passes(args, deadline, entry, control):
@@ -523,6 +574,11 @@ async def _run_budget(budget: int | None, model_dir: Path, requests: list[TraceR
     counts, loggers = _draft_counts(args)
     engine = AsyncLLM.from_engine_args(_engine_args(model_dir, max_model_len, budget, args), **loggers)
     entry["startup_s"] = time.perf_counter() - t0
+    if args.drawn_weights:
+        t0 = time.perf_counter()
+        _load_drawn(entry, args, await engine.collective_rpc(draw_into, args=(PRESETS[args.model], *drawn_weights(
+            args.drawn_weights))))
+        entry["weights_load_s"] = time.perf_counter() - t0
     entry["chosen"] = _vllm_choices(engine)
     write(entry)
 
@@ -576,6 +632,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model-dir", default="/tmp/mr-vllm-model")
     ap.add_argument("--weights", default=None, metavar="FILE",
                     help="our model's weights (`save_weights`) for vLLM to load; default: vLLM's dummy init")
+    ap.add_argument("--drawn-weights", default=None, metavar="SEED:STD",
+                    help="our random model's weights (`benchmarks.rollout --seed/--weight-std`) drawn inside vLLM's "
+                         "worker and loaded in place, with no file (module docstring)")
     return ap
 
 
@@ -589,6 +648,11 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.perf_counter() + args.deadline_s
     if args.speculative:
         speculative_config(args.speculative)  # a bad spec fails here, not after vLLM has started
+    if args.drawn_weights:
+        drawn_weights(args.drawn_weights)
+        if args.weights:
+            raise SystemExit("--weights and --drawn-weights: give vLLM one of them")
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # `draw_into` reaches its core's worker pickled
     budgets = [None if b.strip() == "default" else int(b) for b in args.budgets.split(",") if b.strip()]
     if args.serve and (len(set(budgets)) != 1 or args.reply_fd is None):
         raise SystemExit(f"--serve runs one budget with a --reply-fd, got --budgets {args.budgets!r} "
@@ -604,7 +668,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     result: dict[str, Any] = {"ran": False, "model": args.model, "max_model_len": max_model_len,
                               "trace": args.trace, "requests": len(requests), "budgets": {},
-                              "weights": args.weights or "dummy"}
+                              "weights": args.weights or ("drawn " + args.drawn_weights if args.drawn_weights
+                                                          else "dummy")}
     try:
         import vllm
 

@@ -24,7 +24,7 @@ import json
 import logging
 import os
 import pickle
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -501,6 +501,19 @@ def megatron_to_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: st
                 stacked.setdefault(part.name, {})[part.expert] = t
     out.update({name: torch.stack([rows[e] for e in sorted(rows)]) for name, rows in stacked.items()})
     return out
+
+
+def hf_items(items: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig, arch: str
+             ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full Megatron tensors, one at a time, as their HF tensors (per-expert layout, q/k/v and
+    gate/up as views of the tensor given): `megatron_to_hf` for a stream that never holds the
+    whole state, such as weights loaded into another engine in place."""
+    recipes = _plan(cfg, arch).recipes
+    for name, t in items:
+        recipe = recipes.get(name)
+        if recipe is None:
+            raise ValueError(f"{name!r} is not a tensor of this config under {arch}")
+        yield from ((part.name, piece) for part, piece in zip(recipe.parts, _split(recipe, t, cfg)))
 
 
 def _dtype_name(dtype: torch.dtype | str) -> str:

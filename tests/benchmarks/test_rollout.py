@@ -191,11 +191,18 @@ _FAKE_VLLM = {
         "        n = sampling_params.kw['max_tokens']\n"
         "        await asyncio.sleep(0.002)\n"
         "        yield types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[5] * n)], finished=True)\n"
+        "    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):\n"
+        "        return rpc(method, args)\n"
         "    def shutdown(self):\n"
-        "        pass\n"),
+        "        pass\n"
+        "def rpc(method, args):\n"
+        "    import os\n"
+        "    print('INFO collective_rpc', method.__name__, list(args[1:]),\n"
+        "          os.environ.get('VLLM_ALLOW_INSECURE_SERIALIZATION'), flush=True)\n"
+        "    return [7]\n"),
     "vllm/v1/engine/llm_engine.py": (
         "import os, time, types\n"
-        "from vllm.v1.engine.async_llm import AsyncLLM\n"
+        "from vllm.v1.engine.async_llm import AsyncLLM, rpc\n"
         "class LLMEngine:\n"
         "    @classmethod\n"
         "    def from_engine_args(cls, args):\n"
@@ -204,6 +211,8 @@ _FAKE_VLLM = {
         "        return e\n"
         "    def reset_prefix_cache(self):\n"
         "        return True\n"
+        "    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):\n"
+        "        return rpc(method, args)\n"
         "    def add_request(self, request_id, prompt, params):\n"
         "        self.live.append((request_id, params.kw['max_tokens']))\n"
         "    def step(self):\n"
@@ -263,6 +272,29 @@ def test_vllm_stage_runs_the_peer_in_its_own_process(tmp_path):
         rollout.main(["--model", "qwen3-30b-a3b-12l", "--device", "cpu", "--conversations", "2", "--scale", "0.001",
                       "--schedules", "", "--vllm", "--vllm-site", str(site), "--weight-std", "0.2",
                       "--resume", str(out), "--no-progress"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("in_process", [False, True])
+def test_drawn_peer_weights_are_drawn_inside_the_peer_with_no_file(tmp_path, in_process):
+    """`--vllm-weights drawn`: no weights file; the peer asks vLLM's worker to draw our seed's weights
+    (`draw_into`, pickled to its core: insecure serialization on) once the engine is up."""
+    site, out = _stand_in_site(tmp_path), tmp_path / "out"
+    where = ["--vllm-budgets", "", "--vllm-in-process", "2048"] if in_process else ["--vllm-budgets", "2048"]
+    code = rollout.main(["--model", "qwen3-30b-a3b-12l", "--device", "cpu", "--conversations", "2",
+                         "--scale", "0.001", "--schedules", "", "--vllm", "--vllm-weights", "drawn", "--seed", "3",
+                         "--weight-std", "0.05", "--vllm-site", str(site), *where, "--vllm-passes", "1",
+                         "--vllm-warmups", "1", "--deadline-s", "200", "--out", str(out), "--no-progress"])
+    assert code == 0
+    result = json.loads((out / "rollout.json").read_text())
+    peer, key = result["vllm"], "2048/in-process" if in_process else "2048"
+    assert result["peer_weights"] == {"weights": "drawn", "seed": 3, "std": 0.05}
+    assert peer["weights"] == "drawn 3:0.05" and not list(out.glob("*.safetensors"))
+    entry = peer["budgets"][key]
+    assert entry["drawn_weights"] == {"seed": 3, "std": 0.05, "hf_tensors": [7]} and entry["weights_load_s"] >= 0
+    log_text = (out / ("vllm-in-process.log" if in_process else "vllm.log")).read_text()
+    assert "INFO collective_rpc draw_into [3, 0.05] 1" in log_text, log_text[-2000:]
+    assert "('load_format', 'dummy')" in log_text
 
 
 def _peer_command_edited(monkeypatch, edit) -> None:

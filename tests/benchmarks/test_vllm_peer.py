@@ -156,6 +156,50 @@ def test_the_peer_reads_our_weights_as_the_function_our_model_computes(tmp_path)
         write_model_dir(tmp_path / "m", cfg, 512, tmp_path / "absent.safetensors")
 
 
+def _small_qwen3():
+    import transformers
+
+    from megatron_rollout.model.checkpoint import config_from_hf
+
+    return config_from_hf(transformers.Qwen3MoeConfig(
+        vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=2,
+        moe_intermediate_size=16, num_experts=6, num_experts_per_tok=2, norm_topk_prob=True, rms_norm_eps=1e-6,
+        max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 50000.0}))
+
+
+def test_drawn_weights_are_the_file_s_weights_loaded_in_place(tmp_path):
+    """`draw_into`, as vLLM's worker runs it, hands `reload_weights` the tensors the safetensors file
+    of `--vllm-weights ours` holds for the same seed, name for name and value for value."""
+    import torch
+    from safetensors.torch import load_file
+
+    from benchmarks.rollout import random_model
+    from benchmarks.vllm_peer import draw_into, drawn_weights, save_weights
+
+    cfg, cpu = _small_qwen3(), torch.device("cpu")
+    written = load_file(save_weights(random_model(cfg, cpu, seed=3, std=0.05), cfg, tmp_path / "w.safetensors"))
+    loaded: dict = {}
+
+    class Runner:
+        def reload_weights(self, weights_iterator):
+            for name, t in weights_iterator:
+                assert name not in loaded, name
+                loaded[name] = t.clone()
+
+    worker = type("Worker", (), {"model_runner": Runner()})()
+    assert draw_into(worker, cfg, 3, 0.05, device=cpu) == len(written)
+    assert loaded.keys() == written.keys()
+    assert all(torch.equal(loaded[k], written[k]) for k in written)
+    other: dict = {}
+    worker.model_runner.reload_weights = lambda weights_iterator: other.update(weights_iterator)
+    draw_into(worker, cfg, 4, 0.05, device=cpu)
+    assert not torch.equal(other["model.embed_tokens.weight"], written["model.embed_tokens.weight"])
+    assert drawn_weights("0:0.02") == (0, 0.02)
+    for bad in ("0", "x:0.02", "-1:0.02", "0:0", "0:nan", "0:inf"):
+        with pytest.raises(SystemExit, match="SEED:STD"):
+            drawn_weights(bad)
+
+
 def test_peer_ids_are_the_ids_our_replay_appends():
     """Replay a trace on a fake engine that records what each session appended: the same ids as
     `conversation_inputs` gives the peer."""

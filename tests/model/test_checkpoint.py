@@ -133,6 +133,11 @@ def test_round_trip_is_lossless(family):
     back_fused = ckpt.megatron_to_hf(state, model.cfg, arch, fused_experts=True)
     assert back_fused.keys() == in_memory.keys()
     assert all(torch.equal(back_fused[k], in_memory[k]) for k in in_memory)
+    streamed = list(ckpt.hf_items(state.items(), model.cfg, arch))  # one tensor at a time, as a peer loads them
+    assert sorted(k for k, _ in streamed) == sorted(on_disk) and len(streamed) == len(on_disk)
+    assert all(torch.equal(t, on_disk[k]) for k, t in streamed)
+    with pytest.raises(ValueError, match="not a tensor of this config"):
+        next(ckpt.hf_items([("decoder.layers.0.nothing.weight", torch.zeros(1))], model.cfg, arch))
 
 
 def test_saved_checkpoint_loads_in_transformers(family, tmp_path):
