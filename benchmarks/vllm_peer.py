@@ -413,15 +413,18 @@ def drawn_weights(text: str) -> tuple[int, float]:
     return seed_n, std_x
 
 
-def draw_into(worker, cfg: ModelConfig, seed: int, std: float, device=None) -> int:
+def draw_into(worker, cfg: ModelConfig | str, seed: int, std: float, device=None) -> int:
     """Run by vLLM's worker (`collective_rpc`): our random model's weights (`draw_weights`), drawn on its
     device one tensor at a time, loaded through `reload_weights` under their Hugging Face names;
-    returns how many HF tensors it loaded."""
+    returns how many HF tensors it loaded. `cfg`: a config, or a preset's name (what reaches vLLM's
+    core intact: its messages carry a dataclass as a dict)."""
     import torch
 
     from benchmarks.rollout import draw_weights
     from megatron_rollout.model.checkpoint import QWEN3_MOE, hf_items
+    from megatron_rollout.model.config import PRESETS
 
+    cfg = PRESETS[cfg] if isinstance(cfg, str) else cfg
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
     loaded = 0
 
@@ -531,7 +534,7 @@ def _run_budget_in_process(budget: int | None, model_dir: Path, requests: list[T
     entry["startup_s"] = time.perf_counter() - t0
     if args.drawn_weights:
         t0 = time.perf_counter()
-        _load_drawn(entry, args, engine.collective_rpc(draw_into, args=(PRESETS[args.model], *drawn_weights(
+        _load_drawn(entry, args, engine.collective_rpc(draw_into, args=(args.model, *drawn_weights(
             args.drawn_weights))))
         entry["weights_load_s"] = time.perf_counter() - t0
     entry["chosen"] = _vllm_choices(engine)
@@ -576,7 +579,7 @@ async def _run_budget(budget: int | None, model_dir: Path, requests: list[TraceR
     entry["startup_s"] = time.perf_counter() - t0
     if args.drawn_weights:
         t0 = time.perf_counter()
-        _load_drawn(entry, args, await engine.collective_rpc(draw_into, args=(PRESETS[args.model], *drawn_weights(
+        _load_drawn(entry, args, await engine.collective_rpc(draw_into, args=(args.model, *drawn_weights(
             args.drawn_weights))))
         entry["weights_load_s"] = time.perf_counter() - t0
     entry["chosen"] = _vllm_choices(engine)
