@@ -43,8 +43,8 @@ argmax and logprob (`_best`); sampled rows with lookup drafts or none all at onc
 
 A pure decode step of n-gram drafting in which no row carries drafts (nothing repeats, or
 `tail_rows` holds them back) runs as the plain executor's step where the engine decodes ahead
-(`engine.ahead`: one rank, and `RunnerConfig.decode_ahead="on"`, since "auto" leaves it off under
-drafting): on the plain decode graphs, and, when the plan's lookup found drafts for no row, issuing
+(`engine.ahead`: one rank, `RunnerConfig.decode_ahead` "auto" on the CUDA runner, or "on"): on the
+plain decode graphs, and, when the plan's lookup found drafts for no row, issuing
 the next forward before reading its tokens. The next plan looks up drafts as usual; while that
 forward is in flight, rows it holds that now have drafts wait one step for them, so the forward is
 taken, not thrown away. Tokens are the same either way: a row without drafts draws as the plain

@@ -167,8 +167,8 @@ class RolloutEngine:
             raise ValueError("decode_ahead='on' and MTP drafting (EngineConfig.speculative) exclude each other: "
                              "a forward issued ahead runs one token per row, before the drafts it would verify "
                              "exist (n-gram drafting decodes its undrafted steps ahead)")
-        if drafting is not None and mode != "on":
-            return False  # n-gram drafting's undrafted steps are decoded ahead only when asked for
+        if drafting is not None and drafting.method != "ngram":
+            return False  # MTP drafts come from the step before: no forward can run ahead of them
         one_rank = not self.distributed and isinstance(self.model.comm, LocalComm)
         if mode == "on" and not one_rank:
             raise ValueError("decode_ahead='on' needs a single-rank engine: on many ranks every rank plans "

@@ -63,9 +63,9 @@ class RunnerConfig:
     through the model's ops hook: verified once on the device, skipped where they do not apply)."""
     decode_ahead: str = "auto"
     """Issue the next decode forward before the host has read this one's tokens (`engine.ahead`):
-    auto (on for the CUDA runner on one rank, off under speculative decoding) | on (any single-rank
-    runner; the portable one gains nothing, it is for tests; under n-gram drafting, the steps that
-    draft nothing, `engine.drafting`; refused under MTP drafting) | off."""
+    auto (on for the CUDA runner on one rank; under n-gram drafting for the steps that draft nothing,
+    `engine.drafting`; off under MTP drafting) | on (any single-rank runner; the portable one gains
+    nothing, it is for tests; refused under MTP drafting) | off."""
     fp8: str = "off"
     """FP8 (e4m3) weights for the attention linears, dense MLPs and routed experts (`model.fp8`):
     off | tensor (one scale per weight) | block (one per 128 x 128 block). The engine quantises its

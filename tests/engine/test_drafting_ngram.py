@@ -229,7 +229,7 @@ def test_undrafted_steps_decode_ahead_and_keep_greedy_tokens(make_engine, schedu
     plain = make_engine(m, small(schedule)).generate(PROMPTS, params)
     drafts = SpeculativeConfig("ngram", 3, ngram_min=2, **tail)
     engine = make_engine(m, small(schedule, speculative=drafts, runner=RunnerConfig(decode_ahead="on")))
-    assert make_engine(m, small(schedule, speculative=drafts)).executor.ahead is None  # "auto": off under drafts
+    assert make_engine(m, small(schedule, speculative=drafts)).executor.ahead is None  # "auto": the portable runner
     ex, issue, waiting = engine.executor, engine.executor.ahead.issue, []
 
     def spy(owners, draw):  # a forward issued ahead while a row has drafts waiting would hold them back again
@@ -291,6 +291,24 @@ def test_sampled_rows_that_never_draft_decode_ahead_as_plain_sampling(make_engin
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     for r, ref in zip(got, want):
         assert r.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+
+
+def test_auto_decodes_the_undrafted_steps_ahead_where_the_runner_overlaps_the_host(monkeypatch):
+    """`decode_ahead="auto"` under n-gram drafts is plain decoding's rule: on where the runner's forward
+    overlaps the host (the CUDA runner on one rank; here the portable runner made to say so), off where
+    it does not or when asked; under MTP drafting off, and "on" refused."""
+    from megatron_rollout.runner.base import ModelRunner
+
+    m, drafts = model(), SpeculativeConfig("ngram", 3, ngram_min=1)
+    assert RolloutEngine(m, small("chunked", speculative=drafts)).executor.ahead is None
+    monkeypatch.setattr(ModelRunner, "overlaps_host", property(lambda self: True))
+    assert RolloutEngine(m, small("chunked", speculative=drafts)).executor.ahead is not None
+    off = RunnerConfig(decode_ahead="off")
+    assert RolloutEngine(m, small("chunked", speculative=drafts, runner=off)).executor.ahead is None
+    with_mtp, mtp = MoETransformer(CFG).init_weights(seed=0, std=0.3), SpeculativeConfig("mtp", 1)
+    assert RolloutEngine(with_mtp, small("chunked", speculative=mtp)).executor.ahead is None
+    with pytest.raises(ValueError, match="exclude each other"):
+        RolloutEngine(with_mtp, small("chunked", speculative=mtp, runner=RunnerConfig(decode_ahead="on")))
 
 
 def test_the_config_names_what_is_wrong():
