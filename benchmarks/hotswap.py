@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.rollout import random_model
+from benchmarks.random_weights import random_model
 from megatron_rollout.engine import EngineConfig, KVConfig, RolloutEngine, SamplingParams, SchedulerConfig
 from megatron_rollout.model.config import ModelConfig, preset
 from megatron_rollout.model.sharding import full_shapes

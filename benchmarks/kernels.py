@@ -233,7 +233,7 @@ def time_decode(cfg, points: list[tuple[int, int]], iters: int, seed: int, bandw
     from benchmarks import micro
     from benchmarks.bounds import model_costs
     from benchmarks.compiles import CompileCounter
-    from benchmarks.rollout import random_model
+    from benchmarks.random_weights import random_model
     from megatron_rollout.engine.config import RunnerConfig
     from megatron_rollout.forward import run_to_end
     from megatron_rollout.kernels import fused

@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks import micro
     from benchmarks.bounds import model_costs
     from benchmarks.ceilings import copy_bandwidth, matmul_rate
-    from benchmarks.rollout import random_model
+    from benchmarks.random_weights import random_model
     from megatron_rollout.kv.paged import PagedKVCache
     from megatron_rollout.model.config import preset
     from megatron_rollout.runner.config import RunnerConfig

@@ -63,7 +63,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,6 +76,7 @@ from benchmarks.bounds import model_costs, trace_lower_bound
 from benchmarks.compiles import CompileCounter
 from benchmarks.interleave import PeerSession
 from benchmarks.pauses import GcPauses
+from benchmarks.random_weights import random_model
 from benchmarks.report import acceptance_note
 from benchmarks.specs import engine_config, split_spec, unpartitioned
 from megatron_rollout.engine.config import DEFAULT_SPAN
@@ -208,27 +209,6 @@ def _positive_float(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"takes a finite number > 0, got {text}")
     return value
-
-
-def random_model(cfg: ModelConfig, device: torch.device, seed: int, std: float = 0.02) -> MoETransformer:
-    """Random weights of standard deviation `std` (norms 1) drawn on the device (init_weights draws 8B
-    values on CPU: too slow): `draw_weights`' tensors."""
-    model = MoETransformer(cfg, device=device)
-    with torch.no_grad():
-        for (name, t), (own, p) in zip(draw_weights(cfg, device, seed, std), model.named_parameters(), strict=True):
-            assert name == own, (name, own)
-            p.copy_(t)
-    return model.requires_grad_(False)
-
-
-def draw_weights(cfg: ModelConfig, device: torch.device, seed: int, std: float = 0.02
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The random model's full tensors by name, drawn one at a time in parameter order on `device`
-    (the peer draws the same ones inside vLLM: `benchmarks.vllm_peer --drawn-weights`)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for name, p in MoETransformer(cfg, device="meta").named_parameters():
-        t = torch.empty(p.shape, dtype=p.dtype, device=device)
-        yield name, (t.fill_(1.0) if name.endswith("layernorm.weight") else t.normal_(0.0, std, generator=gen))
 
 
 def _num_blocks(args: argparse.Namespace, cfg: ModelConfig) -> int:

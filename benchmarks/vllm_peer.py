@@ -29,7 +29,7 @@ whose greedy outputs repeat differently. With `--speculative`, each pass also re
 accepted tokens, counted by a stat logger of ours (`DraftCounts`; `AsyncLLM` turns its stats on for
 a logger, `LLMEngine` needs them on, so they are on in process with drafts, off elsewhere).
 `--drawn-weights SEED:STD` gives it the same weights with no file: once vLLM is up on its dummy init,
-its worker draws our random model's tensors one at a time (`benchmarks.rollout.draw_weights`, the
+its worker draws our random model's tensors one at a time (`benchmarks.random_weights.draw_weights`, the
 draw `random_model` makes) and loads them in place through vLLM's own reload (`draw_into`), which
 keeps the storage its CUDA graphs read. The 48-layer preset's 61 GB file does not fit the device's
 disk; this needs none.
@@ -420,7 +420,7 @@ def draw_into(worker, cfg: ModelConfig | str, seed: int, std: float, device=None
     core intact: its messages carry a dataclass as a dict)."""
     import torch
 
-    from benchmarks.rollout import draw_weights
+    from benchmarks.random_weights import draw_weights
     from megatron_rollout.model.checkpoint import QWEN3_MOE, hf_items
     from megatron_rollout.model.config import PRESETS
 
