@@ -82,9 +82,10 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
       tail -16 /tmp/res/sampled.log; cp /tmp/res/sampled/rollout.json "$OUT/sampled.json" ;;
     sampled-drafts)  # temperature 1 on the prefill trace: chunked with and without n-gram drafts (at 99546c8 drafting
       # took 1.41x with no draft proposed, every sampled row read to the host alone, 2026-12-05-chunked-drafts-h100;
-      # at 97acfda, rows decided at once, 1.14x, 2026-12-06-h200-drafts-48l), drafting with its undrafted steps
-      # decoded ahead (--decode-ahead on) and without (/sync); then the verdicts' host time row by row and at
-      # once; first the GPU tests of the batched verifier and of drafting with decode ahead
+      # at 97acfda, rows decided at once, 1.14x, 2026-12-06-h200-drafts-48l; with its undrafted steps decoded
+      # ahead 1.037x, /sync 1.141x, 2026-12-06-h200-ahead-drawn-48l: `auto` decodes them ahead since), drafting
+      # with decode ahead and without (/sync); then the verdicts' host time row by row and at once; first the GPU
+      # tests of the batched verifier and of drafting with decode ahead
       cd /tmp/run
       timeout 200 python3 -m pytest -q -m gpu tests/engine/test_speculative.py tests/engine/test_drafting_ngram.py \
         tests/runner/test_speculative.py -p no:cacheprovider -rf 2>&1 | tail -3
@@ -125,7 +126,8 @@ for k, v in json.load(open('$OUT/verdicts-cuda.json'))['verdicts_ms'].items()]" 
     peer|peerin)  # vLLM on `target`'s trace (its folder in /tmp/res, or carried back as .res/targetN): `peer` at
       # its default, 8,192 and 16,384 with its core in its own process; `peerin` at its best of those with
       # the core in process (as RL frameworks colocate it); 2 warm-up passes, 2 timed; VLLM_WEIGHTS=dummy:
-      # vLLM's own init (copy the run's folder first, e.g. inter64 to dummy64, as a --resume adds to its JSON)
+      # vLLM's own init (copy the run's folder first, e.g. inter64 to dummy64, as a --resume adds to its JSON);
+      # VLLM_WEIGHTS=drawn: ours, drawn in its worker (48 layers: the file would not fit the disk)
       mkdir -p /tmp/pv/site
       [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.* | xz -dc -T8 | tar -x -C /tmp/pv/site)
       # (PEER_RUN names another of our runs in /tmp/res, e.g. drafts64)
@@ -161,7 +163,7 @@ for k, v in json.load(open('$OUT/verdicts-cuda.json'))['verdicts_ms'].items()]" 
       # cProfile); then the step times and the simulator's check (with `partition`'s stand-in factors when
       # that stage ran on this machine; EXTRA: more options, e.g. '--trace-seed 1', given to `peer`, `peerin` and
       # `drafts` alike when they add to or follow this run). The peer runs our weights (written to /tmp/res/$tag for it,
-      # removed after; VLLM_WEIGHTS=dummy: its own dummy init) and counts its accepted drafts. Both engines hold their
+      # removed after; VLLM_WEIGHTS=dummy: its own dummy init; =drawn: ours drawn in its worker, no file) and counts its accepted drafts. Both engines hold their
       # memory at once: on an 80 GB H100 give each a 13 GiB KV cache (EXTRA='... --kv-gb 13'; 40 and 22 ran out)
       mkdir -p /tmp/pv/site
       [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.* | xz -dc -T8 | tar -x -C /tmp/pv/site)
