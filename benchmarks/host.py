@@ -36,7 +36,7 @@ overlapped, so it is worth timing by itself, on any machine:
   every draft is accepted and each row emits k + 1 tokens a step: the most host work a drafting
   step does (verdicts, the tokens' bookkeeping, the next lookups). On the GPU that work sits
   between a verify forward and the next, which are not issued ahead (only steps that draft nothing
-  are, with `decode_ahead="on"`).
+  are, where the engine decodes ahead).
 
 Repeats interleave the variants; medians and [min-max] over them. Run:
 `python -m benchmarks.host` (CPU; the figures are this machine's host, not the GPU
