@@ -450,9 +450,10 @@ def prefill_free(records: Sequence[StepRecord]) -> list[StepRecord]:
 
 def verify_costs(records: Sequence[StepRecord], fits: dict[str, CostModel | str]) -> dict[str, Any]:
     """Per fit and decode-row bucket, the measured time of the verify forwards among `records` (decode
-    records with drafted positions and no prefill beside them) over what the fit charges them: by
-    their positions, as the `Speculation` lever does (`over_positions`), and by their rows alone
-    (`over_rows`). Above 1 the fit charges them too little."""
+    records with drafted positions and no prefill beside them) over what the fit charges them
+    (`over_charge`: their rows, `decode_draft_s` per drafted position and the experts those add), over
+    a charge of each position as a row (`over_positions`, the rule before `decode_draft_s`) and over
+    their rows alone (`over_rows`). Above 1 the fit charges them too little."""
     verify = [r for r in prefill_free(records) if r.decode_positions and r.decode_positions > r.decode_rows]
     out: dict[str, Any] = {"forwards": len(verify)}
     for name, cost in fits.items():
@@ -467,7 +468,9 @@ def verify_costs(records: Sequence[StepRecord], fits: dict[str, CostModel | str]
             measured = sum(r.duration for r in picked)
             by_positions = sum(cost.step_s(StepSize(r.decode_positions, r.decode_context)) for r in picked)
             by_rows = sum(cost.step_s(StepSize(r.decode_rows, r.decode_context)) for r in picked)
+            charged = sum(cost.step_s(StepSize.of(r)) for r in picked)
             out[name][bucket_name(lo, hi)] = {"n": len(picked), "measured_s": measured,
+                                              "over_charge": measured / charged,
                                               "over_positions": measured / by_positions,
                                               "over_rows": measured / by_rows}
     return out
@@ -537,7 +540,7 @@ def epoch_charge(records: Sequence[StepRecord], cost: CostModel) -> dict[str, fl
         after = next((r for r in decodes if r.start >= hi), None)
         following = next((s for s in starts if s > lo), math.inf)
         end = after.end if after is not None and after.start < following else hi
-        decode += sum(cost.step_s(StepSize(r.positions, r.decode_context)) for r in decodes
+        decode += sum(cost.step_s(StepSize.of(r)) for r in decodes
                       if r.start < end and r.end > lo)
         span += end - lo
     serial = prefill + decode
@@ -594,16 +597,16 @@ def epoch_table(report: dict) -> str:
 
 
 def verify_table(report: dict) -> str:
-    """The printed `verify_check`: measured over charged, by positions (and by rows), per bucket."""
+    """The printed `verify_check`: measured over charged, and over each position charged as a row, per bucket."""
     lines = ["verify forwards with no prefill beside them, measured over what the out-of-sample fit charges "
-             "(by positions; by rows alone):"]
+             "(and over each position charged as a row):"]
     for label, row in report["verify_check"].items():
         if "skipped" in row:
             lines.append(f"  {label}: {row['skipped']}")
             continue
         for name in FITS:
             part = row.get(name) or {}
-            cells = [f"{b} (n={v['n']}): {v['over_positions']:.2f} ({v['over_rows']:.2f})"
+            cells = [f"{b} (n={v['n']}): {v['over_charge']:.2f} ({v['over_positions']:.2f})"
                      for b, v in part.items() if isinstance(v, dict)]
             lines.append(f"  {label} {name}: " + (part.get("skipped") or "; ".join(cells) or "none"))
     return "\n".join(lines)

@@ -2,11 +2,19 @@
 step records (`engine.records`).
 
     step_s = decode_base_s   [if decode rows]  + decode_row_s * rows + decode_context_s * context
+           + decode_draft_s * drafted positions (a row's positions past its first)
            + prefill_base_s  [if prefill work] + prefill_row_s * chunks + prefill_token_s * new tokens
            + prefill_pair_s * causal attention (query, key) pairs
            + expert_s * distinct experts the step's tokens route to   [if decode rows, and asked for]
 
-A mixed (`chunked`) step pays both bases and both sets of terms. `gap_s` is the host's time between
+A mixed (`chunked`) step pays both bases and both sets of terms. A drafting row (its pending token
+and k drafts, verified in one forward) is one row over one context, plus k drafted positions: the
+extra positions of a memory-bound decode forward cost far less than rows (they read the row's KV
+and the weights the row reads anyway), so the rows term does not count them. `decode_draft_s` is
+fitted where records hold drafts, and 0 from records without any: a model fitted to plain decoding
+and charging a drafting schedule charges its drafts only the experts they add. Charging each
+position as a row instead put the drafting schedules 10-32% over their measured makespans on the
+H200; charging rows, 5-10% under (docs/benchmarks.md, the simulator's section). `gap_s` is the host's time between
 two forwards (planning, bookkeeping), added once per step. `submit_token_s` is the host's time per
 input token of the turns submitted before the first forward (`startup_token_s`): a replay's
 start-up, which no step record covers. `turn_token_s` is the same for a turn submitted later,
@@ -46,7 +54,7 @@ from scipy.optimize import nnls
 from megatron_rollout.engine.records import StepRecord
 
 FEATURES = ("decode_base_s", "decode_row_s", "decode_context_s", "prefill_base_s", "prefill_row_s",
-            "prefill_token_s", "prefill_pair_s")
+            "prefill_token_s", "prefill_pair_s", "decode_draft_s")
 
 
 @dataclass(frozen=True)
@@ -76,27 +84,31 @@ class StepSize:
     """The sizes of one forward that its cost depends on."""
 
     decode_rows: int = 0
-    """One-token decode rows: a row and its drafts count 1 + k (`StepRecord.positions`)."""
+    """Decode rows (sequences), each over its own context."""
     decode_context: int = 0
     """Sum of the decode rows' contexts."""
     prefill_rows: int = 0
     prefill_tokens: int = 0
     prefill_pairs: int = 0
     """Causal attention (query, key) pairs of the prefill chunks."""
+    decode_drafts: int = 0
+    """Drafted positions the decode rows verify: their positions past one per row
+    (`StepRecord.positions` - `StepRecord.decode_rows`)."""
 
     @classmethod
     def of(cls, record: StepRecord) -> StepSize:
-        return cls(record.positions, record.decode_context, record.prefill_rows, record.prefill_tokens,
-                   record.prefill_pairs)
+        return cls(record.decode_rows, record.decode_context, record.prefill_rows, record.prefill_tokens,
+                   record.prefill_pairs, record.positions - record.decode_rows)
 
     def features(self, routing: Routing | None = None) -> tuple[float, ...]:
         """The row of this size in the fit (order of `FEATURES`, then the expert term's with `routing`)."""
         d, p = self.decode_rows > 0, self.prefill_tokens > 0
         row = (float(d), float(self.decode_rows), float(self.decode_context), float(p), float(self.prefill_rows),
-               float(self.prefill_tokens), float(self.prefill_pairs))
+               float(self.prefill_tokens), float(self.prefill_pairs), float(self.decode_drafts))
         if routing is None:
             return row
-        return (*row, routing.touched(self.decode_rows + self.prefill_tokens) if d else 0.0)
+        tokens = self.decode_rows + self.decode_drafts + self.prefill_tokens
+        return (*row, routing.touched(tokens) if d else 0.0)
 
 
 def chunk_pairs(past: int, new: int) -> int:
@@ -115,6 +127,8 @@ class CostModel:
     prefill_row_s: float = 0.0
     prefill_token_s: float = 0.0
     prefill_pair_s: float = 0.0
+    decode_draft_s: float = 0.0
+    """Seconds per drafted position a decode row verifies beside its pending token."""
     gap_s: float = 0.0
     """Host time between two forwards."""
     submit_token_s: float = 0.0
@@ -147,7 +161,7 @@ class CostModel:
     def step_s(self, size: StepSize) -> float:
         """Seconds of one forward of `size` (without the host gap)."""
         coef = (self.decode_base_s, self.decode_row_s, self.decode_context_s, self.prefill_base_s,
-                self.prefill_row_s, self.prefill_token_s, self.prefill_pair_s, self.expert_s)
+                self.prefill_row_s, self.prefill_token_s, self.prefill_pair_s, self.decode_draft_s, self.expert_s)
         return sum(c * x for c, x in zip(coef, size.features(self.routing)))
 
     def to_dict(self) -> dict[str, Any]:

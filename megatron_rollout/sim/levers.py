@@ -14,7 +14,8 @@ mixed in. What changes the chain's own time is what its steps cost and how many 
   segment is issued a round: prefill does not run ahead of the host into the next.
 - `Speculation`: decode iterations of at most `max_rows` rows verify `draft_tokens` drafted
   tokens per row and keep `1 + acceptance * draft_tokens` tokens per row on average, at the cost
-  of a forward with `1 + draft_tokens` times the rows (each row's KV read once), times `overhead`;
+  of a forward of the same rows with `draft_tokens` drafted positions each (`CostModel.decode_draft_s`
+  and the experts they add; each row's KV read once), times `overhead`;
   `tail_tokens` drafted instead while at most `tail_rows` rows decode (`SpeculativeConfig.tail_k`).
 
 Left out: what a real implementation costs beyond these factors (graph captures per partition,

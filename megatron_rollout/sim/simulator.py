@@ -28,7 +28,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megatron_rollout.engine.api import FinishReason, GenerationResult, RequestOutput, RequestTimes, Schedule
 from megatron_rollout.engine.records import StepRecord
@@ -280,12 +280,12 @@ class Simulator:
         return spec if spec is not None and 0 < rows <= spec.max_rows else None
 
     def _decode_s(self, size: StepSize, spec: Speculation | None) -> float:
-        """A decode iteration's forward; speculating, one of (1 + k) times the rows over the same
-        context (a row's k + 1 positions read its KV once, as a decode attention kernel does)."""
+        """A decode iteration's forward; speculating, the same rows over the same contexts with k
+        drafted positions each (`CostModel.decode_draft_s`, and the experts they add)."""
         if spec is None:
             return self.cost.step_s(size)
-        return spec.overhead * self.cost.step_s(StepSize(size.decode_rows * (1 + spec.tokens_at(size.decode_rows)),
-                                                         size.decode_context))
+        drafts = size.decode_rows * spec.tokens_at(size.decode_rows)
+        return spec.overhead * self.cost.step_s(replace(size, decode_drafts=drafts))
 
     def _step(self) -> None:
         hold = bool(self.levers.critical_first) and self._holding()

@@ -281,12 +281,13 @@ def test_what_if_predicts_a_partition_against_the_schedule_it_extends(run, capsy
 
 @pytest.mark.timeout(60)
 def test_verify_forwards_are_set_against_the_fit_by_positions_and_by_rows_with_no_prefill_beside(run):
-    """A verify forward costs `measured / charged` of what the fit charges its positions (the
-    Speculation lever's unit) and its rows; forwards inside a mux epoch's span, plain decode rows
-    and prefill are left out; a run without drafting schedules has nothing to check."""
+    """A verify forward costs `measured / charged` of what the fit charges it (its rows and, at
+    `decode_draft_s`, its drafted positions), of its positions charged as rows and of its rows alone;
+    forwards inside a mux epoch's span, plain decode rows and prefill are left out; a run without
+    drafting schedules has nothing to check."""
     from megatron_rollout.engine.records import StepRecord
 
-    cost = sim_cost.CostModel(decode_base_s=1e-3, decode_row_s=1e-4, decode_context_s=1e-7)
+    cost = sim_cost.CostModel(decode_base_s=1e-3, decode_row_s=1e-4, decode_context_s=1e-7, decode_draft_s=1e-5)
 
     def decode(start: float, rows: int, positions: int, context: int, seconds: float) -> StepRecord:
         return StepRecord("D", rows, context, 0, 0, 0, start, start + seconds, decode_positions=positions)
@@ -308,6 +309,7 @@ def test_verify_forwards_are_set_against_the_fit_by_positions_and_by_rows_with_n
     assert one["n"] == 1 and one["over_positions"] == pytest.approx(2.0)
     assert one["over_rows"] == pytest.approx(2 * (1e-3 + 5e-4 + 1e-4) / (1e-3 + 1e-4 + 1e-4))
     assert few["n"] == 1 and few["over_positions"] == pytest.approx(1.0) and few["over_rows"] > 1
+    assert one["over_charge"] == pytest.approx(2 * (1e-3 + 5e-4 + 1e-4) / (1e-3 + 1e-4 + 1e-4 + 4e-5))
     assert set(checked["linear"]) == {"1", "2-4"}
     out, result = run
     assert sim_replay.verify_check(result, load_trace(out / "trace.jsonl")) == {}
@@ -350,13 +352,15 @@ def test_a_mux_replay_splits_into_its_epochs_decode_outside_them_and_the_rest(ru
 def test_epochs_are_set_against_their_serial_charge():
     """`epoch_charge`: each epoch's span, to the end of the decode forward after its last segment
     (which holds that segment's device time), against its prefill alone plus the decode forwards in
-    that span, by positions (a row and its drafts); decode further out is not charged."""
+    that span, as the model charges them (rows, and each drafted position at `decode_draft_s`); decode
+    further out is not charged."""
     from megatron_rollout.engine.records import StepRecord
     from megatron_rollout.sim.cost import CostModel
 
-    cost = CostModel(decode_base_s=0.5, decode_row_s=0.25, prefill_base_s=1.0, prefill_token_s=0.01)
+    cost = CostModel(decode_base_s=0.5, decode_row_s=0.25, prefill_base_s=1.0, prefill_token_s=0.01,
+                     decode_draft_s=0.05)
     records = [StepRecord("P", 0, 0, 1, 100, 0, 0.0, 0.1, epoch=1),
-               StepRecord("D", 2, 50, 0, 0, 0, 0.1, 0.6, decode_positions=6),  # inside: 0.5 + 6 * 0.25
+               StepRecord("D", 2, 50, 0, 0, 0, 0.1, 0.6, decode_positions=6),  # inside: 0.5 + 2 * 0.25 + 4 * 0.05
                StepRecord("P", 0, 0, 0, 100, 0, 0.6, 0.7, epoch=1),
                StepRecord("D", 1, 50, 0, 0, 0, 0.7, 1.5),  # the last segment's device time: 0.5 + 0.25
                StepRecord("D", 1, 50, 0, 0, 0, 2.0, 2.5),  # after the epoch: not charged to it
@@ -364,5 +368,5 @@ def test_epochs_are_set_against_their_serial_charge():
     got = sim_replay.epoch_charge(records, cost)
     assert got["span_s"] == pytest.approx(1.5 + 0.2)
     assert got["prefill_charge_s"] == pytest.approx(1.0 + 200 * 0.01 + 1.0 + 10 * 0.01)
-    assert got["decode_charge_s"] == pytest.approx(0.5 + 6 * 0.25 + 0.75)
-    assert got["over_serial"] == pytest.approx(1.7 / (3.0 + 1.1 + 2.75))
+    assert got["decode_charge_s"] == pytest.approx(1.2 + 0.75)
+    assert got["over_serial"] == pytest.approx(1.7 / (3.0 + 1.1 + 1.95))

@@ -24,7 +24,8 @@ def records(cost: CostModel, sizes, gap=0.001, epoch_of=lambda i: None):
     for i, s in enumerate(sizes):
         d = cost.step_s(s)
         out.append(StepRecord("P" if s.prefill_tokens else "D", s.decode_rows, s.decode_context, s.prefill_rows,
-                              s.prefill_tokens, s.prefill_pairs, t, t + d, epoch_of(i)))
+                              s.prefill_tokens, s.prefill_pairs, t, t + d, epoch_of(i),
+                              decode_positions=s.decode_rows + s.decode_drafts if s.decode_drafts else None))
         t += d + gap
     return out
 
@@ -48,6 +49,26 @@ def test_fit_recovers_the_model_that_made_the_records():
         assert getattr(fitted, name) == pytest.approx(getattr(TRUE, name), rel=1e-4, abs=1e-12), name
     assert fitted.gap_s == pytest.approx(0.001)
     assert fitted.mux_segments == 1.0
+
+
+def test_drafted_positions_are_their_own_term_and_free_where_no_record_drafted():
+    """A drafting row is one row over one context plus its drafted positions: fitted from records with
+    drafts, `decode_draft_s` comes back; from records without, it is 0, and a drafted forward is
+    charged its rows and, with the expert term, the experts its drafts add."""
+    true = dataclasses.replace(TRUE, decode_draft_s=3e-5)
+    drafted = [dataclasses.replace(s, decode_drafts=(i % 8) * s.decode_rows)
+               for i, s in enumerate(sizes()) if s.decode_rows and not s.prefill_tokens]
+    recs = records(true, sizes() + drafted)
+    assert StepSize.of(recs[-1]) == drafted[-1]
+    assert fit(recs).decode_draft_s == pytest.approx(3e-5, rel=1e-4)
+    plain = fit(records(TRUE, sizes()))
+    assert plain.decode_draft_s == 0.0
+    row = StepSize(decode_rows=16, decode_context=16_000)
+    assert plain.step_s(dataclasses.replace(row, decode_drafts=7 * 16)) == plain.step_s(row)
+    routing = Routing(128, 8)
+    experts = dataclasses.replace(plain, expert_s=1e-5, routing=routing)
+    added = experts.step_s(dataclasses.replace(row, decode_drafts=7 * 16)) - experts.step_s(row)
+    assert added == pytest.approx(1e-5 * (routing.touched(16 * 8) - routing.touched(16)))
 
 
 def test_a_mux_epoch_is_one_observation_over_its_segments():
