@@ -13,9 +13,10 @@ extra positions of a memory-bound decode forward cost far less than rows (they r
 and the weights the row reads anyway), so the rows term does not count them. `decode_draft_s` is
 fitted where records hold drafts, and 0 from records without any: a model fitted to plain decoding
 and charging a drafting schedule charges its drafts only the experts they add. Charging each
-position as a row instead put the drafting schedules 10-32% over their measured makespans on the
-H200; charging rows, 5-10% under (docs/benchmarks.md, the simulator's section). `gap_s` is the host's time between
-two forwards (planning, bookkeeping), added once per step. `submit_token_s` is the host's time per
+position as a row instead put the drafting schedules out of sample up to 34% over their measured
+makespans (a median 10%); charged this way, a median 5% under (docs/benchmarks.md, the
+simulator's section). `gap_s` is the host's time between two forwards (planning, bookkeeping),
+added once per step. `submit_token_s` is the host's time per
 input token of the turns submitted before the first forward (`startup_token_s`): a replay's
 start-up, which no step record covers. `turn_token_s` is the same for a turn submitted later,
 between two forwards; where the replay marked its submissions (`trace.replay`'s details), they are
