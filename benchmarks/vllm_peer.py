@@ -439,10 +439,12 @@ def draw_into(worker, cfg: ModelConfig | str, seed: int, std: float, device=None
     return loaded
 
 
-def _load_drawn(entry: dict[str, Any], args, results: list) -> None:
-    """What `--drawn-weights` loaded into a started engine (`collective_rpc`'s one result per worker)."""
-    seed, std = drawn_weights(args.drawn_weights)
+def _load_drawn(entry: dict[str, Any], args, results: list, t0: float) -> None:
+    """What `--drawn-weights` loaded into a started engine (`collective_rpc`'s one result per worker),
+    and how long it took since `t0`."""
+    seed, std = args.drawn
     entry["drawn_weights"] = {"seed": seed, "std": std, "hf_tensors": list(results)}
+    entry["weights_load_s"] = time.perf_counter() - t0
 
 
 def _sampling(n: int):
@@ -532,11 +534,9 @@ def _run_budget_in_process(budget: int | None, model_dir: Path, requests: list[T
     engine = LLMEngine.from_engine_args(_engine_args(model_dir, max_model_len, budget, args, in_process=True),
                                         **loggers)
     entry["startup_s"] = time.perf_counter() - t0
-    if args.drawn_weights:
+    if args.drawn:
         t0 = time.perf_counter()
-        _load_drawn(entry, args, engine.collective_rpc(draw_into, args=(args.model, *drawn_weights(
-            args.drawn_weights))))
-        entry["weights_load_s"] = time.perf_counter() - t0
+        _load_drawn(entry, args, engine.collective_rpc(draw_into, args=(args.model, *args.drawn)), t0)
     entry["chosen"] = _vllm_choices(engine)
     write(entry)
     for i in _passes(args, deadline, entry, control):
@@ -577,11 +577,9 @@ async def _run_budget(budget: int | None, model_dir: Path, requests: list[TraceR
     counts, loggers = _draft_counts(args)
     engine = AsyncLLM.from_engine_args(_engine_args(model_dir, max_model_len, budget, args), **loggers)
     entry["startup_s"] = time.perf_counter() - t0
-    if args.drawn_weights:
+    if args.drawn:
         t0 = time.perf_counter()
-        _load_drawn(entry, args, await engine.collective_rpc(draw_into, args=(args.model, *drawn_weights(
-            args.drawn_weights))))
-        entry["weights_load_s"] = time.perf_counter() - t0
+        _load_drawn(entry, args, await engine.collective_rpc(draw_into, args=(args.model, *args.drawn)), t0)
     entry["chosen"] = _vllm_choices(engine)
     write(entry)
 
@@ -651,8 +649,8 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.perf_counter() + args.deadline_s
     if args.speculative:
         speculative_config(args.speculative)  # a bad spec fails here, not after vLLM has started
-    if args.drawn_weights:
-        drawn_weights(args.drawn_weights)
+    args.drawn = drawn_weights(args.drawn_weights) if args.drawn_weights else None  # (seed, std)
+    if args.drawn:
         if args.weights:
             raise SystemExit("--weights and --drawn-weights: give vLLM one of them")
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # `draw_into` reaches its core's worker pickled

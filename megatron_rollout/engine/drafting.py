@@ -278,7 +278,8 @@ class SpeculativeExecutor(StepExecutor):
         if self.ahead is not None:
             if phase is Phase.D and not plan.prefill and not any(plan.lookahead):  # (never MTP: no ahead there)
                 outs = super().run(plan, phase)
-                self.whole.difference_update(plan.decode)  # as `_count` does for a row that drafted nothing
+                if self.whole:
+                    self.whole.difference_update(plan.decode)  # as `_count` does for a row that drafted nothing
                 self._forget()
                 return outs
             self.ahead.drop()  # this step drafts: the rows move past the forward issued without drafts

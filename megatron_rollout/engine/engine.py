@@ -163,12 +163,12 @@ class RolloutEngine:
 
     def _decode_ahead(self, mode: str) -> bool:
         drafting = self.config.speculative
-        if drafting is not None and drafting.method != "ngram" and mode == "on":
-            raise ValueError("decode_ahead='on' and MTP drafting (EngineConfig.speculative) exclude each other: "
-                             "a forward issued ahead runs one token per row, before the drafts it would verify "
-                             "exist (n-gram drafting decodes its undrafted steps ahead)")
-        if drafting is not None and drafting.method != "ngram":
-            return False  # MTP drafts come from the step before: no forward can run ahead of them
+        if drafting is not None and drafting.method != "ngram":  # MTP drafts come from the step before
+            if mode == "on":
+                raise ValueError("decode_ahead='on' and MTP drafting (EngineConfig.speculative) exclude each other: "
+                                 "a forward issued ahead runs one token per row, before the drafts it would verify "
+                                 "exist (n-gram drafting decodes its undrafted steps ahead)")
+            return False
         one_rank = not self.distributed and isinstance(self.model.comm, LocalComm)
         if mode == "on" and not one_rank:
             raise ValueError("decode_ahead='on' needs a single-rank engine: on many ranks every rank plans "
