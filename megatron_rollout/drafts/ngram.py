@@ -28,7 +28,15 @@ last `n_min` tokens, so a bitmap of the hashed `n_min`-grams seen so far (`GramF
 token, a false positive rate near 3%) answers "never occurred" for most contexts that do not repeat,
 such as a turn's fresh input or a row whose output has not started looping. There a lookup
 searched all of a rollout's 17,000 to 60,000 tokens on every decode step, and that search ran
-between the GPU's verify forwards.
+between the GPU's verify forwards. A row whose last lookup proposed nothing asks the bitmap first
+(one new gram hashed, one bit read), before the byte search: at temperature 1 on text that does
+not repeat that is every row of every step, and the answer is the same (the bitmap holds every
+earlier end the byte search could find).
+
+A turn's input reaches the index whole when its first decode step looks it up (thousands of tokens
+copied, encoded and hashed: milliseconds, after a prefill, while the GPU waits for the next plan);
+`prepare` does that work earlier, where the caller has the GPU busy (`engine.drafting` calls it
+while a prefill forward runs). Lookups give the same drafts either way.
 
 Another sequence's text can guess too: the samples of one RL group answer the same prompt, and
 where they agree, a sample that lags can copy what a sibling already wrote (Seer's grouped drafts).
@@ -132,6 +140,9 @@ class NgramIndex:
         self.grams = GramFilter(n_min)
         """The `n_min`-grams ending before the last token (a match's last `n_min` tokens must be one),
         brought up to date only when the byte search finds nothing: a looping context never pays."""
+        self.cold = False
+        """The last lookup proposed nothing: the next asks `grams` before the byte search (not the
+        first lookup: where the bitmap is not built yet, a context that repeats should not pay for it)."""
 
     def sync(self, tokens: Sequence[int]) -> None:
         """Take `tokens`, the sequence's whole context: only the tokens past those held are copied.
@@ -145,8 +156,12 @@ class NgramIndex:
             held = 0
             self.grams = GramFilter(self.n_min)
         new = tokens[held:]
-        if new and not (0 <= min(new) and max(new) < TOKEN_LIMIT):
-            raise ValueError(f"token ids must lie in [0, {TOKEN_LIMIT}), got {min(new)}..{max(new)}")
+        if len(new) > 16:  # a turn's input: one conversion to an array serves the checks, the copy and the bytes
+            new = np.asarray(new, dtype=np.int64)
+        if len(new):
+            lo, hi = (int(new.min()), int(new.max())) if isinstance(new, np.ndarray) else (min(new), max(new))
+            if not 0 <= lo <= hi < TOKEN_LIMIT:
+                raise ValueError(f"token ids must lie in [0, {TOKEN_LIMIT}), got {lo}..{hi}")
         if len(tokens) > len(self.tokens):
             grown = np.zeros(max(len(tokens), 2 * len(self.tokens)), dtype=np.int64)
             grown[:held] = self.tokens[:held]
@@ -156,19 +171,32 @@ class NgramIndex:
         self.encoded += encode(new)
         self.length = len(tokens)
 
+    def prepare(self, tokens: Sequence[int]) -> None:
+        """`sync`, and the n-gram bitmap brought up to the context: the work of a lookup that does not
+        depend on the next token, done ahead of it (module docstring)."""
+        self.sync(tokens)
+        self.grams.extend(self.tokens, self.length)
+
     def propose(self, k: int) -> tuple[int, ...]:
         """Up to k tokens after the latest earlier occurrence of the longest matching suffix (n
         from n_max down to n_min); () where no suffix of n_min tokens occurred before."""
+        draft = self._propose(k)
+        self.cold = not draft
+        return draft
+
+    def _propose(self, k: int) -> tuple[int, ...]:
         ctx, size = self.tokens, self.length
         if k <= 0 or size <= self.n_min:
+            return ()
+        asked = self.cold  # a row that did not repeat last step most likely does not now: the bit first
+        if asked and not self._may_match(size):
             return ()
         longest, stop = min(self.n_max, size - 1), 4 * (size - 1)  # an occurrence ends before the suffix does
         at = self.encoded.rfind(self.encoded[4 * (size - longest):], max(0, stop - 4 * RECENT), stop)
         if at >= 0:
             best = at // 4 + longest
         else:
-            self.grams.extend(ctx, size)
-            if not self.grams.may_hold(ctx[size - self.n_min:size].tolist()):
+            if not asked and not self._may_match(size):
                 return ()
             best = self._search(size)
         if best is None:
@@ -178,6 +206,11 @@ class NgramIndex:
         for j in range(k):
             draft.append(int(ctx[best + j]) if best + j < size else draft[j - period])
         return tuple(draft)
+
+    def _may_match(self, size: int) -> bool:
+        """Whether the context's last `n_min` tokens may have occurred before (False: they did not)."""
+        self.grams.extend(self.tokens, size)
+        return self.grams.may_hold(self.tokens[size - self.n_min:size].tolist())
 
     def _search(self, size: int) -> int | None:
         """Where the latest earlier occurrence of the longest matching suffix ends, over the whole

@@ -199,9 +199,7 @@ class SpeculativeExecutor(StepExecutor):
             if req.params.logprobs is not None:  # its top logprobs come from the plain draw: never drafted
                 continue
             seq, budget = req.seq, self._budget(req, 0, self.config.k_at(rows, rid in self.whole))
-            context = self.contexts.get(seq.sid)
-            if context is None:
-                context = self.contexts[seq.sid] = NgramIndex(self.config.ngram_min, self.config.ngram_max)
+            context = self._context(seq)
             context.sync(seq.tokens)
             family = self._family(seq, context) if self.config.group and seq.family is not None else None
             if family is not None:
@@ -213,6 +211,22 @@ class SpeculativeExecutor(StepExecutor):
                 self.drafts[rid] = Draft(req.lifetime, drafted, None)
             else:
                 self.drafts.pop(rid, None)
+
+    def _context(self, seq: Seq) -> NgramIndex:
+        context = self.contexts.get(seq.sid)
+        if context is None:
+            context = self.contexts[seq.sid] = NgramIndex(self.config.ngram_min, self.config.ngram_max)
+        return context
+
+    def _prepare(self, requests: Iterable[Request]) -> None:
+        """"ngram": the contexts of requests whose prefill ends in the forward now running, synced and
+        hashed while it runs (`NgramIndex.prepare`), so that their first lookup, the next plan's, pays
+        for the sampled token only and not for the turn's input (milliseconds while the GPU waits)."""
+        if self.mtp:
+            return
+        for req in requests:
+            if req.params.logprobs is None and req.seq.sid in self.table.seqs:
+                self._context(req.seq).prepare(req.seq.tokens)
 
     def _family(self, seq: Seq, context: NgramIndex) -> Family:
         """`seq`'s family, `seq` a member: a session may have drafted alone before a turn with n > 1
@@ -289,6 +303,7 @@ class SpeculativeExecutor(StepExecutor):
         version = self.weights.version
         with torch.no_grad():
             out = run_to_end(self.forward(step, phase))
+            self._prepare(self.table.requests[c.rid] for c in plan.prefill if c.completes)
             rows = self._verdicts(step, out)
             if self.mtp:
                 self._draft_next(rows, phase)
@@ -303,6 +318,7 @@ class SpeculativeExecutor(StepExecutor):
         prompt position's hidden state for its first decode iteration."""
         if not isinstance(logits, SpecOutput):
             return super().complete(owners, logits, draw, version)
+        self._prepare(o.request for o in owners if self.table.is_live(o))
         outs = super().complete(owners, logits.logits, version=version)
         for i, owner in enumerate(owners):
             if self.mtp and self.table.is_live(owner):

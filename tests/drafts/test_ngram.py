@@ -60,6 +60,23 @@ def test_appends_propose_what_a_search_of_the_whole_list_proposes(tokens, n_min,
     assert index.propose(k) == brute(tokens, k, n_min, n_max)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=60), st.integers(1, 3), st.integers(0, 2), st.integers(1, 4),
+       st.integers(0, 30))
+def test_token_by_token_lookups_cold_and_warm_propose_what_the_search_proposes(tokens, n_min, extra, k, prepared):
+    """A decode step's lookups, one token at a time, from a prompt synced by `prepare` or by the first
+    lookup: a row that proposed nothing asks the gram bitmap first (`NgramIndex.cold`), one that did
+    the byte search; both answer as the definition does."""
+    n_max, start = n_min + extra, min(prepared, len(tokens))
+    index = NgramIndex(n_min, n_max)
+    index.prepare(tokens[:start])
+    for size in range(start, len(tokens) + 1):
+        index.sync(tokens[:size])
+        want = brute(tokens[:size], k, n_min, n_max)
+        assert index.propose(k) == want
+        assert index.cold is not bool(want)
+
+
 def test_a_context_that_is_no_continuation_is_taken_whole():
     index = NgramIndex(2, 3)
     index.sync([7, 1, 2, 9, 3, 2])

@@ -293,6 +293,36 @@ def test_sampled_rows_that_never_draft_decode_ahead_as_plain_sampling(make_engin
         assert r.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_prompt_is_indexed_while_its_prefill_runs_and_lookups_pay_for_new_tokens_only(tiny, make_engine, schedule,
+                                                                                         monkeypatch):
+    """The contexts of rows whose prefill ends in a forward are synced and hashed before that forward's
+    tokens are read (`DraftingExecutor._prepare`): a lookup then copies only the tokens the row emitted
+    since (at most k + 1 a step), never a turn's input. Tokens stay plain decoding's."""
+    from megatron_rollout.drafts import NgramIndex
+
+    m, plain, _ = tiny
+    k, copied, preparing, sync, prepare = 3, [], [], NgramIndex.sync, NgramIndex.prepare
+
+    def spy_sync(index, tokens):
+        if not preparing:
+            copied.append(len(tokens) - index.length)
+        sync(index, tokens)
+
+    def spy_prepare(index, tokens):
+        preparing.append(len(tokens))
+        prepare(index, tokens)
+        assert index.grams.covered == index.length == len(tokens)
+        preparing.pop()
+
+    monkeypatch.setattr(NgramIndex, "sync", spy_sync)
+    monkeypatch.setattr(NgramIndex, "prepare", spy_prepare)
+    got = make_engine(m, ngram(schedule, k)).generate(PROMPTS, GREEDY)
+    assert [r.token_ids for r in got] == [r.token_ids for r in plain]
+    assert copied and max(copied) <= k + 1, copied
+
+
 def test_auto_decodes_the_undrafted_steps_ahead_where_the_runner_overlaps_the_host(monkeypatch):
     """`decode_ahead="auto"` under n-gram drafts is plain decoding's rule: on where the runner's forward
     overlaps the host (the CUDA runner on one rank; here the portable runner made to say so), off where
