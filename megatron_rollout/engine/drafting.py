@@ -45,10 +45,11 @@ A pure decode step of n-gram drafting in which no row carries drafts (nothing re
 `tail_rows` holds them back) runs as the plain executor's step where the engine decodes ahead
 (`engine.ahead`: one rank, `RunnerConfig.decode_ahead` "auto" on the CUDA runner, or "on"): on the
 plain decode graphs, and, when the plan's lookup found drafts for no row, issuing
-the next forward before reading its tokens. The next plan looks up drafts as usual; while that
-forward is in flight, rows it holds that now have drafts wait one step for them, so the forward is
-taken, not thrown away. Tokens are the same either way: a row without drafts draws as the plain
-sampler does. Left out: the CUDA runner on many ranks, decode ahead for MTP drafting
+the next forward before reading its tokens. The lookups the next plan needs are then made right
+after that forward is issued (`after_issue`), while the GPU runs, not between its forwards; rows
+they find drafts for wait one step for them, so the forward is taken, not thrown away. A prompt's
+context is copied and hashed while the prefill forward that ends it runs (`_prepare`). Tokens are
+the same either way: a row without drafts draws as the plain sampler does. Left out: the CUDA runner on many ranks, decode ahead for MTP drafting
 and for drafted steps, the naive ordering baseline, MTP layers beyond the first.
 """
 from __future__ import annotations
@@ -184,9 +185,9 @@ class SpeculativeExecutor(StepExecutor):
                 self.drafts.clear()  # looked up afresh at each plan: none while the tail has not begun
             return state
         if not self.mtp:
-            self._look_up(decoding, len(decoding))
             if self.ahead is not None and self.ahead.issued is not None:
-                return state  # that forward carries no drafts: its rows draft in the step after it
+                return state  # that forward carries no drafts; its rows were looked up when it was issued
+            self._look_up(decoding, len(decoding))
         seqs = tuple(v.ahead(len(d.tokens)) if v.stage is Stage.DECODE and (d := self._draft(v.rid)) is not None
                      else v for v in state.seqs)
         return dataclasses.replace(state, seqs=seqs)
@@ -211,6 +212,15 @@ class SpeculativeExecutor(StepExecutor):
                 self.drafts[rid] = Draft(req.lifetime, drafted, None)
             else:
                 self.drafts.pop(rid, None)
+
+    def after_issue(self, plan: StepPlan) -> None:
+        """"ngram": the lookups of the next plan (`planning_view` skips them while a forward issued
+        ahead is in flight), made now while the GPU runs, from the tokens the host holds (a step
+        older than the plan's), so a row that starts to repeat drafts a step later. The step after
+        is issued ahead only if they found no drafts (`may_issue_ahead`)."""
+        rows = len(plan.decode)
+        if self.config.tail_rows is None or rows <= self.config.tail_rows:
+            self._look_up(list(plan.decode), rows)
 
     def _context(self, seq: Seq) -> NgramIndex:
         context = self.contexts.get(seq.sid)

@@ -99,6 +99,8 @@ class StepExecutor:
             if self.ahead is not None and phase is Phase.D and plan.decode and not plan.prefill \
                     and self.may_issue_ahead(plan):
                 self.ahead.issue(owners, draw)  # before this step's tokens reach the host
+                if self.ahead.issued is not None:
+                    self.after_issue(plan)
         self._record_time(plan, phase, t0)
         outs = self.complete(owners, logits, draw)
         self._record_step(plan, phase, rows, t0)
@@ -108,6 +110,10 @@ class StepExecutor:
         """Whether the pure decode step of `plan` may issue the next one ahead (n-gram drafting: only
         when the plan found no drafts, `engine.drafting`)."""
         return True
+
+    def after_issue(self, plan: StepPlan) -> None:
+        """Host work of the next plan that needs no token of this step's, done while the GPU runs
+        this step's forward and the one just issued ahead (n-gram drafting: its lookups)."""
 
     def _record_time(self, plan: StepPlan, phase: Phase, t0: float) -> None:
         if self.timeline is not None:

@@ -248,6 +248,37 @@ def test_undrafted_steps_decode_ahead_and_keep_greedy_tokens(make_engine, schedu
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("schedule", SCHEDULES)
+def test_lookups_run_while_a_forward_issued_ahead_runs_not_before_the_next(make_engine, schedule):
+    """While a forward issued ahead is in flight, the plan makes no lookup: they were made right after
+    it was issued (`after_issue`), from the tokens the host held then. Tokens stay plain decoding's."""
+    m = model(vocab=24)
+    params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_stop=True) for n in (24, 10, 16, 30)]
+    plain = make_engine(m, small(schedule)).generate(PROMPTS, params)
+    drafts = SpeculativeConfig("ngram", 3, ngram_min=2)
+    engine = make_engine(m, small(schedule, speculative=drafts, runner=RunnerConfig(decode_ahead="on")))
+    ex, look_up, view, planning, seen = engine.executor, engine.executor._look_up, engine.executor.planning_view, [], []
+
+    def spy_look_up(rids, rows):
+        seen.append((bool(planning), ex.ahead.issued is not None))
+        look_up(rids, rows)
+
+    def spy_view(state):
+        planning.append(True)
+        try:
+            return view(state)
+        finally:
+            planning.pop()
+
+    ex._look_up, ex.planning_view = spy_look_up, spy_view
+    got = engine.generate(PROMPTS, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in plain]
+    assert engine.stats.drafted_tokens > 0 and engine.stats.ahead_taken > 0, engine.stats
+    assert (True, True) not in seen, "a plan looked up drafts while a forward issued ahead was in flight"
+    assert (False, True) in seen, "no lookup was made after a forward was issued ahead"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_rows_arriving_after_the_tail_began_close_it_and_decode_ahead(make_engine, schedule):
     """Two rows draft (the tail of `tail_rows=2`); two more arrive, and while four decode no row
     carries the drafts it was given before: those steps are issued ahead. Tokens stay plain decoding's."""
