@@ -49,8 +49,9 @@ the next forward before reading its tokens. The lookups the next plan needs are 
 after that forward is issued (`after_issue`), while the GPU runs, not between its forwards; rows
 they find drafts for wait one step for them, so the forward is taken, not thrown away. A prompt's
 context is copied and hashed while the prefill forward that ends it runs (`_prepare`). Tokens are
-the same either way: a row without drafts draws as the plain sampler does. Left out: the CUDA runner on many ranks, decode ahead for MTP drafting
-and for drafted steps, the naive ordering baseline, MTP layers beyond the first.
+the same either way: a row without drafts draws as the plain sampler does. Left out: the CUDA
+runner on many ranks, decode ahead for MTP drafting and for drafted steps, the naive ordering
+baseline, MTP layers beyond the first.
 """
 from __future__ import annotations
 
