@@ -76,16 +76,28 @@ def _span(comparisons: Sequence[dict[str, int]]) -> str:
     return f"{same[0]}" if same[0] == same[-1] else f"{same[0]}-{same[-1]}"
 
 
+SAMPLED_AGREEMENT = "sampled: vLLM's sampler is not ours, so its tokens are not expected to match ours"
+"""Why a sampled run's peer agrees with ours on no turn, and that this is no fault."""
+
+
+def sampled_at(result: dict[str, Any]) -> float:
+    """The temperature the run's replays sampled at (0: greedy)."""
+    return float((result.get("args") or {}).get("temperature") or 0.0)
+
+
 def agreement_note(result: dict[str, Any]) -> str | None:
-    """One line: how many turns our replays and the peer's passes generated alike; None without digests."""
+    """One line: how many turns our replays and the peer's passes generated alike; None without digests.
+    A sampled run says its temperature, and, beside a peer, that the peer's tokens cannot match."""
     a = agreement(result)
     if a is None:
         return None
-    total = a["ours"][0]["of"]
-    parts = [f"greedy tokens alike on {_span(a['ours'])} of {total} turns across our {len(a['ours'])} replays"]
+    total, t = a["ours"][0]["of"], sampled_at(result)
+    alike = f"at temperature {t:g}, tokens alike" if t > 0 else "greedy tokens alike"
+    parts = [f"{alike} on {_span(a['ours'])} of {total} turns across our {len(a['ours'])} replays"]
     for budget, p in (a.get("vllm") or {}).items():
         part = f"vLLM@{budget} {_span(p['with_ours'])} with ours"
         if p["with_its_first"]:
             part += f", {_span(p['with_its_first'])} between its passes"
         parts.append(part)
-    return "; ".join(parts)
+    line = "; ".join(parts)
+    return f"{line} ({SAMPLED_AGREEMENT})" if t > 0 and a.get("vllm") else line

@@ -29,7 +29,10 @@ A figure counts only warm, repeated, each schedule at its best token budget, nex
    `--vllm-interleave` the peer instead stays up beside our engines from the start, and one of its
    timed passes follows each round of our repeats (`benchmarks.interleave`). The peer runs our
    model: its weights are written once for it (`--vllm-weights ours`, `peer-weights` in the JSON),
-   or drawn inside it where the file would not fit the disk (`--vllm-weights drawn`).
+   or drawn inside it where the file would not fit the disk (`--vllm-weights drawn`). At
+   `--temperature` > 0 it samples too, unseeded (its best: one draw for all rows), or each turn
+   seeded as ours with `--vllm-turn-seeds` (`vllm_peer.turn_seed`); its tokens are then not expected
+   to match ours (another sampler), which the agreement line says.
 
 Each timed replay keeps its step records (`engine.step_log`) in the JSON as columns (`steps`,
 `trace.steps`; `--no-step-records` drops them), beside the model's routing (`moe`) and KV blocks
@@ -71,7 +74,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.agreement import agreement, agreement_note, replay_digests
+from benchmarks.agreement import SAMPLED_AGREEMENT, agreement, agreement_note, replay_digests, sampled_at
 from benchmarks.bounds import model_costs, trace_lower_bound
 from benchmarks.compiles import CompileCounter
 from benchmarks.interleave import PeerSession
@@ -79,6 +82,7 @@ from benchmarks.pauses import GcPauses
 from benchmarks.random_weights import random_model
 from benchmarks.report import acceptance_note
 from benchmarks.specs import engine_config, split_spec, unpartitioned
+from benchmarks.vllm_peer import temperature as _temperature
 from megatron_rollout.engine.config import DEFAULT_SPAN
 from megatron_rollout.model.config import PRESETS, ModelConfig
 from megatron_rollout.model.transformer import MoETransformer
@@ -160,8 +164,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--mux-span", default=DEFAULT_SPAN,
                     help="segment policy of plain 'mux': budget:US | load | fixed:K")
     ap.add_argument("--attention", default="auto", help="auto | triton | varlen | flash | portable")
-    ap.add_argument("--temperature", type=float, default=0.0,
-                    help="of every turn (seeded per turn); > 0 times sampled decoding, ours only (no vLLM)")
+    ap.add_argument("--temperature", type=_temperature, default=0.0,
+                    help="of every turn, ours and the peer's (each turn seeded, alike in both); > 0 times sampled "
+                         "decoding")
     ap.add_argument("--decode-ahead", default="auto", choices=("auto", "on", "off"),
                     help="issue the next decode forward before reading this one's tokens (engine.ahead)")
     ap.add_argument("--schedule-budget-s", type=float, default=120.0, help="time limit of one replay")
@@ -178,6 +183,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--vllm-in-process", default="",
                     help="budgets to run again with vLLM's engine core in process (as RL frameworks colocate it), "
                          "after the own-process run; 'best' = the own-process run's best; '' = none")
+    ap.add_argument("--vllm-turn-seeds", action="store_true",
+                    help="sampled: the peer seeds each turn as our replay does (its per-request draws are slower; "
+                         "default: unseeded, its best setting)")
     ap.add_argument("--vllm-speculative", default=None, metavar="ngram:K",
                     help="the peer with its own prompt-lookup speculation (keys '<budget>~ngram:K'), to compare "
                          "with our '~ngram:K' schedules; default: none")
@@ -701,6 +709,15 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def sampled_agreement(result: dict) -> dict[str, Any] | None:
+    """`benchmarks.agreement.agreement`, marked where the run sampled: our replays draw each turn
+    from the same seed and may still agree, the peer draws with another sampler."""
+    alike = agreement(result)
+    if alike is not None and sampled_at(result) > 0:
+        alike["sampled"] = {"temperature": sampled_at(result), "note": SAMPLED_AGREEMENT}
+    return alike
+
+
 def _specs(args) -> list[tuple[str, str]]:
     """(label, spec) of every schedule to time, the ablation after mux."""
     specs = [(s, s) for s in (x.strip() for x in args.schedules.split(",")) if s]
@@ -968,6 +985,8 @@ def _peer_command(args, out: Path, trace_path: Path, max_model_len: int, budgets
            "--passes", str(args.vllm_passes), "--warmups", str(args.vllm_warmups),
            "--deadline-s", f"{seconds - 15:.0f}", "--log", str(out / f"{name}.log")]
     cmd += ["--in-process"] if in_process else []
+    if args.temperature > 0:  # the peer samples too; seeded as ours only if asked (its --seed is ours)
+        cmd += ["--temperature", str(args.temperature)] + (["--turn-seeds"] if args.vllm_turn_seeds else [])
     if args.vllm_speculative:
         cmd += ["--speculative", args.vllm_speculative]
     if weights is not None:
@@ -1036,11 +1055,6 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     vllm_on = cuda if args.vllm is None else args.vllm
-    if args.temperature:
-        if args.vllm:
-            raise SystemExit("--temperature > 0 times our sampled decoding only: the peer's driver replays "
-                             "greedy token ids (drop --vllm)")
-        vllm_on = False
     conversations, scale = PROFILE_SIZES[args.profile]
     conversations = args.conversations or conversations
     scale = args.scale or scale
@@ -1147,7 +1161,7 @@ def main(argv: list[str] | None = None) -> int:
         result["hf_peer"] = run_peer(cfg, trace, args.device, args.seed, args.hf_budget_s)
         _write(out, result)
     result["ratios"] = ratios(result)
-    result["agreement"] = agreement(result)
+    result["agreement"] = sampled_agreement(result)
     result["wall_s"] = time.perf_counter() - t_start
     _write(out, result)
     print(table(result), flush=True)

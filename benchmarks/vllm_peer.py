@@ -8,18 +8,25 @@ caching on, CUDA graphs and torch.compile as vLLM chooses by itself, and its own
 everything else (the JSON records what it chose: token budget, sequences, block size, graph mode,
 the attention backend lines of its log).
 
-The replay is closed loop, with the rules of `trace.replay`: one coroutine per conversation; turn
-0 is released at the pass start + its wait, turn k > 0 `wait_ms` after turn k-1 finished; a turn
-sends the whole history (earlier turns' new ids and generated ids) plus its new ids, from
-`trace.make.input_ids` (the same ids our replay appends), greedy, forced to the trace's output
-length (`min_tokens = max_tokens`, `ignore_eos`). vLLM's prefix cache finds the history, as our
-sessions keep it. Per token budget (`--budgets`: `default` is vLLM's own): `--warmups` untimed passes over the whole
-trace (vLLM JIT-compiles during its first pass), then `--passes` timed passes, each after
-`reset_prefix_cache()`. The JSON is rewritten after every pass, so a killed run keeps what it
-measured; `--deadline-s` stops before a pass that would not fit. `--in-process` runs vLLM the way RL
-frameworks colocate it with a trainer: `LLMEngine` with its engine core in this process
-(`VLLM_ENABLE_V1_MULTIPROCESSING=0`), stepped by `closed_loop_stepped` (same replay rules); its
-budgets are keyed `<budget>/in-process`. One process runs one mode (the benchmark starts one per mode).
+The replay is closed loop, with the rules of `trace.replay`: one coroutine per conversation; turn 0
+is released at the pass start + its wait, turn k > 0 `wait_ms` after turn k-1 finished; a turn sends
+the whole history (earlier turns' new ids and generated ids) plus its new ids, from
+`trace.make.input_ids` (the same ids our replay appends), forced to the trace's output length
+(`min_tokens = max_tokens`, `ignore_eos`, so that both engines do the same work). Greedy, or at
+`--temperature` T > 0 sampled at T (RL rollouts sample at 1). Unseeded by default, vLLM's best
+setting: the model runner vLLM 0.26 picks for Qwen3-MoE (V1) draws every unseeded row's noise in one
+launch, and a seeded request's with a launch of its own per request and step. `--turn-seeds` seeds
+each turn as our replay seeds it (`turn_seed`, from `--seed`, the conversation's index and the
+turn), at that cost. Sampled tokens are not expected to match ours either way (another sampler on
+other kernels); the figures are what compares. vLLM's prefix cache finds the history,
+as our sessions keep it. Per token budget (`--budgets`: `default` is vLLM's own): `--warmups`
+untimed passes over the whole trace (vLLM JIT-compiles during its first pass), then `--passes` timed
+passes, each after `reset_prefix_cache()`. The JSON is rewritten after every pass, so a killed run
+keeps what it measured; `--deadline-s` stops before a pass that would not fit. `--in-process` runs
+vLLM the way RL frameworks colocate it with a trainer: `LLMEngine` with its engine core in this
+process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), stepped by `closed_loop_stepped` (same replay rules);
+its budgets are keyed `<budget>/in-process`. One process runs one mode (the benchmark starts one per
+mode).
 
 `--weights FILE` gives vLLM our model's weights (`save_weights`: one safetensors file under Hugging Face
 Qwen3-MoE names, which `benchmarks.rollout` writes from the model its replays ran) in place of its
@@ -51,8 +58,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -166,6 +175,12 @@ class _Output(Protocol):
     finished: bool
 
 
+TurnParams = Callable[[int, int, int], Any]
+"""`make_params(output_tokens, conversation_index, turn)`: a turn's sampling parameters. The loops
+name the turn (its conversation's index in the trace's order of first appearance, as `trace.replay`
+numbers them, and its turn number) so that a sampled turn can be seeded as our replay seeds it."""
+
+
 class AsyncGenerateEngine(Protocol):
     """What the driver needs of `AsyncLLM`."""
 
@@ -191,13 +206,13 @@ class TurnRecord:
 
 async def closed_loop(engine: AsyncGenerateEngine, requests: Sequence[TraceRequest],
                       inputs: dict[ConversationId, list[list[int]]], make_prompt: Callable[[list[int]], Any],
-                      make_params: Callable[[int], Any], tag: str) -> tuple[float, list[TurnRecord]]:
+                      make_params: TurnParams, tag: str) -> tuple[float, list[TurnRecord]]:
     """Replay `requests` once; returns (start, records in finish order). A turn that fails ends
     its conversation (recorded with its error; later turns are not sent)."""
     start = time.perf_counter()
     records: list[TurnRecord] = []
 
-    async def conversation(key: ConversationId, turns: list[TraceRequest]) -> None:
+    async def conversation(index: int, key: ConversationId, turns: list[TraceRequest]) -> None:
         history: list[int] = []
         ready = start
         for k, turn in enumerate(turns):
@@ -207,8 +222,8 @@ async def closed_loop(engine: AsyncGenerateEngine, requests: Sequence[TraceReque
             history.extend(inputs[key][k])
             arrival, first, generated, error = time.perf_counter(), None, [], None
             try:
-                async for out in engine.generate(make_prompt(list(history)), make_params(turn.output_tokens),
-                                                 request_id=f"{tag}-{key}-{k}"):
+                params = make_params(turn.output_tokens, index, turn.turn)
+                async for out in engine.generate(make_prompt(list(history)), params, request_id=f"{tag}-{key}-{k}"):
                     new = list(out.outputs[0].token_ids) if out.outputs else []
                     if new and first is None:
                         first = time.perf_counter()
@@ -226,7 +241,8 @@ async def closed_loop(engine: AsyncGenerateEngine, requests: Sequence[TraceReque
             history.extend(generated)
             ready = finish
 
-    await asyncio.gather(*(conversation(key, turns) for key, turns in group_conversations(requests).items()))
+    await asyncio.gather(*(conversation(index, key, turns)
+                           for index, (key, turns) in enumerate(group_conversations(requests).items())))
     return start, records
 
 
@@ -246,13 +262,14 @@ class SteppedEngine(Protocol):
 
 def closed_loop_stepped(engine: SteppedEngine, requests: Sequence[TraceRequest],
                         inputs: dict[ConversationId, list[list[int]]], make_prompt: Callable[[list[int]], Any],
-                        make_params: Callable[[int], Any], tag: str) -> tuple[float, list[TurnRecord]]:
+                        make_params: TurnParams, tag: str) -> tuple[float, list[TurnRecord]]:
     """`closed_loop`'s replay on an engine the caller steps in its own thread, as an RL trainer that
     keeps vLLM in process does: turns are added when due, `step()` runs while any is in flight, and
     the host sleeps only while nothing is. Same rules and records as `closed_loop`."""
     start = time.perf_counter()
     records: list[TurnRecord] = []
     conversations = group_conversations(requests)
+    index = {key: i for i, key in enumerate(conversations)}
     history: dict[ConversationId, list[int]] = {key: [] for key in conversations}
     due: list[tuple[float, int, ConversationId]] = [(start + turns[0].wait_ms / 1e3, 0, key)
                                                     for key, turns in conversations.items()]
@@ -278,7 +295,8 @@ def closed_loop_stepped(engine: SteppedEngine, requests: Sequence[TraceRequest],
             history[key].extend(inputs[key][k])
             rid, arrival = f"{tag}-{key}-{k}", time.perf_counter()
             try:
-                params = make_params(conversations[key][k].output_tokens)
+                turn = conversations[key][k]
+                params = make_params(turn.output_tokens, index[key], turn.turn)
                 engine.add_request(rid, make_prompt(list(history[key])), params)
             except Exception as exc:  # refused: the conversation ends here
                 finish(key, k, arrival, None, [], f"{type(exc).__name__}: {exc}")
@@ -447,12 +465,45 @@ def _load_drawn(entry: dict[str, Any], args, results: list, t0: float) -> None:
     entry["weights_load_s"] = time.perf_counter() - t0
 
 
-def _sampling(n: int):
+def _turn_seed_base(args) -> int | None:
+    """`--seed` where each sampled turn is seeded (`--turn-seeds`), else None."""
+    return args.seed if args.turn_seeds else None
+
+
+def temperature(text: str) -> float:
+    """`--temperature`: a finite number >= 0 (0: greedy), refused before vLLM starts."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"takes a finite number >= 0 (0: greedy), got {text!r}")
+    return value
+
+
+def turn_seed(seed: int, conversation_index: int, turn: int) -> int:
+    """The seed our replay samples a turn with (`trace.replay._submit`), so that both engines seed
+    a turn alike. In [0, 2**63): vLLM (0.26) keeps a request's seed in an int64 and hands it to
+    `torch.Generator.manual_seed`, so it takes this as it is."""
+    return int(np.random.default_rng([seed, conversation_index, turn, 1]).integers(2**63))
+
+
+def _sampling(temperature: float, seed: int | None) -> TurnParams:
+    """The loops' `make_params`: greedy at 0, else sampled at `temperature`, each turn seeded by
+    `turn_seed` from `seed` (the input ids' seed, as our replay's), or unseeded where `seed` is None."""
+    return functools.partial(_turn_params, temperature, seed)
+
+
+def _turn_params(temperature: float, seed: int | None, n: int, conversation_index: int, turn: int):
+    """One turn's `SamplingParams`: exactly `n` tokens whatever it draws, so both engines do the same work."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=False,
-                          output_kind=RequestOutputKind.DELTA)
+    drawn: dict[str, Any] = {"temperature": temperature if temperature > 0 else 0.0}
+    if temperature > 0 and seed is not None:
+        drawn["seed"] = turn_seed(seed, conversation_index, turn)
+    return SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=False,
+                          output_kind=RequestOutputKind.DELTA, **drawn)
 
 
 class Control:
@@ -528,7 +579,8 @@ def _run_budget_in_process(budget: int | None, model_dir: Path, requests: list[T
     from vllm import TokensPrompt
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    entry: dict[str, Any] = {"budget": _key(budget, True, args.speculative), "passes": [], "in_process": True}
+    entry: dict[str, Any] = {"budget": _key(budget, True, args.speculative), "passes": [], "in_process": True,
+                             "temperature": args.temperature, "turn_seeds": args.turn_seeds}
     t0 = time.perf_counter()
     counts, loggers = _draft_counts(args)
     engine = LLMEngine.from_engine_args(_engine_args(model_dir, max_model_len, budget, args, in_process=True),
@@ -543,7 +595,7 @@ def _run_budget_in_process(budget: int | None, model_dir: Path, requests: list[T
         engine.reset_prefix_cache()
         before = counts.snapshot()
         start, records = closed_loop_stepped(engine, requests, inputs, lambda ids: TokensPrompt(prompt_token_ids=ids),
-                                             _sampling, tag=f"i{budget}-p{i}")
+                                             _sampling(args.temperature, _turn_seed_base(args)), tag=f"i{budget}-p{i}")
         _record_pass(entry, i, _pass_report(start, records, requests, counts, before, args), args)
         write(entry)
     return entry
@@ -572,7 +624,8 @@ async def _run_budget(budget: int | None, model_dir: Path, requests: list[TraceR
     from vllm import TokensPrompt
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    entry: dict[str, Any] = {"budget": _key(budget, False, args.speculative), "passes": []}
+    entry: dict[str, Any] = {"budget": _key(budget, False, args.speculative), "passes": [],
+                             "temperature": args.temperature, "turn_seeds": args.turn_seeds}
     t0 = time.perf_counter()
     counts, loggers = _draft_counts(args)
     engine = AsyncLLM.from_engine_args(_engine_args(model_dir, max_model_len, budget, args), **loggers)
@@ -591,7 +644,8 @@ async def _run_budget(budget: int | None, model_dir: Path, requests: list[TraceR
         while (i := await asyncio.to_thread(next, passes, None)) is not None:
             await engine.reset_prefix_cache()
             before = counts.snapshot()
-            start, records = await closed_loop(engine, requests, inputs, prompt, _sampling, tag=f"b{budget}-p{i}")
+            params = _sampling(args.temperature, _turn_seed_base(args))
+            start, records = await closed_loop(engine, requests, inputs, prompt, params, tag=f"b{budget}-p{i}")
             _record_pass(entry, i, _pass_report(start, records, requests, counts, before, args), args)
             write(entry)
     finally:
@@ -611,7 +665,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--trace", required=True, help="JSONL trace (trace.schema)")
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--model", default="qwen3-30b-a3b-12l", choices=sorted(PRESETS))
-    ap.add_argument("--seed", type=int, default=0, help="input token ids (as the benchmark's --seed)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="input token ids and, sampled, each turn's seed (as the benchmark's --seed)")
+    ap.add_argument("--temperature", type=temperature, default=0.0,
+                    help="of every turn: 0 greedy, > 0 sampled (unseeded unless --turn-seeds)")
+    ap.add_argument("--turn-seeds", action="store_true",
+                    help="sampled: seed each turn as our replay does (vLLM then draws row by row; default: off, "
+                         "its best)")
     ap.add_argument("--max-model-len", type=int, default=None, help="default: the preset's, or the trace's context")
     ap.add_argument("--budgets", default="default", help="comma-separated max_num_batched_tokens; 'default' = vLLM's")
     ap.add_argument("--passes", type=int, default=3, help="timed passes per budget (after the warm-up passes)")
@@ -668,7 +728,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = write_model_dir(Path(args.model_dir), cfg, max_model_len, Path(args.weights) if args.weights else None)
     out = Path(args.out)
     result: dict[str, Any] = {"ran": False, "model": args.model, "max_model_len": max_model_len,
-                              "trace": args.trace, "requests": len(requests), "budgets": {},
+                              "trace": args.trace, "requests": len(requests), "temperature": args.temperature,
+                              "turn_seeds": args.turn_seeds, "budgets": {},
                               "weights": args.weights or ("drawn " + args.drawn_weights if args.drawn_weights
                                                           else "dummy")}
     try:

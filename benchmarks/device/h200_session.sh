@@ -159,7 +159,7 @@ for k, v in json.load(open('$OUT/verdicts-cuda.json'))['verdicts_ms'].items()]" 
       python3 -m benchmarks.sim_replay "/tmp/res/drafts$n/rollout.json" --epoch-check 2>&1 | tail -16 ;;
     interleave)  # issue 33's comparison with the peer's timed passes interleaved with our repeats, both engines
       # up at once (benchmarks.interleave): CONV, SCHEDULES, REPEATS; VLLM_MODE own | in-process, VLLM_BUDGET,
-      # VLLM_SPEC (its best setting: ngram:4 at 16,384), HOST_PROFILE (schedules replayed once more under
+      # VLLM_SPEC (its best setting: ngram:4 at 16,384; empty: none), HOST_PROFILE (schedules replayed once more under
       # cProfile); then the step times and the simulator's check (with `partition`'s stand-in factors when
       # that stage ran on this machine; EXTRA: more options, e.g. '--trace-seed 1', given to `peer`, `peerin` and
       # `drafts` alike when they add to or follow this run). The peer runs our weights (written to /tmp/res/$tag for it,
@@ -172,7 +172,7 @@ for k, v in json.load(open('$OUT/verdicts-cuda.json'))['verdicts_ms'].items()]" 
       PYTHONPATH=/tmp/site:/tmp/run:/tmp/pv/site bench --profile prefill --conversations "$n" --attention flash \
         --budgets "${BUDGETS:-16384}" --schedules "${SCHEDULES:-off,chunked,mux,mux@budget:24000~ngram:4+7@4}" \
         --no-ablation --repeats "$reps" --vllm --vllm-site /tmp/pv/site --vllm-budgets "${VLLM_BUDGET:-16384}" \
-        --vllm-speculative "${VLLM_SPEC:-ngram:4}" --vllm-interleave "$mode" --vllm-passes "$reps" --vllm-warmups 2 \
+        --vllm-speculative "${VLLM_SPEC-ngram:4}" --vllm-interleave "$mode" --vllm-passes "$reps" --vllm-warmups 2 \
         --vllm-weights "${VLLM_WEIGHTS:-ours}" ${HOST_PROFILE:+--host-profile "$HOST_PROFILE"} \
         --deadline-s "${DEADLINE:-570}" --schedule-budget-s 90 ${EXTRA:-} --out "/tmp/res/$tag" > "/tmp/res/$tag.log" 2>&1
       tail -22 "/tmp/res/$tag.log"; cp "/tmp/res/$tag/rollout.json" "$OUT/$tag.json"

@@ -188,6 +188,7 @@ _FAKE_VLLM = {
         "    async def reset_prefix_cache(self):\n"
         "        return True\n"
         "    async def generate(self, prompt, sampling_params, request_id):\n"
+        "        print('INFO sampling', request_id, sorted(sampling_params.kw.items()), flush=True)\n"
         "        n = sampling_params.kw['max_tokens']\n"
         "        await asyncio.sleep(0.002)\n"
         "        yield types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[5] * n)], finished=True)\n"
@@ -214,6 +215,7 @@ _FAKE_VLLM = {
         "    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):\n"
         "        return rpc(method, args)\n"
         "    def add_request(self, request_id, prompt, params):\n"
+        "        print('INFO sampling', request_id, sorted(params.kw.items()), flush=True)\n"
         "        self.live.append((request_id, params.kw['max_tokens']))\n"
         "    def step(self):\n"
         "        time.sleep(0.001); done, self.live = self.live, []\n"
@@ -549,9 +551,9 @@ def test_decode_ahead_on_against_its_sync_twin_on_cpu(tmp_path, schedule, extra)
     assert f"{schedule}_over_{schedule}_sync" in result["ratios"]
 
 
-def test_sampled_replays_run_every_turn_and_refuse_the_peer(tmp_path):
+def test_sampled_replays_run_every_turn(tmp_path):
     """`--temperature 1` reaches the replay (the args record it; every turn is served at its forced
-    length under both schedules); the greedy peer is refused. Per-turn seeds: tests/trace."""
+    length under both schedules). Per-turn seeds: tests/trace; the peer's: test_sampled_peer_*."""
     code = rollout.main(["--model", "tiny-moe", "--device", "cpu", "--repeats", "1", "--conversations", "2",
                          "--scale", "0.01", "--budgets", "64", "--schedules", "off,mux", "--no-ablation",
                          "--temperature", "1", "--out", str(tmp_path), "--no-progress"])
@@ -560,8 +562,72 @@ def test_sampled_replays_run_every_turn_and_refuse_the_peer(tmp_path):
     assert result["args"]["temperature"] == 1.0 and result.get("vllm") is None
     for name in ("off", "mux"):
         assert result["schedules"][name]["repeats"][0]["report"]["output_tokens"] == result["trace"]["output_tokens"]
-    with pytest.raises(SystemExit, match="drop --vllm"):
-        rollout.main(["--model", "tiny-moe", "--device", "cpu", "--temperature", "1", "--vllm", "--out", str(tmp_path)])
+    assert result["agreement"]["sampled"]["temperature"] == 1.0
+    line = next(ln for ln in rollout.table(result).splitlines() if "alike" in ln)
+    assert line.startswith("at temperature 1, tokens alike on") and "vLLM" not in line  # no peer: nothing said of it
+
+
+@pytest.mark.timeout(120)
+def test_sampled_peer_gets_the_temperature_in_its_own_process_and_in_process(tmp_path):
+    """`--temperature 1` with the peer on (the stand-in `vllm`, own process then in process): its
+    command line carries the temperature, every turn's SamplingParams samples at 1 with a seed, and its
+    JSON records the temperature."""
+    site, out = _stand_in_site(tmp_path), tmp_path / "out"
+    code = rollout.main(["--model", "qwen3-30b-a3b-12l", "--device", "cpu", "--conversations", "2",
+                         "--scale", "0.001", "--schedules", "", "--vllm", "--vllm-weights", "dummy",
+                         "--vllm-site", str(site), "--vllm-budgets", "2048", "--vllm-in-process", "2048",
+                         "--vllm-passes", "1", "--vllm-warmups", "0", "--temperature", "1", "--vllm-turn-seeds",
+                         "--deadline-s", "200", "--out", str(out), "--no-progress"])
+    assert code == 0
+    peer = json.loads((out / "rollout.json").read_text())["vllm"]
+    assert peer.get("ran") and peer["temperature"] == 1.0, peer
+    assert "--temperature 1.0 --turn-seeds" in peer["command"]
+    assert "--temperature 1.0 --turn-seeds" in peer["in_process"]["command"]
+    assert peer["budgets"]["2048"]["temperature"] == peer["budgets"]["2048/in-process"]["temperature"] == 1.0
+    for name in ("vllm", "vllm-in-process"):
+        turns = [ln for ln in (out / f"{name}.log").read_text().splitlines() if "INFO sampling" in ln]
+        assert len(turns) == peer["budgets"]["2048"]["passes"][0]["requests"] > 0
+        assert all("('temperature', 1.0)" in ln and "('seed', " in ln for ln in turns), turns
+
+
+@pytest.mark.timeout(120)
+def test_sampled_interleaved_peer_samples_and_its_disagreement_is_no_fault(tmp_path, monkeypatch, tiny_qwen):
+    """`--vllm-interleave` at `--temperature 1`: the kept-up peer samples too, and the summary says
+    that its tokens are not expected to match ours."""
+    _peer_command_edited(monkeypatch, _qwen_shaped)
+    out = tmp_path / "out"
+    code = rollout.main(["--model", tiny_qwen, "--device", "cpu", "--conversations", "2", "--scale", "0.002",
+                         "--schedules", "off", "--repeats", "1", "--budgets", "64", "--vllm", "--vllm-site",
+                         str(_stand_in_site(tmp_path)), "--vllm-budgets", "2048", "--vllm-interleave", "own",
+                         "--vllm-passes", "1", "--vllm-warmups", "0", "--temperature", "1", "--deadline-s", "300",
+                         "--out", str(out), "--no-progress"])
+    assert code == 0
+    result = json.loads((out / "rollout.json").read_text())
+    assert result["order"] == ["off#0", "vllm#0"] and result["vllm"]["budgets"]["2048"]["temperature"] == 1.0
+    turns = [ln for ln in (out / "vllm.log").read_text().splitlines() if "INFO sampling" in ln]
+    assert turns and all("('temperature', 1.0)" in ln and "('seed', " not in ln for ln in turns)  # unseeded: its best
+    assert [c["turns"] for c in result["agreement"]["vllm"]["2048"]["with_ours"]] == [0]  # the stand-in writes 7s
+    assert result["agreement"]["sampled"] == {"temperature": 1.0, "note": rollout.SAMPLED_AGREEMENT}
+    line = next(ln for ln in rollout.table(result).splitlines() if "alike" in ln)
+    assert line.startswith("at temperature 1, tokens alike") and line.endswith(f"({rollout.SAMPLED_AGREEMENT})")
+    assert "greedy" not in line
+
+
+@pytest.mark.timeout(30)
+def test_peer_command_passes_a_sampled_temperature_only(tmp_path):
+    """Each route to the peer (own process, in process, `--serve`) builds its command in `_peer_command`."""
+    def command(*argv: str, in_process: bool = False) -> list[str]:
+        args = rollout.parser().parse_args(["--model", "qwen3-30b-a3b-12l", *argv])
+        return rollout._peer_command(args, tmp_path, tmp_path / "t.jsonl", 4096, ["2048"], 100.0, in_process)[0]
+
+    assert "--temperature" not in command() and "--temperature" not in command("--temperature", "0")
+    for in_process in (False, True):
+        cmd = command("--temperature", "0.7", "--seed", "3", in_process=in_process)
+        assert cmd[cmd.index("--temperature") + 1] == "0.7" and cmd[cmd.index("--seed") + 1] == "3"
+        assert "--turn-seeds" not in cmd and "--turn-seeds" in command("--temperature", "1", "--vllm-turn-seeds")
+    for bad in ("-1", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            rollout.parser().parse_args(["--temperature", bad])
 
 
 def test_unknown_micro_parts_are_named_before_any_work(tmp_path):

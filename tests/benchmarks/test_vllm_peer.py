@@ -58,7 +58,7 @@ TRACE = [TraceRequest("a", 0, 3, 2, 0.0), TraceRequest("a", 1, 2, 3, 30.0), Trac
 def _run(engine, trace=TRACE):
     inputs = conversation_inputs(trace, seed=5, vocab_size=100)
     start, records = asyncio.run(closed_loop(engine, trace, inputs, make_prompt=lambda ids: ids,
-                                             make_params=lambda n: n, tag="t"))
+                                             make_params=lambda n, *_: n, tag="t"))
     return inputs, start, records
 
 
@@ -200,63 +200,76 @@ def test_drawn_weights_are_the_file_s_weights_loaded_in_place(tmp_path):
             drawn_weights(bad)
 
 
+class _ReplaySession:
+    def __init__(self, engine, sid):
+        self.engine, self.sid = engine, sid
+
+    def append(self, ids):
+        self.engine.appended.setdefault(self.sid, []).append(list(ids))
+
+    def submit(self, params):
+        return self.engine.submit(self.sid, params)
+
+    def close(self):
+        pass
+
+
+class _ReplayEngine:
+    """What `trace.replay` drives, recording what each session appended (`appended`) and each
+    request's sampling parameters (`params`); every request finishes at its length in one step."""
+
+    def __init__(self):
+        self.sessions, self.pending, self.ids = 0, [], 0
+        self.appended: dict[int, list[list[int]]] = {}
+        self.params: dict[int, object] = {}
+        self.stats = type("S", (), {"mean_decode_wait_ms": 0.0})()
+
+    def open_session(self):
+        self.sessions += 1
+        return _ReplaySession(self, self.sessions - 1)
+
+    def submit(self, sid, params):
+        self.ids += 1
+        self.params[self.ids] = params
+        self.pending.append((self.ids, params.max_new_tokens, time.perf_counter()))
+        return self.ids
+
+    def has_work(self):
+        return bool(self.pending)
+
+    def step(self):
+        from megatron_rollout.engine.api import FinishReason, GenerationResult, RequestOutput
+        from megatron_rollout.engine.request import RequestTimes
+
+        outs = []
+        for rid, n, t in self.pending:
+            now = time.perf_counter()
+            times = RequestTimes(arrival=t, first_token=now, finish=now)
+            outs.append(RequestOutput(rid, GenerationResult([0] * n, [0.0] * n, FinishReason.LENGTH, []),
+                                      times, 1))
+        self.pending = []
+        return outs
+
+
+def _our_replay(trace, **kw) -> tuple[_ReplayEngine, dict]:
+    """`trace.replay` of `trace` on `_ReplayEngine`: the engine and the replay's details."""
+    from megatron_rollout.trace.replay import replay
+
+    engine, details = _ReplayEngine(), {}
+    try:
+        replay(engine, trace, progress=False, vocab_size=97, details=details, **kw)
+    except TypeError as exc:  # the engine's record types changed shape: say so rather than pass
+        pytest.fail(f"fake engine no longer matches the engine API: {exc}")
+    return engine, details
+
+
 def test_peer_ids_are_the_ids_our_replay_appends():
     """Replay a trace on a fake engine that records what each session appended: the same ids as
     `conversation_inputs` gives the peer."""
-    from megatron_rollout.trace.replay import replay
-
     trace = make_trace(conversations=3, seed=1, scale=0.002)
-    appended: dict[int, list[list[int]]] = {}
-
-    class Session:
-        def __init__(self, engine, sid):
-            self.engine, self.sid = engine, sid
-
-        def append(self, ids):
-            appended.setdefault(self.sid, []).append(list(ids))
-
-        def submit(self, params):
-            return self.engine.submit(self.sid, params)
-
-        def close(self):
-            pass
-
-    class Engine:
-        def __init__(self):
-            self.sessions, self.pending, self.ids = 0, [], 0
-            self.stats = type("S", (), {"mean_decode_wait_ms": 0.0})()
-
-        def open_session(self):
-            self.sessions += 1
-            return Session(self, self.sessions - 1)
-
-        def submit(self, sid, params):
-            self.ids += 1
-            self.pending.append((self.ids, params.max_new_tokens, time.perf_counter()))
-            return self.ids
-
-        def has_work(self):
-            return bool(self.pending)
-
-        def step(self):
-            from megatron_rollout.engine.api import FinishReason, GenerationResult, RequestOutput
-            from megatron_rollout.engine.request import RequestTimes
-
-            outs = []
-            for rid, n, t in self.pending:
-                now = time.perf_counter()
-                times = RequestTimes(arrival=t, first_token=now, finish=now)
-                outs.append(RequestOutput(rid, GenerationResult([0] * n, [0.0] * n, FinishReason.LENGTH, []),
-                                          times, 1))
-            self.pending = []
-            return outs
-
-    try:
-        replay(Engine(), trace, seed=4, progress=False, vocab_size=97)
-    except TypeError as exc:  # the engine's record types changed shape: say so rather than pass
-        pytest.fail(f"fake engine no longer matches the engine API: {exc}")
+    engine, _ = _our_replay(trace, seed=4)
     expected = conversation_inputs(trace, seed=4, vocab_size=97)
-    assert list(appended.values()) == list(expected.values())
+    assert list(engine.appended.values()) == list(expected.values())
     assert input_ids(4, 0, 0, 5, 97) == expected[0][0][:5]
 
 
@@ -300,6 +313,7 @@ def _fake_vllm(monkeypatch, calls: list):
             return True
 
         async def generate(self, prompt, sampling_params, request_id):
+            calls.append(("params", request_id, sampling_params.kw))
             n = sampling_params.kw["max_tokens"]
             assert sampling_params.kw["min_tokens"] == n and sampling_params.kw["ignore_eos"]
             await asyncio.sleep(0.001 if self.budget == 4096 else 0.012)
@@ -333,6 +347,7 @@ def _fake_vllm(monkeypatch, calls: list):
             calls.append(("reset", "in-process"))
 
         def add_request(self, request_id, prompt, params):
+            calls.append(("params", request_id, params.kw))
             self.added.append((request_id, params.kw["max_tokens"]))
 
         def step(self):
@@ -449,7 +464,7 @@ def test_stepped_loop_keeps_the_async_loop_s_rules():
     inputs = conversation_inputs(TRACE, seed=5, vocab_size=100)
     engine = SteppedFake(refuse=frozenset({"t-b-1"}))
     start, records = closed_loop_stepped(engine, TRACE, inputs, make_prompt=lambda ids: ids,
-                                         make_params=lambda n: n, tag="t")
+                                         make_params=lambda n, *_: n, tag="t")
     prompts = {rid: prompt for rid, prompt, _ in engine.calls}
     history: list[int] = []
     for k in range(3):
@@ -547,3 +562,84 @@ def test_serve_refuses_more_than_one_budget(tmp_path):
     with pytest.raises(SystemExit, match="one budget"):
         vllm_peer.main(["--trace", "t.jsonl", "--out", str(tmp_path / "v.json"), "--budgets", "default,4096",
                         "--serve", "--reply-fd", "1", "--model-dir", str(tmp_path / "m")])
+
+
+def _peer_params(monkeypatch, tmp_path, trace, *extra: str) -> tuple[dict, dict[tuple[str, str, int], dict]]:
+    """`vllm_peer.main` over `trace` on the stand-in vLLM (one budget, a warm-up and two timed passes,
+    `--seed 4`): its JSON, and the keywords of every turn's `SamplingParams` keyed (pass, conversation, turn)."""
+    import json
+
+    from benchmarks import vllm_peer
+    from megatron_rollout.trace.schema import write_trace
+
+    calls: list = []
+    _fake_vllm(monkeypatch, calls)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    write_trace(tmp_path / "t.jsonl", trace)
+    assert vllm_peer.main(["--trace", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "v.json"), "--budgets",
+                           "4096", "--passes", "2", "--warmups", "1", "--seed", "4", "--model-dir",
+                           str(tmp_path / "m"), *extra]) == 0
+    params = {}
+    for _, rid, kw in (c for c in calls if c[0] == "params"):
+        tag, key, turn = rid.rsplit("-", 2)  # '{tag}-{conversation}-{turn}', the tag 'b4096-p1' or 'i4096-p1'
+        params[(tag.rpartition("-")[2], key, int(turn))] = kw
+    return json.loads((tmp_path / "v.json").read_text()), params
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("in_process", [False, True])
+def test_sampled_turns_are_seeded_as_our_replay_seeds_them(monkeypatch, tmp_path, in_process):
+    """`--temperature 1`: every turn sampled at 1 with a seed of its own, the same in every pass, and
+    the seed our replay samples that turn with (the same trace, `--seed`), in both closed loops."""
+    trace = make_trace(conversations=3, seed=1, scale=0.002, wait_scale=0.0)
+    result, params = _peer_params(monkeypatch, tmp_path, trace, "--temperature", "1", "--turn-seeds",
+                                  *(["--in-process"] if in_process else []))
+    assert len(params) == 3 * len(trace)  # the warm-up and two timed passes
+    assert all(kw["temperature"] == 1.0 and kw["min_tokens"] == kw["max_tokens"] and kw["ignore_eos"]
+               for kw in params.values())
+    seeds = {(key, turn): kw["seed"] for (p, key, turn), kw in params.items() if p == "p0"}
+    assert all(kw["seed"] == seeds[key, turn] for (_, key, turn), kw in params.items())  # every pass alike
+    assert len(set(seeds.values())) == len(trace)  # no two turns, of one conversation or two, share one
+    assert all(isinstance(s, int) and 0 <= s < 2**63 for s in seeds.values())  # vLLM's int64
+    engine, details = _our_replay(trace, seed=4, temperature=1.0)
+    ours = {(str(details["conversation_of"][rid]), details["turn_of"][rid].turn): p.seed
+            for rid, p in engine.params.items()}
+    assert ours == seeds
+    entry = result["budgets"]["4096/in-process" if in_process else "4096"]
+    assert result["temperature"] == entry["temperature"] == 1.0 and result["turn_seeds"] and entry["turn_seeds"]
+    assert len(entry["passes"]) == 2 and entry["passes"][0]["output_tokens"] == sum(t.output_tokens for t in trace)
+
+
+@pytest.mark.timeout(60)
+def test_sampled_turns_are_unseeded_by_default_vllms_best(monkeypatch, tmp_path):
+    """Without `--turn-seeds` every turn samples at the temperature with no seed of its own (vLLM then
+    draws every row's noise at once), and the JSON says so."""
+    trace = make_trace(conversations=2, seed=0, scale=0.002, wait_scale=0.0)
+    result, params = _peer_params(monkeypatch, tmp_path, trace, "--temperature", "0.7")
+    assert params and all(kw["temperature"] == 0.7 and "seed" not in kw for kw in params.values())
+    assert result["turn_seeds"] is False and result["budgets"]["4096"]["turn_seeds"] is False
+
+
+@pytest.mark.timeout(60)
+def test_greedy_turns_carry_no_seed(monkeypatch, tmp_path):
+    trace = make_trace(conversations=2, seed=0, scale=0.002, wait_scale=0.0)
+    result, params = _peer_params(monkeypatch, tmp_path, trace)
+    assert len(params) == 3 * len(trace)
+    for (_, key, turn), kw in params.items():
+        n = next(t.output_tokens for t in trace if str(t.conversation) == key and t.turn == turn)
+        assert kw == {"temperature": 0.0, "max_tokens": n, "min_tokens": n, "ignore_eos": True, "detokenize": False,
+                      "output_kind": "delta"}
+    assert result["temperature"] == result["budgets"]["4096"]["temperature"] == 0.0
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("bad", ["-1", "nan", "inf", "-0.5", "warm"])
+def test_peer_refuses_a_temperature_that_is_not_a_finite_number_at_least_0(bad, tmp_path, capsys):
+    from benchmarks import vllm_peer
+
+    with pytest.raises(SystemExit):
+        vllm_peer.main(["--trace", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "v.json"),
+                        "--temperature", bad])
+    assert f"argument --temperature: takes a finite number >= 0 (0: greedy), got '{bad}'" in capsys.readouterr().err
+    assert not (tmp_path / "v.json").exists()
+    assert vllm_peer.temperature("0") == 0.0 and vllm_peer.temperature("0.7") == 0.7
