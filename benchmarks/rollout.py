@@ -1032,6 +1032,9 @@ def _resume(path: Path, fresh: dict[str, Any]) -> dict[str, Any]:
         if earlier.get(key) != json.loads(json.dumps(fresh.get(key))):
             raise SystemExit(f"--resume {path}: its {key} is {earlier.get(key)!r}, this run's is {fresh.get(key)!r}; "
                              f"give the same trace options")
+    if sampled_at(earlier) != sampled_at(fresh):  # a peer sampling beside greedy replays of ours, or the reverse
+        raise SystemExit(f"--resume {path}: its replays ran at temperature {sampled_at(earlier):g}, this run's "
+                         f"is {sampled_at(fresh):g}; give the same --temperature")
     earlier.setdefault("resumed", []).append(fresh["command"])
     return earlier
 

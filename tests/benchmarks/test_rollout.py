@@ -274,6 +274,10 @@ def test_vllm_stage_runs_the_peer_in_its_own_process(tmp_path):
         rollout.main(["--model", "qwen3-30b-a3b-12l", "--device", "cpu", "--conversations", "2", "--scale", "0.001",
                       "--schedules", "", "--vllm", "--vllm-site", str(site), "--weight-std", "0.2",
                       "--resume", str(out), "--no-progress"])
+    with pytest.raises(SystemExit, match="ran at temperature 0, this run's is 1; give the same --temperature"):
+        rollout.main(["--model", "qwen3-30b-a3b-12l", "--device", "cpu", "--conversations", "2", "--scale", "0.001",
+                      "--schedules", "", "--vllm", "--vllm-site", str(site), "--temperature", "1",
+                      "--resume", str(out), "--no-progress"])
 
 
 @pytest.mark.timeout(120)
