@@ -164,7 +164,8 @@ for k, v in json.load(open('$OUT/verdicts-cuda.json'))['verdicts_ms'].items()]" 
       # that stage ran on this machine; EXTRA: more options, e.g. '--trace-seed 1', given to `peer`, `peerin` and
       # `drafts` alike when they add to or follow this run). The peer runs our weights (written to /tmp/res/$tag for it,
       # removed after; VLLM_WEIGHTS=dummy: its own dummy init; =drawn: ours drawn in its worker, no file) and counts its accepted drafts. Both engines hold their
-      # memory at once: on an 80 GB H100 give each a 13 GiB KV cache (EXTRA='... --kv-gb 13'; 40 and 22 ran out)
+      # memory at once: on an 80 GB H100 give each a 13 GiB KV cache (EXTRA='... --kv-gb 13'; 40 and 22 ran out).
+      # EXTRA='--temperature 1 ...' samples in both engines (the peer unseeded; VLLM_SPEC='' for no drafts)
       mkdir -p /tmp/pv/site
       [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.* | xz -dc -T8 | tar -x -C /tmp/pv/site)
       cd /tmp/run
