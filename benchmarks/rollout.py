@@ -1049,6 +1049,8 @@ def _max_model_len(args, cfg: ModelConfig, trace: list) -> int:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parser().parse_args(argv)
+    if args.vllm_turn_seeds and not args.temperature:
+        raise SystemExit("--vllm-turn-seeds seeds the peer's sampled turns: give --temperature > 0")
     micro_parts = _micro_parts(args.micro_parts)  # a typo fails here, not after the model is built
     profiled = _profiled(args)  # so does a schedule to profile that will not be timed
     t_start = time.perf_counter()

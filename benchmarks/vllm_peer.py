@@ -702,6 +702,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parser().parse_args(argv)
+    if args.turn_seeds and not args.temperature:
+        raise SystemExit("--turn-seeds seeds sampled turns: give --temperature > 0 (greedy turns draw nothing)")
     for key, value in ENV.items():
         os.environ.setdefault(key, value)
     if args.in_process:

@@ -643,3 +643,14 @@ def test_peer_refuses_a_temperature_that_is_not_a_finite_number_at_least_0(bad, 
     assert f"argument --temperature: takes a finite number >= 0 (0: greedy), got '{bad}'" in capsys.readouterr().err
     assert not (tmp_path / "v.json").exists()
     assert vllm_peer.temperature("0") == 0.0 and vllm_peer.temperature("0.7") == 0.7
+
+
+@pytest.mark.timeout(30)
+def test_turn_seeds_without_a_temperature_are_refused(tmp_path):
+    from benchmarks import rollout, vllm_peer
+
+    with pytest.raises(SystemExit, match="--turn-seeds seeds sampled turns: give --temperature > 0"):
+        vllm_peer.main(["--trace", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "v.json"), "--turn-seeds"])
+    with pytest.raises(SystemExit, match="--vllm-turn-seeds seeds the peer's sampled turns"):
+        rollout.main(["--model", "tiny-moe", "--device", "cpu", "--vllm-turn-seeds", "--out", str(tmp_path / "o")])
+    assert not (tmp_path / "v.json").exists() and not (tmp_path / "o").exists()
