@@ -329,7 +329,7 @@ def test_sampled_rows_that_never_draft_decode_ahead_as_plain_sampling(make_engin
 def test_a_prompt_is_indexed_while_its_prefill_runs_and_lookups_pay_for_new_tokens_only(tiny, make_engine, schedule,
                                                                                          monkeypatch):
     """The contexts of rows whose prefill ends in a forward are synced and hashed before that forward's
-    tokens are read (`DraftingExecutor._prepare`): a lookup then copies only the tokens the row emitted
+    tokens are read (`SpeculativeExecutor._prepare`): a lookup then copies only the tokens the row emitted
     since (at most k + 1 a step), never a turn's input. Tokens stay plain decoding's."""
     from megatron_rollout.drafts import NgramIndex
 
