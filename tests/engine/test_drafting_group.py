@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_rollout.engine import RolloutEngine, SamplingParams, drafting
-from megatron_rollout.engine.config import EngineConfig, KVConfig, SchedulerConfig, SpeculativeConfig
+from megatron_rollout.engine.config import EngineConfig, KVConfig, RunnerConfig, SchedulerConfig, SpeculativeConfig
 
 from .common import SCHEDULES, small
 from .test_drafting import _accept_every_draft, _accept_every_lookup
@@ -23,8 +23,8 @@ REPLY = [60, 61, 62, 63, 60, 58]
 """The tool's reply both samples receive: its last 4-gram occurs nowhere before it."""
 
 
-def group(schedule: str, on: bool = True) -> EngineConfig:
-    return small(schedule, kv=KVConfig(num_blocks=128),
+def group(schedule: str, on: bool = True, ahead: str = "auto") -> EngineConfig:
+    return small(schedule, kv=KVConfig(num_blocks=128), runner=RunnerConfig(decode_ahead=ahead),
                  speculative=SpeculativeConfig("ngram", 3, ngram_min=2, ngram_max=4, group=on))
 
 
@@ -48,17 +48,21 @@ def two_turns(engine: RolloutEngine, turn1: SamplingParams, prompt: list[int] = 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_a_lagging_sample_copies_its_sibling_and_keeps_greedy_tokens(make_engine, schedule):
+@pytest.mark.parametrize("ahead", ["auto", "on"])
+def test_a_lagging_sample_copies_its_sibling_and_keeps_greedy_tokens(make_engine, schedule, ahead):
+    """Also where undrafted steps are decoded ahead ("on"): the lookups made after a forward is issued
+    ahead find the sibling's text too, a step later."""
     m = model(seed=2, vocab=64)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_stop=True)
-    alone, _ = two_turns(make_engine(m, group(schedule, on=False)), greedy)
-    engine = make_engine(m, group(schedule))
+    alone, _ = two_turns(make_engine(m, group(schedule, on=False, ahead=ahead)), greedy)
+    engine = make_engine(m, group(schedule, ahead=ahead))
     ((first, _), (lagging, iterations)), (s0, _) = two_turns(engine, greedy)
     turn0 = s0.token_ids[len(PROMPT):len(PROMPT) + 2]
     want = RolloutEngine(m, small(schedule)).generate([PROMPT + turn0 + REPLY], greedy)[0].token_ids
     assert first == lagging == alone[0][0] == alone[1][0] == want  # greedy decoding's, every sample
     assert iterations < alone[1][1], (iterations, alone)  # copied from sample 0: fewer iterations
     assert engine.stats.copied_drafts > 0
+    assert (engine.stats.ahead_issued > 0) == (ahead == "on"), engine.stats
 
 
 @pytest.mark.timeout(300)
