@@ -21,6 +21,9 @@ overlapped, so it is worth timing by itself, on any machine:
   without drafts: each a host read of its own, the executor's path before `verify_lookup`) against
   all at once (`speculative.verify_lookup`: one read), interleaved, on `--device` (a GPU is where the
   per-row reads cost: each waits for the device).
+- `draws` (`--draws ROWS`, on `--device`): one decode step's draw of ROWS rows over 151,936 ids,
+  issued and read back: greedy, ours at temperature 1 (a host uniform per row, an inverse CDF on the
+  device), and a reference exponential race over every row at once (vLLM's unseeded draw).
 - `lookup`: one n-gram lookup and the sync of one new token (`drafts.NgramIndex.propose`, `sync`),
   as a decode step does for each drafting row, over contexts of given lengths: text-like ids
   (Zipf-distributed, where suffixes mostly recur far back or not at all), ids drawn uniformly
@@ -323,6 +326,49 @@ def sample_ms(rows: int, vocab: int = 151_936, repeats: int = 5) -> dict[str, di
     return {k: _summary(v) for k, v in samples.items()}
 
 
+def draws_ms(rows: int, device: str = "cpu", vocab: int = 151_936, repeats: int = 5) -> dict[str, dict[str, float]]:
+    """ms of one decode step's draw of `rows` rows on `device`, issued and read back: greedy (`t0`),
+    ours at temperature 1 with a generator per row (`t1`, `sampler.PendingDraw`: each row's uniform
+    drawn on the host, an inverse CDF over the whole vocabulary on the device), and a reference
+    `noise`, one exponential race for every row at once (probabilities over i.i.d. Exp(1) noise,
+    the argmax: the draw vLLM makes for unseeded requests), interleaved. `issue_ms` is the host's
+    time until the draw is issued, the rest runs while the host waits for its copy."""
+    from megatron_rollout.engine import SamplingParams
+    from megatron_rollout.engine.sampler import PendingDraw
+
+    dev = torch.device(device)
+    logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3).to(dev, torch.bfloat16)
+    gens = [torch.Generator().manual_seed(i) for i in range(rows)]
+    params = {"t0": [SamplingParams(temperature=0.0)] * rows, "t1": [SamplingParams(temperature=1.0)] * rows}
+    noise = torch.empty(rows, vocab, device=dev)
+
+    def ours(key: str) -> float:
+        t0 = time.perf_counter()
+        draw = PendingDraw(logits, params[key], gens)
+        issued = time.perf_counter()
+        draw.result(range(rows))
+        return issued - t0
+
+    def race() -> float:
+        t0 = time.perf_counter()
+        token = (logits.float().softmax(-1) / noise.exponential_()).argmax(-1)
+        issued = time.perf_counter()
+        token.tolist()
+        return issued - t0
+
+    variants = {"t0": lambda: ours("t0"), "t1": lambda: ours("t1"), "noise": race}
+    for run in variants.values():  # warm
+        run()
+    total: dict[str, list[float]] = {k: [] for k in variants}
+    issue: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(repeats):
+        for key, run in variants.items():
+            t0 = time.perf_counter()
+            issue[key].append(run() * 1e3)
+            total[key].append((time.perf_counter() - t0) * 1e3)
+    return {k: {**_summary(total[k]), "issue_ms": statistics.median(issue[k])} for k in variants}
+
+
 def verdicts_ms(rows: int, drafts: int, device: str = "cpu", vocab: int = 151_936, repeats: int = 5
                 ) -> dict[str, dict[str, float]]:
     """Host ms to decide one step's `rows` sampled rows of `drafts` drafts each, row by row (`rows`)
@@ -405,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drafting", default="1,16,64", help="batch sizes of the drafting stage ('' skips it)")
     ap.add_argument("--verdicts", default="16x0,64x0,64x4",
                     help="rows x drafts of the sampled verdicts stage ('' skips it)")
-    ap.add_argument("--device", default="cpu", help="the verdicts stage's device (cpu, cuda)")
+    ap.add_argument("--draws", default="", help="batch sizes of the draws stage ('' skips it: meant for --device cuda)")
+    ap.add_argument("--device", default="cpu", help="the verdicts and draws stages' device (cpu, cuda)")
     ap.add_argument("--lookup", default="1000,17000,60000", help="context lengths of the lookup stage ('' skips it)")
     ap.add_argument("--startup", default="", metavar="TRACE.jsonl",
                     help="the start-up stage: submit the first turn of each conversation of this trace ('' skips it)")
@@ -418,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     out: dict[str, Any] = {"torch": torch.__version__, "engine_step_ms": {}, "fill_ms": {}, "verify_fill_ms": {},
                            "layout_ms": {}, "turn_layout_ms": {}, "append_us": {}, "sample_ms": {},
-                           "drafting_step_ms": {}, "verdicts_ms": {}, "lookup_us": {}, "startup": {}}
+                           "drafting_step_ms": {}, "verdicts_ms": {}, "draws_ms": {}, "lookup_us": {}, "startup": {}}
     for rows in (int(r) for r in args.rows.split(",") if r):
         out["engine_step_ms"][rows] = engine_step_ms(rows)
     for rows in (int(r) for r in args.drafting.split(",") if r):
@@ -444,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
         out["append_us"][tokens] = append_us(tokens)
     for rows in (int(r) for r in args.sample.split(",") if r):
         out["sample_ms"][rows] = sample_ms(rows)
+    for rows in (int(r) for r in args.draws.split(",") if r):
+        out["draws_ms"][rows] = draws_ms(rows, args.device)
     if args.startup:
         out["startup"] = startup_ms(args.startup)
     print(json.dumps(out, indent=1))

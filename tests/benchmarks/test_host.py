@@ -96,6 +96,14 @@ def test_compare_tables_two_commits_invocations(tmp_path):
     assert rows[5] == "| startup, ms | 900 tokens of 2 first turns | submit | 11.0 [10.0-12.0] | 6.0 [5.0-7.0] |"
 
 
+def test_draws_are_timed_greedy_ours_sampled_and_a_batched_noise_race():
+    from benchmarks.host import draws_ms
+
+    timed = draws_ms(rows=3, vocab=64, repeats=2)
+    assert set(timed) == {"t0", "t1", "noise"}
+    assert all(0 < t["min"] <= t["median"] <= t["max"] and 0 < t["issue_ms"] <= t["max"] for t in timed.values())
+
+
 def test_verdicts_are_timed_row_by_row_and_at_once():
     for drafts in (0, 2):
         timed = verdicts_ms(rows=3, drafts=drafts, vocab=64, repeats=2)
