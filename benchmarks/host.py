@@ -14,16 +14,15 @@ overlapped, so it is worth timing by itself, on any machine:
   as an eager or piecewise forward builds it every time), full against through a `TableCache`.
   `turn layout`: the same for a 16,384-token prefill epoch over sessions' next turns, whose tables
   the cache holds from their previous turns.
-- `sample`: `sampler.sample` of a batch of rows over a 151,936-token vocabulary (Qwen3's), greedy
-  against temperature 1, interleaved (on a GPU the draws run on the device; here on the CPU).
+- `sample`: one decode step's draw of a batch of rows over a 151,936-token vocabulary (Qwen3's), on
+  `--device`, issued and read back: greedy, ours at temperature 1 (a host uniform per row, an inverse
+  CDF on the device) and a reference exponential race over every row at once (vLLM's unseeded
+  draw), interleaved.
 - `verdicts` (`ROWSxK`): the sampled rows of one drafting step decided (temperature 1, 151,936 ids,
   each row K random drafts, 0 for none) row by row (`speculative.verify`, or `sample_row` for a row
   without drafts: each a host read of its own, the executor's path before `verify_lookup`) against
   all at once (`speculative.verify_lookup`: one read), interleaved, on `--device` (a GPU is where the
   per-row reads cost: each waits for the device).
-- `draws` (`--draws ROWS`, on `--device`): one decode step's draw of ROWS rows over 151,936 ids,
-  issued and read back: greedy, ours at temperature 1 (a host uniform per row, an inverse CDF on the
-  device), and a reference exponential race over every row at once (vLLM's unseeded draw).
 - `lookup`: one n-gram lookup and the sync of one new token (`drafts.NgramIndex.propose`, `sync`),
   as a decode step does for each drafting row, over contexts of given lengths: text-like ids
   (Zipf-distributed, where suffixes mostly recur far back or not at all), ids drawn uniformly
@@ -51,6 +50,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -307,47 +307,31 @@ def startup_ms(trace_path: str, repeats: int = 5) -> dict[str, Any]:
     return {"turns": len(firsts), "tokens": tokens, "ms": summary, "us_per_token": 1e3 * summary["median"] / tokens}
 
 
-def sample_ms(rows: int, vocab: int = 151_936, repeats: int = 5) -> dict[str, dict[str, float]]:
-    """Host ms per `sample` of `rows` rows, greedy (`t0`) against temperature 1 (`t1`), interleaved."""
-    from megatron_rollout.engine import SamplingParams
-    from megatron_rollout.engine.sampler import sample
-
-    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3
-    gens = [torch.Generator().manual_seed(i) for i in range(rows)]
-    params = {"t0": [SamplingParams(temperature=0.0)] * rows, "t1": [SamplingParams(temperature=1.0)] * rows}
-    for p in params.values():  # warm
-        sample(logits, p, gens)
-    samples: dict[str, list[float]] = {k: [] for k in params}
-    for _ in range(repeats):
-        for key, p in params.items():
-            t0 = time.perf_counter()
-            sample(logits, p, gens)
-            samples[key].append((time.perf_counter() - t0) * 1e3)
-    return {k: _summary(v) for k, v in samples.items()}
-
-
-def draws_ms(rows: int, device: str = "cpu", vocab: int = 151_936, repeats: int = 5) -> dict[str, dict[str, float]]:
-    """ms of one decode step's draw of `rows` rows on `device`, issued and read back: greedy (`t0`),
-    ours at temperature 1 with a generator per row (`t1`, `sampler.PendingDraw`: each row's uniform
-    drawn on the host, an inverse CDF over the whole vocabulary on the device), and a reference
-    `noise`, one exponential race for every row at once (probabilities over i.i.d. Exp(1) noise,
-    the argmax: the draw vLLM makes for unseeded requests), interleaved. `issue_ms` is the host's
-    time until the draw is issued, the rest runs while the host waits for its copy."""
+def sample_ms(rows: int, device: str = "cpu", vocab: int = 151_936, repeats: int = 5) -> dict[str, dict[str, float]]:
+    """ms of one decode step's draw of `rows` rows on `device`, issued and read back (`sampler.sample`):
+    greedy (`t0`), ours at temperature 1 with a generator per row (`t1`: each row's uniform drawn on
+    the host, an inverse CDF over the whole vocabulary on the device), and a reference `noise`, one
+    exponential race for every row at once (probabilities over i.i.d. Exp(1) noise, the argmax: the
+    draw vLLM makes for unseeded requests), interleaved. `issue_ms`: the host's time until the draw is
+    issued; the rest runs while the host waits for its copy."""
     from megatron_rollout.engine import SamplingParams
     from megatron_rollout.engine.sampler import PendingDraw
 
     dev = torch.device(device)
     logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3).to(dev, torch.bfloat16)
     gens = [torch.Generator().manual_seed(i) for i in range(rows)]
-    params = {"t0": [SamplingParams(temperature=0.0)] * rows, "t1": [SamplingParams(temperature=1.0)] * rows}
     noise = torch.empty(rows, vocab, device=dev)
 
-    def ours(key: str) -> float:
-        t0 = time.perf_counter()
-        draw = PendingDraw(logits, params[key], gens)
-        issued = time.perf_counter()
-        draw.result(range(rows))
-        return issued - t0
+    def ours(temperature: float) -> Callable[[], float]:
+        params = [SamplingParams(temperature=temperature)] * rows
+
+        def run() -> float:
+            t0 = time.perf_counter()
+            draw = PendingDraw(logits, params, gens)
+            issued = time.perf_counter()
+            draw.result(range(rows))
+            return issued - t0
+        return run
 
     def race() -> float:
         t0 = time.perf_counter()
@@ -356,7 +340,7 @@ def draws_ms(rows: int, device: str = "cpu", vocab: int = 151_936, repeats: int 
         token.tolist()
         return issued - t0
 
-    variants = {"t0": lambda: ours("t0"), "t1": lambda: ours("t1"), "noise": race}
+    variants = {"t0": ours(0.0), "t1": ours(1.0), "noise": race}
     for run in variants.values():  # warm
         run()
     total: dict[str, list[float]] = {k: [] for k in variants}
@@ -451,8 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drafting", default="1,16,64", help="batch sizes of the drafting stage ('' skips it)")
     ap.add_argument("--verdicts", default="16x0,64x0,64x4",
                     help="rows x drafts of the sampled verdicts stage ('' skips it)")
-    ap.add_argument("--draws", default="", help="batch sizes of the draws stage ('' skips it: meant for --device cuda)")
-    ap.add_argument("--device", default="cpu", help="the verdicts and draws stages' device (cpu, cuda)")
+    ap.add_argument("--device", default="cpu", help="the sample and verdicts stages' device (cpu, cuda)")
     ap.add_argument("--lookup", default="1000,17000,60000", help="context lengths of the lookup stage ('' skips it)")
     ap.add_argument("--startup", default="", metavar="TRACE.jsonl",
                     help="the start-up stage: submit the first turn of each conversation of this trace ('' skips it)")
@@ -465,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     out: dict[str, Any] = {"torch": torch.__version__, "engine_step_ms": {}, "fill_ms": {}, "verify_fill_ms": {},
                            "layout_ms": {}, "turn_layout_ms": {}, "append_us": {}, "sample_ms": {},
-                           "drafting_step_ms": {}, "verdicts_ms": {}, "draws_ms": {}, "lookup_us": {}, "startup": {}}
+                           "drafting_step_ms": {}, "verdicts_ms": {}, "lookup_us": {}, "startup": {}}
     for rows in (int(r) for r in args.rows.split(",") if r):
         out["engine_step_ms"][rows] = engine_step_ms(rows)
     for rows in (int(r) for r in args.drafting.split(",") if r):
@@ -490,9 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     for tokens in (int(n) for n in args.append.split(",") if n):
         out["append_us"][tokens] = append_us(tokens)
     for rows in (int(r) for r in args.sample.split(",") if r):
-        out["sample_ms"][rows] = sample_ms(rows)
-    for rows in (int(r) for r in args.draws.split(",") if r):
-        out["draws_ms"][rows] = draws_ms(rows, args.device)
+        out["sample_ms"][rows] = sample_ms(rows, args.device)
     if args.startup:
         out["startup"] = startup_ms(args.startup)
     print(json.dumps(out, indent=1))

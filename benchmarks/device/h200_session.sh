@@ -95,10 +95,10 @@ for p in json.load(open('$OUT/sm_partition.json'))['probes']]"
         --schedule-budget-s 150 ${EXTRA:-} --out /tmp/res/t1 > /tmp/res/t1.log 2>&1
       tail -12 /tmp/res/t1.log; cp /tmp/res/t1/rollout.json "$OUT/t1.json"
       timeout 90 python3 -m benchmarks.host --rows '' --fill '' --verify-fill '' --layout '' --turn-layout '' --append '' \
-        --sample '' --lookup '' --drafting '' --verdicts 16x0,64x0,64x4,64x7 --draws 16,64 --device cuda \
-        > "$OUT/verdicts-cuda.json"  # (--draws: ours at temperature 1 against greedy and vLLM's unseeded noise race)
+        --sample 16,64 --lookup '' --drafting '' --verdicts 16x0,64x0,64x4,64x7 --device cuda \
+        > "$OUT/verdicts-cuda.json"  # (--sample: ours at temperature 1 against greedy and vLLM's unseeded noise race)
       python3 -c "import json; d = json.load(open('$OUT/verdicts-cuda.json'))
-[print(s, k, {a: round(b['median'], 3) for a, b in v.items()}) for s in ('verdicts_ms', 'draws_ms') for k, v in d[s].items()]" ;;
+[print(s, k, {a: round(b['median'], 3) for a, b in v.items()}) for s in ('verdicts_ms', 'sample_ms') for k, v in d[s].items()]" ;;
     prefill)  # 16 conversations (24 did not fit 3 repeats in one command); the sweep and the ablation
       cd /tmp/run
       bench --profile prefill --conversations 16 --budgets "${BUDGETS:-2048,4096,8192,16384}" ${ABLATION:---ablation} \
