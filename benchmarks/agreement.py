@@ -50,10 +50,20 @@ def compare(a: Mapping[str, str], b: Mapping[str, str]) -> dict[str, int]:
             "first_turn_differs": sum(k in differ for k in first.values())}
 
 
+SAMPLED_AGREEMENT = "sampled: vLLM's sampler is not ours, so its tokens are not expected to match ours"
+"""Why a sampled run's peer agrees with ours on no turn, and that this is no fault."""
+
+
+def sampled_at(result: dict[str, Any]) -> float:
+    """The temperature the run's replays sampled at (0: greedy)."""
+    return float((result.get("args") or {}).get("temperature") or 0.0)
+
+
 def agreement(result: dict[str, Any]) -> dict[str, Any] | None:
     """A `benchmarks.rollout` result's agreement: every timed repeat of ours and every timed pass of the
     peer set against our first repeat that kept digests, and the peer's passes against its first of
-    the same setting. None where no repeat of ours kept digests."""
+    the same setting; a sampled run is marked (`sampled`: our replays draw each turn from one seed and
+    may still agree, the peer draws with another sampler). None where no repeat of ours kept digests."""
     ours = [(name, r["digests"]) for name, s in result.get("schedules", {}).items()
             for r in s.get("repeats") or [] if r.get("digests")]
     if not ours:
@@ -68,21 +78,14 @@ def agreement(result: dict[str, Any]) -> dict[str, Any] | None:
                             "with_its_first": [compare(passes[0], d) for d in passes[1:]]}
     if peer:
         out["vllm"] = peer
+    if sampled_at(result) > 0:
+        out["sampled"] = {"temperature": sampled_at(result), "note": SAMPLED_AGREEMENT}
     return out
 
 
 def _span(comparisons: Sequence[dict[str, int]]) -> str:
     same = sorted(c["turns"] for c in comparisons)
     return f"{same[0]}" if same[0] == same[-1] else f"{same[0]}-{same[-1]}"
-
-
-SAMPLED_AGREEMENT = "sampled: vLLM's sampler is not ours, so its tokens are not expected to match ours"
-"""Why a sampled run's peer agrees with ours on no turn, and that this is no fault."""
-
-
-def sampled_at(result: dict[str, Any]) -> float:
-    """The temperature the run's replays sampled at (0: greedy)."""
-    return float((result.get("args") or {}).get("temperature") or 0.0)
 
 
 def agreement_note(result: dict[str, Any]) -> str | None:

@@ -31,7 +31,7 @@ A figure counts only warm, repeated, each schedule at its best token budget, nex
    model: its weights are written once for it (`--vllm-weights ours`, `peer-weights` in the JSON),
    or drawn inside it where the file would not fit the disk (`--vllm-weights drawn`). At
    `--temperature` > 0 it samples too, unseeded (its best: one draw for all rows), or each turn
-   seeded as ours with `--vllm-turn-seeds` (`vllm_peer.turn_seed`); its tokens are then not expected
+   seeded as ours with `--vllm-turn-seeds` (`trace.replay.turn_seed`); its tokens are then not expected
    to match ours (another sampler), which the agreement line says.
 
 Each timed replay keeps its step records (`engine.step_log`) in the JSON as columns (`steps`,
@@ -74,7 +74,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.agreement import SAMPLED_AGREEMENT, agreement, agreement_note, replay_digests, sampled_at
+from benchmarks.agreement import agreement, agreement_note, replay_digests, sampled_at
 from benchmarks.bounds import model_costs, trace_lower_bound
 from benchmarks.compiles import CompileCounter
 from benchmarks.interleave import PeerSession
@@ -121,7 +121,7 @@ H200, 1.141 without decode ahead, 2026-12-06)."""
 def targets_for(result: dict) -> dict[str, float]:
     """The targets a run's ratios are held to (`TARGETS`, `SAMPLED_TARGETS`)."""
     targets = dict(TARGETS.get(result.get("profile"), {}))
-    if ((result.get("args") or {}).get("temperature") or 0.0) > 0.0:
+    if sampled_at(result) > 0:
         targets.update(SAMPLED_TARGETS)
     return targets
 
@@ -165,8 +165,8 @@ def parser() -> argparse.ArgumentParser:
                     help="segment policy of plain 'mux': budget:US | load | fixed:K")
     ap.add_argument("--attention", default="auto", help="auto | triton | varlen | flash | portable")
     ap.add_argument("--temperature", type=_temperature, default=0.0,
-                    help="of every turn, ours and the peer's (each turn seeded, alike in both); > 0 times sampled "
-                         "decoding")
+                    help="of every turn, ours (each turn seeded) and the peer's (unseeded unless "
+                         "--vllm-turn-seeds); > 0 times sampled decoding")
     ap.add_argument("--decode-ahead", default="auto", choices=("auto", "on", "off"),
                     help="issue the next decode forward before reading this one's tokens (engine.ahead)")
     ap.add_argument("--schedule-budget-s", type=float, default=120.0, help="time limit of one replay")
@@ -709,15 +709,6 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def sampled_agreement(result: dict) -> dict[str, Any] | None:
-    """`benchmarks.agreement.agreement`, marked where the run sampled: our replays draw each turn
-    from the same seed and may still agree, the peer draws with another sampler."""
-    alike = agreement(result)
-    if alike is not None and sampled_at(result) > 0:
-        alike["sampled"] = {"temperature": sampled_at(result), "note": SAMPLED_AGREEMENT}
-    return alike
-
-
 def _specs(args) -> list[tuple[str, str]]:
     """(label, spec) of every schedule to time, the ablation after mux."""
     specs = [(s, s) for s in (x.strip() for x in args.schedules.split(",")) if s]
@@ -1166,7 +1157,7 @@ def main(argv: list[str] | None = None) -> int:
         result["hf_peer"] = run_peer(cfg, trace, args.device, args.seed, args.hf_budget_s)
         _write(out, result)
     result["ratios"] = ratios(result)
-    result["agreement"] = sampled_agreement(result)
+    result["agreement"] = agreement(result)
     result["wall_s"] = time.perf_counter() - t_start
     _write(out, result)
     print(table(result), flush=True)

@@ -16,8 +16,8 @@ the whole history (earlier turns' new ids and generated ids) plus its new ids, f
 `--temperature` T > 0 sampled at T (RL rollouts sample at 1). Unseeded by default, vLLM's best
 setting: the model runner vLLM 0.26 picks for Qwen3-MoE (V1) draws every unseeded row's noise in one
 launch, and a seeded request's with a launch of its own per request and step. `--turn-seeds` seeds
-each turn as our replay seeds it (`turn_seed`, from `--seed`, the conversation's index and the
-turn), at that cost. Sampled tokens are not expected to match ours either way (another sampler on
+each turn as our replay seeds it (`trace.replay.turn_seed`, from `--seed`, the conversation's index
+and the turn), at that cost. Sampled tokens are not expected to match ours either way (another sampler on
 other kernels); the figures are what compares. vLLM's prefix cache finds the history,
 as our sessions keep it. Per token budget (`--budgets`: `default` is vLLM's own): `--warmups`
 untimed passes over the whole trace (vLLM JIT-compiles during its first pass), then `--passes` timed
@@ -75,6 +75,7 @@ import numpy as np
 from benchmarks.agreement import digest, turn_key
 from megatron_rollout.model.config import PRESETS, ModelConfig
 from megatron_rollout.trace.make import conversation_inputs
+from megatron_rollout.trace.replay import turn_seed
 from megatron_rollout.trace.schema import ConversationId, TraceRequest, group_conversations, load_trace
 
 log = logging.getLogger("benchmarks.vllm_peer")
@@ -465,11 +466,6 @@ def _load_drawn(entry: dict[str, Any], args, results: list, t0: float) -> None:
     entry["weights_load_s"] = time.perf_counter() - t0
 
 
-def _turn_seed_base(args) -> int | None:
-    """`--seed` where each sampled turn is seeded (`--turn-seeds`), else None."""
-    return args.seed if args.turn_seeds else None
-
-
 def temperature(text: str) -> float:
     """`--temperature`: a finite number >= 0 (0: greedy), refused before vLLM starts."""
     try:
@@ -481,17 +477,10 @@ def temperature(text: str) -> float:
     return value
 
 
-def turn_seed(seed: int, conversation_index: int, turn: int) -> int:
-    """The seed our replay samples a turn with (`trace.replay._submit`), so that both engines seed
-    a turn alike. In [0, 2**63): vLLM (0.26) keeps a request's seed in an int64 and hands it to
-    `torch.Generator.manual_seed`, so it takes this as it is."""
-    return int(np.random.default_rng([seed, conversation_index, turn, 1]).integers(2**63))
-
-
-def _sampling(temperature: float, seed: int | None) -> TurnParams:
-    """The loops' `make_params`: greedy at 0, else sampled at `temperature`, each turn seeded by
-    `turn_seed` from `seed` (the input ids' seed, as our replay's), or unseeded where `seed` is None."""
-    return functools.partial(_turn_params, temperature, seed)
+def _sampling(args) -> TurnParams:
+    """The loops' `make_params`: greedy at `--temperature` 0, else sampled at it, each turn seeded as
+    our replay seeds it (`trace.replay.turn_seed`, from `--seed`) with `--turn-seeds`, else unseeded."""
+    return functools.partial(_turn_params, args.temperature, args.seed if args.turn_seeds else None)
 
 
 def _turn_params(temperature: float, seed: int | None, n: int, conversation_index: int, turn: int):
@@ -499,11 +488,9 @@ def _turn_params(temperature: float, seed: int | None, n: int, conversation_inde
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    drawn: dict[str, Any] = {"temperature": temperature if temperature > 0 else 0.0}
-    if temperature > 0 and seed is not None:
-        drawn["seed"] = turn_seed(seed, conversation_index, turn)
-    return SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=False,
-                          output_kind=RequestOutputKind.DELTA, **drawn)
+    seeded = {"seed": turn_seed(seed, conversation_index, turn)} if temperature > 0 and seed is not None else {}
+    return SamplingParams(temperature=temperature, max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=False,
+                          output_kind=RequestOutputKind.DELTA, **seeded)
 
 
 class Control:
@@ -595,7 +582,7 @@ def _run_budget_in_process(budget: int | None, model_dir: Path, requests: list[T
         engine.reset_prefix_cache()
         before = counts.snapshot()
         start, records = closed_loop_stepped(engine, requests, inputs, lambda ids: TokensPrompt(prompt_token_ids=ids),
-                                             _sampling(args.temperature, _turn_seed_base(args)), tag=f"i{budget}-p{i}")
+                                             _sampling(args), tag=f"i{budget}-p{i}")
         _record_pass(entry, i, _pass_report(start, records, requests, counts, before, args), args)
         write(entry)
     return entry
@@ -644,7 +631,7 @@ async def _run_budget(budget: int | None, model_dir: Path, requests: list[TraceR
         while (i := await asyncio.to_thread(next, passes, None)) is not None:
             await engine.reset_prefix_cache()
             before = counts.snapshot()
-            params = _sampling(args.temperature, _turn_seed_base(args))
+            params = _sampling(args)
             start, records = await closed_loop(engine, requests, inputs, prompt, params, tag=f"b{budget}-p{i}")
             _record_pass(entry, i, _pass_report(start, records, requests, counts, before, args), args)
             write(entry)

@@ -177,6 +177,12 @@ def replay(engine: Any, requests: Sequence[TraceRequest], *, seed: int = 0, prog
     return report, outputs
 
 
+def turn_seed(seed: int, conversation: int, turn: int) -> int:
+    """The seed a sampled turn draws with: from the replay's seed, the conversation's index and the
+    turn, in [0, 2**63) (it fits an int64, as vLLM's seeds must: `benchmarks.vllm_peer --turn-seeds`)."""
+    return int(np.random.default_rng([seed, conversation, turn, 1]).integers(2**63))
+
+
 def _submit(engine: Any, conv: _Conversation, seed: int, vocab_size: int,
             owner: dict[int, _Conversation], conversation_of: dict[int, ConversationId],
             turn_of: dict[int, TraceRequest], temperature: float = 0.0) -> bool:
@@ -185,7 +191,7 @@ def _submit(engine: Any, conv: _Conversation, seed: int, vocab_size: int,
     if conv.session is None:
         conv.session = engine.open_session()
     conv.session.append(input_ids(seed, conv.index, turn, vocab_size))
-    draw_seed = int(np.random.default_rng([seed, conv.index, turn.turn, 1]).integers(2**63)) if temperature else None
+    draw_seed = turn_seed(seed, conv.index, turn.turn) if temperature else None
     params = SamplingParams(temperature=temperature, max_new_tokens=turn.output_tokens, ignore_stop=True,
                             seed=draw_seed)
     try:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from benchmarks import rollout, sim_replay
+from benchmarks.agreement import SAMPLED_AGREEMENT
 from megatron_rollout.engine.config import SpeculativeConfig
 from megatron_rollout.model.config import PRESETS
 from megatron_rollout.trace.make import make_trace
@@ -611,9 +612,9 @@ def test_sampled_interleaved_peer_samples_and_its_disagreement_is_no_fault(tmp_p
     turns = [ln for ln in (out / "vllm.log").read_text().splitlines() if "INFO sampling" in ln]
     assert turns and all("('temperature', 1.0)" in ln and "('seed', " not in ln for ln in turns)  # unseeded: its best
     assert [c["turns"] for c in result["agreement"]["vllm"]["2048"]["with_ours"]] == [0]  # the stand-in writes 7s
-    assert result["agreement"]["sampled"] == {"temperature": 1.0, "note": rollout.SAMPLED_AGREEMENT}
+    assert result["agreement"]["sampled"] == {"temperature": 1.0, "note": SAMPLED_AGREEMENT}
     line = next(ln for ln in rollout.table(result).splitlines() if "alike" in ln)
-    assert line.startswith("at temperature 1, tokens alike") and line.endswith(f"({rollout.SAMPLED_AGREEMENT})")
+    assert line.startswith("at temperature 1, tokens alike") and line.endswith(f"({SAMPLED_AGREEMENT})")
     assert "greedy" not in line
 
 
