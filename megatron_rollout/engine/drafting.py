@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -193,7 +193,7 @@ class SpeculativeExecutor(StepExecutor):
                      else v for v in state.seqs)
         return dataclasses.replace(state, seqs=seqs)
 
-    def _look_up(self, rids: list[int], rows: int) -> None:
+    def _look_up(self, rids: Sequence[int], rows: int) -> None:
         """"ngram": each row's drafts for the step being planned, `rows` rows decoding (as many as
         `SpeculativeConfig.k_at` gives the row), from its context as it stands now."""
         for rid in rids:
@@ -221,7 +221,7 @@ class SpeculativeExecutor(StepExecutor):
         is issued ahead only if they found no drafts (`may_issue_ahead`)."""
         rows = len(plan.decode)
         if self.config.tail_rows is None or rows <= self.config.tail_rows:
-            self._look_up(list(plan.decode), rows)
+            self._look_up(plan.decode, rows)
 
     def _context(self, seq: Seq) -> NgramIndex:
         context = self.contexts.get(seq.sid)
@@ -236,7 +236,7 @@ class SpeculativeExecutor(StepExecutor):
         if self.mtp:
             return
         for req in requests:
-            if req.params.logprobs is None and req.seq.sid in self.table.seqs:
+            if req.params.logprobs is None:  # never drafted (`_look_up`)
                 self._context(req.seq).prepare(req.seq.tokens)
 
     def _family(self, seq: Seq, context: NgramIndex) -> Family:
