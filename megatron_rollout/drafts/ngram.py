@@ -139,7 +139,8 @@ class NgramIndex:
         """`encode(tokens[:length])`: what `propose` searches."""
         self.grams = GramFilter(n_min)
         """The `n_min`-grams ending before the last token (a match's last `n_min` tokens must be one),
-        brought up to date only when the byte search finds nothing: a looping context never pays."""
+        brought up to date by `prepare`, by a `cold` lookup, or when the byte search finds nothing: a
+        looping context that was never prepared never pays for it."""
         self.cold = False
         """The last lookup proposed nothing: the next asks `grams` before the byte search (not the
         first lookup: where the bitmap is not built yet, a context that repeats should not pay for it)."""
