@@ -126,6 +126,11 @@ def encode(tokens: Sequence[int]) -> bytes:
     return out.tobytes()
 
 
+def _check_ids(lo: int, hi: int) -> None:
+    if not 0 <= lo <= hi < TOKEN_LIMIT:
+        raise ValueError(f"token ids must lie in [0, {TOKEN_LIMIT}), got {lo}..{hi}")
+
+
 class NgramIndex:
     """The tokens of one sequence, appended as it grows, and the drafts its own history proposes."""
 
@@ -159,10 +164,9 @@ class NgramIndex:
         new = tokens[held:]
         if len(new) > 16:  # a turn's input: one conversion to an array serves the checks, the copy and the bytes
             new = np.asarray(new, dtype=np.int64)
-        if len(new):
-            lo, hi = (int(new.min()), int(new.max())) if isinstance(new, np.ndarray) else (min(new), max(new))
-            if not 0 <= lo <= hi < TOKEN_LIMIT:
-                raise ValueError(f"token ids must lie in [0, {TOKEN_LIMIT}), got {lo}..{hi}")
+            _check_ids(int(new.min()), int(new.max()))
+        elif new:  # a step's few tokens
+            _check_ids(min(new), max(new))
         if len(tokens) > len(self.tokens):
             grown = np.zeros(max(len(tokens), 2 * len(self.tokens)), dtype=np.int64)
             grown[:held] = self.tokens[:held]
@@ -180,28 +184,21 @@ class NgramIndex:
 
     def propose(self, k: int) -> tuple[int, ...]:
         """Up to k tokens after the latest earlier occurrence of the longest matching suffix (n
-        from n_max down to n_min); () where no suffix of n_min tokens occurred before."""
-        draft = self._propose(k)
-        self.cold = not draft
-        return draft
-
-    def _propose(self, k: int) -> tuple[int, ...]:
-        ctx, size = self.tokens, self.length
-        if k <= 0 or size <= self.n_min:
-            return ()
-        asked = self.cold  # a row that did not repeat last step most likely does not now: the bit first
-        if asked and not self._may_match(size):
+        from n_max down to n_min); () where no suffix of n_min tokens occurred before. Sets `cold`."""
+        ctx, size, asked = self.tokens, self.length, self.cold
+        if k <= 0 or size <= self.n_min or asked and not self._may_match(size):  # not repeating: the bit first
+            self.cold = True
             return ()
         longest, stop = min(self.n_max, size - 1), 4 * (size - 1)  # an occurrence ends before the suffix does
         at = self.encoded.rfind(self.encoded[4 * (size - longest):], max(0, stop - 4 * RECENT), stop)
         if at >= 0:
             best = at // 4 + longest
         else:
-            if not asked and not self._may_match(size):
+            best = self._search(size) if asked or self._may_match(size) else None
+            if best is None:
+                self.cold = True
                 return ()
-            best = self._search(size)
-        if best is None:
-            return ()
+        self.cold = False
         period = size - best  # the draft copies ctx[best:], then itself, `period` back
         draft: list[int] = []
         for j in range(k):
