@@ -403,6 +403,7 @@ def compare(folder: Path) -> str:
 
     rows = []
     for stage, unit, spec, what in (("drafting_step_ms", "ms", ".3f", "rows"), ("lookup_us", "us", ".1f", "tokens"),
+                                    ("sample_ms", "ms", ".3f", "rows"),
                                     ("append_us", "us", ".1f", "tokens"),
                                     ("fill_ms", "ms", ".3f", "rows x entries"),
                                     ("verify_fill_ms", "ms", ".3f", "rows x entries"),

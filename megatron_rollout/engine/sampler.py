@@ -29,6 +29,7 @@ import torch
 
 from megatron_rollout.engine.api import SamplingParams
 from megatron_rollout.engine.request import Sampled
+from megatron_rollout.kernels import draw as draw_kernel
 from megatron_rollout.kernels.layout import to_device
 
 
@@ -91,6 +92,11 @@ def inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.minimum(picked, last).squeeze(-1).clamp_(0, logp.shape[-1] - 1)
 
 
+def _uniforms(generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One uniform in [0, 1) per row, each from its row's generator (the default one for None), on the host."""
+    return torch.cat([torch.rand(1, generator=g) for g in generators])
+
+
 def _draw(rows: torch.Tensor, params: SamplingParams, generators: Sequence[torch.Generator | None]
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens and logprobs of `rows` [g, V] that share `params`, one generator per row."""
@@ -99,8 +105,7 @@ def _draw(rows: torch.Tensor, params: SamplingParams, generators: Sequence[torch
         token = logp.argmax(-1)
     else:
         logp = filtered_logprobs(rows, params)
-        u = torch.cat([torch.rand(1, generator=g) for g in generators])
-        token = inverse_cdf(logp, to_device(u, rows.device))
+        token = inverse_cdf(logp, to_device(_uniforms(generators), rows.device))
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
 
@@ -119,19 +124,15 @@ class PendingDraw:
     def __init__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                  generators: Sequence[torch.Generator | None]) -> None:
         self.rows = logits.shape[0]
-        row_max = logits.amax(-1).float() if self.rows else logits.new_zeros(0, dtype=torch.float32)
         groups = by_law(params)
-        if len(groups) == 1:  # the usual batch: no row index to build or move
-            (members,) = groups
-            self.tokens, logprobs = _draw(logits, params[members[0]], generators)
+        law = params[0] if len(groups) == 1 else None
+        if law is not None and draw_kernel.applies(law.temperature, law.top_k, law.top_p, logits):
+            # the usual batch, one law: one launch (`kernels.draw`) writes what goes to the host
+            u = None if law.temperature == 0.0 else to_device(_uniforms(generators), logits.device)
+            self.tokens, drawn = draw_kernel.draw(logits, u)
+            parts = [drawn]
         else:
-            self.tokens = torch.zeros(self.rows, dtype=torch.long, device=logits.device)
-            logprobs = torch.zeros(self.rows, dtype=torch.float32, device=logits.device)
-            for members in groups:
-                index = to_device(torch.tensor(members, dtype=torch.long), logits.device)
-                self.tokens[index], logprobs[index] = _draw(logits[index], params[members[0]],
-                                                            [generators[i] for i in members])
-        parts = [row_max, self.tokens.float(), logprobs]
+            parts = self._eager(logits, params, generators, groups)
         self._want = [p.logprobs for p in params]
         self._k = max((k for k in self._want if k is not None), default=None)
         if self._k is not None:  # [rows, k] top tokens and values, [rows] the sampled token's: one copy with the rest
@@ -139,7 +140,7 @@ class PendingDraw:
             top = raw.topk(min(self._k, raw.shape[-1]), dim=-1)
             self._k = top.values.shape[-1]
             parts += [top.indices.float().flatten(), top.values.flatten(), raw.gather(-1, self.tokens[:, None])[:, 0]]
-        packed = torch.cat(parts)
+        packed = torch.cat(parts) if len(parts) > 1 else parts[0]
         self._ready: torch.cuda.Event | None = None
         self._host = packed
         if packed.is_cuda:
@@ -147,6 +148,21 @@ class PendingDraw:
             self._host.copy_(packed, non_blocking=True)
             self._ready = torch.cuda.Event()
             self._ready.record()
+
+    def _eager(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+               generators: Sequence[torch.Generator | None], groups: list[list[int]]) -> list[torch.Tensor]:
+        """Sets `tokens`; the row maxes, tokens and logprobs to copy, drawn by torch ops law by law."""
+        row_max = logits.amax(-1).float() if self.rows else logits.new_zeros(0, dtype=torch.float32)
+        if len(groups) == 1:  # no row index to build or move
+            self.tokens, logprobs = _draw(logits, params[groups[0][0]], generators)
+        else:
+            self.tokens = torch.zeros(self.rows, dtype=torch.long, device=logits.device)
+            logprobs = torch.zeros(self.rows, dtype=torch.float32, device=logits.device)
+            for members in groups:
+                index = to_device(torch.tensor(members, dtype=torch.long), logits.device)
+                self.tokens[index], logprobs[index] = _draw(logits[index], params[members[0]],
+                                                            [generators[i] for i in members])
+        return [row_max, self.tokens.float(), logprobs]
 
     def result(self, rows: Iterable[int]) -> list[Sampled]:
         """The draws of `rows` (indices into the logits), waiting for the copy if it is in flight."""
