@@ -300,9 +300,22 @@ TABLES: dict[str, Callable[[dict], str]] = {"rollout": rollout, "decode": decode
                                             "what-if": what_if_table, "orderings": orderings_table}
 
 
+def _host_compare(folder: Path) -> str:
+    from benchmarks.host import compare
+    return compare(folder)
+
+
+FOLDER_TABLES: dict[str, Callable[[Path], str]] = {"host": _host_compare}
+"""Tables of a folder's files, not of one JSON: `host` is `benchmarks.host --compare`'s before/after table."""
+
+
 def table(kind: str, path: str | Path) -> str:
+    if kind in FOLDER_TABLES:
+        if not (ROOT / path).is_dir():
+            raise FileNotFoundError(f"folder {path} not found (paths are relative to the repository root {ROOT})")
+        return FOLDER_TABLES[kind](ROOT / path)
     if kind not in TABLES:
-        raise ValueError(f"unknown table kind {kind!r}: use one of {sorted(TABLES)}")
+        raise ValueError(f"unknown table kind {kind!r}: use one of {sorted([*TABLES, *FOLDER_TABLES])}")
     file = ROOT / path
     if not file.is_file():
         raise FileNotFoundError(f"result file {path} not found (paths are relative to the repository root {ROOT})")
@@ -320,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("args", nargs="+", help="pages to regenerate, or KIND FILE to print one table")
     ap.add_argument("--check", action="store_true", help="exit 1 if a page's tables differ from its JSON")
     args = ap.parse_args(argv)
-    if len(args.args) == 2 and args.args[0] in TABLES:
+    if len(args.args) == 2 and (args.args[0] in TABLES or args.args[0] in FOLDER_TABLES):
         print(table(*args.args))
         return 0
     stale = []

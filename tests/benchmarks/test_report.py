@@ -51,6 +51,17 @@ def test_unknown_kinds_and_missing_files_are_named():
         report.table("rollout", "nowhere.json")
 
 
+def test_a_host_table_is_made_from_a_folder_of_before_and_after_runs(tmp_path):
+    """`host` reads a folder (`benchmarks.host --compare`): medians over the invocations, [min-max]."""
+    for i, (before, after) in enumerate([(0.44, 0.20), (0.46, 0.21), (0.40, 0.19)], 1):
+        for name, ms in (("before", before), ("after", after)):
+            run = {"sample_ms": {"4": {"t1": {"median": ms, "min": ms, "max": ms}}}}
+            (tmp_path / f"host-{name}-{i}.json").write_text(json.dumps(run))
+    assert "| sample, ms | 4 rows | t1 | 0.440 [0.400-0.460] | 0.200 [0.190-0.210] |" in report.table("host", tmp_path)
+    with pytest.raises(FileNotFoundError, match="folder nowhere not found"):
+        report.table("host", "nowhere")
+
+
 def test_the_docs_tables_match_their_json():
     pages = [report.ROOT / "docs" / name for name in ("benchmarks.md", "benchmarks-earlier.md", "kernels.md")]
     assert report.main(["--check", *map(str, pages)]) == 0
