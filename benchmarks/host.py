@@ -386,41 +386,6 @@ def verdicts_ms(rows: int, drafts: int, device: str = "cpu", vocab: int = 151_93
     return {k: _summary(v) for k, v in samples.items()}
 
 
-def compare(folder: Path) -> str:
-    """A markdown table of the stages of `folder`'s `host-before-*.json` against its
-    `host-after-*.json` (invocations of two commits, alternated): per figure, the median over the
-    invocations of their medians, [min-max]."""
-    runs = {v: [json.loads(f.read_text()) for f in sorted(folder.glob(f"host-{v}-*.json"))]
-            for v in ("before", "after")}
-    if not runs["before"] or not runs["after"]:
-        raise SystemExit(f"{folder}: needs host-before-*.json and host-after-*.json")
-
-    from benchmarks.report import markdown, spread
-
-    def cell(v: str, stage: str, size: str, variant: str, spec: str) -> str:
-        xs = [r[stage][size][variant]["median"] for r in runs[v]]
-        return spread(statistics.median(xs), min(xs), max(xs), spec)
-
-    rows = []
-    for stage, unit, spec, what in (("drafting_step_ms", "ms", ".3f", "rows"), ("lookup_us", "us", ".1f", "tokens"),
-                                    ("sample_ms", "ms", ".3f", "rows"),
-                                    ("append_us", "us", ".1f", "tokens"),
-                                    ("fill_ms", "ms", ".3f", "rows x entries"),
-                                    ("verify_fill_ms", "ms", ".3f", "rows x entries"),
-                                    ("layout_ms", "ms", ".3f", "rows x entries"),
-                                    ("turn_layout_ms", "ms", ".3f", "sessions x entries")):
-        for size, variants in runs["before"][0].get(stage, {}).items():
-            for variant in variants:
-                rows.append([f"{stage.rsplit('_', 1)[0].replace('_', ' ')}, {unit}", f"{size} {what}", variant,
-                             cell("before", stage, size, variant, spec), cell("after", stage, size, variant, spec)])
-    if all(r.get("startup") for rs in runs.values() for r in rs):
-        first = runs["before"][0]["startup"]
-        ms = {v: [r["startup"]["ms"]["median"] for r in rs] for v, rs in runs.items()}
-        rows.append(["startup, ms", f"{first['tokens']} tokens of {first['turns']} first turns", "submit",
-                     *(spread(statistics.median(ms[v]), min(ms[v]), max(ms[v]), ".1f") for v in ("before", "after"))])
-    return markdown(["stage", "size", "variant", "before", "after"], rows)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.host", description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,16,64,256", help="decode batch sizes of the engine stage")
@@ -444,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="only print DIR's host-before-*.json against its host-after-*.json as a table")
     args = ap.parse_args(argv)
     if args.compare:
-        print(compare(Path(args.compare)))
+        from benchmarks.report import host_table
+        print(host_table(Path(args.compare)))
         return 0
     torch.set_num_threads(1)
     out: dict[str, Any] = {"torch": torch.__version__, "engine_step_ms": {}, "fill_ms": {}, "verify_fill_ms": {},

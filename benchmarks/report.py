@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -300,12 +301,41 @@ TABLES: dict[str, Callable[[dict], str]] = {"rollout": rollout, "decode": decode
                                             "what-if": what_if_table, "orderings": orderings_table}
 
 
-def _host_compare(folder: Path) -> str:
-    from benchmarks.host import compare
-    return compare(folder)
+def host_table(folder: Path) -> str:
+    """A markdown table of the stages of `folder`'s `host-before-*.json` against its
+    `host-after-*.json` (invocations of two commits, alternated): per figure, the median over the
+    invocations of their medians, [min-max]."""
+    runs = {v: [json.loads(f.read_text()) for f in sorted(folder.glob(f"host-{v}-*.json"))]
+            for v in ("before", "after")}
+    if not runs["before"] or not runs["after"]:
+        raise SystemExit(f"{folder}: needs host-before-*.json and host-after-*.json")
 
 
-FOLDER_TABLES: dict[str, Callable[[Path], str]] = {"host": _host_compare}
+    def cell(v: str, stage: str, size: str, variant: str, spec: str) -> str:
+        xs = [r[stage][size][variant]["median"] for r in runs[v]]
+        return spread(statistics.median(xs), min(xs), max(xs), spec)
+
+    rows = []
+    for stage, unit, spec, what in (("drafting_step_ms", "ms", ".3f", "rows"), ("lookup_us", "us", ".1f", "tokens"),
+                                    ("sample_ms", "ms", ".3f", "rows"),
+                                    ("append_us", "us", ".1f", "tokens"),
+                                    ("fill_ms", "ms", ".3f", "rows x entries"),
+                                    ("verify_fill_ms", "ms", ".3f", "rows x entries"),
+                                    ("layout_ms", "ms", ".3f", "rows x entries"),
+                                    ("turn_layout_ms", "ms", ".3f", "sessions x entries")):
+        for size, variants in runs["before"][0].get(stage, {}).items():
+            for variant in variants:
+                rows.append([f"{stage.rsplit('_', 1)[0].replace('_', ' ')}, {unit}", f"{size} {what}", variant,
+                             cell("before", stage, size, variant, spec), cell("after", stage, size, variant, spec)])
+    if all(r.get("startup") for rs in runs.values() for r in rs):
+        first = runs["before"][0]["startup"]
+        ms = {v: [r["startup"]["ms"]["median"] for r in rs] for v, rs in runs.items()}
+        rows.append(["startup, ms", f"{first['tokens']} tokens of {first['turns']} first turns", "submit",
+                     *(spread(statistics.median(ms[v]), min(ms[v]), max(ms[v]), ".1f") for v in ("before", "after"))])
+    return markdown(["stage", "size", "variant", "before", "after"], rows)
+
+
+FOLDER_TABLES: dict[str, Callable[[Path], str]] = {"host": host_table}
 """Tables of a folder's files, not of one JSON: `host` is `benchmarks.host --compare`'s before/after table."""
 
 

@@ -258,6 +258,22 @@ def _own_fits(result: dict, trace: Sequence[TraceRequest], first: dict, config: 
     return _fits(records, result.get("moe"), submit_cost(first, trace), submissions(first), sleeps(first))
 
 
+def fitted_in_sample(result: dict, trace: Sequence[TraceRequest], schedule: str, fit: str = "linear"
+                     ) -> tuple[SimConfig, CostModel]:
+    """The simulated engine of one schedule of the run and its in-sample cost model (`fit`: 'linear'
+    or 'experts'), fitted to its repeat 0: what a what-if on that schedule starts from."""
+    entry = result.get("schedules", {}).get(schedule)
+    first = _first(entry) if entry else None
+    if first is None:
+        raise SystemExit(f"the run has no repeat 0 of {schedule!r} with step records")
+    config = _sim_config(result, entry["spec"], entry["budget"], first)
+    fits = config if isinstance(config, str) else _own_fits(result, trace, first, config)
+    cost = fits if isinstance(fits, str) else fits.get(fit, f"no {fit!r} fit (one of {sorted(fits)})")
+    if isinstance(cost, str):
+        raise SystemExit(f"{schedule}: {cost}")
+    return config, cost
+
+
 def _pooled_fits(result: dict, trace: Sequence[TraceRequest], fit_from: dict | None) -> dict[str, CostModel | str]:
     """The out-of-sample cost models: fitted to repeat 0 of `off` and `chunked` pooled, of the run or
     of `fit_from` (same model and device, the same trace), their start-ups averaged."""

@@ -12,6 +12,10 @@ mixed in. What changes the chain's own time is what its steps cost and how many 
   segment issued with it, each on its own SM partition; each runs slower than alone, by
   `decode_factor` and `prefill_factor`, instead of one after the other. As in the engine, one
   segment is issued a round: prefill does not run ahead of the host into the next.
+- `TailLane`: after each step with more than `rows` decode rows, `steps` more decode-only steps of
+  the `rows` decoding requests ranked first (by the tokens their conversation has generated, by
+  its context, or by the oracle's remaining chain): the trajectories likely to finish last get
+  more tokens a second, at the cost of the steps' base and host gap.
 - `Speculation`: decode iterations of at most `max_rows` rows verify `draft_tokens` drafted
   tokens per row and keep `1 + acceptance * draft_tokens` tokens per row on average, at the cost
   of a forward of the same rows with `draft_tokens` drafted positions each (`CostModel.decode_draft_s`
@@ -108,6 +112,32 @@ class Speculation:
         return self.tail_tokens if self.tail_tokens is not None and rows <= self.tail_rows else self.draft_tokens
 
 
+LANE_RANKS = ("generated", "context", "oracle")
+"""How `TailLane` ranks the decoding requests, most first: the output tokens their conversation has
+generated (this turn's so far included: attained service), its tokens, or the remaining chain of
+turns and waits at batch 1 (the oracle: knowing the future)."""
+
+
+@dataclass(frozen=True)
+class TailLane:
+    """Extra decode-only steps for the requests ranked first."""
+
+    rows: int
+    """Requests in the lane; a step with at most this many decode rows adds none."""
+    steps: int
+    """Decode-only steps of the lane after each engine step."""
+    rank: str = "generated"
+    """One of `LANE_RANKS`."""
+
+    def __post_init__(self) -> None:
+        for name in ("rows", "steps"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"TailLane.{name} must be a positive int, got {value!r}")
+        if self.rank not in LANE_RANKS:
+            raise ValueError(f"TailLane.rank must be one of {LANE_RANKS}, got {self.rank!r}")
+
+
 @dataclass(frozen=True)
 class Levers:
     """The simulated engine's levers; the default pulls none (the engine as it runs today)."""
@@ -122,6 +152,8 @@ class Levers:
     """Spatial P/D overlap (`mux` only); None: decode and prefill serial on one stream."""
     speculation: Speculation | None = None
     """Speculative decoding of small decode batches; None: one token a row and iteration."""
+    tail_lane: TailLane | None = None
+    """Extra decode-only steps for the requests ranked first (`off`/`chunked`); None: none."""
 
     def __post_init__(self) -> None:
         if type(self.critical_first) is not int or self.critical_first < 0:
@@ -145,4 +177,6 @@ class Levers:
         if s := self.speculation:
             parts.append(f"spec:{s.max_rows}r/k{s.draft_tokens}/a{s.acceptance:g}/c{s.overhead:g}"
                          + (f"/tail:{s.tail_tokens}@{s.tail_rows}" if s.tail_tokens is not None else ""))
+        if lane := self.tail_lane:
+            parts.append(f"lane:{lane.rows}r/{lane.steps}s/{lane.rank}")
         return "+".join(parts)

@@ -14,7 +14,8 @@ step, an epoch being cut into `CostModel.mux_segments` segments while decode row
 otherwise), the two serial on one device as on the engine's one stream.
 
 Levers the engine does not have (yet) are options (`sim.levers`: decode priority for the
-critical chain, P/D side by side on one device under `mux`, speculative decoding of the tail);
+critical chain, P/D side by side on one device under `mux`, speculative decoding of the tail, a
+lane of extra decode steps for the likely-last trajectories);
 without them a simulated `mux` is the engine as it runs today. The simulated forwards come out as
 the engine's `StepRecord`s on the simulated clock, so `trace.breakdown` tells where a simulated
 makespan went with the definitions it uses for real replays (`SimResult.breakdown`).
@@ -34,7 +35,7 @@ from megatron_rollout.engine.api import FinishReason, GenerationResult, RequestO
 from megatron_rollout.engine.records import StepRecord
 from megatron_rollout.engine.scheduler import PrefillChunk, SchedulerConfig, SchedulerState, SeqView, Stage, plan_step
 from megatron_rollout.sim.cost import CostModel, StepSize, chunk_pairs
-from megatron_rollout.sim.levers import Levers, Speculation
+from megatron_rollout.sim.levers import Levers, Speculation, TailLane
 from megatron_rollout.sim.policy import Foresight, Priority, make_policy
 from megatron_rollout.trace.breakdown import Breakdown, build_breakdown
 from megatron_rollout.trace.schema import ConversationId, TraceRequest, group_conversations
@@ -62,6 +63,9 @@ class SimConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"SimConfig.{name} must be a positive int, got {value!r}")
+        if self.levers.tail_lane is not None and self.scheduler.schedule is Schedule.MUX:
+            raise ValueError("Levers.tail_lane adds decode-only steps between whole steps: it needs the off or "
+                             "chunked schedule, got 'mux'")
         if (self.levers.overlap is not None or self.levers.critical_share) \
                 and self.scheduler.schedule is not Schedule.MUX:
             raise ValueError(f"Levers.overlap and Levers.critical_share act on a prefill epoch beside decode: they "
@@ -310,6 +314,26 @@ class Simulator:
             self._advance(seconds, size)
             self._finish_decode(plan.decode, spec)
             self._finish_prefill(plan.prefill)
+            if self.levers.tail_lane is not None:
+                self._lane(self.levers.tail_lane)
+
+    def _lane(self, lane: TailLane) -> None:
+        """`Levers.tail_lane`: decode-only steps of the requests ranked first, while more decode."""
+        decoding = [r for r in self.active.values() if r.stage is Stage.DECODE]
+        if len(decoding) <= lane.rows:
+            return
+        rank = {"generated": lambda r: r.conv.generated + r.turn.output_tokens - r.output_left,
+                "context": lambda r: r.conv.tokens,
+                "oracle": lambda r: r.conv.chain_after[r.conv.next_turn]}[lane.rank]
+        rows = tuple(r.rid for r in sorted(decoding, key=rank, reverse=True)[:lane.rows])
+        for _ in range(lane.steps):
+            if not (rows := tuple(rid for rid in rows if rid in self.active)):
+                return
+            size = self._decode_size(rows)
+            seconds = self.cost.step_s(size)
+            self._record(seconds, size)
+            self._advance(seconds, size)
+            self._finish_decode(rows)
 
     def _mux_step(self, decode: tuple[int, ...], prefill: tuple[PrefillChunk, ...], spec: Speculation | None,
                   hold: bool) -> None:

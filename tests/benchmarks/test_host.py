@@ -77,7 +77,7 @@ def test_lookup_is_timed_on_text_uniform_ids_and_a_loop():
 def test_compare_tables_two_commits_invocations(tmp_path):
     import json
 
-    from benchmarks.host import compare
+    from benchmarks.report import host_table as compare
 
     def run(ms, us):
         return {"drafting_step_ms": {"16": {"ngram:4": {"median": ms}}},

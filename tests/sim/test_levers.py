@@ -6,7 +6,7 @@ from megatron_rollout.engine.api import Schedule
 from megatron_rollout.engine.scheduler import SchedulerConfig
 from megatron_rollout.sim.bounds import lower_bound
 from megatron_rollout.sim.cost import CostModel
-from megatron_rollout.sim.levers import Levers, Overlap, Speculation
+from megatron_rollout.sim.levers import Levers, Overlap, Speculation, TailLane
 from megatron_rollout.sim.policy import Foresight, GroupStragglers, LeastGenerated, Oracle, Priority, make_policy
 from megatron_rollout.sim.simulator import SimConfig, simulate
 from megatron_rollout.trace.schema import TraceRequest
@@ -135,3 +135,31 @@ def test_overlap_runs_one_segment_a_round():
     assert simulate(TWO, UNIT, config(overlap=overlap)).makespan_s == pytest.approx(5 + 1 + 6 + 6)
     with pytest.raises(ValueError, match="decode_alone_factor must be a number >= 1"):
         Overlap(1.0, 1.0, decode_alone_factor=0.9)
+
+
+def test_a_tail_lane_gives_the_ranked_row_steps_of_its_own():
+    """A decode step costs 1 s plus 1 s a row. Without the lane, A and B decode together (3 s a step)
+    until B ends at 11 s, then A alone (2 s a step) to 27 s. With a lane of one row, A, which has
+    generated more, gets a step of its own after each shared one: B ends at 15 s, A still at 27 s
+    (its tokens cost 2 s each alone either way). Ranked by the oracle, the same row: A's chain is
+    the longer."""
+    cost = CostModel(decode_base_s=1.0, decode_row_s=1.0, prefill_base_s=5.0)
+    trace = [TraceRequest("A", 0, 10, 11, 0.0), TraceRequest("B", 0, 10, 3, 0.0)]
+    plain = simulate(trace, cost, config("chunked"))
+    assert plain.finish_of() == {"A": pytest.approx(27.0), "B": pytest.approx(11.0)}
+    for rank in ("generated", "oracle"):
+        sim = simulate(trace, cost, config("chunked", tail_lane=TailLane(rows=1, steps=1, rank=rank)))
+        assert sim.finish_of() == {"A": pytest.approx(27.0), "B": pytest.approx(15.0)}
+        assert sim.steps == plain.steps and sim.levers == f"lane:1r/1s/{rank}"
+    # a lane as wide as the batch adds nothing
+    wide = simulate(trace, cost, config("chunked", tail_lane=TailLane(rows=2, steps=3)))
+    assert wide.finish_of() == plain.finish_of()
+
+
+def test_a_tail_lane_is_checked():
+    with pytest.raises(ValueError, match="off or chunked"):
+        config("mux", tail_lane=TailLane(1, 1))
+    with pytest.raises(ValueError, match="rank must be one of"):
+        TailLane(1, 1, rank="longest")
+    with pytest.raises(ValueError, match="TailLane.steps must be a positive int"):
+        TailLane(1, 0)
