@@ -117,10 +117,11 @@ class PendingDraw:
     seeded request's stream does not depend on the device, nor on the rows beside it. Rows that
     share sampling params are filtered together. A batch of one law, greedy or temperature 1
     without filters, on the GPU is drawn by one kernel launch (`kernels.draw`: the same rule, its
-    sums in another order; greedy takes the raw logits' first maximum). A non-finite row gets some in-range token (its
-    result is the error, judged on the host from the row's max). A whole batch's results come back
-    in one copy, and `tokens` ([rows] int64, meaningless for a non-finite row) stays on the
-    device, where the next decode forward can read it before the host has (`engine.ahead`).
+    sums in another order; greedy takes the raw logits' first maximum). A non-finite row gets some
+    in-range token (its result is the error, judged on the host from the row's max). A whole
+    batch's results come back in one copy, and `tokens` ([rows] int64, meaningless for a
+    non-finite row) stays on the device, where the next decode forward can read it before the host
+    has (`engine.ahead`).
     """
 
     def __init__(self, logits: torch.Tensor, params: Sequence[SamplingParams],

@@ -2,9 +2,9 @@
 
 Why: `engine.sampler.PendingDraw` draws a batch with a dozen small eager kernels (the fp32 copy,
 the log-softmax, the argmax or the exp, scan and two searches of the inverse CDF, the gathers, the
-concatenation of what goes to the host); on an H100 that was 0.23-0.25 ms a greedy step and 0.44-0.47 ms a
-temperature-1 step of one to four rows (`benchmarks.host --sample`), most of it the host issuing
-them, between every two decode forwards. One program per row reads the row twice:
+concatenation of what goes to the host); on an H100 that was 0.23-0.25 ms a greedy step and
+0.44-0.47 ms a temperature-1 step of one to four rows (`benchmarks.host --sample`), most of it the
+host issuing them, between every two decode forwards. One program per row reads the row twice:
 
 1. the row's max, the sum of exp(x - max) (online, block by block), the first index of the max;
 2. (sampled rows) the blocks' running cumulative sums of exp(x - max) against the row's target
