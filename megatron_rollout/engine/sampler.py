@@ -132,8 +132,8 @@ class PendingDraw:
         if law is not None and draw_kernel.applies(law.temperature, law.top_k, law.top_p, logits):
             # the usual batch, one law: one launch (`kernels.draw`) writes what goes to the host
             u = None if law.temperature == 0.0 else to_device(_uniforms(generators), logits.device)
-            self.tokens, drawn = draw_kernel.draw(logits, u)
-            parts = [drawn]
+            drawn = draw_kernel.draw(logits, u)
+            self.tokens, parts = drawn.tokens, [drawn.packed]
         else:
             parts = self._eager(logits, params, generators, groups)
         self._want = [p.logprobs for p in params]

@@ -25,6 +25,8 @@ over several programs (a row of 151,936 bf16 logits is two passes over 300 KB).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from megatron_rollout.kernels.fused import interpreting
@@ -41,6 +43,15 @@ LAUNCHES = {"draw": 0}
 """Launches of the kernel (host-side count): lets a test see that the kernel, not the eager path, ran."""
 
 
+class Drawn(NamedTuple):
+    """A batch's draw, on the logits' device."""
+
+    tokens: torch.Tensor
+    """[rows] int64: what the next forward reads."""
+    packed: torch.Tensor
+    """[3 * rows] fp32: the row maxes, the tokens, their logprobs: what the host copies back."""
+
+
 def applies(temperature: float, top_k: int | None, top_p: float, logits: torch.Tensor) -> bool:
     """Whether the kernel draws this law from these logits: greedy or temperature 1, unfiltered,
     [rows, V] bf16 or fp32 with unit stride along V, on CUDA (or interpreting), Triton present."""
@@ -49,17 +60,16 @@ def applies(temperature: float, top_k: int | None, top_p: float, logits: torch.T
             and logits.dtype in (torch.bfloat16, torch.float32) and (logits.is_cuda or interpreting()))
 
 
-def draw(logits: torch.Tensor, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens [rows] int64, packed [3 * rows] fp32: row maxes, tokens, logprobs) of `logits`
-    [rows, V]: the argmax where `u` is None, else the inverse-CDF draw at the uniforms `u` [rows]
-    (fp32, on the logits' device). Callers check `applies` first."""
+def draw(logits: torch.Tensor, u: torch.Tensor | None) -> Drawn:
+    """The draw of `logits` [rows, V]: the argmax where `u` is None, else the inverse-CDF draw at the
+    uniforms `u` [rows] (fp32, on the logits' device). Callers check `applies` first."""
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
     packed = torch.empty(3 * rows, dtype=torch.float32, device=logits.device)
     LAUNCHES["draw"] += 1
     _draw_kernel[(rows,)](logits, logits.stride(0), packed if u is None else u, packed, tokens, rows,
                           VOCAB=vocab, BLOCK=BLOCK, GREEDY=u is None, num_warps=8)
-    return tokens, packed
+    return Drawn(tokens, packed)
 
 
 if triton is not None:
