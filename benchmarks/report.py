@@ -310,7 +310,6 @@ def host_table(folder: Path) -> str:
     if not runs["before"] or not runs["after"]:
         raise SystemExit(f"{folder}: needs host-before-*.json and host-after-*.json")
 
-
     def cell(v: str, stage: str, size: str, variant: str, spec: str) -> str:
         xs = [r[stage][size][variant]["median"] for r in runs[v]]
         return spread(statistics.median(xs), min(xs), max(xs), spec)

@@ -268,9 +268,9 @@ def fitted_in_sample(result: dict, trace: Sequence[TraceRequest], schedule: str,
         raise SystemExit(f"the run has no repeat 0 of {schedule!r} with step records")
     config = _sim_config(result, entry["spec"], entry["budget"], first)
     fits = config if isinstance(config, str) else _own_fits(result, trace, first, config)
-    cost = fits if isinstance(fits, str) else fits.get(fit, f"no {fit!r} fit (one of {sorted(fits)})")
-    if isinstance(cost, str):
-        raise SystemExit(f"{schedule}: {cost}")
+    cost = fits if isinstance(fits, str) else fits.get(fit)
+    if not isinstance(cost, CostModel):  # why it cannot be fitted, or a fit that does not exist
+        raise SystemExit(f"{schedule}: {cost or f'no {fit!r} fit: one of {FITS}'}")
     return config, cost
 
 

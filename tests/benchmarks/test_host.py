@@ -74,28 +74,6 @@ def test_lookup_is_timed_on_text_uniform_ids_and_a_loop():
     assert loop["proposed"] == 1.0 and text["proposed"] < 1.0 and uniform["proposed"] < 0.1
 
 
-def test_compare_tables_two_commits_invocations(tmp_path):
-    import json
-
-    from benchmarks.report import host_table as compare
-
-    def run(ms, us):
-        return {"drafting_step_ms": {"16": {"ngram:4": {"median": ms}}},
-                "lookup_us": {"1000": {"loop": {"median": us}}},
-                "verify_fill_ms": {"16x1300": {"keyed": {"median": ms / 2}}},
-                "startup": {"turns": 2, "tokens": 900, "ms": {"median": 10 * ms}}}
-
-    pairs = [((1.0, 10.0), (0.5, 2.0)), ((1.2, 12.0), (0.7, 3.0)), ((1.1, 11.0), (0.6, 9.0))]
-    for i, (before, after) in enumerate(pairs):
-        (tmp_path / f"host-before-{i}.json").write_text(json.dumps(run(*before)))
-        (tmp_path / f"host-after-{i}.json").write_text(json.dumps(run(*after)))
-    rows = compare(tmp_path).splitlines()
-    assert rows[2] == "| drafting step, ms | 16 rows | ngram:4 | 1.100 [1.000-1.200] | 0.600 [0.500-0.700] |"
-    assert rows[3] == "| lookup, us | 1000 tokens | loop | 11.0 [10.0-12.0] | 3.0 [2.0-9.0] |"
-    assert rows[4] == "| verify fill, ms | 16x1300 rows x entries | keyed | 0.550 [0.500-0.600] | 0.300 [0.250-0.350] |"
-    assert rows[5] == "| startup, ms | 900 tokens of 2 first turns | submit | 11.0 [10.0-12.0] | 6.0 [5.0-7.0] |"
-
-
 def test_verdicts_are_timed_row_by_row_and_at_once():
     for drafts in (0, 2):
         timed = verdicts_ms(rows=3, drafts=drafts, vocab=64, repeats=2)

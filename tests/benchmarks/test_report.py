@@ -51,13 +51,26 @@ def test_unknown_kinds_and_missing_files_are_named():
         report.table("rollout", "nowhere.json")
 
 
-def test_a_host_table_is_made_from_a_folder_of_before_and_after_runs(tmp_path):
-    """`host` reads a folder (`benchmarks.host --compare`): medians over the invocations, [min-max]."""
-    for i, (before, after) in enumerate([(0.44, 0.20), (0.46, 0.21), (0.40, 0.19)], 1):
-        for name, ms in (("before", before), ("after", after)):
-            run = {"sample_ms": {"4": {"t1": {"median": ms, "min": ms, "max": ms}}}}
-            (tmp_path / f"host-{name}-{i}.json").write_text(json.dumps(run))
-    assert "| sample, ms | 4 rows | t1 | 0.440 [0.400-0.460] | 0.200 [0.190-0.210] |" in report.table("host", tmp_path)
+def test_a_host_table_sets_two_commits_invocations_side_by_side(tmp_path):
+    """`host` reads a folder of `benchmarks.host` runs (`--compare`): per figure the median over the
+    invocations of their medians, [min-max], before and after."""
+    def run(ms, us):
+        return {"drafting_step_ms": {"16": {"ngram:4": {"median": ms}}},
+                "lookup_us": {"1000": {"loop": {"median": us}}},
+                "sample_ms": {"4": {"t1": {"median": ms / 4}}},
+                "verify_fill_ms": {"16x1300": {"keyed": {"median": ms / 2}}},
+                "startup": {"turns": 2, "tokens": 900, "ms": {"median": 10 * ms}}}
+
+    pairs = [((1.0, 10.0), (0.5, 2.0)), ((1.2, 12.0), (0.7, 3.0)), ((1.1, 11.0), (0.6, 9.0))]
+    for i, (before, after) in enumerate(pairs):
+        (tmp_path / f"host-before-{i}.json").write_text(json.dumps(run(*before)))
+        (tmp_path / f"host-after-{i}.json").write_text(json.dumps(run(*after)))
+    rows = report.table("host", tmp_path).splitlines()
+    assert rows[2] == "| drafting step, ms | 16 rows | ngram:4 | 1.100 [1.000-1.200] | 0.600 [0.500-0.700] |"
+    assert rows[3] == "| lookup, us | 1000 tokens | loop | 11.0 [10.0-12.0] | 3.0 [2.0-9.0] |"
+    assert rows[4] == "| sample, ms | 4 rows | t1 | 0.275 [0.250-0.300] | 0.150 [0.125-0.175] |"
+    assert rows[5] == "| verify fill, ms | 16x1300 rows x entries | keyed | 0.550 [0.500-0.600] | 0.300 [0.250-0.350] |"
+    assert rows[6] == "| startup, ms | 900 tokens of 2 first turns | submit | 11.0 [10.0-12.0] | 6.0 [5.0-7.0] |"
     with pytest.raises(FileNotFoundError, match="folder nowhere not found"):
         report.table("host", "nowhere")
 

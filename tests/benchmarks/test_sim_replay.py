@@ -14,6 +14,7 @@ from megatron_rollout.sim import cost as sim_cost
 from megatron_rollout.sim.cost import turn_cost
 from megatron_rollout.sim.levers import Overlap, Speculation
 from megatron_rollout.sim.policy import POLICIES
+from megatron_rollout.sim.simulator import simulate
 from megatron_rollout.trace.schema import load_trace
 from megatron_rollout.trace.steps import from_columns
 
@@ -370,3 +371,19 @@ def test_epochs_are_set_against_their_serial_charge():
     assert got["prefill_charge_s"] == pytest.approx(1.0 + 200 * 0.01 + 1.0 + 10 * 0.01)
     assert got["decode_charge_s"] == pytest.approx(1.2 + 0.75)
     assert got["over_serial"] == pytest.approx(1.7 / (3.0 + 1.1 + 1.95))
+
+
+@pytest.mark.timeout(60)
+def test_fitted_in_sample_gives_the_schedules_engine_and_the_fit_the_report_uses(run):
+    """What a what-if script starts from: the same simulation as the report's in-sample cell, and
+    an error that names what is missing."""
+    out, result = run
+    trace = load_trace(out / "trace.jsonl")
+    config, cost = sim_replay.fitted_in_sample(result, trace, "chunked", "experts")
+    assert config.scheduler.max_batch_tokens == 64 and cost.expert_s >= 0 and cost.routing is not None
+    cell = sim_replay.sim_replay(result, trace)["schedules"]["chunked"]["in_sample"]["experts"]
+    assert simulate(trace, cost, config).makespan_s == pytest.approx(cell["sim_s"])
+    with pytest.raises(SystemExit, match="no 'cubic' fit"):
+        sim_replay.fitted_in_sample(result, trace, "chunked", "cubic")
+    with pytest.raises(SystemExit, match="no repeat 0 of 'mux@budget:9'"):
+        sim_replay.fitted_in_sample(result, trace, "mux@budget:9")
