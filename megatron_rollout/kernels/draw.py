@@ -66,7 +66,7 @@ def draw(logits: torch.Tensor, u: torch.Tensor | None) -> Drawn:
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
     packed = torch.empty(3 * rows, dtype=torch.float32, device=logits.device)
-    LAUNCHES["draw"] += 1
+    LAUNCHES["draw"] += 1  # greedy reads no uniform: `packed` stands in for the pointer
     _draw_kernel[(rows,)](logits, logits.stride(0), packed if u is None else u, packed, tokens, rows,
                           VOCAB=vocab, BLOCK=BLOCK, GREEDY=u is None, num_warps=8)
     return Drawn(tokens, packed)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from megatron_rollout.engine.api import FinishReason, GenerationResult, RequestOutput, RequestTimes, Schedule
@@ -193,6 +193,13 @@ class _Epoch:
                         prefill_pairs=round(share * self.size.prefill_pairs))
 
 
+_LANE_KEYS: dict[str, Callable[[_Req], float]] = {
+    "generated": lambda r: r.conv.generated + r.turn.output_tokens - r.output_left,
+    "context": lambda r: r.conv.tokens,
+    "oracle": lambda r: r.conv.chain_after[r.conv.next_turn]}
+"""`TailLane.rank`'s keys on a request, larger first (`sim.levers.LANE_RANKS`)."""
+
+
 def _blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
@@ -322,10 +329,7 @@ class Simulator:
         decoding = [r for r in self.active.values() if r.stage is Stage.DECODE]
         if len(decoding) <= lane.rows:
             return
-        rank = {"generated": lambda r: r.conv.generated + r.turn.output_tokens - r.output_left,
-                "context": lambda r: r.conv.tokens,
-                "oracle": lambda r: r.conv.chain_after[r.conv.next_turn]}[lane.rank]
-        rows = tuple(r.rid for r in sorted(decoding, key=rank, reverse=True)[:lane.rows])
+        rows = tuple(r.rid for r in sorted(decoding, key=_LANE_KEYS[lane.rank], reverse=True)[:lane.rows])
         for _ in range(lane.steps):
             if not (rows := tuple(rid for rid in rows if rid in self.active)):
                 return
