@@ -81,7 +81,7 @@ from benchmarks.interleave import PeerSession
 from benchmarks.pauses import GcPauses
 from benchmarks.random_weights import random_model
 from benchmarks.report import acceptance_note
-from benchmarks.specs import engine_config, split_spec, unpartitioned
+from benchmarks.specs import engine_config, pdl_launches, split_spec, unpartitioned
 from benchmarks.vllm_peer import temperature as _temperature
 from megatron_rollout.engine.config import DEFAULT_SPAN
 from megatron_rollout.model.config import PRESETS, ModelConfig
@@ -368,6 +368,12 @@ def run_replay(run: Run, trace: list, spec: str, budget: int, kind: str,
                profiler: cProfile.Profile | None = None) -> dict[str, Any]:
     """One replay of `trace` under `spec` at `budget` in a fresh engine; compilations counted; the
     replay alone (not the engine's set-up) under `profiler` where one is given."""
+    with pdl_launches(split_spec(spec)):
+        return _replay_in_engine(run, trace, spec, budget, kind, profiler)
+
+
+def _replay_in_engine(run: Run, trace: list, spec: str, budget: int, kind: str,
+                      profiler: cProfile.Profile | None) -> dict[str, Any]:
     from megatron_rollout.engine import RolloutEngine, SamplingParams
     from megatron_rollout.trace.replay import replay
     from megatron_rollout.trace.steps import SLEEP_COLUMNS, SUBMISSION_COLUMNS, marks_to_columns, to_columns
@@ -594,6 +600,9 @@ def ratios(result: dict) -> dict[str, float | None]:
     for n in ours:  # decode ahead's effect: a schedule against its '/sync' twin
         if n.endswith("/sync"):
             out[f"{n[:-5]}_over_{n[:-5]}_sync"] = _ratio(med(n[:-5]), med(n))
+    for n in ours:  # programmatic dependent launch's effect: a schedule against its twin without '/pdl'
+        if n.endswith("/pdl") and n[:-4] in ours:
+            out[f"{n}_over_{n[:-4]}"] = _ratio(med(n), med(n[:-4]))
     for n in ours:  # SMs held back from prefill: a schedule against the same one without
         if (whole := unpartitioned(n)) != n:
             out[f"{n}_over_{whole}"] = _ratio(med(n), med(whole))
@@ -739,7 +748,8 @@ def sweep_stage(run: Run, result: dict, out: Path, trace: list, specs: list[tupl
     result["sweep_trace"] = trace_summary(short)
     if len(budgets) == 1:
         result["warmup"] = {}
-        for spec in bases:
+        launched = [f"{b}/pdl" for b in bases if any(_base(spec) == b and split_spec(spec).pdl for _, spec in specs)]
+        for spec in bases + launched:  # '/pdl' kernels are other builds: warmed apart
             if not run.fits("sweep"):
                 result["stopped"] = "deadline during the warm-up"
                 break

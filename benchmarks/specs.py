@@ -1,4 +1,4 @@
-"""Schedule specs of the rollout benchmark, 'schedule[@span][+priority][~drafts][/sync][/sms:N|/split:N][/pw:N]':
+"""Schedule specs of the rollout benchmark, 'schedule[@span][+priority][~drafts][/sync][/sms:N|/split:N][/pw:N][/pdl]':
 what each asks for (`split_spec`), the schedule it runs on the whole device (`unpartitioned`) and the
 `EngineConfig` its replays run under (`engine_config`). `benchmarks.rollout` times them and
 `benchmarks.sim_replay` simulates them from the same parse.
@@ -6,7 +6,9 @@ what each asks for (`split_spec`), the schedule it runs on the whole device (`un
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
+from collections.abc import Iterator
 from typing import NamedTuple
 
 from megatron_rollout.engine.config import SpeculativeConfig
@@ -14,7 +16,7 @@ from megatron_rollout.engine.priority import PRIORITIES
 
 
 class Spec(NamedTuple):
-    """What a schedule spec 'schedule[@span][+priority][~drafts][/sync][/sms:N|/split:N][/pw:N]' asks for."""
+    """What a schedule spec 'schedule[@span][+priority][~drafts][/sync][/sms:N|/split:N][/pw:N][/pdl]' asks for."""
 
     schedule: str
     span: str | None
@@ -32,6 +34,9 @@ class Spec(NamedTuple):
     """'/split:N': decode beside prefill runs on those N SMs alone (`RunnerConfig.partition`)."""
     prefill_graph_tokens: tuple[int, ...] | None = None
     """'/pw:N': piecewise P graphs up to N tokens (`piecewise_buckets`); None: `RunnerConfig`'s."""
+    pdl: bool = False
+    """'/pdl': the replay's Triton kernels launched with programmatic dependent launch (`kernels.pdl`,
+    off by default), set for the engine's build and replay alone (`pdl_launches`)."""
 
 
 PIECEWISE_STEP = 2048
@@ -70,21 +75,24 @@ def _drafts(spec: str, text: str) -> SpeculativeConfig | None:
 
 
 def split_spec(spec: str) -> Spec:
-    """'schedule[@span][+priority][~ngram:K[:R][+T@W]][/sync][/sms:N|/split:N][/pw:N]' -> its parts: '/sync'
+    """'schedule[@span][+priority][~ngram:K[:R][+T@W]][/sync][/sms:N|/split:N][/pw:N][/pdl]' -> its parts: '/sync'
     turns decode ahead off, '/sms:24' leaves 24 SMs out of prefill's stream (mux), '/split:24' too and
     runs decode beside prefill on those 24 alone, '/pw:16384' captures piecewise P graphs up to 16,384
-    tokens (`piecewise_buckets`), '+name' picks the engine's priority (e.g.
+    tokens (`piecewise_buckets`), '/pdl' launches the Triton kernels with programmatic dependent launch,
+    '+name' picks the engine's priority (e.g.
     'mux+most-turns'), '~ngram:4' drafts 4 tokens per row by prompt lookup (':16': only while at
     most 16 rows decode; '+7@2': 7 while at most 2 do; '^7': 7 for a row whose last draft was kept whole)."""
     core, *flags = spec.split("/")
+    pdl = flags.count("pdl")
+    flags = [f for f in flags if f != "pdl"]
     held = [f.partition(":") for f in flags if f.startswith(("sms:", "split:"))]
     pw = [f.partition(":")[2] for f in flags if f.startswith("pw:")]
     if any(f != "sync" and not f.startswith(("sms:", "split:", "pw:")) for f in flags) or flags.count("sync") > 1 \
             or len(held) > 1 or not all(n.isdigit() and int(n) > 0 for _, _, n in held) or len(pw) > 1 \
-            or not all(n.isdigit() and int(n) > 0 for n in pw):
+            or not all(n.isdigit() and int(n) > 0 for n in pw) or pdl > 1:
         raise SystemExit(f"schedule {spec!r}: the suffixes are '/sync' (decode ahead off), '/sms:N' or "
                          f"'/split:N' (N > 0 SMs left out of prefill's stream), and '/pw:N' (piecewise P graphs "
-                         f"up to N > 0 tokens), each at most once")
+                         f"up to N > 0 tokens) and '/pdl' (programmatic dependent launch), each at most once")
     flag = "sync" if "sync" in flags else ""
     sms = [n for _, _, n in held]
     core, _, drafts = core.partition("~")
@@ -97,7 +105,21 @@ def split_spec(spec: str) -> Spec:
                          f"prefill beside decode")
     return Spec(schedule, span or None, "off" if flag else None, priority or None, _drafts(spec, drafts),
                 int(sms[0]) if sms else 0, "split" if held and held[0][0] == "split" else "held",
-                piecewise_buckets(int(pw[0])) if pw else None)
+                piecewise_buckets(int(pw[0])) if pw else None, bool(pdl))
+
+
+@contextlib.contextmanager
+def pdl_launches(spec: Spec) -> Iterator[None]:
+    """`kernels.pdl`'s process-wide switch on for a '/pdl' spec while the block runs (the engine's build,
+    graph capture and replay), then back as it was; a spec without it leaves the switch alone."""
+    from megatron_rollout.kernels import pdl
+
+    before = pdl.ENABLED
+    pdl.ENABLED = before or spec.pdl
+    try:
+        yield
+    finally:
+        pdl.ENABLED = before
 
 
 def unpartitioned(spec: str) -> str:
