@@ -15,14 +15,16 @@ consecutive tokens of one request, the turns of one episode, members of one GRPO
 episode slot in consecutive steps, and rows of one batch. Two vocabulary orders are used: the
 sampler's index order (where an inverse-CDF draw's v tracks its uniform) and a random permutation.
 
-`draw_functions` names the implementations audited: the engine's (`ours`), the per-row
-`torch.multinomial` draw it replaced, and deliberately broken ones that the audit must reject.
+`draw_functions` names the implementations audited: the engine's eager draw (`ours`), its
+one-launch kernel (`kernel`, `kernels.draw`: on CUDA, or on CPU in Triton's interpreter), the
+per-row `torch.multinomial` draw it replaced, and deliberately broken ones that the audit must reject.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import math
+import types
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 
@@ -30,7 +32,8 @@ import numpy as np
 import torch
 
 from megatron_rollout.engine import sampler
-from megatron_rollout.engine.api import sample_seed
+from megatron_rollout.engine.api import SamplingParams, sample_seed
+from megatron_rollout.kernels import draw as draw_kernel
 from rl.loop import GRPOConfig, GRPORun, _episodes
 from rl.rollout import rollout
 
@@ -43,6 +46,24 @@ def _multinomial(rows, params, generators):
     logp = sampler.filtered_logprobs(rows, params)
     token = torch.cat([torch.multinomial(lp.exp(), 1, generator=g) for lp, g in zip(logp, generators)])
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+
+def _kernel(rows: torch.Tensor, params: SamplingParams, generators: Sequence[torch.Generator | None]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's one-launch draw (`kernels.draw`) at ours's uniforms, on CUDA when there is one (else
+    on CPU, in Triton's interpreter). `PendingDraw` takes it for a batch of one law, greedy or
+    temperature 1 unfiltered: the law the loop samples (`temperature: 1.0` in its configs, `sharpen`
+    scaling the logits, not the temperature). Its logprob is the raw softmax's, which at those two
+    laws is the drawn distribution's, as `_draw` returns it."""
+    device = torch.device("cuda") if torch.cuda.is_available() else rows.device
+    logits = rows.to(device)
+    if not draw_kernel.applies(params.temperature, params.top_k, params.top_p, logits):
+        raise ValueError(f"the draw kernel does not draw temperature {params.temperature}, top_k {params.top_k}, "
+                         f"top_p {params.top_p} from {tuple(logits.shape)} {logits.dtype} rows on {device}: it draws "
+                         "greedy or temperature 1 unfiltered, on CUDA or under TRITON_INTERPRET=1")
+    u = None if params.temperature == 0.0 else sampler._uniforms(generators).to(device)
+    drawn = draw_kernel.draw(logits, u)
+    return drawn.tokens.to(rows.device), drawn.packed[2 * rows.shape[0]:].to(rows.device)
 
 
 def _shared_uniform(rows, params, generators):
@@ -74,8 +95,8 @@ def _turn_seeded(rows, params, generators):
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
 
-draw_functions: dict[str, DrawFn] = {"ours": OURS, "multinomial": _multinomial, "shared_uniform": _shared_uniform,
-                                     "biased": _biased, "turn_seeded": _turn_seeded}
+draw_functions: dict[str, DrawFn] = {"ours": OURS, "kernel": _kernel, "multinomial": _multinomial,
+                                     "shared_uniform": _shared_uniform, "biased": _biased, "turn_seeded": _turn_seeded}
 
 
 @dataclasses.dataclass
@@ -90,7 +111,9 @@ class Draw:
 
 @contextlib.contextmanager
 def recording(draw: DrawFn, into: list[Draw]) -> Iterator[None]:
-    """Replace the engine's per-group draw by `draw`, recording every draw it makes."""
+    """Replace the engine's per-group draw by `draw`, recording every draw it makes. The engine's
+    one-launch path (`kernels.draw`, which `PendingDraw` takes instead of `_draw` on CUDA or under
+    TRITON_INTERPRET=1) is off meanwhile, so every batch reaches `draw`: what is audited is what drew."""
     counts: dict[int, int] = defaultdict(int)
     calls = [0]
 
@@ -104,12 +127,12 @@ def recording(draw: DrawFn, into: list[Draw]) -> Iterator[None]:
         calls[0] += 1
         return token, logprob
 
-    original = sampler._draw
-    sampler._draw = recorded
+    original = sampler._draw, sampler.draw_kernel
+    sampler._draw, sampler.draw_kernel = recorded, types.SimpleNamespace(applies=lambda *args: False)
     try:
         yield
     finally:
-        sampler._draw = original
+        sampler._draw, sampler.draw_kernel = original
 
 
 @dataclasses.dataclass(frozen=True)
