@@ -600,9 +600,10 @@ def ratios(result: dict) -> dict[str, float | None]:
     for n in ours:  # decode ahead's effect: a schedule against its '/sync' twin
         if n.endswith("/sync"):
             out[f"{n[:-5]}_over_{n[:-5]}_sync"] = _ratio(med(n[:-5]), med(n))
-    for n in ours:  # programmatic dependent launch's effect: a schedule against its twin without '/pdl'
-        if n.endswith("/pdl") and n[:-4] in ours:
-            out[f"{n}_over_{n[:-4]}"] = _ratio(med(n), med(n[:-4]))
+    for n in ours:  # programmatic dependent launch's effect: a schedule against its twin without '/pdl' or '/nopdl'
+        twin = re.sub(r"/(no)?pdl$", "", n)
+        if twin != n and twin in ours:
+            out[f"{n}_over_{twin}"] = _ratio(med(n), med(twin))
     for n in ours:  # SMs held back from prefill: a schedule against the same one without
         if (whole := unpartitioned(n)) != n:
             out[f"{n}_over_{whole}"] = _ratio(med(n), med(whole))
@@ -748,8 +749,9 @@ def sweep_stage(run: Run, result: dict, out: Path, trace: list, specs: list[tupl
     result["sweep_trace"] = trace_summary(short)
     if len(budgets) == 1:
         result["warmup"] = {}
-        launched = [f"{b}/pdl" for b in bases if any(_base(spec) == b and split_spec(spec).pdl for _, spec in specs)]
-        for spec in bases + launched:  # '/pdl' kernels are other builds: warmed apart
+        launched = list(dict.fromkeys(f"{b}/{'' if p else 'no'}pdl" for b in bases for _, spec in specs
+                                      if _base(spec) == b and (p := split_spec(spec).pdl) is not None))
+        for spec in bases + launched:  # kernels with PDL and without are other builds: warmed apart
             if not run.fits("sweep"):
                 result["stopped"] = "deadline during the warm-up"
                 break

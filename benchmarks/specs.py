@@ -1,7 +1,8 @@
-"""Schedule specs of the rollout benchmark, 'schedule[@span][+priority][~drafts][/sync][/sms:N|/split:N][/pw:N][/pdl]':
-what each asks for (`split_spec`), the schedule it runs on the whole device (`unpartitioned`) and the
-`EngineConfig` its replays run under (`engine_config`). `benchmarks.rollout` times them and
-`benchmarks.sim_replay` simulates them from the same parse.
+"""Schedule specs of the rollout benchmark,
+'schedule[@span][+priority][~drafts][/sync][/sms:N|/split:N][/pw:N][/pdl|/nopdl]': what each asks for
+(`split_spec`), the schedule it runs on the whole device (`unpartitioned`) and the `EngineConfig` its
+replays run under (`engine_config`). `benchmarks.rollout` times them and `benchmarks.sim_replay`
+simulates them from the same parse.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from megatron_rollout.engine.priority import PRIORITIES
 
 
 class Spec(NamedTuple):
-    """What a schedule spec 'schedule[@span][+priority][~drafts][/sync][/sms:N|/split:N][/pw:N][/pdl]' asks for."""
+    """What a schedule spec 'schedule[@span][+priority][~drafts][/sync][/sms:N|/split:N][/pw:N][/pdl|/nopdl]'
+    asks for."""
 
     schedule: str
     span: str | None
@@ -34,9 +36,10 @@ class Spec(NamedTuple):
     """'/split:N': decode beside prefill runs on those N SMs alone (`RunnerConfig.partition`)."""
     prefill_graph_tokens: tuple[int, ...] | None = None
     """'/pw:N': piecewise P graphs up to N tokens (`piecewise_buckets`); None: `RunnerConfig`'s."""
-    pdl: bool = False
-    """'/pdl': the replay's Triton kernels launched with programmatic dependent launch (`kernels.pdl`,
-    off by default), set for the engine's build and replay alone (`pdl_launches`)."""
+    pdl: bool | None = None
+    """'/pdl' (True) or '/nopdl' (False): the replay's Triton kernels launched with programmatic
+    dependent launch or without (`kernels.pdl`), for the engine's build and replay alone
+    (`pdl_launches`); None: the process's setting (on by default since 2026-12-06)."""
 
 
 PIECEWISE_STEP = 2048
@@ -75,24 +78,26 @@ def _drafts(spec: str, text: str) -> SpeculativeConfig | None:
 
 
 def split_spec(spec: str) -> Spec:
-    """'schedule[@span][+priority][~ngram:K[:R][+T@W]][/sync][/sms:N|/split:N][/pw:N][/pdl]' -> its parts: '/sync'
-    turns decode ahead off, '/sms:24' leaves 24 SMs out of prefill's stream (mux), '/split:24' too and
+    """'schedule[@span][+priority][~ngram:K[:R][+T@W]][/sync][/sms:N|/split:N][/pw:N][/pdl|/nopdl]' -> its
+    parts: '/sync' turns decode ahead off, '/sms:24' leaves 24 SMs out of prefill's stream (mux), '/split:24' too and
     runs decode beside prefill on those 24 alone, '/pw:16384' captures piecewise P graphs up to 16,384
-    tokens (`piecewise_buckets`), '/pdl' launches the Triton kernels with programmatic dependent launch,
+    tokens (`piecewise_buckets`), '/pdl' or '/nopdl' launches the Triton kernels with programmatic dependent launch or
+    without,
     '+name' picks the engine's priority (e.g.
     'mux+most-turns'), '~ngram:4' drafts 4 tokens per row by prompt lookup (':16': only while at
     most 16 rows decode; '+7@2': 7 while at most 2 do; '^7': 7 for a row whose last draft was kept whole)."""
     core, *flags = spec.split("/")
-    pdl = flags.count("pdl")
-    flags = [f for f in flags if f != "pdl"]
+    launch = [f == "pdl" for f in flags if f in ("pdl", "nopdl")]
+    flags = [f for f in flags if f not in ("pdl", "nopdl")]
     held = [f.partition(":") for f in flags if f.startswith(("sms:", "split:"))]
     pw = [f.partition(":")[2] for f in flags if f.startswith("pw:")]
     if any(f != "sync" and not f.startswith(("sms:", "split:", "pw:")) for f in flags) or flags.count("sync") > 1 \
             or len(held) > 1 or not all(n.isdigit() and int(n) > 0 for _, _, n in held) or len(pw) > 1 \
-            or not all(n.isdigit() and int(n) > 0 for n in pw) or pdl > 1:
+            or not all(n.isdigit() and int(n) > 0 for n in pw) or len(launch) > 1:
         raise SystemExit(f"schedule {spec!r}: the suffixes are '/sync' (decode ahead off), '/sms:N' or "
                          f"'/split:N' (N > 0 SMs left out of prefill's stream), and '/pw:N' (piecewise P graphs "
-                         f"up to N > 0 tokens) and '/pdl' (programmatic dependent launch), each at most once")
+                         f"up to N > 0 tokens), and '/pdl' or '/nopdl' (programmatic dependent launch on or off), "
+                         f"each at most once")
     flag = "sync" if "sync" in flags else ""
     sms = [n for _, _, n in held]
     core, _, drafts = core.partition("~")
@@ -105,17 +110,17 @@ def split_spec(spec: str) -> Spec:
                          f"prefill beside decode")
     return Spec(schedule, span or None, "off" if flag else None, priority or None, _drafts(spec, drafts),
                 int(sms[0]) if sms else 0, "split" if held and held[0][0] == "split" else "held",
-                piecewise_buckets(int(pw[0])) if pw else None, bool(pdl))
+                piecewise_buckets(int(pw[0])) if pw else None, launch[0] if launch else None)
 
 
 @contextlib.contextmanager
 def pdl_launches(spec: Spec) -> Iterator[None]:
-    """`kernels.pdl`'s process-wide switch on for a '/pdl' spec while the block runs (the engine's build,
-    graph capture and replay), then back as it was; a spec without it leaves the switch alone."""
+    """`kernels.pdl`'s process-wide switch as a '/pdl' or '/nopdl' spec asks while the block runs (the
+    engine's build, graph capture and replay), then back as it was; a spec with neither leaves it alone."""
     from megatron_rollout.kernels import pdl
 
     before = pdl.ENABLED
-    pdl.ENABLED = before or spec.pdl
+    pdl.ENABLED = before if spec.pdl is None else spec.pdl
     try:
         yield
     finally:

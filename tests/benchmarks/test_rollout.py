@@ -470,7 +470,7 @@ def test_sampled_runs_hold_drafting_to_costing_little():
 def test_spec_suffix_tilde_asks_for_ngram_drafts():
     assert rollout.split_spec("mux~ngram:4").speculative == SpeculativeConfig("ngram", 4)
     assert rollout.split_spec("mux+most-turns~ngram:3:16/sync") == (
-        "mux", None, "off", "most-turns", SpeculativeConfig("ngram", 3, tail_rows=16), 0, "held", None, False)
+        "mux", None, "off", "most-turns", SpeculativeConfig("ngram", 3, tail_rows=16), 0, "held", None, None)
     assert rollout.split_spec("mux@budget:24000~ngram:4+7@2").speculative == SpeculativeConfig(
         "ngram", 4, tail_k=7, tail_k_rows=2)
     assert rollout.split_spec("mux~ngram:4:16+6").speculative == SpeculativeConfig("ngram", 4, tail_rows=16, tail_k=6)
@@ -485,7 +485,7 @@ def test_spec_suffix_tilde_asks_for_ngram_drafts():
 
 def test_spec_suffix_sync_turns_decode_ahead_off():
     assert rollout.split_spec("mux@fixed:4/sync")[:5] == ("mux", "fixed:4", "off", None, None)
-    assert rollout.split_spec("off") == ("off", None, None, None, None, 0, "held", None, False)
+    assert rollout.split_spec("off") == ("off", None, None, None, None, 0, "held", None, None)
     assert rollout.split_spec("mux@fixed:4+most-turns/sync")[:5] == ("mux", "fixed:4", "off", "most-turns", None)
     with pytest.raises(SystemExit, match="the suffixes are '/sync'"):
         rollout.split_spec("off/fast")
@@ -499,9 +499,11 @@ def test_spec_suffix_sync_turns_decode_ahead_off():
 def test_spec_suffix_sms_holds_sms_back_from_mux_prefill():
     assert rollout.split_spec("mux/sms:24").decode_sms == 24
     assert rollout.split_spec("mux@budget:24000~ngram:4+7@4/sync/sms:16") == (
-        "mux", "budget:24000", "off", None, SpeculativeConfig("ngram", 4, tail_k=7, tail_k_rows=4), 16, "held", None, False)
+        "mux", "budget:24000", "off", None, SpeculativeConfig("ngram", 4, tail_k=7, tail_k_rows=4), 16, "held", None,
+        None)
     assert rollout.split_spec("mux").decode_sms == 0
-    assert rollout.split_spec("mux/split:24")[5:7] == (24, "split") and rollout.split_spec("mux/sms:8").partition == "held"
+    assert rollout.split_spec("mux/split:24")[5:7] == (24, "split")
+    assert rollout.split_spec("mux/sms:8").partition == "held"
     for bad in ("mux/sms:0", "mux/sms:", "mux/sms:x", "mux/sms:8/sms:16", "mux/sync/sync", "mux/sms:8/split:8",
                 "mux/split:0"):
         with pytest.raises(SystemExit, match="the suffixes are"):
@@ -692,20 +694,23 @@ def test_spec_suffix_pdl_switches_launches_for_its_replay_alone(monkeypatch):
     from benchmarks.specs import pdl_launches
     from megatron_rollout.kernels import pdl
 
-    assert rollout.split_spec("chunked/pdl").pdl and not rollout.split_spec("chunked").pdl
-    assert rollout.split_spec("mux~ngram:4/sync/pdl")[:3] == ("mux", None, "off")
-    with pytest.raises(SystemExit, match="'/pdl'"):
-        rollout.split_spec("chunked/pdl/pdl")
-    monkeypatch.setattr(pdl, "ENABLED", False)
-    with pdl_launches(rollout.split_spec("chunked/pdl")):
-        assert pdl.ENABLED
-    assert not pdl.ENABLED
-    with pytest.raises(RuntimeError), pdl_launches(rollout.split_spec("chunked/pdl")):
-        raise RuntimeError("a replay that failed")
-    assert not pdl.ENABLED  # back after a failure too
-    monkeypatch.setattr(pdl, "ENABLED", True)  # on from the environment: a plain spec leaves it on
-    with pdl_launches(rollout.split_spec("chunked")):
-        assert pdl.ENABLED
+    assert rollout.split_spec("chunked/pdl").pdl is True and rollout.split_spec("chunked/nopdl").pdl is False
+    assert rollout.split_spec("chunked").pdl is None
+    assert rollout.split_spec("mux~ngram:4/sync/nopdl")[:3] == ("mux", None, "off")
+    for bad in ("chunked/pdl/pdl", "chunked/pdl/nopdl"):
+        with pytest.raises(SystemExit, match="'/nopdl'"):
+            rollout.split_spec(bad)
+    for before in (False, True):
+        monkeypatch.setattr(pdl, "ENABLED", before)
+        for spec, inside in (("chunked/pdl", True), ("chunked/nopdl", False), ("chunked", before)):
+            with pdl_launches(rollout.split_spec(spec)):
+                assert pdl.ENABLED is inside
+            assert pdl.ENABLED is before
+        with pytest.raises(RuntimeError), pdl_launches(rollout.split_spec("chunked/nopdl")):
+            raise RuntimeError("a replay that failed")
+        assert pdl.ENABLED is before  # back after a failure too
     r = rollout.ratios({"schedules": {"chunked": {"median": {"makespan_s": 4.0}},
-                                      "chunked/pdl": {"median": {"makespan_s": 3.0}}}})
+                                      "chunked/pdl": {"median": {"makespan_s": 3.0}},
+                                      "chunked/nopdl": {"median": {"makespan_s": 5.0}}}})
     assert r["chunked/pdl_over_chunked"] == pytest.approx(0.75)
+    assert r["chunked/nopdl_over_chunked"] == pytest.approx(1.25)

@@ -1,4 +1,5 @@
-"""`kernels.pdl`: opt-in, and never where it cannot run (CPU, the interpreter, before sm_90)."""
+"""`kernels.pdl`: on by default, off by the environment, and never where it cannot run (CPU, the
+interpreter, before sm_90)."""
 from __future__ import annotations
 
 import pytest
@@ -9,18 +10,19 @@ from megatron_rollout.kernels import pdl
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_off_by_default_and_on_cpu(monkeypatch):
+def test_on_by_default_off_by_the_environment_and_on_cpu(monkeypatch):
     import importlib
-    import os
 
-    assert pdl.ENABLED == (os.environ.get(pdl.ENV) == "1")  # read from the environment at import
-    monkeypatch.setattr(pdl, "ENABLED", False)
+    monkeypatch.delenv(pdl.ENV, raising=False)
+    assert importlib.reload(pdl).ENABLED  # read from the environment at import: on unless asked off
+    assert not pdl.enabled(torch.device("cpu"))  # on, but no CUDA device
+    monkeypatch.setenv(pdl.ENV, "0")
+    assert not importlib.reload(pdl).ENABLED
     assert pdl.options(torch.device("cuda", 0)) == {"PDL": False}  # off: decided before asking the device
     monkeypatch.setenv(pdl.ENV, "1")
     assert importlib.reload(pdl).ENABLED
-    assert not pdl.enabled(torch.device("cpu"))  # asked for, but no CUDA device
     monkeypatch.delenv(pdl.ENV)
-    assert not importlib.reload(pdl).ENABLED
+    importlib.reload(pdl)
 
 
 def test_never_under_the_interpreter(monkeypatch):
