@@ -34,9 +34,12 @@ import torch
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # CPU without Triton: no kernel calls `entry`
     triton = None
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without the grid-dependency intrinsics: launches stay ordinary
+    gdc_wait = gdc_launch_dependents = None
 
 ENV = "MEGATRON_ROLLOUT_PDL"
 ENABLED = os.environ.get(ENV, "1") != "0"
@@ -47,7 +50,7 @@ _ON = {"PDL": True, "launch_pdl": True}
 
 def enabled(device: torch.device) -> bool:
     """PDL for kernels launched on `device` now."""
-    if not ENABLED or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if not ENABLED or gdc_wait is None or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return _hopper_or_later(torch.cuda.current_device() if device.index is None else device.index)
 
@@ -63,7 +66,12 @@ def options(device: torch.device) -> dict:
     return _ON if ENABLED and enabled(device) else _OFF
 
 
-if triton is not None:
+if triton is not None and gdc_wait is None:
+    @triton.jit
+    def entry(PDL: tl.constexpr):
+        """Without the intrinsics `options` never asks for PDL: nothing to wait for."""
+        pass
+elif triton is not None:
     @triton.jit
     def entry(PDL: tl.constexpr):
         """The first statement of a kernel launched with `options`: wait for the kernel before, then

@@ -25,6 +25,12 @@ def test_on_by_default_off_by_the_environment_and_on_cpu(monkeypatch):
     importlib.reload(pdl)
 
 
+def test_never_without_the_intrinsics(monkeypatch):
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    monkeypatch.setattr(pdl, "gdc_wait", None)  # as on a Triton that lacks griddepcontrol
+    assert pdl.options(torch.device("cuda", 0)) == {"PDL": False}  # decided before asking the device
+
+
 def test_never_under_the_interpreter(monkeypatch):
     monkeypatch.setattr(pdl, "ENABLED", True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
