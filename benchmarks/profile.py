@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import re
 import statistics
 import time
 from pathlib import Path
@@ -55,6 +56,34 @@ def _device_us(evt, total: bool = False) -> float:
         if hasattr(evt, name):
             return float(getattr(evt, name))
     return 0.0
+
+
+BLOCK = 16
+"""The KV cache's block size (tokens)."""
+SHAPES = ("P 1x(0+256)", "P 1x(0+1024)", "P 1x(0+2048)", "P 1x(0+4096)", "P 8x(2048+512)",
+          "mixed 16x(2047+1) + 1x(0+512)", "D eager 64x(2047+1)")
+"""The forwards profiled by default: prefill alone, a mixed step, a decode step run eagerly."""
+_GROUP = re.compile(r"\s*(\d+)\s*x\s*\(\s*(\d+)\s*\+\s*(\d+)\s*\)\s*")
+
+
+def parse_shape(text: str) -> tuple[Phase, list[tuple[int, int]]]:
+    """'P 8x(2048+512)' or 'mixed 16x(2047+1) + 1x(0+512)' -> the phase the forward runs in (P for a
+    name starting 'P', else D: a mixed step travels with the decode rows) and its (past, new) spans."""
+    label, _, groups = text.strip().partition(" ")
+    words = groups.split()
+    if words and words[0].isalpha():  # a second word of the name ('D eager 64x(...)')
+        groups = groups.split(None, 1)[1] if len(words) > 1 else ""
+    spans: list[tuple[int, int]] = []
+    for group in groups.split("+ "):
+        match = _GROUP.fullmatch(group)
+        if match is None or not label:
+            raise SystemExit(f"shape {text!r}: write 'P|mixed|D [word] Ax(past+new) + Bx(past+new) ...', "
+                             f"e.g. 'mixed 16x(2047+1) + 1x(0+512)'")
+        count, past, new = (int(g) for g in match.groups())
+        if count < 1 or new < 1:
+            raise SystemExit(f"shape {text!r}: each group needs at least one span of at least one new token")
+        spans += [(past, new)] * count
+    return (Phase.P if label == "P" else Phase.D), spans
 
 
 def drive(runner: CudaRunner, inputs: list[SpanInput], phase: Phase, label: bool = False) -> tuple[float, float]:
@@ -302,6 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--idle-repeats", type=int, default=3, help="decode-only windows per setting, interleaved")
     ap.add_argument("--forwards", action=argparse.BooleanOptionalAction, default=True,
                     help="profile the eager and piecewise P, mixed and D forwards")
+    ap.add_argument("--shapes", default=";".join(SHAPES),
+                    help="the forwards profiled, ';'-separated: 'P Ax(past+new) + ...' (a prefill forward) or "
+                         "'mixed ...' / 'D ...' (a decode-phase forward), e.g. 'mixed 48x(20000+1) + 1x(30000+16336)'")
+    ap.add_argument("--attention", default="auto", help="the runner's attention: auto | triton | varlen | flash")
     ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="profile the decode graphs (64 x 2,048 and 1 x 2,048)")
     ap.add_argument("--out", default="runs/profile.json")
@@ -311,17 +344,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("benchmarks.profile needs a CUDA device")
     cfg, device = PRESETS[args.model], torch.device("cuda")
     model = random_model(cfg, device, seed=0)
-    cache = PagedKVCache(cfg, 20_000, 16, cfg.num_query_groups, device=device)
-    runner = CudaRunner(model, cache, RunnerConfig(fused_ops=args.fused_ops))
+    shapes = {name: parse_shape(name) for name in args.shapes.split(";") if name.strip()}
+    blocks = max([20_000] + [sum(-(-(p + n) // BLOCK) for p, n in spec) + 16 for _, spec in shapes.values()])
+    cache = PagedKVCache(cfg, blocks, BLOCK, cfg.num_query_groups, device=device)
+    runner = CudaRunner(model, cache, RunnerConfig(fused_ops=args.fused_ops, attention=args.attention))
     rng = np.random.default_rng(0)
     out: dict[str, Any] = {"model": args.model, "fused_ops": runner.fused, "torch": torch.__version__,
                            "device": torch.cuda.get_device_name()}
-    shapes = {"P 1x(0+256)": [(0, 256)], "P 1x(0+1024)": [(0, 1024)], "P 1x(0+2048)": [(0, 2048)],
-              "P 1x(0+4096)": [(0, 4096)], "P 8x(2048+512)": [(2048, 512)] * 8,
-              "mixed 16x(2047+1) + 1x(0+512)": [(2047, 1)] * 16 + [(0, 512)], "D eager 64x2048": [(2047, 1)] * 64}
     piecewise, eager = runner.config, dataclasses.replace(runner.config, prefill_graph_tokens=())
-    for name, spec in shapes.items() if args.forwards else ():
-        phase = Phase.P if name.startswith("P") else Phase.D
+    for name, (phase, spec) in shapes.items() if args.forwards else ():
         inputs = random_inputs(spec, cache.block_size, cache.num_blocks, cfg.vocab_size, rng)
         configs = {"eager": eager, **({"piecewise": piecewise} if runner.prefill_bucket(inputs) is not None else {})}
         for mode, res in forward_profiles(runner, inputs, phase, configs).items():

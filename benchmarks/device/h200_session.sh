@@ -211,9 +211,12 @@ for k, e in d['schedules'].items(): r = (e.get('repeats') or [{}])[0]; print(k, 
       bench --model qwen3-30b-a3b --profile prefill --conversations 6 --schedules off,mux --no-ablation \
         --budgets 2048 --repeats 1 --no-vllm --deadline-s 180 --out /tmp/res/p48 > /tmp/res/p48.log 2>&1
       tail -8 /tmp/res/p48.log; cp /tmp/res/p48/rollout.json "$OUT/p48.json" ;;
-    profile)  # where a forward's time goes (torch profiler), eager against piecewise
+    profile)  # where a forward's time goes (torch profiler), eager against piecewise; PROFILE_SHAPES: other
+      # forwards (e.g. a rollout's mixed step: 'mixed 48x(20000+1) + 1x(30000+16336)'), ATTN: the attention
+      # (flash needs the unpacked bundle on PYTHONPATH)
       cd /tmp/run
-      timeout 150 python3 -m benchmarks.profile --out "$OUT/profile.json" > /tmp/res/profile.log 2>&1
+      PYTHONPATH=$PYTHONPATH:/tmp/pv/site timeout 150 python3 -m benchmarks.profile --out "$OUT/profile.json" \
+        ${PROFILE_SHAPES:+--shapes "$PROFILE_SHAPES"} --attention "${ATTN:-auto}" > /tmp/res/profile.log 2>&1
       grep __main__ /tmp/res/profile.log | cut -c1-200 ;;
     attention)  # attention backends and the Triton prefill settings grid on the model's shapes
       cd /tmp/run

@@ -9,7 +9,8 @@ pytest.importorskip("torch.profiler")
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-from benchmarks.profile import PhaseClock, _busy_us, op_table  # noqa: E402
+from benchmarks.profile import SHAPES, PhaseClock, _busy_us, op_table, parse_shape  # noqa: E402
+from megatron_rollout.types import Phase  # noqa: E402
 
 
 def test_busy_time_is_the_union_of_overlapping_intervals():
@@ -119,3 +120,14 @@ def test_forward_modes_are_timed_interleaved_and_the_config_comes_back(monkeypat
     assert timed == ["eager", "piecewise"] * 3
     assert out["eager"]["device_ms"] == pytest.approx(2.0) and out["piecewise"]["device_ms"] == pytest.approx(1.0)
     assert [c for c, label in seen if label] == ["eager"] * 3 + ["piecewise"] * 3
+
+
+def test_shapes_parse_to_a_phase_and_spans():
+    assert parse_shape("P 8x(2048+512)") == (Phase.P, [(2048, 512)] * 8)
+    assert parse_shape("mixed 16x(2047+1) + 1x(0+512)") == (Phase.D, [(2047, 1)] * 16 + [(0, 512)])
+    assert parse_shape("D eager 2x(10+1)") == (Phase.D, [(10, 1)] * 2)
+    assert parse_shape("mixed 48x(20000+1) + 1x(30000+16336)")[1][-1] == (30000, 16336)
+    assert all(parse_shape(s)[1] for s in SHAPES)  # every default parses
+    for bad in ("P", "P 8x2048", "P 0x(1+1)", "P 1x(5+0)", "8x(1+1)", "P 1x(1+1) 2x(1+1)"):
+        with pytest.raises(SystemExit, match="shape"):
+            parse_shape(bad)
