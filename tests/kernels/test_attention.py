@@ -112,6 +112,17 @@ def test_mixed_batch_matches_portable(device, seed):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bs", [64, 128])
+def test_pages_larger_than_a_key_block_match_portable(device, bs):
+    """KV blocks of 64 and 128 tokens (a page as wide as the kernels' key blocks, and wider): decode rows
+    and prefill spans that start, end and cross inside a page, against the portable path."""
+    spec = [(bs - 1, 1), (0, bs + 3), (bs + 5, 2 * bs - 7), (3 * bs, 1), (7, 5)]
+    out, ref, cache, ref_cache = _case(device, spec, hq=8, hkv=2, d=32, bs=bs, seed=5)
+    assert _rel(out, ref) < _tol(device)
+    assert torch.equal(cache.k, ref_cache.k) and torch.equal(cache.v, ref_cache.v)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_prefill_long_causal_offset(device):
     # tiles that straddle blocks, a span longer than one tile, and GQA group 4
     spec = [(100, 37), (0, 64), (63, 65)]
