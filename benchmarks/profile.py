@@ -29,7 +29,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import re
 import statistics
 import time
 from pathlib import Path
@@ -63,26 +62,25 @@ BLOCK = 16
 SHAPES = ("P 1x(0+256)", "P 1x(0+1024)", "P 1x(0+2048)", "P 1x(0+4096)", "P 8x(2048+512)",
           "mixed 16x(2047+1) + 1x(0+512)", "D eager 64x(2047+1)")
 """The forwards profiled by default: prefill alone, a mixed step, a decode step run eagerly."""
-_GROUP = re.compile(r"\s*(\d+)\s*x\s*\(\s*(\d+)\s*\+\s*(\d+)\s*\)\s*")
 
 
 def parse_shape(text: str) -> tuple[Phase, list[tuple[int, int]]]:
     """'P 8x(2048+512)' or 'mixed 16x(2047+1) + 1x(0+512)' -> the phase the forward runs in (P for a
-    name starting 'P', else D: a mixed step travels with the decode rows) and its (past, new) spans."""
+    name starting 'P', else D: a mixed step travels with the decode rows) and its (past, new) spans,
+    each group as `benchmarks.attention` reads one."""
+    from benchmarks.attention import parse_shape as group_spans
+
     label, _, groups = text.strip().partition(" ")
     words = groups.split()
     if words and words[0].isalpha():  # a second word of the name ('D eager 64x(...)')
         groups = groups.split(None, 1)[1] if len(words) > 1 else ""
-    spans: list[tuple[int, int]] = []
-    for group in groups.split("+ "):
-        match = _GROUP.fullmatch(group)
-        if match is None or not label:
-            raise SystemExit(f"shape {text!r}: write 'P|mixed|D [word] Ax(past+new) + Bx(past+new) ...', "
-                             f"e.g. 'mixed 16x(2047+1) + 1x(0+512)'")
-        count, past, new = (int(g) for g in match.groups())
-        if count < 1 or new < 1:
-            raise SystemExit(f"shape {text!r}: each group needs at least one span of at least one new token")
-        spans += [(past, new)] * count
+    try:
+        if not label or not groups.strip():
+            raise ValueError("no groups")
+        spans = [span for group in groups.split("+ ") for span in group_spans(group.replace(" ", ""))]
+    except ValueError as exc:
+        raise SystemExit(f"shape {text!r}: write 'P|mixed|D [word] Ax(past+new) + Bx(past+new) ...', "
+                         f"e.g. 'mixed 16x(2047+1) + 1x(0+512)' ({exc})") from None
     return (Phase.P if label == "P" else Phase.D), spans
 
 

@@ -81,7 +81,7 @@ from benchmarks.interleave import PeerSession
 from benchmarks.pauses import GcPauses
 from benchmarks.random_weights import random_model
 from benchmarks.report import acceptance_note
-from benchmarks.specs import engine_config, pdl_launches, split_spec, unpartitioned
+from benchmarks.specs import engine_config, kernel_build, pdl_launches, split_spec, unpartitioned
 from benchmarks.vllm_peer import temperature as _temperature
 from megatron_rollout.engine.config import DEFAULT_SPAN
 from megatron_rollout.model.config import PRESETS, ModelConfig
@@ -600,8 +600,8 @@ def ratios(result: dict) -> dict[str, float | None]:
     for n in ours:  # decode ahead's effect: a schedule against its '/sync' twin
         if n.endswith("/sync"):
             out[f"{n[:-5]}_over_{n[:-5]}_sync"] = _ratio(med(n[:-5]), med(n))
-    for n in ours:  # programmatic dependent launch's effect: a schedule against its twin without '/pdl' or '/nopdl'
-        twin = re.sub(r"/(no)?pdl$", "", n)
+    for n in ours:  # a kernel choice's effect ('/pdl', '/nopdl', '/bs:N' last): a schedule against its twin without
+        twin = re.sub(r"/((no)?pdl|bs:\d+)$", "", n)
         if twin != n and twin in ours:
             out[f"{n}_over_{twin}"] = _ratio(med(n), med(twin))
     for n in ours:  # SMs held back from prefill: a schedule against the same one without
@@ -749,9 +749,8 @@ def sweep_stage(run: Run, result: dict, out: Path, trace: list, specs: list[tupl
     result["sweep_trace"] = trace_summary(short)
     if len(budgets) == 1:
         result["warmup"] = {}
-        launched = list(dict.fromkeys(f"{b}/{'' if p else 'no'}pdl" for b in bases for _, spec in specs
-                                      if _base(spec) == b and (p := split_spec(spec).pdl) is not None))
-        for spec in bases + launched:  # kernels with PDL and without are other builds: warmed apart
+        builds = [kernel_build(spec) for _, spec in specs]  # other page sizes, PDL on or off: other kernels
+        for spec in dict.fromkeys(bases + [b for b in builds if b not in bases]):
             if not run.fits("sweep"):
                 result["stopped"] = "deadline during the warm-up"
                 break

@@ -1,5 +1,5 @@
 """Schedule specs of the rollout benchmark,
-'schedule[@span][+priority][~drafts][/sync][/sms:N|/split:N][/pw:N][/pdl|/nopdl]': what each asks for
+'schedule[@span][+priority][~drafts][/sync][/sms:N|/split:N][/pw:N][/pdl|/nopdl][/bs:N]': what each asks for
 (`split_spec`), the schedule it runs on the whole device (`unpartitioned`) and the `EngineConfig` its
 replays run under (`engine_config`). `benchmarks.rollout` times them and `benchmarks.sim_replay`
 simulates them from the same parse.
@@ -17,7 +17,7 @@ from megatron_rollout.engine.priority import PRIORITIES
 
 
 class Spec(NamedTuple):
-    """What a schedule spec 'schedule[@span][+priority][~drafts][/sync][/sms:N|/split:N][/pw:N][/pdl|/nopdl]'
+    """What a schedule spec 'schedule[@span][+priority][~drafts][/sync][/sms:N|/split:N][/pw:N][/pdl|/nopdl][/bs:N]'
     asks for."""
 
     schedule: str
@@ -36,6 +36,9 @@ class Spec(NamedTuple):
     """'/split:N': decode beside prefill runs on those N SMs alone (`RunnerConfig.partition`)."""
     prefill_graph_tokens: tuple[int, ...] | None = None
     """'/pw:N': piecewise P graphs up to N tokens (`piecewise_buckets`); None: `RunnerConfig`'s."""
+    block_size: int | None = None
+    """'/bs:N': KV blocks of N tokens (`SchedulerConfig.block_size`) in as many bytes of KV cache as
+    the run's --block-size gives (`engine_config`); None: --block-size."""
     pdl: bool | None = None
     """'/pdl' (True) or '/nopdl' (False): the replay's Triton kernels launched with programmatic
     dependent launch or without (`kernels.pdl`), for the engine's build and replay alone
@@ -78,11 +81,11 @@ def _drafts(spec: str, text: str) -> SpeculativeConfig | None:
 
 
 def split_spec(spec: str) -> Spec:
-    """'schedule[@span][+priority][~ngram:K[:R][+T@W]][/sync][/sms:N|/split:N][/pw:N][/pdl|/nopdl]' -> its
+    """'schedule[@span][+priority][~ngram:K[:R][+T@W]][/sync][/sms:N|/split:N][/pw:N][/pdl|/nopdl][/bs:N]' -> its
     parts: '/sync' turns decode ahead off, '/sms:24' leaves 24 SMs out of prefill's stream (mux), '/split:24' too and
     runs decode beside prefill on those 24 alone, '/pw:16384' captures piecewise P graphs up to 16,384
     tokens (`piecewise_buckets`), '/pdl' or '/nopdl' launches the Triton kernels with programmatic dependent launch or
-    without,
+    without, '/bs:64' stores KV in blocks of 64 tokens,
     '+name' picks the engine's priority (e.g.
     'mux+most-turns'), '~ngram:4' drafts 4 tokens per row by prompt lookup (':16': only while at
     most 16 rows decode; '+7@2': 7 while at most 2 do; '^7': 7 for a row whose last draft was kept whole)."""
@@ -91,13 +94,15 @@ def split_spec(spec: str) -> Spec:
     flags = [f for f in flags if f not in ("pdl", "nopdl")]
     held = [f.partition(":") for f in flags if f.startswith(("sms:", "split:"))]
     pw = [f.partition(":")[2] for f in flags if f.startswith("pw:")]
-    if any(f != "sync" and not f.startswith(("sms:", "split:", "pw:")) for f in flags) or flags.count("sync") > 1 \
-            or len(held) > 1 or not all(n.isdigit() and int(n) > 0 for _, _, n in held) or len(pw) > 1 \
-            or not all(n.isdigit() and int(n) > 0 for n in pw) or len(launch) > 1:
+    bs = [f.partition(":")[2] for f in flags if f.startswith("bs:")]
+    if any(f != "sync" and not f.startswith(("sms:", "split:", "pw:", "bs:")) for f in flags) \
+            or flags.count("sync") > 1 or len(held) > 1 or not all(n.isdigit() and int(n) > 0 for _, _, n in held) \
+            or len(pw) > 1 or not all(n.isdigit() and int(n) > 0 for n in pw) or len(launch) > 1 or len(bs) > 1 \
+            or not all(n.isdigit() and int(n) > 0 for n in bs):
         raise SystemExit(f"schedule {spec!r}: the suffixes are '/sync' (decode ahead off), '/sms:N' or "
                          f"'/split:N' (N > 0 SMs left out of prefill's stream), and '/pw:N' (piecewise P graphs "
-                         f"up to N > 0 tokens), and '/pdl' or '/nopdl' (programmatic dependent launch on or off), "
-                         f"each at most once")
+                         f"up to N > 0 tokens), '/pdl' or '/nopdl' (programmatic dependent launch on or off), and "
+                         f"'/bs:N' (KV blocks of N > 0 tokens), each at most once")
     flag = "sync" if "sync" in flags else ""
     sms = [n for _, _, n in held]
     core, _, drafts = core.partition("~")
@@ -110,7 +115,16 @@ def split_spec(spec: str) -> Spec:
                          f"prefill beside decode")
     return Spec(schedule, span or None, "off" if flag else None, priority or None, _drafts(spec, drafts),
                 int(sms[0]) if sms else 0, "split" if held and held[0][0] == "split" else "held",
-                piecewise_buckets(int(pw[0])) if pw else None, launch[0] if launch else None)
+                piecewise_buckets(int(pw[0])) if pw else None, int(bs[0]) if bs else None,
+                launch[0] if launch else None)
+
+
+def kernel_build(spec: str) -> str:
+    """The base schedule with the suffixes of `spec` that build other kernels ('/bs:N': another page size;
+    '/pdl', '/nopdl'): what a warm-up pass must run before `spec`'s timed replays compile nothing."""
+    parts = split_spec(spec)
+    return parts.schedule + (f"/bs:{parts.block_size}" if parts.block_size else "") \
+        + ("" if parts.pdl is None else "/pdl" if parts.pdl else "/nopdl")
 
 
 @contextlib.contextmanager
@@ -139,10 +153,12 @@ def engine_config(args: argparse.Namespace, num_blocks: int, max_model_len: int,
     from megatron_rollout.engine import EngineConfig, KVConfig, MuxConfig, RunnerConfig, SchedulerConfig
 
     a, priority = args, spec.priority or SchedulerConfig.priority
+    block_size = spec.block_size or a.block_size
     return EngineConfig(
-        scheduler=SchedulerConfig(spec.schedule, block_size=a.block_size, max_batch_tokens=budget,
+        scheduler=SchedulerConfig(spec.schedule, block_size=block_size, max_batch_tokens=budget,
                                   max_decode_rows=a.max_decode_rows, priority=priority),
-        kv=KVConfig(num_blocks=num_blocks), mux=MuxConfig(spec.span or a.mux_span),
+        kv=KVConfig(num_blocks=num_blocks * a.block_size // block_size),  # the same bytes of KV cache
+        mux=MuxConfig(spec.span or a.mux_span),
         runner=RunnerConfig(attention=a.attention, measure_expert_kernels=measure_expert_kernels,
                             decode_ahead=spec.ahead or a.decode_ahead, decode_sms=spec.decode_sms,
                             partition=spec.partition,

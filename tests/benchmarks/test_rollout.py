@@ -470,7 +470,7 @@ def test_sampled_runs_hold_drafting_to_costing_little():
 def test_spec_suffix_tilde_asks_for_ngram_drafts():
     assert rollout.split_spec("mux~ngram:4").speculative == SpeculativeConfig("ngram", 4)
     assert rollout.split_spec("mux+most-turns~ngram:3:16/sync") == (
-        "mux", None, "off", "most-turns", SpeculativeConfig("ngram", 3, tail_rows=16), 0, "held", None, None)
+        "mux", None, "off", "most-turns", SpeculativeConfig("ngram", 3, tail_rows=16), 0, "held", None, None, None)
     assert rollout.split_spec("mux@budget:24000~ngram:4+7@2").speculative == SpeculativeConfig(
         "ngram", 4, tail_k=7, tail_k_rows=2)
     assert rollout.split_spec("mux~ngram:4:16+6").speculative == SpeculativeConfig("ngram", 4, tail_rows=16, tail_k=6)
@@ -485,7 +485,7 @@ def test_spec_suffix_tilde_asks_for_ngram_drafts():
 
 def test_spec_suffix_sync_turns_decode_ahead_off():
     assert rollout.split_spec("mux@fixed:4/sync")[:5] == ("mux", "fixed:4", "off", None, None)
-    assert rollout.split_spec("off") == ("off", None, None, None, None, 0, "held", None, None)
+    assert rollout.split_spec("off") == ("off", None, None, None, None, 0, "held", None, None, None)
     assert rollout.split_spec("mux@fixed:4+most-turns/sync")[:5] == ("mux", "fixed:4", "off", "most-turns", None)
     with pytest.raises(SystemExit, match="the suffixes are '/sync'"):
         rollout.split_spec("off/fast")
@@ -500,7 +500,7 @@ def test_spec_suffix_sms_holds_sms_back_from_mux_prefill():
     assert rollout.split_spec("mux/sms:24").decode_sms == 24
     assert rollout.split_spec("mux@budget:24000~ngram:4+7@4/sync/sms:16") == (
         "mux", "budget:24000", "off", None, SpeculativeConfig("ngram", 4, tail_k=7, tail_k_rows=4), 16, "held", None,
-        None)
+        None, None)
     assert rollout.split_spec("mux").decode_sms == 0
     assert rollout.split_spec("mux/split:24")[5:7] == (24, "split")
     assert rollout.split_spec("mux/sms:8").partition == "held"
@@ -714,3 +714,22 @@ def test_spec_suffix_pdl_switches_launches_for_its_replay_alone(monkeypatch):
                                       "chunked/nopdl": {"median": {"makespan_s": 5.0}}}})
     assert r["chunked/pdl_over_chunked"] == pytest.approx(0.75)
     assert r["chunked/nopdl_over_chunked"] == pytest.approx(1.25)
+
+
+def test_spec_suffix_bs_stores_kv_in_other_blocks_in_the_same_bytes():
+    from benchmarks.specs import kernel_build
+
+    assert rollout.split_spec("chunked/bs:64").block_size == 64 and rollout.split_spec("chunked").block_size is None
+    for bad in ("chunked/bs:0", "chunked/bs:", "chunked/bs:x", "chunked/bs:16/bs:64"):
+        with pytest.raises(SystemExit, match="'/bs:N'"):
+            rollout.split_spec(bad)
+    args = rollout.parser().parse_args(["--model", "tiny-moe", "--block-size", "16"])
+    plain = rollout.engine_config(args, 640, 512, rollout.split_spec("chunked"), 256)
+    wide = rollout.engine_config(args, 640, 512, rollout.split_spec("chunked/bs:64"), 256)
+    assert (plain.scheduler.block_size, plain.kv.num_blocks) == (16, 640)
+    assert (wide.scheduler.block_size, wide.kv.num_blocks) == (64, 160)  # as many KV bytes
+    assert kernel_build("chunked~ngram:7/sync/bs:64/pdl") == "chunked/bs:64/pdl"
+    assert kernel_build("mux+most-turns/sms:8") == "mux"
+    r = rollout.ratios({"schedules": {"chunked": {"median": {"makespan_s": 4.0}},
+                                      "chunked/bs:64": {"median": {"makespan_s": 3.0}}}})
+    assert r["chunked/bs:64_over_chunked"] == pytest.approx(0.75)
