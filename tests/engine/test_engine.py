@@ -6,6 +6,7 @@ Every engine passes `check_integrity()` at teardown (see conftest). The parts ha
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -35,6 +36,21 @@ def test_greedy_equals_transformers(request, make_engine, family, schedule):
     if schedule == "mux":
         assert engine.schedule.rounds > 0 and not engine.schedule.busy
     assert engine.pool.num_free == engine.pool.num_blocks  # finished one-shot requests keep no KV
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_greedy_equals_transformers_with_wider_kv_blocks(make_engine, qwen, block_size):
+    """Blocks of 16 and 64 positions (the rollout's default and a FA3-friendlier page): prompts shorter
+    than a block, across one and across several, continued across a block boundary."""
+    hf, model = qwen
+    batch = prompts([3, block_size - 2, block_size + 5, 100], seed=4)  # the model's max_model_len is 128
+    config = small("chunked")
+    config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, block_size=block_size))
+    results = make_engine(model, config).generate(batch, SamplingParams(temperature=0.0, max_new_tokens=6))
+    for prompt, res in zip(batch, results):
+        tokens, logprobs = hf_greedy(hf, prompt, 6)
+        assert res.token_ids == tokens
+        assert res.logprobs == pytest.approx(logprobs, abs=1e-4)
 
 
 def _perturbed(model, seed: int) -> dict[str, torch.Tensor]:
