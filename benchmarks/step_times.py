@@ -21,7 +21,10 @@ replay's start-up (its start to its first forward, the first turns submitted:
 `sim_replay.first_forward_s`) and, where the run kept them, its turns' submissions (host time
 between forwards that no record covers), Python's garbage collections in the replay
 (`benchmarks.pauses`) and the time between forwards split where each engine step began
-(`StepLog.step_starts`) close each row.
+(`StepLog.step_starts`) close each row. Where the run measured the matmul rate (CUDA), the steps
+that computed prefill are summed too: their records' spans, their FLOPs (`bounds.prefill_flops` of
+their tokens and attention pairs) and the share of the matmul rate that makes; the spans are host
+clocks, and a mixed step's decode rows ride along, so the share is a little low.
 """
 from __future__ import annotations
 
@@ -34,10 +37,23 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bounds import ModelCosts, model_costs
 from benchmarks.sim_replay import ROW_BUCKETS, bucket_name, first_forward_s, in_bucket, sleeps, submissions
 from megatron_rollout.engine.records import StepRecord
 from megatron_rollout.sim.cost import turn_cost
 from megatron_rollout.trace.steps import from_columns
+
+
+def prefill_steps(records: Sequence[StepRecord], costs: ModelCosts, matmul_flops: float) -> dict[str, Any]:
+    """The records that computed prefill: how many, their spans' sum, their prefill FLOPs (linear layers
+    for every new token, causal attention over each chunk's pairs, the output layer for each chunk's
+    sampled row) and the share of `matmul_flops` (FLOP/s) that rate is."""
+    picked = [r for r in records if r.prefill_tokens]
+    span = sum(r.end - r.start for r in picked)
+    flops = sum(2.0 * costs.active_params_per_token * r.prefill_tokens + costs.attn_flops_per_pair * r.prefill_pairs
+                + 2.0 * costs.vocab_hidden * r.prefill_rows for r in picked)
+    return {"n": len(picked), "span_s": span, "flops": flops,
+            "share_of_matmul_rate": flops / span / matmul_flops if span > 0 and matmul_flops > 0 else None}
 
 
 def summarize(records: Sequence[StepRecord], long_gap_s: float = 0.005,
@@ -90,8 +106,13 @@ def _median_ms(xs: Sequence[float]) -> float | None:
 
 def step_times(result: dict[str, Any], schedules: Sequence[str] | None = None,
                long_gap_s: float = 0.005) -> dict[str, list[dict[str, Any]]]:
-    """`summarize` of every timed repeat with step records, per schedule."""
+    """`summarize` of every timed repeat with step records, per schedule (and `prefill_steps` where the
+    run measured the matmul rate of a preset model)."""
+    from megatron_rollout.model.config import PRESETS
+
     out: dict[str, list[dict[str, Any]]] = {}
+    peak = (result.get("ceilings") or {}).get("bf16_matmul_flops")
+    costs = model_costs(PRESETS[result["model"]]) if peak and result.get("model") in PRESETS else None
     for name, entry in result.get("schedules", {}).items():
         if schedules and name not in schedules:
             continue
@@ -105,8 +126,10 @@ def step_times(result: dict[str, Any], schedules: Sequence[str] | None = None,
                        "submissions": {"n": len(marks), "total_s": sum(b - a for a, b, _ in marks),
                                        "us_per_token": 1e6 * turn_cost(marks)} if tokens else None}
                 slept = sum(b - a for a, b in sleeps(rep) or ())
-                out.setdefault(name, []).append(row | summarize(from_columns(rep["steps"]), long_gap_s,
-                                                                rep.get("step_starts") or (), slept))
+                records = from_columns(rep["steps"])
+                row["prefill_steps"] = prefill_steps(records, costs, peak) if costs is not None else None
+                out.setdefault(name, []).append(row | summarize(records, long_gap_s, rep.get("step_starts") or (),
+                                                                slept))
     return out
 
 
@@ -121,14 +144,21 @@ def table(times: dict[str, list[dict[str, Any]]]) -> str:
                f"{num(r[f'rows_{b}']['gap_ms'], '.2f')}" for b in buckets]
             + [_segments(r["epoch_starts"]), _segments(r["later_segments"]), _allocator(r["allocator"]),
                num(r.get("start_up_s"), ".3f"), _marks(r.get("submissions")), _gc(r.get("gc")),
-               _split(r.get("gaps_split_s"))]
+               _split(r.get("gaps_split_s")), _prefill(r.get("prefill_steps"))]
             for name, reps in times.items() for r in reps]
     return markdown(head + [f"{b} rows: n, median ms, gap before ms" for b in buckets]
                     + ["mux epoch starts: n, median ms, total s", "later segments: n, median ms, total s",
                        "cudaMalloc / cudaFree / retries", "start-up s", "turn submissions: n, total s, us/token",
                        "gc: collections by generation, total s, longest ms (begun in the makespan: total s, "
                        "longest ms)",
-                       "between, s: slept / loop / step's planning / within a step"], rows)
+                       "between, s: slept / loop / step's planning / within a step",
+                       "steps with prefill: n, s, share of the matmul rate"], rows)
+
+
+def _prefill(steps: dict[str, Any] | None) -> str:
+    from benchmarks.report import num
+
+    return "-" if not steps else f"{steps['n']}, {steps['span_s']:.2f}, {num(steps['share_of_matmul_rate'], '.3f')}"
 
 
 def _split(split: dict[str, float] | None) -> str:

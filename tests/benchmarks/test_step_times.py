@@ -70,9 +70,10 @@ def test_main_reads_a_rollout_result_and_prints_one_row_per_repeat(tmp_path, cap
     rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| mux")]
     assert len(rows) == 2 and rows[0].startswith("| mux | 0 | 0.05 | 6 |")
     # the allocator, the start-up, the turns' submissions (3 + 5 ms over 4,000 tokens) and gc, where kept
-    assert rows[0].endswith("| 3 / 1 / 1 | 0.004 | 2, 0.008, 2.000 | 40/3/1, 0.013, 9.1 | 0.00 / 0.00 / 0.01 / 0.00 |")
+    assert rows[0].endswith("| 3 / 1 / 1 | 0.004 | 2, 0.008, 2.000 | 40/3/1, 0.013, 9.1 | 0.00 / 0.00 / 0.01 / 0.00 "
+                            "| - |")  # no matmul rate in the run: no prefill share
     # repeat 1 keeps no marks: its start-up is its makespan less its records' span (0.060 - 0.037)
-    assert rows[1].endswith("| - | 0.023 | - | 30/2/1, 0.300, 250.0 (in the makespan: 0.050, 2.0) | - |")
+    assert rows[1].endswith("| - | 0.023 | - | 30/2/1, 0.300, 250.0 (in the makespan: 0.050, 2.0) | - | - |")
     saved = json.loads((tmp_path / "t.json").read_text())["mux"]
     assert saved[1]["records"] == 5 and saved[1]["start_up_s"] == pytest.approx(0.023)
     assert saved[1]["submissions"] is None
@@ -93,3 +94,24 @@ def test_a_host_profile_is_printed_by_own_time(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "mux under cProfile: makespan 0.30 s, profiled 0.25 s" in out and "off: deadline" in out
     assert out.index("(_look_up)") < out.index("(_step)")
+
+
+def test_the_steps_with_prefill_are_set_against_the_matmul_rate():
+    from benchmarks.bounds import model_costs
+    from megatron_rollout.model.config import PRESETS
+
+    costs = model_costs(PRESETS["qwen3-30b-a3b-12l"])
+    recs = [StepRecord("P", 2, 400, 1, 1000, 1000 * 3000 + 1000 * 1001 // 2, 0.0, 0.5),
+            StepRecord("D", 8, 800, 0, 0, 0, 0.5, 0.6),
+            StepRecord("P", 0, 0, 2, 500, 500 * 501 // 2 * 2, 0.6, 0.8)]
+    flops = (2.0 * costs.active_params_per_token * 1500 + costs.attn_flops_per_pair * (recs[0].prefill_pairs
+             + recs[2].prefill_pairs) + 2.0 * costs.vocab_hidden * 3)
+    got = step_times.prefill_steps(recs, costs, matmul_flops=1e12)
+    assert (got["n"], got["span_s"]) == (2, pytest.approx(0.7))
+    assert got["flops"] == pytest.approx(flops) and got["share_of_matmul_rate"] == pytest.approx(flops / 0.7 / 1e12)
+    result = {"model": "qwen3-30b-a3b-12l", "ceilings": {"bf16_matmul_flops": 1e12},
+              "schedules": {"off": {"repeats": [{"repeat": 0, "report": {"makespan_s": 1.0},
+                                                 "steps": to_columns(recs)}]}}}
+    assert step_times.step_times(result)["off"][0]["prefill_steps"]["flops"] == pytest.approx(flops)
+    del result["ceilings"]  # no matmul rate measured (CPU): nothing to set them against
+    assert step_times.step_times(result)["off"][0]["prefill_steps"] is None
