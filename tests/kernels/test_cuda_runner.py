@@ -89,11 +89,13 @@ def _captured_step(ref, fast, gen):
 
 
 @pytest.mark.gpu
-def test_cuda_runner_matches_portable_runner():
+@pytest.mark.parametrize("bs", [4, 64])
+def test_cuda_runner_matches_portable_runner(bs):
     gen = torch.Generator().manual_seed(0)
-    ref, fast = _pair(0)
+    ref, fast = _pair(0, bs=bs)
+    per = -(-64 // bs)  # blocks for 64 positions a sequence
     perm = torch.randperm(64, generator=gen).tolist()
-    tables = [tuple(perm[i * 16:(i + 1) * 16]) for i in range(3)]
+    tables = [tuple(perm[i * per:(i + 1) * per]) for i in range(3)]
     with torch.no_grad():
         # fresh prefills, P phase (eager, async completion)
         inputs = _inputs([(0, 13), (0, 30), (0, 5)], tables, gen)
