@@ -742,22 +742,35 @@ def _base(spec: str) -> str:
 
 def sweep_stage(run: Run, result: dict, out: Path, trace: list, specs: list[tuple[str, str]],
                 budgets: list[int]) -> dict[str, int]:
-    """Each base schedule's best budget (the sweep), or the one budget after a warm-up pass each."""
+    """Each base schedule's best budget (the sweep), or the one budget after a warm-up pass each; then
+    a warm-up pass of each other kernel build the specs ask for (`kernel_build`) at its base's budget."""
     bases = [s for s in BASE_SCHEDULES if any(_base(spec) == s for _, spec in specs)]
     keep = _first_conversations(trace, run.args.sweep_fraction)
     short = [t for t in trace if t.conversation in keep]
     result["sweep_trace"] = trace_summary(short)
     if len(budgets) == 1:
-        result["warmup"] = {}
-        builds = [kernel_build(spec) for _, spec in specs]  # other page sizes, PDL on or off: other kernels
-        for spec in dict.fromkeys(bases + [b for b in builds if b not in bases]):
-            if not run.fits("sweep"):
-                result["stopped"] = "deadline during the warm-up"
-                break
-            r = run_replay(run, short, spec, budgets[0], "sweep")
-            result["warmup"][spec] = {k: r.get(k) for k in ("finished", "wall_s", "compilations", "report")}
-            _write(out, result)
-        return {s: budgets[0] for s in BASE_SCHEDULES}
+        best = {s: budgets[0] for s in BASE_SCHEDULES}
+        _warm_up(run, result, out, short, bases, best)
+    else:
+        best = _sweep(run, result, out, short, bases, budgets)
+    builds = [b for b in dict.fromkeys(kernel_build(spec) for _, spec in specs) if b not in bases]
+    _warm_up(run, result, out, short, builds, best)  # other page sizes, PDL on or off: other kernels
+    return best
+
+
+def _warm_up(run: Run, result: dict, out: Path, short: list, specs: list[str], best: dict[str, int]) -> None:
+    """One untimed replay of the short trace per spec, at its base schedule's budget."""
+    for spec in specs:
+        if not run.fits("sweep"):
+            result["stopped"] = "deadline during the warm-up"
+            return
+        r = run_replay(run, short, spec, best[_base(spec)], "sweep")
+        result.setdefault("warmup", {})[spec] = {k: r.get(k) for k in ("finished", "wall_s", "compilations", "report")}
+        _write(out, result)
+
+
+def _sweep(run: Run, result: dict, out: Path, short: list, bases: list[str], budgets: list[int]) -> dict[str, int]:
+    """Each base schedule on the short trace at every budget; the best budget of each."""
     result["sweep"] = {}
     for budget in budgets:
         row = result["sweep"].setdefault(str(budget), {})
