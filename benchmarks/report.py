@@ -33,6 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 MARK = re.compile(r"^<!-- report (?P<kind>[\w-]+) (?P<path>\S+) -->\n(?P<body>.*?)^<!-- end report -->$",
                   re.M | re.S)
+VLLM_BLOCK = 16
+"""vLLM's KV block size when it is not told one (0.26, FlashAttention); another is named in the table."""
 
 
 def num(value: Any, spec: str) -> str:
@@ -89,6 +91,8 @@ def rollout(result: dict) -> str:
         label = (f"vLLM {vllm.get('vllm', '')}, its default ({num(chosen, 'd')})" if budget == "default"
                  else f"vLLM {vllm.get('vllm', '')} at {num(chosen, 'd')}") + (", core in process" if mode else "")
         label += f", {drafts} drafts" if drafts else ""
+        block = (entry.get("chosen") or {}).get("block_size")
+        label += f", KV blocks of {block}" if block not in (None, VLLM_BLOCK) else ""
         label += ", interleaved with ours" if entry.get("interleaved", vllm.get("interleaved")) else ""
         if str(key) == str(vllm.get("best_budget")):
             label += ": its best"

@@ -199,6 +199,8 @@ def parser() -> argparse.ArgumentParser:
                     help="keep the peer up beside our engines (its core in its own process, or in the peer's) and "
                          "run one of its timed passes after each round of our repeats, at the one budget of "
                          "--vllm-budgets; default: the peer after ours, on the freed GPU")
+    ap.add_argument("--vllm-block-size", type=int, default=None,
+                    help="the peer's KV block size in tokens (as our '/bs:N' schedules); default: vLLM's own (16)")
     ap.add_argument("--vllm-kv-gb", type=float, default=None,
                     help="the peer's KV cache in GiB; default: --kv-gb when interleaving (both engines hold their "
                          "memory at once), else what vLLM's memory profile leaves")
@@ -1004,6 +1006,8 @@ def _peer_command(args, out: Path, trace_path: Path, max_model_len: int, budgets
         cmd += ["--temperature", str(args.temperature)] + (["--turn-seeds"] if args.vllm_turn_seeds else [])
     if args.vllm_speculative:
         cmd += ["--speculative", args.vllm_speculative]
+    if args.vllm_block_size is not None:
+        cmd += ["--block-size", str(args.vllm_block_size)]
     if weights is not None:
         cmd += ["--weights", str(weights)]
     elif args.vllm_weights == "drawn":

@@ -402,6 +402,8 @@ def _engine_args(model_dir: Path, max_model_len: int, budget: int | None, args, 
                   seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization, disable_log_stats=quiet)
     if budget is not None:
         kwargs["max_num_batched_tokens"] = budget
+    if args.block_size is not None:
+        kwargs["block_size"] = args.block_size
     if args.kv_cache_gb is not None:
         fields = getattr(EngineArgs, "__dataclass_fields__", {})
         if "kv_cache_memory_bytes" not in fields:
@@ -669,6 +671,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--speculative", default=None, metavar="ngram:K",
                     help="vLLM's prompt-lookup speculation, K tokens (budgets keyed '<budget>~ngram:K')")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="vLLM's KV block size in tokens (cache_config.block_size); default: its own")
     ap.add_argument("--kv-cache-gb", type=float, default=None,
                     help="vLLM's KV cache in GiB (kv_cache_memory_bytes) instead of what its memory profile leaves")
     ap.add_argument("--serve", action="store_true",

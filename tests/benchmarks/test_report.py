@@ -91,6 +91,16 @@ def test_vllm_speculation_is_named_in_its_row():
     assert rows[1].startswith("| vLLM 0.26.0 at 16384, core in process, ngram:4 drafts | - | 2 |")
 
 
+def test_vllm_block_size_is_named_where_not_its_default():
+    passes = [{"makespan_s": 13.4}, {"makespan_s": 13.7}]
+    result = {"vllm": {"vllm": "0.26.0", "budgets": {
+        "8192": {"chosen": {"max_num_batched_tokens": 8192, "block_size": 16}, "passes": passes},
+        "16384": {"chosen": {"max_num_batched_tokens": 16384, "block_size": 64}, "passes": passes}}}}
+    rows = report.rollout(result).splitlines()[2:4]
+    assert rows[0].startswith("| vLLM 0.26.0 at 8192 | - |")
+    assert rows[1].startswith("| vLLM 0.26.0 at 16384, KV blocks of 64 | - |")
+
+
 def test_verify_table_puts_rows_alone_beside_runs():
     result = {"verify": {"12x(16384+5)": {
         "kv_bytes": 402_653_184, "compiles": 0, "alone_over_runs": 1.98, "rel_err_runs_vs_alone": 0.0027,

@@ -342,8 +342,8 @@ def test_interleaved_peer_runs_a_pass_after_each_round_of_ours(tmp_path, monkeyp
     code = rollout.main(["--model", tiny_qwen, "--device", "cpu", "--conversations", "2", "--scale", "0.002",
                          "--schedules", "off,chunked", "--repeats", "2", "--budgets", "64", "--vllm",
                          "--vllm-site", str(site), "--vllm-budgets", "2048", "--vllm-interleave", mode,
-                         "--vllm-passes", "3", "--vllm-warmups", "1", "--deadline-s", "300", "--out", str(out),
-                         "--no-progress"])
+                         "--vllm-passes", "3", "--vllm-warmups", "1", "--vllm-block-size", "64", "--deadline-s",
+                         "300", "--out", str(out), "--no-progress"])
     assert code == 0
     result = json.loads((out / "rollout.json").read_text())
     assert result["order"] == ["off#0", "chunked#0", "vllm#0", "off#1", "chunked#1", "vllm#1", "vllm#2"]
@@ -366,6 +366,7 @@ def test_interleaved_peer_runs_a_pass_after_each_round_of_ours(tmp_path, monkeyp
     log_text = (out / f"{name}.log").read_text()
     kv_bytes = int(40.0 * 2 ** 30)  # --kv-gb's default: both engines hold their KV at once
     assert f"('kv_cache_memory_bytes', {kv_bytes})" in log_text and "('gpu_memory_utilization', 0.45)" in log_text
+    assert "('block_size', 64)" in log_text  # --vllm-block-size reaches its engine args
     weights = out / "peer-weights.safetensors"  # ours, written once for the peer, gone once it is done
     assert "('load_format', 'safetensors')" in log_text and peer["weights"] == str(weights)
     assert result["peer_weights"]["weights"] == "ours" and result["peer_weights"]["bytes"] > 0
