@@ -224,7 +224,8 @@ for k, e in d['schedules'].items(): r = (e.get('repeats') or [{}])[0]; print(k, 
         --out "$OUT/attention.json" 2>&1 | tail -8 ;;
     pages)  # KV page size against FA3's prefill and our decode kernels at a rollout's long contexts (prefill ran at
       # ~60% of the matmul rate on 2026-12-06, mostly attention): each block size in PAGES, flash and triton,
-      # three rounds; then `interleave` with SCHEDULES='chunked,chunked/bs:64,...' times whole rollouts
+      # three rounds; then `interleave` with SCHEDULES='chunked,chunked/bs:64,...' times whole rollouts (and
+      # EXTRA='... --vllm-block-size 64' the peer at the same page, vLLM's FA3 being the same kernel)
       mkdir -p /tmp/pv/site
       [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.* | xz -dc -T8 | tar -x -C /tmp/pv/site)
       cd /tmp/run
