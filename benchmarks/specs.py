@@ -82,13 +82,13 @@ def _drafts(spec: str, text: str) -> SpeculativeConfig | None:
 
 def split_spec(spec: str) -> Spec:
     """'schedule[@span][+priority][~ngram:K[:R][+T@W]][/sync][/sms:N|/split:N][/pw:N][/pdl|/nopdl][/bs:N]' -> its
-    parts: '/sync' turns decode ahead off, '/sms:24' leaves 24 SMs out of prefill's stream (mux), '/split:24' too and
-    runs decode beside prefill on those 24 alone, '/pw:16384' captures piecewise P graphs up to 16,384
-    tokens (`piecewise_buckets`), '/pdl' or '/nopdl' launches the Triton kernels with programmatic dependent launch or
-    without, '/bs:64' stores KV in blocks of 64 tokens,
-    '+name' picks the engine's priority (e.g.
-    'mux+most-turns'), '~ngram:4' drafts 4 tokens per row by prompt lookup (':16': only while at
-    most 16 rows decode; '+7@2': 7 while at most 2 do; '^7': 7 for a row whose last draft was kept whole)."""
+    parts: '/sync' turns decode ahead off, '/sms:24' leaves 24 SMs out of prefill's stream (mux), '/split:24'
+    too and runs decode beside prefill on those 24 alone, '/pw:16384' captures piecewise P graphs up to
+    16,384 tokens (`piecewise_buckets`), '/pdl' or '/nopdl' launches the Triton kernels with programmatic
+    dependent launch or without, '/bs:64' stores KV in blocks of 64 tokens, '+name' picks the engine's
+    priority (e.g. 'mux+most-turns'), '~ngram:4' drafts 4 tokens per row by prompt lookup (':16': only
+    while at most 16 rows decode; '+7@2': 7 while at most 2 do; '^7': 7 for a row whose last draft was
+    kept whole)."""
     core, *flags = spec.split("/")
     launch = [f == "pdl" for f in flags if f in ("pdl", "nopdl")]
     flags = [f for f in flags if f not in ("pdl", "nopdl")]
