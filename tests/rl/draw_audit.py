@@ -50,7 +50,7 @@ def _multinomial(rows, params, generators):
 
 def _kernel(rows: torch.Tensor, params: SamplingParams, generators: Sequence[torch.Generator | None]
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The engine's one-launch draw (`kernels.draw`) at ours's uniforms, on CUDA when there is one (else
+    """The engine's one-launch draw (`kernels.draw`) at the uniforms `_draw` takes, on CUDA when there is one (else
     on CPU, in Triton's interpreter). `PendingDraw` takes it for a batch of one law, greedy or
     temperature 1 unfiltered: the law the loop samples (`temperature: 1.0` in its configs, `sharpen`
     scaling the logits, not the temperature). Its logprob is the raw softmax's, which at those two
