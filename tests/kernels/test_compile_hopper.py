@@ -13,6 +13,7 @@ under `TRITON_INTERPRET=1`, where kernels are not compiled.
 """
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import shutil
@@ -78,17 +79,28 @@ CASES = [  # (module, kernel, pointer/int signature, constexprs, options): the p
 ]
 
 
+def _compile_sm90(fn, signature: dict, constexprs: dict, options: dict):
+    """`fn` compiled for sm_90 ahead of time. Constexpr parameters left out take their defaults, given
+    explicitly (Triton 3.7 no longer fills them in an ASTSource); `PDL` is on, as it launches by default
+    on sm_90 (`kernels.pdl`), unless `constexprs` says otherwise."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    defaults = {name: p.default for name, p in inspect.signature(fn.fn).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    constexprs = {**defaults, **({"PDL": True} if "PDL" in defaults else {}), **constexprs}
+    sig = {**signature, **{k: "constexpr" for k in constexprs}}
+    pdl_on = bool(constexprs.get("PDL"))
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                          options={**options, "launch_pdl": pdl_on})
+
+
 @pytest.mark.parametrize("module,name,signature,constexprs,options", CASES,
                          ids=[f"{c[1]}-{i}" for i, c in enumerate(CASES)])
 def test_kernels_compile_for_sm90_without_spills(module, name, signature, constexprs, options, tmp_path,
                                                  monkeypatch):
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    sig = {**signature, **{k: "constexpr" for k in constexprs}}
     monkeypatch.setenv("PATH", f"{os.environ.get('PATH', '')}:{_BIN}")
-    kernel = triton.compile(ASTSource(fn=getattr(module, name), signature=sig, constexprs=constexprs),
-                            target=GPUTarget("cuda", 90, 32), options=options)
+    kernel = _compile_sm90(getattr(module, name), signature, constexprs, options)
     cubin = tmp_path / f"{name}.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
     usage = subprocess.run([CUOBJDUMP, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
@@ -109,14 +121,8 @@ def test_pdl_entry_waits_then_triggers_only_when_asked(module, name, signature, 
     """With PDL the kernel's first global instructions are `griddepcontrol.wait` then
     `launch_dependents` (kernels.pdl's protocol: no memory access before the wait); without it
     neither is emitted, so the default kernels are the ones measured before."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    constexprs = {**constexprs, "PDL": pdl_on}
-    sig = {**signature, **{k: "constexpr" for k in constexprs}}
     monkeypatch.setenv("PATH", f"{os.environ.get('PATH', '')}:{_BIN}")
-    kernel = triton.compile(ASTSource(fn=getattr(module, name), signature=sig, constexprs=constexprs),
-                            target=GPUTarget("cuda", 90, 32), options={**options, "launch_pdl": pdl_on})
+    kernel = _compile_sm90(getattr(module, name), signature, {**constexprs, "PDL": pdl_on}, options)
     ptx = kernel.asm["ptx"]
     if not pdl_on:
         assert "griddepcontrol" not in ptx
