@@ -3,6 +3,8 @@ chunks' matmuls and attention take) scaled down as if its prefill steps ran at a
 matmul rate than measured, everything else (decode, step bases, the host's gaps) as fitted. The cost
 model is the experts fit, in sample, to the schedule's repeat 0 of RESULT, on the run's own trace;
 SHARE is the run's own share (`benchmarks.step_times`, the median over the schedule's repeats).
+Beside it, the decode steps' per-context cost (the KV read) scaled by 0.75 and 0.5 (0.5: a KV cache
+of half the bytes, e.g. FP8), alone and with prefill at 0.75 of the rate.
 
     PYTHONPATH=$PWD python benchmarks/results/2026-12-06-prefill-lever-sim-cpu/prefill_lever.py \
         benchmarks/results/2026-12-06-h100-pdl-peer/t1-inproc8192.json chunked/pdl > t1.json
@@ -19,6 +21,7 @@ from megatron_rollout.sim.simulator import simulate
 from megatron_rollout.trace.schema import load_trace
 
 SHARES = (0.65, 0.7, 0.75, 0.8, 0.9)
+KV_FACTORS = (0.75, 0.5)
 
 
 def main(path: str, schedule: str) -> dict:
@@ -37,6 +40,16 @@ def main(path: str, schedule: str) -> dict:
         sim = simulate(trace, faster, config).makespan_s
         out["shares"].append({"share": target, "sim_s": sim, "over_fitted": sim / fitted,
                               "over_vllm": sim / vllm if vllm else None})
+    out["kv_reads"] = []
+    for factor in KV_FACTORS:
+        for target in (None, 0.75):
+            scaled = dataclasses.replace(cost, decode_context_s=cost.decode_context_s * factor)
+            if target is not None:
+                scaled = dataclasses.replace(scaled, prefill_token_s=cost.prefill_token_s * share / target,
+                                             prefill_pair_s=cost.prefill_pair_s * share / target)
+            sim = simulate(trace, scaled, config).makespan_s
+            out["kv_reads"].append({"factor": factor, "prefill_share": target, "sim_s": sim,
+                                    "over_fitted": sim / fitted, "over_vllm": sim / vllm if vllm else None})
     return out
 
 
