@@ -133,9 +133,14 @@ def prefill_flops(costs: ModelCosts, spans: Sequence[tuple[int, int]], sampled: 
     per span)."""
     tokens = sum(new for _, new in spans)
     pairs = sum(new * past + new * (new + 1) / 2 for past, new in spans)
-    rows = len(spans) if sampled is None else sampled
+    return counted_prefill_flops(costs, tokens, pairs, len(spans) if sampled is None else sampled)
+
+
+def counted_prefill_flops(costs: ModelCosts, tokens: int, pairs: float, sampled: int) -> float:
+    """`prefill_flops` from its counts: new tokens, causal attention (query, key) pairs, sampled rows
+    (what an engine step's record keeps: `StepRecord.prefill_tokens`, `prefill_pairs`, `prefill_rows`)."""
     return 2.0 * costs.active_params_per_token * tokens + costs.attn_flops_per_pair * pairs \
-        + 2.0 * costs.vocab_hidden * rows
+        + 2.0 * costs.vocab_hidden * sampled
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ replay's start-up (its start to its first forward, the first turns submitted:
 between forwards that no record covers), Python's garbage collections in the replay
 (`benchmarks.pauses`) and the time between forwards split where each engine step began
 (`StepLog.step_starts`) close each row. Where the run measured the matmul rate (CUDA), the steps
-that computed prefill are summed too: their records' spans, their FLOPs (`bounds.prefill_flops` of
-their tokens and attention pairs) and the share of the matmul rate that makes; the spans are host
+that computed prefill are summed too: their records' spans, their FLOPs (`bounds.counted_prefill_flops`
+of their tokens, attention pairs and sampled rows) and the share of the matmul rate that makes; the spans are host
 clocks, and a mixed step's decode rows ride along, so the share is a little low.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bounds import ModelCosts, model_costs
+from benchmarks.bounds import ModelCosts, counted_prefill_flops, model_costs
 from benchmarks.sim_replay import ROW_BUCKETS, bucket_name, first_forward_s, in_bucket, sleeps, submissions
 from megatron_rollout.engine.records import StepRecord
 from megatron_rollout.sim.cost import turn_cost
@@ -50,8 +50,7 @@ def prefill_steps(records: Sequence[StepRecord], costs: ModelCosts, matmul_flops
     sampled row) and the share of `matmul_flops` (FLOP/s) that rate is."""
     picked = [r for r in records if r.prefill_tokens]
     span = sum(r.end - r.start for r in picked)
-    flops = sum(2.0 * costs.active_params_per_token * r.prefill_tokens + costs.attn_flops_per_pair * r.prefill_pairs
-                + 2.0 * costs.vocab_hidden * r.prefill_rows for r in picked)
+    flops = sum(counted_prefill_flops(costs, r.prefill_tokens, r.prefill_pairs, r.prefill_rows) for r in picked)
     return {"n": len(picked), "span_s": span, "flops": flops,
             "share_of_matmul_rate": flops / span / matmul_flops if span > 0 and matmul_flops > 0 else None}
 
