@@ -97,6 +97,14 @@ def _uniforms(generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     return torch.cat([torch.rand(1, generator=g) for g in generators])
 
 
+def one_launch(logits: torch.Tensor, temperature: float, generators: Sequence[torch.Generator | None]
+               ) -> draw_kernel.Drawn:
+    """A batch of one law that `kernels.draw` serves (`draw_kernel.applies`), drawn in one launch at
+    the uniforms of the rows' own generators (none for greedy)."""
+    u = None if temperature == 0.0 else to_device(_uniforms(generators), logits.device)
+    return draw_kernel.draw(logits, u)
+
+
 def _draw(rows: torch.Tensor, params: SamplingParams, generators: Sequence[torch.Generator | None]
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens and logprobs of `rows` [g, V] that share `params`, one generator per row."""
@@ -131,8 +139,7 @@ class PendingDraw:
         law = params[0] if len(groups) == 1 else None
         if law is not None and draw_kernel.applies(law.temperature, law.top_k, law.top_p, logits):
             # the usual batch, one law: one launch (`kernels.draw`) writes what goes to the host
-            u = None if law.temperature == 0.0 else to_device(_uniforms(generators), logits.device)
-            drawn = draw_kernel.draw(logits, u)
+            drawn = one_launch(logits, law.temperature, generators)
             self.tokens, parts = drawn.tokens, [drawn.packed]
         else:
             parts = self._eager(logits, params, generators, groups)

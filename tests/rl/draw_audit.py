@@ -50,7 +50,7 @@ def _multinomial(rows, params, generators):
 
 def _kernel(rows: torch.Tensor, params: SamplingParams, generators: Sequence[torch.Generator | None]
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The engine's one-launch draw (`kernels.draw`) at the uniforms `_draw` takes, on CUDA when there is one (else
+    """The engine's one-launch draw (`sampler.one_launch`), on CUDA when there is one (else
     on CPU, in Triton's interpreter). `PendingDraw` takes it for a batch of one law, greedy or
     temperature 1 unfiltered: the law the loop samples (`temperature: 1.0` in its configs, `sharpen`
     scaling the logits, not the temperature). Its logprob is the raw softmax's, which at those two
@@ -61,8 +61,7 @@ def _kernel(rows: torch.Tensor, params: SamplingParams, generators: Sequence[tor
         raise ValueError(f"the draw kernel does not draw temperature {params.temperature}, top_k {params.top_k}, "
                          f"top_p {params.top_p} from {tuple(logits.shape)} {logits.dtype} rows on {device}: it draws "
                          "greedy or temperature 1 unfiltered, on CUDA or under TRITON_INTERPRET=1")
-    u = None if params.temperature == 0.0 else sampler._uniforms(generators).to(device)
-    drawn = draw_kernel.draw(logits, u)
+    drawn = sampler.one_launch(logits, params.temperature, generators)  # as `PendingDraw` calls it
     return drawn.tokens.to(rows.device), drawn.packed[2 * rows.shape[0]:].to(rows.device)
 
 
@@ -127,8 +126,9 @@ def recording(draw: DrawFn, into: list[Draw]) -> Iterator[None]:
         calls[0] += 1
         return token, logprob
 
-    original = sampler._draw, sampler.draw_kernel
-    sampler._draw, sampler.draw_kernel = recorded, types.SimpleNamespace(applies=lambda *args: False)
+    original = sampler._draw, sampler.draw_kernel  # the sampler's name for the kernel module, not the module
+    sampler._draw = recorded
+    sampler.draw_kernel = types.SimpleNamespace(applies=lambda *args: False, draw=draw_kernel.draw)
     try:
         yield
     finally:
