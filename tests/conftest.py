@@ -6,6 +6,8 @@ import time
 import pytest
 import torch
 
+from megatron_rollout.kernels.fused import interpreting
+
 torch.set_num_threads(1)
 
 PROGRESS_EVERY_S = 30.0
@@ -73,8 +75,7 @@ def _interpreted(item) -> bool:
 def pytest_collection_modifyitems(config, items):
     has_gpu = torch.cuda.is_available()
     n_gpu = torch.cuda.device_count() if has_gpu else 0
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    broken = interpreter_broken() if interpreting else None
+    broken = interpreter_broken() if interpreting() else None
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))

@@ -21,7 +21,7 @@ def test_on_by_default_off_by_the_environment_and_on_cpu(monkeypatch):
     assert pdl.options(torch.device("cuda", 0)) == {"PDL": False}  # off: decided before asking the device
     monkeypatch.setenv(pdl.ENV, "1")
     assert importlib.reload(pdl).ENABLED
-    monkeypatch.delenv(pdl.ENV)
+    monkeypatch.undo()  # the environment as the run had it, then the module read from it again
     importlib.reload(pdl)
 
 
