@@ -31,26 +31,21 @@ def main(path: str, schedule: str) -> dict:
     share = statistics.median(r["prefill_steps"]["share_of_matmul_rate"] for r in step_times(result)[schedule])
     fitted = simulate(trace, cost, config).makespan_s
     vllm = (result.get("vllm") or {}).get("median", {}).get("makespan_s")
-    out = {"result": path, "schedule": schedule, "fit": f"experts, in sample ({schedule} repeat 0)",
-           "measured_s": result["schedules"][schedule]["median"]["makespan_s"], "vllm_s": vllm,
-           "measured_share": share, "fitted_sim_s": fitted, "shares": []}
-    for target in SHARES:
-        faster = dataclasses.replace(cost, prefill_token_s=cost.prefill_token_s * share / target,
-                                     prefill_pair_s=cost.prefill_pair_s * share / target)
-        sim = simulate(trace, faster, config).makespan_s
-        out["shares"].append({"share": target, "sim_s": sim, "over_fitted": sim / fitted,
-                              "over_vllm": sim / vllm if vllm else None})
-    out["kv_reads"] = []
-    for factor in KV_FACTORS:
-        for target in (None, 0.75):
-            scaled = dataclasses.replace(cost, decode_context_s=cost.decode_context_s * factor)
-            if target is not None:
-                scaled = dataclasses.replace(scaled, prefill_token_s=cost.prefill_token_s * share / target,
-                                             prefill_pair_s=cost.prefill_pair_s * share / target)
-            sim = simulate(trace, scaled, config).makespan_s
-            out["kv_reads"].append({"factor": factor, "prefill_share": target, "sim_s": sim,
-                                    "over_fitted": sim / fitted, "over_vllm": sim / vllm if vllm else None})
-    return out
+
+    def cell(target: float | None, kv: float = 1.0) -> dict:
+        """Prefill at `target` of the matmul rate (None: as measured), the KV read times `kv`."""
+        prefill = 1.0 if target is None else share / target
+        scaled = dataclasses.replace(cost, prefill_token_s=cost.prefill_token_s * prefill,
+                                     prefill_pair_s=cost.prefill_pair_s * prefill,
+                                     decode_context_s=cost.decode_context_s * kv)
+        sim = simulate(trace, scaled, config).makespan_s
+        return {"sim_s": sim, "over_fitted": sim / fitted, "over_vllm": sim / vllm if vllm else None}
+
+    return {"result": path, "schedule": schedule, "fit": f"experts, in sample ({schedule} repeat 0)",
+            "measured_s": result["schedules"][schedule]["median"]["makespan_s"], "vllm_s": vllm,
+            "measured_share": share, "fitted_sim_s": fitted,
+            "shares": [{"share": t, **cell(t)} for t in SHARES],
+            "kv_reads": [{"factor": f, "prefill_share": t, **cell(t, f)} for f in KV_FACTORS for t in (None, 0.75)]}
 
 
 if __name__ == "__main__":
