@@ -734,3 +734,29 @@ def test_spec_suffix_bs_stores_kv_in_other_blocks_in_the_same_bytes():
     r = rollout.ratios({"schedules": {"chunked": {"median": {"makespan_s": 4.0}},
                                       "chunked/bs:64": {"median": {"makespan_s": 3.0}}}})
     assert r["chunked/bs:64_over_chunked"] == pytest.approx(0.75)
+
+
+@pytest.mark.timeout(300)
+def test_other_kernel_builds_get_a_warm_up_after_a_sweep_and_each_replay_its_own_pdl(tmp_path, monkeypatch):
+    """A '/bs:N' or '/pdl' spec builds other kernels: after the budget sweep of the bases it gets an
+    untimed pass of its own at its base's best budget; every replay runs under its spec's PDL switch."""
+    from megatron_rollout.kernels import pdl
+
+    seen: dict[str, list[bool]] = {}
+    inner = rollout._replay_in_engine
+
+    def watched(run, trace, spec, *rest):
+        seen.setdefault(spec, []).append(pdl.ENABLED)
+        return inner(run, trace, spec, *rest)
+
+    monkeypatch.setattr(rollout, "_replay_in_engine", watched)
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    assert rollout.main(["--model", "tiny-moe", "--device", "cpu", "--conversations", "2", "--scale", "0.002",
+                         "--budgets", "32,64", "--repeats", "1", "--no-ablation", "--no-progress",
+                         "--schedules", "chunked,chunked/bs:8/pdl", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "rollout.json").read_text())
+    best = result["best_budget"]["chunked"]
+    assert set(result["warmup"]) == {"chunked/bs:8/pdl"} and set(result["sweep"]) == {"32", "64"}
+    assert result["schedules"]["chunked/bs:8/pdl"]["budget"] == best
+    assert seen["chunked"] == [False] * 3 and seen["chunked/bs:8/pdl"] == [True] * 2  # 2 sweeps + 1 timed; warm + timed
+    assert not pdl.ENABLED

@@ -139,20 +139,25 @@ def test_overlap_runs_one_segment_a_round():
 
 def test_a_tail_lane_gives_the_ranked_row_steps_of_its_own():
     """A decode step costs 1 s plus 1 s a row. Without the lane, A and B decode together (3 s a step)
-    until B ends at 11 s, then A alone (2 s a step) to 27 s. With a lane of one row, A, which has
-    generated more, gets a step of its own after each shared one: B ends at 15 s, A still at 27 s
-    (its tokens cost 2 s each alone either way). Ranked by the oracle, the same row: A's chain is
-    the longer."""
+    until B ends at 11 s, then A alone (2 s a step) to 27 s. With a lane of one row that picks A, A
+    gets a step of its own after each shared one: B ends at 15 s, A still at 27 s (its tokens cost
+    2 s each alone either way). The oracle picks A, whose chain is the longer, in either order of
+    arrival. Attained service and context tie at the lane's first step (one token each), so the
+    request first in line takes it and then leads: A when A came first; B when B did, which ends at
+    10 s and leaves A at 28 s."""
     cost = CostModel(decode_base_s=1.0, decode_row_s=1.0, prefill_base_s=5.0)
-    trace = [TraceRequest("A", 0, 10, 11, 0.0), TraceRequest("B", 0, 10, 3, 0.0)]
-    plain = simulate(trace, cost, config("chunked"))
+    a, b = TraceRequest("A", 0, 10, 11, 0.0), TraceRequest("B", 0, 10, 3, 0.0)
+    plain = simulate([a, b], cost, config("chunked"))
     assert plain.finish_of() == {"A": pytest.approx(27.0), "B": pytest.approx(11.0)}
-    for rank in ("generated", "oracle"):
-        sim = simulate(trace, cost, config("chunked", tail_lane=TailLane(rows=1, steps=1, rank=rank)))
-        assert sim.finish_of() == {"A": pytest.approx(27.0), "B": pytest.approx(15.0)}
-        assert sim.steps == plain.steps and sim.levers == f"lane:1r/1s/{rank}"
+    a_first, b_first = {"A": pytest.approx(27.0), "B": pytest.approx(15.0)}, {"A": pytest.approx(28.0),
+                                                                              "B": pytest.approx(10.0)}
+    for rank, want in (("generated", b_first), ("context", b_first), ("oracle", a_first)):
+        for trace, expected in (([a, b], a_first), ([b, a], want)):
+            sim = simulate(trace, cost, config("chunked", tail_lane=TailLane(rows=1, steps=1, rank=rank)))
+            assert sim.finish_of() == expected, (rank, [r.conversation for r in trace])
+            assert sim.levers == f"lane:1r/1s/{rank}"
     # a lane as wide as the batch adds nothing
-    wide = simulate(trace, cost, config("chunked", tail_lane=TailLane(rows=2, steps=3)))
+    wide = simulate([a, b], cost, config("chunked", tail_lane=TailLane(rows=2, steps=3)))
     assert wide.finish_of() == plain.finish_of()
 
 
