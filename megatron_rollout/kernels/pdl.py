@@ -17,12 +17,12 @@ stream order on both sides.
 
 On by default since 2026-12-06, for kernels launched (and graphs captured) on devices of compute
 capability 9.0 or more, never under Triton's interpreter; `MEGATRON_ROLLOUT_PDL=0` in the
-environment when this module is imported (or `ENABLED = False` later) turns it off. Off, a launch
-pays one attribute test. On the H200 it took the batch-1 decode graph from 1.212 to 1.150 ms per
-replay (idle 9.1% to 4.9%). Whole rollouts on an H100 (the seed-1 64-conversation `prefill` trace,
-3 interleaved repeats each, docs/benchmarks.md) took 0.983 and 0.994 of the makespan without it at
-temperature 1 and 0.994 greedy with n-gram drafts; the GPU tests of the kernels, runner and engine
-pass with it on.
+environment when this module is imported (or `ENABLED = False` later) turns it off. A launch asks
+`options`: a few attribute tests and one cached lookup per device, no environment read. On the H200
+it took the batch-1 decode graph from 1.212 to 1.150 ms per replay (idle 9.1% to 4.9%). Whole
+rollouts on an H100 (the seed-1 64-conversation `prefill` trace, 3 interleaved repeats each,
+docs/benchmarks.md) took 0.983 and 0.994 of the makespan without it at temperature 1 and 0.994
+greedy with n-gram drafts; the GPU tests of the kernels, runner and engine pass with it on.
 """
 from __future__ import annotations
 
@@ -44,26 +44,31 @@ except ImportError:  # a Triton without the grid-dependency intrinsics: launches
 ENV = "MEGATRON_ROLLOUT_PDL"
 ENABLED = os.environ.get(ENV, "1") != "0"
 """The switch, read from `ENV` once, at import (launches are on the eager hot path)."""
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+"""Triton's interpreter, read once at import too (Triton reads it when a kernel is defined)."""
 _OFF = {"PDL": False}
 _ON = {"PDL": True, "launch_pdl": True}
 
 
 def enabled(device: torch.device) -> bool:
     """PDL for kernels launched on `device` now."""
-    if not ENABLED or gdc_wait is None or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return _hopper_or_later(torch.cuda.current_device() if device.index is None else device.index)
-
-
-@functools.lru_cache(maxsize=None)
-def _hopper_or_later(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    return options(device) is _ON
 
 
 def options(device: torch.device) -> dict:
     """Launch keywords for a kernel that calls `entry(PDL)` first: its `PDL` constexpr and, when on,
-    Triton's `launch_pdl` option."""
-    return _ON if ENABLED and enabled(device) else _OFF
+    Triton's `launch_pdl` option. Called at every launch: the device's answer is cached."""
+    return _on_device(ENABLED and not INTERPRETING and gdc_wait is not None, device)
+
+
+@functools.lru_cache(maxsize=None)
+def _on_device(allowed: bool, device: torch.device) -> dict:
+    """`options` where the switches allow PDL: a CUDA device of compute capability 9.0 or more (`cuda`
+    without an index: the device current at the first ask)."""
+    if not allowed or device.type != "cuda":
+        return _OFF
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return _ON if torch.cuda.get_device_capability(index)[0] >= 9 else _OFF
 
 
 if triton is not None and gdc_wait is None:

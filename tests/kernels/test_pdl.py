@@ -33,7 +33,7 @@ def test_never_without_the_intrinsics(monkeypatch):
 
 def test_never_under_the_interpreter(monkeypatch):
     monkeypatch.setattr(pdl, "ENABLED", True)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(pdl, "INTERPRETING", True)  # as TRITON_INTERPRET=1 at import
     assert pdl.options(torch.device("cuda", 0)) == {"PDL": False}  # decided before asking the device
 
 
@@ -41,7 +41,7 @@ def test_never_under_the_interpreter(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_where_asked_on_hopper(monkeypatch):
     monkeypatch.setattr(pdl, "ENABLED", True)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(pdl, "INTERPRETING", False)
     dev = torch.device("cuda", 0)
     hopper = torch.cuda.get_device_capability(dev)[0] >= 9
     assert pdl.options(dev) == ({"PDL": True, "launch_pdl": True} if hopper else {"PDL": False})
