@@ -223,17 +223,19 @@ for k, e in d['schedules'].items(): r = (e.get('repeats') or [{}])[0]; print(k, 
       timeout 200 python3 -m benchmarks.attention --backends "${ATTN_BACKENDS:-triton,varlen}" \
         --out "$OUT/attention.json" 2>&1 | tail -8 ;;
     pages)  # KV page size against FA3's prefill and our decode kernels at a rollout's long contexts (prefill ran at
-      # ~60% of the matmul rate on 2026-12-06, mostly attention): each block size in PAGES, flash and triton,
-      # three rounds; then `interleave` with SCHEDULES='chunked,chunked/bs:64,...' times whole rollouts (and
+      # ~60% of the matmul rate on 2026-12-06, mostly attention): flash and triton at each block size in PAGES,
+      # one process a size and round, the sizes interleaved over 3 rounds (pages-<size>-<round>.json); then
+      # `interleave` with SCHEDULES='chunked,chunked/bs:64,...' times whole rollouts (and
       # EXTRA='... --vllm-block-size 64' the peer at the same page, vLLM's FA3 being the same kernel)
       mkdir -p /tmp/pv/site
       [ -d /tmp/pv/site/vllm ] || (cat /tmp/pc/vllm026.txz.* | xz -dc -T8 | tar -x -C /tmp/pv/site)
       cd /tmp/run
-      for bs in ${PAGES:-16 64 128}; do
-        PYTHONPATH=$PYTHONPATH:/tmp/pv/site timeout 120 python3 -m benchmarks.attention --backends flash,triton \
-          --block-n '' --block-size "$bs" --prefill "${PAGE_PREFILL:-1x(30000+16384),4x(20000+4096),16x(8000+1024)}" \
-          --decode "${PAGE_DECODE:-64x(20000+1),8x(40000+1),1x(60000+1)}" --verify '' --out "$OUT/pages-$bs.json" 2>&1 | tail -4
-      done ;;
+      for round in 1 2 3; do for bs in ${PAGES:-16 64 128}; do
+        PYTHONPATH=$PYTHONPATH:/tmp/pv/site timeout 60 python3 -m benchmarks.attention --backends flash,triton \
+          --block-n '' --block-size "$bs" --rounds 1 --prefill "${PAGE_PREFILL:-1x(30000+16384),4x(20000+4096),16x(8000+1024)}" \
+          --decode "${PAGE_DECODE:-64x(20000+1),8x(40000+1),1x(60000+1)}" --verify '' \
+          --out "$OUT/pages-$bs-$round.json" 2>&1 | tail -2
+      done; done ;;
     fp8)  # bf16 vs FP8 (dense on scaled_mm; experts stacked e4m3 on the Triton kernels) in decode graphs
       cd /tmp/run
       timeout 300 python3 -m benchmarks.te --out "$OUT/fp8-bench.json" > /tmp/res/fp8.log 2>&1
